@@ -1,0 +1,143 @@
+"""Batch planning and learning-rate scaling.
+
+``BatchPlan`` is the one place where global batch, world size, per-rank
+micro-batch and gradient accumulation meet:
+``global_batch == world_size * micro_batch * accum_steps``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import UsageError
+
+LR_RULES = ("linear", "sqrt", "none")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one global batch is split over ranks and accumulation steps.
+
+    ``micro_batch=None`` takes the whole rank share in one micro-batch, or the
+    largest divisor of the share that is <= ``max_micro_batch``.
+
+    >>> plan = mg.BatchPlan(global_batch=512, world_size=4, micro_batch=64)
+    >>> plan.accum_steps
+    2
+    """
+
+    global_batch: int
+    world_size: int
+    micro_batch: int | None = None
+    max_micro_batch: int | None = None
+    accum_steps: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        g, w, m = self.global_batch, self.world_size, self.micro_batch
+        for name, value in (("global_batch", g), ("world_size", w)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UsageError(f"{name} must be a positive integer, got {value!r}")
+        for name, value in (("micro_batch", m), ("max_micro_batch", self.max_micro_batch)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise UsageError(f"{name} must be a positive integer or None, got {value!r}")
+        if g % w:
+            lo, hi = (g // w) * w, (g // w + 1) * w
+            near_w = [d for d in _divisors(g) if d != w]
+            alt = f"use global batch {lo or hi} or {hi}" if lo else f"use global batch {hi}"
+            raise UsageError(
+                f"global batch {g} is not divisible by world_size {w}; {alt}, "
+                f"or run on {' or '.join(map(str, _closest(near_w, w, 2)))} processes"
+            )
+        share = g // w
+        if m is None:
+            cap = self.max_micro_batch or share
+            m = max(d for d in _divisors(share) if d <= cap)
+            object.__setattr__(self, "micro_batch", m)
+        elif share % m:
+            unit = w * m
+            lo, hi = (g // unit) * unit, (g // unit + 1) * unit
+            fits = [d for d in _divisors(share) if d <= m]
+            alt_g = f"--global-batch {lo} or {hi}" if lo else f"--global-batch {hi}"
+            raise UsageError(
+                f"global batch {g} is not divisible by world_size {w} x micro_batch {m} = {unit}; "
+                f"use {alt_g} or --micro-batch {max(fits)}"
+            )
+        object.__setattr__(self, "accum_steps", share // m)
+
+    @property
+    def rank_batch(self) -> int:
+        """Samples one rank processes per optimizer step (micro_batch x accum_steps)."""
+        return self.micro_batch * self.accum_steps
+
+    def steps_per_epoch(self, dataset_size: int) -> int:
+        """Optimizer steps in one epoch (the incomplete last global batch is dropped)."""
+        return dataset_size // self.global_batch
+
+    def summary(self, **extra) -> str:
+        """A boxed, multi-line description for rank 0 to print at start.
+
+        >>> mg.print0(plan.summary(lr=0.4, precision="bf16", strategy="ddp", backend="gloo"))
+        """
+        rows = [
+            ("world size", self.world_size),
+            ("micro-batch / rank", self.micro_batch),
+            ("accumulation", self.accum_steps),
+            ("global batch", self.global_batch),
+        ]
+        rows += [(k.replace("_", " "), _fmt(v)) for k, v in extra.items() if v is not None]
+        width = max(len(k) for k, _ in rows)
+        body = [f"| {k:<{width}} : {v}" for k, v in rows]
+        line = "+" + "-" * (max(len(b) for b in body) + 1)
+        return "\n".join([line, *body, line])
+
+
+def _fmt(v) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def _closest(candidates: list[int], target: int, k: int) -> list[int]:
+    return sorted(sorted(candidates, key=lambda d: (abs(d - target), d))[:k])
+
+
+def scale_lr(lr: float, base_batch: int, batch: int, rule: str = "linear") -> float:
+    """Scale a learning rate tuned at ``base_batch`` to ``batch``.
+
+    ``"linear"`` for SGD (Goyal et al. 2017), ``"sqrt"`` for Adam-type
+    optimisers (Hoffer et al. 2017; Malladi et al. 2022), ``"none"`` keeps it.
+
+    >>> mg.scale_lr(0.1, base_batch=256, batch=8192)
+    3.2
+    """
+    if rule not in LR_RULES:
+        raise UsageError(f"unknown LR scaling rule {rule!r}; expected one of {', '.join(LR_RULES)}")
+    if base_batch < 1 or batch < 1:
+        raise UsageError(f"batch sizes must be positive, got base_batch={base_batch}, batch={batch}")
+    if lr <= 0:
+        raise UsageError(f"learning rate must be positive, got {lr}")
+    k = batch / base_batch
+    return lr * {"linear": k, "sqrt": math.sqrt(k), "none": 1.0}[rule]
+
+
+def warmup(optimizer: torch.optim.Optimizer, steps: int, start_lr: float | None = None):
+    """Gradual linear warmup (Goyal et al. 2017): from ``start_lr`` to the optimizer's LR.
+
+    Returns PyTorch's own ``LinearLR`` scheduler; call ``.step()`` after each
+    ``optimizer.step()``. ``start_lr`` defaults to 1/steps of the target, as
+    ``LinearLR`` does; pass the unscaled base LR to follow Goyal et al.
+
+    >>> sched = mg.warmup(opt, steps=100, start_lr=0.1)   # opt's lr is 0.4 after scaling
+    """
+    if steps < 1:
+        raise UsageError(f"warmup steps must be >= 1, got {steps}")
+    target = optimizer.param_groups[0]["lr"]
+    factor = 1.0 / steps if start_lr is None else start_lr / target
+    if not 0 < factor <= 1:
+        raise UsageError(f"warmup start_lr {start_lr} must be in (0, {target}] (the optimizer's LR)")
+    return torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=factor, end_factor=1.0, total_iters=steps)

@@ -1,0 +1,56 @@
+"""The ``multigpu`` command: argparse verbs, each one function call.
+
+Every verb imports its module lazily (``multigpu --help`` does not import
+torch) and a ``UsageError`` becomes one line on stderr with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import UsageError, report_usage_error
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line (what, and where to look), exit 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        print(f"{self.prog}: error: {message} (see `{self.prog} --help`)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .launch import main as run_main
+
+    return run_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="multigpu", description="Scale a PyTorch training script from one GPU to many, and measure it.")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
+    sub.required = True
+
+    from .launch import add_run_arguments
+
+    run = sub.add_parser("run", help="start N worker processes of a script through torchrun's launcher")
+    add_run_arguments(run)
+    run.set_defaults(func=_cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as err:
+        report_usage_error(err, prog=f"multigpu {args.verb}")
+        return 2
+    except KeyboardInterrupt:
+        print(f"multigpu {args.verb}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

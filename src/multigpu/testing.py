@@ -1,0 +1,118 @@
+"""Run a function on N real processes over gloo, for tests and examples.
+
+``spawn(fn, world_size, *args)`` starts ``world_size`` fresh interpreters
+(the ``spawn`` start method: no inherited threads or OpenMP state), sets the
+variables torchrun would set, enters ``mg.init()`` and returns the values of
+``fn(dist, *args)`` ordered by rank. ``fn`` must be importable (defined at
+module level). A rank that raises or hangs fails the whole call with that
+rank's traceback, and no process is left behind.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, seed, env, args, kwargs, out) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        from .dist import init
+
+        with init(backend="gloo", seed=seed, device="cpu", timeout=120) as dist:
+            result = fn(dist, *args, **kwargs)
+        # Plain pickle (not torch's shared-memory reductions): the result must
+        # outlive this process.
+        out.put((rank, True, pickle.dumps(result)))
+    except BaseException:  # noqa: BLE001 - report everything, including SystemExit
+        out.put((rank, False, traceback.format_exc()))
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    seed: int = 0,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(dist, *args, **kwargs)`` on ``world_size`` gloo ranks; results by rank.
+
+    >>> def step(dist, x):
+    ...     return dist.rank * x
+    >>> mg.testing.spawn(step, 2, 10)
+    [0, 10]
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    base_env = {"OMP_NUM_THREADS": "1"} | (env or {})
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, seed, base_env, args, kwargs, out), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size:
+            try:
+                rank, ok, payload = out.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results and r not in errors]
+                # A rank that died without reporting (killed, os._exit) is an error too.
+                for r in dead:
+                    time.sleep(0.5)  # its report may still be in flight
+                    try:
+                        while True:
+                            rk, ok2, pl = out.get_nowait()
+                            (results.__setitem__(rk, pickle.loads(pl)) if ok2 else errors.__setitem__(rk, pl))
+                    except queue.Empty:
+                        pass
+                    if r not in results and r not in errors:
+                        errors[r] = f"rank {r} exited with code {procs[r].exitcode} without a result"
+                if errors:
+                    break
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(world_size) if r not in results]
+                    raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s")
+                continue
+            if ok:
+                results[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        rank = min(errors)
+        raise RuntimeError(f"rank {rank} failed:\n{errors[rank]}")
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,25 @@
+import os
+import pathlib
+import sys
+
+import pytest
+
+SRC = str(pathlib.Path(__file__).resolve().parents[1] / "src")
+TESTS = str(pathlib.Path(__file__).resolve().parent)
+# Worker processes (spawn, launcher) must import this checkout's package and
+# the test modules whose functions they run.
+os.environ["PYTHONPATH"] = os.pathsep.join([SRC, TESTS, *filter(None, [os.environ.get("PYTHONPATH")])])
+if SRC not in sys.path:
+    sys.path.insert(0, SRC)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
