@@ -72,7 +72,7 @@ def slurm_first_host(nodelist: str) -> str:
         depth += (ch == "[") - (ch == "]")
         first += ch
     # Each bracket group stands for its first element: "n[01-04,09]" -> "n01".
-    return re.sub(r"\[([^\]-,]+)[^\]]*\]", r"\1", first)
+    return re.sub(r"\[([^\],-]+)[^\]]*\]", r"\1", first)
 
 
 def read_env() -> tuple[int, int, int, int]:
