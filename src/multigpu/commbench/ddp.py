@@ -31,6 +31,14 @@ class _GPT(nn.Module):
         )
         self.ln_f = nn.LayerNorm(d)
 
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        h = self.wte(idx) + self.wpe(pos)
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1], device=idx.device)
+        for block in self.blocks:
+            h = block(h, src_mask=mask, is_causal=True)
+        return self.ln_f(h) @ self.wte.weight.T  # tied output head
+
 
 MODELS = {
     "gpt2-small": lambda: _GPT(50257, 1024, 768, 12, 12),  # 124 M parameters
@@ -64,7 +72,9 @@ def bucket_sizes(model: nn.Module, bucket_cap_mb: float = 25.0) -> list[int]:
     if not params:
         raise UsageError("the model has no trainable parameters, so DDP has nothing to all-reduce")
     rev = list(reversed(params))
-    limits = [tdist._DEFAULT_FIRST_BUCKET_BYTES, int(bucket_cap_mb * 2**20)]
+    cap = int(bucket_cap_mb * 2**20)
+    first = tdist._DEFAULT_FIRST_BUCKET_BYTES
+    limits = [first, cap] if first < cap else [cap]  # DDP's rule: a small first bucket only below the cap
     buckets, _ = tdist._compute_bucket_assignment_by_size(rev, limits, [False] * len(rev))
     return [sum(rev[i].numel() * rev[i].element_size() for i in b) for b in buckets]
 

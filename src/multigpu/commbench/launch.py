@@ -25,6 +25,8 @@ class LaunchError(RuntimeError):
 
 
 def _failure_text(failure) -> str:
+    if not failure.error_file or not os.path.isfile(failure.error_file):
+        return ""  # the rank died without recording an exception (SystemExit, a signal): use its stderr
     msg = failure.message
     if isinstance(msg, dict):
         msg = msg.get("message", "") or ""
@@ -62,9 +64,10 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float 
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL),
     )
     # The agent logs every start and failure at INFO/ERROR; we report failures ourselves, once.
-    logger = logging.getLogger("torch.distributed.elastic")
-    old_level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    old_levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
     try:
         return elastic_launch(config, fn)(*args)
     except ChildFailedError as err:
@@ -72,5 +75,6 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float 
         text = _failure_text(failure) or _stderr_tail(log_dir, failure.local_rank)
         raise LaunchError(rank, failure.exitcode, text) from None
     finally:
-        logger.setLevel(old_level)
+        for lg, level in zip(loggers, old_levels):
+            lg.setLevel(level)
         shutil.rmtree(log_dir, ignore_errors=True)

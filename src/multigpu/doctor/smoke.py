@@ -10,6 +10,8 @@ from .findings import OK, PROBLEM, Finding
 
 # (pattern in the failure text, likely cause and fix). First match wins.
 CAUSES: list[tuple[str, str]] = [
+    (r"needs a CUDA GPU", "no GPU is visible to the ranks: use --backend gloo, or check CUDA_VISIBLE_DEVICES and the driver"),
+    (r"multigpu: error:", "a setup mistake: the error line says what to change"),
     (r"wrong values", "the all-reduce returned wrong data: P2P between these GPUs may be broken; run the P2P check, "
                       "try NCCL_P2P_DISABLE=1 to confirm, then fix ACS/IOMMU or the driver"),
     (r"address already in use|EADDRINUSE|errno: 98", "the rendezvous port is taken: pick another MASTER_PORT / --master-port"),
