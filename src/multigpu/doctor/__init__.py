@@ -60,7 +60,7 @@ def run_doctor(nproc: int = 2, port: int | None = None, smoke: bool = True, back
     facts = Facts(
         nvlink=topo.nvlink if topo and topo.gpus else (False if len(gpus) < 2 else None),
         ib_devices=ib_devices(),
-        interfaces=tuple(i.name for i in ifaces),
+        interfaces=tuple(i.name for i in ifaces if i.up),  # NCCL only considers interfaces with an address
         p2p_broken=any(ok is False for _, ok in p2p.values()) if p2p else None,
         gpus=len(gpus),
     )
@@ -120,7 +120,7 @@ def _print_rich(findings: list[Finding]) -> bool:
     console = Console()
     console.print(table)
     counts = {s: sum(f.status == s for f in findings) for s in (OK, WARNING, PROBLEM)}
-    console.print(f"{counts[PROBLEM]} problem(s), {counts[WARNING]} warning(s), {counts[OK]} ok")
+    console.print(f"{counts[PROBLEM]} problem(s), {counts[WARNING]} warning(s), {counts[OK]} ok", highlight=False)
     return True
 
 

@@ -232,7 +232,7 @@ def check_shm(total: int | None, gpus: int) -> list[Finding]:
     if total is None:
         return [Finding(WARNING, "/dev/shm is missing: NCCL's shared-memory transport and DataLoader workers need it",
                         "mount a tmpfs on /dev/shm (docker: --ipc=host or --shm-size=16g)", c)]
-    what = f"/dev/shm is {total / GiB:.1f} GiB"
+    what = f"/dev/shm is {total / GiB:.1f} GiB" if total >= GiB else f"/dev/shm is {total / 2**20:.0f} MiB"
     if total < 512 * 2**20:
         status = PROBLEM if gpus > 1 else WARNING
         return [Finding(status, f"{what}: too small for NCCL between local ranks and DataLoader workers (docker's default is 64 MiB)",
