@@ -189,6 +189,16 @@ def test_conf_files_are_read_and_environment_wins():
     assert found[1].status == "problem" and found[1].what.endswith("(from /etc/nccl.conf)")
 
 
+def test_doctor_reads_nccl_conf_file(tmp_path):
+    conf = tmp_path / "nccl.conf"
+    conf.write_text("NCCL_PROTO=LL128\nNCCL_DEBUG=WARN\n")
+    found = run_doctor(smoke=False, environ={"NCCL_CONF_FILE": str(conf), "NCCL_DEBUG": "INFO"})
+    env = {f.what.split("=")[0]: f for f in found if f.check == "environment"}
+    assert env["NCCL_PROTO"].status == "problem" and env["NCCL_PROTO"].what.endswith(f"(from {conf})")
+    assert env["NCCL_DEBUG"].what.startswith("NCCL_DEBUG=INFO")  # the environment wins over the file
+    assert env["NCCL_CONF_FILE"].status == "ok"
+
+
 # -- versions, devices, host -----------------------------------------------------------------
 
 

@@ -76,10 +76,13 @@ class _Case:
         return int((self.result() != self.expected).sum())
 
 
+SPLIT = ("all_gather", "reduce_scatter", "all_to_all")
+
+
 def counts_for(op: str, size: int, elt: int, n: int) -> int:
-    """Element count of nccl-tests' ``count`` column: the total, a multiple of n for the split ops."""
+    """Total elements for a requested size: a multiple of n for the split ops (at least one per rank)."""
     count = max(1, size // elt)
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+    if op in SPLIT:
         count = max(1, count // n) * n
     return count
 
@@ -134,7 +137,9 @@ def measure(cfg: BenchConfig, device, rank: int, n: int) -> list[dict]:
             continue
         for size in cfg.sizes:
             count = counts_for(op, size, elt, n)
-            row = {"op": op, "size": count * elt, "count": count, "type": type_name, "redop": REDOP.get(op, "none"),
+            # nccl-tests: size is the total (count x n for the split ops), count is per rank.
+            per_rank = count // n if op in SPLIT else count
+            row = {"op": op, "size": count * elt, "count": per_rank, "type": type_name, "redop": REDOP.get(op, "none"),
                    "root": ROOT.get(op, -1), "out": None, "in": None}
             for place in PLACES[op]:
                 case = _Case(op, place, count, rank, n, dtype, device)

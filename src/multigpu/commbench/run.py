@@ -122,11 +122,11 @@ def format_table(result: dict) -> str:
         lines += [
             "#",
             f"# {op} (busbw factor {bus_factor(op, result['world_size']):.4g})",
-            f"#{'':>51}{'out-of-place':>22}{'':>11}{'in-place':>20}",
+            f"#{'':49} {'out-of-place':^32} {'in-place':^32}".rstrip(),
             f"#{'size':>12} {'count':>13} {'type':>8} {'redop':>6} {'root':>5} {'time':>9} {'algbw':>7} {'busbw':>7} "
             f"{'#wrong':>6} {'time':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6}",
             f"#{'(B)':>12} {'(elements)':>13} {'':>8} {'':>6} {'':>5} {'(us)':>9} {'(GB/s)':>7} {'(GB/s)':>7} "
-            f"{'':>6} {'(us)':>9} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}",
+            f"{'':>6} {'(us)':>9} {'(GB/s)':>7} {'(GB/s)':>7}",
         ]
         for r in rows:
             lines.append(f" {r['size']:12d} {r['count']:13d} {r['type']:>8} {r['redop']:>6} {r['root']:5d} {_cols(r['out'])} {_cols(r['in'])}")
