@@ -122,7 +122,7 @@ def test_filter_syntax():
 def test_ib_hca_prefix_match():
     facts = Facts(ib_devices=IB)
     prefix = one({"NCCL_IB_HCA": "mlx5_1"}, facts)
-    assert prefix.status == "warning" and "mlx5_10, mlx5_11" in prefix.what and "==mlx5_1" in prefix.fix
+    assert prefix.status == "warning" and "mlx5_10, mlx5_11" in prefix.what and "NCCL_IB_HCA='=mlx5_1'" in prefix.fix
     assert one({"NCCL_IB_HCA": "=mlx5_1"}, facts).status == "ok"
     assert one({"NCCL_IB_HCA": "mlx5_0:1,mlx5_1:1"}, Facts(ib_devices=("mlx5_0", "mlx5_1"))).status == "ok"
     assert "also excludes" in one({"NCCL_IB_HCA": "^mlx5_1"}, facts).what

@@ -261,7 +261,7 @@ def _ib_hca(name: str, value: str, facts: Facts) -> Finding | None:
     admitted = [d for d in devices if filter_admits(value, d)]
     if not admitted:
         return Finding(PROBLEM, f"{name}={value} admits none of {', '.join(devices)}: NCCL finds no IB device and uses TCP",
-                       f"list existing devices, e.g. {name}==" + ",".join(devices), source=_src(name))
+                       f"list existing devices, e.g. {name}='=" + ",".join(devices) + "'", source=_src(name))
     if not exact:
         over = {e: [d for d in devices if d.startswith(e.split(":")[0]) and d != e.split(":")[0]] for e in entries}
         over = {e: ds for e, ds in over.items() if ds}
@@ -269,7 +269,7 @@ def _ib_hca(name: str, value: str, facts: Facts) -> Finding | None:
             e, ds = next(iter(over.items()))
             verb = "also excludes" if exclude else "also selects"
             return Finding(WARNING, f"{name}={value}: '{e}' is a prefix match and {verb} {', '.join(ds)}",
-                           f"prefix the list with '=' for exact names: {name}={'^' if exclude else ''}={','.join(entries)}",
+                           f"a leading '=' makes the names exact: {name}='{'^' if exclude else ''}={','.join(entries)}'",
                            source=_src(name))
     return Finding(OK, f"{name}={value} selects {', '.join(admitted)}", "", source=_src(name))
 
