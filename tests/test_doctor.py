@@ -14,8 +14,8 @@ from multigpu.doctor import Facts, Finding, format_findings, lint_env, run_docto
 from multigpu.doctor.checks import (Gpu, Iface, Versions, check_devices, check_interfaces, check_nofile, check_p2p,
                                     check_port, check_secrets, check_shm, check_versions, port_in_use)
 from multigpu.doctor.findings import REDACTED, redact
-from multigpu.doctor.rules import (_DEBUG, _DEPRECATED, _KNOWN_TORCH, _NONEXISTENT, filter_admits, lint_variable,
-                                   merge_env, parse_filter)
+from multigpu.doctor.rules import filter_admits, lint_variable, merge_env, parse_filter
+from multigpu.doctor.table import DEBUG, DEPRECATED, KNOWN_TORCH, NONEXISTENT
 from multigpu.doctor.smoke import likely_cause, run_smoke
 from multigpu.doctor.topology import parse_topo_matrix
 
@@ -166,7 +166,7 @@ def test_torch_variables():
 
 
 def test_every_rule_has_reason_fix_and_source():
-    names = [*_DEBUG, *_DEPRECATED, *_NONEXISTENT, *_KNOWN_TORCH, "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_ALGO"]
+    names = [*DEBUG, *DEPRECATED, *NONEXISTENT, *KNOWN_TORCH, "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_ALGO"]
     for name in names:
         f = lint_variable(name, "1", Facts(nvlink=True, ib_devices=IB, interfaces=IFACES))
         assert f.source and ("NVIDIA NCCL" in f.source or "PyTorch" in f.source), (name, f)
@@ -257,6 +257,19 @@ def test_secrets_are_never_printed():
     # The whole doctor (real collectors, fabricated environment) never prints them either.
     full = run_doctor(smoke=False, environ=env | {"PATH": os.environ.get("PATH", "")})
     assert "abc123verysecret" not in json.dumps([f.to_dict() for f in full]) + format_findings(full)
+
+
+def test_a_crashing_collector_becomes_a_problem(monkeypatch):
+    from multigpu.doctor import checks
+
+    def broken():
+        raise RuntimeError("CUDA error: unknown error\nCUDA kernel errors might be reported asynchronously")
+
+    monkeypatch.setattr(checks, "collect_gpus", broken)
+    found = run_doctor(smoke=False, environ={})
+    bad = [f for f in found if f.status == "problem"]
+    assert len(bad) == 1 and bad[0].check == "devices" and "RuntimeError: CUDA error: unknown error CUDA kernel" in bad[0].what
+    assert any(f.check == "host" for f in found)  # the other checks still ran
 
 
 def test_likely_causes():

@@ -39,9 +39,24 @@ def conf_files(environ) -> list[tuple[str, str]]:
     return out
 
 
+def _guarded(check: str, fn, *args, default=None):
+    """Run a collector; a crash (driver error, odd tool output) becomes a finding, not a traceback."""
+    try:
+        return fn(*args), []
+    except Exception as err:  # noqa: BLE001 - the doctor must finish and report
+        msg = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+        return default, [Finding(PROBLEM, f"the {check} check failed: {msg}",
+                                 "run the command it wraps by hand (nvidia-smi, python -c 'import torch') to see the full error",
+                                 check)]
+
+
 def run_doctor(nproc: int = 2, port: int | None = None, smoke: bool = True, backend: str | None = None,
                timeout: float = 60.0, environ=None) -> list[Finding]:
-    """Run every check on this machine; the findings in report order."""
+    """Run every check on this machine; the findings in report order.
+
+    ``environ`` replaces ``os.environ`` for the lint (the smoke test's ranks
+    still inherit the real environment).
+    """
     import torch
 
     from . import checks
@@ -50,13 +65,15 @@ def run_doctor(nproc: int = 2, port: int | None = None, smoke: bool = True, back
     environ = dict(os.environ if environ is None else environ)
     port = port if port is not None else int(environ.get("MASTER_PORT") or 29500)
     out: list[Finding] = []
-    out += checks.check_versions(checks.collect_versions())
-    gpus = checks.collect_gpus()
-    topo = collect_topology() if gpus or shutil.which("nvidia-smi") else None
-    out += checks.check_devices(gpus, topo)
-    p2p = checks.collect_p2p(len(gpus)) if len(gpus) > 1 else {}
-    out += checks.check_p2p(p2p)
-    ifaces = checks.collect_interfaces()
+    versions, bad = _guarded("versions", checks.collect_versions)
+    out += (checks.check_versions(versions) if versions else []) + bad
+    gpus, bad = _guarded("devices", checks.collect_gpus, default=[])
+    out += bad
+    topo, bad = _guarded("devices", collect_topology) if gpus or shutil.which("nvidia-smi") else (None, [])
+    out += checks.check_devices(gpus, topo) + bad
+    p2p, bad = _guarded("devices", checks.collect_p2p, len(gpus), default={}) if len(gpus) > 1 else ({}, [])
+    out += checks.check_p2p(p2p) + bad
+    ifaces, bad_ifaces = _guarded("host", checks.collect_interfaces, default=[])
     facts = Facts(
         nvlink=topo.nvlink if topo and topo.gpus else (False if len(gpus) < 2 else None),
         ib_devices=ib_devices(),
@@ -68,7 +85,7 @@ def run_doctor(nproc: int = 2, port: int | None = None, smoke: bool = True, back
     out += lint_env(values, facts, origins)
     out += checks.check_shm(checks.shm_size(), len(gpus))
     out += checks.check_nofile(*checks.nofile_limit())
-    out += checks.check_interfaces(ifaces)
+    out += checks.check_interfaces(ifaces) + bad_ifaces
     out += checks.check_port(port, checks.port_in_use(port))
     out += checks.check_secrets(environ)
     if smoke:

@@ -1,17 +1,10 @@
-"""The NCCL / PyTorch environment rule table and the lint that applies it.
+"""The lint that applies the rule table (``table.py``) to the variables that are set.
 
 Each variable that is set gets exactly one finding. A variable's rule says
-what kind it is (tuning knob, debugging-only, deprecated, non-existent...),
-why, and where that is documented; a few variables also depend on the
-machine (NVLink, InfiniBand devices, network interfaces), and those take the
+what kind it is (debugging-only, deprecated, non-existent, documented), why,
+and where that is documented; a few variables also depend on the machine
+(NVLink, InfiniBand devices, network interfaces), and those take the
 machine's ``Facts`` as an argument so they can be tested on fabricated ones.
-
-Sources, cited by name in every rule:
-  NCCL-ENV  NVIDIA NCCL User Guide, "Environment Variables"
-            https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html
-  TORCH-ENV PyTorch docs, "PYTORCH ProcessGroupNCCL Environment Variables" and
-            torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp (deprecated NCCL_* aliases)
-  TORCH-DIST PyTorch docs, torch.distributed "Debugging torch.distributed applications"
 """
 
 from __future__ import annotations
@@ -20,11 +13,8 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from .findings import OK, PROBLEM, WARNING, Finding, redact
-
-NCCL_ENV = "NVIDIA NCCL User Guide, Environment Variables"
-TORCH_ENV = "PyTorch docs, ProcessGroupNCCL Environment Variables"
-TORCH_DIST = "PyTorch docs, torch.distributed: Debugging torch.distributed applications"
-PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
+from .table import (DEBUG, DEPRECATED, KNOWN_NCCL, KNOWN_TORCH, NONEXISTENT, TORCH_RENAMED, ALGOS, NCCL_ENV,
+                    PREFIXES, PROTOS, TORCH_DIST, TORCH_ENV, source)
 
 
 @dataclass(frozen=True)
@@ -46,118 +36,20 @@ class Rule:
     replacement: str = ""
 
 
-def _src(name: str, doc: str = NCCL_ENV) -> str:
-    return f"{doc} ({name})"
-
-
-# NVIDIA files these under "Debugging": not production defaults, because NCCL
-# already tunes them per topology (reference: shared/reference/nccl.md).
-_DEBUG = {
-    "NCCL_P2P_DISABLE": "routes GPU-to-GPU traffic through host memory instead of NVLink/PCIe P2P",
-    "NCCL_P2P_LEVEL": "overrides NCCL's choice of where P2P is used",
-    "NCCL_SHM_DISABLE": "replaces shared-memory transport between processes with the network",
-    "NCCL_BUFFSIZE": "changes the per-channel buffer size NCCL tuned for this topology",
-    "NCCL_NTHREADS": "changes the CUDA threads per block NCCL tuned for this GPU",
-    "NCCL_MIN_NCHANNELS": "forces a channel count (superseded by NCCL_MIN_CTAS since 2.17)",
-    "NCCL_MAX_NCHANNELS": "caps the channel count (superseded by NCCL_MAX_CTAS since 2.17)",
-    "NCCL_MIN_CTAS": "forces a minimum number of CTAs",
-    "NCCL_MAX_CTAS": "caps the number of CTAs",
-    "NCCL_IB_DISABLE": "disables InfiniBand/RoCE so inter-node traffic falls back to TCP sockets",
-    "NCCL_NET_GDR_LEVEL": "overrides when GPUDirect RDMA is used",
-    "NCCL_ALGO": "forces the algorithm for every message size instead of NCCL's tuner",
-    "NCCL_PROTO": "forces the protocol for every message size instead of NCCL's tuner",
-    "NCCL_NVLS_ENABLE": "overrides NVLink SHARP use",
-    "NCCL_CHECK_POINTERS": "checks pointers on every call (slow)",
-    "NCCL_LAUNCH_MODE": "changes how kernels are launched",
-}
-
-_DEPRECATED = {
-    "NCCL_MAX_NRINGS": "NCCL_MAX_NCHANNELS (now NCCL_MAX_CTAS)",
-    "NCCL_MIN_NRINGS": "NCCL_MIN_NCHANNELS (now NCCL_MIN_CTAS)",
-    "NCCL_IB_GDR_LEVEL": "NCCL_NET_GDR_LEVEL",
-    "NCCL_IB_CUDA_SUPPORT": "NCCL_NET_GDR_LEVEL",
-    "NCCL_LL_THRESHOLD": "nothing (removed in 2.5; NCCL_PROTO if you must)",
-    "NCCL_TREE_THRESHOLD": "nothing (removed in 2.5; NCCL_ALGO if you must)",
-    "NCCL_SINGLE_RING_THRESHOLD": "nothing (removed in 2.5)",
-    # PyTorch renamed its own knobs from NCCL_* to TORCH_NCCL_*; the old names
-    # still work with a deprecation warning, and look like NCCL's own.
-    "NCCL_ASYNC_ERROR_HANDLING": "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-    "NCCL_BLOCKING_WAIT": "TORCH_NCCL_BLOCKING_WAIT",
-    "NCCL_DESYNC_DEBUG": "TORCH_NCCL_DESYNC_DEBUG",
-    "NCCL_ENABLE_TIMING": "TORCH_NCCL_ENABLE_TIMING",
-    "NCCL_ENABLE_MONITORING": "TORCH_NCCL_ENABLE_MONITORING",
-    "NCCL_HEARTBEAT_TIMEOUT_SEC": "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
-    "NCCL_TRACE_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE",
-    "NCCL_DUMP_ON_TIMEOUT": "TORCH_NCCL_DUMP_ON_TIMEOUT",
-    "NCCL_AVOID_RECORD_STREAMS": "TORCH_NCCL_AVOID_RECORD_STREAMS",
-}
-_TORCH_RENAMED = {k for k, v in _DEPRECATED.items() if v.startswith("TORCH_")}
-
-# Variables people set believing they exist; NCCL ignores them silently.
-_NONEXISTENT = {
-    "NCCL_TIMEOUT": (
-        "NCCL has no such variable; the collective timeout is the process group's",
-        "pass timeout= to init_process_group (mg.init(timeout=seconds)); default 10 min for NCCL",
-    ),
-    "NCCL_SOCKET_IFACE": ("not a NCCL variable (typo?)", "use NCCL_SOCKET_IFNAME"),
-    "NCCL_IFNAME": ("not a NCCL variable (typo?)", "use NCCL_SOCKET_IFNAME"),
-    "NCCL_P2P_ENABLE": ("not a NCCL variable: P2P is on by default", "unset it; NCCL_P2P_DISABLE/NCCL_P2P_LEVEL are the real knobs"),
-    "NCCL_IB_ENABLE": ("not a NCCL variable: IB is used by default when present", "unset it"),
-    "NCCL_DEBUG_LEVEL": ("not a NCCL variable", "use NCCL_DEBUG=WARN|INFO|TRACE"),
-}
-
-# Documented NCCL variables that are fine to set when needed (site tuning, plugins, logging).
-_KNOWN_NCCL = set(
-    """SOCKET_IFNAME SOCKET_FAMILY SOCKET_RETRY_CNT SOCKET_RETRY_SLEEP_MSEC SOCKET_NTHREADS NSOCKS_PERTHREAD
-    CROSS_NIC IB_HCA IB_TIMEOUT IB_RETRY_CNT IB_GID_INDEX IB_ADDR_FAMILY IB_ADDR_RANGE IB_ROCE_VERSION_NUM IB_SL IB_TC
-    IB_FIFO_TC IB_RETURN_ASYNC_EVENTS IB_PCI_RELAXED_ORDERING IB_ADAPTIVE_ROUTING IB_AR_THRESHOLD IB_QPS_PER_CONNECTION
-    IB_SPLIT_DATA_ON_QPS IB_ECE_ENABLE IB_MERGE_NICS IB_MERGE_VFS IB_USE_INLINE IB_OOB_IPV6 IB_DATA_DIRECT
-    OOB_NET_ENABLE OOB_NET_IFNAME UID_STAGGER_THRESHOLD UID_STAGGER_RATE NET NET_PLUGIN TUNER_PLUGIN PROFILER_PLUGIN
-    ENV_PLUGIN IGNORE_CPU_AFFINITY CONF_FILE DEBUG DEBUG_FILE DEBUG_SUBSYS DEBUG_TIMESTAMP_FORMAT DEBUG_TIMESTAMP_LEVELS
-    COLLNET_ENABLE COLLNET_NODE_THRESHOLD TOPO_FILE TOPO_DUMP_FILE SET_THREAD_NAME SET_STACK_SIZE
-    P2P_NET_CHUNKSIZE P2P_NVL_CHUNKSIZE P2P_PCI_CHUNKSIZE P2P_LL_THRESHOLD P2P_READ_ENABLE P2P_DIRECT_DISABLE
-    P2P_USE_CUDA_MEMCPY P2P_PXN_LEVEL PXN_DISABLE PXN_C2C NET_GDR_READ NET_GDR_C2C NET_SHARED_BUFFERS NET_SHARED_COMMS
-    NET_DISABLE_INTRA NET_FORCE_FLUSH NET_OVERHEAD NCHANNELS_PER_NET_PEER NVB_DISABLE NVB_PRECONNECT
-    IGNORE_DISABLED_P2P SHM_USE_CUDA_MEMCPY SHM_MEMCPY_MODE SHM_LOCALITY CUMEM_ENABLE CUMEM_HOST_ENABLE
-    RUNTIME_CONNECT GRAPH_REGISTER LOCAL_REGISTER LEGACY_CUDA_REGISTER GRAPH_MIXING_SUPPORT DMABUF_ENABLE
-    NVLS_CHUNKSIZE NVLSTREE_MAX_CHUNKSIZE MNNVL_ENABLE MNNVL_UUID MNNVL_CLIQUE_ID RAS_ENABLE RAS_ADDR
-    RAS_TIMEOUT_FACTOR CGA_CLUSTER_SIZE COMM_BLOCKING WORK_FIFO_DEPTH WORK_FIFO_BYTES CTA_POLICY HOSTID COMM_ID
-    CONNECT_TIMEOUT PROXY_APPEND_BATCH_SIZE CREATE_THREAD_CONTEXT ALLOC_P2P_NET_LL_BUFFERS GDRCOPY_ENABLE
-    GDRCOPY_FLUSH_ENABLE GDRCOPY_SYNC_ENABLE NVLINK_UTIL_CENTRIC_SCHED_ENABLE SYM_ENABLE WIN_ENABLE
-    NVLS_NCHANNELS TUNER_CONFIG_FILE SOCKET_INLINE SOCKET_MIN_TASKSIZE""".split()
-)
-_KNOWN_TORCH = set(
-    """TORCH_NCCL_ASYNC_ERROR_HANDLING TORCH_NCCL_AVOID_RECORD_STREAMS TORCH_NCCL_BCAST_UNIQUEID
-    TORCH_NCCL_BLOCKING_WAIT TORCH_NCCL_COORD_CHECK_MILSEC TORCH_NCCL_CUDA_EVENT_CACHE TORCH_NCCL_DEBUG_INFO_PIPE_FILE
-    TORCH_NCCL_DEBUG_INFO_TEMP_FILE TORCH_NCCL_DESYNC_DEBUG TORCH_NCCL_DUMP_ON_TIMEOUT TORCH_NCCL_ENABLE_MONITORING
-    TORCH_NCCL_ENABLE_TIMING TORCH_NCCL_EXTRA_DUMP_ON_EXEC TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC TORCH_NCCL_HIGH_PRIORITY
-    TORCH_NCCL_LOG_CPP_STACK_ON_UNCLEAN_SHUTDOWN TORCH_NCCL_NAN_CHECK TORCH_NCCL_PROPAGATE_ERROR
-    TORCH_NCCL_RANKS_PER_ROOT TORCH_NCCL_RETHROW_CUDA_ERRORS TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING
-    TORCH_NCCL_TRACE_BUFFER_SIZE TORCH_NCCL_TRACE_CPP_STACK TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK
-    TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC TORCH_NCCL_ABORT_IN_DESTROY_PG TORCH_NCCL_USE_COMM_NONBLOCKING
-    TORCH_NCCL_ENABLE_NAN_CHECK TORCH_NCCL_DUMP_ON_EXIT
-    TORCH_DISTRIBUTED_DEBUG TORCH_DISTRIBUTED_COMPILE_ON_ONE_RANK TORCH_DISTRIBUTED_USE_TORCHCOMMS""".split()
-)
-
-# NCCL's algorithms and protocols (NCCL_ALGO / NCCL_PROTO values).
-ALGOS = {"ring", "tree", "collnetdirect", "collnetchain", "collnet", "nvls", "nvlstree", "pat"}
-PROTOS = {"ll", "ll128", "simple"}
-
-
 def rule_for(name: str) -> Rule | None:
     """The table's rule for one variable, or None when the variable is unknown."""
-    if name in _NONEXISTENT:
-        reason, _ = _NONEXISTENT[name]
-        return Rule("nonexistent", reason, _src(name))
-    if name in _DEPRECATED:
-        src = TORCH_ENV if name in _TORCH_RENAMED else NCCL_ENV
-        return Rule("deprecated", f"deprecated, use {_DEPRECATED[name]}", _src(name, src), _DEPRECATED[name])
-    if name in _DEBUG:
-        return Rule("debug", _DEBUG[name], _src(name))
-    if name.startswith("NCCL_") and name[5:] in _KNOWN_NCCL:
-        return Rule("known", "documented NCCL setting", _src(name))
-    if name in _KNOWN_TORCH:
-        return Rule("known", "documented PyTorch setting", _src(name, TORCH_DIST if "DISTRIBUTED" in name else TORCH_ENV))
+    if name in NONEXISTENT:
+        reason, _ = NONEXISTENT[name]
+        return Rule("nonexistent", reason, source(name))
+    if name in DEPRECATED:
+        src = TORCH_ENV if name in TORCH_RENAMED else NCCL_ENV
+        return Rule("deprecated", f"deprecated, use {DEPRECATED[name]}", source(name, src), DEPRECATED[name])
+    if name in DEBUG:
+        return Rule("debug", DEBUG[name], source(name))
+    if name.startswith("NCCL_") and name[5:] in KNOWN_NCCL:
+        return Rule("known", "documented NCCL setting", source(name))
+    if name in KNOWN_TORCH:
+        return Rule("known", "documented PyTorch setting", source(name, TORCH_DIST if "DISTRIBUTED" in name else TORCH_ENV))
     return None
 
 
@@ -205,26 +97,26 @@ Check = Callable[[str, str, Facts], Finding | None]
 
 def _p2p_disable(name: str, value: str, facts: Facts) -> Finding | None:
     if not _bool(value):
-        return Finding(OK, f"{name}={value}: P2P stays enabled (the default)", "", source=_src(name))
+        return Finding(OK, f"{name}={value}: P2P stays enabled (the default)", "", source=source(name))
     if facts.p2p_broken:
         return Finding(OK, f"{name}={value}: justified here, the P2P copy check returned wrong data",
-                       "keep it until a driver/BIOS (ACS, IOMMU) fix makes P2P correct", source=_src(name))
+                       "keep it until a driver/BIOS (ACS, IOMMU) fix makes P2P correct", source=source(name))
     if facts.nvlink:
         return Finding(PROBLEM, f"{name}={value} on a machine with NVLink: GPU-to-GPU traffic goes through host memory",
-                       f"unset {name}; if P2P is really broken use NCCL_P2P_LEVEL instead", source=_src(name))
-    return Finding(WARNING, f"{name}={value}: a debugging variable; {_DEBUG[name]}",
+                       f"unset {name}; if P2P is really broken use NCCL_P2P_LEVEL instead", source=source(name))
+    return Finding(WARNING, f"{name}={value}: a debugging variable; {DEBUG[name]}",
                    f"unset {name} unless P2P is broken here (the P2P check says whether it is); prefer NCCL_P2P_LEVEL",
-                   source=_src(name))
+                   source=source(name))
 
 
 def _ib_disable(name: str, value: str, facts: Facts) -> Finding | None:
     if not _bool(value):
-        return Finding(OK, f"{name}={value}: InfiniBand stays enabled (the default)", "", source=_src(name))
+        return Finding(OK, f"{name}={value}: InfiniBand stays enabled (the default)", "", source=source(name))
     if facts.ib_devices:
         return Finding(PROBLEM, f"{name}={value} with InfiniBand/RoCE devices present ({', '.join(facts.ib_devices)}): "
-                       "inter-node traffic falls back to TCP sockets", f"unset {name}", source=_src(name))
+                       "inter-node traffic falls back to TCP sockets", f"unset {name}", source=source(name))
     return Finding(WARNING, f"{name}={value}: does nothing here (no InfiniBand device), but forces TCP if copied to an IB cluster",
-                   f"unset {name}", source=_src(name))
+                   f"unset {name}", source=source(name))
 
 
 def _example_iface(facts: Facts) -> str:
@@ -240,28 +132,28 @@ def _socket_ifname(name: str, value: str, facts: Facts) -> Finding | None:
         example = _example_iface(facts)
         return Finding(PROBLEM, f"{name}={value} matches none of this host's interfaces ({', '.join(ifaces)}): "
                        "NCCL init fails with 'no socket interface found'",
-                       f"name an existing interface, e.g. {name}={example}, or unset it", source=_src(name))
+                       f"name an existing interface, e.g. {name}={example}, or unset it", source=source(name))
     if exclude and "lo" in admitted:
         return Finding(PROBLEM, f"{name}={value} replaces NCCL's default filter (which skips docker*, lo) and lets lo through: "
                        "ranks may advertise 127.0.0.1 and hang across nodes",
                        f"use {name}=^docker,lo or name the real interface (e.g. ={real[0] if real else _example_iface(facts)}), or unset it",
-                       source=_src(name))
+                       source=source(name))
     if not real:
         return Finding(WARNING, f"{name}={value} admits only loopback: works on one node, other nodes cannot connect",
-                       f"name the real interface, e.g. {name}={_example_iface(facts)}", source=_src(name))
-    return Finding(OK, f"{name}={value} selects {', '.join(real)}", "", source=_src(name))
+                       f"name the real interface, e.g. {name}={_example_iface(facts)}", source=source(name))
+    return Finding(OK, f"{name}={value} selects {', '.join(real)}", "", source=source(name))
 
 
 def _ib_hca(name: str, value: str, facts: Facts) -> Finding | None:
     devices = facts.ib_devices
     if not devices:
         return Finding(WARNING, f"{name}={value}: no InfiniBand/RoCE device on this host, so it matches nothing here",
-                       "check it on the compute nodes (`ls /sys/class/infiniband`)", source=_src(name))
+                       "check it on the compute nodes (`ls /sys/class/infiniband`)", source=source(name))
     exclude, exact, entries = parse_filter(value)
     admitted = [d for d in devices if filter_admits(value, d)]
     if not admitted:
         return Finding(PROBLEM, f"{name}={value} admits none of {', '.join(devices)}: NCCL finds no IB device and uses TCP",
-                       f"list existing devices, e.g. {name}='=" + ",".join(devices) + "'", source=_src(name))
+                       f"list existing devices, e.g. {name}='=" + ",".join(devices) + "'", source=source(name))
     if not exact:
         over = {e: [d for d in devices if d.startswith(e.split(":")[0]) and d != e.split(":")[0]] for e in entries}
         over = {e: ds for e, ds in over.items() if ds}
@@ -270,8 +162,8 @@ def _ib_hca(name: str, value: str, facts: Facts) -> Finding | None:
             verb = "also excludes" if exclude else "also selects"
             return Finding(WARNING, f"{name}={value}: '{e}' is a prefix match and {verb} {', '.join(ds)}",
                            f"a leading '=' makes the names exact: {name}='{'^' if exclude else ''}={','.join(entries)}'",
-                           source=_src(name))
-    return Finding(OK, f"{name}={value} selects {', '.join(admitted)}", "", source=_src(name))
+                           source=source(name))
+    return Finding(OK, f"{name}={value} selects {', '.join(admitted)}", "", source=source(name))
 
 
 def _tokens(value: str) -> list[str]:
@@ -287,36 +179,36 @@ def _algo(name: str, value: str, facts: Facts) -> Finding | None:
     bad = [t for t in _tokens(value) if t not in ALGOS]
     if bad:
         return Finding(PROBLEM, f"{name}={value}: unknown algorithm {', '.join(bad)} (NCCL >= 2.24 fails at init)",
-                       f"unset {name}", source=_src(name))
+                       f"unset {name}", source=source(name))
     return Finding(WARNING, f"{name}={value} forces the algorithm for every size and topology instead of NCCL's tuner",
-                   f"unset {name} unless you are debugging one algorithm", source=_src(name))
+                   f"unset {name} unless you are debugging one algorithm", source=source(name))
 
 
 def _proto(name: str, value: str, facts: Facts) -> Finding | None:
     toks = _tokens(value)
     bad = [t for t in toks if t not in PROTOS]
     if bad:
-        return Finding(PROBLEM, f"{name}={value}: unknown protocol {', '.join(bad)}", f"unset {name}", source=_src(name))
+        return Finding(PROBLEM, f"{name}={value}: unknown protocol {', '.join(bad)}", f"unset {name}", source=source(name))
     if "ll128" in toks and not value.strip().startswith("^"):
         return Finding(PROBLEM, f"{name}={value} forces LL128, which can corrupt data on platforms that do not support it",
-                       f"unset {name}: NCCL enables LL128 only where it is safe", source=_src(name))
+                       f"unset {name}: NCCL enables LL128 only where it is safe", source=source(name))
     return Finding(WARNING, f"{name}={value} forces the protocol for every size instead of NCCL's tuner",
-                   f"unset {name} unless you are debugging one protocol", source=_src(name))
+                   f"unset {name} unless you are debugging one protocol", source=source(name))
 
 
 def _nccl_debug(name: str, value: str, facts: Facts) -> Finding | None:
     v = value.strip().upper()
     if v in ("", "VERSION", "WARN"):
-        return Finding(OK, f"{name}={value}", "", source=_src(name))
+        return Finding(OK, f"{name}={value}", "", source=source(name))
     if v in ("INFO", "TRACE"):
         return Finding(WARNING, f"{name}={value}: verbose logging on every rank (fine while debugging)",
-                       f"use {name}=WARN for production runs", source=_src(name))
+                       f"use {name}=WARN for production runs", source=source(name))
     return Finding(WARNING, f"{name}={value}: not a level NCCL knows (VERSION, WARN, INFO, TRACE)",
-                   f"use {name}=WARN or INFO", source=_src(name))
+                   f"use {name}=WARN or INFO", source=source(name))
 
 
 def _torch_value(name: str, value: str, facts: Facts) -> Finding | None:
-    src = _src(name, TORCH_DIST if "DISTRIBUTED" in name else TORCH_ENV)
+    src = source(name, TORCH_DIST if "DISTRIBUTED" in name else TORCH_ENV)
     b = _bool(value)
     if name == "TORCH_DISTRIBUTED_DEBUG":
         v = value.strip().upper()
@@ -373,9 +265,9 @@ def lint_variable(name: str, value: str, facts: Facts, origin: str = "environmen
         if rule is None:
             finding = Finding(WARNING, f"{name}={shown}: unknown variable, not in the documented NCCL/PyTorch lists (typo?)",
                               f"check the spelling against the docs or unset {name}",
-                              source=_src(name, TORCH_ENV if name.startswith("TORCH_") else NCCL_ENV))
+                              source=source(name, TORCH_ENV if name.startswith("TORCH_") else NCCL_ENV))
         elif rule.kind == "nonexistent":
-            finding = Finding(WARNING, f"{name}={shown}: does not exist, {rule.reason}", _NONEXISTENT[name][1], source=rule.source)
+            finding = Finding(WARNING, f"{name}={shown}: does not exist, {rule.reason}", NONEXISTENT[name][1], source=rule.source)
         elif rule.kind == "deprecated":
             finding = Finding(WARNING, f"{name}={shown}: {rule.reason}", f"rename it to {rule.replacement}"
                               if rule.replacement.startswith(("NCCL_", "TORCH_")) else f"unset {name}", source=rule.source)
