@@ -81,6 +81,56 @@ def test_parse_pcie_topology():
     assert worst(nv) == "ok" and "NV18" in nv[-1].what
 
 
+class _FakeNvml:
+    """Enough of pynvml for nvml_topology(): PCI ids, NVLink states and their remote ends."""
+
+    NVML_FEATURE_ENABLED = 1
+    NVML_NVLINK_MAX_LINKS = 18
+
+    def __init__(self, pci, links):
+        self.pci, self.links = pci, links  # links: {(gpu, link): remote PCI bus id}
+
+    def nvmlInit(self):
+        pass
+
+    nvmlShutdown = nvmlInit
+
+    def nvmlDeviceGetCount(self):
+        return len(self.pci)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetPciInfo(self, h):
+        return type("Pci", (), {"busId": self.pci[h]})
+
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        if (h, link) not in self.links:
+            raise RuntimeError("NVML_ERROR_INVALID_ARGUMENT")
+        return 1
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, h, link):
+        return type("Pci", (), {"busId": self.links[(h, link)]})
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, a, b):
+        return 40  # NODE
+
+
+def test_nvml_topology_direct_links_and_nvswitch(monkeypatch):
+    from multigpu.doctor.topology import nvml_topology
+
+    pci = ["0000:01:00.0", "0000:02:00.0", "0000:03:00.0"]
+    direct = {(0, 0): pci[1], (0, 1): pci[1], (1, 0): pci[0], (1, 1): pci[0]}
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml(pci, direct))
+    t = nvml_topology()
+    assert t.links[("GPU0", "GPU1")] == "NV2" and t.links[("GPU0", "GPU2")] == "NODE" and t.source == "NVML"
+    # HGX/DGX: every GPU's links end on NVSwitches, not on another GPU.
+    switched = {(g, link): f"0000:a{link % 4}:00.0" for g in range(2) for link in range(18)}
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml(pci[:2], switched))
+    t = nvml_topology()
+    assert t.nvlink and t.links[("GPU1", "GPU0")] == "NV18"
+
+
 # -- the rule table: each bad variable on the machine it hurts ----------------------------
 
 
@@ -215,6 +265,16 @@ def test_versions():
     assert worst(check_versions(Versions("3.11.7", "2.7.0", True, {"nccl": False, "gloo": True, "mpi": False}))) == "ok"
 
 
+def test_collect_versions_reads_this_torch():
+    import torch
+
+    from multigpu.doctor.checks import collect_versions
+
+    v = collect_versions()
+    assert v.torch == torch.__version__ and v.distributed and v.backends["gloo"]
+    assert v.cuda_available == torch.cuda.is_available() and v.cuda_runtime == torch.version.cuda
+
+
 def test_p2p_and_mixed_gpus():
     found = check_p2p({(0, 1): (True, False), (1, 0): (True, True), (0, 2): (False, None)})
     assert [f.status for f in found] == ["problem", "warning", "ok"]
@@ -334,3 +394,9 @@ def test_doctor_on_gpus():
     assert any(f.check == "devices" and "compute capability" in f.what for f in found)
     smoke = [f for f in found if f.check == "smoke test"]
     assert smoke and smoke[0].status == "ok", smoke
+    if torch.cuda.device_count() > 1:
+        from multigpu.doctor.checks import collect_p2p
+
+        p2p = collect_p2p(torch.cuda.device_count())
+        assert len(p2p) == torch.cuda.device_count() * (torch.cuda.device_count() - 1)
+        assert all(ok is not False for _, ok in p2p.values()), p2p

@@ -103,9 +103,8 @@ def run_doctor(nproc: int = 2, port: int | None = None, smoke: bool = True, back
 _MARK = {OK: "ok", WARNING: "WARN", PROBLEM: "PROBLEM"}
 
 
-def format_findings(findings: list[Finding], width: int | None = None) -> str:
-    """A plain, aligned table: status, check, what was found, and the fix."""
-    width = width or shutil.get_terminal_size((120, 20)).columns
+def format_findings(findings: list[Finding]) -> str:
+    """Plain aligned text, grouped by check: status, what was found, and the fix."""
     lines, current = [], None
     for f in findings:
         if f.check != current:

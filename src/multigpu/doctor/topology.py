@@ -111,6 +111,7 @@ def nvml_topology() -> Topology | None:
         handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
         pci = [pynvml.nvmlDeviceGetPciInfo(h).busId for h in handles]
         nvlinks: dict[tuple[int, int], int] = {}
+        switch_links = [0] * n  # links to an NVSwitch (DGX/HGX): every GPU pair on the switch is NVLink-connected
         for i, h in enumerate(handles):
             for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
                 try:
@@ -122,6 +123,8 @@ def nvml_topology() -> Topology | None:
                 if remote in pci:
                     j = pci.index(remote)
                     nvlinks[(i, j)] = nvlinks.get((i, j), 0) + 1
+                else:
+                    switch_links[i] += 1
         level_names = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
         links = {}
         for i in range(n):
@@ -130,6 +133,8 @@ def nvml_topology() -> Topology | None:
                     links[(f"GPU{i}", f"GPU{j}")] = "X"
                 elif (i, j) in nvlinks:
                     links[(f"GPU{i}", f"GPU{j}")] = f"NV{nvlinks[(i, j)]}"
+                elif switch_links[i] and switch_links[j]:
+                    links[(f"GPU{i}", f"GPU{j}")] = f"NV{min(switch_links[i], switch_links[j])}"
                 else:
                     try:
                         lvl = pynvml.nvmlDeviceGetTopologyCommonAncestor(handles[i], handles[j])
