@@ -113,6 +113,8 @@ def format_findings(findings: list[Finding]) -> str:
         lines.append(f"  {_MARK[f.status]:<8} {f.what}")
         if f.fix:
             lines.append(f"  {'':<8}   fix: {f.fix}")
+        if f.source and f.status != OK:
+            lines.append(f"  {'':<8}   see: {f.source}")
     counts = {s: sum(f.status == s for f in findings) for s in (OK, WARNING, PROBLEM)}
     lines.append(f"\n{counts[PROBLEM]} problem(s), {counts[WARNING]} warning(s), {counts[OK]} ok")
     return "\n".join(lines).lstrip("\n")
@@ -124,6 +126,7 @@ def _print_rich(findings: list[Finding]) -> bool:
         return False
     try:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
     except ImportError:
         return False
@@ -132,7 +135,8 @@ def _print_rich(findings: list[Finding]) -> bool:
     for col in ("status", "check", "finding", "fix"):
         table.add_column(col, overflow="fold")
     for f in findings:
-        table.add_row(f"[{style[f.status]}]{f.status}[/]", f.check, f.what, f.fix)
+        see = f"\n[dim]see: {escape(f.source)}[/]" if f.source and f.status != OK else ""
+        table.add_row(f"[{style[f.status]}]{f.status}[/]", f.check, escape(f.what), escape(f.fix) + see)
     console = Console()
     console.print(table)
     counts = {s: sum(f.status == s for f in findings) for s in (OK, WARNING, PROBLEM)}

@@ -40,7 +40,8 @@ def rule_for(name: str) -> Rule | None:
     """The table's rule for one variable, or None when the variable is unknown."""
     if name in NONEXISTENT:
         reason, _ = NONEXISTENT[name]
-        return Rule("nonexistent", reason, source(name))
+        extra = "; PyTorch docs, torch.distributed.init_process_group (timeout)" if name == "NCCL_TIMEOUT" else ""
+        return Rule("nonexistent", reason, f"{NCCL_ENV}: {name} is not listed{extra}")
     if name in DEPRECATED:
         src = TORCH_ENV if name in TORCH_RENAMED else NCCL_ENV
         return Rule("deprecated", f"deprecated, use {DEPRECATED[name]}", source(name, src), DEPRECATED[name])
@@ -265,7 +266,7 @@ def lint_variable(name: str, value: str, facts: Facts, origin: str = "environmen
         if rule is None:
             finding = Finding(WARNING, f"{name}={shown}: unknown variable, not in the documented NCCL/PyTorch lists (typo?)",
                               f"check the spelling against the docs or unset {name}",
-                              source=source(name, TORCH_ENV if name.startswith("TORCH_") else NCCL_ENV))
+                              source=f"{TORCH_ENV if name.startswith('TORCH_') else NCCL_ENV}: {name} is not listed")
         elif rule.kind == "nonexistent":
             finding = Finding(WARNING, f"{name}={shown}: does not exist, {rule.reason}", NONEXISTENT[name][1], source=rule.source)
         elif rule.kind == "deprecated":
