@@ -55,6 +55,14 @@ def test_parse_sizes_and_ops():
         parse_ops(["all_reduce", "gather"])
 
 
+def test_config_normalises_and_validates():
+    cfg = BenchConfig(ops=("allreduce", "alltoall"), sizes=(8,), dtype="bf16")
+    assert cfg.ops == ("all_reduce", "all_to_all") and cfg.dtype == "bf16"
+    for bad in (dict(sizes=()), dict(sizes=(0,)), dict(iters=0), dict(dtype="fp8"), dict(ops=("gather",))):
+        with pytest.raises(UsageError):
+            BenchConfig(**bad)
+
+
 def test_counts_follow_nccl_tests():
     # all_gather/reduce_scatter/all_to_all: count is the total, a multiple of the rank count.
     assert counts_for("all_gather", 1000, 4, 3) == 249

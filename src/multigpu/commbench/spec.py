@@ -119,8 +119,12 @@ class BenchConfig:
     backend: str | None = None
 
     def __post_init__(self):
-        parse_ops(list(self.ops))
-        parse_dtype(self.dtype)
+        # Normalise aliases ("allreduce", "bf16") so every later lookup sees one spelling.
+        object.__setattr__(self, "ops", parse_ops(list(self.ops)))
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+        if any(s <= 0 for s in self.sizes):
+            raise UsageError(f"sizes must be positive byte counts, got {list(self.sizes)}; use e.g. --sizes 8:256M")
         if self.iters < 1 or self.warmup < 0:
             raise UsageError(f"iters must be >= 1 and warmup >= 0, got iters={self.iters} warmup={self.warmup}")
         if not self.sizes:
