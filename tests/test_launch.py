@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -247,13 +248,14 @@ def test_two_runs_at_once_console_logs_and_torchrun_script(tmp_path):
 
 def test_failed_worker_stops_the_run(tmp_path):
     # Rank 1 raises (module run, -m) or is SIGKILLed (script run) while rank 0 sleeps
-    # with a child of its own: both runs must end fast, leave no process and say why in one line.
+    # with a child of its own; a third run is stopped by SIGTERM to the launcher (Ctrl-C, a
+    # scheduler). All must end fast, leave no process behind and say why in one line.
     script = _write_scripts(tmp_path)
     runs = {}
-    for mode, target in (("raise", ["-m", "pkg.worker"]), ("kill", [str(script)])):
-        out = tmp_path / mode
+    for name, mode, target in (("raise", "raise", ["-m", "pkg.worker"]), ("kill", "kill", [str(script)]), ("term", "kill", [str(script)])):
+        out = tmp_path / name
         out.mkdir()
-        runs[mode] = (*_start(["-n", "2", "--log-dir", str(tmp_path / "logs"), *target, mode, str(out)], tmp_path, mode), out)
+        runs[name] = (*_start(["-n", "2", "--log-dir", str(tmp_path / "logs"), *target, mode, str(out)], tmp_path, name), out)
     descendants = {}
     for mode, (proc, _, _, out) in runs.items():
         deadline = time.time() + 60
@@ -263,7 +265,11 @@ def test_failed_worker_stops_the_run(tmp_path):
         descendants[mode] = psutil.Process(proc.pid).children(recursive=True)
         assert len(descendants[mode]) >= 3  # two workers and rank 0's child
     for mode, (_, _, _, out) in runs.items():
-        (out / "go").write_text("")
+        if mode == "term":
+            (out / "death.json").write_text(json.dumps({"time": time.time(), "pid": None}))
+            runs[mode][0].send_signal(signal.SIGTERM)
+        else:
+            (out / "go").write_text("")
     ended = dict(zip(runs, _wait_all([r[0] for r in runs.values()])))
 
     for mode, (proc, _, err_path, out) in runs.items():
@@ -274,6 +280,10 @@ def test_failed_worker_stops_the_run(tmp_path):
         assert delay < 20, err
         survivors = [p for p in descendants[mode] if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert survivors == [], survivors
+        if mode == "term":
+            assert proc.returncode == 128 + signal.SIGTERM, err
+            assert err.splitlines()[-1] == "multigpu run: stopped by SIGTERM; all workers were stopped", err
+            continue
         summary = _summary(err)
         assert len(summary) == 1, err
         line = summary[0]

@@ -25,6 +25,7 @@ import importlib.util
 import os
 import secrets
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from typing import Iterator, Sequence
 from .errors import UsageError
 
 SHUTDOWN_GRACE_S = 10  # SIGTERM -> SIGKILL for the surviving workers (torch's default is 30 s)
-DEFAULT_LOG_DIR = os.path.join(os.environ.get("TMPDIR") or "/tmp", "multigpu-runs")
+DEFAULT_LOG_DIR = os.path.join(tempfile.gettempdir(), "multigpu-runs")
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,7 @@ def launch(cfg: RunConfig) -> int:
     device = f"{gpus} GPUs" if gpus else "CPU"
     world = place.nproc * place.nnodes
     where = f"node {place.node_rank} of {place.nnodes} ({place.source}, master {place.master_addr}:{place.master_port})" if place.nnodes > 1 else "1 node"
-    logs.say(f"{place.nproc} workers on {device}, {where}, world size {world}; logs: {run_dir}")
+    logs.say(f"{place.nproc} worker{'s' if place.nproc > 1 else ''} on {device}, {where}, world size {world}; logs: {run_dir}")
 
     specs = logs.RankLogsSpecs(run_dir, console_ranks=None if cfg.all_ranks else {0}, prefixed=cfg.all_ranks)
     code, summary = 0, ""
@@ -289,8 +290,9 @@ def run(
 
     Raises ``UsageError`` for bad arguments (nothing has started then).
 
-    >>> code = mg.launch.run("train.py", ["--epochs", "2"], nproc=2, cpu=True)
-    >>> code = mg.launch.run("pkg.train", module=True, nnodes=2, node_rank=0, master="node0:29500")
+    >>> from multigpu.launch import run
+    >>> code = run("train.py", ["--epochs", "2"], nproc=2, cpu=True)
+    >>> code = run("pkg.train", module=True, nnodes=2, node_rank=0, master="node0:29500")
     """
     cfg = RunConfig(target, tuple(str(a) for a in args), module, nproc, cpu, nnodes, node_rank, master, max_restarts, all_ranks, log_dir)
     return launch(cfg)
@@ -304,7 +306,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", metavar="DIR", help=f"where each run's per-rank logs go (default: {DEFAULT_LOG_DIR})")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="R", help="restart the whole worker group up to R times after a failure (torchrun's elastic restarts)")
     parser.add_argument("--nnodes", type=int, metavar="N", help="number of nodes (default: 1, or SLURM's inside srun)")
-    parser.add_argument("--node-rank", type=int, metavar="R", help="this node's rank in [0, N); node R runs global ranks R*n .. R*n+n-1")
+    parser.add_argument("--node-rank", type=int, metavar="R", help="this node's rank in [0, N): node 0 hosts the rendezvous at --master (global ranks are numbered by the rendezvous)")
     parser.add_argument("--master", metavar="HOST:PORT", help="node 0's address and a free port, for --nnodes > 1")
     parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE", help="run a module like `python -m` (the rest of the line is its arguments)")
     parser.add_argument("script", nargs="?", help="the training script (the rest of the line is its arguments)")
