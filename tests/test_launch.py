@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -115,7 +116,7 @@ def _run_dir(stderr: str) -> Path:
 
 
 def _summary(stderr: str) -> list[str]:
-    return [ln for ln in stderr.splitlines() if ln.startswith("multigpu run: rank ")]
+    return [ln for ln in stderr.splitlines() if ln.startswith("multigpu run: rank ") and "; log: " in ln]
 
 
 def _free_port() -> int:
@@ -307,15 +308,16 @@ def test_max_restarts_restarts_and_exit_code_propagates(tmp_path):
     err = err_path.read_text()
     run = _run_dir(err)
     # Attempt 0: rank 1 exits 3 -> one restart; attempt 1 runs collectives again, then rank 1 exits 2.
-    assert f"multigpu run: a worker failed; restart 1 of 1, logs in {run / 'attempt_1'}" in err.splitlines()
+    assert f"multigpu run: rank 1 failed (exit code 3); restart 1 of 1, logs in {run / 'attempt_1'}" in err.splitlines()
     for attempt in (0, 1):
         for rank in (0, 1):
             assert json.loads((tmp_path / "out" / f"rank{rank}.attempt{attempt}.json").read_text())["sum"] == 3.0
             assert (run / f"attempt_{attempt}" / f"rank{rank}.stdout.log").read_text() == f"stdout of rank {rank}\n"
     assert proc.returncode == 2, err
-    assert _summary(err) == [f"multigpu run: rank 1 failed with exit code 2 on host {socket.gethostname()} "
-                             f"(pid {_summary(err)[0].split('(pid ')[1].split(')')[0]}); log: {run / 'attempt_1' / 'rank1.stderr.log'}"
-                             f"; last line: stderr of rank 1"]
+    [line] = _summary(err)
+    pid = re.search(r"\(pid (\d+)\)", line).group(1)
+    assert line == (f"multigpu run: rank 1 failed with exit code 2 on host {socket.gethostname()} (pid {pid}); "
+                    f"log: {run / 'attempt_1' / 'rank1.stderr.log'}; last line: stderr of rank 1")
 
 
 def test_two_nodes_on_loopback(tmp_path):

@@ -246,7 +246,7 @@ def launch(cfg: RunConfig) -> int:
 
     specs = logs.RankLogsSpecs(run_dir, console_ranks=None if cfg.all_ranks else {0}, prefixed=cfg.all_ranks)
     code, summary = 0, ""
-    with _worker_env(env), logs.torch_logs_to(os.path.join(run_dir, "launcher.log")), logs.restored_signal_handlers():
+    with _worker_env(env), logs.torch_logs_to(os.path.join(run_dir, "launcher.log"), specs.watch), logs.restored_signal_handlers():
         config, cmd, cmd_args = torchrun.config_from_args(args)
         config.logs_specs = specs
         if hasattr(config, "shutdown_timeout"):  # torch >= 2.9

@@ -56,6 +56,26 @@ class _Flushing:
         self._stream.flush()
 
 
+class FailureWatch(logging.Handler):
+    """Remembers the failure torch's process context reports before a restart.
+
+    torch logs ``"failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"``
+    with the values as arguments; reading ``record.args`` (not the text) lets the
+    restart line name the rank. If a torch version words it otherwise, the line
+    just says "a worker failed".
+    """
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.last: tuple[int, int] | None = None  # (exit code, local rank)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if str(record.msg).startswith("failed (exitcode") and len(args) >= 2:
+            with contextlib.suppress(TypeError, ValueError):
+                self.last = (int(args[0]), int(args[1]))
+
+
 class RankLogsSpecs(LogsSpecs):
     """Every worker's stdout/stderr into ``attempt_<k>/rank<r>.{stdout,stderr}.log``; chosen ranks tailed to the console.
 
@@ -70,6 +90,8 @@ class RankLogsSpecs(LogsSpecs):
         self._tails: list[TailLog] = []
         # global rank -> stderr path, for the attempt that ran last (the failure summary reads it).
         self.stderr_paths: dict[int, str] = {}
+        self.global_ranks: dict[int, int] = {}  # local rank -> global rank, last attempt
+        self.watch = FailureWatch()
         self.attempts = 0
 
     @property
@@ -85,10 +107,15 @@ class RankLogsSpecs(LogsSpecs):
         os.makedirs(attempt_dir, exist_ok=True)
         if attempt > 0:
             max_restarts = next(iter(envs.values())).get("TORCHELASTIC_MAX_RESTARTS", "?")
-            say(f"a worker failed; restart {attempt} of {max_restarts}, logs in {attempt_dir}")
+            what = "a worker failed"
+            if self.watch.last is not None and self.watch.last[1] in self.global_ranks:
+                code, local_rank = self.watch.last
+                what = f"rank {self.global_ranks[local_rank]} failed ({_how_short(code)})"
+            self.watch.last = None
+            say(f"{what}; restart {attempt} of {max_restarts}, logs in {attempt_dir}")
         stdouts, stderrs, errors = {}, {}, {}
         out_tail, err_tail, prefixes = {}, {}, {}
-        self.stderr_paths = {}
+        self.stderr_paths, self.global_ranks = {}, {}
         for local_rank, env in envs.items():
             rank = int(env["RANK"])
             base = os.path.join(attempt_dir, f"rank{rank}")
@@ -96,6 +123,7 @@ class RankLogsSpecs(LogsSpecs):
             errors[local_rank] = f"{base}.error.json"
             env["TORCHELASTIC_ERROR_FILE"] = errors[local_rank]
             self.stderr_paths[rank] = stderrs[local_rank]
+            self.global_ranks[local_rank] = rank
             if self._console_ranks is None or rank in self._console_ranks:
                 out_tail[local_rank], err_tail[local_rank] = stdouts[local_rank], stderrs[local_rank]
                 prefixes[local_rank] = f"[rank{rank}] " if self._prefixed else ""
@@ -187,7 +215,7 @@ def _how_short(exitcode: int) -> str:
 
 
 @contextlib.contextmanager
-def torch_logs_to(path: str) -> Iterator[None]:
+def torch_logs_to(path: str, *watchers: logging.Handler) -> Iterator[None]:
     """Send torch's elastic agent logging to ``path`` instead of the console, restoring it afterwards.
 
     The agent logs every worker start, signal and failure with tracebacks;
@@ -209,7 +237,7 @@ def torch_logs_to(path: str) -> Iterator[None]:
     for name in _TORCH_LOGGERS:
         # Loggers created later propagate to these parents, which stop here.
         top = logging.getLogger(name)
-        top.handlers = [handler]
+        top.handlers = [handler, *watchers]
         top.propagate = False
     try:
         yield
