@@ -25,7 +25,6 @@ import importlib.util
 import os
 import secrets
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from typing import Iterator, Sequence
 from .errors import UsageError
 
 SHUTDOWN_GRACE_S = 10  # SIGTERM -> SIGKILL for the surviving workers (torch's default is 30 s)
-DEFAULT_LOG_DIR = os.path.join(tempfile.gettempdir(), "multigpu-runs")
+DEFAULT_LOG_DIR = "multigpu_logs"  # in the working directory, next to the project (and in .gitignore)
 
 
 @dataclass(frozen=True)
@@ -303,7 +302,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--nproc", type=int, metavar="N", help="worker processes on this node (default: visible GPUs, or 2 without GPUs or with --cpu)")
     parser.add_argument("--cpu", action="store_true", help="workers use CPU and gloo even where GPUs exist (hides them)")
     parser.add_argument("--all-ranks", action="store_true", help="show every rank's output on the console, prefixed [rank<r>] (default: rank 0 only)")
-    parser.add_argument("--log-dir", metavar="DIR", help=f"where each run's per-rank logs go (default: {DEFAULT_LOG_DIR})")
+    parser.add_argument("--log-dir", metavar="DIR", help=f"where each run's per-rank logs go (default: ./{DEFAULT_LOG_DIR})")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="R", help="restart the whole worker group up to R times after a failure (torchrun's elastic restarts)")
     parser.add_argument("--nnodes", type=int, metavar="N", help="number of nodes (default: 1, or SLURM's inside srun)")
     parser.add_argument("--node-rank", type=int, metavar="R", help="this node's rank in [0, N): node 0 hosts the rendezvous at --master (global ranks are numbered by the rendezvous)")

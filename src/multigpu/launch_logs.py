@@ -79,7 +79,7 @@ class FailureWatch(logging.Handler):
 class RankLogsSpecs(LogsSpecs):
     """Every worker's stdout/stderr into ``attempt_<k>/rank<r>.{stdout,stderr}.log``; chosen ranks tailed to the console.
 
-    >>> specs = RankLogsSpecs("/tmp/multigpu-runs/train-1", console_ranks=None)  # None: every rank, prefixed
+    >>> specs = RankLogsSpecs("multigpu_logs/train-1", console_ranks=None)  # None: every rank, prefixed
     """
 
     def __init__(self, run_dir: str, console_ranks: set[int] | None = frozenset({0}), prefixed: bool = False):
