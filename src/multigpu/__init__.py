@@ -6,17 +6,27 @@ measurements. Importing this package has no side effects.
 """
 
 from .batch import BatchPlan, scale_lr, warmup
+from .data import all_reduce_sum, eval_loader, loader
 from .dist import Dist, init, print0
 from .errors import UsageError
+from .precision import Precision
+from .strategy import accumulate, unwrap, wrap
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BatchPlan",
     "Dist",
+    "Precision",
     "UsageError",
+    "accumulate",
+    "all_reduce_sum",
+    "eval_loader",
     "init",
+    "loader",
     "print0",
     "scale_lr",
+    "unwrap",
     "warmup",
+    "wrap",
 ]
