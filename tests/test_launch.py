@@ -301,10 +301,33 @@ def test_failed_worker_stops_the_run(tmp_path):
             assert line.startswith("multigpu run: rank 1 was killed by SIGKILL on host")
 
 
-def test_max_restarts_restarts_and_exit_code_propagates(tmp_path):
+def test_max_restarts_and_the_python_api(tmp_path, capsys):
     script = _write_scripts(tmp_path)
     (tmp_path / "out").mkdir()
+    (tmp_path / "api").mkdir()
     proc, _, err_path = _start(["-n", "2", "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"), str(script), "restart", str(tmp_path / "out")], tmp_path, "r")
+
+    # Meanwhile, in this process, the API `multigpu study` will use: it must leave the
+    # environment, the signal handlers and torch's loggers as it found them.
+    import logging
+
+    import torch.distributed.run  # noqa: F401 - importing it sets its loggers' levels; we check what run() does after
+
+    from multigpu.launch import run
+
+    env_before = dict(os.environ)
+    handlers_before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed.run")]
+    loggers_before = [(lg.level, lg.propagate, list(lg.handlers)) for lg in loggers]
+    code = run(str(script), ["ok", str(tmp_path / "api")], nproc=2, cpu=True, log_dir=str(tmp_path / "api-logs"))
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert captured.out == "stdout of rank 0\n"
+    assert json.loads((tmp_path / "api" / "rank1.attempt0.json").read_text())["cvd"] == ""
+    assert dict(os.environ) == env_before
+    assert {s: signal.getsignal(s) for s in handlers_before} == handlers_before
+    assert [(lg.level, lg.propagate, list(lg.handlers)) for lg in loggers] == loggers_before
+
     _wait_all([proc])
     err = err_path.read_text()
     run = _run_dir(err)

@@ -172,8 +172,9 @@ def _worker_env(changes: dict[str, tuple[str, str]]) -> Iterator[None]:
     saved = {name: os.environ.get(name) for name in changes}
     for name, (value, why) in changes.items():
         old = os.environ.get(name)
-        say(f"{name}: {'unset' if old is None else repr(old)} -> {value!r} ({why})")
-        os.environ[name] = value
+        if old != value:
+            say(f"{name}: {'unset' if old is None else repr(old)} -> {value!r} ({why})")
+            os.environ[name] = value
     try:
         yield
     finally:
@@ -238,7 +239,7 @@ def launch(cfg: RunConfig) -> int:
         env["CUDA_VISIBLE_DEVICES"] = ("", "--cpu: workers see no GPU and use gloo")
 
     gpus = "" if cfg.cpu else _visible_gpus()
-    device = f"{gpus} GPUs" if gpus else "CPU"
+    device = f"{gpus} GPU{'s' if gpus > 1 else ''}" if gpus else "CPU"
     world = place.nproc * place.nnodes
     where = f"node {place.node_rank} of {place.nnodes} ({place.source}, master {place.master_addr}:{place.master_port})" if place.nnodes > 1 else "1 node"
     logs.say(f"{place.nproc} worker{'s' if place.nproc > 1 else ''} on {device}, {where}, world size {world}; logs: {run_dir}")
@@ -246,11 +247,11 @@ def launch(cfg: RunConfig) -> int:
     specs = logs.RankLogsSpecs(run_dir, console_ranks=None if cfg.all_ranks else {0}, prefixed=cfg.all_ranks)
     code, summary = 0, ""
     with _worker_env(env), logs.torch_logs_to(os.path.join(run_dir, "launcher.log"), specs.watch), logs.restored_signal_handlers():
-        config, cmd, cmd_args = torchrun.config_from_args(args)
-        config.logs_specs = specs
-        if hasattr(config, "shutdown_timeout"):  # torch >= 2.9
-            config.shutdown_timeout = SHUTDOWN_GRACE_S
         try:
+            config, cmd, cmd_args = torchrun.config_from_args(args)
+            config.logs_specs = specs
+            if hasattr(config, "shutdown_timeout"):  # torch >= 2.9
+                config.shutdown_timeout = SHUTDOWN_GRACE_S
             elastic_launch(config, cmd)(*cmd_args)
         except ChildFailedError as err:
             specs.stop_console()
@@ -263,7 +264,11 @@ def launch(cfg: RunConfig) -> int:
 
             logging.getLogger("torch.distributed.launcher").error("launcher failed:\n%s", traceback.format_exc())
             code = 1
-            summary = f"launcher failed: {type(err).__name__}: {' '.join(str(err).split())} (details in {run_dir}/launcher.log)"
+            text = " ".join(str(err).split())
+            if err.__cause__ is not None:  # e.g. "connection to the C10d store has failed" <- the socket's timeout
+                text += " <- " + " ".join(str(err.__cause__).split("\n", 1)[0].split())
+            text = text if len(text) <= 300 else text[:297] + "..."
+            summary = f"launcher failed: {type(err).__name__}: {text} (details in {run_dir}/launcher.log)"
         finally:
             specs.stop_console()
     if summary:

@@ -251,12 +251,22 @@ def torch_logs_to(path: str, *watchers: logging.Handler) -> Iterator[None]:
 
 @contextlib.contextmanager
 def restored_signal_handlers() -> Iterator[None]:
-    """torch's process context installs SIGTERM/SIGINT/SIGHUP/SIGQUIT handlers and never removes them."""
+    """torch's process context installs SIGTERM/SIGINT/SIGHUP/SIGQUIT handlers and never removes them.
+
+    Its ``launch_agent`` also leaves ``TORCHELASTIC_SIGNALS_TO_HANDLE`` in ``os.environ``
+    (its own bookkeeping for those handlers); that goes back too.
+    """
     names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
     main = threading.current_thread() is threading.main_thread()
     saved = {s: signal.getsignal(s) for s in (getattr(signal, n) for n in names if hasattr(signal, n))} if main else {}
+    env_name = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+    env_value = os.environ.get(env_name)
     try:
         yield
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+        if env_value is None:
+            os.environ.pop(env_name, None)
+        else:
+            os.environ[env_name] = env_value
