@@ -364,3 +364,70 @@ def test_two_nodes_on_loopback(tmp_path):
     # Global rank 0 prints on whichever node the rendezvous gave it to; the other node's console stays quiet.
     outs = sorted(out.read_text() for _, out, _ in nodes)
     assert outs == ["", "stdout of rank 0\n"]
+
+
+# --------------------------------------------------------------------------- summary rules, in process
+
+
+def test_summary_names_the_first_real_failure(tmp_path):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from multigpu.launch_logs import RankLogsSpecs, failure_summary
+
+    specs = RankLogsSpecs(str(tmp_path))
+    lines = {0: "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:2948",
+             1: "ValueError: boom", 2: "", 3: ""}
+    for rank, text in lines.items():
+        specs.stderr_paths[rank] = str(tmp_path / f"rank{rank}.stderr.log")
+        (tmp_path / f"rank{rank}.stderr.log").write_text(f"Traceback (most recent call last):\n{text}\n" if text else "")
+
+    def failed(**codes):  # rank -> exit code, all seen in the same second, in this order
+        failures = {}
+        for key, code in codes.items():
+            f = ProcessFailure(local_rank=int(key[1:]), pid=100 + int(key[1:]), exitcode=code, error_file="/nonexistent")
+            f.timestamp = 1_000
+            failures[int(key[1:])] = f
+        return ChildFailedError("worker.py", failures)
+
+    # A lost-peer report listed first is a symptom; the agent's own SIGTERM victims are not failures.
+    code, line = failure_summary(failed(r0=1, r1=1, r3=-signal.SIGTERM), specs)
+    assert code == 1
+    assert line.startswith("rank 1 failed with exit code 1 on host ") and "(pid 101)" in line
+    assert line.endswith(f"log: {tmp_path / 'rank1.stderr.log'}; last line: ValueError: boom; also failed: rank 0 (exit code 1)")
+    code, line = failure_summary(failed(r3=-signal.SIGTERM, r2=-signal.SIGKILL), specs)
+    assert (code, line.split(" on host")[0]) == (137, "rank 2 was killed by SIGKILL")
+    assert "last line" not in line  # its stderr is empty
+    code, line = failure_summary(failed(r2=2), specs)
+    assert (code, line.split(" on host")[0]) == (2, "rank 2 failed with exit code 2")
+
+
+def test_launcher_failure_is_one_line(tmp_path, monkeypatch, capsys):
+    # A rendezvous that cannot reach node 0 takes torch two 60 s tries; its handling is checked with
+    # torch's own exception, raised where elastic_launch would raise it.
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from multigpu.launch import run
+
+    class Unreachable:
+        def __init__(self, config, entrypoint):
+            pass
+
+        def __call__(self, *args):
+            try:
+                raise TimeoutError("The client socket has timed out after 60000ms while trying to connect to (10.9.9.9, 29500).")
+            except TimeoutError as cause:
+                raise RendezvousConnectionError("The connection to the C10d store has failed.") from cause
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", Unreachable)
+    script = _write_scripts(tmp_path)
+    code = run(str(script), nproc=1, cpu=True, nnodes=2, node_rank=1, master="10.9.9.9:29500", log_dir=str(tmp_path / "logs"))
+    err = capsys.readouterr().err.splitlines()
+    assert code == 1
+    [run_dir] = (tmp_path / "logs").iterdir()
+    assert err[-1] == (
+        "multigpu run: launcher failed: RendezvousConnectionError: The connection to the C10d store has failed. <- "
+        "The client socket has timed out after 60000ms while trying to connect to (10.9.9.9, 29500). "
+        f"(details in {run_dir}/launcher.log)"
+    )
+    assert "RendezvousConnectionError" in (run_dir / "launcher.log").read_text()  # the traceback is kept there
