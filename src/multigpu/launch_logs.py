@@ -92,7 +92,6 @@ class RankLogsSpecs(LogsSpecs):
         self.stderr_paths: dict[int, str] = {}
         self.global_ranks: dict[int, int] = {}  # local rank -> global rank, last attempt
         self.watch = FailureWatch()
-        self.attempts = 0
 
     @property
     def root_log_dir(self) -> str:
@@ -102,7 +101,6 @@ class RankLogsSpecs(LogsSpecs):
         # Called once per attempt, after the previous attempt's workers were stopped.
         self.stop_console()
         attempt = int(next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.attempts = attempt + 1
         attempt_dir = os.path.join(self.run_dir, f"attempt_{attempt}")
         os.makedirs(attempt_dir, exist_ok=True)
         if attempt > 0:
@@ -132,7 +130,7 @@ class RankLogsSpecs(LogsSpecs):
             TailLog("rank", out_tail, _Flushing(sys.stdout), log_line_prefixes=prefixes).start(),
             TailLog("rank", err_tail, _Flushing(sys.stderr), log_line_prefixes=prefixes).start(),
         ]
-        # LogsDest gained fields over torch versions (filtered_* in 2.8+): fill what this torch has.
+        # LogsDest gained fields over torch versions (filtered_stdout/stderr): fill what this torch has.
         fields = {f.name for f in dataclasses.fields(LogsDest)}
         dest = dict(stdouts=stdouts, stderrs=stderrs, tee_stdouts={}, tee_stderrs={}, error_files=errors)
         for name in ("filtered_stdout", "filtered_stderr"):
