@@ -147,6 +147,7 @@ def _free_port() -> int:
         (["--nnodes", "2", "--master", "node0:http", "{script}"], "--master must be HOST:PORT"),
         (["--max-restarts", "-1", "{script}"], "--max-restarts must be 0 or more, got -1"),
         (["--nnodes", "0", "{script}"], "--nnodes must be at least 1, got 0"),
+        (["--log-dir", "{script}", "{script}"], "cannot create the log directory"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, expected, tmp_path, monkeypatch, capsys):
