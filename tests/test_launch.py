@@ -223,7 +223,7 @@ def test_two_runs_at_once_console_logs_and_torchrun_script(tmp_path):
 
     # Rank 0 on the console, unprefixed, stdout and stderr apart; rank 1 only in its log files.
     assert out_a.splitlines() == ["stdout of rank 0"]
-    assert "stderr of rank 0" in err_a.splitlines() and "rank 1" not in out_a + err_a
+    assert "stderr of rank 0" in err_a.splitlines() and "of rank 1" not in out_a + err_a
     run_a = _run_dir(err_a)
     assert (run_a / "attempt_0" / "rank1.stdout.log").read_text() == "stdout of rank 1\n"
     assert (run_a / "attempt_0" / "rank1.stderr.log").read_text() == "stderr of rank 1\n"
@@ -292,7 +292,7 @@ def test_failed_worker_stops_the_run(tmp_path):
         line = summary[0]
         log = _run_dir(err) / "attempt_0" / "rank1.stderr.log"
         assert f"on host {socket.gethostname()} (pid {death['pid']}); log: {log}" in line
-        assert "Traceback" not in err.replace((log.read_text() if mode == "kill" else ""), "")
+        assert "Traceback" not in err  # rank 1's traceback stays in its log; rank 0 was asleep
         if mode == "raise":
             assert proc.returncode == 1
             assert line.startswith("multigpu run: rank 1 failed with exit code 1 on host")
