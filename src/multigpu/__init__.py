@@ -8,15 +8,20 @@ measurements. Importing this package has no side effects.
 from .batch import BatchPlan, scale_lr, warmup
 from .dist import Dist, init, print0
 from .errors import UsageError
+from .fingerprint import fingerprint
+from .meter import StepMeter, profile
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BatchPlan",
     "Dist",
+    "StepMeter",
     "UsageError",
+    "fingerprint",
     "init",
     "print0",
+    "profile",
     "scale_lr",
     "warmup",
 ]
