@@ -389,6 +389,8 @@ class StepMeter:
         if gpu:
             rec["gpu"] = gpu
         basis = rd if not any(math.isnan(x) for x in rd) else cp
+        if basis is rd:  # fwd+bwd until this rank's own gradients were ready (no waiting for others)
+            rec["ready"], rec["ready_max"] = sum(rd) / len(rd), max(rd)
         found = find_stragglers(dw, basis, self.hosts, min_excess=self.straggler_threshold) if len(per) > 1 else []
         rec["stragglers"] = [dict(s.to_dict(), line=s.line()) for s in found]
         rec.update(self._extra)
