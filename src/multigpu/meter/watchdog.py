@@ -94,8 +94,13 @@ class Watchdog:
     >>> wd.beat(step)   # after every step (StepMeter does this)
     """
 
-    def __init__(self, out_dir: str, rank: int, host: str, timeout: float = 300.0, poll: float | None = None) -> None:
+    def __init__(self, out_dir: str, rank: int, host: str, timeout: float = 300.0, poll: float | None = None,
+                 first_step_factor: float = 3.0) -> None:
         self.out_dir, self.rank, self.host, self.timeout = out_dir, rank, host, float(timeout)
+        # The first step also pays for compilation, lazy initialisation and NCCL setup.
+        self.first_timeout = self.timeout * first_step_factor
+        self._status_path = os.path.join(out_dir, f"rank{rank}.json")
+        self._reported = False
         self.poll = poll if poll is not None else min(5.0, self.timeout / 4)
         self.last_step: int | None = None
         self._last_beat = time.monotonic()
@@ -113,12 +118,20 @@ class Watchdog:
     def beat(self, step: int) -> None:
         self.last_step = step
         self._last_beat = time.monotonic()
+        if self._reported:  # the stall ended: withdraw the report so no verdict is drawn from it
+            self._reported = False
+            try:
+                os.remove(self._status_path)
+            except OSError:
+                pass
+            print(f"multigpu: rank {self.rank}: step {step} completed; the stall is over", file=sys.stderr, flush=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll):
             stalled = time.monotonic() - self._last_beat
+            limit = self.timeout if self.last_step is not None else self.first_timeout
             # One report per stall: a new report only after a step completed in between.
-            if stalled >= self.timeout and self._dumped_for != self._last_beat:
+            if stalled >= limit and self._dumped_for != self._last_beat:
                 self._dumped_for = self._last_beat
                 self.dump(stalled)
 
@@ -136,11 +149,12 @@ class Watchdog:
         nccl = _dump_flight_recorder(self.out_dir, self.rank)
         if nccl:
             status["nccl_trace"] = nccl
-        path = os.path.join(self.out_dir, f"rank{self.rank}.json")
+        path = self._status_path
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(status, f)
         os.replace(tmp, path)  # readers never see half a file
+        self._reported = True
         print(f"multigpu: rank {self.rank}: no step completed for {stalled:.0f} s; in {status['function']} "
               f"({status['file']}:{status['line']}); stacks in {stacks}", file=sys.stderr, flush=True)
         return path
@@ -194,6 +208,15 @@ def read_status(run_dir: str) -> dict[int, dict[str, Any]]:
     return out
 
 
+def _waits_for_peers(s: dict[str, Any]) -> str | None:
+    """The collective a rank waits in; DDP waits for gradients inside backward, in C++."""
+    if s.get("collective"):
+        return s["collective"]
+    if s.get("in_backward"):
+        return "backward (gradient all-reduce)"
+    return None
+
+
 def _ranks(rs: list[int]) -> str:
     return ",".join(map(str, sorted(rs)))
 
@@ -211,7 +234,7 @@ def hang_verdict(run_dir: str, world_size: int | None = None) -> str | None:
     status = read_status(run_dir)
     if not status:
         return None
-    waiting = {r: s for r, s in status.items() if s.get("collective")}
+    waiting = {r: s for r, s in status.items() if _waits_for_peers(s)}
     stuck = {r: s for r, s in status.items() if r not in waiting}
     if not stuck:
         # Everyone is in a collective: the one that is behind (fewest steps) is the odd one out.
@@ -222,13 +245,13 @@ def hang_verdict(run_dir: str, world_size: int | None = None) -> str | None:
     parts = []
     for r, s in sorted(stuck.items()):
         step = s.get("last_step")
-        where_ = s.get("collective") or s.get("function")
+        where_ = _waits_for_peers(s) or s.get("function")
         parts.append(f"rank {r} (host {s.get('host')}) has been in {where_} ({os.path.basename(s.get('file', '?'))}:"
                      f"{s.get('line')}) for {s.get('stalled_s', 0):.0f} s, "
                      + (f"after step {step}" if step is not None else "before its first step"))
     by_coll: dict[tuple, list[int]] = {}
     for r, s in waiting.items():
-        by_coll.setdefault((s["collective"], s.get("last_step")), []).append(r)
+        by_coll.setdefault((_waits_for_peers(s) or s.get("function"), s.get("last_step")), []).append(r)
     for (coll, step), rs in sorted(by_coll.items(), key=lambda kv: min(kv[1])):
         after = f"after step {step}" if step is not None else "before the first step"
         parts.append(f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)} {'are' if len(rs) > 1 else 'is'} waiting in {coll} {after}")
@@ -249,12 +272,14 @@ def hang_verdict(run_dir: str, world_size: int | None = None) -> str | None:
 class HangMonitor:
     """For the launcher: polls ``run_dir`` and prints ``hang_verdict`` once, when ranks report a stall.
 
-    It waits ``settle`` seconds after the first report (or until every rank reported)
-    so that the waiting ranks' reports are in the verdict too.
+    A verdict is drawn when every rank has reported (or ``settle`` seconds after
+    the first report) and the reports stayed unchanged for ``confirm`` seconds;
+    a rank whose stall ends withdraws its report, so a slow step is no verdict.
     """
 
-    def __init__(self, run_dir: str, world_size: int, settle: float = 10.0, poll: float = 1.0, stream=None) -> None:
-        self.run_dir, self.world_size, self.settle, self.poll = run_dir, world_size, settle, poll
+    def __init__(self, run_dir: str, world_size: int, settle: float = 30.0, confirm: float = 3.0, poll: float = 1.0,
+                 stream=None) -> None:
+        self.run_dir, self.world_size, self.settle, self.confirm, self.poll = run_dir, world_size, settle, confirm, poll
         self.stream = stream or sys.stderr
         self.verdict: str | None = None
         self._stop = threading.Event()
@@ -265,12 +290,19 @@ class HangMonitor:
         return self
 
     def _run(self) -> None:
-        first = None
+        first = stable = None
+        key = None
         while not self._stop.wait(self.poll):
-            n = len(read_status(self.run_dir))
-            if n and first is None:
-                first = time.monotonic()
-            if first is not None and (n >= self.world_size or time.monotonic() - first >= self.settle):
+            status = read_status(self.run_dir)
+            now = time.monotonic()
+            if not status:
+                first = stable = key = None
+                continue
+            new_key = sorted((r, s.get("time")) for r, s in status.items())
+            if new_key != key:
+                key, stable = new_key, now
+            first = first or now
+            if (len(status) >= self.world_size or now - first >= self.settle) and now - stable >= self.confirm:
                 self.verdict = hang_verdict(self.run_dir, self.world_size)
                 if self.verdict:
                     print(f"multigpu run: hang: {self.verdict}", file=self.stream, flush=True)

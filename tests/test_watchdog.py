@@ -1,0 +1,116 @@
+"""Hang reports: the verdict from per-rank status files, and a real hang on 3 ranks."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+
+import pytest
+
+from multigpu.meter.watchdog import HangMonitor, flight_recorder_env, hang_verdict, last_collective, read_status
+from multigpu.testing import free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def write_status(d, rank, **kw):
+    os.makedirs(d / "watchdog", exist_ok=True)
+    s = {"rank": rank, "host": "a" if rank < 2 else "b", "last_step": 1580, "stalled_s": 300.4, "function": "?",
+         "file": "/x/train.py", "line": 40, "collective": None, "in_backward": False,
+         "stacks": str(d / "watchdog" / f"rank{rank}.stacks.txt")} | kw
+    (d / "watchdog" / f"rank{rank}.json").write_text(json.dumps(s))
+
+
+def test_verdict_names_the_rank_outside_the_collective(tmp_path):
+    write_status(tmp_path, 1, function="DataLoader.__next__", line=12, last_step=1579)
+    for r in (0, 2, 3):
+        write_status(tmp_path, r, function="all_reduce", collective="all_reduce")
+    v = hang_verdict(str(tmp_path), world_size=4)
+    assert v.startswith("rank 1 (host a) has been in DataLoader.__next__ (train.py:12) for 300 s, after step 1579; "
+                        "ranks 0,2,3 are waiting in all_reduce after step 1580")
+    assert "rank1.stacks.txt" in v
+
+
+def test_verdict_when_everyone_waits_and_one_is_behind(tmp_path):
+    # Rank 2 skipped a step: it waits in a collective its peers already left (a mismatch).
+    for r in (0, 1):
+        write_status(tmp_path, r, collective="all_reduce", last_step=10)
+    write_status(tmp_path, 2, collective="broadcast", last_step=9)
+    v = hang_verdict(str(tmp_path), world_size=4)
+    assert v.startswith("rank 2 (host b) has been in broadcast (train.py:40) for 300 s, after step 9; "
+                        "ranks 0,1 are waiting in all_reduce after step 10; rank 3 wrote no report")
+
+
+def test_verdict_counts_ddp_backward_as_waiting_and_reads_the_flight_recorder(tmp_path):
+    trace = tmp_path / "watchdog" / "nccl_trace_rank_0"
+    write_status(tmp_path, 0, in_backward=True, function="_engine_run_backward", nccl_trace=str(trace))
+    write_status(tmp_path, 1, function="slow_step", line=7)
+    trace.write_bytes(pickle.dumps({"version": "2.4", "entries": [
+        {"profiling_name": "nccl:all_reduce", "collective_seq_id": 1580, "state": "completed"},
+        {"profiling_name": "nccl:all_reduce", "collective_seq_id": 1581, "state": "started"}]}))
+    assert last_collective(str(trace)) == "nccl:all_reduce #1581 (started)"
+    v = hang_verdict(str(tmp_path), world_size=2)
+    assert v.startswith("rank 1 (host a) has been in slow_step (train.py:7)")
+    assert "rank 0 is waiting in backward (gradient all-reduce) after step 1580" in v
+    assert "nccl_trace_rank_*" in v and "#1581 (started)" in v
+    assert hang_verdict(str(tmp_path / "nothing")) is None
+
+
+def test_flight_recorder_env_points_dumps_into_the_run():
+    env = flight_recorder_env("/runs/x")
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_FR_BUFFER_SIZE"]) > 0
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == "/runs/x/watchdog/nccl_trace_rank_"
+
+
+def test_real_hang_gives_the_verdict_with_rank_and_frame(tmp_path):
+    world, port = 3, free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "_hang_worker.py"), str(tmp_path), "1", "3"],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    out = io.StringIO()
+    monitor = HangMonitor(str(tmp_path), world, settle=15, confirm=1.0, poll=0.25, stream=out).start()
+    try:
+        deadline = time.monotonic() + 90
+        while monitor.verdict is None and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            time.sleep(0.2)
+        t_verdict = time.time()
+    finally:
+        monitor.stop()
+        for p in procs:
+            p.kill()
+        logs = [p.communicate()[0].decode(errors="replace") for p in procs]
+    assert monitor.verdict, "no verdict; worker logs:\n" + "\n".join(logs)
+    line = next(i for i, l in enumerate(open(os.path.join(HERE, "_hang_worker.py")), 1) if "time.sleep(600)" in l)
+    assert monitor.verdict.startswith(f"rank 1 (host {read_status(str(tmp_path))[1]['host']}) has been in slow_step "
+                                      f"(_hang_worker.py:{line}) for "), monitor.verdict
+    assert "after step 2; ranks 0,2 are waiting in all_reduce after step 2" in monitor.verdict
+    assert out.getvalue().startswith("multigpu run: hang: rank 1")
+    assert "slow_step" in (tmp_path / "watchdog" / "rank1.stacks.txt").read_text()
+    st = read_status(str(tmp_path))
+    hang_start = min(s["time"] - s["stalled_s"] for s in st.values())
+    print(f"\nverdict {t_verdict - hang_start:.1f} s after the hang began (watchdog timeout 2 s): {monitor.verdict}")
+
+
+def test_watchdog_reports_a_stall_and_withdraws_it_when_steps_resume(tmp_path):
+    from multigpu.meter.watchdog import Watchdog
+
+    wd = Watchdog(str(tmp_path / "watchdog"), rank=0, host="h", timeout=0.3, poll=0.05).start()
+    try:
+        wd.beat(0)
+        time.sleep(1.0)
+        st = read_status(str(tmp_path))
+        assert st[0]["last_step"] == 0 and st[0]["stalled_s"] >= 0.3
+        assert st[0]["function"] == "test_watchdog_reports_a_stall_and_withdraws_it_when_steps_resume"
+        assert "time.sleep" in open(os.path.join(HERE, "test_watchdog.py")).read().splitlines()[st[0]["line"] - 1]
+        wd.beat(1)
+        assert read_status(str(tmp_path)) == {}
+    finally:
+        wd.stop()
