@@ -6,22 +6,32 @@ measurements. Importing this package has no side effects.
 """
 
 from .batch import BatchPlan, scale_lr, warmup
+from .data import all_reduce_sum, eval_loader, loader
 from .dist import Dist, init, print0
 from .errors import UsageError
 from .fingerprint import fingerprint
 from .meter import StepMeter, profile
+from .precision import Precision
+from .strategy import accumulate, unwrap, wrap
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BatchPlan",
     "Dist",
+    "Precision",
     "StepMeter",
     "UsageError",
+    "accumulate",
+    "all_reduce_sum",
+    "eval_loader",
     "fingerprint",
     "init",
+    "loader",
     "print0",
     "profile",
     "scale_lr",
+    "unwrap",
     "warmup",
+    "wrap",
 ]
