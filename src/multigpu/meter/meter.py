@@ -289,7 +289,12 @@ class StepMeter:
             rank_samples = self.samples_per_step / self.world_size
             self.flops_per_sample = self._flop_count.stop() / rank_samples or None
         if loss is not None:
-            self._loss_sum = self._loss_sum + (loss.detach().float() if torch.is_tensor(loss) else float(loss))
+            if not torch.is_tensor(loss):
+                self._loss_sum = self._loss_sum + float(loss)
+            elif torch.is_tensor(self._loss_sum):
+                self._loss_sum.add_(loss.detach())  # on the device: no sync, no new tensor
+            else:
+                self._loss_sum = loss.detach().float() + self._loss_sum
             self._loss_n += 1
         for key, value in metrics.items():
             v = value.detach().float() if torch.is_tensor(value) else float(value)
@@ -337,6 +342,8 @@ class StepMeter:
         vals = [v.item() if torch.is_tensor(v) else v for v in (self._metric_sums[k] for k in keys)]
         ready_v = ready if ready_n == self._n and self._n else math.nan
         vec = [self._n, wall, self._data_wait, compute, ready_v, loss, self._loss_n, _rank_peak_memory(self.device), *vals]
+        if not self._cuda:  # same on every rank, so the gathered vectors keep one length
+            return vec, keys
         mon = self.monitor.take() if self.monitor is not None and self.monitor.enabled else None
         return vec + gpumon.as_vector(mon), keys
 
@@ -385,7 +392,7 @@ class StepMeter:
             rec["mfu"] = rec["flops_per_s"] / (self.peak_flops * self.world_size) if self.peak_flops else None
         for i, key in enumerate(keys):
             rec[key] = sum(r[b + i] for r in rows) / sum(p["n"] for p in per)
-        gpu = gpumon.across_ranks([r[b + len(keys):] for r in rows])
+        gpu = gpumon.across_ranks([r[b + len(keys):] for r in rows]) if self._cuda else None
         if gpu:
             rec["gpu"] = gpu
         basis = rd if not any(math.isnan(x) for x in rd) else cp

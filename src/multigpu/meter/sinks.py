@@ -38,6 +38,16 @@ def _json_default(obj: Any):
     return str(obj)
 
 
+def _no_nan(obj: Any) -> Any:
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _no_nan(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_no_nan(v) for v in obj]
+    return obj
+
+
 class JsonlSink:
     """One JSON object per line: a ``header`` line, ``step``/``eval`` lines, a ``summary`` line."""
 
@@ -52,9 +62,8 @@ class JsonlSink:
         self.write(header)
 
     def write(self, record: dict[str, Any]) -> None:
-        # allow_nan=False would reject NaN; JSON readers differ on NaN, so write null instead.
-        clean = json.loads(json.dumps(record, default=_json_default), parse_constant=lambda _: None)
-        self._f.write(json.dumps(clean, separators=(",", ":")) + "\n")
+        # JSON readers differ on NaN: write null instead.
+        self._f.write(json.dumps(_no_nan(record), separators=(",", ":"), default=_json_default) + "\n")
         self._f.flush()
 
     def close(self) -> None:
