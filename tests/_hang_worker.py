@@ -1,6 +1,7 @@
 """A training loop in which one rank hangs inside a step (for tests/test_watchdog.py).
 
-Started as ``python _hang_worker.py LOG_DIR HANG_RANK HANG_STEP`` with torchrun's variables set.
+Started as ``python _hang_worker.py HANG_RANK HANG_STEP`` with torchrun's variables set and the run
+directory passed the way ``multigpu run`` passes it (``worker_env``).
 """
 
 import sys
@@ -17,10 +18,10 @@ def slow_step():
     time.sleep(600)  # the hang: this rank never reaches the all_reduce below
 
 
-def main(log_dir: str, hang_rank: int, hang_step: int) -> None:
+def main(hang_rank: int, hang_step: int) -> None:
     with mg.init(seed=0) as dist:
         model = torch.nn.Linear(8, 1)
-        with StepMeter(dist, samples_per_step=4 * dist.world_size, log_dir=log_dir, watchdog=2.0, progress=False,
+        with StepMeter(dist, samples_per_step=4 * dist.world_size, watchdog=2.0, progress=False,
                        log_every=1000, flops_per_sample=None) as meter:
             for step, x in meter.steps(torch.randn(4, 8) for _ in range(100)):
                 if dist.rank == hang_rank and step == hang_step:
@@ -33,4 +34,4 @@ def main(log_dir: str, hang_rank: int, hang_step: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(int(sys.argv[1]), int(sys.argv[2]))

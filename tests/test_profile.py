@@ -83,6 +83,20 @@ def test_profile_summary_adds_up_to_the_measured_step_time(tmp_path, capsys):
     assert json.loads((tmp_path / "profile" / "summary.json").read_text())[1]["rank"] == 1
 
 
+def test_launcher_profile_variable_reaches_the_meter(tmp_path, monkeypatch, capsys):
+    from multigpu.meter.launcher import worker_env
+
+    for k, v in worker_env(str(tmp_path), profile="2:4", cuda=False).items():
+        monkeypatch.setenv(k, v)
+    with StepMeter(None, samples_per_step=4, log_every=100, watchdog=None, flops_per_sample=None) as meter:
+        for _ in meter.steps(range(6)):
+            torch.ones(64, 64).matmul(torch.ones(64, 64))
+    assert meter.log_dir == str(tmp_path)  # the run directory came from the launcher
+    (s,) = json.loads((tmp_path / "profile" / "summary.json").read_text())
+    assert s["steps"] == 2 and sum(s[p] for p in PARTS) == pytest.approx(s["step_total"])
+    assert "profile of steps 2..3" in capsys.readouterr().out
+
+
 @pytest.mark.gpu
 def test_profile_on_cuda_splits_kernels(tmp_path):
     dev = torch.device("cuda", 0)

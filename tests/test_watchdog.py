@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from multigpu.meter.launcher import worker_env
 from multigpu.meter.watchdog import HangMonitor, flight_recorder_env, hang_verdict, last_collective, read_status
 from multigpu.testing import free_port
 
@@ -61,19 +62,24 @@ def test_verdict_counts_ddp_backward_as_waiting_and_reads_the_flight_recorder(tm
     assert hang_verdict(str(tmp_path / "nothing")) is None
 
 
-def test_flight_recorder_env_points_dumps_into_the_run():
+def test_worker_env_carries_run_dir_profile_and_flight_recorder():
     env = flight_recorder_env("/runs/x")
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_FR_BUFFER_SIZE"]) > 0
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == "/runs/x/watchdog/nccl_trace_rank_"
+    assert worker_env("/runs/x", profile="10:15", cuda=False) == {"MULTIGPU_RUN_DIR": "/runs/x", "MULTIGPU_PROFILE": "10:15"}
+    assert worker_env("/runs/x", cuda=True)["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    with pytest.raises(Exception, match="START:STOP"):
+        worker_env("/runs/x", profile="ten")
 
 
 def test_real_hang_gives_the_verdict_with_rank_and_frame(tmp_path):
     world, port = 3, free_port()
     procs = []
     for r in range(world):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "_hang_worker.py"), str(tmp_path), "1", "3"],
+        env = dict(os.environ, **worker_env(str(tmp_path), cuda=False), RANK=str(r), LOCAL_RANK=str(r),
+                   WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "_hang_worker.py"), "1", "3"],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     out = io.StringIO()
     monitor = HangMonitor(str(tmp_path), world, settle=15, confirm=1.0, poll=0.25, stream=out).start()
