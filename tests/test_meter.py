@@ -227,6 +227,7 @@ def test_slow_rank_is_named_as_straggler_with_its_cause(tmp_path):
             names = [(s["rank"], s["cause"]) for s in r["stragglers"]]
             assert names == [(2, cause)], (phase, r["stragglers"], r)
             assert r["stragglers"][0]["excess"] > SLOW / 2
+        assert [r["stragglers"][0]["intervals"] for r in recs] == [1, 2]
         # Only rank 0 writes files.
         assert sorted(os.listdir(tmp_path / str(phase))) == ["metrics.jsonl"]
 
@@ -251,3 +252,19 @@ def test_gpu_meter_times_with_events_and_reports_mfu(tmp_path):
         assert 0 < recs[-1]["mfu"] < 1
     if m.monitor is not None and m.monitor.enabled:
         assert 0 <= recs[-1]["gpu"]["util_pct"]["max"] <= 100
+
+
+def test_wandb_offline_run_holds_the_logged_loss(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    import glob
+    import re
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with StepMeter(None, samples_per_step=4, log_every=2, log_dir=str(tmp_path), sinks=("jsonl", "wandb"),
+                   watchdog=None, progress=False, sink_options={"wandb": {"mode": "offline", "project": "mg-test"}}) as m:
+        for _, x in m.steps(range(4)):
+            m.step_end(loss=float(x))
+    (run,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    data = open(run, "rb").read()
+    # History items are protobuf records with the value as JSON text: loss 0.5 (steps 0,1) and 2.5 (steps 2,3).
+    assert re.search(rb"loss.{1,4}0\.5", data) and re.search(rb"loss.{1,4}2\.5", data)

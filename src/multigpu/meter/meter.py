@@ -15,6 +15,7 @@ import math
 import os
 import resource
 import socket
+import statistics
 import time
 from typing import Any, Iterable, Iterator
 
@@ -30,7 +31,10 @@ from .stragglers import find_stragglers
 RUN_DIR_ENV = "MULTIGPU_RUN_DIR"  # set by `multigpu run` for its workers: launcher -> worker channel only
 PROFILE_ENV = "MULTIGPU_PROFILE"  # `multigpu run --profile 10:15`
 SCHEMA_VERSION = 1
-_BASE = ("n", "wall", "data_wait", "compute", "ready", "loss_sum", "loss_n", "peak_mem")
+# Per-rank numbers gathered at log steps. The medians (per step) name stragglers: a rank
+# slowed on a few steps by the OS scheduler is noise, one slow on most steps is a straggler.
+_BASE = ("n", "wall", "data_wait", "compute", "ready", "loss_sum", "loss_n", "peak_mem",
+         "dw_med", "cp_med", "rd_med", "dw_mad", "cp_mad", "rd_mad")
 
 
 def _rank_peak_memory(device: torch.device) -> float:
@@ -39,6 +43,11 @@ def _rank_peak_memory(device: torch.device) -> float:
         torch.cuda.reset_peak_memory_stats(device)
         return float(peak)
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # kB on Linux: peak RSS
+
+
+def _mad(values: list[float]) -> float:
+    med = statistics.median(values)
+    return statistics.median([abs(v - med) for v in values])
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -109,6 +118,7 @@ class StepMeter:
         self._in_step = False
         self._started = False
         self._records: list[dict[str, Any]] = []
+        self._streak: dict[tuple[int, str], int] = {}
         self._extra: dict[str, Any] = {}
         self._lr: float | None = None
         self._flop_count: FlopCount | None = None
@@ -201,10 +211,9 @@ class StepMeter:
     # -- per step: timestamps only ------------------------------------------------------
     def _reset_interval(self) -> None:
         self._n = 0
-        self._data_wait = 0.0
-        self._compute = 0.0
-        self._ready = 0.0
-        self._ready_n = 0
+        self._dws: list[float] = []  # per step: data wait, compute, ready (CPU clocks; GPU events below)
+        self._cps: list[float] = []
+        self._rds: list[float] = []
         self._events: list[tuple[Any, Any, Any]] = []
         self._loss_sum: Any = 0.0
         self._loss_n = 0
@@ -255,7 +264,7 @@ class StepMeter:
             self._started = True
             self._t0 = time.perf_counter()
         self._in_step = True
-        self._data_wait += data_wait
+        self._dws.append(data_wait)
         self._ready_t = None
         if self._cuda:
             start, self._ready_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -281,10 +290,9 @@ class StepMeter:
             start, ready, _ = self._events[-1]
             self._events[-1] = (start, ready, end)
         else:
-            self._compute += now - self._t_step
+            self._cps.append(now - self._t_step)
             if self._ready_t is not None:
-                self._ready += self._ready_t - self._t_step
-                self._ready_n += 1
+                self._rds.append(self._ready_t - self._t_step)
         if self._flop_count is not None and self._flop_count.total is None:
             rank_samples = self.samples_per_step / self.world_size
             self.flops_per_sample = self._flop_count.stop() / rank_samples or None
@@ -325,23 +333,24 @@ class StepMeter:
 
     # -- log steps: one sync, one gather ----------------------------------------------
     def _rank_vector(self) -> tuple[list[float], list[str]]:
-        compute, ready, ready_n = self._compute, self._ready, self._ready_n
+        cps, rds = self._cps, self._rds
         if self._cuda and self._events:
             self._events[-1][2].synchronize()
             for start, ready_ev, end in self._events:
-                compute += start.elapsed_time(end) / 1e3
-                if ready_ev.query():
-                    try:
-                        ready += start.elapsed_time(ready_ev) / 1e3
-                        ready_n += 1
-                    except RuntimeError:  # never recorded: no gradient this step
-                        pass
+                cps.append(start.elapsed_time(end) / 1e3)
+                try:
+                    rds.append(start.elapsed_time(ready_ev) / 1e3)
+                except RuntimeError:  # never recorded: no gradient this step
+                    pass
         wall = time.perf_counter() - self._t0
         loss = self._loss_sum.item() if torch.is_tensor(self._loss_sum) else self._loss_sum
         keys = sorted(self._metric_sums)
         vals = [v.item() if torch.is_tensor(v) else v for v in (self._metric_sums[k] for k in keys)]
-        ready_v = ready if ready_n == self._n and self._n else math.nan
-        vec = [self._n, wall, self._data_wait, compute, ready_v, loss, self._loss_n, _rank_peak_memory(self.device), *vals]
+        full = len(rds) == self._n and self._n > 0  # ready known for every step (hooks fired)
+        vec = [self._n, wall, sum(self._dws), sum(cps), sum(rds) if full else math.nan, loss, self._loss_n,
+               _rank_peak_memory(self.device), statistics.median(self._dws), statistics.median(cps),
+               statistics.median(rds) if full else math.nan, _mad(self._dws), _mad(cps),
+               _mad(rds) if full else math.nan, *vals]
         if not self._cuda:  # same on every rank, so the gathered vectors keep one length
             return vec, keys
         mon = self.monitor.take() if self.monitor is not None and self.monitor.enabled else None
@@ -395,11 +404,18 @@ class StepMeter:
         gpu = gpumon.across_ranks([r[b + len(keys):] for r in rows]) if self._cuda else None
         if gpu:
             rec["gpu"] = gpu
-        basis = rd if not any(math.isnan(x) for x in rd) else cp
-        if basis is rd:  # fwd+bwd until this rank's own gradients were ready (no waiting for others)
+        have_ready = not any(math.isnan(x) for x in rd)
+        if have_ready:  # fwd+bwd until this rank's own gradients were ready (no waiting for others)
             rec["ready"], rec["ready_max"] = sum(rd) / len(rd), max(rd)
-        found = find_stragglers(dw, basis, self.hosts, min_excess=self.straggler_threshold) if len(per) > 1 else []
-        rec["stragglers"] = [dict(s.to_dict(), line=s.line()) for s in found]
+        key = "rd" if have_ready else "cp"
+        found = find_stragglers(
+            [p["dw_med"] for p in per], [p[key + "_med"] for p in per], self.hosts, min_excess=self.straggler_threshold,
+            data_jitter=[p["dw_mad"] for p in per], compute_jitter=[p[key + "_mad"] for p in per],
+        ) if len(per) > 1 else []
+        # A straggler seen in consecutive intervals is real; one interval can be the OS scheduler.
+        streak = {(s.rank, s.cause): self._streak.get((s.rank, s.cause), 0) + 1 for s in found}
+        self._streak = streak
+        rec["stragglers"] = [dict(s.to_dict(), line=s.line(), intervals=streak[s.rank, s.cause]) for s in found]
         rec.update(self._extra)
         self._extra = {}
         self._records.append(rec)
@@ -426,7 +442,8 @@ class StepMeter:
             "step_time": _spread([r["step_time"] for r in recs]),
             "fractions": {"data_wait": dw / total, "compute": cp / total, "other": max(0.0, 1 - (dw + cp) / total)},
             "peak_mem_gb": max(r["peak_mem_gb"] for r in self._records),
-            "stragglers": sorted({(s["rank"], s["cause"]) for r in self._records for s in r["stragglers"]}),
+            "stragglers": sorted({(s["rank"], s["cause"]) for r in self._records for s in r["stragglers"]
+                                  if s["intervals"] >= 2}),
             "measured_steps": steps,
         }
         if any(r.get("mfu") is not None for r in recs):

@@ -237,7 +237,8 @@ class ConsoleSink:
                 self.stream.write(line + "\n")
             self.stream.flush()
             for s in record.get("stragglers") or []:
-                self.note(s["line"])
+                if s.get("intervals", 1) >= 2:  # printed once it persists; every detection is in the JSONL
+                    self.note(f"{s['line']} ({s['intervals']} log intervals in a row)")
         elif record.get("type") == "eval":
             self.note("eval step {}: {}".format(record["step"], ", ".join(
                 f"{k} {v:.4g}" for k, v in flatten(record).items() if k != "step")))
