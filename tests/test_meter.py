@@ -224,10 +224,12 @@ def test_slow_rank_is_named_as_straggler_with_its_cause(tmp_path):
         assert recs[0]["loss"] == pytest.approx(100 + 1.5) and recs[1]["loss"] == pytest.approx(100 + 5.5)
         assert recs[0]["rank_metric"] == pytest.approx(1.0)
         for r in recs:
-            names = [(s["rank"], s["cause"]) for s in r["stragglers"]]
-            assert names == [(2, cause)], (phase, r["stragglers"], r)
-            assert r["stragglers"][0]["excess"] > SLOW / 2
-        assert [r["stragglers"][0]["intervals"] for r in recs] == [1, 2]
+            named = [s for s in r["stragglers"] if (s["rank"], s["cause"]) == (2, cause)]
+            assert len(named) == 1 and named[0]["excess"] > SLOW / 2, (phase, r["stragglers"])
+            # On this shared machine another rank may be a few ms slow for a while (and is then
+            # reported); never by anything like the injected delay.
+            assert all(s["excess"] < SLOW / 2 for s in r["stragglers"] if s is not named[0]), r["stragglers"]
+            assert named[0]["intervals"] == recs.index(r) + 1
         # Only rank 0 writes files.
         assert sorted(os.listdir(tmp_path / str(phase))) == ["metrics.jsonl"]
 
@@ -265,6 +267,12 @@ def test_wandb_offline_run_holds_the_logged_loss(tmp_path, monkeypatch):
         for _, x in m.steps(range(4)):
             m.step_end(loss=float(x))
     (run,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
-    data = open(run, "rb").read()
-    # History items are protobuf records with the value as JSON text: loss 0.5 (steps 0,1) and 2.5 (steps 2,3).
-    assert re.search(rb"loss.{1,4}0\.5", data) and re.search(rb"loss.{1,4}2\.5", data)
+    # wandb's service process writes the file after finish() returns: give it a moment.
+    deadline = time.monotonic() + 20
+    while True:
+        data = open(run, "rb").read()
+        # History items are protobuf records with the value as JSON text: loss 0.5 (steps 0,1) and 2.5 (steps 2,3).
+        if (re.search(rb"loss.{1,4}0\.5", data) and re.search(rb"loss.{1,4}2\.5", data)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert re.search(rb"loss.{1,4}0\.5", data) and re.search(rb"loss.{1,4}2\.5", data), data[:200]

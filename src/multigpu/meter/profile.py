@@ -130,7 +130,8 @@ def summarize(events: Any, key_averages: Any = None, top: int = 8) -> dict[str, 
 
 def format_table(summaries: list[dict[str, Any]]) -> str:
     """The per-rank table rank 0 prints (times in ms per profiled window, and % of the step time)."""
-    head = f"{'rank':>4} {'steps':>5} {'step ms':>8} " + " ".join(f"{p.replace('_', ' '):>16}" for p in PARTS)
+    head = (f"{'rank':>4} {'steps':>5} {'ms/step':>8} " + " ".join(f"{p.replace('_', ' '):>16}" for p in PARTS)
+            + "   (ms over the profiled steps, % of their time)")
     lines = [head]
     for r, s in enumerate(summaries):
         tot = s["step_total"] or 1.0

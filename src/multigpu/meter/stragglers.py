@@ -33,9 +33,10 @@ class Straggler:
     excess: float  # seconds - median
 
     def line(self) -> str:
-        pct = 100 * self.excess / self.median if self.median > 0 else float("inf")
+        # A percentage of a near-zero median (no data wait elsewhere) says nothing.
+        pct = f" (+{100 * self.excess / self.median:.0f}%)" if self.median >= 1e-3 else ""
         return (f"straggler: rank {self.rank} (host {self.host}) spends {self.seconds * 1e3:.1f} ms/step in {self.cause}, "
-                f"{self.excess * 1e3:.1f} ms (+{pct:.0f}%) more than the other ranks' median")
+                f"{self.excess * 1e3:.1f} ms{pct} more than the other ranks' median {self.median * 1e3:.1f} ms")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,7 +74,7 @@ def find_stragglers(
     jitters are each rank's step-to-step MAD of the same quantity.
 
     >>> find_stragglers([0.001, 0.001, 0.200], [0.05, 0.05, 0.05], ["a", "a", "b"])[0].line()
-    'straggler: rank 2 (host b) spends 200.0 ms/step in data wait, 199.0 ms (+19900%) more than ...'
+    'straggler: rank 2 (host b) spends 200.0 ms/step in data wait, 199.0 ms more than the other ranks' median 1.0 ms'
     """
     found = []
     for cause, values, jitter in (("data wait", data_wait, data_jitter), ("compute", compute, compute_jitter)):

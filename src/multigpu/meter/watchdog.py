@@ -155,7 +155,7 @@ class Watchdog:
             json.dump(status, f)
         os.replace(tmp, path)  # readers never see half a file
         self._reported = True
-        print(f"multigpu: rank {self.rank}: no step completed for {stalled:.0f} s; in {status['function']} "
+        print(f"multigpu: rank {self.rank}: no step completed for {stalled:.0f} s; in {_waits_for_peers(status) or status['function']} "
               f"({status['file']}:{status['line']}); stacks in {stacks}", file=sys.stderr, flush=True)
         return path
 
