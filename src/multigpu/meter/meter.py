@@ -445,6 +445,7 @@ class StepMeter:
             "stragglers": sorted({(s["rank"], s["cause"]) for r in self._records for s in r["stragglers"]
                                   if s["intervals"] >= 2}),
             "measured_steps": steps,
+            "flops_per_sample": self.flops_per_sample, "peak_flops": self.peak_flops,
         }
         if any(r.get("mfu") is not None for r in recs):
             out["mfu"] = _spread([r["mfu"] for r in recs if r.get("mfu") is not None])
