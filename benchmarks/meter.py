@@ -9,8 +9,10 @@ the device, a JSONL record every ``--log-every`` steps, watchdog and GPU
 monitor on. Printed: the overhead ratio (metered / bare - 1) per trial, its
 median and spread, and an environment fingerprint.
 
-On a shared machine the A/B ratio is noisy (a few % either way), so the
-meter's cost is also measured directly, where noise is small: the same loop
+On a shared machine the wall-clock A/B ratio is noisy (other processes take
+the cores), so it is also given in CPU time of this process (``process_time``;
+torch runs single-threaded here, so other processes' load does not enter it),
+and the meter's cost is measured directly, in CPU time too: the same loop
 with an empty body, bare and metered (per-step cost of ``steps()`` +
 ``step_end()`` + log steps), plus the gradient hooks' cost (backward of the
 model with and without the meter's hooks). Their sum over the bare step time
@@ -70,7 +72,7 @@ def _trial(dist, model, opt, steps, batch, metered, log_every, log_root):
     for step, (x, y) in it:
         if step == WARMUP:
             _sync(dist.device)
-            start = time.perf_counter()
+            start, cpu0 = time.perf_counter(), time.process_time()
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
@@ -78,10 +80,10 @@ def _trial(dist, model, opt, steps, batch, metered, log_every, log_root):
         if meter is not None:
             meter.step_end(loss=loss, lr=opt)
     _sync(dist.device)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu0
     if meter is not None:
         meter.close()
-    return elapsed / steps
+    return elapsed / steps, cpu / steps
 
 
 def _empty_loop(dist, n, metered, log_every, root):
@@ -90,12 +92,12 @@ def _empty_loop(dist, n, metered, log_every, root):
                       log_dir=tempfile.mkdtemp(dir=root)) if metered else None
     it = meter.steps(range(n)) if metered else enumerate(range(n))
     _sync(dist.device)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for _ in it:
         if meter is not None:
             meter.step_end(loss=loss, lr=0.1)
     _sync(dist.device)
-    dt = (time.perf_counter() - t0) / n
+    dt = (time.process_time() - t0) / n
     if meter is not None:
         meter.close()
     return dt
@@ -106,7 +108,7 @@ def _backward(model, x, y, reps, hooked, dist, root):
                       log_dir=tempfile.mkdtemp(dir=root)) if hooked else None
     loss_fn = nn.CrossEntropyLoss()
     _sync(dist.device)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for _ in range(reps):
         if meter is not None:
             meter.step_begin()  # hooks record only inside a step
@@ -114,7 +116,7 @@ def _backward(model, x, y, reps, hooked, dist, root):
         if meter is not None:
             meter._in_step = False  # end without the bookkeeping measured by _empty_loop
     _sync(dist.device)
-    dt = (time.perf_counter() - t0) / reps
+    dt = (time.process_time() - t0) / reps
     if meter is not None:
         meter._shutdown(write_summary=False)
     model.zero_grad(set_to_none=True)
@@ -122,16 +124,19 @@ def _backward(model, x, y, reps, hooked, dist, root):
 
 
 def direct_cost(dist, batch, width, log_every, root):
-    """Per-step seconds of the meter's own calls and of its gradient hooks (medians of interleaved runs)."""
+    """Per-step seconds of the meter's own calls and of its gradient hooks.
+
+    CPU time, minimum over interleaved repetitions of each variant: noise only adds time.
+    """
     loops = [(_empty_loop(dist, 2000, False, log_every, root), _empty_loop(dist, 2000, True, log_every, root))
-             for _ in range(5)]
+             for _ in range(7)]
     # The hooks cost per parameter, not per FLOP: a narrow copy of the model (same parameters
     # count, tiny matmuls) shows their cost above the noise.
     model = _model(dist.device, 8)
     x, y = next(_batches(1, 8, dist.device))
-    hooks = [(_backward(model, x, y, 500, False, dist, root), _backward(model, x, y, 500, True, dist, root))
-             for _ in range(7)]
-    return (statistics.median(m - b for b, m in loops), statistics.median(h - b for b, h in hooks))
+    hooks = [(_backward(model, x, y, 300, False, dist, root), _backward(model, x, y, 300, True, dist, root))
+             for _ in range(15)]
+    return (min(m for _, m in loops) - min(b for b, _ in loops), min(h for _, h in hooks) - min(b for b, _ in hooks))
 
 
 def run(dist, trials, steps, batch, width, log_every):
@@ -169,20 +174,21 @@ def main() -> None:
             fp = fingerprint(dist)
     print("fingerprint:", format_fingerprint(fp))
     print(f"{a.trials} trials x {a.steps} steps, batch {a.batch}/rank, width {a.width}, log every {a.log_every}, world {a.world}")
-    print(f"{'trial':>5} {'bare ms/step':>13} {'metered ms/step':>16} {'overhead':>9}")
-    ratios = []
-    for i, (bare, metered) in enumerate(results):
+    print(f"{'trial':>5} {'bare ms/step':>13} {'metered ms/step':>16} {'overhead':>9}   (wall clock; then cpu time)")
+    ratios, cpu_ratios = [], []
+    for i, ((bare, bare_cpu), (metered, metered_cpu)) in enumerate(results):
         ratios.append(metered / bare - 1)
-        print(f"{i:>5} {bare * 1e3:13.3f} {metered * 1e3:16.3f} {100 * ratios[-1]:8.2f}%")
-    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
-    print(f"meter overhead: median {100 * statistics.median(ratios):+.2f}% (IQR {100 * q[0]:+.2f}% .. {100 * q[2]:+.2f}%, "
-          f"min {100 * min(ratios):+.2f}%, max {100 * max(ratios):+.2f}%, n={len(ratios)}) "
-          f"at {statistics.median(b for b, _ in results) * 1e3:.2f} ms/step")
-    bare = statistics.median(b for b, _ in results)
+        cpu_ratios.append(metered_cpu / bare_cpu - 1)
+        print(f"{i:>5} {bare * 1e3:13.3f} {metered * 1e3:16.3f} {100 * ratios[-1]:8.2f}%   cpu time {100 * cpu_ratios[-1]:+.2f}%")
+    for name, rs in (("wall clock", ratios), ("cpu time", cpu_ratios)):
+        q = statistics.quantiles(rs, n=4) if len(rs) >= 2 else [rs[0]] * 3
+        print(f"meter overhead ({name}): median {100 * statistics.median(rs):+.2f}% (IQR {100 * q[0]:+.2f}% .. "
+              f"{100 * q[2]:+.2f}%, min {100 * min(rs):+.2f}%, max {100 * max(rs):+.2f}%, n={len(rs)})")
+    bare = statistics.median(b[1] for b, _ in results)
     calls, hooks = cost
     print(f"direct: meter calls {calls * 1e6:.1f} us/step (steps()+step_end()+log every {a.log_every}), "
-          f"gradient hooks {hooks * 1e6:.1f} us/step -> overhead ratio {100 * (calls + hooks) / bare:.2f}% "
-          f"of {bare * 1e3:.2f} ms/step")
+          f"gradient hooks {hooks * 1e6:.1f} us/step (cpu time) -> overhead ratio {100 * (calls + hooks) / bare:.2f}% "
+          f"of {bare * 1e3:.2f} ms/step (bare step, cpu time)")
 
 
 if __name__ == "__main__":
