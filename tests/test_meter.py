@@ -276,3 +276,13 @@ def test_wandb_offline_run_holds_the_logged_loss(tmp_path, monkeypatch):
             break
         time.sleep(0.2)
     assert re.search(rb"loss.{1,4}0\.5", data) and re.search(rb"loss.{1,4}2\.5", data), data[:200]
+
+
+def test_missing_optional_sink_is_one_line_and_writes_nothing(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("mlflow") is not None:
+        pytest.skip("mlflow is installed here")
+    with pytest.raises(mg.UsageError, match=r"pip install 'multigpu\[mlflow\]'"):
+        StepMeter(None, samples_per_step=4, log_dir=str(tmp_path / "run"), sinks=("jsonl", "mlflow"), watchdog=None)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

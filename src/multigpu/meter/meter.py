@@ -26,35 +26,17 @@ from ..errors import UsageError
 from ..fingerprint import fingerprint
 from . import gpumon, sinks as _sinks
 from .flops import FlopCount, dtype_key, peak_flops
-from .stragglers import find_stragglers
+from .records import interval_record, mad, run_summary
 
 RUN_DIR_ENV = "MULTIGPU_RUN_DIR"  # set by `multigpu run` for its workers: launcher -> worker channel only
 PROFILE_ENV = "MULTIGPU_PROFILE"  # `multigpu run --profile 10:15`
 SCHEMA_VERSION = 1
-# Per-rank numbers gathered at log steps. The medians (per step) name stragglers: a rank
-# slowed on a few steps by the OS scheduler is noise, one slow on most steps is a straggler.
-_BASE = ("n", "wall", "data_wait", "compute", "ready", "loss_sum", "loss_n", "peak_mem",
-         "dw_med", "cp_med", "rd_med", "dw_mad", "cp_mad", "rd_mad")
-
-
 def _rank_peak_memory(device: torch.device) -> float:
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         return float(peak)
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # kB on Linux: peak RSS
-
-
-def _mad(values: list[float]) -> float:
-    med = statistics.median(values)
-    return statistics.median([abs(v - med) for v in values])
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    n = len(values)
-    mean = sum(values) / n
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
-    return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": n}
 
 
 class StepMeter:
@@ -91,9 +73,7 @@ class StepMeter:
     ) -> None:
         if not isinstance(log_every, int) or log_every < 1:
             raise UsageError(f"log_every must be a positive integer, got {log_every!r}; use e.g. log_every=10")
-        unknown = set(sinks) - {"jsonl", "tensorboard", "csv", "wandb", "mlflow"}
-        if unknown:
-            raise UsageError(f"unknown sink(s) {sorted(unknown)}; choose from jsonl, tensorboard, csv, wandb, mlflow")
+        _sinks.check_sinks(sinks)
         self.rank = getattr(dist, "rank", 0)
         self.world_size = getattr(dist, "world_size", 1)
         self.device = torch.device(getattr(dist, "device", "cpu"))
@@ -171,17 +151,11 @@ class StepMeter:
                 "meter": {"log_every": log_every, "samples_per_step": self.samples_per_step, "dtype": self._dtype,
                           "peak_flops": self.peak_flops, "flops_per_sample": flops_per_sample, "hosts": self.hosts},
             }
-            opts = sink_options or {}
-            self.sinks.append(_sinks.JsonlSink(os.path.join(self.log_dir, "metrics.jsonl"), self.header, resume=resume))
-            for s in sinks:
-                if s == "tensorboard":
-                    self.sinks.append(_sinks.TensorBoardSink(os.path.join(self.log_dir, "tensorboard"), self.header))
-                elif s == "csv":
-                    self.sinks.append(_sinks.CsvSink(os.path.join(self.log_dir, "metrics.csv")))
-                elif s == "wandb":
-                    self.sinks.append(_sinks.WandbSink(self.log_dir, self.header, **opts.get("wandb", {})))
-                elif s == "mlflow":
-                    self.sinks.append(_sinks.MlflowSink(self.log_dir, self.header, **opts.get("mlflow", {})))
+            try:
+                self.sinks = _sinks.make_sinks(sinks, self.log_dir, self.header, resume, sink_options or {})
+            except BaseException:
+                self._shutdown(write_summary=False)  # no threads or hooks left behind
+                raise
             if progress:
                 self.console = _sinks.ConsoleSink(total_steps)
                 self.sinks.append(self.console)
@@ -349,8 +323,8 @@ class StepMeter:
         full = len(rds) == self._n and self._n > 0  # ready known for every step (hooks fired)
         vec = [self._n, wall, sum(self._dws), sum(cps), sum(rds) if full else math.nan, loss, self._loss_n,
                _rank_peak_memory(self.device), statistics.median(self._dws), statistics.median(cps),
-               statistics.median(rds) if full else math.nan, _mad(self._dws), _mad(cps),
-               _mad(rds) if full else math.nan, *vals]
+               statistics.median(rds) if full else math.nan, mad(self._dws), mad(cps),
+               mad(rds) if full else math.nan, *vals]
         if not self._cuda:  # same on every rank, so the gathered vectors keep one length
             return vec, keys
         mon = self.monitor.take() if self.monitor is not None and self.monitor.enabled else None
@@ -375,47 +349,12 @@ class StepMeter:
             self._write_record(rows, keys, n_steps)
 
     def _write_record(self, rows: list[list[float]], keys: list[str], n_steps: int) -> None:
-        b = len(_BASE)
-        per = [dict(zip(_BASE, r[:b])) for r in rows]
-        step_time = max(p["wall"] / p["n"] for p in per)
-        dw = [p["data_wait"] / p["n"] for p in per]
-        cp = [p["compute"] / p["n"] for p in per]
-        rd = [p["ready"] / p["n"] for p in per]
-        loss_n = sum(p["loss_n"] for p in per)
-        sps = self.samples_per_step / step_time
-        rec: dict[str, Any] = {
-            "type": "step", "step": self.step - 1, "steps": n_steps,
-            "samples_seen": self.step * self.samples_per_step, "time": time.time() - self._t_start_wall,
-            "step_time": step_time, "data_wait": sum(dw) / len(dw), "data_wait_max": max(dw),
-            "compute": sum(cp) / len(cp), "compute_max": max(cp),
-            "data_wait_frac": sum(dw) / len(dw) / step_time, "compute_frac": sum(cp) / len(cp) / step_time,
-            "samples_per_s": sps,
-            "tokens_per_s": sps * self.tokens_per_sample if self.tokens_per_sample else None,
-            "loss": sum(p["loss_sum"] for p in per) / loss_n if loss_n else None,
-            "lr": self._lr,
-            "peak_mem_gb": max(p["peak_mem"] for p in per) / 1e9,
-            "peak_mem_rank": max(range(len(per)), key=lambda r: per[r]["peak_mem"]),
-        }
-        if self.flops_per_sample:
-            rec["flops_per_s"] = self.flops_per_sample * sps
-            rec["mfu"] = rec["flops_per_s"] / (self.peak_flops * self.world_size) if self.peak_flops else None
-        for i, key in enumerate(keys):
-            rec[key] = sum(r[b + i] for r in rows) / sum(p["n"] for p in per)
-        gpu = gpumon.across_ranks([r[b + len(keys):] for r in rows]) if self._cuda else None
-        if gpu:
-            rec["gpu"] = gpu
-        have_ready = not any(math.isnan(x) for x in rd)
-        if have_ready:  # fwd+bwd until this rank's own gradients were ready (no waiting for others)
-            rec["ready"], rec["ready_max"] = sum(rd) / len(rd), max(rd)
-        key = "rd" if have_ready else "cp"
-        found = find_stragglers(
-            [p["dw_med"] for p in per], [p[key + "_med"] for p in per], self.hosts, min_excess=self.straggler_threshold,
-            data_jitter=[p["dw_mad"] for p in per], compute_jitter=[p[key + "_mad"] for p in per],
-        ) if len(per) > 1 else []
-        # A straggler seen in consecutive intervals is real; one interval can be the OS scheduler.
-        streak = {(s.rank, s.cause): self._streak.get((s.rank, s.cause), 0) + 1 for s in found}
-        self._streak = streak
-        rec["stragglers"] = [dict(s.to_dict(), line=s.line(), intervals=streak[s.rank, s.cause]) for s in found]
+        rec, self._streak = interval_record(
+            rows, keys, step=self.step - 1, n_steps=n_steps, samples_per_step=self.samples_per_step,
+            elapsed=time.time() - self._t_start_wall, lr=self._lr, world_size=self.world_size,
+            tokens_per_sample=self.tokens_per_sample, flops_per_sample=self.flops_per_sample,
+            peak_flops=self.peak_flops, hosts=self.hosts, gpu=self._cuda,
+            straggler_threshold=self.straggler_threshold, streak=self._streak)
         rec.update(self._extra)
         self._extra = {}
         self._records.append(rec)
@@ -428,30 +367,9 @@ class StepMeter:
 
         The first interval (warm-up, FLOP counting) is left out when there are others.
         """
-        recs = self._records[1:] if len(self._records) > 1 else self._records
-        if not recs:
-            return None
-        steps = sum(r["steps"] for r in recs)
-        total = sum(r["step_time"] * r["steps"] for r in recs)
-        dw = sum(r["data_wait"] * r["steps"] for r in recs)
-        cp = sum(r["compute"] * r["steps"] for r in recs)
-        out = {
-            "type": "summary", "steps": self.step, "samples_seen": self.step * self.samples_per_step,
-            "wall_time": time.time() - self._t_start_wall, "intervals": len(recs),
-            "samples_per_s": _spread([r["samples_per_s"] for r in recs]),
-            "step_time": _spread([r["step_time"] for r in recs]),
-            "fractions": {"data_wait": dw / total, "compute": cp / total, "other": max(0.0, 1 - (dw + cp) / total)},
-            "peak_mem_gb": max(r["peak_mem_gb"] for r in self._records),
-            "stragglers": sorted({(s["rank"], s["cause"]) for r in self._records for s in r["stragglers"]
-                                  if s["intervals"] >= 2}),
-            "measured_steps": steps,
-            "flops_per_sample": self.flops_per_sample, "peak_flops": self.peak_flops,
-        }
-        if any(r.get("mfu") is not None for r in recs):
-            out["mfu"] = _spread([r["mfu"] for r in recs if r.get("mfu") is not None])
-        if any(r.get("flops_per_s") for r in recs):
-            out["flops_per_s"] = _spread([r["flops_per_s"] for r in recs if r.get("flops_per_s")])
-        return out
+        return run_summary(self._records, steps=self.step, samples_per_step=self.samples_per_step,
+                           wall_time=time.time() - self._t_start_wall, flops_per_sample=self.flops_per_sample,
+                           peak_flops=self.peak_flops)
 
     def close(self) -> dict[str, Any] | None:
         """Log the last partial interval, write the summary (rank 0), stop threads. Collective."""

@@ -181,6 +181,40 @@ def flatten_strings(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+_EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+
+
+def check_sinks(names) -> None:
+    """Unknown sinks and missing optional packages, as one-line errors, before anything is written.
+
+    Every rank calls it, so a mistake stops all ranks alike instead of rank 0 alone.
+    """
+    import importlib.util
+
+    unknown = set(names) - {"jsonl", "csv", *_EXTRAS}
+    if unknown:
+        raise UsageError(f"unknown sink(s) {sorted(unknown)}; choose from jsonl, tensorboard, csv, wandb, mlflow")
+    for name in names:
+        if name in _EXTRAS and importlib.util.find_spec(_EXTRAS[name][0]) is None:
+            raise UsageError(f"the {name} sink needs the {_EXTRAS[name][0]} package; "
+                             f"pip install 'multigpu[{_EXTRAS[name][1]}]' or drop {name!r} from sinks")
+
+
+def make_sinks(names, log_dir: str, header: dict[str, Any], resume: bool, options: dict[str, dict[str, Any]]) -> list:
+    """JSONL plus the named sinks (rank 0)."""
+    out: list[Any] = [JsonlSink(os.path.join(log_dir, "metrics.jsonl"), header, resume=resume)]
+    for name in names:
+        if name == "tensorboard":
+            out.append(TensorBoardSink(os.path.join(log_dir, "tensorboard"), header))
+        elif name == "csv":
+            out.append(CsvSink(os.path.join(log_dir, "metrics.csv")))
+        elif name == "wandb":
+            out.append(WandbSink(log_dir, header, **options.get("wandb", {})))
+        elif name == "mlflow":
+            out.append(MlflowSink(log_dir, header, **options.get("mlflow", {})))
+    return out
+
+
 def _duration(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     h, rem = divmod(seconds, 3600)
