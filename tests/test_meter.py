@@ -107,7 +107,7 @@ def test_sinks_hold_the_logged_values(tmp_path):
     data = [torch.randn(8, 16) for _ in range(7)]
     plan = mg.BatchPlan(global_batch=8, world_size=1)
     losses = []
-    with StepMeter(None, plan, log_every=3, log_dir=str(tmp_path), model=model, progress=False,
+    with StepMeter(None, plan, log_every=3, log_dir=str(tmp_path), model=model, progress=False, tokens_per_sample=10,
                    sinks=("jsonl", "tensorboard", "csv"), fingerprint_extra={"strategy": "none"}) as meter:
         for step, x in meter.steps(data):
             loss = model(x).pow(2).mean()
@@ -129,6 +129,8 @@ def test_sinks_hold_the_logged_values(tmp_path):
         assert r["twice"] == pytest.approx(2 * sum(chunk) / len(chunk), rel=1e-6)
     assert steps[1]["noise_scale"] == 123.0 and "noise_scale" not in steps[2]
     assert steps[-1]["samples_seen"] == 7 * 8 and steps[0]["lr"] == 0.05
+    assert steps[0]["tokens_per_s"] == pytest.approx(10 * steps[0]["samples_per_s"])
+    assert steps[0]["samples_per_s"] == pytest.approx(8 / steps[0]["step_time"])
     assert steps[0]["step_time"] >= steps[0]["compute"] > 0 and steps[0]["peak_mem_gb"] > 0
     # FLOPs counted on the first step: Linear 16->4 on 8 samples, forward 2*16*4 and backward 2x that.
     assert header["meter"]["flops_per_sample"] == "auto"
@@ -162,6 +164,27 @@ def test_console_plain_lines_when_not_a_terminal(tmp_path, capsys):
     lines = [l for l in err.splitlines() if l.startswith("step ")]
     assert lines[0].startswith("step 2/4") and "loss 0.5" in lines[0] and "\r" not in err
     assert "samples/s" in lines[1] and "ETA" in lines[1]
+
+
+def test_console_rewrites_one_line_on_a_terminal():
+    import io
+
+    from multigpu.meter.sinks import ConsoleSink
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Tty()
+    con = ConsoleSink(total_steps=100, stream=out)
+    rec = {"type": "step", "step": 9, "loss": 1.5, "samples_per_s": 1234.0, "data_wait_frac": 0.25, "stragglers": []}
+    con.write(rec)
+    con.write(dict(rec, step=19))
+    con.note("straggler ...")
+    con.close()
+    text = out.getvalue()
+    assert text.startswith("\rstep 10/100  10% | ETA") and "\rstep 20/100  20%" in text
+    assert "loss 1.5 | 1,234 samples/s | data 25%" in text and "\nstraggler ...\n" in text
 
 
 def test_bad_arguments_are_one_line_usage_errors(tmp_path):
@@ -235,6 +258,20 @@ def test_slow_rank_is_named_as_straggler_with_its_cause(tmp_path):
 
 
 # -- GPU paths ----------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_monitor_reads_nvml():
+    pytest.importorskip("pynvml")
+    uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
+    mon = gpumon.GpuMonitor(0, interval=0.1, uuid=f"GPU-{uuid}" if uuid else None)
+    assert mon.enabled, mon.reason
+    mon.start()
+    time.sleep(0.5)
+    mon.stop()
+    s = mon.take()
+    assert 0 <= s["util_pct"]["min"] <= s["util_pct"]["max"] <= 100
+    assert s["mem_used_gb"]["max"] > 0 and 0 < s["temp_c"]["max"] < 120
+
 
 @pytest.mark.gpu
 def test_gpu_meter_times_with_events_and_reports_mfu(tmp_path):
