@@ -287,6 +287,7 @@ def test_gpu_meter_times_with_events_and_reports_mfu(tmp_path):
     recs = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["type"] == "step"]
     name = torch.cuda.get_device_name(dev)
     assert recs[-1]["compute"] > 0 and recs[-1]["peak_mem_gb"] > 0.004  # 1024x1024 fp32 weights + grads
+    assert 0 < recs[-1]["ready"] <= recs[-1]["compute"]  # the gradient-hook event came before the step's end
     if peak_flops(name, "fp32" if not torch.backends.cuda.matmul.allow_tf32 else "tf32"):
         assert 0 < recs[-1]["mfu"] < 1
     if m.monitor is not None and m.monitor.enabled:

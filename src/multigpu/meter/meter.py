@@ -197,7 +197,12 @@ class StepMeter:
     def _grad_ready(self, _param) -> None:
         if self._in_step:
             if self._cuda:
-                self._ready_ev.record()
+                # One event record per backward pass, not per parameter (a record costs a few us):
+                # when every hooked parameter has its gradient. A step where some parameters get
+                # none has no ready time and the straggler check falls back to compute time.
+                self._hook_count += 1
+                if self._hook_count % len(self._hooks) == 0:
+                    self._ready_ev.record()
             else:
                 self._ready_t = time.perf_counter()
 
@@ -240,6 +245,7 @@ class StepMeter:
         self._in_step = True
         self._dws.append(data_wait)
         self._ready_t = None
+        self._hook_count = 0
         if self._cuda:
             start, self._ready_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
