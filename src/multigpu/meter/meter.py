@@ -405,7 +405,7 @@ class StepMeter:
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.profiler is not None:
-            self.profiler.stop()
+            self.profiler.stop(gather=write_summary)
         for s in self.sinks:
             s.close()
         self.sinks = []

@@ -160,6 +160,7 @@ class Profile:
         self.summaries: list[dict[str, Any]] | None = None
         self._step = 0
         self._prof = None
+        self._gather = True
         cuda = getattr(dist, "device", torch.device("cpu"))
         self._activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.device(cuda).type == "cuda":
@@ -187,6 +188,10 @@ class Profile:
         prof.export_chrome_trace(os.path.join(self.out_dir, f"trace_rank{self.rank}.json"))
         mine = summarize(prof.events(), prof.key_averages(), self.top)
         mine["rank"] = self.rank
+        if not self._gather:  # stopped by an error: other ranks may be gone, no collective
+            with open(os.path.join(self.out_dir, f"summary_rank{self.rank}.json"), "w") as f:
+                json.dump(mine, f, indent=1)
+            return
         if self.world_size > 1 and tdist.is_initialized():
             everyone: list[Any] = [None] * self.world_size
             tdist.all_gather_object(everyone, mine)  # every rank reaches this at the same step
@@ -199,7 +204,9 @@ class Profile:
             print(f"multigpu: profile of steps {self.start_step}..{self.stop_step - 1} "
                   f"(traces in {self.out_dir}/trace_rank*.json)\n{format_table(everyone)}", flush=True)
 
-    def stop(self) -> None:
+    def stop(self, gather: bool = True) -> None:
+        """End profiling; ``gather=False`` (after an error) writes this rank's summary without a collective."""
+        self._gather = gather
         if self._prof is not None:
             prof, self._prof = self._prof, None
             prof.__exit__(None, None, None)
@@ -207,8 +214,8 @@ class Profile:
     def __enter__(self) -> "Profile":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.stop(gather=exc_type is None)
 
 
 def profile(dist: Any = None, steps: str | tuple[int, int] = "10:15", out_dir: str = "profile", top: int = 8) -> Profile:
