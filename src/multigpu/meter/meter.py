@@ -293,10 +293,10 @@ class StepMeter:
         self.step += 1
         if self.watchdog is not None:
             self.watchdog.beat(self.step - 1)
-        if self.profiler is not None:
-            self.profiler.step()
         if self.step % self.log_every == 0:
             self._log_interval()
+        if self.profiler is not None:  # after the log step, so its gather counts in this step's window
+            self.profiler.step()
 
     def log(self, values: dict[str, Any] | None = None, /, **kw: Any) -> None:
         """Values (already global, e.g. ``noise.metrics()``) added to the next log record as given."""
