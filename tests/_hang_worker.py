@@ -1,7 +1,7 @@
 """A training loop in which one rank hangs inside a step (for tests/test_watchdog.py).
 
-Started as ``python _hang_worker.py HANG_RANK HANG_STEP`` with torchrun's variables set and the run
-directory passed the way ``multigpu run`` passes it (``worker_env``).
+Started as ``multigpu run -n 3 --cpu _hang_worker.py HANG_RANK HANG_STEP``: the launcher passes the run
+directory (and ``--profile``) to the workers' StepMeter.
 """
 
 import sys

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import time
@@ -13,8 +14,7 @@ import time
 import pytest
 
 from multigpu.meter.launcher import worker_env
-from multigpu.meter.watchdog import HangMonitor, flight_recorder_env, hang_verdict, last_collective, read_status
-from multigpu.testing import free_port
+from multigpu.meter.watchdog import flight_recorder_env, hang_verdict, last_collective, read_status
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -72,37 +72,47 @@ def test_worker_env_carries_run_dir_profile_and_flight_recorder():
         worker_env("/runs/x", profile="ten")
 
 
-def test_real_hang_gives_the_verdict_with_rank_and_frame(tmp_path):
-    world, port = 3, free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, **worker_env(str(tmp_path), cuda=False), RANK=str(r), LOCAL_RANK=str(r),
-                   WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "_hang_worker.py"), "1", "3"],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    out = io.StringIO()
-    monitor = HangMonitor(str(tmp_path), world, settle=15, confirm=1.0, poll=0.25, stream=out).start()
+def test_real_hang_under_multigpu_run_gives_the_verdict_and_the_profile(tmp_path):
+    """`multigpu run -n 3 --cpu --profile 1:3`: rank 1 stops in step 3, the others wait in all_reduce."""
+    err_path = tmp_path / "launcher.stderr"
+    out_path = tmp_path / "launcher.stdout"
+    t_start = time.time()
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "multigpu", "run", "-n", "3", "--cpu", "--log-dir", str(tmp_path / "logs"),
+         "--profile", "1:3", os.path.join(HERE, "_hang_worker.py"), "1", "3"],
+        cwd=tmp_path, stdout=out_path.open("w"), stderr=err_path.open("w"))
+    verdict = None
     try:
-        deadline = time.monotonic() + 90
-        while monitor.verdict is None and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        deadline = time.monotonic() + 120
+        while verdict is None and time.monotonic() < deadline and launcher.poll() is None:
             time.sleep(0.2)
+            verdict = next((ln for ln in err_path.read_text().splitlines() if ln.startswith("multigpu run: hang: ")), None)
         t_verdict = time.time()
     finally:
-        monitor.stop()
-        for p in procs:
-            p.kill()
-        logs = [p.communicate()[0].decode(errors="replace") for p in procs]
-    assert monitor.verdict, "no verdict; worker logs:\n" + "\n".join(logs)
+        launcher.send_signal(signal.SIGTERM)  # the launcher stops its workers
+        try:
+            launcher.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.wait()
+    err = err_path.read_text()
+    assert verdict, f"no verdict; launcher stderr:\n{err}"
     line = next(i for i, l in enumerate(open(os.path.join(HERE, "_hang_worker.py")), 1) if "time.sleep(600)" in l)
-    assert monitor.verdict.startswith(f"rank 1 (host {read_status(str(tmp_path))[1]['host']}) has been in slow_step "
-                                      f"(_hang_worker.py:{line}) for "), monitor.verdict
-    assert "after step 2; ranks 0,2 are waiting in all_reduce after step 2" in monitor.verdict
-    assert out.getvalue().startswith("multigpu run: hang: rank 1")
-    assert "slow_step" in (tmp_path / "watchdog" / "rank1.stacks.txt").read_text()
-    st = read_status(str(tmp_path))
-    hang_start = min(s["time"] - s["stalled_s"] for s in st.values())
-    print(f"\nverdict {t_verdict - hang_start:.1f} s after the hang began (watchdog timeout 2 s): {monitor.verdict}")
+    run_dir = next(ln for ln in err.splitlines() if "; logs: " in ln).rsplit("; logs: ", 1)[1].strip()
+    status = read_status(run_dir)
+    assert verdict.startswith(f"multigpu run: hang: rank 1 (host {status[1]['host']}) has been in slow_step "
+                              f"(_hang_worker.py:{line}) for "), verdict
+    assert "after step 2; ranks 0,2 are waiting in all_reduce after step 2" in verdict
+    assert "slow_step" in open(os.path.join(run_dir, "watchdog", "rank1.stacks.txt")).read()
+    assert f"MULTIGPU_RUN_DIR: unset -> '{run_dir}'" in err  # the channel to the workers is logged
+    # --profile reached every worker's meter: steps 1..2 profiled before the hang, table on rank 0's console.
+    summaries = json.loads(open(os.path.join(run_dir, "profile", "summary.json")).read())
+    assert [s["steps"] for s in summaries] == [2, 2, 2]
+    assert "profile of steps 1..2" in out_path.read_text()
+    assert json.loads(open(os.path.join(run_dir, "metrics.jsonl")).readline())["fingerprint"]["world_size"] == 3
+    hang_start = min(s["time"] - s["stalled_s"] for s in status.values())
+    print(f"\nverdict {t_verdict - hang_start:.1f} s after the hang began (watchdog 2 s), "
+          f"{t_verdict - t_start:.1f} s after launch: {verdict}")
 
 
 def test_watchdog_reports_a_stall_and_withdraws_it_when_steps_resume(tmp_path):

@@ -5,14 +5,13 @@ profile through variables it sets when it starts them (like torchrun's own
 RANK/WORLD_SIZE): a launcher-to-worker channel, never a user setting. It
 watches the run directory for the watchdogs' reports and prints one verdict.
 
-    env.update(worker_env(run_dir, profile=args.profile))
+    env.update(worker_env(run_dir, profile=cfg.profile))
     with hang_monitor(run_dir, world_size):
         run_workers(...)
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 from typing import Iterator
@@ -20,13 +19,6 @@ from typing import Iterator
 from .meter import PROFILE_ENV, RUN_DIR_ENV
 from .profile import parse_steps
 from .watchdog import HangMonitor, flight_recorder_env
-
-
-def add_profile_argument(parser: argparse.ArgumentParser) -> None:
-    """``--profile START:STOP``: torch.profiler over those steps on every rank (StepMeter users)."""
-    parser.add_argument("--profile", metavar="START:STOP", default=None,
-                        help="profile steps START..STOP-1 on every rank (e.g. 10:15); traces and a "
-                             "summary table go to RUN_DIR/profile")
 
 
 def worker_env(run_dir: str, profile: str | None = None, cuda: bool = True) -> dict[str, str]:
@@ -45,8 +37,12 @@ def worker_env(run_dir: str, profile: str | None = None, cuda: bool = True) -> d
 
 
 @contextlib.contextmanager
-def hang_monitor(run_dir: str, world_size: int, **kw) -> Iterator[HangMonitor]:
-    """Watch ``run_dir`` while the workers run; prints the verdict once if ranks report a stall."""
+def hang_monitor(run_dir: str, world_size: int | None, **kw) -> Iterator[HangMonitor]:
+    """Watch ``run_dir`` while the workers run; prints the verdict once if ranks report a stall.
+
+    ``world_size=None`` on one node of several (its reports cover its own ranks only);
+    ``expect`` is then the number of local ranks to wait for.
+    """
     mon = HangMonitor(run_dir, world_size, **kw).start()
     try:
         yield mon

@@ -105,6 +105,7 @@ class StepMeter:
         self._t_start_wall = time.time()
         self._reset_interval()
 
+        self._resume = False
         self.hosts = self._gather_objects(socket.gethostname())
         self.log_dir = self._agree_log_dir(log_dir)
         os.makedirs(self.log_dir, exist_ok=True)
@@ -152,7 +153,8 @@ class StepMeter:
                           "peak_flops": self.peak_flops, "flops_per_sample": flops_per_sample, "hosts": self.hosts},
             }
             try:
-                self.sinks = _sinks.make_sinks(sinks, self.log_dir, self.header, resume, sink_options or {})
+                self.sinks = _sinks.make_sinks(sinks, self.log_dir, self.header, resume or self._resume,
+                                               sink_options or {})
             except BaseException:
                 self._shutdown(write_summary=False)  # no threads or hooks left behind
                 raise
@@ -173,6 +175,8 @@ class StepMeter:
     def _agree_log_dir(self, log_dir: str | None) -> str:
         if log_dir is None:
             log_dir = os.environ.get(RUN_DIR_ENV)
+            if log_dir is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+                self._resume = True  # a restart of the same run: append after a new header line
         if log_dir is None:
             stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
             log_dir = os.path.join("runs", stamp)

@@ -111,6 +111,10 @@ class Watchdog:
 
     def start(self) -> "Watchdog":
         os.makedirs(self.out_dir, exist_ok=True)
+        try:  # a report left by a previous attempt (--max-restarts) is not about this one
+            os.remove(self._status_path)
+        except OSError:
+            pass
         self._thread = threading.Thread(target=self._run, name="multigpu-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -277,9 +281,10 @@ class HangMonitor:
     a rank whose stall ends withdraws its report, so a slow step is no verdict.
     """
 
-    def __init__(self, run_dir: str, world_size: int, settle: float = 30.0, confirm: float = 3.0, poll: float = 1.0,
-                 stream=None) -> None:
+    def __init__(self, run_dir: str, world_size: int | None, settle: float = 30.0, confirm: float = 3.0,
+                 poll: float = 1.0, stream=None, expect: int | None = None) -> None:
         self.run_dir, self.world_size, self.settle, self.confirm, self.poll = run_dir, world_size, settle, confirm, poll
+        self.expect = expect or world_size or 1  # reports to wait for (this node's ranks)
         self.stream = stream or sys.stderr
         self.verdict: str | None = None
         self._stop = threading.Event()
@@ -302,7 +307,7 @@ class HangMonitor:
             if new_key != key:
                 key, stable = new_key, now
             first = first or now
-            if (len(status) >= self.world_size or now - first >= self.settle) and now - stable >= self.confirm:
+            if (len(status) >= self.expect or now - first >= self.settle) and now - stable >= self.confirm:
                 self.verdict = hang_verdict(self.run_dir, self.world_size)
                 if self.verdict:
                     print(f"multigpu run: hang: {self.verdict}", file=self.stream, flush=True)
