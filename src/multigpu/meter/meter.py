@@ -31,6 +31,8 @@ from .records import interval_record, mad, run_summary
 RUN_DIR_ENV = "MULTIGPU_RUN_DIR"  # set by `multigpu run` for its workers: launcher -> worker channel only
 PROFILE_ENV = "MULTIGPU_PROFILE"  # `multigpu run --profile 10:15`
 SCHEMA_VERSION = 1
+
+
 def _rank_peak_memory(device: torch.device) -> float:
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
