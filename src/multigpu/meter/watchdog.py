@@ -106,6 +106,7 @@ class Watchdog:
         self._last_beat = time.monotonic()
         self._dumped_for: float | None = None
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._main = threading.main_thread().ident
         self._thread: threading.Thread | None = None
 
@@ -123,24 +124,34 @@ class Watchdog:
         self.last_step = step
         self._last_beat = time.monotonic()
         if self._reported:  # the stall ended: withdraw the report so no verdict is drawn from it
-            self._reported = False
-            try:
-                os.remove(self._status_path)
-            except OSError:
-                pass
+            with self._lock:
+                if self._reported:
+                    self._reported = False
+                    self._withdraw()
             print(f"multigpu: rank {self.rank}: step {step} completed; the stall is over", file=sys.stderr, flush=True)
+
+    def _withdraw(self) -> None:
+        try:
+            os.remove(self._status_path)
+        except OSError:
+            pass
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll):
-            stalled = time.monotonic() - self._last_beat
+            beat_at = self._last_beat
+            stalled = time.monotonic() - beat_at
             limit = self.timeout if self.last_step is not None else self.first_timeout
             # One report per stall: a new report only after a step completed in between.
-            if stalled >= limit and self._dumped_for != self._last_beat:
-                self._dumped_for = self._last_beat
-                self.dump(stalled)
+            if stalled >= limit and self._dumped_for != beat_at:
+                self._dumped_for = beat_at
+                self.dump(stalled, beat_at)
 
-    def dump(self, stalled: float) -> str:
-        """Write stacks and status now; returns the status file's path."""
+    def dump(self, stalled: float, beat_at: float | None = None) -> str:
+        """Write stacks and status now; returns the status file's path.
+
+        ``beat_at``: the step completion the stall is counted from; if another step
+        completes while the report is written, the report is withdrawn at once.
+        """
         stacks = os.path.join(self.out_dir, f"rank{self.rank}.stacks.txt")
         with open(stacks, "w") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
@@ -158,7 +169,11 @@ class Watchdog:
         with open(tmp, "w") as f:
             json.dump(status, f)
         os.replace(tmp, path)  # readers never see half a file
-        self._reported = True
+        with self._lock:
+            if beat_at is not None and self._last_beat != beat_at:
+                self._withdraw()  # the stall ended while we wrote: no stale report
+                return path
+            self._reported = True
         print(f"multigpu: rank {self.rank}: no step completed for {stalled:.0f} s; in {_waits_for_peers(status) or status['function']} "
               f"({status['file']}:{status['line']}); stacks in {stacks}", file=sys.stderr, flush=True)
         return path
