@@ -315,11 +315,26 @@ def test_wandb_offline_run_holds_the_logged_loss(tmp_path, monkeypatch):
     assert re.search(rb"loss.{1,4}0\.5", data) and re.search(rb"loss.{1,4}2\.5", data), data[:200]
 
 
-def test_missing_optional_sink_is_one_line_and_writes_nothing(tmp_path):
+def test_missing_optional_sink_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
     import importlib.util
 
-    if importlib.util.find_spec("mlflow") is not None:
-        pytest.skip("mlflow is installed here")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
     with pytest.raises(mg.UsageError, match=r"pip install 'multigpu\[mlflow\]'"):
         StepMeter(None, samples_per_step=4, log_dir=str(tmp_path / "run"), sinks=("jsonl", "mlflow"), watchdog=None)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_mlflow_local_run_holds_the_logged_loss(tmp_path):
+    pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")  # MLflow's local store is SQLite
+    import mlflow
+
+    with StepMeter(None, samples_per_step=4, log_every=2, log_dir=str(tmp_path), sinks=("jsonl", "mlflow"),
+                   watchdog=None, progress=False, fingerprint_extra={"strategy": "none"}) as m:
+        for _, x in m.steps(range(4)):
+            m.step_end(loss=float(x))
+    client = mlflow.tracking.MlflowClient(tracking_uri="sqlite:///" + str(tmp_path / "mlflow.db"))
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [(h.step, h.value) for h in client.get_metric_history(run.info.run_id, "loss")] == [(1, 0.5), (3, 2.5)]
+    assert run.data.params["fingerprint/strategy"] == "none"

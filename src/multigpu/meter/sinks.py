@@ -147,7 +147,10 @@ class WandbSink:
 
 
 class MlflowSink:
-    """MLflow (``pip install 'multigpu[mlflow]'``); a local ``file:`` store under the run by default."""
+    """MLflow (``pip install 'multigpu[mlflow]'``); a local SQLite store under the run by default.
+
+    (MLflow 3 refuses its old ``file:`` store unless told otherwise; SQLite is its local default.)
+    """
 
     name = "mlflow"
 
@@ -157,7 +160,7 @@ class MlflowSink:
         except ImportError:
             raise UsageError("the mlflow sink needs mlflow; pip install 'multigpu[mlflow]' or drop 'mlflow' from sinks") from None
         self._mlflow = mlflow
-        mlflow.set_tracking_uri(tracking_uri or "file:" + os.path.abspath(os.path.join(log_dir, "mlruns")))
+        mlflow.set_tracking_uri(tracking_uri or "sqlite:///" + os.path.abspath(os.path.join(log_dir, "mlflow.db")))
         mlflow.start_run(**run_kwargs)
         mlflow.log_params({k[:250]: str(v)[:500] for k, v in flatten_strings(header).items()})
 
