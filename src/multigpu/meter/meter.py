@@ -367,6 +367,9 @@ class StepMeter:
             tokens_per_sample=self.tokens_per_sample, flops_per_sample=self.flops_per_sample,
             peak_flops=self.peak_flops, hosts=self.hosts, gpu=self._cuda,
             straggler_threshold=self.straggler_threshold, streak=self._streak)
+        if self.profiler is not None and self.step - n_steps < self.profiler.stop_step and \
+                self.step > self.profiler.start_step - 1:
+            rec["profiled"] = True  # the profiler slowed these steps: left out of the summary
         rec.update(self._extra)
         self._extra = {}
         self._records.append(rec)

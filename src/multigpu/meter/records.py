@@ -86,8 +86,9 @@ def interval_record(
 
 def run_summary(records: list[dict[str, Any]], *, steps: int, samples_per_step: int, wall_time: float,
                 flops_per_sample: float | None, peak_flops: float | None) -> dict[str, Any] | None:
-    """The ``summary`` record: spreads over the intervals except the first, time fractions."""
+    """The ``summary`` record: spreads over the intervals except the first and profiled ones, time fractions."""
     recs = records[1:] if len(records) > 1 else records
+    recs = [r for r in recs if not r.get("profiled")] or recs
     if not recs:
         return None
     total = sum(r["step_time"] * r["steps"] for r in recs)
