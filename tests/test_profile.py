@@ -87,10 +87,14 @@ def test_launcher_profile_variable_reaches_the_meter(tmp_path, monkeypatch, caps
 
     for k, v in worker_env(str(tmp_path), profile="2:4", cuda=False).items():
         monkeypatch.setenv(k, v)
-    with StepMeter(None, samples_per_step=4, log_every=100, watchdog=None, flops_per_sample=None) as meter:
+    with StepMeter(None, samples_per_step=4, log_every=2, watchdog=None, flops_per_sample=None) as meter:
         for _ in meter.steps(range(6)):
             torch.ones(64, 64).matmul(torch.ones(64, 64))
     assert meter.log_dir == str(tmp_path)  # the run directory came from the launcher
+    recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    # Steps 0-1 hold the profiler's warm-up step, 2-3 the profiled ones: both left out of the summary.
+    assert [r.get("profiled", False) for r in recs if r["type"] == "step"] == [True, True, False]
+    assert recs[-1]["samples_per_s"]["n"] == 1
     (s,) = json.loads((tmp_path / "profile" / "summary.json").read_text())
     assert s["steps"] == 2 and sum(s[p] for p in PARTS) == pytest.approx(s["step_total"])
     assert "profile of steps 2..3" in capsys.readouterr().out
