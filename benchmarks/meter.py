@@ -29,6 +29,7 @@ import argparse
 import statistics
 import tempfile
 import time
+import types
 
 import torch
 from torch import nn
@@ -150,7 +151,9 @@ def run(dist, trials, steps, batch, width, log_every):
             bare = _trial(dist, model, opt, steps, batch, False, log_every, root)
             metered = _trial(dist, model, opt, steps, batch, True, log_every, root)
             out.append((bare, metered))
-        cost = direct_cost(dist, batch, width, log_every, root) if dist.rank == 0 else None
+        # On rank 0 alone, as a one-process meter (no collectives with the other ranks).
+        solo = types.SimpleNamespace(rank=0, world_size=1, device=dist.device)
+        cost = direct_cost(solo, batch, width, log_every, root) if dist.rank == 0 else None
     return out, cost
 
 
