@@ -1,7 +1,7 @@
 """The StepMeter's own cost: the same training loop with and without the meter.
 
-Trials alternate bare, metered, bare, metered... in one process group so that
-machine noise hits both alike. Each trial times ``--steps`` steps after a
+Trials alternate bare and metered runs in ABBA order, in one process group,
+so that machine noise and order effects hit both alike. Each trial times ``--steps`` steps after a
 warm-up (the meter's first step counts FLOPs and is in the warm-up), with the
 device synchronised at both ends. The meter runs as a user would run it:
 loader wrapped by ``meter.steps``, gradient hooks (``model=``), loss summed on
@@ -147,9 +147,14 @@ def run(dist, trials, steps, batch, width, log_every):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     out = []
     with tempfile.TemporaryDirectory() as root:
-        for _ in range(trials):
-            bare = _trial(dist, model, opt, steps, batch, False, log_every, root)
-            metered = _trial(dist, model, opt, steps, batch, True, log_every, root)
+        for i in range(trials):
+            # ABBA order: whatever the second run of a pair gains or loses hits both variants alike.
+            if i % 2 == 0:
+                bare = _trial(dist, model, opt, steps, batch, False, log_every, root)
+                metered = _trial(dist, model, opt, steps, batch, True, log_every, root)
+            else:
+                metered = _trial(dist, model, opt, steps, batch, True, log_every, root)
+                bare = _trial(dist, model, opt, steps, batch, False, log_every, root)
             out.append((bare, metered))
         # On rank 0 alone, as a one-process meter (no collectives with the other ranks).
         solo = types.SimpleNamespace(rank=0, world_size=1, device=dist.device)

@@ -62,8 +62,10 @@ class JsonlSink:
         self.write(header)
 
     def write(self, record: dict[str, Any]) -> None:
-        # JSON readers differ on NaN: write null instead.
-        self._f.write(json.dumps(_no_nan(record), separators=(",", ":"), default=_json_default) + "\n")
+        text = json.dumps(record, separators=(",", ":"), default=_json_default)
+        if "NaN" in text:  # JSON readers differ on NaN: write null instead (rare, so only then walk the record)
+            text = json.dumps(_no_nan(record), separators=(",", ":"), default=_json_default)
+        self._f.write(text + "\n")
         self._f.flush()
 
     def close(self) -> None:
