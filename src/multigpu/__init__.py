@@ -9,6 +9,8 @@ from .batch import BatchPlan, scale_lr, warmup
 from .data import all_reduce_sum, eval_loader, loader
 from .dist import Dist, init, print0
 from .errors import UsageError
+from .fingerprint import fingerprint
+from .meter import StepMeter, profile
 from .precision import Precision
 from .strategy import accumulate, unwrap, wrap
 
@@ -18,13 +20,16 @@ __all__ = [
     "BatchPlan",
     "Dist",
     "Precision",
+    "StepMeter",
     "UsageError",
     "accumulate",
     "all_reduce_sum",
     "eval_loader",
+    "fingerprint",
     "init",
     "loader",
     "print0",
+    "profile",
     "scale_lr",
     "unwrap",
     "warmup",
