@@ -8,12 +8,14 @@ measurements. Importing this package has no side effects.
 from .batch import BatchPlan, scale_lr, warmup
 from .dist import Dist, init, print0
 from .errors import UsageError
+from .noise import NoiseScale
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BatchPlan",
     "Dist",
+    "NoiseScale",
     "UsageError",
     "init",
     "print0",

@@ -1,0 +1,375 @@
+"""Gradient noise scale during training, from gradients data parallelism already has.
+
+McCandlish et al. 2018 (arXiv:1812.06162): with true gradient G and
+per-example covariance Sigma, ``B_simple = tr(Sigma) / |G|^2`` estimates the
+critical batch size, beyond which a bigger batch buys little. Since
+``E|G_B|^2 = |G|^2 + tr(Sigma)/B``, two batch sizes give unbiased estimates of
+both terms; data parallelism has both for free: each rank's gradient (batch b,
+before the all-reduce) and the averaged one (batch K*b, after). With one
+process the accumulation micro-batches play the small batch.
+
+The two estimates are averaged separately (debiased EMAs, time constant in
+examples) and only then divided: the mean of per-step ratios is biased
+(tests/test_noise.py shows by how much). Nothing here calls ``.item()`` during
+training: estimates stay on the device until ``metrics()`` asks.
+
+The loss must be a mean over the examples of the optimizer step (divide by
+``plan.accum_steps`` when accumulating), as in every multigpu example.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.distributed as tdist
+
+from .batch import BatchPlan
+from .errors import UsageError
+
+__all__ = ["NoiseScale", "estimate", "efficiency", "gain", "steps_factor"]
+
+
+def estimate(small_sq, big_sq, b_small: float, b_big: float):
+    """Unbiased ``(|G|^2, tr(Sigma))`` from squared gradient norms at two batch sizes.
+
+    ``small_sq`` is the mean of ``|g|^2`` over gradients of ``b_small`` examples,
+    ``big_sq`` the ``|g|^2`` of one gradient of ``b_big`` examples. Works on
+    floats, numpy arrays and tensors alike.
+
+    >>> estimate(small_sq=2.0, big_sq=1.25, b_small=32, b_big=128)
+    (1.0, 32.0)
+    """
+    grad_sq = (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
+    trace_cov = (small_sq - big_sq) / (1.0 / b_small - 1.0 / b_big)
+    return grad_sq, trace_cov
+
+
+def efficiency(batch: float, noise_scale: float, base_batch: float = 0.0) -> float:
+    """Per-example efficiency of ``batch`` relative to ``base_batch`` (Pollux): (phi+B0)/(phi+B).
+
+    With ``base_batch=0`` it is ``E_min/E = 1/(1 + B/phi)`` (McCandlish et al.).
+
+    >>> efficiency(1000, noise_scale=1000)
+    0.5
+    """
+    return (noise_scale + base_batch) / (noise_scale + batch)
+
+
+def gain(batch: float, base_batch: float, noise_scale: float) -> float:
+    """Per-step progress of ``batch`` over ``base_batch`` (AdaScale): S(phi+B0)/(phi+S*B0), S=B/B0.
+
+    Between 1 and S; it is also the LR multiplier AdaScale uses.
+
+    >>> round(gain(1024, 128, noise_scale=1e9), 3)   # pure noise: linear
+    8.0
+    """
+    s = batch / base_batch
+    return s * (noise_scale + base_batch) / (noise_scale + s * base_batch)
+
+
+def steps_factor(batch: float, noise_scale: float) -> float:
+    """Steps to a target loss relative to the minimum: S/S_min = 1 + B_crit/B."""
+    return 1.0 + noise_scale / batch
+
+
+class _DebiasedEMA:
+    """Exponential moving average with Adam-style bias correction, kept on a device."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.sum = torch.zeros((), device=device, dtype=dtype)
+        self.weight = torch.zeros((), device=device, dtype=dtype)
+
+    def update(self, value: torch.Tensor, beta: float, keep: torch.Tensor) -> None:
+        # ``keep`` is False for inf/nan steps: the EMA is left as it was.
+        new_sum = beta * self.sum + (1 - beta) * value
+        new_weight = beta * self.weight + (1 - beta)
+        self.sum = torch.where(keep, new_sum, self.sum)
+        self.weight = torch.where(keep, new_weight, self.weight)
+
+    def value(self) -> float:
+        w = float(self.weight)
+        return float(self.sum) / w if w > 0 else math.nan
+
+
+def _sq_norm(tensors) -> torch.Tensor:
+    """Squared L2 norm over tensors, accumulated in float32, returned in float64."""
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    norm = torch.nn.utils.get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False)
+    # Squaring the fp32 norm in fp64: fp16-scaled gradients (scale up to 2^24)
+    # would overflow fp32 when squared.
+    return norm.double().square()
+
+
+class NoiseScale:
+    """Measure the gradient noise scale B_simple of a running training job.
+
+    Several ranks (DDP): ``attach`` registers a communication hook that wraps
+    PyTorch's own all-reduce hook (or ``fp16_compress_hook`` etc.), reads
+    each bucket before and after the reduction, and adds one 1-element
+    all-reduce per measured step. One rank: the accumulation micro-batches are
+    the small batch, read by gradient hooks (needs ``plan.accum_steps >= 2``).
+    Sharded gradients (FSDP): call ``observe(local_sq, shard_sq, sharded=True)``.
+
+    ``tau``: EMA time constant in training examples (default 100 global
+    batches). ``every``: measure one step in ``every``. ``scaler``: a
+    ``torch.amp.GradScaler`` (or anything with ``get_scale()``) under fp16.
+
+    >>> noise = mg.NoiseScale(plan, every=1)
+    >>> noise.attach(model)                  # after mg.wrap(model, "ddp")
+    >>> ...train...
+    >>> log(noise.metrics()); mg.print0(noise.summary())
+    """
+
+    def __init__(self, plan: BatchPlan, *, tau: float | None = None, every: int = 1, scaler: Any = None, group=None):
+        if not isinstance(plan, BatchPlan):
+            raise UsageError(f"NoiseScale needs the run's mg.BatchPlan, got {type(plan).__name__}; pass plan=mg.BatchPlan(...)")
+        if not isinstance(every, int) or every < 1:
+            raise UsageError(f"NoiseScale every= must be a positive integer (measure one step in every), got {every!r}")
+        self.plan = plan
+        self.tau = float(tau) if tau is not None else 100.0 * plan.global_batch
+        if self.tau <= 0:
+            raise UsageError(f"NoiseScale tau= is a time constant in examples and must be positive, got {tau}")
+        self.every = every
+        self.scaler = scaler
+        self.group = group
+        self._device: torch.device | None = None
+        self._ema_g: _DebiasedEMA | None = None
+        self._ema_t: _DebiasedEMA | None = None
+        self._measured: torch.Tensor | None = None
+        self._skipped: torch.Tensor | None = None
+        self.last: dict[str, torch.Tensor] = {}  # raw values of the last measured step (for tests, debugging)
+        self._rounds = 0          # optimizer steps seen (measured or not)
+        self._pending: dict | None = None
+        self._local_parts: list[torch.Tensor] = []
+        self._total_parts: list[torch.Tensor] = []
+        self._handles: list = []
+        self._counts: dict[int, int] = {}
+        self._prev: dict[int, torch.Tensor] = {}
+        self._round_done = False
+
+    # ---- wiring ---------------------------------------------------------------
+    def attach(self, model: torch.nn.Module, comm_hook: Callable | None = None, hook_state: Any = None) -> "NoiseScale":
+        """Start measuring ``model``: a DDP model on several ranks, any model on one.
+
+        ``comm_hook`` is the DDP hook to wrap (default: PyTorch's
+        ``allreduce_hook``; e.g. ``default_hooks.fp16_compress_hook``), called
+        as ``comm_hook(hook_state, bucket)``; DDP accepts only one hook, so
+        register compression through here, not on the model.
+        """
+        world = self.plan.world_size
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        if world > 1:
+            if not ddp:
+                raise UsageError(
+                    f"NoiseScale.attach on {world} ranks needs a DDP model, got {type(model).__name__}; "
+                    "wrap it first (mg.wrap(model, 'ddp')) or, for sharded gradients, call noise.observe(..., sharded=True)"
+                )
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            inner = comm_hook or default_hooks.allreduce_hook
+            state = hook_state if hook_state is not None else self.group
+            model.register_comm_hook(state, self._wrap_hook(inner))
+        else:
+            if self.plan.accum_steps < 2:
+                raise UsageError(
+                    f"NoiseScale on one process measures with accumulation micro-batches and needs accum_steps >= 2, "
+                    f"got global batch {self.plan.global_batch} in micro-batches of {self.plan.micro_batch}; "
+                    f"use mg.BatchPlan(..., micro_batch={max(1, self.plan.global_batch // 2)}) or run on 2+ ranks"
+                )
+            for p in model.parameters():
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._param_hook))
+        # The next forward begins a new step: fold the finished one into the EMAs there.
+        self._handles.append(model.register_forward_pre_hook(lambda *_: self.update()))
+        return self
+
+    def detach(self) -> None:
+        """Remove the gradient and forward hooks (a DDP comm hook stays: DDP cannot unregister it)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _measuring(self) -> bool:
+        return self._rounds % self.every == 0
+
+    def _scale(self, device: torch.device) -> torch.Tensor:
+        """The loss scale of the backward pass in progress (1 without a scaler)."""
+        s = self.scaler
+        if s is None:
+            return torch.ones((), device=device, dtype=torch.float64)
+        # GradScaler keeps its scale in a device tensor: reading it avoids the
+        # host sync of get_scale(); it must be read now, before scaler.update().
+        t = getattr(s, "_scale", None)
+        if isinstance(t, torch.Tensor):
+            return t.detach().to(device=device, dtype=torch.float64).reshape(())
+        return torch.tensor(float(s.get_scale()), device=device, dtype=torch.float64)
+
+    def _wrap_hook(self, inner: Callable) -> Callable:
+        def hook(state, bucket):
+            if bucket.index() == 0:
+                # A new synchronising backward: the previous one, if any, is complete.
+                self.update()
+                self._round_done = False
+            if not self._measuring():
+                fut = inner(state, bucket)
+                if bucket.is_last():
+                    self._round_done = True
+                return fut
+            buf = bucket.buffer()
+            # Before inner(): allreduce_hook divides the buffer in place.
+            self._local_parts.append(_sq_norm(buf))
+            fut = inner(state, bucket)
+
+            def after(f):
+                value = f.value()
+                out = value[0] if isinstance(value, (list, tuple)) else value
+                self._total_parts.append(_sq_norm(out))
+                return out
+
+            fut = fut.then(after)
+            if bucket.is_last():
+                local = torch.stack(self._local_parts).sum().reshape(1) / self.plan.world_size
+                work = tdist.all_reduce(local, group=self.group, async_op=True)  # mean over ranks of |g_i|^2
+                self._pending = {"work": work, "local": local, "scale": self._scale(buf.device), "total": None}
+                self._local_parts = []
+                self._round_done = True
+            return fut
+
+        return hook
+
+    def _param_hook(self, p: torch.Tensor) -> None:
+        key = id(p)
+        n = self._counts.get(key, 0) + 1
+        accum = self.plan.accum_steps
+        if self._measuring():
+            g = p.grad.detach()
+            prev = self._prev.get(key)
+            # This micro-batch's share of the gradient is what the last backward added.
+            self._local_parts.append(_sq_norm(g if prev is None else g - prev))
+            if n < accum:
+                self._prev[key] = g.clone() if prev is None else prev.copy_(g)
+            else:
+                self._prev.pop(key, None)
+                self._total_parts.append(_sq_norm(g))
+                self._pending = {"scale": self._scale(g.device), "local": None}
+        if n == accum:
+            n = 0
+            self._round_done = True
+        self._counts[key] = n
+
+    # ---- estimation -----------------------------------------------------------
+    def observe(self, local_sq, total_sq, *, sharded: bool = False, scale: float | torch.Tensor = 1.0) -> None:
+        """Record one step from squared norms computed elsewhere (collective: every rank calls it).
+
+        ``local_sq``: this rank's ``|g_i|^2`` before averaging (batch ``plan.rank_batch``).
+        ``total_sq``: ``|mean_i g_i|^2``; with ``sharded=True``, the squared norm
+        of this rank's shard of it (FSDP/ZeRO), summed across ranks here.
+        ``scale``: the loss scale the gradients carry.
+        """
+        self.update()
+        local = torch.as_tensor(local_sq, dtype=torch.float64).reshape(1)
+        total = torch.as_tensor(total_sq, dtype=torch.float64, device=local.device).reshape(1)
+        if self.plan.world_size > 1:
+            vec = torch.cat([local / self.plan.world_size, total if sharded else torch.zeros_like(total)])
+            tdist.all_reduce(vec, group=self.group)
+            local, total = vec[:1], (vec[1:] if sharded else total)
+        self._fold(local.sum(), total.sum(), torch.as_tensor(scale, dtype=torch.float64, device=local.device),
+                   self.plan.rank_batch, self.plan.global_batch)
+
+    def update(self) -> None:
+        """Fold a completed step into the EMAs (called for you at the next forward and by ``metrics()``)."""
+        if not self._round_done:
+            return
+        pending, self._pending = self._pending, None
+        self._round_done = False
+        self._rounds += 1
+        if pending is None:
+            return
+        total = torch.stack(self._total_parts).sum()
+        if "work" in pending:  # DDP: ranks are the small batches
+            pending["work"].wait()
+            local = pending["local"].sum()
+            b_small, b_big = self.plan.rank_batch, self.plan.global_batch
+        else:  # one rank: micro-batches are; the loss carries 1/accum_steps
+            a = self.plan.accum_steps
+            local = torch.stack(self._local_parts).sum() * a
+            b_small, b_big = self.plan.micro_batch, self.plan.global_batch
+        self._local_parts, self._total_parts = [], []
+        self._fold(local, total, pending["scale"], b_small, b_big)
+
+    def _fold(self, local, total, scale, b_small, b_big) -> None:
+        if self._ema_g is None:
+            self._device = local.device
+            self._ema_g = _DebiasedEMA(local.device, torch.float64)
+            self._ema_t = _DebiasedEMA(local.device, torch.float64)
+            self._measured = torch.zeros((), device=local.device, dtype=torch.int64)
+            self._skipped = torch.zeros((), device=local.device, dtype=torch.int64)
+        s2 = scale.to(local.device).square()
+        local, total = local / s2, total.to(local.device) / s2
+        grad_sq, trace_cov = estimate(local, total, b_small, b_big)
+        keep = torch.isfinite(local) & torch.isfinite(total)
+        # A measurement stands for ``every`` optimizer steps of training.
+        beta = math.exp(-self.every * self.plan.global_batch / self.tau)
+        self._ema_g.update(torch.where(keep, grad_sq, 0.0), beta, keep)
+        self._ema_t.update(torch.where(keep, trace_cov, 0.0), beta, keep)
+        self._measured += keep.long()
+        self._skipped += (~keep).long()
+        self.last = {"local_sq": local, "total_sq": total, "grad_sq": grad_sq, "trace_cov": trace_cov}
+
+    # ---- reporting ------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """Current estimates for the step logger (empty before the first measured step).
+
+        ``noise/b_simple`` is absent while the |G|^2 estimate is <= 0
+        (noise-dominated); ``noise/noise_dominated`` is then 1.
+        """
+        self.update()
+        if self._ema_g is None:
+            return {}
+        out = {"noise/measured_steps": float(self._measured), "noise/skipped_steps": float(self._skipped)}
+        if int(self._measured) == 0:
+            return out
+        g, t = self._ema_g.value(), self._ema_t.value()
+        out |= {"noise/grad_sq": g, "noise/trace_cov": t}
+        if g > 0:
+            out["noise/b_simple"] = t / g
+            out["noise/efficiency"] = efficiency(self.plan.global_batch, t / g)
+        out["noise/noise_dominated"] = float(g <= 0)
+        return out
+
+    def summary(self, global_batch: int | None = None, world_size: int | None = None) -> str:
+        """Plain-language reading of the measurement for the end of a run.
+
+        >>> mg.print0(noise.summary())
+        """
+        m = self.metrics()
+        batch = global_batch or self.plan.global_batch
+        world = world_size or self.plan.world_size
+        if "noise/grad_sq" not in m:
+            return "gradient noise scale: no step measured yet (it needs one synchronised optimizer step)."
+        steps = int(m["noise/measured_steps"])
+        head = f"gradient noise scale over {steps} measured steps (EMA time constant {self.tau:,.0f} examples):"
+        if "noise/b_simple" not in m:
+            return (
+                f"{head} noise-dominated (estimated |G|^2 = {m['noise/grad_sq']:.3g} <= 0): the gradient signal is "
+                f"below the noise at batch {batch}, so larger batches still help almost linearly; measure longer to resolve it."
+            )
+        phi = m["noise/b_simple"]
+        eff = efficiency(batch, phi)
+        per_gpu = batch / world
+        doubled = 2 * batch
+        speedup = steps_factor(batch, phi) / steps_factor(doubled, phi)
+        verdict = (
+            "still pays (near-linear)" if speedup >= 1.6 else
+            "pays partly" if speedup >= 1.25 else "would mostly waste the extra GPUs"
+        )
+        return "\n".join([
+            head,
+            f"  B_simple ~ {phi:,.0f} examples; global batch {batch} is {batch / phi:.2g}x of it.",
+            f"  per-example efficiency ~ {eff:.0%} of a small-batch run (steps to target ~ {steps_factor(batch, phi):.2f}x the minimum).",
+            f"  twice the GPUs at {per_gpu:g} per GPU (global {doubled}): steps to target /{speedup:.2f} "
+            f"(ideal /2) -> {verdict}.",
+        ])
