@@ -9,6 +9,7 @@ from .batch import BatchPlan, scale_lr, warmup
 from .dist import Dist, init, print0
 from .errors import UsageError
 from .noise import NoiseScale
+from .planner import ScaledRecipe, scale_recipe
 
 __version__ = "0.1.0"
 
@@ -16,9 +17,11 @@ __all__ = [
     "BatchPlan",
     "Dist",
     "NoiseScale",
+    "ScaledRecipe",
     "UsageError",
     "init",
     "print0",
     "scale_lr",
+    "scale_recipe",
     "warmup",
 ]

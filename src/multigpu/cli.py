@@ -26,6 +26,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run_main(args)
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .planner import main as plan_main
+
+    return plan_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="multigpu", description="Scale a PyTorch training script from one GPU to many, and measure it.")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
@@ -36,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="start N worker processes of a script through torchrun's launcher")
     add_run_arguments(run)
     run.set_defaults(func=_cmd_run)
+
+    from .planner import add_plan_arguments
+
+    plan = sub.add_parser("plan", help="translate a 1-GPU recipe (LR, batch, schedule) for N GPUs")
+    add_plan_arguments(plan)
+    plan.set_defaults(func=_cmd_plan)
     return parser
 
 
