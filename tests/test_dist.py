@@ -5,6 +5,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as tdist
+from torch.utils.data import TensorDataset
 
 import multigpu as mg
 from multigpu.dist import slurm_first_host
@@ -15,7 +16,14 @@ def _ranks_and_sum(dist):
     t = torch.tensor([float(dist.rank + 1)])
     tdist.all_reduce(t)
     same_init = torch.randn(3)  # seeded identically on every rank
-    return dist.rank, dist.world_size, dist.backend, str(dist.device), dist.is_main, t.item(), same_init
+    # Exact dataset-level metrics from uneven eval shards (10 samples on 3 ranks).
+    values = TensorDataset(torch.arange(10.0))
+    local = {"sum": 0.0, "count": 0}
+    for (x,) in mg.eval_loader(values, dist, batch_size=2):
+        local["sum"] += x.sum().item()
+        local["count"] += len(x)
+    totals = mg.all_reduce_sum(local)
+    return dist.rank, dist.world_size, dist.backend, str(dist.device), dist.is_main, t.item(), same_init, totals
 
 
 def test_init_on_real_ranks_seeds_alike_and_reduces():
@@ -25,6 +33,7 @@ def test_init_on_real_ranks_seeds_alike_and_reduces():
     assert [o[4] for o in out] == [True, False, False]
     assert all(o[5] == 6.0 for o in out)
     assert all(torch.equal(o[6], out[0][6]) for o in out)
+    assert all(o[7] == {"sum": 45.0, "count": 10.0} for o in out)
 
 
 def test_single_process_has_a_process_group_and_tears_it_down(monkeypatch):

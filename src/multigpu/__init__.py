@@ -6,10 +6,13 @@ measurements. Importing this package has no side effects.
 """
 
 from .batch import BatchPlan, scale_lr, warmup
+from .data import all_reduce_sum, eval_loader, loader
 from .dist import Dist, init, print0
 from .errors import UsageError
 from .noise import NoiseScale
 from .planner import ScaledRecipe, scale_recipe
+from .precision import Precision
+from .strategy import accumulate, unwrap, wrap
 
 __version__ = "0.1.0"
 
@@ -17,11 +20,18 @@ __all__ = [
     "BatchPlan",
     "Dist",
     "NoiseScale",
+    "Precision",
     "ScaledRecipe",
     "UsageError",
+    "accumulate",
+    "all_reduce_sum",
+    "eval_loader",
     "init",
+    "loader",
     "print0",
     "scale_lr",
     "scale_recipe",
+    "unwrap",
     "warmup",
+    "wrap",
 ]

@@ -1,0 +1,224 @@
+"""World-size-invariant data loading.
+
+The sequence of global batches is a function of (dataset size, seed, global
+batch, epoch) only. Rank ``r`` of ``W`` takes the contiguous slice
+``[r*G/W, (r+1)*G/W)`` of every global batch and cuts it into
+``accum_steps`` micro-batches. So N ranks x micro-batch b x accumulation a see
+exactly the samples one process sees with batch N*a*b, a checkpoint taken on
+4 ranks resumes on 2 with the same data order, and evaluation shards without
+padding duplicates.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as tdist
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from .batch import BatchPlan
+from .dist import Dist
+from .errors import UsageError
+
+
+def global_order(dataset_size: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
+    """The epoch's sample order: identical on every rank and for every world size."""
+    if not shuffle:
+        return torch.arange(dataset_size)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(dataset_size, generator=g)
+
+
+class _MicroBatchSampler:
+    """Yields this rank's micro-batch index lists, from the loader's current position."""
+
+    def __init__(self, owner: "DistributedLoader") -> None:
+        self.owner = owner
+
+    def __iter__(self) -> Iterator[list[int]]:
+        o = self.owner
+        plan, rank = o.plan, o.dist.rank
+        share = plan.global_batch // plan.world_size
+        order = global_order(o.dataset_size, o.seed, o.epoch, o.shuffle)
+        for b in range(o.batch_index, o.steps_per_epoch):
+            mine = order[b * plan.global_batch + rank * share : b * plan.global_batch + (rank + 1) * share]
+            for a in range(plan.accum_steps):
+                yield mine[a * plan.micro_batch : (a + 1) * plan.micro_batch].tolist()
+
+    def __len__(self) -> int:
+        o = self.owner
+        return (o.steps_per_epoch - o.batch_index) * o.plan.accum_steps
+
+
+def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Move tensors inside tuples, lists and dicts to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: to_device(v, device, non_blocking) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(to_device(v, device, non_blocking) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device, non_blocking) for v in batch)
+    return batch
+
+
+class DistributedLoader:
+    """Iterate to get, per optimizer step, this rank's list of micro-batches.
+
+    One pass of ``for micro_batches in loader`` is one epoch; the next pass
+    reshuffles (no ``set_epoch``). The position (epoch, next global batch)
+    advances as batches are handed out, so breaking out of the loop and
+    iterating again continues where it stopped, and ``state_dict()`` captures
+    it for an exact resume on any world size.
+    """
+
+    def __init__(self, dataset: Dataset, plan: BatchPlan, dist: Dist, *, shuffle: bool, seed: int,
+                 device: torch.device | None, loader_kwargs: dict[str, Any]) -> None:
+        if plan.world_size != dist.world_size:
+            raise UsageError(
+                f"the batch plan is for world_size {plan.world_size} but this job has {dist.world_size} processes; "
+                f"build it with mg.BatchPlan(..., world_size=dist.world_size)"
+            )
+        self.dataset, self.plan, self.dist = dataset, plan, dist
+        self.dataset_size = len(dataset)
+        if self.dataset_size < plan.global_batch:
+            raise UsageError(
+                f"the dataset has {self.dataset_size} samples but one global batch is {plan.global_batch}; "
+                f"use a global batch of at most {self.dataset_size}"
+            )
+        self.shuffle, self.seed = shuffle, seed
+        self.device = dist.device if device is None else torch.device(device)
+        self.epoch = 0
+        self.batch_index = 0
+        self._kwargs = loader_kwargs
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.plan.steps_per_epoch(self.dataset_size)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def _dataloader(self) -> DataLoader:
+        # Worker seeds differ per rank and epoch and are reproducible: the
+        # DataLoader draws its workers' base seed from this generator.
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 4099 + self.dist.rank)
+        return DataLoader(self.dataset, batch_sampler=_MicroBatchSampler(self), generator=gen, **self._kwargs)
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        if self.batch_index >= self.steps_per_epoch:
+            self.epoch, self.batch_index = self.epoch + 1, 0
+        non_blocking = bool(self._kwargs.get("pin_memory"))
+        group: list[Any] = []
+        for micro in self._dataloader():
+            group.append(to_device(micro, self.device, non_blocking))
+            if len(group) == self.plan.accum_steps:
+                self.batch_index += 1
+                yield group
+                group = []
+        self.epoch, self.batch_index = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int | bool]:
+        """The position: resuming from it continues the same global batch sequence."""
+        return {
+            "epoch": self.epoch,
+            "batch_index": self.batch_index,
+            "seed": self.seed,
+            "global_batch": self.plan.global_batch,
+            "dataset_size": self.dataset_size,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        mine = self.state_dict()
+        for key in ("seed", "global_batch", "dataset_size", "shuffle"):
+            if key in state and state[key] != mine[key]:
+                raise UsageError(
+                    f"the saved loader position has {key}={state[key]} but this loader has {key}={mine[key]}; "
+                    f"resume with the same {key.replace('_', ' ')} to continue the same data order"
+                )
+        self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
+
+
+def loader(dataset: Dataset, plan: BatchPlan, dist: Dist, shuffle: bool = True, seed: int = 0, *,
+           num_workers: int = 0, pin_memory: bool | None = None, collate_fn=None, device=None,
+           **dataloader_kwargs: Any) -> DistributedLoader:
+    """This rank's share of every global batch, as lists of ``plan.accum_steps`` micro-batches.
+
+    Batches are moved to ``dist.device``. Extra keyword arguments go to
+    ``torch.utils.data.DataLoader`` (``prefetch_factor``, ``persistent_workers``...).
+
+    >>> train = mg.loader(train_set, plan, dist, shuffle=True, seed=0)
+    >>> for micro_batches in train:
+    ...     for x, y in mg.accumulate(model, micro_batches):
+    ...         ...
+    """
+    for bad in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
+        if bad in dataloader_kwargs:
+            raise UsageError(f"mg.loader() sets {bad} from the batch plan; remove {bad}= from the call")
+    if pin_memory is None:
+        pin_memory = dist.device.type == "cuda"
+    kwargs = dict(dataloader_kwargs, num_workers=num_workers, pin_memory=pin_memory)
+    if collate_fn is not None:
+        kwargs["collate_fn"] = collate_fn
+    return DistributedLoader(dataset, plan, dist, shuffle=shuffle, seed=seed, device=device, loader_kwargs=kwargs)
+
+
+def shard_range(dataset_size: int, rank: int, world_size: int) -> range:
+    """Rank's contiguous evaluation shard; shards cover the dataset exactly once."""
+    return range(rank * dataset_size // world_size, (rank + 1) * dataset_size // world_size)
+
+
+def eval_loader(dataset: Dataset, dist: Dist, batch_size: int, *, num_workers: int = 0,
+                pin_memory: bool | None = None, **dataloader_kwargs: Any) -> DataLoader:
+    """This rank's evaluation shard, without the padding duplicates of DistributedSampler.
+
+    Sum metrics per rank and combine them with ``mg.all_reduce_sum`` for exact
+    dataset-level figures on any world size.
+
+    >>> correct = count = 0
+    >>> for x, y in mg.eval_loader(test_set, dist, batch_size=256):
+    ...     ...
+    >>> totals = mg.all_reduce_sum({"correct": correct, "count": count})
+    """
+    if batch_size < 1:
+        raise UsageError(f"eval batch_size must be >= 1, got {batch_size}")
+    if pin_memory is None:
+        pin_memory = dist.device.type == "cuda"
+    shard = Subset(dataset, shard_range(len(dataset), dist.rank, dist.world_size))
+    return DataLoader(shard, batch_size=batch_size, shuffle=False, num_workers=num_workers,
+                      pin_memory=pin_memory, **dataloader_kwargs)
+
+
+def _reduce_device() -> torch.device:
+    if tdist.is_initialized() and tdist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_sum(values: Mapping[str, float] | Sequence[float] | float):
+    """Sum numbers over all ranks (float64), e.g. correct and count for exact accuracy.
+
+    Accepts a dict, a list/tuple, or one number, and returns the same shape.
+
+    >>> mg.all_reduce_sum({"correct": 940, "count": 1000})
+    {'correct': 1873.0, 'count': 2000.0}
+    """
+    if isinstance(values, Mapping):
+        keys = list(values)
+        flat = [float(values[k]) for k in keys]
+    elif isinstance(values, (list, tuple)):
+        flat = [float(v) for v in values]
+    else:
+        flat = [float(values)]
+    t = torch.tensor(flat, dtype=torch.float64, device=_reduce_device())
+    if tdist.is_initialized() and tdist.get_world_size() > 1:
+        tdist.all_reduce(t)
+    out = t.tolist()
+    if isinstance(values, Mapping):
+        return dict(zip(keys, out))
+    if isinstance(values, (list, tuple)):
+        return type(values)(out)
+    return out[0]
