@@ -10,14 +10,12 @@ Tolerances are 4 standard errors, from the spread of the per-step estimates.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as tdist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import multigpu as mg
 from multigpu import noise as nz
@@ -175,7 +173,7 @@ def _ddp_worker(dist, steps, accum):
     # (a) exact: the hook's norms equal all-gathered reference gradients.
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
-    model = DDP(ref, bucket_cap_mb=1e-4)  # tiny buckets: several per step
+    model = mg.wrap(ref, "ddp", bucket_cap_mb=1e-4)  # tiny buckets: several per step
     plan = mg.BatchPlan(global_batch=8 * world, world_size=world)
     noise = mg.NoiseScale(plan).attach(model)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -194,31 +192,30 @@ def _ddp_worker(dist, steps, accum):
         errs.append(abs(float(noise.last["total_sq"]) / total_ref - 1))
     out["exact_rel_err"] = max(errs)
     # (b) least squares, accumulation under no_sync, PyTorch's allreduce hook.
-    # (c) the same with fp16 compression, a GradScaler at 1024 and one inf step.
-    for name, hook, scale in (("plain", None, None), ("fp16", default_hooks.fp16_compress_hook, 1024.0)):
-        model = DDP(_linear())
+    # (c) the same with fp16 compression, mg.Precision('fp16')'s GradScaler and one inf step.
+    for name, hook, scale in (("plain", None, False), ("fp16", default_hooks.fp16_compress_hook, True)):
+        model = mg.wrap(_linear(), "ddp")
         plan = mg.BatchPlan(global_batch=16 * accum * world, world_size=world, micro_batch=16)
-        scaler = torch.amp.GradScaler("cpu", init_scale=scale) if scale else None
-        noise = mg.NoiseScale(plan, tau=1e12, scaler=scaler).attach(model, comm_hook=hook)
+        amp = mg.Precision("fp16" if scale else "fp32", "cpu")
+        noise = mg.NoiseScale(plan, tau=1e12, scaler=amp).attach(model, comm_hook=hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lets the scaler adapt; the weights stay put
         gen = torch.Generator().manual_seed(7 + rank)
         gs, ts = [], []
         for step in range(steps if name == "plain" else steps // 3):
-            for j in range(accum):
-                x, y = _batch(gen, plan.micro_batch)
-                # DDP's no_sync must cover the forward too, or the reducer syncs anyway.
-                with model.no_sync() if j < accum - 1 else contextlib.nullcontext():
-                    loss = _loss(model, x, y, accum)
-                    if scaler is not None:
-                        loss = scaler.scale(loss)
-                        if step == 5 and j == accum - 1 and rank == 1:
-                            loss = loss * math.inf
-                    loss.backward()
+            micro_batches = [_batch(gen, plan.micro_batch) for _ in range(accum)]
+            for j, (x, y) in enumerate(mg.accumulate(model, micro_batches)):
+                loss = amp.scale(_loss(model, x, y, accum))   # fp32 loss, scaled by 65536 under fp16
+                if scale and step == 5 and j == accum - 1 and rank == 1:
+                    loss = loss * math.inf
+                loss.backward()
+            amp.step(opt)
             model.zero_grad(set_to_none=True)
             noise.update()
-            if not (scaler is not None and step == 5):
+            if math.isfinite(noise.last["grad_sq"]) and math.isfinite(noise.last["trace_cov"]):
                 gs.append(float(noise.last["grad_sq"]))
                 ts.append(float(noise.last["trace_cov"]))
-        out[name] = {"gs": gs, "ts": ts, "metrics": noise.metrics(), "summary": noise.summary()}
+        out[name] = {"gs": gs, "ts": ts, "metrics": noise.metrics(), "summary": noise.summary(),
+                     "amp_skipped": amp.skipped_steps}
     # (d) sharded gradients (what FSDP leaves): shard norms summed across ranks give the same numbers.
     gen = torch.Generator().manual_seed(11 + rank)
     model = _linear()
@@ -240,7 +237,7 @@ def _ddp_worker(dist, steps, accum):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_ranks_match_closed_form(world):
-    steps = 1200 if world == 2 else 600
+    steps = 900 if world == 2 else 450
     res = spawn(_ddp_worker, world, steps, 2, timeout=240)
     r0 = res[0]
     assert r0["exact_rel_err"] < 1e-6
@@ -248,7 +245,11 @@ def test_ddp_ranks_match_closed_form(world):
         rec = r0[name]
         m = rec["metrics"]
         err_g, err_t = _check(rec["gs"], TRUE_G, f"{name} |G|^2"), _check(rec["ts"], TRUE_T, f"{name} tr(Sigma)")
-        assert m["noise/skipped_steps"] == (1 if name == "fp16" else 0)
+        # The overflowing steps (the injected inf; fp16 compression of gradients scaled by 65536)
+        # are exactly those the GradScaler skipped.
+        assert m["noise/skipped_steps"] == rec["amp_skipped"]
+        assert (m["noise/skipped_steps"] >= 1) == (name == "fp16")
+        assert m["noise/measured_steps"] == len(rec["gs"])
         err_b = abs(m["noise/b_simple"] / TRUE_B - 1)
         print(f"{world} ranks {name}: rel. error |G|^2 {err_g:.3f}, tr {err_t:.3f}, B_simple {m['noise/b_simple']:.3f} (true {TRUE_B})")
         # 4 standard errors of the ratio (relative errors of the two means add in quadrature)

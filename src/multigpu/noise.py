@@ -114,8 +114,9 @@ class NoiseScale:
     Sharded gradients (FSDP): call ``observe(local_sq, shard_sq, sharded=True)``.
 
     ``tau``: EMA time constant in training examples (default 100 global
-    batches). ``every``: measure one step in ``every``. ``scaler``: a
-    ``torch.amp.GradScaler`` (or anything with ``get_scale()``) under fp16.
+    batches). ``every``: measure one step in ``every``. ``scaler``: the
+    ``mg.Precision`` or ``torch.amp.GradScaler`` (anything with ``get_scale()``)
+    whose loss scale the gradients carry.
 
     >>> noise = mg.NoiseScale(plan, every=1)
     >>> noise.attach(model)                  # after mg.wrap(model, "ddp")
@@ -198,6 +199,8 @@ class NoiseScale:
     def _scale(self, device: torch.device) -> torch.Tensor:
         """The loss scale of the backward pass in progress (1 without a scaler)."""
         s = self.scaler
+        if s is not None and not hasattr(s, "get_scale"):
+            s = getattr(s, "scaler", None)  # an mg.Precision: its GradScaler, or None below fp16
         if s is None:
             return torch.ones((), device=device, dtype=torch.float64)
         # GradScaler keeps its scale in a device tensor: reading it avoids the
