@@ -9,6 +9,7 @@ from .batch import BatchPlan, scale_lr, warmup
 from .data import all_reduce_sum, eval_loader, loader
 from .dist import Dist, init, print0
 from .errors import UsageError
+from .finder import MicroBatchSearch, find_micro_batch
 from .noise import NoiseScale
 from .planner import ScaledRecipe, scale_recipe
 from .precision import Precision
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchPlan",
     "Dist",
+    "MicroBatchSearch",
     "NoiseScale",
     "Precision",
     "ScaledRecipe",
@@ -26,6 +28,7 @@ __all__ = [
     "accumulate",
     "all_reduce_sum",
     "eval_loader",
+    "find_micro_batch",
     "init",
     "loader",
     "print0",
