@@ -75,42 +75,44 @@ def steps_factor(batch: float, noise_scale: float) -> float:
 
 
 class _DebiasedEMA:
-    """Exponential moving average with Adam-style bias correction, kept on a device."""
+    """Exponential moving average with Adam-style bias correction (host floats)."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype):
-        self.sum = torch.zeros((), device=device, dtype=dtype)
-        self.weight = torch.zeros((), device=device, dtype=dtype)
+    def __init__(self) -> None:
+        self.sum = 0.0
+        self.weight = 0.0
 
-    def update(self, value: torch.Tensor, beta: float, keep: torch.Tensor) -> None:
-        # ``keep`` is False for inf/nan steps: the EMA is left as it was.
-        new_sum = beta * self.sum + (1 - beta) * value
-        new_weight = beta * self.weight + (1 - beta)
-        self.sum = torch.where(keep, new_sum, self.sum)
-        self.weight = torch.where(keep, new_weight, self.weight)
+    def update(self, value: float, beta: float) -> None:
+        self.sum = beta * self.sum + (1 - beta) * value
+        self.weight = beta * self.weight + (1 - beta)
 
     def value(self) -> float:
-        w = float(self.weight)
-        return float(self.sum) / w if w > 0 else math.nan
+        return self.sum / self.weight if self.weight > 0 else math.nan
 
 
-def _sq_norm(tensors) -> torch.Tensor:
-    """Squared L2 norm over tensors, accumulated in float32, returned in float64."""
-    if isinstance(tensors, torch.Tensor):
-        tensors = [tensors]
-    norm = torch.nn.utils.get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False)
-    # Squaring the fp32 norm in fp64: fp16-scaled gradients (scale up to 2^24)
-    # would overflow fp32 when squared.
-    return norm.double().square()
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    # The norm, not its square, in fp32: fp16-scaled gradients would overflow
+    # fp32 when squared; squares are taken later in fp64.
+    return torch.linalg.vector_norm(t, dtype=torch.float32)
+
+
+def _sq_sum(norms: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(norms).double().square().sum()
+
+
+# Measured steps kept on the device before one transfer folds them into the
+# EMAs: a host sync every step would stall a CUDA pipeline.
+_FOLD_EVERY_CUDA = 64
 
 
 class NoiseScale:
     """Measure the gradient noise scale B_simple of a running training job.
 
-    Several ranks (DDP): ``attach`` registers a communication hook that wraps
-    PyTorch's own all-reduce hook (or ``fp16_compress_hook`` etc.), reads
-    each bucket before and after the reduction, and adds one 1-element
-    all-reduce per measured step. One rank: the accumulation micro-batches are
-    the small batch, read by gradient hooks (needs ``plan.accum_steps >= 2``).
+    Several ranks (DDP): ``attach`` registers a communication hook that reads
+    each bucket before and after PyTorch's all-reduce (or a hook it wraps,
+    e.g. ``fp16_compress_hook``); the ranks' mean ``|g_i|^2`` rides along in
+    the last bucket's all-reduce (a separate 1-element all-reduce with a
+    wrapped hook). One rank: the accumulation micro-batches are the small
+    batch, read by gradient hooks (needs ``plan.accum_steps >= 2``).
     Sharded gradients (FSDP): call ``observe(local_sq, shard_sq, sharded=True)``.
 
     ``tau``: EMA time constant in training examples (default 100 global
@@ -127,52 +129,47 @@ class NoiseScale:
     def __init__(self, plan: BatchPlan, *, tau: float | None = None, every: int = 1, scaler: Any = None, group=None):
         if not isinstance(plan, BatchPlan):
             raise UsageError(f"NoiseScale needs the run's mg.BatchPlan, got {type(plan).__name__}; pass plan=mg.BatchPlan(...)")
-        if not isinstance(every, int) or every < 1:
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise UsageError(f"NoiseScale every= must be a positive integer (measure one step in every), got {every!r}")
         self.plan = plan
         self.tau = float(tau) if tau is not None else 100.0 * plan.global_batch
-        if self.tau <= 0:
+        if not self.tau > 0:
             raise UsageError(f"NoiseScale tau= is a time constant in examples and must be positive, got {tau}")
         self.every = every
         self.scaler = scaler
         self.group = group
-        self._device: torch.device | None = None
-        self._ema_g: _DebiasedEMA | None = None
-        self._ema_t: _DebiasedEMA | None = None
-        self._measured: torch.Tensor | None = None
-        self._skipped: torch.Tensor | None = None
-        self.last: dict[str, torch.Tensor] = {}  # raw values of the last measured step (for tests, debugging)
-        self._rounds = 0          # optimizer steps seen (measured or not)
+        self._ema_g, self._ema_t = _DebiasedEMA(), _DebiasedEMA()
+        self.measured = 0       # steps folded into the EMAs
+        self.skipped = 0        # measured steps dropped for inf/nan (fp16 overflow)
+        self.last: dict[str, float] = {}  # raw values of the last measured step (tests, debugging)
+        self._raw: list[tuple[torch.Tensor, int, int]] = []  # ([local, total, scale], b_small, b_big)
+        self._rounds = 0        # optimizer steps seen, measured or not
+        self._round_done = False
         self._pending: dict | None = None
-        self._local_parts: list[torch.Tensor] = []
-        self._total_parts: list[torch.Tensor] = []
+        self._local_norms: list[torch.Tensor] = []
+        self._total_norms: list[torch.Tensor] = []
         self._handles: list = []
         self._counts: dict[int, int] = {}
         self._prev: dict[int, torch.Tensor] = {}
-        self._round_done = False
 
     # ---- wiring ---------------------------------------------------------------
     def attach(self, model: torch.nn.Module, comm_hook: Callable | None = None, hook_state: Any = None) -> "NoiseScale":
         """Start measuring ``model``: a DDP model on several ranks, any model on one.
 
-        ``comm_hook`` is the DDP hook to wrap (default: PyTorch's
-        ``allreduce_hook``; e.g. ``default_hooks.fp16_compress_hook``), called
-        as ``comm_hook(hook_state, bucket)``; DDP accepts only one hook, so
+        ``comm_hook`` is a DDP hook to wrap (default: PyTorch's all-reduce;
+        e.g. ``default_hooks.fp16_compress_hook``), called as
+        ``comm_hook(hook_state, bucket)``. DDP accepts only one hook, so
         register compression through here, not on the model.
         """
         world = self.plan.world_size
-        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         if world > 1:
-            if not ddp:
+            if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
                 raise UsageError(
                     f"NoiseScale.attach on {world} ranks needs a DDP model, got {type(model).__name__}; "
                     "wrap it first (mg.wrap(model, 'ddp')) or, for sharded gradients, call noise.observe(..., sharded=True)"
                 )
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            inner = comm_hook or default_hooks.allreduce_hook
             state = hook_state if hook_state is not None else self.group
-            model.register_comm_hook(state, self._wrap_hook(inner))
+            model.register_comm_hook(state, self._wrap_hook(comm_hook))
         else:
             if self.plan.accum_steps < 2:
                 raise UsageError(
@@ -183,7 +180,7 @@ class NoiseScale:
             for p in model.parameters():
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._param_hook))
-        # The next forward begins a new step: fold the finished one into the EMAs there.
+        # The next forward begins a new step: fold the finished one in there.
         self._handles.append(model.register_forward_pre_hook(lambda *_: self.update()))
         return self
 
@@ -210,35 +207,51 @@ class NoiseScale:
             return t.detach().to(device=device, dtype=torch.float64).reshape(())
         return torch.tensor(float(s.get_scale()), device=device, dtype=torch.float64)
 
-    def _wrap_hook(self, inner: Callable) -> Callable:
+    def _wrap_hook(self, inner: Callable | None) -> Callable:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        world = self.plan.world_size
+
+        def after(f):
+            value = f.value()
+            out = value[0] if isinstance(value, (list, tuple)) else value
+            self._total_norms.append(_norm(out))
+            return out
+
         def hook(state, bucket):
             if bucket.index() == 0:
                 # A new synchronising backward: the previous one, if any, is complete.
                 self.update()
-                self._round_done = False
             if not self._measuring():
-                fut = inner(state, bucket)
                 if bucket.is_last():
                     self._round_done = True
-                return fut
+                return (inner or default_hooks.allreduce_hook)(state, bucket)
             buf = bucket.buffer()
-            # Before inner(): allreduce_hook divides the buffer in place.
-            self._local_parts.append(_sq_norm(buf))
-            fut = inner(state, bucket)
+            # Before the reduction: allreduce_hook divides the buffer in place.
+            self._local_norms.append(_norm(buf))
+            if not bucket.is_last():
+                return (inner or default_hooks.allreduce_hook)(state, bucket).then(after)
+            local = _sq_sum(self._local_norms)
+            self._local_norms = []
+            self._round_done = True
+            scale = self._scale(buf.device)
+            group = state if state is not None else tdist.group.WORLD
+            if inner is None and buf.dtype in (torch.float32, torch.float64):
+                # PyTorch's allreduce_hook, with |g_i|^2 appended: no extra collective.
+                packed = torch.cat([buf, local.to(buf.dtype).reshape(1)]).div_(world)
+                mean_local = packed[-1:]
+                self._pending = {"local": mean_local, "scale": scale}
 
-            def after(f):
-                value = f.value()
-                out = value[0] if isinstance(value, (list, tuple)) else value
-                self._total_parts.append(_sq_norm(out))
-                return out
+                def unpack(f):
+                    buf.copy_(f.value()[0][:-1])
+                    self._total_norms.append(_norm(buf))
+                    return buf
 
-            fut = fut.then(after)
-            if bucket.is_last():
-                local = torch.stack(self._local_parts).sum().reshape(1) / self.plan.world_size
-                work = tdist.all_reduce(local, group=self.group, async_op=True)  # mean over ranks of |g_i|^2
-                self._pending = {"work": work, "local": local, "scale": self._scale(buf.device), "total": None}
-                self._local_parts = []
-                self._round_done = True
+                return tdist.all_reduce(packed, group=group, async_op=True).get_future().then(unpack)
+            fut = (inner or default_hooks.allreduce_hook)(state, bucket).then(after)
+            mean_local = (local / world).reshape(1)
+            work = tdist.all_reduce(mean_local, group=group, async_op=True)
+            self._pending = {"local": mean_local, "scale": scale, "work": work}
             return fut
 
         return hook
@@ -251,13 +264,13 @@ class NoiseScale:
             g = p.grad.detach()
             prev = self._prev.get(key)
             # This micro-batch's share of the gradient is what the last backward added.
-            self._local_parts.append(_sq_norm(g if prev is None else g - prev))
+            self._local_norms.append(_norm(g if prev is None else g - prev))
             if n < accum:
                 self._prev[key] = g.clone() if prev is None else prev.copy_(g)
             else:
                 self._prev.pop(key, None)
-                self._total_parts.append(_sq_norm(g))
-                self._pending = {"scale": self._scale(g.device), "local": None}
+                self._total_norms.append(_norm(g))
+                self._pending = {"scale": self._scale(g.device)}
         if n == accum:
             n = 0
             self._round_done = True
@@ -270,20 +283,22 @@ class NoiseScale:
         ``local_sq``: this rank's ``|g_i|^2`` before averaging (batch ``plan.rank_batch``).
         ``total_sq``: ``|mean_i g_i|^2``; with ``sharded=True``, the squared norm
         of this rank's shard of it (FSDP/ZeRO), summed across ranks here.
-        ``scale``: the loss scale the gradients carry.
+        ``scale``: the loss scale the gradients carry. Call it once per
+        ``every`` optimizer steps.
         """
-        self.update()
+        if self.plan.world_size < 2:
+            raise UsageError("NoiseScale.observe needs 2+ ranks (rank gradients are the small batch); "
+                             "on one process use attach(model) with accumulation micro-batches")
         local = torch.as_tensor(local_sq, dtype=torch.float64).reshape(1)
         total = torch.as_tensor(total_sq, dtype=torch.float64, device=local.device).reshape(1)
-        if self.plan.world_size > 1:
-            vec = torch.cat([local / self.plan.world_size, total if sharded else torch.zeros_like(total)])
-            tdist.all_reduce(vec, group=self.group)
-            local, total = vec[:1], (vec[1:] if sharded else total)
-        self._fold(local.sum(), total.sum(), torch.as_tensor(scale, dtype=torch.float64, device=local.device),
-                   self.plan.rank_batch, self.plan.global_batch)
+        vec = torch.cat([local / self.plan.world_size, total if sharded else torch.zeros_like(total)])
+        tdist.all_reduce(vec, group=self.group)
+        total = vec[1] if sharded else total[0]
+        scale = torch.as_tensor(scale, dtype=torch.float64, device=local.device).reshape(())
+        self._record(vec[0], total, scale, self.plan.rank_batch, self.plan.global_batch)
 
     def update(self) -> None:
-        """Fold a completed step into the EMAs (called for you at the next forward and by ``metrics()``)."""
+        """Fold a completed step in (called for you at the next forward and by ``metrics()``)."""
         if not self._round_done:
             return
         pending, self._pending = self._pending, None
@@ -291,36 +306,39 @@ class NoiseScale:
         self._rounds += 1
         if pending is None:
             return
-        total = torch.stack(self._total_parts).sum()
-        if "work" in pending:  # DDP: ranks are the small batches
-            pending["work"].wait()
-            local = pending["local"].sum()
-            b_small, b_big = self.plan.rank_batch, self.plan.global_batch
+        total = _sq_sum(self._total_norms)
+        if "local" in pending:  # ranks are the small batches
+            if "work" in pending:
+                pending["work"].wait()
+            local = pending["local"].sum().double()
+            b_small = self.plan.rank_batch
         else:  # one rank: micro-batches are; the loss carries 1/accum_steps
-            a = self.plan.accum_steps
-            local = torch.stack(self._local_parts).sum() * a
-            b_small, b_big = self.plan.micro_batch, self.plan.global_batch
-        self._local_parts, self._total_parts = [], []
-        self._fold(local, total, pending["scale"], b_small, b_big)
+            local = _sq_sum(self._local_norms) * self.plan.accum_steps
+            b_small = self.plan.micro_batch
+        self._local_norms, self._total_norms = [], []
+        self._record(local, total, pending["scale"], b_small, self.plan.global_batch)
 
-    def _fold(self, local, total, scale, b_small, b_big) -> None:
-        if self._ema_g is None:
-            self._device = local.device
-            self._ema_g = _DebiasedEMA(local.device, torch.float64)
-            self._ema_t = _DebiasedEMA(local.device, torch.float64)
-            self._measured = torch.zeros((), device=local.device, dtype=torch.int64)
-            self._skipped = torch.zeros((), device=local.device, dtype=torch.int64)
-        s2 = scale.to(local.device).square()
-        local, total = local / s2, total.to(local.device) / s2
-        grad_sq, trace_cov = estimate(local, total, b_small, b_big)
-        keep = torch.isfinite(local) & torch.isfinite(total)
-        # A measurement stands for ``every`` optimizer steps of training.
-        beta = math.exp(-self.every * self.plan.global_batch / self.tau)
-        self._ema_g.update(torch.where(keep, grad_sq, 0.0), beta, keep)
-        self._ema_t.update(torch.where(keep, trace_cov, 0.0), beta, keep)
-        self._measured += keep.long()
-        self._skipped += (~keep).long()
-        self.last = {"local_sq": local, "total_sq": total, "grad_sq": grad_sq, "trace_cov": trace_cov}
+    def _record(self, local, total, scale, b_small, b_big) -> None:
+        self._raw.append((torch.stack([local, total.to(local.device), scale.to(local.device)]), b_small, b_big))
+        if local.device.type != "cuda" or len(self._raw) >= _FOLD_EVERY_CUDA:
+            self._fold()
+
+    def _fold(self) -> None:
+        if not self._raw:
+            return
+        values = torch.stack([v for v, _, _ in self._raw]).cpu().tolist()  # one transfer
+        beta = math.exp(-self.every * self.plan.global_batch / self.tau)  # a measurement stands for ``every`` steps
+        for (local, total, scale), (_, b_small, b_big) in zip(values, self._raw):
+            local, total = local / scale**2, total / scale**2
+            grad_sq, trace_cov = estimate(local, total, b_small, b_big)
+            self.last = {"local_sq": local, "total_sq": total, "grad_sq": grad_sq, "trace_cov": trace_cov}
+            if not (math.isfinite(grad_sq) and math.isfinite(trace_cov)):
+                self.skipped += 1  # an fp16 overflow step: the scaler skips it too
+                continue
+            self._ema_g.update(grad_sq, beta)
+            self._ema_t.update(trace_cov, beta)
+            self.measured += 1
+        self._raw = []
 
     # ---- reporting ------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -330,10 +348,11 @@ class NoiseScale:
         (noise-dominated); ``noise/noise_dominated`` is then 1.
         """
         self.update()
-        if self._ema_g is None:
+        self._fold()
+        if self.measured + self.skipped == 0:
             return {}
-        out = {"noise/measured_steps": float(self._measured), "noise/skipped_steps": float(self._skipped)}
-        if int(self._measured) == 0:
+        out = {"noise/measured_steps": float(self.measured), "noise/skipped_steps": float(self.skipped)}
+        if self.measured == 0:
             return out
         g, t = self._ema_g.value(), self._ema_t.value()
         out |= {"noise/grad_sq": g, "noise/trace_cov": t}
