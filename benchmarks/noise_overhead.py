@@ -1,12 +1,12 @@
 """What measuring the gradient noise scale every step costs, and what it measures, on digits.
 
 Part 1 (overhead): the digits recipe's model and data (sklearn's 8x8 digits,
-MLP 64-256-256-10, SGD momentum, global batch 64) over gloo ranks, DDP with
-and without ``mg.NoiseScale`` attached. Trials alternate plain, noise, plain,
-noise... in one process group so machine noise hits both alike; each trial
-builds a fresh DDP model, warms up, then times ``--steps`` optimizer steps
-(slowest rank). Printed: per-pair ratio noise/plain, median and spread, and
-an environment fingerprint.
+MLP 64-256-256-10, SGD momentum, global batch 64) over gloo ranks: two DDP
+models in one process group, one with ``mg.NoiseScale`` attached, trained in
+alternating blocks of ``--steps`` optimizer steps (order flipped each block)
+so machine noise hits both alike. Printed: mean step times (slowest rank),
+the ratio of totals, the per-block-pair ratio's median and IQR, and an
+environment fingerprint.
 
 Part 2 (measurement): a full digits training run (the recipe's defaults) with
 NoiseScale every step: B_simple as training goes, and the end-of-run summary.
@@ -39,34 +39,46 @@ def _batches(train):
         yield from train
 
 
-def _trial(dist, train_set, steps: int, every: int | None) -> float:
-    plan = mg.BatchPlan(GLOBAL_BATCH, dist.world_size)
-    torch.manual_seed(0)
-    model = mg.wrap(make_model(), "ddp")
-    if every is not None:
-        mg.NoiseScale(plan, every=every).attach(model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
-    batches = _batches(mg.loader(train_set, plan, dist, seed=0))
-    for step in range(WARMUP_STEPS + steps):
-        if step == WARMUP_STEPS:
-            tdist.barrier()
-            start = time.perf_counter()
-        for x, y in mg.accumulate(model, next(batches)):
-            (loss_fn(model(x), y) / plan.accum_steps).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    elapsed = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
-    tdist.all_reduce(elapsed, op=tdist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-    return float(elapsed)
+class _Run:
+    """One DDP model training on digits; ``block(n)`` times n optimizer steps (slowest rank)."""
+
+    def __init__(self, dist, train_set, every: int | None):
+        self.plan = mg.BatchPlan(GLOBAL_BATCH, dist.world_size)
+        torch.manual_seed(0)
+        self.model = mg.wrap(make_model(), "ddp")
+        self.noise = mg.NoiseScale(self.plan, every=every).attach(self.model) if every else None
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=0.9)
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.batches = _batches(mg.loader(train_set, self.plan, dist, seed=0))
+
+    def block(self, steps: int) -> tuple[float, float]:
+        """(wall seconds per step, slowest rank; CPU seconds per step, all threads of all ranks)."""
+        tdist.barrier()
+        start, cpu = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            for x, y in mg.accumulate(self.model, next(self.batches)):
+                (self.loss_fn(self.model(x), y) / self.plan.accum_steps).backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        cpu = torch.tensor([time.process_time() - cpu], dtype=torch.float64)
+        tdist.all_reduce(wall, op=tdist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+        # CPU time is what the work costs, whatever else the (shared) machine runs meanwhile.
+        tdist.all_reduce(cpu)
+        return float(wall) / steps, float(cpu) / steps
 
 
-def _overhead(dist, trials: int, steps: int, every: int) -> dict:
+def _overhead(dist, blocks: int, steps: int, every: int) -> dict:
+    """Blocks of ``steps`` steps, alternating plain / with NoiseScale (order flipped every block)."""
     train_set, _ = digits_datasets(seed=0)
+    runs = {"plain": _Run(dist, train_set, None), "noise": _Run(dist, train_set, every)}
+    for run in runs.values():
+        run.block(WARMUP_STEPS)
     out = {"plain": [], "noise": []}
-    for _ in range(trials):
-        out["plain"].append(_trial(dist, train_set, steps, None))
-        out["noise"].append(_trial(dist, train_set, steps, every))
+    for i in range(blocks):
+        for name in (("plain", "noise") if i % 2 == 0 else ("noise", "plain")):
+            out[name].append(runs[name].block(steps))
+    out["b_simple"] = runs["noise"].noise.metrics().get("noise/b_simple")
     return out
 
 
@@ -114,23 +126,25 @@ def _fingerprint(world: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--trials", type=int, default=6, help="pairs of alternating (plain, noise) trials")
-    ap.add_argument("--steps", type=int, default=150, help="timed optimizer steps per trial")
+    ap.add_argument("--blocks", type=int, default=60, help="timed blocks per variant, alternating plain / NoiseScale")
+    ap.add_argument("--steps", type=int, default=10, help="optimizer steps per block")
     ap.add_argument("--every", type=int, default=1, help="NoiseScale measures one step in this many")
     ap.add_argument("--epochs", type=int, default=20, help="epochs of the measurement run (0: skip it)")
     args = ap.parse_args()
     w = args.world_size
     print("fingerprint:", ", ".join(f"{k}={v}" for k, v in _fingerprint(w).items()), flush=True)
 
-    r = spawn(_overhead, w, args.trials, args.steps, args.every, timeout=3600)[0]
+    r = spawn(_overhead, w, args.blocks, args.steps, args.every, timeout=3600)[0]
     print(f"digits MLP, DDP over {w} gloo ranks, global batch {GLOBAL_BATCH}, NoiseScale every {args.every} step(s); "
-          f"mean step time over {args.steps} steps (slowest rank):")
-    ratios = []
-    for i, (a, b) in enumerate(zip(r["plain"], r["noise"])):
-        ratios.append(b / a)
-        print(f"  pair {i}: plain {a * 1e3:7.3f} ms | with NoiseScale {b * 1e3:7.3f} ms | ratio {b / a:.3f}")
-    print(f"ratio with/without: median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}, "
-          f"n={len(ratios)} pairs; target < 1.03)")
+          f"{args.blocks} alternating blocks of {args.steps} steps per variant:")
+    for i, what in ((0, "wall time per step (slowest rank)"), (1, "CPU time per step (all ranks, all threads)")):
+        plain, noise = [b[i] for b in r["plain"]], [b[i] for b in r["noise"]]
+        ratios = sorted(b / a for a, b in zip(plain, noise))
+        q = statistics.quantiles(ratios, n=4)
+        print(f"  {what}: plain {statistics.median(plain) * 1e3:.3f} ms, with NoiseScale "
+              f"{statistics.median(noise) * 1e3:.3f} ms (medians)")
+        print(f"    ratio with/without: totals {sum(noise) / sum(plain):.3f}; per block pair median "
+              f"{statistics.median(ratios):.3f} (IQR {q[0]:.3f}-{q[2]:.3f}, n={len(ratios)}; target < 1.03)")
 
     if args.epochs:
         t = spawn(_train, w, args.epochs, timeout=3600)[0]

@@ -95,8 +95,10 @@ def _norm(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t, dtype=torch.float32)
 
 
-def _sq_sum(norms: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(norms).double().square().sum()
+def _sq_sum(norms: list[torch.Tensor], dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    # Every tensor op costs microseconds of host time: one bucket, one op.
+    n = norms[0].to(dtype) if len(norms) == 1 else torch.stack(norms).to(dtype)
+    return n.square().sum()
 
 
 # Measured steps kept on the device before one transfer folds them into the
@@ -193,13 +195,13 @@ class NoiseScale:
     def _measuring(self) -> bool:
         return self._rounds % self.every == 0
 
-    def _scale(self, device: torch.device) -> torch.Tensor:
-        """The loss scale of the backward pass in progress (1 without a scaler)."""
+    def _scale(self, device: torch.device) -> torch.Tensor | None:
+        """The loss scale of the backward pass in progress (None without a scaler)."""
         s = self.scaler
         if s is not None and not hasattr(s, "get_scale"):
             s = getattr(s, "scaler", None)  # an mg.Precision: its GradScaler, or None below fp16
         if s is None:
-            return torch.ones((), device=device, dtype=torch.float64)
+            return None
         # GradScaler keeps its scale in a device tensor: reading it avoids the
         # host sync of get_scale(); it must be read now, before scaler.update().
         t = getattr(s, "_scale", None)
@@ -231,14 +233,13 @@ class NoiseScale:
             self._local_norms.append(_norm(buf))
             if not bucket.is_last():
                 return (inner or default_hooks.allreduce_hook)(state, bucket).then(after)
-            local = _sq_sum(self._local_norms)
-            self._local_norms = []
+            norms, self._local_norms = self._local_norms, []
             self._round_done = True
             scale = self._scale(buf.device)
             group = state if state is not None else tdist.group.WORLD
             if inner is None and buf.dtype in (torch.float32, torch.float64):
                 # PyTorch's allreduce_hook, with |g_i|^2 appended: no extra collective.
-                packed = torch.cat([buf, local.to(buf.dtype).reshape(1)]).div_(world)
+                packed = torch.cat([buf, _sq_sum(norms, buf.dtype).reshape(1)]).div_(world)
                 mean_local = packed[-1:]
                 self._pending = {"local": mean_local, "scale": scale}
 
@@ -249,7 +250,7 @@ class NoiseScale:
 
                 return tdist.all_reduce(packed, group=group, async_op=True).get_future().then(unpack)
             fut = (inner or default_hooks.allreduce_hook)(state, bucket).then(after)
-            mean_local = (local / world).reshape(1)
+            mean_local = (_sq_sum(norms) / world).reshape(1)
             work = tdist.all_reduce(mean_local, group=group, async_op=True)
             self._pending = {"local": mean_local, "scale": scale, "work": work}
             return fut
@@ -294,7 +295,7 @@ class NoiseScale:
         vec = torch.cat([local / self.plan.world_size, total if sharded else torch.zeros_like(total)])
         tdist.all_reduce(vec, group=self.group)
         total = vec[1] if sharded else total[0]
-        scale = torch.as_tensor(scale, dtype=torch.float64, device=local.device).reshape(())
+        scale = torch.as_tensor(scale, dtype=torch.float64, device=local.device)
         self._record(vec[0], total, scale, self.plan.rank_batch, self.plan.global_batch)
 
     def update(self) -> None:
@@ -310,7 +311,7 @@ class NoiseScale:
         if "local" in pending:  # ranks are the small batches
             if "work" in pending:
                 pending["work"].wait()
-            local = pending["local"].sum().double()
+            local = pending["local"]
             b_small = self.plan.rank_batch
         else:  # one rank: micro-batches are; the loss carries 1/accum_steps
             local = _sq_sum(self._local_norms) * self.plan.accum_steps
@@ -319,16 +320,25 @@ class NoiseScale:
         self._record(local, total, pending["scale"], b_small, self.plan.global_batch)
 
     def _record(self, local, total, scale, b_small, b_big) -> None:
-        self._raw.append((torch.stack([local, total.to(local.device), scale.to(local.device)]), b_small, b_big))
+        """Queue one step's (device) values; fold them in now on CPU, in batches on CUDA."""
+        self._raw.append((local, total, scale, b_small, b_big))
         if local.device.type != "cuda" or len(self._raw) >= _FOLD_EVERY_CUDA:
             self._fold()
 
     def _fold(self) -> None:
         if not self._raw:
             return
-        values = torch.stack([v for v, _, _ in self._raw]).cpu().tolist()  # one transfer
+        if self._raw[0][0].device.type == "cuda":  # one transfer for the whole queue
+            flat = torch.stack([t.reshape(()).double() for r in self._raw for t in r[:3] if t is not None]).tolist()
+        else:
+            flat = [float(t) for r in self._raw for t in r[:3] if t is not None]
+        values, i = [], 0
+        for local, total, scale, b_small, b_big in self._raw:
+            n = 2 if scale is None else 3
+            values.append((*flat[i:i + 2], flat[i + 2] if scale is not None else 1.0, b_small, b_big))
+            i += n
         beta = math.exp(-self.every * self.plan.global_batch / self.tau)  # a measurement stands for ``every`` steps
-        for (local, total, scale), (_, b_small, b_big) in zip(values, self._raw):
+        for local, total, scale, b_small, b_big in values:
             local, total = local / scale**2, total / scale**2
             grad_sq, trace_cov = estimate(local, total, b_small, b_big)
             self.last = {"local_sq": local, "total_sq": total, "grad_sq": grad_sq, "trace_cov": trace_cov}
