@@ -151,13 +151,13 @@ def find_micro_batch(
     limit = "cpu-budget" if device.type == "cpu" else ("cuda-budget" if memory_budget else "cuda-oom")
     trials: list[tuple[int, bool, int | None]] = []
 
-    def fits(m: int) -> bool:
+    def fits(m: int, warmup: bool = False) -> bool:
         base = _reset_peak(device)
         code, peak, error = OK, None, None
         try:
             step_fn(m)
             peak = _peak(device) - base
-            code = OOM if memory_budget is not None and peak > memory_budget else OK
+            code = OOM if memory_budget is not None and peak > memory_budget and not warmup else OK
         except torch.OutOfMemoryError:
             # Decide outside the except block: the traceback holds the trial's tensors.
             code = OOM
@@ -170,12 +170,17 @@ def find_micro_batch(
             if error is not None:
                 raise error
             raise RuntimeError(f"find_micro_batch: another rank failed in step_fn({m}); see its log")
-        trials.append((m, agreed == OK, peak))
+        if not warmup:
+            trials.append((m, agreed == OK, peak))
         return agreed == OK
 
     _free(device, collect=True)
+    # One unmeasured call first: the first backward pays one-time costs (gradient
+    # buffers, lazy library and thread-pool initialisation) that no batch size needs again.
     good, bad, m = None, None, start
-    while True:
+    if not fits(start, warmup=True):
+        bad = start
+    while bad is None:
         if fits(m):
             good = m
             if max_micro_batch is not None and m >= max_micro_batch:
@@ -183,7 +188,6 @@ def find_micro_batch(
             m = m * 2 if max_micro_batch is None else min(m * 2, max_micro_batch)
         else:
             bad = m
-            break
     if good is None:
         raise UsageError(f"micro-batch {start} does not fit in memory on some rank; lower start, shrink the model, "
                          "or use a sharded strategy")

@@ -240,15 +240,11 @@ class NoiseScale:
             if inner is None and buf.dtype in (torch.float32, torch.float64):
                 # PyTorch's allreduce_hook, with |g_i|^2 appended: no extra collective.
                 packed = torch.cat([buf, _sq_sum(norms, buf.dtype).reshape(1)]).div_(world)
-                mean_local = packed[-1:]
-                self._pending = {"local": mean_local, "scale": scale}
-
-                def unpack(f):
-                    buf.copy_(f.value()[0][:-1])
-                    self._total_norms.append(_norm(buf))
-                    return buf
-
-                return tdist.all_reduce(packed, group=group, async_op=True).get_future().then(unpack)
+                # DDP copies the result into the gradients, and nobody writes to
+                # ``packed`` afterwards: its norm can wait for update(), keeping
+                # the callback (on the communication thread) as light as PyTorch's.
+                self._pending = {"local": packed[-1:], "scale": scale, "reduced": packed[:-1]}
+                return tdist.all_reduce(packed, group=group, async_op=True).get_future().then(lambda f: f.value()[0][:-1])
             fut = (inner or default_hooks.allreduce_hook)(state, bucket).then(after)
             mean_local = (_sq_sum(norms) / world).reshape(1)
             work = tdist.all_reduce(mean_local, group=group, async_op=True)
@@ -307,6 +303,8 @@ class NoiseScale:
         self._rounds += 1
         if pending is None:
             return
+        if "reduced" in pending:
+            self._total_norms.append(_norm(pending["reduced"]))
         total = _sq_sum(self._total_norms)
         if "local" in pending:  # ranks are the small batches
             if "work" in pending:
