@@ -233,6 +233,10 @@ def _ddp_worker(dist, steps, accum):
         sharded.observe(g.square().sum(), shard.square().sum(), sharded=True)
         replicated.observe(g.square().sum(), avg.square().sum())
     out["sharded"], out["replicated"] = sharded.metrics(), replicated.metrics()
+    try:
+        mg.NoiseScale(plan).attach(mg.wrap(_linear(), "ddp", gradient_as_bucket_view=True))
+    except mg.UsageError as err:
+        out["view_error"] = str(err)
     return out
 
 
@@ -262,3 +266,4 @@ def test_ddp_ranks_match_closed_form(world):
     for key in ("noise/grad_sq", "noise/trace_cov"):
         assert r0["sharded"][key] == pytest.approx(r0["replicated"][key], rel=1e-6)  # fp32 sums in another order
     assert "global batch" in r0["plain"]["summary"]
+    assert "gradient_as_bucket_view=False" in r0["view_error"]

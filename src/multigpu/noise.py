@@ -150,6 +150,7 @@ class NoiseScale:
         self._pending: dict | None = None
         self._local_norms: list[torch.Tensor] = []
         self._total_norms: list[torch.Tensor] = []
+        self._reduced: list[torch.futures.Future] = []  # this step's reduced buckets
         self._handles: list = []
         self._counts: dict[int, int] = {}
         self._prev: dict[int, torch.Tensor] = {}
@@ -170,6 +171,11 @@ class NoiseScale:
                     f"NoiseScale.attach on {world} ranks needs a DDP model, got {type(model).__name__}; "
                     "wrap it first (mg.wrap(model, 'ddp')) or, for sharded gradients, call noise.observe(..., sharded=True)"
                 )
+            if getattr(model, "gradient_as_bucket_view", False):
+                # The reduced buckets are read at the next forward; as views they
+                # would show the gradients after clipping or unscaling.
+                raise UsageError("NoiseScale needs DDP's default gradient_as_bucket_view=False, got True; "
+                                 "wrap without gradient_as_bucket_view=True")
             state = hook_state if hook_state is not None else self.group
             model.register_comm_hook(state, self._wrap_hook(comm_hook))
         else:
@@ -214,12 +220,6 @@ class NoiseScale:
 
         world = self.plan.world_size
 
-        def after(f):
-            value = f.value()
-            out = value[0] if isinstance(value, (list, tuple)) else value
-            self._total_norms.append(_norm(out))
-            return out
-
         def hook(state, bucket):
             if bucket.index() == 0:
                 # A new synchronising backward: the previous one, if any, is complete.
@@ -232,7 +232,13 @@ class NoiseScale:
             # Before the reduction: allreduce_hook divides the buffer in place.
             self._local_norms.append(_norm(buf))
             if not bucket.is_last():
-                return (inner or default_hooks.allreduce_hook)(state, bucket).then(after)
+                # No callback: its result is read in update(). Tensor work on the
+                # communication thread made processes abort at exit (measured: 2
+                # of 8 runs with several buckets, "terminate called without an
+                # active exception"); PyTorch's own hooks do none either.
+                fut = (inner or default_hooks.allreduce_hook)(state, bucket)
+                self._reduced.append(fut)
+                return fut
             norms, self._local_norms = self._local_norms, []
             self._round_done = True
             scale = self._scale(buf.device)
@@ -245,7 +251,8 @@ class NoiseScale:
                 # the callback (on the communication thread) as light as PyTorch's.
                 self._pending = {"local": packed[-1:], "scale": scale, "reduced": packed[:-1]}
                 return tdist.all_reduce(packed, group=group, async_op=True).get_future().then(lambda f: f.value()[0][:-1])
-            fut = (inner or default_hooks.allreduce_hook)(state, bucket).then(after)
+            fut = (inner or default_hooks.allreduce_hook)(state, bucket)
+            self._reduced.append(fut)
             mean_local = (_sq_sum(norms) / world).reshape(1)
             work = tdist.all_reduce(mean_local, group=group, async_op=True)
             self._pending = {"local": mean_local, "scale": scale, "work": work}
@@ -303,6 +310,10 @@ class NoiseScale:
         self._rounds += 1
         if pending is None:
             return
+        for fut in self._reduced:
+            value = fut.value()
+            self._total_norms.append(_norm(value[0] if isinstance(value, (list, tuple)) else value))
+        self._reduced = []
         if "reduced" in pending:
             self._total_norms.append(_norm(pending["reduced"]))
         total = _sq_sum(self._total_norms)
