@@ -112,3 +112,17 @@ def test_cuda_real_out_of_memory():
     assert not [ok for m, ok, _ in found.trials if m == found.micro_batch + 1][0]
     assert torch.cuda.memory_allocated(device) == before   # trials freed their memory
     step(found.micro_batch)   # the answer really fits
+
+
+def test_digits_recipe_find_batch(monkeypatch, capfd):
+    from multigpu.recipes import digits
+
+    monkeypatch.delenv("RANK", raising=False)
+    res = digits.main(["--epochs", "2", "--global-batch", "64", "--find-batch", "--memory-budget-mb", "64"])
+    out = capfd.readouterr().out
+    assert "largest micro-batch that fits: 64 per rank" in out       # capped at the rank's share
+    assert res["count"] == 360
+    with pytest.raises(SystemExit) as exc:
+        digits.main(["--epochs", "1", "--find-batch"])
+    err = capfd.readouterr().err.strip()
+    assert exc.value.code == 2 and err.count("\n") == 0 and "memory_budget" in err

@@ -267,3 +267,41 @@ def test_ddp_ranks_match_closed_form(world):
         assert r0["sharded"][key] == pytest.approx(r0["replicated"][key], rel=1e-6)  # fp32 sums in another order
     assert "global batch" in r0["plain"]["summary"]
     assert "gradient_as_bucket_view=False" in r0["view_error"]
+
+
+def test_digits_recipe_reports_the_noise_scale(monkeypatch, capfd):
+    from multigpu.recipes import digits
+
+    monkeypatch.delenv("RANK", raising=False)
+    res = digits.main(["--epochs", "5", "--micro-batch", "16", "--noise-every", "1"])
+    out = capfd.readouterr().out
+    assert res["noise/measured_steps"] == 5 * 22 and res["noise/skipped_steps"] == 0
+    assert 10 < res["noise/b_simple"] < 500                       # 47 measured at this point
+    assert "noise scale" in out and "B_simple ~" in out and "per-example efficiency" in out
+    # One process without micro-batches cannot measure: one line, exit 2.
+    with pytest.raises(SystemExit) as exc:
+        digits.main(["--epochs", "1", "--noise-every", "1"])
+    err = capfd.readouterr().err.strip()
+    assert exc.value.code == 2 and err.count("\n") == 0 and "accum_steps >= 2" in err
+
+
+@pytest.mark.gpu
+def test_cuda_one_process_matches_closed_form():
+    device = torch.device("cuda", 0)
+    gen = torch.Generator(device=device).manual_seed(3)
+    plan = mg.BatchPlan(global_batch=256, world_size=1, micro_batch=64)
+    model = _linear().to(device)
+    amp = mg.Precision("fp16", device)
+    noise = mg.NoiseScale(plan, tau=1e12, scaler=amp).attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for _ in range(400):
+        for _ in range(plan.accum_steps):
+            x = torch.randn(plan.micro_batch, D, generator=gen, device=device)
+            y = torch.randn(plan.micro_batch, generator=gen, device=device) * math.sqrt(S2)
+            amp.scale(_loss(model, x, y, plan.accum_steps)).backward()
+        amp.step(opt)
+        opt.zero_grad(set_to_none=True)
+    assert len(noise._raw) > 0          # folded lazily on CUDA: no host sync per step
+    m = noise.metrics()
+    assert not noise._raw and m["noise/measured_steps"] + m["noise/skipped_steps"] == 400
+    assert abs(m["noise/b_simple"] / TRUE_B - 1) < 0.1
