@@ -89,16 +89,18 @@ class _DebiasedEMA:
         return self.sum / self.weight if self.weight > 0 else math.nan
 
 
-def _norm(t: torch.Tensor) -> torch.Tensor:
-    # The norm, not its square, in fp32: fp16-scaled gradients would overflow
-    # fp32 when squared; squares are taken later in fp64.
-    return torch.linalg.vector_norm(t, dtype=torch.float32)
+def _sq(t: torch.Tensor) -> torch.Tensor:
+    """Squared L2 norm: one ``dot`` for fp32/fp64 (every tensor op costs host time);
+    fp16/bf16 through an fp32 norm squared in fp64 (their squares overflow)."""
+    if t.dtype in (torch.float32, torch.float64):
+        return torch.dot(t.reshape(-1), t.reshape(-1))
+    return torch.linalg.vector_norm(t, dtype=torch.float32).double().square()
 
 
-def _sq_sum(norms: list[torch.Tensor], dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    # Every tensor op costs microseconds of host time: one bucket, one op.
-    n = norms[0].to(dtype) if len(norms) == 1 else torch.stack(norms).to(dtype)
-    return n.square().sum()
+def _sq_sum(squares: list[torch.Tensor], dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    if len(squares) == 1:  # one bucket: no extra op
+        return squares[0].to(dtype)
+    return torch.stack(squares).to(dtype).sum()
 
 
 # Measured steps kept on the device before one transfer folds them into the
@@ -148,8 +150,8 @@ class NoiseScale:
         self._rounds = 0        # optimizer steps seen, measured or not
         self._round_done = False
         self._pending: dict | None = None
-        self._local_norms: list[torch.Tensor] = []
-        self._total_norms: list[torch.Tensor] = []
+        self._local_sq: list[torch.Tensor] = []
+        self._total_sq: list[torch.Tensor] = []
         self._reduced: list[torch.futures.Future] = []  # this step's reduced buckets
         self._handles: list = []
         self._counts: dict[int, int] = {}
@@ -230,7 +232,7 @@ class NoiseScale:
                 return (inner or default_hooks.allreduce_hook)(state, bucket)
             buf = bucket.buffer()
             # Before the reduction: allreduce_hook divides the buffer in place.
-            self._local_norms.append(_norm(buf))
+            self._local_sq.append(_sq(buf))
             if not bucket.is_last():
                 # No callback: its result is read in update(). Tensor work on the
                 # communication thread made processes abort at exit (measured: 2
@@ -239,13 +241,13 @@ class NoiseScale:
                 fut = (inner or default_hooks.allreduce_hook)(state, bucket)
                 self._reduced.append(fut)
                 return fut
-            norms, self._local_norms = self._local_norms, []
+            squares, self._local_sq = self._local_sq, []
             self._round_done = True
             scale = self._scale(buf.device)
             group = state if state is not None else tdist.group.WORLD
             if inner is None and buf.dtype in (torch.float32, torch.float64):
                 # PyTorch's allreduce_hook, with |g_i|^2 appended: no extra collective.
-                packed = torch.cat([buf, _sq_sum(norms, buf.dtype).reshape(1)]).div_(world)
+                packed = torch.cat([buf, _sq_sum(squares, buf.dtype).reshape(1)]).div_(world)
                 # DDP copies the result into the gradients, and nobody writes to
                 # ``packed`` afterwards: its norm can wait for update(), keeping
                 # the callback (on the communication thread) as light as PyTorch's.
@@ -253,7 +255,7 @@ class NoiseScale:
                 return tdist.all_reduce(packed, group=group, async_op=True).get_future().then(lambda f: f.value()[0][:-1])
             fut = (inner or default_hooks.allreduce_hook)(state, bucket)
             self._reduced.append(fut)
-            mean_local = (_sq_sum(norms) / world).reshape(1)
+            mean_local = (_sq_sum(squares) / world).reshape(1)
             work = tdist.all_reduce(mean_local, group=group, async_op=True)
             self._pending = {"local": mean_local, "scale": scale, "work": work}
             return fut
@@ -268,12 +270,12 @@ class NoiseScale:
             g = p.grad.detach()
             prev = self._prev.get(key)
             # This micro-batch's share of the gradient is what the last backward added.
-            self._local_norms.append(_norm(g if prev is None else g - prev))
+            self._local_sq.append(_sq(g if prev is None else g - prev))
             if n < accum:
                 self._prev[key] = g.clone() if prev is None else prev.copy_(g)
             else:
                 self._prev.pop(key, None)
-                self._total_norms.append(_norm(g))
+                self._total_sq.append(_sq(g))
                 self._pending = {"scale": self._scale(g.device)}
         if n == accum:
             n = 0
@@ -312,20 +314,20 @@ class NoiseScale:
             return
         for fut in self._reduced:
             value = fut.value()
-            self._total_norms.append(_norm(value[0] if isinstance(value, (list, tuple)) else value))
+            self._total_sq.append(_sq(value[0] if isinstance(value, (list, tuple)) else value))
         self._reduced = []
         if "reduced" in pending:
-            self._total_norms.append(_norm(pending["reduced"]))
-        total = _sq_sum(self._total_norms)
+            self._total_sq.append(_sq(pending["reduced"]))
+        total = _sq_sum(self._total_sq)
         if "local" in pending:  # ranks are the small batches
             if "work" in pending:
                 pending["work"].wait()
             local = pending["local"]
             b_small = self.plan.rank_batch
         else:  # one rank: micro-batches are; the loss carries 1/accum_steps
-            local = _sq_sum(self._local_norms) * self.plan.accum_steps
+            local = _sq_sum(self._local_sq) * self.plan.accum_steps
             b_small = self.plan.micro_batch
-        self._local_norms, self._total_norms = [], []
+        self._local_sq, self._total_sq = [], []
         self._record(local, total, pending["scale"], b_small, self.plan.global_batch)
 
     def _record(self, local, total, scale, b_small, b_big) -> None:
