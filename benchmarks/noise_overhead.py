@@ -1,11 +1,13 @@
 """What measuring the gradient noise scale every step costs, and what it measures, on digits.
 
 Part 1 (overhead): the digits recipe's model and data (sklearn's 8x8 digits,
-MLP 64-256-256-10, SGD momentum, global batch 64) over gloo ranks: two DDP
-models in one process group, one with ``mg.NoiseScale`` attached, trained in
-alternating blocks of ``--steps`` optimizer steps (order flipped each block)
-so machine noise hits both alike. Printed: mean step times (slowest rank),
-the ratio of totals, the per-block-pair ratio's median and IQR, and an
+MLP 64-256-256-10, SGD momentum, global batch 64) over gloo ranks; DDP
+models in one process group, three of them: plain DDP, DDP with PyTorch's own
+Python ``allreduce_hook`` (the floor of any comm-hook measurement) and DDP
+with ``mg.NoiseScale``, trained in alternating blocks of ``--steps``
+optimizer steps (order flipped each block) so machine noise hits all alike.
+Printed: median wall time (slowest rank) and CPU time (all threads of all
+ranks) per step, ratios of totals and per-block medians with IQR, and an
 environment fingerprint.
 
 Part 2 (measurement): a full digits training run (the recipe's defaults) with
@@ -42,11 +44,16 @@ def _batches(train):
 class _Run:
     """One DDP model training on digits; ``block(n)`` times n optimizer steps (slowest rank)."""
 
-    def __init__(self, dist, train_set, every: int | None):
+    def __init__(self, dist, train_set, every: int | None):  # None: plain DDP; 0: allreduce_hook only
         self.plan = mg.BatchPlan(GLOBAL_BATCH, dist.world_size)
         torch.manual_seed(0)
         self.model = mg.wrap(make_model(), "ddp")
         self.noise = mg.NoiseScale(self.plan, every=every).attach(self.model) if every else None
+        if every == 0:
+            # The floor of any Python DDP comm hook: PyTorch's own all-reduce hook, nothing measured.
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            self.model.register_comm_hook(None, default_hooks.allreduce_hook)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=0.9)
         self.loss_fn = nn.CrossEntropyLoss()
         self.batches = _batches(mg.loader(train_set, self.plan, dist, seed=0))
@@ -71,12 +78,12 @@ class _Run:
 def _overhead(dist, blocks: int, steps: int, every: int) -> dict:
     """Blocks of ``steps`` steps, alternating plain / with NoiseScale (order flipped every block)."""
     train_set, _ = digits_datasets(seed=0)
-    runs = {"plain": _Run(dist, train_set, None), "noise": _Run(dist, train_set, every)}
+    runs = {"plain": _Run(dist, train_set, None), "pyhook": _Run(dist, train_set, 0), "noise": _Run(dist, train_set, every)}
     for run in runs.values():
         run.block(WARMUP_STEPS)
-    out = {"plain": [], "noise": []}
+    out = {name: [] for name in runs}
     for i in range(blocks):
-        for name in (("plain", "noise") if i % 2 == 0 else ("noise", "plain")):
+        for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
             out[name].append(runs[name].block(steps))
     out["b_simple"] = runs["noise"].noise.metrics().get("noise/b_simple")
     return out
@@ -138,13 +145,17 @@ def main() -> None:
     print(f"digits MLP, DDP over {w} gloo ranks, global batch {GLOBAL_BATCH}, NoiseScale every {args.every} step(s); "
           f"{args.blocks} alternating blocks of {args.steps} steps per variant:")
     for i, what in ((0, "wall time per step (slowest rank)"), (1, "CPU time per step (all ranks, all threads)")):
-        plain, noise = [b[i] for b in r["plain"]], [b[i] for b in r["noise"]]
-        ratios = sorted(b / a for a, b in zip(plain, noise))
-        q = statistics.quantiles(ratios, n=4)
-        print(f"  {what}: plain {statistics.median(plain) * 1e3:.3f} ms, with NoiseScale "
-              f"{statistics.median(noise) * 1e3:.3f} ms (medians)")
-        print(f"    ratio with/without: totals {sum(noise) / sum(plain):.3f}; per block pair median "
-              f"{statistics.median(ratios):.3f} (IQR {q[0]:.3f}-{q[2]:.3f}, n={len(ratios)}; target < 1.03)")
+        plain, hook, noise = ([b[i] for b in r[k]] for k in ("plain", "pyhook", "noise"))
+        print(f"  {what}, medians: plain DDP {statistics.median(plain) * 1e3:.3f} ms | with PyTorch's allreduce_hook "
+              f"{statistics.median(hook) * 1e3:.3f} ms | with NoiseScale {statistics.median(noise) * 1e3:.3f} ms")
+        for label, base in (("NoiseScale / plain DDP", plain), ("NoiseScale / allreduce_hook", hook),
+                            ("allreduce_hook / plain DDP", None)):
+            num, den = (hook, plain) if base is None else (noise, base)
+            ratios = sorted(b / a for a, b in zip(den, num))
+            q = statistics.quantiles(ratios, n=4)
+            print(f"    {label}: totals {sum(num) / sum(den):.3f}; per block median {statistics.median(ratios):.3f} "
+                  f"(IQR {q[0]:.3f}-{q[2]:.3f}, n={len(ratios)})")
+    print("  target: NoiseScale / plain DDP < 1.03")
 
     if args.epochs:
         t = spawn(_train, w, args.epochs, timeout=3600)[0]

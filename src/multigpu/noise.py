@@ -99,7 +99,8 @@ def _sq(t: torch.Tensor) -> torch.Tensor:
 
 def _sq_sum(squares: list[torch.Tensor], dtype: torch.dtype = torch.float64) -> torch.Tensor:
     if len(squares) == 1:  # one bucket: no extra op
-        return squares[0].to(dtype)
+        q = squares[0]
+        return q if q.dtype == dtype else q.to(dtype)
     return torch.stack(squares).to(dtype).sum()
 
 
