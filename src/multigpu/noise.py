@@ -168,6 +168,10 @@ class NoiseScale:
         register compression through here, not on the model.
         """
         world = self.plan.world_size
+        actual = tdist.get_world_size(self.group) if tdist.is_available() and tdist.is_initialized() else 1
+        if actual != world:
+            raise UsageError(f"NoiseScale's plan is for world_size {world} but this job has {actual} processes; "
+                             "build the plan with mg.BatchPlan(..., world_size=dist.world_size)")
         if world > 1:
             if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
                 raise UsageError(
