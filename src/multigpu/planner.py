@@ -22,9 +22,14 @@ import math
 import pathlib
 from dataclasses import dataclass, field
 
-from .batch import BatchPlan, scale_lr
+from typing import TYPE_CHECKING
+
 from .errors import UsageError
-from .noise import efficiency, gain
+
+if TYPE_CHECKING:
+    from .batch import BatchPlan
+
+# torch-free at import: `multigpu --help` builds this verb's parser without importing torch.
 
 OPTIMIZER_RULES = {"sgd": "linear", "adam": "sqrt", "adamw": "sqrt"}
 POLICIES = ("scale-global", "keep-global")
@@ -60,8 +65,10 @@ class ScaledRecipe:
     reasoning: tuple[str, ...] = field(default=())
     warnings: tuple[str, ...] = field(default=())
 
-    def batch_plan(self) -> BatchPlan:
+    def batch_plan(self) -> "BatchPlan":
         """The ``mg.BatchPlan`` of the translated recipe."""
+        from .batch import BatchPlan
+
         return BatchPlan(self.global_batch, self.gpus, micro_batch=self.micro_batch)
 
     def text(self) -> str:
@@ -125,6 +132,9 @@ def scale_recipe(
     >>> r.global_batch, r.lr, r.steps, r.warmup_steps
     (1024, 0.8, 1250, 13)
     """
+    from .batch import scale_lr
+    from .noise import efficiency, gain
+
     if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0 or not math.isfinite(lr):
         raise UsageError(f"learning rate must be a positive number, got {lr!r}; e.g. --lr 0.1")
     _positive_int("batch", batch)
