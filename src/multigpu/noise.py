@@ -147,7 +147,7 @@ class NoiseScale:
         self.measured = 0       # steps folded into the EMAs
         self.skipped = 0        # measured steps dropped for inf/nan (fp16 overflow)
         self.last: dict[str, float] = {}  # raw values of the last measured step (tests, debugging)
-        self._raw: list[tuple[torch.Tensor, int, int]] = []  # ([local, total, scale], b_small, b_big)
+        self._raw: list[tuple] = []  # measured steps not yet folded: (local, total, scale or None, b_small, b_big)
         self._rounds = 0        # optimizer steps seen, measured or not
         self._round_done = False
         self._pending: dict | None = None
