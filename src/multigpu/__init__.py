@@ -11,6 +11,9 @@ from .dist import Dist, init, print0
 from .errors import UsageError
 from .fingerprint import fingerprint
 from .meter import StepMeter, profile
+from .finder import MicroBatchSearch, find_micro_batch
+from .noise import NoiseScale
+from .planner import ScaledRecipe, scale_recipe
 from .precision import Precision
 from .strategy import accumulate, unwrap, wrap
 
@@ -19,18 +22,23 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchPlan",
     "Dist",
+    "MicroBatchSearch",
+    "NoiseScale",
     "Precision",
     "StepMeter",
+    "ScaledRecipe",
     "UsageError",
     "accumulate",
     "all_reduce_sum",
     "eval_loader",
     "fingerprint",
+    "find_micro_batch",
     "init",
     "loader",
     "print0",
     "profile",
     "scale_lr",
+    "scale_recipe",
     "unwrap",
     "warmup",
     "wrap",

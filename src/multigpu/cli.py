@@ -38,6 +38,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .planner import main as plan_main
+
+    return plan_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="multigpu", description="Scale a PyTorch training script from one GPU to many, and measure it.")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
@@ -60,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="time collectives with nccl-tests' algbw/busbw columns, and check their results")
     add_bench_arguments(bench)
     bench.set_defaults(func=_cmd_bench)
+
+    from .planner import add_plan_arguments
+
+    plan = sub.add_parser("plan", help="translate a 1-GPU recipe (LR, batch, schedule) for N GPUs")
+    add_plan_arguments(plan)
+    plan.set_defaults(func=_cmd_plan)
     return parser
 
 

@@ -72,6 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--noise-every", type=int, default=0,
+                   help="measure the gradient noise scale every N steps (0: off; one process needs --micro-batch)")
+    p.add_argument("--find-batch", action="store_true",
+                   help="search the largest micro-batch that fits, keeping --global-batch (accumulating the rest)")
+    p.add_argument("--memory-budget-mb", type=float, default=None, help="memory budget for --find-batch on CPU")
     return p.parse_args(argv)
 
 
@@ -81,7 +86,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_set, test_set = digits_datasets(seed=0)
         plan = mg.BatchPlan(args.global_batch, dist.world_size, micro_batch=args.micro_batch)
         strategy = args.strategy if not (args.strategy == "ddp" and dist.world_size == 1) else "none"
-        model = mg.wrap(make_model().to(dist.device), strategy)
+        net = make_model().to(dist.device)
+        if args.find_batch:
+            plan = _find_batch(net, plan, dist, args.memory_budget_mb)
+        model = mg.wrap(net, strategy)
+        noise = mg.NoiseScale(plan, every=args.noise_every).attach(model) if args.noise_every else None
         lr = mg.scale_lr(args.lr, base_batch=args.base_batch, batch=plan.global_batch, rule=args.lr_rule)
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         sched = mg.warmup(opt, steps=args.warmup_steps, start_lr=min(args.lr, lr)) if args.warmup_steps else None
@@ -108,15 +117,37 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             if epoch == args.epochs - 1 or epoch % 5 == 4:
                 mean_loss = mg.all_reduce_sum(loss_sum.item()) / dist.world_size / len(train)
                 metrics = evaluate(model, test_set, dist, amp)
+                b_simple = noise.metrics().get("noise/b_simple") if noise else None
                 mg.print0(f"epoch {epoch + 1:3d}/{args.epochs} | train loss {mean_loss:.4f} | "
-                          f"test loss {metrics['loss']:.4f} | test accuracy {100 * metrics['accuracy']:.2f}%")
+                          f"test loss {metrics['loss']:.4f} | test accuracy {100 * metrics['accuracy']:.2f}%"
+                          + (f" | noise scale {b_simple:.1f}" if b_simple is not None else ""))
         wall = time.perf_counter() - start
         metrics = evaluate(model, test_set, dist, amp)
         result = dict(metrics, samples_per_s=samples / wall, wall_s=wall, world_size=dist.world_size)
+        if noise is not None:
+            result |= noise.metrics()
+            mg.print0(noise.summary())
         mg.print0(f"digits: test accuracy {100 * metrics['accuracy']:.2f}% ({int(metrics['correct'])}/"
                   f"{int(metrics['count'])}) | {samples / wall:,.0f} samples/s | wall {wall:.1f} s | "
                   f"world size {dist.world_size} | skipped fp16 steps {amp.skipped_steps}")
         return result
+
+
+def _find_batch(net: nn.Module, plan: mg.BatchPlan, dist: mg.Dist, budget_mb: float | None) -> mg.BatchPlan:
+    """The plan with the largest micro-batch that fits (trials on the unwrapped model: no collectives)."""
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step(m: int) -> None:
+        net.zero_grad(set_to_none=True)
+        x = torch.rand(m, 64, device=dist.device)
+        loss_fn(net(x), torch.zeros(m, dtype=torch.long, device=dist.device)).backward()
+
+    budget = int(budget_mb * 2**20) if budget_mb is not None else None
+    share = plan.global_batch // dist.world_size
+    found = mg.find_micro_batch(step, dist, memory_budget=budget, max_micro_batch=share, global_batch=plan.global_batch)
+    net.zero_grad(set_to_none=True)
+    mg.print0(found.summary())
+    return found.plan
 
 
 if __name__ == "__main__":
