@@ -6,6 +6,7 @@ measurements. Importing this package has no side effects.
 """
 
 from .batch import BatchPlan, scale_lr, warmup
+from .checkpoint import Checkpointer
 from .data import all_reduce_sum, eval_loader, loader
 from .dist import Dist, init, print0
 from .errors import UsageError
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchPlan",
+    "Checkpointer",
     "Dist",
     "Precision",
     "UsageError",

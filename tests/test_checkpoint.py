@@ -1,0 +1,362 @@
+"""Checkpointer: exact resume, resharding, kills mid-training and mid-save, damage, keep-K, export, CLI.
+
+Real gloo processes (testing.spawn, torchrun); several checks per spawn to keep the file fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+import multigpu as mg
+from multigpu.checkpoint import storage
+from multigpu.cli import main as cli
+from multigpu.testing import spawn
+
+import ckpt_train
+from ckpt_train import net, train
+
+STEPS = 10
+
+
+def _captured(fn, *args, **kwargs):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        result = fn(*args, **kwargs)
+    return result, out.getvalue(), err.getvalue()
+
+
+def _listing(path) -> list[str]:
+    return sorted(p.name for p in Path(path).iterdir())
+
+
+def _deterministic():
+    torch.use_deterministic_algorithms(True)
+
+
+# --- one 2-rank spawn: exact resume, keep-last-K, and a checkpoint to reshard ---------------
+
+def _two_rank_runs(dist, root):
+    _deterministic()
+    exact, reshard = Path(root, "exact"), Path(root, "reshard")
+    ref_dropout, _ = train(dist, steps=STEPS, dropout=0.2)
+    # Crash after step 7: the last checkpoint is step 6, step 7 is lost and redone.
+    _captured(train, dist, exact, steps=STEPS, every=2, keep=2, dropout=0.2, stop=7)
+    after_stop = _listing(exact)
+    (resumed, ckpt), out, err = _captured(train, dist, exact, steps=STEPS, every=2, keep=2, dropout=0.2)
+    manifest = json.loads((exact / "step-8" / "manifest.json").read_text())
+    # Resharding: no per-rank random draws, so the run is world-size invariant up to float rounding.
+    ref, _ = train(dist, steps=STEPS, noise=False)
+    (at5, _), _, _ = _captured(train, dist, reshard, steps=STEPS, every=5, stop=5, noise=False)
+    return dict(ref_dropout=ref_dropout, resumed=resumed, after_stop=after_stop, after_resume=_listing(exact),
+                out=out, err=err, extra=ckpt.extra, manifest=manifest, ref=ref, at5=at5)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return root, spawn(_two_rank_runs, 2, str(root))
+
+
+def test_exact_resume_is_bitwise_and_keeps_last_k(two_ranks):
+    root, results = two_ranks
+    for r in results:
+        # Dropout, python and numpy draws, Adam, StepLR, loader position: all restored exactly.
+        for a, b in zip(r["resumed"], r["ref_dropout"]):
+            assert torch.equal(a, b)
+        assert r["after_stop"] == ["step-4", "step-6"]
+        assert r["after_resume"] == ["step-6", "step-8"]
+    out = results[0]["out"]
+    assert f"resumed from {root / 'exact' / 'step-6'} (step 6, written by 2 ranks, now 2); continuing at step 7" in out
+    assert results[1]["out"] == ""  # only rank 0 talks
+    assert isinstance(results[0]["extra"]["last_loss"], float)
+    m = results[0]["manifest"]
+    assert m["step"] == 8 and m["world_size"] == 2 and m["strategy"] == "ddp"
+    assert m["loader"]["epoch"] == 1 and m["loader"]["batch_index"] == 3  # 6 batches per epoch, step 8 done
+    assert set(m["files"]) >= {".metadata", "rng/rank-0.pt", "rng/rank-1.pt"}
+    assert m["bytes"] == sum(f["bytes"] for f in m["files"].values()) and m["versions"]["torch"] == torch.__version__
+
+
+# --- resharding: a 2-rank checkpoint resumes on 1 and on 4 ranks -------------------------------
+
+def _resume_elsewhere(dist, src, dst):
+    _deterministic()
+    if dist.rank == 0:
+        shutil.copytree(src, dst)
+    tdist.barrier()
+    (params, _), out, err = _captured(train, dist, dst, steps=STEPS, every=5, noise=False)
+    return params, out
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_resharding_continues_the_same_data_order(two_ranks, tmp_path, world):
+    root, results = two_ranks
+    got = spawn(_resume_elsewhere, world, str(root / "reshard"), str(tmp_path / "run"))
+    ref = results[0]["ref"]  # uninterrupted 2-rank run
+    for params, _ in got:
+        for a, b in zip(params, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    out = got[0][1]
+    assert f"(step 5, written by 2 ranks, now {world}); continuing at step 6" in out
+    assert "world size changed 2 -> " + str(world) in out
+    assert ("are reseeded from (step, rank)" in out) == (world > 2)
+
+
+# --- kill -9 during a save, twice, then resume ------------------------------------------------
+
+def _kill_in_save(dist, directory, where):
+    _deterministic()
+    if where == "rank0-hashing-step4" and dist.rank == 0:
+        real = storage.hash_files
+
+        def hash_then_die(root, names):
+            if Path(root).name == ".tmp-step-4":
+                os.kill(os.getpid(), signal.SIGKILL)  # DCP files written, no manifest yet
+            return real(root, names)
+
+        storage.hash_files = hash_then_die
+    if where == "rank0-marker-step8" and dist.rank == 0:
+        real_write = storage.write_durable
+
+        def die_before_marker(path, data):
+            if path.name == storage.MARKER and path.parent.name == "step-8":
+                os.kill(os.getpid(), signal.SIGKILL)  # renamed to step-8, marker never written
+            return real_write(path, data)
+
+        storage.write_durable = die_before_marker
+    ref = train(dist, steps=STEPS)[0] if where == "none" else None
+    params, _ = train(dist, directory, steps=STEPS, every=2)
+    return params, ref, _listing(directory)
+
+
+def test_kill_during_save_never_loads_the_partial_checkpoint(tmp_path, capfd):
+    d = str(tmp_path / "run")
+    killed = "exited with code -9|Connection reset|Connection closed"  # the dead rank, or its peer noticing first
+    with pytest.raises(RuntimeError, match=killed):
+        spawn(_kill_in_save, 2, d, "rank0-hashing-step4")
+    assert _listing(d) == [".tmp-step-4", "step-0", "step-2"]
+    capfd.readouterr()
+    with pytest.raises(RuntimeError, match=killed):
+        spawn(_kill_in_save, 2, d, "rank0-marker-step8")
+    out, err = capfd.readouterr()
+    assert f"skipping {d}/.tmp-step-4: incomplete" in err
+    assert "resumed from " + d + "/step-2 (step 2" in out
+    assert "step-8" in _listing(d) and not (Path(d) / "step-8" / storage.MARKER).exists()
+    results = spawn(_kill_in_save, 2, d, "none")
+    out, err = capfd.readouterr()
+    assert f"skipping {d}/step-8: incomplete" in err
+    assert "resumed from " + d + "/step-6 (step 6" in out
+    for params, ref, listing in results:
+        for a, b in zip(params, ref):
+            assert torch.equal(a, b)
+        assert listing == ["step-0", "step-2", "step-4", "step-6", "step-8"]  # leftovers replaced/removed
+    assert (Path(d) / "step-8" / storage.MARKER).exists()
+
+
+# --- disk full and damaged checkpoints, one 2-rank spawn ----------------------------------------
+
+def _damage(kind, ck: Path):
+    data = sorted(ck.glob("*.distcp"))[0]
+    if kind == "flip":
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    elif kind == "truncate":
+        with open(data, "r+b") as f:
+            f.truncate(data.stat().st_size // 2)
+    elif kind == "manifest":
+        m = ck / storage.MANIFEST
+        m.write_text(m.read_text().replace('"world_size": 2', '"world_size": 3'))
+    elif kind == "metadata":
+        # A planted .metadata that would create a directory when unpickled, with
+        # manifest and marker rewritten so every checksum matches.
+        (ck / ".metadata").write_bytes(pickle.dumps(_Planted(str(ck / "pwned"))))
+        manifest = json.loads((ck / storage.MANIFEST).read_text())
+        manifest["files"][".metadata"] = dict(zip(("bytes", "sha256"), storage.sha256_file(ck / ".metadata")))
+        storage.write_durable(ck / storage.MANIFEST, (json.dumps(manifest) + "\n").encode())
+        import hashlib
+
+        digest = hashlib.sha256((ck / storage.MANIFEST).read_bytes()).hexdigest()
+        (ck / storage.MARKER).write_text(json.dumps({"format": storage.FORMAT, "manifest_sha256": digest}))
+
+
+class _Planted:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def _disk_full_and_damage(dist, root):
+    _deterministic()
+    root = Path(root)
+    run = root / "run"
+    _, ckpt = train(dist, run, steps=6, every=2)  # step-0, step-2, step-4
+    report = {}
+    # Disk full: rank 1 may write files of at most 2 kB (a real EFBIG from write()).
+    if dist.rank == 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2000, hard))
+    try:
+        ckpt.save(6, force=True)
+        report["disk_full"] = None
+    except mg.UsageError as err:
+        report["disk_full"] = str(err)
+    if dist.rank == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    tdist.barrier()
+    report["after_full"] = _listing(run)
+    report["step4_ok"] = storage.verify(run / "step-4")[1] == []
+    for kind in ("flip", "truncate", "manifest", "metadata"):
+        copy = root / kind
+        if dist.rank == 0:
+            shutil.copytree(run, copy)
+            _damage(kind, copy / "step-4")
+        tdist.barrier()
+        _, out, err = _captured(train, dist, copy, steps=3, every=100)
+        report[kind] = (out, err, (copy / "step-4" / "pwned").exists())
+    # Asking for the damaged one by name is an error that names it.
+    try:
+        ck = mg.Checkpointer(root / "flip", model=mg.wrap(net(), "ddp"))
+        ck.resume("step-4")
+        report["explicit"] = None
+    except mg.UsageError as err:
+        report["explicit"] = str(err)
+    # Every checkpoint damaged: stop, do not silently start over.
+    if dist.rank == 0:
+        for ck in (root / "truncate").glob("step-*"):
+            _damage("truncate", ck)
+    tdist.barrier()
+    try:
+        mg.Checkpointer(root / "truncate", model=mg.wrap(net(), "ddp")).resume()
+        report["all_damaged"] = None
+    except mg.UsageError as err:
+        report["all_damaged"] = str(err)
+    return report
+
+
+def test_disk_full_and_damaged_checkpoints(tmp_path):
+    results = spawn(_disk_full_and_damage, 2, str(tmp_path))
+    run = tmp_path / "run"
+    for rep in results:  # every rank gets the same error; nothing hangs
+        msg = rep["disk_full"]
+        assert msg is not None and msg.startswith(f"could not save checkpoint {run}/step-6: ")
+        assert "failed on rank 1" in msg and "File too large" in msg
+        assert f"the previous checkpoint {run}/step-4 is intact" in msg
+        assert rep["after_full"] == ["step-0", "step-2", "step-4"] and rep["step4_ok"]
+        assert rep["explicit"].startswith(f"checkpoint {tmp_path}/flip/step-4 cannot be loaded: ")
+        assert "changed bytes (sha256 mismatch)" in rep["explicit"]
+        assert rep["all_damaged"].startswith(f"no valid checkpoint in {tmp_path}/truncate: all 3 complete ones are damaged")
+    rep = results[0]
+    reasons = {
+        "flip": "__0_0.distcp has changed bytes (sha256 mismatch)",
+        "truncate": "expected",
+        "manifest": "manifest.json does not match the hash in its COMPLETE marker",
+        "metadata": ".metadata refers to posix.mkdir, which a DCP checkpoint never contains",
+    }
+    for kind, reason in reasons.items():
+        out, err, pwned = rep[kind]
+        assert f"warning: skipping damaged checkpoint {tmp_path}/{kind}/step-4: " in err
+        assert reason in err
+        assert f"resumed from {tmp_path}/{kind}/step-2 (step 2" in out
+        assert not pwned
+
+
+# --- torchrun elastic restart after kill -9 of a random rank at a random step ----------------------
+
+def _uninterrupted(dist, steps):
+    _deterministic()
+    return train(dist, steps=steps)[0]
+
+
+def test_restart_after_kill_resumes_and_matches(tmp_path):
+    seed = random.randrange(1 << 30)
+    rnd = random.Random(seed)
+    kill_rank, kill_step, steps = rnd.randrange(2), rnd.randrange(0, 11), 12
+    out = tmp_path / "params.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "2", "--monitor-interval", "0.2", ckpt_train.__file__,
+           "--dir", str(tmp_path / "run"), "--steps", str(steps), "--every", "2",
+           "--kill-rank", str(kill_rank), "--kill-step", str(kill_step), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"seed {seed}: {log[-3000:]}"
+    saved = kill_step - kill_step % 2  # save() runs before the kill in the step
+    assert f"resumed from {tmp_path / 'run'}/step-{saved} (step {saved}, written by 2 ranks, now 2)" in log, f"seed {seed}"
+    ref = spawn(_uninterrupted, 2, steps)[0]
+    for a, b in zip(torch.load(out, weights_only=True), ref):
+        assert torch.equal(a, b), f"seed {seed}, kill rank {kill_rank} at step {kill_step}"
+
+
+# --- CLI, export, bad input (in this process, on the 2-rank checkpoints) ---------------------------
+
+def test_cli_ls_verify_export_and_plain_torch_load(two_ranks, tmp_path, capsys):
+    root, results = two_ranks
+    assert cli(["ckpt", "ls", str(root / "exact")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["checkpoint", "step", "world"]
+    assert [ln.split()[1:4] for ln in lines[1:]] == [["8", "2", "ddp"], ["6", "2", "ddp"]]
+    assert all(ln.endswith("complete (sizes ok)") for ln in lines[1:])
+    copy = tmp_path / "copy"
+    shutil.copytree(root / "exact", copy)
+    assert cli(["ckpt", "verify", str(copy)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "all checkpoints valid"
+    _damage("flip", copy / "step-6")
+    assert cli(["ckpt", "verify", str(copy)]) == 1
+    out = capsys.readouterr().out
+    assert "NOT VALID: " + str(copy / "step-6") + "/__0_0.distcp has changed bytes" in out
+    assert out.splitlines()[-1] == "1 of 2 checkpoints not valid"
+    target = tmp_path / "model.pt"
+    assert cli(["ckpt", "export", str(root / "reshard" / "step-5"), str(target)]) == 0
+    assert "load with model.load_state_dict(torch.load(path, weights_only=True))" in capsys.readouterr().out
+    model = net()
+    model.load_state_dict(torch.load(target, weights_only=True))  # strict: same keys, no prefixes
+    for a, b in zip(model.parameters(), results[0]["at5"]):
+        assert torch.equal(a, b)
+
+
+def test_bad_input_is_one_clear_line(two_ranks, tmp_path, capsys):
+    root, _ = two_ranks
+    for argv in (["ckpt", "ls", str(tmp_path / "missing")], ["ckpt", "export", str(tmp_path / "nope"), "x.pt"]):
+        assert cli(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "does not exist" in err[0]
+    # Wrong architecture: the message names the keys and shapes (no process group needed).
+    ckpt = mg.Checkpointer(root / "reshard", model=net(hidden=64))
+    with pytest.raises(mg.UsageError) as info:
+        ckpt.resume()
+    msg = str(info.value)
+    assert "does not fit this model" in msg and "0.weight checkpoint (32, 10) vs model (64, 10)" in msg
+    assert "3.weight checkpoint (2, 32) vs model (2, 64)" in msg
+    with pytest.raises(mg.UsageError, match="step-99 cannot be loaded: does not exist"):
+        mg.Checkpointer(root / "reshard", model=net()).resume("step-99")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(mg.UsageError, match="exists but is a file"):
+        mg.Checkpointer(tmp_path / "afile", model=net())
+    with pytest.raises(mg.UsageError, match="every= must be a positive integer"):
+        mg.Checkpointer(tmp_path / "d", every=0, model=net())
+    with pytest.raises(mg.UsageError, match="must be a plain value"):
+        mg.Checkpointer(tmp_path / "d", model=net(), when=object())
+    # A script that hits the wrong architecture under mg.init ends with one line and exit status 2.
+    code = ("import multigpu as mg, ckpt_train\n"
+            "with mg.init(device='cpu') as dist:\n"
+            f"    mg.Checkpointer({str(root / 'reshard')!r}, model=ckpt_train.net(hidden=64)).resume()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "does not fit this model" in proc.stderr
