@@ -86,6 +86,7 @@ def main() -> None:
     ap.add_argument("--dir", required=True)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--every", type=int, default=2)
+    ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--kill-rank", type=int)
     ap.add_argument("--kill-step", type=int)
     ap.add_argument("--out", required=True)
@@ -93,7 +94,7 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     with mg.init(seed=0, device="cpu") as dist:
-        params, _ = train(dist, args.dir, steps=args.steps, every=args.every,
+        params, _ = train(dist, args.dir, steps=args.steps, every=args.every, dropout=args.dropout,
                           kill_rank=args.kill_rank, kill_step=args.kill_step)
         if dist.is_main:
             torch.save(params, args.out)

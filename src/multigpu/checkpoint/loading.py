@@ -98,11 +98,11 @@ def load(ckpt: "Checkpointer", path: Path, manifest: dict[str, Any], group: "_Gr
             f"checkpoint {path} holds no {key!r} state but this Checkpointer was given one; "
             f"resume with the same objects it was saved with (it has: {', '.join(sorted(saved_keys)) or 'nothing'})"
         )
-    for key in sorted(saved_keys - want):
-        _warn(group, f"{path} also holds {key!r} state, which this Checkpointer was not given; it is not restored")
     state = ckpt._dcp_state()
     if "model" in state:
         _check_model_fits(path, state["model"], storage.read_metadata(path))
+    for key in sorted(saved_keys - want):
+        _warn(group, f"{path} also holds {key!r} state, which this Checkpointer was not given; it is not restored")
     try:
         dcp.load(state, storage_reader=storage.SafeReader(path), planner=storage.SafeLoadPlanner())
     except Exception as err:  # noqa: BLE001 - DCP wraps per-rank failures; say which checkpoint

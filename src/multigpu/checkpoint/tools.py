@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from ..errors import UsageError
 from . import storage
@@ -88,12 +86,13 @@ def export(checkpoint: str | Path, out: str | Path) -> dict[str, int]:
     out = Path(out)
     if out.is_dir():
         raise UsageError(f"export target {out} is a directory; pass a file name such as {out / 'model.pt'}")
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    # The private loader (as torch's own dcp_to_torch_save uses): the public
+    # dcp.load copies into a new dict, and an empty one must be filled here.
     state: dict = {}
-    with warnings.catch_warnings():
-        # One process without a process group is the intent here, not an accident.
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        dcp.load(state, storage_reader=storage.SafeReader(src), planner=storage.SafeEmptyLoadPlanner(keys={"model"}),
-                 no_dist=True)
+    _load_state_dict(state, storage_reader=storage.SafeReader(src),
+                     planner=storage.SafeEmptyLoadPlanner(keys={"model"}), no_dist=True)
     weights = state["model"]
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
