@@ -6,7 +6,6 @@ measurements. Importing this package has no side effects.
 """
 
 from .batch import BatchPlan, scale_lr, warmup
-from .checkpoint import Checkpointer
 from .data import all_reduce_sum, eval_loader, loader
 from .dist import Dist, init, print0
 from .errors import UsageError
@@ -32,3 +31,13 @@ __all__ = [
     "warmup",
     "wrap",
 ]
+
+
+def __getattr__(name: str):
+    # Checkpointer pulls in torch.distributed.checkpoint (about a second of
+    # imports); load it on first use so `import multigpu` stays light.
+    if name == "Checkpointer":
+        from .checkpoint import Checkpointer
+
+        return Checkpointer
+    raise AttributeError(f"module 'multigpu' has no attribute {name!r}")
