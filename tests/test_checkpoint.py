@@ -113,7 +113,8 @@ def test_resharding_continues_the_same_data_order(two_ranks, tmp_path, world):
     out = got[0][1]
     assert f"(step 5, written by 2 ranks, now {world}); continuing at step 6" in out
     assert "world size changed 2 -> " + str(world) in out
-    assert ("are reseeded from (step, rank)" in out) == (world > 2)
+    assert ("ranks 2-3: reseeded from (step, rank)" in out) == (world > 2)
+    assert ("saved states of rank 1: dropped" in out) == (world < 2)
 
 
 # --- kill -9 during saves and during training, then automatic restart ---------------------------

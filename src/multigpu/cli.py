@@ -32,7 +32,7 @@ def _cmd_ckpt(args: argparse.Namespace) -> int:
     if args.action == "export":
         info = export(args.checkpoint, args.out)
         print(f"exported {args.checkpoint} (step {info['step']}) -> {args.out}: {info['tensors']} tensors, "
-              f"{info['parameters']:,} parameters, {info['bytes'] / 1e6:.1f} MB; "
+              f"{info['parameters']:,} parameters, {info['bytes']:,} bytes; "
               "load with model.load_state_dict(torch.load(path, weights_only=True))")
         return 0
     lines, bad = table(args.dir, full=args.action == "verify")

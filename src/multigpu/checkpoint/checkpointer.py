@@ -250,7 +250,8 @@ class Checkpointer:
             fresh = self.optimizer is not None and not self.optimizer.state
             state = self._dcp_state()
             self._agree("writing tensors (DCP)", lambda: dcp.save(
-                state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True)), ctx)
+                state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True),
+                no_dist=not group.on), ctx)
             if fresh:
                 self.optimizer.state.clear()
             self._agree("writing RNG states", lambda: rng.save(tmp / rng.file_name(group.rank), rng.capture()), ctx)

@@ -104,7 +104,7 @@ def load(ckpt: "Checkpointer", path: Path, manifest: dict[str, Any], group: "_Gr
     for key in sorted(saved_keys - want):
         _warn(group, f"{path} also holds {key!r} state, which this Checkpointer was not given; it is not restored")
     try:
-        dcp.load(state, storage_reader=storage.SafeReader(path), planner=storage.SafeLoadPlanner())
+        dcp.load(state, storage_reader=storage.SafeReader(path), planner=storage.SafeLoadPlanner(), no_dist=not group.on)
     except Exception as err:  # noqa: BLE001 - DCP wraps per-rank failures; say which checkpoint
         text = " ".join(str(err).split())[:300]
         if "Missing key" in text or "Size mismatch" in text.lower() or "size mismatch" in text:
@@ -140,11 +140,11 @@ def _restore_rng(path: Path, manifest: dict[str, Any], group: "_Group") -> None:
         rng.reseed(int(manifest["step"]), group.rank)
     if saved_world != group.world:
         if group.world > saved_world:
-            policy = (f"ranks 0-{saved_world - 1} restore their saved RNG states, ranks {saved_world}-{group.world - 1} "
-                      f"are reseeded from (step, rank)")
+            policy = (f"{_span(0, saved_world - 1)}: saved RNG states restored, "
+                      f"{_span(saved_world, group.world - 1)}: reseeded from (step, rank)")
         else:
-            policy = (f"ranks 0-{group.world - 1} restore the RNG states of saved ranks 0-{group.world - 1}, those of "
-                      f"ranks {group.world}-{saved_world - 1} are dropped")
+            policy = (f"{_span(0, group.world - 1)}: saved RNG states restored, "
+                      f"saved states of {_span(group.world, saved_world - 1)}: dropped")
         print0(f"multigpu: world size changed {saved_world} -> {group.world}: {policy}; random draws (dropout, "
                "augmentation) differ from an uninterrupted run, the data order and model state do not")
 
@@ -196,3 +196,7 @@ def _strategy(ckpt: "Checkpointer") -> str:
 
 def _ranks(n: int) -> str:
     return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+def _span(first: int, last: int) -> str:
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"

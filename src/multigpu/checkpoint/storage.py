@@ -39,7 +39,7 @@ MANIFEST = "manifest.json"
 MARKER = "COMPLETE"
 TMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_TMP_DIR = re.compile(r"^\.tmp-step-(\d+)$")
+_TMP_DIR = re.compile(r"^\.tmp-(?:old-)?step-(\d+)$")  # a save in progress, or a replaced step being deleted
 _HASH_CHUNK = 8 << 20
 
 
