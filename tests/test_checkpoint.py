@@ -342,3 +342,37 @@ def test_bad_input_is_one_clear_line(two_ranks, tmp_path, capsys):
         mg.Checkpointer(tmp_path / "d", every=0, model=net())
     with pytest.raises(mg.UsageError, match="must be a plain value"):
         mg.Checkpointer(tmp_path / "d", model=net(), when=object())
+
+
+def test_saving_before_the_first_step_changes_nothing(tmp_path):
+    """get_state_dict gives a fresh Adam a zero-lr step; neither the run nor its resume may see it."""
+
+    def run(directory, resume):
+        torch.manual_seed(0)
+        model = net()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        ckpt = mg.Checkpointer(directory, model=model, optimizer=opt)
+        if resume:
+            _captured(ckpt.resume)
+        else:
+            _captured(ckpt.save, 0, force=True)  # no process group: one process
+        x, y = torch.randn(8, 10, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1] * 4)
+        for _ in range(3):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()], opt.state_dict()["state"][0]["step"]
+
+    saved, saved_steps = run(tmp_path / "a", False)
+    resumed, resumed_steps = run(tmp_path / "a", True)
+    torch.manual_seed(0)
+    model = net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 10, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1] * 4)
+    for _ in range(3):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for a, b, c in zip(saved, resumed, model.parameters()):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    assert float(saved_steps) == float(resumed_steps) == 3.0

@@ -244,22 +244,25 @@ class Checkpointer:
 
         self._agree("creating the directory", prepare, ctx)
         try:
-            # Optimizers with no state yet get one from get_state_dict (a zero-lr
-            # step); undo that so a save never changes the training trajectory
-            # (Adam would otherwise count one extra step).
+            # An optimizer that has not stepped yet gets state from get_state_dict
+            # (a zero-lr step). That is not training state: save none, and undo
+            # it, so saving never changes the run (Adam would count an extra step).
             fresh = self.optimizer is not None and not self.optimizer.state
             state = self._dcp_state()
-            self._agree("writing tensors (DCP)", lambda: dcp.save(
-                state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True),
-                no_dist=not group.on), ctx)
             if fresh:
+                state["optim"]["state"] = {}
                 self.optimizer.state.clear()
+            with storage.single_process_ok():
+                self._agree("writing tensors (DCP)", lambda: dcp.save(
+                    state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True),
+                    no_dist=not group.on), ctx)
             self._agree("writing RNG states", lambda: rng.save(tmp / rng.file_name(group.rank), rng.capture()), ctx)
             names = group.broadcast(storage.list_files(tmp) if group.rank == 0 else None)
             # Every rank hashes a share of the files: the check costs 1/W of the bytes per rank.
             hashes = self._agree("hashing files", lambda: storage.hash_files(tmp, names[group.rank::group.world]), ctx,
                                  gather=True)
             manifest = self._manifest(step, group)
+            manifest["optimizer_fresh"] = fresh
             manifest["files"] = {k: v for part in hashes for k, v in part.items()}
             manifest["bytes"] = sum(v["bytes"] for v in manifest["files"].values())
             manifest["save_seconds"] = round(time.perf_counter() - t0, 3)

@@ -99,12 +99,17 @@ def load(ckpt: "Checkpointer", path: Path, manifest: dict[str, Any], group: "_Gr
             f"resume with the same objects it was saved with (it has: {', '.join(sorted(saved_keys)) or 'nothing'})"
         )
     state = ckpt._dcp_state()
+    fresh = bool(manifest.get("optimizer_fresh")) and "optim" in state
+    if fresh:  # saved before the first optimizer step: there is no optimizer state to load
+        state["optim"]["state"] = {}
     if "model" in state:
         _check_model_fits(path, state["model"], storage.read_metadata(path))
     for key in sorted(saved_keys - want):
         _warn(group, f"{path} also holds {key!r} state, which this Checkpointer was not given; it is not restored")
     try:
-        dcp.load(state, storage_reader=storage.SafeReader(path), planner=storage.SafeLoadPlanner(), no_dist=not group.on)
+        with storage.single_process_ok():
+            dcp.load(state, storage_reader=storage.SafeReader(path), planner=storage.SafeLoadPlanner(),
+                     no_dist=not group.on)
     except Exception as err:  # noqa: BLE001 - DCP wraps per-rank failures; say which checkpoint
         text = " ".join(str(err).split())[:300]
         if "Missing key" in text or "Size mismatch" in text.lower() or "size mismatch" in text:
@@ -115,6 +120,8 @@ def load(ckpt: "Checkpointer", path: Path, manifest: dict[str, Any], group: "_Gr
         opts = [ckpt.optimizer] if ckpt.optimizer is not None else []
         set_state_dict(ckpt._module(), opts, model_state_dict=state["model"],
                        optim_state_dict=state.get("optim", {}), options=StateDictOptions(strict=True))
+        if fresh:
+            ckpt.optimizer.state.clear()
     if ckpt.scheduler is not None:
         ckpt.scheduler.load_state_dict(state["scheduler"])
     if ckpt.scaler is not None:

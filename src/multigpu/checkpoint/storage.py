@@ -20,14 +20,16 @@ file, changed bytes or an edited manifest are all detected.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import pickle
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -319,6 +321,14 @@ class SafeEmptyLoadPlanner(_EmptyStateDictLoadPlanner):
     """Rebuilds a state dict from the metadata (for export), reading plain values safely."""
 
     load_bytes = SafeLoadPlanner.load_bytes
+
+
+@contextlib.contextmanager
+def single_process_ok() -> Iterator[None]:
+    """DCP warns that it assumes one process when there is no process group; here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def read_metadata(path: Path) -> Metadata:
