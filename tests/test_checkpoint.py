@@ -333,7 +333,7 @@ def test_bad_input_is_one_clear_line(two_ranks, tmp_path, capsys):
     msg = str(info.value)
     assert "does not fit this model" in msg and "0.weight checkpoint (32, 10) vs model (64, 10)" in msg
     assert "3.weight checkpoint (2, 32) vs model (2, 64)" in msg
-    with pytest.raises(mg.UsageError, match="step-99 cannot be loaded: does not exist"):
+    with pytest.raises(mg.UsageError, match="reshard/step-99 cannot be loaded: does not exist"):
         mg.Checkpointer(root / "reshard", model=net()).resume("step-99")
     (tmp_path / "afile").write_text("x")
     with pytest.raises(mg.UsageError, match="exists but is a file"):
@@ -376,3 +376,15 @@ def test_saving_before_the_first_step_changes_nothing(tmp_path):
     for a, b, c in zip(saved, resumed, model.parameters()):
         assert torch.equal(a, c) and torch.equal(b, c)
     assert float(saved_steps) == float(resumed_steps) == 3.0
+
+
+def test_next_save_removes_leftovers_of_killed_saves(tmp_path):
+    run = tmp_path / "run"
+    for junk in (".tmp-step-3", "step-5", ".tmp-old-step-2"):  # no COMPLETE marker in any of them
+        (run / junk).mkdir(parents=True)
+        (run / junk / "__0_0.distcp").write_bytes(b"partial")
+    ckpt = mg.Checkpointer(run, keep=2, model=net())
+    assert _captured(ckpt.resume)[0] == 0  # nothing complete to resume
+    for step in (6, 7, 8):
+        _captured(ckpt.save, step)
+    assert _listing(run) == ["step-7", "step-8"]

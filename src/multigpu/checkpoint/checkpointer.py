@@ -287,8 +287,8 @@ class Checkpointer:
             complete = [e for e in entries if e.complete and e.path != newest]
             for e in complete[self.keep - 1:]:
                 storage.remove_tree(e.path)
-        for e in entries:
-            if e.name.startswith(storage.TMP_PREFIX) and e.path.exists():
+        for e in entries:  # leftovers of killed saves (.tmp-step-N, or step-N without its marker)
+            if not e.complete and e.path != newest and e.path.exists():
                 storage.remove_tree(e.path)
 
     def _agree(self, what: str, fn: Callable[[], Any], ctx: tuple[Path, _Group], gather: bool = False) -> Any:

@@ -88,8 +88,8 @@ def resolve(directory: Path, name: str | os.PathLike) -> Path:
     if isinstance(name, int):
         return step_dir(directory, name)
     p = Path(name)
-    if not p.is_absolute() and not p.exists() and (directory / p).exists():
-        return directory / p
+    if not p.is_absolute() and not p.exists():
+        return directory / p  # a name inside the run directory (also when it is missing: the error names it)
     return p
 
 

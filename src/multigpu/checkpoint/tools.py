@@ -86,6 +86,8 @@ def export(checkpoint: str | Path, out: str | Path) -> dict[str, int]:
     out = Path(out)
     if out.is_dir():
         raise UsageError(f"export target {out} is a directory; pass a file name such as {out / 'model.pt'}")
+    if not out.parent.is_dir():
+        raise UsageError(f"the directory of export target {out} does not exist; create {out.parent} first")
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     # The private loader (as torch's own dcp_to_torch_save uses): the public
