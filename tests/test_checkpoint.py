@@ -333,6 +333,12 @@ def test_bad_input_is_one_clear_line(two_ranks, tmp_path, capsys):
     msg = str(info.value)
     assert "does not fit this model" in msg and "0.weight checkpoint (32, 10) vs model (64, 10)" in msg
     assert "3.weight checkpoint (2, 32) vs model (2, 64)" in msg
+    # Another optimizer type: DCP's missing key, named, as a usage error.
+    model = net()
+    ckpt = mg.Checkpointer(root / "reshard", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    with pytest.raises(mg.UsageError, match=r"does not match this run's state \(RuntimeError: Missing key in checkpoint "
+                                            r"state_dict: optim\.state\.0\.weight\.momentum_buffer"):
+        ckpt.resume()
     with pytest.raises(mg.UsageError, match="reshard/step-99 cannot be loaded: does not exist"):
         mg.Checkpointer(root / "reshard", model=net()).resume("step-99")
     (tmp_path / "afile").write_text("x")

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -110,11 +111,12 @@ def load(ckpt: "Checkpointer", path: Path, manifest: dict[str, Any], group: "_Gr
         with storage.single_process_ok():
             dcp.load(state, storage_reader=storage.SafeReader(path), planner=storage.SafeLoadPlanner(),
                      no_dist=not group.on)
-    except Exception as err:  # noqa: BLE001 - DCP wraps per-rank failures; say which checkpoint
-        text = " ".join(str(err).split())[:300]
-        if "Missing key" in text or "Size mismatch" in text.lower() or "size mismatch" in text:
+    except CheckpointException as err:  # DCP gathers every rank's failure; the first one says it
+        _, (cause, _) = min(err.failures.items())
+        text = " ".join(f"{type(cause).__name__}: {cause}".split())[:300]
+        if "Missing key" in text or "ize mismatch" in text:
             raise UsageError(f"checkpoint {path} does not match this run's state ({text}); resume with the same "
-                             "model, optimizer and scheduler types it was saved with") from None
+                             "model, optimizer, scheduler and extras types it was saved with") from None
         raise
     if ckpt.model is not None:
         opts = [ckpt.optimizer] if ckpt.optimizer is not None else []
