@@ -144,7 +144,7 @@ def _kill_in_save(dist, directory, where):
 
 
 def test_kills_during_save_and_training_lose_nothing(two_ranks, tmp_path, capfd):
-    """Killed mid-save twice (spawn), then under torchrun --max-restarts a random rank is killed
+    """Killed mid-save twice (spawn), then under `multigpu run --max-restarts` a random rank is killed
     at a random step; the final parameters equal the uninterrupted run's, bit for bit."""
     run = tmp_path / "run"
     killed = "exited with code -9|Connection reset|Connection closed"  # the dead rank, or its peer noticing first
@@ -164,8 +164,8 @@ def test_kills_during_save_and_training_lose_nothing(two_ranks, tmp_path, capfd)
     rnd = random.Random(seed)
     kill_rank, kill_step = rnd.randrange(2), rnd.randrange(7, STEPS)
     out_file = tmp_path / "params.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "2", "--monitor-interval", "0.2", ckpt_train.__file__,
+    cmd = [sys.executable, "-m", "multigpu", "run", "-n", "2", "--cpu", "--max-restarts", "2",
+           "--log-dir", str(tmp_path / "logs"), ckpt_train.__file__,
            "--dir", str(run), "--steps", str(STEPS), "--every", "2", "--dropout", "0.2",
            "--kill-rank", str(kill_rank), "--kill-step", str(kill_step), "--out", str(out_file)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
