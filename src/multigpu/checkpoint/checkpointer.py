@@ -22,12 +22,11 @@ import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from ..dist import print0
 from ..errors import UsageError
 from . import rng, storage
-from .storage import Damaged
 
 
 def _is_stateful(obj: Any) -> bool:
@@ -88,10 +87,11 @@ class Checkpointer:
 
     >>> ckpt = mg.Checkpointer("runs/x", every=100, keep=3, model=model, optimizer=opt,
     ...                        scheduler=sched, loader=train, best_acc=0.0)
-    >>> start = ckpt.resume()                     # 0 when there is nothing to resume
-    >>> for step, micro_batches in enumerate(train, start=start):
-    ...     ...
+    >>> step = ckpt.resume()                      # 0 when there is nothing to resume
+    >>> for micro_batches in train:               # continues mid-epoch after a resume
+    ...     ...                                   # forward, backward, opt.step()
     ...     ckpt.save(step)                       # writes after steps 0, 100, 200, ...
+    ...     step += 1
     """
 
     def __init__(self, directory: str | Path, every: int = 1, keep: int | None = None, *,
@@ -206,8 +206,7 @@ class Checkpointer:
         checkpoint: if it is damaged, a ``UsageError`` says why. Prints
         ``multigpu: resumed from runs/x/step-120 (step 120, written by 2 ranks, now 4)``.
 
-        >>> start = ckpt.resume()
-        >>> for step, micro_batches in enumerate(train, start=start): ...
+        >>> step = ckpt.resume()
         """
         from .loading import resume
 
