@@ -45,13 +45,18 @@ def steps_of(train, start: int, total: int):
 
 
 def train(dist, directory=None, steps=10, every=2, keep=None, dropout=0.0, stop=None, noise=True,
-          kill_rank=None, kill_step=None, hidden=32, strategy="ddp"):
+          kill_rank=None, kill_step=None, hidden=32, strategy="ddp", zero=False):
     """Train; returns (params, ckpt or None). ``stop`` ends the run after that step, as a crash would."""
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
     model = mg.wrap(net(dropout, hidden).to(dist.device), strategy)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    if zero:  # ZeRO-1: DDP plus a sharded optimizer
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
     plan = mg.BatchPlan(GLOBAL_BATCH, dist.world_size, micro_batch=MICRO)
     loader = mg.loader(data(), plan, dist, seed=0)

@@ -62,8 +62,17 @@ def _two_rank_runs(dist, root):
     # Resharding: no per-rank random draws, so the run is world-size invariant up to float rounding.
     ref, _ = train(dist, steps=STEPS, noise=False)
     (at5, _), _, _ = _captured(train, dist, reshard, steps=STEPS, every=5, stop=5, noise=False)
+    # ZeRO-1 (ZeroRedundancyOptimizer): sharded optimizer state, same checkpoint format.
+    zero, zero_copy = Path(root, "zero"), Path(root, "zero-copy")
+    ref_zero, _ = train(dist, steps=STEPS, noise=False, zero=True)
+    _captured(train, dist, zero, steps=STEPS, every=5, stop=5, noise=False, zero=True)
+    if dist.rank == 0:
+        shutil.copytree(zero, zero_copy)  # pristine, for the resharding test
+    tdist.barrier()
+    (zero_resumed, _), zero_out, _ = _captured(train, dist, zero, steps=STEPS, every=5, noise=False, zero=True)
     return dict(ref_dropout=ref_dropout, resumed=resumed, after_stop=after_stop, after_resume=_listing(exact),
-                out=out, err=err, extra=ckpt.extra, manifest=manifest, ref=ref, at5=at5)
+                out=out, err=err, extra=ckpt.extra, manifest=manifest, ref=ref, at5=at5,
+                ref_zero=ref_zero, zero_resumed=zero_resumed, zero_out=zero_out)
 
 
 @pytest.fixture(scope="module")
@@ -89,32 +98,45 @@ def test_exact_resume_is_bitwise_and_keeps_last_k(two_ranks):
     assert m["loader"]["epoch"] == 1 and m["loader"]["batch_index"] == 3  # 6 batches per epoch, step 8 done
     assert set(m["files"]) >= {".metadata", "rng/rank-0.pt", "rng/rank-1.pt"}
     assert m["bytes"] == sum(f["bytes"] for f in m["files"].values()) and m["versions"]["torch"] == torch.__version__
+    for r in results:  # ZeRO-1: exact too, and the same update as plain DDP + Adam
+        for a, b, c in zip(r["zero_resumed"], r["ref_zero"], r["ref"]):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
+    assert "resumed from " + str(root / "zero" / "step-5") + " (step 5, written by 2 ranks, now 2)" in results[0]["zero_out"]
+    assert json.loads((root / "zero" / "step-5" / "manifest.json").read_text())["strategy"] == "zero1"
 
 
 # --- resharding: a 2-rank checkpoint resumes on 1 and on 4 ranks -------------------------------
 
-def _resume_elsewhere(dist, src, dst):
+def _resume_elsewhere(dist, root, dst):
     _deterministic()
     if dist.rank == 0:
-        shutil.copytree(src, dst)
+        shutil.copytree(Path(root, "reshard"), Path(dst, "ddp"))
+        shutil.copytree(Path(root, "zero-copy"), Path(dst, "zero"))
     tdist.barrier()
-    (params, _), out, err = _captured(train, dist, dst, steps=STEPS, every=5, noise=False)
-    return params, out
+    (params, _), out, err = _captured(train, dist, Path(dst, "ddp"), steps=STEPS, every=5, noise=False)
+    # A ZeRO-1 checkpoint: on 4 ranks with ZeRO-1 again (its shards re-cut), on 1 rank with a plain Adam.
+    (zero_params, _), zero_out, _ = _captured(train, dist, Path(dst, "zero"), steps=STEPS, every=5, noise=False,
+                                              zero=dist.world_size > 1)
+    return params, out + zero_out, zero_params
 
 
 @pytest.mark.parametrize("world", [1, 4])
 def test_resharding_continues_the_same_data_order(two_ranks, tmp_path, world):
     root, results = two_ranks
-    got = spawn(_resume_elsewhere, world, str(root / "reshard"), str(tmp_path / "run"))
+    got = spawn(_resume_elsewhere, world, str(root), str(tmp_path / "run"))
     ref = results[0]["ref"]  # uninterrupted 2-rank run
-    for params, _ in got:
-        for a, b in zip(params, ref):
+    for params, _, zero_params in got:
+        for a, b, c in zip(params, ref, zero_params):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-6)
     out = got[0][1]
-    assert f"(step 5, written by 2 ranks, now {world}); continuing at step 6" in out
+    assert f"ddp/step-5 (step 5, written by 2 ranks, now {world}); continuing at step 6" in out
     assert "world size changed 2 -> " + str(world) in out
     assert ("ranks 2-3: reseeded from (step, rank)" in out) == (world > 2)
     assert ("saved states of rank 1: dropped" in out) == (world < 2)
+    if world == 1:
+        assert "zero/step-5 (step 5, written by 2 ranks, now 1, zero1 -> ddp); continuing at step 6" in out
 
 
 # --- kill -9 during saves and during training, then automatic restart ---------------------------

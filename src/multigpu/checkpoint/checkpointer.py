@@ -27,16 +27,19 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from ..dist import print0
 from ..errors import UsageError
 from . import rng, storage
+from .zero import gather_state, is_zero
 
 
 def _is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def strategy_of(model: nn.Module | None) -> str:
-    """The strategy name recorded in the manifest: ``none``, ``dp``, ``ddp`` or ``fsdp``."""
+def strategy_of(model: nn.Module | None, optimizer: Any = None) -> str:
+    """The strategy name recorded in the manifest: ``none``, ``dp``, ``ddp``, ``zero1`` or ``fsdp``."""
     if model is None:
         return "none"
+    if is_zero(optimizer):
+        return "zero1"
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return "ddp"
     if isinstance(model, nn.DataParallel):
@@ -79,7 +82,8 @@ class Checkpointer:
 
     ``every``: ``save(step)`` writes only when ``step % every == 0``.
     ``keep``: keep the newest ``keep`` complete checkpoints (``None``: all).
-    ``scaler`` may be a ``torch.amp.GradScaler`` or an ``mg.Precision``.
+    ``scaler`` may be a ``torch.amp.GradScaler`` or an ``mg.Precision``;
+    ``optimizer`` may be a ``ZeroRedundancyOptimizer`` (strategy ``zero1``).
     Extra keyword arguments are extras: an object with
     ``state_dict``/``load_state_dict`` is saved through DCP; anything else
     must be a plain JSON value, read back from ``ckpt.extra[name]``.
@@ -111,13 +115,6 @@ class Checkpointer:
                 raise UsageError(f"Checkpointer optimizer= expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
             if model is None:
                 raise UsageError("Checkpointer got optimizer= without model=; pass the model too (its parameter names key the optimizer state)")
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            if isinstance(optimizer, ZeroRedundancyOptimizer):
-                raise UsageError(
-                    "Checkpointer cannot save a ZeroRedundancyOptimizer (strategy 'zero1'): its state is sharded outside "
-                    "DCP's get_state_dict; use strategy 'fsdp' (resharding checkpoints) or 'ddp' with a plain optimizer"
-                )
         for name, obj in (("scheduler", scheduler), ("scaler", scaler), ("loader", loader)):
             if obj is not None and not _is_stateful(obj):
                 raise UsageError(f"Checkpointer {name}= needs state_dict()/load_state_dict(), got {type(obj).__name__}")
@@ -150,14 +147,23 @@ class Checkpointer:
 
         return unwrap(self.model)
 
-    def _dcp_state(self) -> dict[str, Any]:
-        """The DCP state dict; model/optimizer keys are parameter names without wrapper prefixes."""
+    def _dcp_state(self, for_load: bool = False) -> dict[str, Any]:
+        """The DCP state dict; model/optimizer keys are parameter names without wrapper prefixes.
+
+        A ZeroRedundancyOptimizer's state is gathered on rank 0 (collective) for
+        a save, and left out of the template for a load (see zero.py).
+        """
         state: dict[str, Any] = {}
         if self.model is not None:
-            opts = [self.optimizer] if self.optimizer is not None else []
+            zero = is_zero(self.optimizer)
+            opts = [self.optimizer] if self.optimizer is not None and not zero else []
             msd, osd = get_state_dict(self._module(), opts, options=StateDictOptions(strict=True))
             state["model"] = msd
-            if self.optimizer is not None:
+            if zero and not for_load:
+                full = gather_state(self._module(), self.optimizer, _Group().rank)
+                if full is not None:
+                    state["optim"] = full
+            elif opts:
                 state["optim"] = osd
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
@@ -176,7 +182,7 @@ class Checkpointer:
             "format": storage.FORMAT,
             "step": step,
             "world_size": group.world,
-            "strategy": strategy_of(self.model),
+            "strategy": strategy_of(self.model, self.optimizer),
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "versions": {"multigpu": __version__, "torch": torch.__version__, "numpy": np.__version__,
                          "python": platform.python_version()},
@@ -246,7 +252,7 @@ class Checkpointer:
             # An optimizer that has not stepped yet gets state from get_state_dict
             # (a zero-lr step). That is not training state: save none, and undo
             # it, so saving never changes the run (Adam would count an extra step).
-            fresh = self.optimizer is not None and not self.optimizer.state
+            fresh = self.optimizer is not None and not is_zero(self.optimizer) and not self.optimizer.state
             state = self._dcp_state()
             if fresh:
                 state["optim"]["state"] = {}

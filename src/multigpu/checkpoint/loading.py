@@ -16,6 +16,8 @@ from ..dist import print0
 from ..errors import UsageError
 from . import rng, storage
 from .storage import Damaged
+from .zero import is_zero
+from .zero import load_state as load_zero_state
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer, _Group
@@ -99,7 +101,8 @@ def load(ckpt: "Checkpointer", path: Path, manifest: dict[str, Any], group: "_Gr
             f"checkpoint {path} holds no {key!r} state but this Checkpointer was given one; "
             f"resume with the same objects it was saved with (it has: {', '.join(sorted(saved_keys)) or 'nothing'})"
         )
-    state = ckpt._dcp_state()
+    zero = is_zero(ckpt.optimizer)
+    state = ckpt._dcp_state(for_load=True)
     fresh = bool(manifest.get("optimizer_fresh")) and "optim" in state
     if fresh:  # saved before the first optimizer step: there is no optimizer state to load
         state["optim"]["state"] = {}
@@ -119,11 +122,13 @@ def load(ckpt: "Checkpointer", path: Path, manifest: dict[str, Any], group: "_Gr
                              "model, optimizer, scheduler and extras types it was saved with") from None
         raise
     if ckpt.model is not None:
-        opts = [ckpt.optimizer] if ckpt.optimizer is not None else []
+        opts = [ckpt.optimizer] if ckpt.optimizer is not None and not zero else []
         set_state_dict(ckpt._module(), opts, model_state_dict=state["model"],
                        optim_state_dict=state.get("optim", {}), options=StateDictOptions(strict=True))
         if fresh:
             ckpt.optimizer.state.clear()
+        if zero:
+            load_zero_state(path, ckpt._module(), ckpt.optimizer, no_dist=not group.on)
     if ckpt.scheduler is not None:
         ckpt.scheduler.load_state_dict(state["scheduler"])
     if ckpt.scaler is not None:
@@ -200,7 +205,7 @@ def resume(ckpt: "Checkpointer", checkpoint: str | Path | int | None, group: "_G
 def _strategy(ckpt: "Checkpointer") -> str:
     from .checkpointer import strategy_of
 
-    return strategy_of(ckpt.model)
+    return strategy_of(ckpt.model, ckpt.optimizer)
 
 
 def _ranks(n: int) -> str:
