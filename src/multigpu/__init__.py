@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchPlan",
+    "Checkpointer",
     "Dist",
     "MicroBatchSearch",
     "NoiseScale",
@@ -43,3 +44,13 @@ __all__ = [
     "warmup",
     "wrap",
 ]
+
+
+def __getattr__(name: str):
+    # Checkpointer pulls in torch.distributed.checkpoint (about a second of
+    # imports); load it on first use so `import multigpu` stays light.
+    if name == "Checkpointer":
+        from .checkpoint import Checkpointer
+
+        return Checkpointer
+    raise AttributeError(f"module 'multigpu' has no attribute {name!r}")
