@@ -30,14 +30,25 @@ from torch.nn.modules.batchnorm import _BatchNorm
 SMALL_BN_BATCH = 16
 
 
-class GlooSyncBatchNorm(nn.SyncBatchNorm):
+class GlooSyncBatchNorm(_BatchNorm):
     """``nn.SyncBatchNorm`` for CPU tensors: global mean and variance by all-reduce.
+
+    Not a subclass of ``nn.SyncBatchNorm``: DDP refuses those on CPU modules.
 
     The all-reduces come from ``torch.distributed.nn.functional``, whose
     backward all-reduces the gradients of the statistics, which is what
     SyncBatchNorm's CUDA backward does. Two passes (sum, then sum of squared
     deviations) avoid the cancellation of ``E[x^2] - E[x]^2`` in fp32.
     """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, process_group: tdist.ProcessGroup | None = None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:  # noqa: A002
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Module's name
         self._check_input_dim(input)
@@ -73,13 +84,18 @@ def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
     if device.type == "cpu":
         for module in model.modules():
             if type(module) is nn.SyncBatchNorm:
-                # Same parameters, buffers and state_dict keys; only forward differs.
+                # Same attributes, parameters, buffers and state_dict keys
+                # (PyTorch's conversion copied them); only forward differs.
                 module.__class__ = GlooSyncBatchNorm
     return model
 
 
+_SYNCED = (nn.SyncBatchNorm, GlooSyncBatchNorm)
+
+
 def has_batchnorm(model: nn.Module) -> bool:
-    return any(isinstance(m, _BatchNorm) and not isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+    """Whether ``model`` has BatchNorm layers with per-rank statistics."""
+    return any(isinstance(m, _BatchNorm) and not isinstance(m, _SYNCED) for m in model.modules())
 
 
 def warn_small_batchnorm(model: nn.Module, strategy: str) -> None:
@@ -107,7 +123,7 @@ def warn_small_batchnorm(model: nn.Module, strategy: str) -> None:
             )
 
     for module in model.modules():
-        if isinstance(module, _BatchNorm) and not isinstance(module, nn.SyncBatchNorm):
+        if isinstance(module, _BatchNorm) and not isinstance(module, _SYNCED):
             handles.append(module.register_forward_pre_hook(check))
 
 

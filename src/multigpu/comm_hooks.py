@@ -9,10 +9,12 @@ when the all-reduce, not the compute, bounds the step (slow inter-node links),
 and cost time when it does not (see docs/strategies.md for measurements).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP checks the hook's annotations
+# as real objects (dist.GradBucket, Future[Tensor]), not strings.
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as tdist
 from torch import nn
 
 from .errors import UsageError
@@ -46,6 +48,12 @@ def validate(comm_hook: str | None, powersgd_rank: int | None, powersgd_start_it
                          "PowerSGD needs two plain all-reduce steps before it can start")
 
 
+def _gloo_bf16_compress_hook(process_group: tdist.ProcessGroup, bucket: tdist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.bf16_compress_hook(process_group, bucket)
+
+
 def register(ddp: nn.Module, comm_hook: str, powersgd_rank: int | None = None,
              powersgd_start_iter: int | None = None) -> None:
     """Register the named hook on a DistributedDataParallel module."""
@@ -55,7 +63,13 @@ def register(ddp: nn.Module, comm_hook: str, powersgd_rank: int | None = None,
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         state = None
     elif comm_hook == "bf16":
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        bf16_hook = default_hooks.bf16_compress_hook
+        if tdist.get_backend() == "gloo":
+            # DDP refuses a hook *named* bf16_compress_hook unless NCCL >= 2.10
+            # is present (older NCCL lacks bf16); gloo all-reduces bf16 fine,
+            # so on gloo the same hook is registered under another name.
+            bf16_hook = _gloo_bf16_compress_hook
+        ddp.register_comm_hook(None, bf16_hook)
         state = None
     else:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
