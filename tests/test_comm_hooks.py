@@ -53,7 +53,9 @@ def _all_hooks(dist):
         "fp32": _run(dist),
         "fp16": _run(dist, comm_hook="fp16"),
         "bf16": _run(dist, comm_hook="bf16"),
-        "powersgd": _run(dist, comm_hook="powersgd", powersgd_rank=2, powersgd_start_iter=10),
+        # Small buckets: several PowerSGD buckets per step, whose all-reduces
+        # must stay in the same order on every rank (see comm_hooks.py).
+        "powersgd": _run(dist, comm_hook="powersgd", powersgd_rank=2, powersgd_start_iter=10, bucket_cap_mb=0.01),
     }
 
 

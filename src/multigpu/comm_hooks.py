@@ -54,6 +54,25 @@ def _gloo_bf16_compress_hook(process_group: tdist.ProcessGroup, bucket: tdist.Gr
     return default_hooks.bf16_compress_hook(process_group, bucket)
 
 
+def _serialised_powersgd_hook(state: object, bucket: tdist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """PowerSGD, finishing one bucket before DDP hands over the next (gloo only).
+
+    PowerSGD chains three all-reduces per bucket through future callbacks.
+    With several buckets those callbacks run whenever the previous all-reduce
+    finishes, so two ranks can issue bucket 0's second all-reduce and bucket
+    1's first in different orders; NCCL tolerates that less visibly, gloo
+    aborts (``gloo::EnforceNotMet``, seen here with two buckets; PyTorch
+    #58467 found PowerSGD failing on gloo). Waiting keeps every rank's
+    collectives in bucket order, at the price of overlap, which a CPU run
+    does not have much of anyway.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    fut = powersgd.powerSGD_hook(state, bucket)
+    fut.wait()
+    return fut
+
+
 def register(ddp: nn.Module, comm_hook: str, powersgd_rank: int | None = None,
              powersgd_start_iter: int | None = None) -> None:
     """Register the named hook on a DistributedDataParallel module."""
@@ -81,7 +100,10 @@ def register(ddp: nn.Module, comm_hook: str, powersgd_rank: int | None = None,
             matrix_approximation_rank=1 if powersgd_rank is None else powersgd_rank,
             start_powerSGD_iter=1_000 if powersgd_start_iter is None else powersgd_start_iter,
         )
-        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        hook = powersgd.powerSGD_hook
+        if tdist.get_backend() == "gloo":
+            hook = _serialised_powersgd_hook
+        ddp.register_comm_hook(state, hook)
     # Kept on the wrapper so compression() can report it; nothing else reads it.
     ddp._mg_comm_hook = (comm_hook, state)
 
