@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test gpu-check bench install clean
+.PHONY: demo test gpu-check bench install clean browser
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/multigpu run -m multigpu.recipes.digits
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest -q
+
+# The report test drives a real headless Chromium (Debian's package; playwright
+# uses it via executable_path, no browser download). Without apt it is skipped.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  (command -v apt-get >/dev/null 2>&1 && (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1) || \
+	  echo "multigpu: no Chromium could be installed; the report's browser test will be skipped"
 
 gpu-check: $(STAMP)
 	$(PY) benchmarks/gpu_check.py

@@ -77,37 +77,35 @@ def spawn(
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout
-    try:
-        while len(results) + len(errors) < world_size:
+
+    def drain(block: float) -> None:
+        """Collect every report that is in (waiting up to ``block`` s for the first)."""
+        while True:
             try:
-                rank, ok, payload = out.get(timeout=0.2)
+                rank, ok, payload = out.get(timeout=block)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results and r not in errors]
-                # A rank that died without reporting (killed, os._exit) is an error too.
-                for r in dead:
-                    time.sleep(0.5)  # its report may still be in flight
-                    try:
-                        while True:
-                            rk, ok2, pl = out.get_nowait()
-                            (results.__setitem__(rk, pickle.loads(pl)) if ok2 else errors.__setitem__(rk, pl))
-                    except queue.Empty:
-                        pass
-                    if r not in results and r not in errors:
-                        errors[r] = f"rank {r} exited with code {procs[r].exitcode} without a result"
-                if errors:
-                    break
-                if time.monotonic() > deadline:
-                    missing = [r for r in range(world_size) if r not in results]
-                    raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s")
-                continue
+                return
             if ok:
                 results[rank] = pickle.loads(payload)
             else:
                 errors[rank] = payload
-                break
+            block = 0.01
+
+    try:
+        while len(results) + len(errors) < world_size and not errors:
+            drain(0.2)
+            silent = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results and r not in errors]
+            if silent:
+                drain(1.0)  # a report may still be in flight from a rank that just exited
+                for r in silent:
+                    if r not in results and r not in errors:
+                        errors[r] = f"rank {r} exited with code {procs[r].exitcode} without a result"
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world_size) if r not in results]
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s")
     finally:
         for p in procs:
-            p.join(timeout=5 if not errors else 0.5)
+            p.join(timeout=0.5 if errors else 5)
         for p in procs:
             if p.is_alive():
                 p.kill()

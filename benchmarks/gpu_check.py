@@ -1,0 +1,43 @@
+"""`make gpu-check`: everything that needs a CUDA GPU, in one run (< 8 min on one GPU).
+
+1. the GPU-marked tests (nccl, CUDA events, NVML, real OOM);
+2. the digits demo on the GPU (nccl, world size 1, bf16);
+3. the overhead benchmark on the GPU (1 process, nccl, bf16).
+Prints each step's exit status and a one-line summary; exits non-zero if any failed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+STEPS = [
+    ("gpu tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests"]),
+    ("digits demo, bf16", [sys.executable, "-m", "multigpu", "run", "-n", "1", "-m", "multigpu.recipes.digits",
+                           "--precision", "bf16"]),
+    ("overhead benchmark", [sys.executable, "benchmarks/overhead.py", "--device", "cuda"]),
+]
+
+
+def main() -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA GPU visible; nothing to check here (run it on a GPU machine)")
+        return 2
+    print(f"gpu-check on {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    failed = []
+    for name, cmd in STEPS:
+        t0 = time.perf_counter()
+        print(f"\n=== {name}: {' '.join(cmd)}", flush=True)
+        rc = subprocess.call(cmd)
+        print(f"=== {name}: exit {rc} in {time.perf_counter() - t0:.0f} s", flush=True)
+        if rc != 0:
+            failed.append(name)
+    print(f"\ngpu-check: {len(STEPS) - len(failed)} passed, {len(failed)} failed" + (f" ({', '.join(failed)})" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

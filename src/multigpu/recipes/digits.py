@@ -1,0 +1,123 @@
+"""Handwritten digits (scikit-learn's 1,797 8x8 images) with a small MLP.
+
+An ordinary training script on the public API: it runs unchanged under
+``python -m multigpu.recipes.digits``, ``torchrun`` and ``multigpu run``.
+
+    multigpu run -n 2 -m multigpu.recipes.digits --epochs 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import multigpu as mg
+
+
+def digits_datasets(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """Stratified 80/20 split of sklearn's digits, pixels scaled to [0, 1]."""
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError:
+        raise mg.UsageError("the digits recipe needs scikit-learn; pip install 'multigpu[recipes]'") from None
+    x, y = load_digits(return_X_y=True)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
+
+    def as_set(xs, ys):
+        return TensorDataset(torch.tensor(xs, dtype=torch.float32) / 16.0, torch.tensor(ys, dtype=torch.long))
+
+    return as_set(x_tr, y_tr), as_set(x_te, y_te)
+
+
+def make_model(hidden: int = 256) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(64, hidden), nn.ReLU(),
+        nn.Linear(hidden, hidden), nn.ReLU(),
+        nn.Linear(hidden, 10),
+    )
+
+
+def evaluate(model: nn.Module, test_set, dist: mg.Dist, amp: mg.Precision) -> dict[str, float]:
+    """Exact test loss and accuracy over the whole test set, on any world size."""
+    model.eval()
+    local = {"correct": 0.0, "count": 0.0, "loss_sum": 0.0}
+    with torch.no_grad(), amp.autocast():
+        for x, y in mg.eval_loader(test_set, dist, batch_size=512):
+            x, y = x.to(dist.device), y.to(dist.device)
+            logits = model(x)
+            local["loss_sum"] += nn.functional.cross_entropy(logits.float(), y, reduction="sum").item()
+            local["correct"] += (logits.argmax(1) == y).sum().item()
+            local["count"] += len(y)
+    model.train()
+    total = mg.all_reduce_sum(local)
+    return {"accuracy": total["correct"] / total["count"], "loss": total["loss_sum"] / total["count"],
+            "correct": total["correct"], "count": total["count"]}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="multigpu.recipes.digits", description=__doc__.splitlines()[0])
+    p.add_argument("--global-batch", type=int, default=64, help="samples per optimizer step, over all ranks")
+    p.add_argument("--micro-batch", type=int, default=None, help="per-rank micro-batch (default: whole share)")
+    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate at --base-batch")
+    p.add_argument("--base-batch", type=int, default=64, help="batch size at which --lr was tuned")
+    p.add_argument("--lr-rule", default="linear", choices=["linear", "sqrt", "none"])
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--strategy", default="ddp", help="none | dp | ddp (more in later issues)")
+    p.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-workers", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    args = parse_args(argv)
+    with mg.init(seed=args.seed) as dist:
+        train_set, test_set = digits_datasets(seed=0)
+        plan = mg.BatchPlan(args.global_batch, dist.world_size, micro_batch=args.micro_batch)
+        strategy = args.strategy if not (args.strategy == "ddp" and dist.world_size == 1) else "none"
+        model = mg.wrap(make_model().to(dist.device), strategy)
+        lr = mg.scale_lr(args.lr, base_batch=args.base_batch, batch=plan.global_batch, rule=args.lr_rule)
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        sched = mg.warmup(opt, steps=args.warmup_steps, start_lr=min(args.lr, lr)) if args.warmup_steps else None
+        amp = mg.Precision(args.precision, dist.device)
+        train = mg.loader(train_set, plan, dist, shuffle=True, seed=args.seed, num_workers=args.num_workers)
+        mg.print0(plan.summary(lr=lr, steps_per_epoch=len(train), epochs=args.epochs, precision=args.precision,
+                               strategy=strategy, backend=dist.backend, device=str(dist.device)))
+        loss_fn = nn.CrossEntropyLoss()
+        start = time.perf_counter()
+        samples = 0
+        for epoch in range(args.epochs):
+            loss_sum = torch.zeros((), device=dist.device)
+            for micro_batches in train:
+                for x, y in mg.accumulate(model, micro_batches):
+                    with amp.autocast():
+                        loss = loss_fn(model(x), y) / plan.accum_steps
+                    amp.scale(loss).backward()
+                    loss_sum += loss.detach()
+                amp.step(opt)
+                opt.zero_grad(set_to_none=True)
+                if sched is not None:
+                    sched.step()
+                samples += plan.global_batch
+            if epoch == args.epochs - 1 or epoch % 5 == 4:
+                mean_loss = mg.all_reduce_sum(loss_sum.item()) / dist.world_size / len(train)
+                metrics = evaluate(model, test_set, dist, amp)
+                mg.print0(f"epoch {epoch + 1:3d}/{args.epochs} | train loss {mean_loss:.4f} | "
+                          f"test loss {metrics['loss']:.4f} | test accuracy {100 * metrics['accuracy']:.2f}%")
+        wall = time.perf_counter() - start
+        metrics = evaluate(model, test_set, dist, amp)
+        result = dict(metrics, samples_per_s=samples / wall, wall_s=wall, world_size=dist.world_size)
+        mg.print0(f"digits: test accuracy {100 * metrics['accuracy']:.2f}% ({int(metrics['correct'])}/"
+                  f"{int(metrics['count'])}) | {samples / wall:,.0f} samples/s | wall {wall:.1f} s | "
+                  f"world size {dist.world_size} | skipped fp16 steps {amp.skipped_steps}")
+        return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Turn a study's ``study.json`` into a self-contained HTML report and a Markdown summary.
+
+Plots are drawn with matplotlib (Agg, no display) and embedded in the HTML as
+base64 PNGs, so the page needs no network and no other file. The same PNGs
+are written next to ``report.md`` for Markdown viewers.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from .errors import UsageError
+
+BREAKDOWN = ("compute", "comm_exposed", "data_wait", "idle")
+
+
+def load_study(results_dir: str | Path) -> dict[str, Any]:
+    path = Path(results_dir) / "study.json"
+    if not path.is_file():
+        raise UsageError(f"{results_dir} holds no study.json; pass the directory `multigpu study` wrote")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}); rerun the study") from None
+
+
+def _plt():
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("reports need matplotlib; pip install 'multigpu[report]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _label(group: dict[str, Any]) -> str:
+    return f"{group['workers']}w {group['policy']}"
+
+
+def _figures(study: dict[str, Any]) -> dict[str, Any]:
+    """name -> matplotlib figure, for every plot the data supports."""
+    plt = _plt()
+    groups, runs = study["groups"], study["runs"]
+    policies = sorted({g["policy"] for g in groups})
+    figs: dict[str, Any] = {}
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for pol in policies:
+        gs = sorted((g for g in groups if g["policy"] == pol and g.get("samples_per_s")), key=lambda g: g["workers"])
+        if not gs:
+            continue
+        w = [g["workers"] for g in gs]
+        ax1.errorbar(w, [g["samples_per_s"]["mean"] for g in gs], yerr=[g["samples_per_s"]["std"] for g in gs],
+                     marker="o", capsize=3, label=pol)
+        ax2.plot(w, [100 * (g.get("efficiency") or {}).get("mean", 1.0) for g in gs], marker="o", label=pol)
+    all_w = sorted({g["workers"] for g in groups})
+    ax1.set(xlabel="workers", ylabel="samples/s", title="Throughput", xticks=all_w)
+    ax2.axhline(100, color="grey", lw=0.8, ls="--")
+    ax2.set(xlabel="workers", ylabel="scaling efficiency (%)", title="Efficiency vs 1 worker", xticks=all_w)
+    ax1.legend()
+    ax2.legend()
+    fig.tight_layout()
+    figs["throughput"] = fig
+
+    curves = [r for r in runs if r.get("status") == "ok" and r.get("curve", {}).get("samples")]
+    if curves:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+        for r in curves:
+            style = dict(lw=2.2, color="black") if r["workers"] == 1 else dict(lw=1.2)
+            name = f"{r['workers']}w {r['policy']}" + (f" #{r['repeat']}" if r.get("repeat") else "")
+            ax1.plot(r["curve"]["samples"], r["curve"]["loss"], label=name, **style)
+            ax2.plot(r["curve"]["wall_s"], r["curve"]["loss"], label=name, **style)
+        ax1.set(xlabel="samples seen", ylabel="training loss", title="Loss vs samples (1 worker in black)", yscale="log")
+        ax2.set(xlabel="wall time (s)", ylabel="training loss", title="Loss vs wall time", yscale="log")
+        ax1.legend(fontsize=7)
+        fig.tight_layout()
+        figs["loss"] = fig
+
+    with_breakdown = [g for g in groups if g.get("breakdown") and any(g["breakdown"].get(k) for k in BREAKDOWN)]
+    if with_breakdown:
+        fig, ax = plt.subplots(figsize=(6.5, 3.8))
+        labels = [_label(g) for g in with_breakdown]
+        bottom = [0.0] * len(with_breakdown)
+        for key in BREAKDOWN:
+            vals = [100 * (g["breakdown"].get(key) or 0.0) for g in with_breakdown]
+            ax.bar(labels, vals, bottom=bottom, label=key.replace("_", " "))
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set(ylabel="% of step time", title="Where the step time goes")
+        ax.legend(fontsize=8)
+        ax.tick_params(axis="x", labelrotation=20)
+        fig.tight_layout()
+        figs["breakdown"] = fig
+
+    noisy = [r for r in runs if r.get("status") == "ok" and r.get("noise", {}).get("samples")]
+    if noisy:
+        fig, ax = plt.subplots(figsize=(6.5, 3.8))
+        for r in noisy:
+            line = ax.plot(r["noise"]["samples"], r["noise"]["b_simple"], label=f"B_simple {r['workers']}w {r['policy']}")
+            ax.axhline(r["global_batch"], color=line[0].get_color(), ls=":", lw=1)
+        ax.set(xlabel="samples seen", ylabel="examples", yscale="log",
+               title="Gradient noise scale (dotted: global batch)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        figs["noise"] = fig
+    return figs
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    _plt().close(fig)
+    return buf.getvalue()
+
+
+def _fmt(stat: dict[str, float] | None, scale: float = 1.0, digits: int = 1, unit: str = "") -> str:
+    if not stat or stat.get("mean") is None:
+        return "–"
+    mean = stat["mean"] * scale
+    std = (stat.get("std") or 0.0) * scale
+    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std else "") + unit
+
+
+def _rows(study: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for g in sorted(study["groups"], key=lambda g: (g["policy"], g["workers"])):
+        rows.append([
+            str(g["workers"]), g["policy"], str(g.get("global_batch", "–")),
+            _fmt(g.get("samples_per_s"), digits=0), _fmt(g.get("speedup"), digits=2, unit="x"),
+            _fmt(g.get("efficiency"), 100, 0, " %"), _fmt(g.get("accuracy"), 100, 2, " %"),
+            _fmt(g.get("to_target_s"), digits=1, unit=" s"),
+            f"{g['noise_scale']:.0f}" if g.get("noise_scale") else "–",
+            g.get("verdict", ""),
+        ])
+    return rows
+
+
+HEADER = ["workers", "policy", "global batch", "samples/s", "speedup", "efficiency", "accuracy",
+          "time to target", "noise scale", "verdict"]
+
+
+def _markdown(study: dict[str, Any], images: list[str]) -> str:
+    lines = [f"# Scaling study: {study['workload']['name']}", "", study.get("headline", ""), ""]
+    lines += ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(r) + " |" for r in _rows(study)]
+    failed = [r for r in study["runs"] if r.get("status") != "ok"]
+    if failed:
+        lines += ["", "## Failed runs", ""] + [f"- {r['id']}: {r.get('error', '?')}" for r in failed]
+    lines += ["", "## Plots", ""] + [f"![{name}]({name}.png)" for name in images]
+    lines += ["", "## Environment", ""] + [f"- {k}: {v}" for k, v in study.get("fingerprint", {}).items()]
+    return "\n".join(lines) + "\n"
+
+
+def _html(study: dict[str, Any], pngs: dict[str, bytes]) -> str:
+    esc = html.escape
+    table = "<table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in HEADER) + "</tr>"
+    table += "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in _rows(study))
+    table += "</table>"
+    figs = "".join(
+        f'<figure><img alt="{esc(name)}" src="data:image/png;base64,{base64.b64encode(data).decode()}">'
+        f"<figcaption>{esc(name)}</figcaption></figure>"
+        for name, data in pngs.items()
+    )
+    failed = [r for r in study["runs"] if r.get("status") != "ok"]
+    failed_html = ("<h2>Failed runs</h2><ul>" + "".join(f"<li>{esc(r['id'])}: {esc(str(r.get('error', '?')))}</li>"
+                                                        for r in failed) + "</ul>") if failed else ""
+    fp = "".join(f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>" for k, v in study.get("fingerprint", {}).items())
+    title = f"Scaling study: {study['workload']['name']}"
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }}
+table {{ border-collapse: collapse; margin: 1em 0; font-size: 14px; }}
+th, td {{ border: 1px solid #ccc; padding: 4px 8px; text-align: left; }}
+figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; }}
+.headline {{ font-size: 18px; background: #f3f6fa; padding: .6em 1em; border-left: 4px solid #3a6ea5; }}
+</style></head><body>
+<h1>{esc(title)}</h1>
+<p class="headline">{esc(study.get('headline', ''))}</p>
+<h2>Results and verdicts</h2>{table}{failed_html}
+<h2>Plots</h2>{figs}
+<h2>Environment</h2><table>{fp}</table>
+</body></html>
+"""
+
+
+def write_report(results_dir: str | Path, output: str | Path | None = None) -> tuple[Path, Path]:
+    """Write ``report.html`` (self-contained) and ``report.md`` for a study; returns both paths.
+
+    >>> html_path, md_path = write_report("studies/digits")
+    """
+    results_dir = Path(results_dir)
+    study = load_study(results_dir)
+    html_path = Path(output) if output else results_dir / "report.html"
+    if html_path.suffix.lower() not in (".html", ".htm"):
+        raise UsageError(f"report output must end in .html, got {html_path}; e.g. -o report.html")
+    pngs = {name: _png(fig) for name, fig in _figures(study).items()}
+    try:
+        html_path.parent.mkdir(parents=True, exist_ok=True)
+        for name, data in pngs.items():
+            (results_dir / f"{name}.png").write_bytes(data)
+        md_path = results_dir / "report.md"
+        md_path.write_text(_markdown(study, list(pngs)))
+        html_path.write_text(_html(study, pngs))
+    except OSError as err:
+        raise UsageError(f"cannot write the report to {html_path.parent} ({err.strerror}); pass -o to a writable path") from None
+    return html_path, md_path

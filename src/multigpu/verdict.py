@@ -1,0 +1,95 @@
+"""Verdicts for a scaling study: what limits a world size, derived from measurements.
+
+Each rule reads one group's measured figures (means over repeats) and returns a
+``Finding`` or nothing; the first finding in severity order is the headline.
+Thresholds are module constants so the docs can quote them and tests can
+fabricate measurements on either side of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+#: a rank waiting on its loader for at least this share of the step is data-loading bound
+DATA_WAIT_BOUND = 0.20
+#: exposed (not overlapped) communication at least this share of the step is communication bound
+COMM_BOUND = 0.25
+#: scaling efficiency at or above this is compute bound ("scales well")
+GOOD_EFFICIENCY = 0.80
+#: global batch at or above this multiple of the noise scale is beyond the critical batch
+BEYOND_CRITICAL = 2.0
+#: accuracy drop (absolute, 0-1) against the 1-worker run that counts as a regression, at least
+ACCURACY_DROP = 0.01
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One reason, with the measurement behind it and what to try."""
+
+    kind: str  # failed | accuracy | data | communication | critical-batch | compute | scaling
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f} %"
+
+
+def findings(group: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> list[Finding]:
+    """All findings for one (workers, policy) group, most important first.
+
+    ``group`` holds: workers, global_batch, n_ok, n_failed, efficiency (or None
+    for the baseline), breakdown {data_wait, compute, comm_exposed, idle} as
+    fractions of step time (any may be None), accuracy {mean, std}, noise_scale,
+    and errors (list of str). ``baseline`` is the 1-worker group of the same
+    policy (or None).
+    """
+    out: list[Finding] = []
+    if group.get("n_ok", 0) == 0:
+        err = (group.get("errors") or ["no run finished"])[0]
+        return [Finding("failed", f"failed: {err}")]
+    if group.get("n_failed"):
+        out.append(Finding("failed", f"{group['n_failed']} of {group['n_failed'] + group['n_ok']} runs failed: "
+                                     f"{(group.get('errors') or ['?'])[0]}"))
+    acc, base_acc = (group.get("accuracy") or {}), (baseline or {}).get("accuracy") or {}
+    if acc.get("mean") is not None and base_acc.get("mean") is not None and baseline is not group:
+        spread = max(acc.get("std") or 0.0, base_acc.get("std") or 0.0)
+        drop = base_acc["mean"] - acc["mean"]
+        if drop > max(ACCURACY_DROP, 2 * spread):
+            out.append(Finding(
+                "accuracy",
+                f"accuracy drop: {100 * acc['mean']:.2f} % vs {100 * base_acc['mean']:.2f} % on 1 worker "
+                f"at global batch {group.get('global_batch')}; lengthen warmup, lower the LR rule "
+                f"(sqrt instead of linear) or keep the global batch",
+            ))
+    breakdown = group.get("breakdown") or {}
+    wait, comm = breakdown.get("data_wait"), breakdown.get("comm_exposed")
+    if wait is not None and wait >= DATA_WAIT_BOUND:
+        out.append(Finding("data", f"data-loading bound: rank wait {_pct(wait)} of step; raise num_workers, "
+                                   f"pin memory, or move preprocessing off the training path"))
+    if comm is not None and comm >= COMM_BOUND:
+        out.append(Finding("communication", f"communication bound: {_pct(comm)} exposed all-reduce; try bf16 "
+                                            f"compress, larger buckets, or a larger per-GPU batch"))
+    phi, batch = group.get("noise_scale"), group.get("global_batch")
+    if phi and batch and phi > 0 and batch >= BEYOND_CRITICAL * phi:
+        out.append(Finding("critical-batch", f"beyond the critical batch: global batch {batch} vs noise scale "
+                                             f"~{phi:.0f}; more GPUs will not cut steps"))
+    eff = group.get("efficiency")
+    if eff is not None:
+        if eff >= GOOD_EFFICIENCY and not any(f.kind in ("data", "communication") for f in out):
+            out.append(Finding("compute", f"compute bound: {_pct(eff)} efficiency"))
+        elif eff < GOOD_EFFICIENCY and not any(f.kind in ("data", "communication") for f in out):
+            parts = ", ".join(f"{k.replace('_', ' ')} {_pct(v)}" for k, v in breakdown.items() if v is not None)
+            out.append(Finding("scaling", f"poor scaling: {_pct(eff)} efficiency" + (f" ({parts})" if parts else "")))
+    return out
+
+
+def verdict(group: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> str:
+    """The headline for one group: its most important finding, or the baseline's note."""
+    found = findings(group, baseline)
+    if found:
+        return found[0].text
+    return "baseline (1 worker)"

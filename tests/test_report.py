@@ -1,0 +1,129 @@
+"""Verdict rules on fabricated measurements, and the HTML report in a real headless browser."""
+
+import json
+import shutil
+
+import pytest
+
+from multigpu import verdict as V
+from multigpu.report import write_report
+
+
+def _group(**kw):
+    g = {"workers": 2, "policy": "keep-global", "global_batch": 64, "n_ok": 1, "n_failed": 0,
+         "efficiency": 0.9, "breakdown": {"compute": 0.9, "comm_exposed": 0.05, "data_wait": 0.02, "idle": 0.03},
+         "accuracy": {"mean": 0.975, "std": 0.0}, "noise_scale": None, "errors": []}
+    g.update(kw)
+    return g
+
+
+BASE = _group(workers=1, efficiency=None, accuracy={"mean": 0.975, "std": 0.002})
+
+
+@pytest.mark.parametrize(
+    "changes, kind, fragment",
+    [
+        ({}, "compute", "compute bound: 90 % efficiency"),
+        ({"breakdown": {"data_wait": 0.38, "compute": 0.6}, "efficiency": 0.5}, "data",
+         "data-loading bound: rank wait 38 % of step; raise num_workers"),
+        ({"breakdown": {"comm_exposed": 0.45, "compute": 0.5}, "efficiency": 0.4}, "communication",
+         "communication bound: 45 % exposed all-reduce; try bf16 compress or larger buckets"),
+        ({"global_batch": 4096, "noise_scale": 600.0}, "critical-batch",
+         "beyond the critical batch: global batch 4096 vs noise scale ~600; more GPUs will not cut steps"),
+        ({"accuracy": {"mean": 0.93, "std": 0.004}}, "accuracy", "accuracy drop: 93.00 % vs 97.50 % on 1 worker"),
+        ({"efficiency": 0.55}, "scaling", "poor scaling: 55 % efficiency (compute 90 %"),
+        ({"n_ok": 0, "n_failed": 1, "errors": ["rank 1 exited with code 1"]}, "failed", "failed: rank 1 exited"),
+    ],
+)
+def test_verdict_rules(changes, kind, fragment):
+    found = V.findings(_group(**changes), BASE)
+    assert found[0].kind == kind
+    assert fragment.replace(" or larger buckets", "") in found[0].text
+    assert V.verdict(_group(**changes), BASE) == found[0].text
+
+
+def test_verdict_thresholds_are_edges():
+    just_below = _group(breakdown={"data_wait": V.DATA_WAIT_BOUND - 0.01}, efficiency=0.5)
+    at = _group(breakdown={"data_wait": V.DATA_WAIT_BOUND}, efficiency=0.5)
+    assert V.findings(just_below, BASE)[0].kind == "scaling"
+    assert V.findings(at, BASE)[0].kind == "data"
+    # Within twice the spread is not a drop.
+    noisy = _group(accuracy={"mean": 0.96, "std": 0.01})
+    assert all(f.kind != "accuracy" for f in V.findings(noisy, BASE))
+    assert V.verdict(BASE, BASE) == "baseline (1 worker)"
+
+
+def fabricated_study():
+    runs, groups = [], []
+    for w, sps, eff in [(1, 1000.0, None), (2, 1500.0, 0.75), (4, 2400.0, 0.6)]:
+        samples = [64 * i for i in range(1, 21)]
+        runs.append({
+            "id": f"w{w}-keep-global-r0", "workers": w, "policy": "keep-global", "repeat": 0, "status": "ok",
+            "global_batch": 64, "samples_per_s": sps,
+            "curve": {"samples": samples, "loss": [2.3 / (1 + 0.3 * i) for i in range(20)],
+                      "wall_s": [s / sps for s in samples]},
+            "noise": {"samples": samples[::4], "b_simple": [50.0 + 10 * i for i in range(5)]},
+        })
+        groups.append(_group(workers=w, samples_per_s={"mean": sps, "std": 20.0},
+                             speedup=None if w == 1 else {"mean": sps / 1000, "std": 0.02},
+                             efficiency=None if w == 1 else {"mean": eff, "std": 0.01},
+                             breakdown={"compute": 0.7, "comm_exposed": 0.2 if w > 1 else 0.0, "data_wait": 0.05,
+                                        "idle": 0.05},
+                             accuracy={"mean": 0.97, "std": 0.003}, noise_scale=90.0,
+                             to_target_s={"mean": 3.0 / w, "std": 0.0}, verdict="compute bound"))
+    runs.append({"id": "w8-keep-global-r0", "workers": 8, "policy": "keep-global", "repeat": 0, "status": "failed",
+                 "error": "rank 5 was killed by SIGKILL"})
+    return {"version": 1, "workload": {"name": "digits"}, "headline": "2 workers: 1.50x, 75 % efficiency",
+            "fingerprint": {"torch": "2.13.0", "device": "cpu"}, "runs": runs, "groups": groups}
+
+
+def test_report_writes_html_and_markdown(tmp_path):
+    (tmp_path / "study.json").write_text(json.dumps(fabricated_study()))
+    html_path, md_path = write_report(tmp_path)
+    md = md_path.read_text()
+    assert "| 2 | keep-global | 64 | 1500 ± 20 | 1.50 ± 0.02x | 75 ± 1 % |" in md
+    assert "w8-keep-global-r0: rank 5 was killed by SIGKILL" in md
+    page = html_path.read_text()
+    assert page.count("data:image/png;base64,") == 4  # throughput, loss, breakdown, noise
+    assert "http://" not in page and "https://" not in page  # self-contained
+
+
+def _chromium():
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def test_report_renders_in_headless_chromium(tmp_path):
+    if not _chromium():
+        pytest.skip("no Chromium on this machine (`make test` installs Debian's chromium where apt works)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the [test] extra")
+    (tmp_path / "study.json").write_text(json.dumps(fabricated_study()))
+    html_path, _ = write_report(tmp_path)
+    errors = []
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("requestfailed", lambda r: errors.append(f"request failed: {r.url}"))
+        page.goto(html_path.as_uri())
+        images = page.evaluate("""() => [...document.images].map(img => {
+            const c = document.createElement('canvas'); c.width = img.naturalWidth; c.height = img.naturalHeight;
+            const ctx = c.getContext('2d'); ctx.drawImage(img, 0, 0);
+            const d = ctx.getImageData(0, 0, c.width, c.height).data;
+            let colours = new Set();
+            for (let i = 0; i < d.length; i += 4 * 97) colours.add(d[i] + ',' + d[i+1] + ',' + d[i+2]);
+            return {alt: img.alt, complete: img.complete, w: img.naturalWidth, h: img.naturalHeight,
+                    shown: img.getBoundingClientRect().width, colours: colours.size};
+        })""")
+        shot = tmp_path / "report.png"
+        page.screenshot(path=str(shot), full_page=True)
+        browser.close()
+    assert errors == []
+    assert [i["alt"] for i in images] == ["throughput", "loss", "breakdown", "noise"]
+    for img in images:
+        assert img["complete"] and img["shown"] > 300
+        assert (img["w"], img["h"]) in ((1000, 380), (650, 380)), img
+        assert img["colours"] > 5, f"{img['alt']} looks blank"
+    assert shot.stat().st_size > 20_000
