@@ -7,7 +7,9 @@ Every strategy trains the same MLP (``--depth`` residual blocks of
 ``--width``) with AdamW on the same per-rank batch. The strategies are built
 once and then timed in interleaved rounds (a few steps each, round-robin), so
 a load change on the machine hits them all alike. Step time is the slowest
-rank's median over all timed steps (with the interquartile range); memory is
+rank's median over all timed steps (with the interquartile range); CPU time
+per step (the rank process's, gloo's threads included) is the work a step
+costs, and stays meaningful when the machine is shared; memory is
 the per-rank bytes of parameters, gradients and optimizer state
 (multigpu.footprint.state_bytes, local shards for FSDP). "none" trains the
 replicas without any gradient exchange: the compute-only floor.
@@ -65,27 +67,28 @@ def _bench(dist, args):
         if strategy == "fsdp":
             options = {"block_classes": [Block]}
         model = mg.wrap(make_model(args.width, args.depth).to(dist.device), strategy, **options)
-        runs[name] = (model, mg.optimizer(model, torch.optim.AdamW, lr=1e-4), [])
+        runs[name] = (model, mg.optimizer(model, torch.optim.AdamW, lr=1e-4), [], [])
 
     def step(model, opt):
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=False)  # keep gradients allocated, as in a steady-state loop
 
-    for name, (model, opt, _) in runs.items():
+    for name, (model, opt, _, _) in runs.items():
         for _ in range(args.warmup):
             step(model, opt)
     for _ in range(args.rounds):
-        for name, (model, opt, times) in runs.items():
+        for name, (model, opt, times, cpu) in runs.items():
             torch.distributed.barrier()
             for _ in range(args.steps):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 step(model, opt)
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
     out = {}
-    for name, (model, opt, times) in runs.items():
+    for name, (model, opt, times, cpu) in runs.items():
         c = compression(model)
-        out[name] = {"times": times, "bytes": state_bytes(model, opt).as_dict(),
+        out[name] = {"times": times, "cpu": cpu, "bytes": state_bytes(model, opt).as_dict(),
                      "compression": None if c is None else round(c.ratio, 2)}
     return out
 
@@ -102,6 +105,7 @@ def fingerprint(world_size: int) -> dict:
         "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
         "device": "cpu", "backend": "gloo", "world_size": world_size, "threads_per_rank": 1, "git": rev,
+        "load_average_1min": round(os.getloadavg()[0], 2),
     }
 
 
@@ -113,15 +117,18 @@ def table(results: list[dict], params: int) -> list[str]:
     names = list(results[0])
     med = {n: max(statistics.median(r[n]["times"]) for r in results) for n in names}
     iqr = {n: max(_q(r[n]["times"], 0.75) - _q(r[n]["times"], 0.25) for r in results) for n in names}
+    cpu = {n: max(statistics.median(r[n]["cpu"]) for r in results) for n in names}
     mem = {n: max(r[n]["bytes"]["total"] for r in results) for n in names}
     lines = [
-        "| strategy | step ms (median) | IQR ms | time / ddp | state MB per rank | memory / ddp | grad compression |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| strategy | step ms (median) | IQR ms | time / ddp | CPU ms per step | CPU / ddp "
+        "| state MB per rank | memory / ddp | grad compression |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n in names:
         comp = results[0][n]["compression"]
         lines.append(
             f"| {n} | {med[n] * 1e3:.1f} | {iqr[n] * 1e3:.1f} | {med[n] / med['ddp']:.2f} | "
+            f"{cpu[n] * 1e3:.1f} | {cpu[n] / cpu['ddp']:.2f} | "
             f"{mem[n] / 2**20:.2f} | {mem[n] / mem['ddp']:.2f} | {'-' if comp is None else f'{comp}x'} |"
         )
     return lines

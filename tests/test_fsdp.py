@@ -179,8 +179,26 @@ def _bf16_mixed_precision_trains(dist):
     return losses, str(model[1].fc.weight.dtype), grad_dtype
 
 
+def _zero1_fp16_and_full_state_dict(dist):
+    """fp16 under zero1 skips together; full_state_dict(cpu=True) gathers to rank 0 only."""
+    model = mg.wrap(_net(), "zero1")
+    opt = mg.optimizer(model, torch.optim.AdamW, lr=0.01)
+    amp = mg.Precision("fp16", dist.device)
+    stepped = []
+    for i in range(3):
+        with amp.autocast():
+            loss = model(torch.randn(4, 12) * (float("inf") if i == 1 and dist.rank == 1 else 1.0)).float().mean()
+        amp.scale(loss).backward()
+        stepped.append(amp.step(opt))
+        opt.zero_grad()
+    fsdp = mg.wrap(_net(), "fsdp", block_classes=[Block])
+    state = mg.full_state_dict(fsdp)
+    return stepped, {k: (tuple(v.shape), str(v.device)) for k, v in state.items()}
+
+
 def _precision_and_bad_inputs(dist):
-    return _fp16_inf_on_one_rank(dist), _bf16_mixed_precision_trains(dist), _bad_inputs(dist)
+    return (_fp16_inf_on_one_rank(dist), _bf16_mixed_precision_trains(dist), _bad_inputs(dist),
+            _zero1_fp16_and_full_state_dict(dist))
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +208,7 @@ def two_rank_checks():
 
 
 def test_fsdp_fp16_scaler_skips_on_every_rank_and_bf16_policy_trains(two_rank_checks):
-    for (stepped, skipped), (losses, pdtype, gdtype), _ in two_rank_checks:
+    for (stepped, skipped), (losses, pdtype, gdtype), *_ in two_rank_checks:
         assert stepped == [True, False, True] and skipped == 1
         assert losses[-1] < 0.7 * losses[0]
         # Sharded params and grads stay fp32; only the gathered copies are bf16.
@@ -220,6 +238,13 @@ def _bad_inputs(dist):
         except mg.UsageError as err:
             errors[name] = str(err)
     return errors
+
+
+def test_zero1_fp16_skips_together_and_full_state_dict_gathers_on_rank0(two_rank_checks):
+    (stepped0, state0), (stepped1, state1) = (r[3] for r in two_rank_checks)
+    assert stepped0 == stepped1 == [True, False, True]
+    assert state1 == {}
+    assert state0 == {k: (tuple(v.shape), "cpu") for k, v in _net().state_dict().items()}
 
 
 def test_bad_input_is_one_line_with_the_fix(two_rank_checks):
