@@ -196,9 +196,23 @@ def _zero1_fp16_and_full_state_dict(dist):
     return stepped, {k: (tuple(v.shape), str(v.device)) for k, v in state.items()}
 
 
+def _norms_two_ways(dist):
+    """clip's offload path (local norms reduced by hand) agrees with DTensor's own reduction."""
+    from multigpu.clip import norm_of_shards
+
+    model = mg.wrap(_net(), "fsdp", block_classes=[Block])
+    model(torch.randn(8, 12) * (dist.rank + 1)).pow(2).mean().backward()
+    grads = [p.grad for p in model.parameters()]
+    out = []
+    for p in (2.0, 1.0, float("inf")):
+        want = torch.nn.utils.get_total_norm(grads, p).full_tensor().item()
+        out.append((norm_of_shards(grads, p).item(), want))
+    return out
+
+
 def _precision_and_bad_inputs(dist):
     return (_fp16_inf_on_one_rank(dist), _bf16_mixed_precision_trains(dist), _bad_inputs(dist),
-            _zero1_fp16_and_full_state_dict(dist))
+            _zero1_fp16_and_full_state_dict(dist), _norms_two_ways(dist))
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +261,12 @@ def test_zero1_fp16_skips_together_and_full_state_dict_gathers_on_rank0(two_rank
     assert state0 == {k: (tuple(v.shape), "cpu") for k, v in _net().state_dict().items()}
 
 
+def test_norm_of_shards_matches_dtensor_reduction(two_rank_checks):
+    for rank_result in two_rank_checks:
+        for got, want in rank_result[4]:
+            assert got == pytest.approx(want, rel=1e-6)
+
+
 def test_bad_input_is_one_line_with_the_fix(two_rank_checks):
     errors = two_rank_checks[0][2]
     assert set(errors) == {"no_params", "hook", "unknown", "dtype", "blocks", "lbfgs", "instance"}
@@ -274,3 +294,24 @@ def test_pick_blocks_policies():
     assert pick_blocks(net, None, 2000) == []  # nothing big enough: the root shards everything
     assert pick_blocks(net, [Block], 10**9) == [net[1], net[2]]
     assert pick_blocks(net, [nn.Linear], 0 + 1) == [net[0], net[1].fc, net[2].fc, net[3]]
+
+
+@pytest.mark.gpu
+def test_fsdp_on_cuda_with_bf16_params_and_cpu_offload(monkeypatch):
+    """One NCCL rank: the CUDA mesh, bf16 gathers, CPU-offloaded shards, clipping across devices."""
+    monkeypatch.delenv("RANK", raising=False)
+    with mg.init(seed=0) as dist:
+        model = mg.wrap(_net().to(dist.device), "fsdp", block_classes=[Block], param_dtype="bf16",
+                        cpu_offload=True)
+        opt = mg.optimizer(model, torch.optim.AdamW, lr=0.02)
+        x, y = (t.to(dist.device) for t in _data().tensors)
+        losses = []
+        for _ in range(10):
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+            loss.backward()
+            norm = mg.clip_grad_norm_(model, 1.0)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert model[1].fc.weight.to_local().device.type == "cpu"
+        assert torch.isfinite(norm) and losses[-1] < losses[0]

@@ -28,10 +28,38 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     grads = [p.grad for p in params]
     if not grads:
         return torch.tensor(0.0)
-    total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
     from torch.distributed.tensor import DTensor
 
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    if isinstance(grads[0], DTensor) and grads[0].to_local().device.type != grads[0].device_mesh.device_type:
+        # FSDP's cpu_offload: shards live on the CPU but the mesh (NCCL) on
+        # the GPU, where DTensor's own reduction would send CPU tensors.
+        total = norm_of_shards(grads, norm_type, error_if_nonfinite, foreach)
+    else:
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
     return total
+
+
+def norm_of_shards(grads: list, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                   foreach: bool | None = None) -> torch.Tensor:
+    """The global norm of DTensor gradients sharded (not replicated) over a 1-D mesh, reduced on the mesh's device.
+
+    Each element lives on exactly one rank (FSDP's dim-0 shards; its padding
+    is not part of ``to_local()``), so the p-th powers of the local norms add
+    up to the p-th power of the global norm (the maxima, for p = inf).
+    """
+    import torch.distributed as tdist
+
+    mesh = grads[0].device_mesh
+    local = torch.nn.utils.get_total_norm([g.to_local() for g in grads], norm_type, error_if_nonfinite, foreach)
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    if norm_type == float("inf"):
+        total = local.to(device)
+        tdist.all_reduce(total, op=tdist.ReduceOp.MAX, group=mesh.get_group())
+    else:
+        total = local.to(device, torch.float64) ** norm_type
+        tdist.all_reduce(total, group=mesh.get_group())
+        total = total ** (1.0 / norm_type)
+    return total.to(local.device, local.dtype)
