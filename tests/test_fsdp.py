@@ -315,3 +315,15 @@ def test_fsdp_on_cuda_with_bf16_params_and_cpu_offload(monkeypatch):
             losses.append(loss.item())
         assert model[1].fc.weight.to_local().device.type == "cpu"
         assert torch.isfinite(norm) and losses[-1] < losses[0]
+
+
+def test_fsdp_and_zero1_in_one_process_match_plain_pytorch(monkeypatch):
+    """`python train.py` (world size 1): the sharded strategies still run, and change nothing."""
+    monkeypatch.delenv("RANK", raising=False)
+    want, _ = _reference(False)
+    with mg.init(seed=0, device="cpu") as dist:
+        for strategy, options in (("fsdp", {"block_classes": [Block]}), ("zero1", {})):
+            params, _, _, _, model, _ = _train(dist, strategy, None, False, **options)
+            assert mg.unwrap(model) is (model if strategy == "fsdp" else model.module)
+            for key in want:
+                torch.testing.assert_close(params[key], want[key], rtol=RTOL, atol=ATOL)
