@@ -176,6 +176,10 @@ def wrap(model: nn.Module, strategy: str = "ddp", **options: Any) -> nn.Module:
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's own module: no ``module.`` (DDP/DP) or ``_orig_mod.`` (torch.compile) prefixes.
 
+    FSDP shards the module in place, so under ``"fsdp"`` this is the module
+    itself and its ``state_dict()`` holds DTensor shards: save with
+    ``mg.full_state_dict(model)`` (any strategy) or torch.distributed.checkpoint.
+
     >>> torch.save(mg.unwrap(model).state_dict(), "model.pt")
     """
     while True:
