@@ -1,4 +1,4 @@
-"""DDP gradient-compression hooks on a real task: sklearn's 8x8 digits, 2 gloo ranks.
+"""DDP gradient-compression hooks on a real task: the digits recipe's data and MLP, 2 gloo ranks.
 
 One spawn trains the same MLP four times (plain all-reduce, fp16 hook, bf16
 hook, PowerSGD) from the same seed and data order and returns held-out
@@ -8,33 +8,22 @@ accuracy; compressed runs must stay within 1 point of the plain one.
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
 import multigpu as mg
 from multigpu.comm_hooks import compression
+from multigpu.recipes.digits import digits_datasets, make_model
 from multigpu.testing import spawn
 
-EPOCHS, GLOBAL_BATCH = 10, 64
-
-
-def _digits():
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    x = torch.tensor(x, dtype=torch.float32) / 16.0
-    y = torch.tensor(y)
-    g = torch.Generator().manual_seed(0)
-    perm = torch.randperm(len(y), generator=g)
-    train, test = perm[:1437], perm[1437:]
-    return TensorDataset(x[train], y[train]), (x[test], y[test])
+EPOCHS, GLOBAL_BATCH = 20, 64  # the digits recipe's defaults
 
 
 def _run(dist, **options):
-    train, (xt, yt) = _digits()
+    train, test = digits_datasets(seed=0)
+    xt, yt = test.tensors
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    net = make_model()  # the digits recipe's data split and MLP (64-256-256-10)
     model = mg.wrap(net.to(dist.device), "ddp", **options)
-    opt = mg.optimizer(model, torch.optim.SGD, lr=0.2, momentum=0.9)
+    opt = mg.optimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)  # the recipe's lr at its base batch 64
     plan = mg.BatchPlan(GLOBAL_BATCH, dist.world_size)
     data = mg.loader(train, plan, dist, seed=0)
     for _ in range(EPOCHS):
@@ -72,9 +61,9 @@ def test_compress_hooks_converge_within_one_point_and_report_compression():
     assert results[0]["fp32"][1] is None
     psgd = results[0]["powersgd"][1]
     steps = results[0]["powersgd"][2]
-    # Rank-2 factors of the 128x64 and 10x128 weights, biases uncompressed.
-    per_step_before = 128 * 64 + 128 + 10 * 128 + 10
-    per_step_after = (128 + 64) * 2 + 128 + (10 + 128) * 2 + 10
+    # Rank-2 factors of the 256x64, 256x256 and 10x256 weights; biases (n x 1) uncompressed.
+    per_step_before = 256 * 64 + 256 + 256 * 256 + 256 + 10 * 256 + 10
+    per_step_after = (256 + 64) * 2 + 256 + (256 + 256) * 2 + 256 + (10 + 256) * 2 + 10
     assert psgd.before == per_step_before * (steps - 10)  # plain all-reduce for the first 10 steps
     assert psgd.after == per_step_after * (steps - 10)
     assert psgd.ratio == pytest.approx(per_step_before / per_step_after)
