@@ -327,3 +327,18 @@ def test_fsdp_and_zero1_in_one_process_match_plain_pytorch(monkeypatch):
             assert mg.unwrap(model) is (model if strategy == "fsdp" else model.module)
             for key in want:
                 torch.testing.assert_close(params[key], want[key], rtol=RTOL, atol=ATOL)
+
+
+def test_pick_blocks_keeps_tied_weights_in_one_unit():
+    from multigpu.fsdp import pick_blocks
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.body, self.head = nn.Embedding(100, 16), Block(16), nn.Linear(16, 100, bias=False)
+            self.head.weight = self.embed.weight
+
+    net = Tied()
+    # embed and head share their weight: neither may be its own unit; the root takes it.
+    assert pick_blocks(net, None, 100) == [net.body.fc]
+    assert pick_blocks(net, [nn.Embedding, Block], 1) == [net.body]

@@ -52,16 +52,25 @@ def _own_params(module: nn.Module, sharded: set[int]) -> int:
     return sum(p.numel() for p in module.parameters() if id(p) not in sharded)
 
 
+def _param_uses(module: nn.Module) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    return counts
+
+
 def pick_blocks(model: nn.Module, block_classes: Iterable[type] | None, min_block_params: int) -> list[nn.Module]:
     """The sub-modules to shard separately, innermost first (the root is not included).
 
     With ``block_classes``, every instance of those classes; otherwise every
     module below the root whose parameters not yet in a smaller block number
     at least ``min_block_params`` (FSDP1's size-based auto-wrap rule).
+    Modules sharing a parameter with a module outside them are never blocks.
     """
     blocks: list[nn.Module] = []
     sharded: set[int] = set()
     classes = tuple(block_classes or ())
+    uses = _param_uses(model)
 
     def visit(module: nn.Module, is_root: bool) -> None:
         for child in module.children():
@@ -69,7 +78,11 @@ def pick_blocks(model: nn.Module, block_classes: Iterable[type] | None, min_bloc
         if is_root:
             return
         chosen = isinstance(module, classes) if classes else _own_params(module, sharded) >= min_block_params
-        if chosen and _own_params(module, sharded) > 0:
+        # A parameter tied to a module outside this one (a language model's
+        # embedding and output head) must stay in one FSDP unit with both:
+        # leave it to an enclosing block or the root.
+        tied_out = any(_param_uses(module)[k] < uses[k] for k in _param_uses(module))
+        if chosen and not tied_out and _own_params(module, sharded) > 0:
             blocks.append(module)
             sharded.update(id(p) for p in module.parameters())
 
