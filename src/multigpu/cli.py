@@ -26,6 +26,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run_main(args)
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import main as doctor_main
+
+    return doctor_main(args)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .commbench import main as bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="multigpu", description="Scale a PyTorch training script from one GPU to many, and measure it.")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
@@ -36,6 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="start N worker processes of a script through torchrun's launcher")
     add_run_arguments(run)
     run.set_defaults(func=_cmd_run)
+
+    from .doctor import add_arguments as add_doctor_arguments
+
+    doctor = sub.add_parser("doctor", help="check versions, GPUs, topology, NCCL variables and the host; run a live all-reduce")
+    add_doctor_arguments(doctor)
+    doctor.set_defaults(func=_cmd_doctor)
+
+    from .commbench import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser("bench", help="time collectives with nccl-tests' algbw/busbw columns, and check their results")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -198,11 +198,24 @@ def init(
     try:
         yield dist
     except UsageError as err:
-        report_usage_error(err)
-        raise SystemExit(2) from None
-    finally:
         if created and tdist.is_initialized():
             tdist.destroy_process_group()
+        report_usage_error(err)
+        raise SystemExit(2) from None
+    except BaseException:
+        # No barrier here: the other ranks may be inside a collective, and
+        # waiting for them would turn a crash into a hang (torchtitan #1342).
+        if created and tdist.is_initialized():
+            tdist.destroy_process_group()
+        raise
+    if created and tdist.is_initialized():
+        # Leave together: a rank that tears down its gloo pairs while a peer is
+        # still finishing its last collective can abort that peer at exit
+        # ("terminate called without an active exception", seen here in 1 of
+        # ~20 two-rank demo runs before this barrier).
+        if world > 1:
+            tdist.barrier()
+        tdist.destroy_process_group()
 
 
 def get_rank() -> int:

@@ -1,0 +1,131 @@
+"""What to measure: ops, sizes, dtypes, and nccl-tests' bandwidth formulas.
+
+Sizes are binary (``256M`` = 256 MiB) and bandwidths decimal (1 GB = 1e9
+bytes), as in nccl-tests' doc/PERFORMANCE.md; the two bases stay apart.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import UsageError
+
+from . import OPS
+_OP_ALIASES = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
+               "bcast": "broadcast", "alltoall": "all_to_all", "all2all": "all_to_all"}
+# torch.distributed.all_reduce and broadcast work in place by API; all_to_all_single has no
+# in-place form in NCCL. The other two have both (in place: the input is this rank's slice of the output).
+PLACES = {"all_reduce": ("in",), "broadcast": ("in",), "all_gather": ("out", "in"),
+          "reduce_scatter": ("out", "in"), "all_to_all": ("out",)}
+REDOP = {"all_reduce": "sum", "reduce_scatter": "sum"}
+ROOT = {"broadcast": 0}
+
+# name -> (torch dtype, nccl-tests type name); several spellings accepted.
+DTYPES = {
+    "float32": (torch.float32, "float"), "float": (torch.float32, "float"), "fp32": (torch.float32, "float"),
+    "float16": (torch.float16, "half"), "half": (torch.float16, "half"), "fp16": (torch.float16, "half"),
+    "bfloat16": (torch.bfloat16, "bfloat16"), "bf16": (torch.bfloat16, "bfloat16"),
+    "float64": (torch.float64, "double"), "double": (torch.float64, "double"),
+    "int8": (torch.int8, "int8"), "uint8": (torch.uint8, "uint8"),
+    "int32": (torch.int32, "int32"), "int": (torch.int32, "int32"), "int64": (torch.int64, "int64"),
+}
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30}
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw / algbw factor for ``n`` ranks.
+
+    >>> bus_factor("all_reduce", 8), bus_factor("all_gather", 4), bus_factor("broadcast", 8)
+    (1.75, 0.75, 1.0)
+    """
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if op == "broadcast":
+        return 1.0
+    raise UsageError(f"unknown op {op!r}; expected one of {', '.join(OPS)}")
+
+
+def algbw(nbytes: int, seconds: float) -> float:
+    """Algorithm bandwidth in GB/s (decimal): size / time."""
+    return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
+
+
+def parse_size(text: str) -> int:
+    """``'256M'`` -> 268435456 (binary units K, M, G; plain numbers are bytes)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?B?)\s*", text, re.I)
+    if not m or int(m.group(1)) <= 0:
+        raise UsageError(f"size {text!r} is not a positive byte count; expected e.g. 8, 64K, 256M or 1G (binary units)")
+    return int(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def parse_sizes(spec: str) -> list[int]:
+    """``'MIN:MAX'`` swept by factor 2, or a comma list of sizes.
+
+    >>> parse_sizes("8:64"), parse_sizes("1K,4M")
+    ([8, 16, 32, 64], [1024, 4194304])
+    """
+    if ":" in spec:
+        lo_s, _, hi_s = spec.partition(":")
+        lo, hi = parse_size(lo_s), parse_size(hi_s)
+        if lo > hi:
+            raise UsageError(f"--sizes {spec}: start {lo} B is larger than end {hi} B; write MIN:MAX, e.g. 8:256M")
+        out = []
+        while lo <= hi:
+            out.append(lo)
+            lo *= 2
+        return out
+    return [parse_size(s) for s in spec.split(",")]
+
+
+def parse_ops(items: list[str] | str | None) -> tuple[str, ...]:
+    if not items:
+        return OPS
+    if isinstance(items, str):
+        items = [items]
+    out = []
+    for item in items:
+        for tok in filter(None, item.replace(",", " ").split()):
+            name = _OP_ALIASES.get(tok.lower().replace("-", "_"), tok.lower().replace("-", "_"))
+            if name not in OPS:
+                raise UsageError(f"unknown op {tok!r}; expected some of {', '.join(OPS)}")
+            out.append(name)
+    return tuple(dict.fromkeys(out))
+
+
+def parse_dtype(name: str) -> str:
+    if name.lower() not in DTYPES:
+        raise UsageError(f"unknown dtype {name!r}; expected one of float32, float16, bfloat16, float64, int8, uint8, int32, int64")
+    return name.lower()
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run: which collectives, sizes (bytes), dtype and iteration counts.
+
+    >>> BenchConfig(ops=("all_reduce",), sizes=tuple(parse_sizes("8:1M")))
+    """
+
+    ops: tuple[str, ...] = OPS
+    sizes: tuple[int, ...] = field(default_factory=lambda: tuple(parse_sizes("8:4M")))
+    dtype: str = "float32"
+    warmup: int = 5
+    iters: int = 20
+    check: bool = True
+    backend: str | None = None
+
+    def __post_init__(self):
+        # Normalise aliases ("allreduce", "bf16") so every later lookup sees one spelling.
+        object.__setattr__(self, "ops", parse_ops(list(self.ops)))
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+        if any(s <= 0 for s in self.sizes):
+            raise UsageError(f"sizes must be positive byte counts, got {list(self.sizes)}; use e.g. --sizes 8:256M")
+        if self.iters < 1 or self.warmup < 0:
+            raise UsageError(f"iters must be >= 1 and warmup >= 0, got iters={self.iters} warmup={self.warmup}")
+        if not self.sizes:
+            raise UsageError("no sizes to measure; use e.g. --sizes 8:256M")

@@ -1,0 +1,270 @@
+"""Per-rank log files, the console view and the failure summary of ``multigpu run``.
+
+torch's elastic agent asks a ``LogsSpecs`` where each worker's stdout/stderr
+go (``reify`` sees every worker's environment, ``RANK`` included). We name the
+files by *global* rank and show chosen ranks on the console with torch's own
+``TailLog``: unprefixed for rank 0 by default (torch's tee path always
+prefixes), ``[rank<r>] `` with ``--all-ranks``. Layout::
+
+    <log_dir>/<run>/launcher.log                     torch's agent log (kept off the console)
+    <log_dir>/<run>/attempt_<k>/rank<r>.stdout.log   one pair per worker and restart attempt
+    <log_dir>/<run>/attempt_<k>/rank<r>.stderr.log
+    <log_dir>/<run>/attempt_<k>/rank<r>.error.json   only for workers decorated with torch's @record
+
+This module imports torch; ``launch.py`` imports it only once the arguments
+are valid, so usage errors stay fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+from typing import Iterator, TextIO
+
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.tail_log import TailLog
+
+_TORCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
+
+
+def say(msg: str) -> None:
+    """One launcher line on stderr (workers' lines go to stdout/stderr unprefixed)."""
+    print(f"multigpu run: {msg}", file=sys.stderr, flush=True)
+
+
+class _Flushing:
+    """A stream wrapper that flushes every write, so tailed lines show up at once even when piped."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> None:
+        with self._lock:
+            self._stream.write(text)
+            self._stream.flush()
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
+class FailureWatch(logging.Handler):
+    """Remembers the failure torch's process context reports before a restart.
+
+    torch logs ``"failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"``
+    with the values as arguments; reading ``record.args`` (not the text) lets the
+    restart line name the rank. If a torch version words it otherwise, the line
+    just says "a worker failed".
+    """
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.last: tuple[int, int] | None = None  # (exit code, local rank)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if str(record.msg).startswith("failed (exitcode") and len(args) >= 2:
+            with contextlib.suppress(TypeError, ValueError):
+                self.last = (int(args[0]), int(args[1]))
+
+
+class RankLogsSpecs(LogsSpecs):
+    """Every worker's stdout/stderr into ``attempt_<k>/rank<r>.{stdout,stderr}.log``; chosen ranks tailed to the console.
+
+    >>> specs = RankLogsSpecs("multigpu_logs/train-1", console_ranks=None)  # None: every rank, prefixed
+    """
+
+    def __init__(self, run_dir: str, console_ranks: set[int] | None = frozenset({0}), prefixed: bool = False):
+        super().__init__(log_dir=run_dir)
+        self.run_dir = run_dir
+        self._console_ranks = console_ranks
+        self._prefixed = prefixed
+        self._tails: list[TailLog] = []
+        # global rank -> stderr path, for the attempt that ran last (the failure summary reads it).
+        self.stderr_paths: dict[int, str] = {}
+        self.global_ranks: dict[int, int] = {}  # local rank -> global rank, last attempt
+        self.watch = FailureWatch()
+
+    @property
+    def root_log_dir(self) -> str:
+        return self.run_dir
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        # Called once per attempt, after the previous attempt's workers were stopped.
+        self.stop_console()
+        attempt = int(next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0"))
+        attempt_dir = os.path.join(self.run_dir, f"attempt_{attempt}")
+        os.makedirs(attempt_dir, exist_ok=True)
+        if attempt > 0:
+            max_restarts = next(iter(envs.values())).get("TORCHELASTIC_MAX_RESTARTS", "?")
+            what = "a worker failed"
+            if self.watch.last is not None and self.watch.last[1] in self.global_ranks:
+                code, local_rank = self.watch.last
+                what = f"rank {self.global_ranks[local_rank]} failed ({_how_short(code)})"
+            self.watch.last = None
+            say(f"{what}; restart {attempt} of {max_restarts}, logs in {attempt_dir}")
+        stdouts, stderrs, errors = {}, {}, {}
+        out_tail, err_tail, prefixes = {}, {}, {}
+        self.stderr_paths, self.global_ranks = {}, {}
+        for local_rank, env in envs.items():
+            rank = int(env["RANK"])
+            base = os.path.join(attempt_dir, f"rank{rank}")
+            stdouts[local_rank], stderrs[local_rank] = f"{base}.stdout.log", f"{base}.stderr.log"
+            errors[local_rank] = f"{base}.error.json"
+            env["TORCHELASTIC_ERROR_FILE"] = errors[local_rank]
+            self.stderr_paths[rank] = stderrs[local_rank]
+            self.global_ranks[local_rank] = rank
+            if self._console_ranks is None or rank in self._console_ranks:
+                out_tail[local_rank], err_tail[local_rank] = stdouts[local_rank], stderrs[local_rank]
+                prefixes[local_rank] = f"[rank{rank}] " if self._prefixed else ""
+        # TailLog waits for the files to appear and reads them to the end when stopped.
+        self._tails = [
+            TailLog("rank", out_tail, _Flushing(sys.stdout), log_line_prefixes=prefixes).start(),
+            TailLog("rank", err_tail, _Flushing(sys.stderr), log_line_prefixes=prefixes).start(),
+        ]
+        # LogsDest gained fields over torch versions (filtered_stdout/stderr): fill what this torch has.
+        fields = {f.name for f in dataclasses.fields(LogsDest)}
+        dest = dict(stdouts=stdouts, stderrs=stderrs, tee_stdouts={}, tee_stderrs={}, error_files=errors)
+        for name in ("filtered_stdout", "filtered_stderr"):
+            if name in fields:
+                dest[name] = os.path.join(attempt_dir, f"{name}.log")
+        return LogsDest(**{k: v for k, v in dest.items() if k in fields})
+
+    def stop_console(self) -> None:
+        """Drain the tailed files to the console and stop tailing (idempotent)."""
+        for tail in self._tails:
+            tail.stop()
+        self._tails = []
+
+
+def _last_line(path: str, limit: int = 300) -> str:
+    try:
+        with open(path, "rb") as fp:
+            fp.seek(0, os.SEEK_END)
+            fp.seek(max(0, fp.tell() - 8192))
+            lines = [ln.strip() for ln in fp.read().decode("utf-8", "replace").splitlines()]
+    except OSError:
+        return ""
+    lines = [ln for ln in lines if ln]
+    if not lines:
+        return ""
+    last = lines[-1]
+    return last if len(last) <= limit else last[: limit - 3] + "..."
+
+
+# Last lines that say "another rank died first": gloo's and NCCL's reports of a lost peer, store timeouts.
+_SECONDARY = re.compile(
+    r"connection closed by peer|connection reset by peer|remote worker|remote process|broken pipe"
+    r"|communicator was aborted|DistNetworkError|DistBackendError|timed out|watchdog",
+    re.IGNORECASE,
+)
+
+
+def failure_summary(err: ChildFailedError, specs: RankLogsSpecs) -> tuple[int, str]:
+    """(exit code, one summary line) for the worker that failed first in ``err``.
+
+    torch records, besides the worker that failed, the ones its agent then
+    stopped with SIGTERM, all with a timestamp in whole seconds. So the first
+    failure is the one not stopped by the agent, whose last stderr line is not
+    a lost-peer report (gloo's "Connection closed by peer" is a symptom), and
+    that was seen first. The exit code is the worker's own (a usage error's 2
+    stays 2); a worker killed by signal N gives 128+N, the shell's convention.
+    """
+    lasts = {rank: _last_line(specs.stderr_paths.get(rank, "")) for rank in err.failures}
+
+    def key(item):
+        index, (rank, failure) = item
+        stopped = failure.exitcode == -signal.SIGTERM
+        return (stopped, bool(_SECONDARY.search(lasts[rank])), failure.timestamp, index)
+
+    ordered = [ri for _, ri in sorted(enumerate(err.failures.items()), key=key)]
+    rank, failure = ordered[0]
+    if failure.exitcode < 0:
+        code = 128 - failure.exitcode
+        how = f"was killed by {failure.signal_name()}"
+    else:
+        code = failure.exitcode
+        how = f"failed with exit code {code}"
+    log = specs.stderr_paths.get(rank, "?")
+    line = f"rank {rank} {how} on host {socket.gethostname()} (pid {failure.pid}); log: {log}"
+    if lasts[rank]:
+        line += f"; last line: {lasts[rank]}"
+    others = [f"{r} ({_how_short(f.exitcode)})" for r, f in ordered[1:] if f.exitcode != -signal.SIGTERM]
+    if others:
+        line += f"; also failed: rank {', '.join(others)}"
+    return code, line
+
+
+def _how_short(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+@contextlib.contextmanager
+def torch_logs_to(path: str, *watchers: logging.Handler) -> Iterator[None]:
+    """Send torch's elastic agent logging to ``path`` instead of the console, restoring it afterwards.
+
+    The agent logs every worker start, signal and failure with tracebacks;
+    our one summary line replaces that on the console (the details stay in the file).
+    """
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    saved = []
+    manager = logging.Logger.manager
+    for name in list(manager.loggerDict):
+        logger = manager.loggerDict[name]
+        if isinstance(logger, logging.Logger) and name.startswith(_TORCH_LOGGERS):
+            saved.append((logger, logger.level, logger.propagate, list(logger.handlers)))
+    for name in _TORCH_LOGGERS:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.level, logger.propagate, list(logger.handlers)))
+    for logger, *_ in saved:
+        logger.setLevel(logging.INFO)
+    for name in _TORCH_LOGGERS:
+        # Loggers created later propagate to these parents, which stop here.
+        top = logging.getLogger(name)
+        top.handlers = [handler, *watchers]
+        top.propagate = False
+    try:
+        yield
+    finally:
+        for logger, level, propagate, handlers in saved:
+            logger.setLevel(level)
+            logger.propagate = propagate
+            logger.handlers = handlers
+        handler.close()
+
+
+@contextlib.contextmanager
+def restored_signal_handlers() -> Iterator[None]:
+    """torch's process context installs SIGTERM/SIGINT/SIGHUP/SIGQUIT handlers and never removes them.
+
+    Its ``launch_agent`` also leaves ``TORCHELASTIC_SIGNALS_TO_HANDLE`` in ``os.environ``
+    (its own bookkeeping for those handlers); that goes back too.
+    """
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    main = threading.current_thread() is threading.main_thread()
+    saved = {s: signal.getsignal(s) for s in (getattr(signal, n) for n in names if hasattr(signal, n))} if main else {}
+    env_name = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+    env_value = os.environ.get(env_name)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        if env_value is None:
+            os.environ.pop(env_name, None)
+        else:
+            os.environ[env_name] = env_value
