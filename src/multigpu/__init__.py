@@ -6,16 +6,18 @@ measurements. Importing this package has no side effects.
 """
 
 from .batch import BatchPlan, scale_lr, warmup
+from .clip import clip_grad_norm_
 from .data import all_reduce_sum, eval_loader, loader
 from .dist import Dist, init, print0
 from .errors import UsageError
-from .fingerprint import fingerprint
-from .meter import StepMeter, profile
 from .finder import MicroBatchSearch, find_micro_batch
+from .fingerprint import fingerprint
+from .fsdp import full_state_dict
+from .meter import StepMeter, profile
 from .noise import NoiseScale
 from .planner import ScaledRecipe, scale_recipe
 from .precision import Precision
-from .strategy import accumulate, unwrap, wrap
+from .strategy import accumulate, optimizer, unwrap, wrap
 
 __version__ = "0.1.0"
 
@@ -26,16 +28,19 @@ __all__ = [
     "MicroBatchSearch",
     "NoiseScale",
     "Precision",
-    "StepMeter",
     "ScaledRecipe",
+    "StepMeter",
     "UsageError",
     "accumulate",
     "all_reduce_sum",
+    "clip_grad_norm_",
     "eval_loader",
-    "fingerprint",
     "find_micro_batch",
+    "fingerprint",
+    "full_state_dict",
     "init",
     "loader",
+    "optimizer",
     "print0",
     "profile",
     "scale_lr",

@@ -19,7 +19,11 @@ import torch.distributed as tdist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from . import comm_hooks
+from .batchnorm import prepare_batchnorm
 from .errors import UsageError
+from .fsdp import wrap_fsdp
+from .zero import build_zero_optimizer, check_optimizer_class, is_zero1, wrap_zero1
 
 
 def _world() -> tuple[int, str | None]:
@@ -90,8 +94,14 @@ def _wrap_ddp(
     find_unused_parameters: bool | None = None,
     gradient_as_bucket_view: bool | None = None,
     broadcast_buffers: bool | None = None,
+    sync_batchnorm: bool = False,
+    comm_hook: str | None = None,
+    powersgd_rank: int | None = None,
+    powersgd_start_iter: int | None = None,
 ) -> nn.Module:
+    comm_hooks.validate(comm_hook, powersgd_rank, powersgd_start_iter)
     device = _device_of(model)
+    model = prepare_batchnorm(model, "ddp", sync_batchnorm, device)
     # Pass only what the user set: DDP's own defaults stay DDP's, and options
     # that newer torch deprecates (broadcast_buffers) warn only when used.
     given = dict(bucket_cap_mb=bucket_cap_mb, static_graph=static_graph,
@@ -100,13 +110,27 @@ def _wrap_ddp(
     kwargs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     if device.type == "cuda":
         kwargs["device_ids"] = [device.index]
-    return _DDP(model, **kwargs)
+    ddp = _DDP(model, **kwargs)
+    if comm_hook is not None:
+        comm_hooks.register(ddp, comm_hook, powersgd_rank, powersgd_start_iter)
+    return ddp
 
 
 STRATEGIES: dict[str, Callable[..., nn.Module]] = {
     "none": _wrap_none,
     "dp": _wrap_dp,
     "ddp": _wrap_ddp,
+    "fsdp": wrap_fsdp,     # fsdp.py
+    "zero1": wrap_zero1,   # zero.py
+}
+
+# Options that belong to another strategy: the error names the right one.
+_ELSEWHERE = {
+    ("fsdp", "comm_hook"): "comm hooks are DDP's; FSDP already reduces in reduce_dtype: use "
+                           "mg.wrap(model, 'fsdp', reduce_dtype='bf16'), or strategy 'ddp' with comm_hook",
+    ("zero1", "comm_hook"): "comm hooks are registered on plain DDP here; use strategy 'ddp' with comm_hook",
+    ("ddp", "param_dtype"): "param_dtype is FSDP's mixed precision; use mg.Precision for DDP, or strategy 'fsdp'",
+    ("ddp", "cpu_offload"): "cpu_offload is FSDP's; use strategy 'fsdp' with cpu_offload=True",
 }
 
 
@@ -120,9 +144,16 @@ def wrap(model: nn.Module, strategy: str = "ddp", **options: Any) -> nn.Module:
     ``"none"`` (one process), ``"dp"`` (nn.DataParallel, for comparison),
     ``"ddp"`` (DistributedDataParallel; options ``bucket_cap_mb``,
     ``static_graph``, ``find_unused_parameters``, ``gradient_as_bucket_view``,
-    ``broadcast_buffers``). Move the model to ``dist.device`` first.
+    ``broadcast_buffers``, ``sync_batchnorm``, ``comm_hook`` = "fp16" | "bf16"
+    | "powersgd" with ``powersgd_rank``, ``powersgd_start_iter``), ``"fsdp"``
+    (FSDP2 per block; ``block_classes``, ``min_block_params``,
+    ``reshard_after_forward``, ``param_dtype``, ``reduce_dtype``,
+    ``cpu_offload``, ``sync_batchnorm``), ``"zero1"`` (DDP + sharded
+    optimizer state: build the optimizer with ``mg.optimizer``). Move the
+    model to ``dist.device`` first. See docs/strategies.md.
 
     >>> model = mg.wrap(Net().to(dist.device), "ddp", bucket_cap_mb=50)
+    >>> model = mg.wrap(Net().to(dist.device), "fsdp", block_classes=[Block], param_dtype="bf16")
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"mg.wrap expects a torch.nn.Module, got {type(model).__name__}")
@@ -131,6 +162,9 @@ def wrap(model: nn.Module, strategy: str = "ddp", **options: Any) -> nn.Module:
     fn = STRATEGIES[strategy]
     allowed = _options(fn)
     unknown = sorted(set(options) - set(allowed))
+    for name in unknown:
+        if (strategy, name) in _ELSEWHERE:
+            raise UsageError(f"strategy {strategy!r} has no option {name}: {_ELSEWHERE[strategy, name]}")
     if unknown:
         raise UsageError(
             f"strategy {strategy!r} has no option {', '.join(unknown)}; "
@@ -142,6 +176,10 @@ def wrap(model: nn.Module, strategy: str = "ddp", **options: Any) -> nn.Module:
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's own module: no ``module.`` (DDP/DP) or ``_orig_mod.`` (torch.compile) prefixes.
 
+    FSDP shards the module in place, so under ``"fsdp"`` this is the module
+    itself and its ``state_dict()`` holds DTensor shards: save with
+    ``mg.full_state_dict(model)`` (any strategy) or torch.distributed.checkpoint.
+
     >>> torch.save(mg.unwrap(model).state_dict(), "model.pt")
     """
     while True:
@@ -151,6 +189,25 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def optimizer(model: nn.Module, optimizer_class: type, params: Any = None, **defaults: Any) -> torch.optim.Optimizer:
+    """Build the optimizer for a wrapped model, for every strategy alike.
+
+    A plain ``optimizer_class(params, **defaults)``, except under ``"zero1"``,
+    where it is a ``ZeroRedundancyOptimizer`` that keeps only this rank's
+    shard of the state. Under ``"fsdp"`` call it after ``wrap`` (the
+    parameters are the shards). ``params`` defaults to ``model.parameters()``;
+    parameter groups (a list of dicts) work too.
+
+    >>> opt = mg.optimizer(model, torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
+    """
+    zero = is_zero1(model)
+    check_optimizer_class(optimizer_class, sharded=zero)
+    params = model.parameters() if params is None else params
+    if zero:
+        return build_zero_optimizer(params, optimizer_class, **defaults)
+    return optimizer_class(params, **defaults)
 
 
 @contextlib.contextmanager

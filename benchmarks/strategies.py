@@ -1,0 +1,163 @@
+"""Strategy comparison: step time and per-rank state memory, side by side in one run.
+
+    PYTHONPATH=src python benchmarks/strategies.py            # 2 gloo ranks on CPU
+    PYTHONPATH=src python benchmarks/strategies.py --world-size 4 --width 1024
+
+Every strategy trains the same MLP (``--depth`` residual blocks of
+``--width``) with AdamW on the same per-rank batch. The strategies are built
+once and then timed in interleaved rounds (a few steps each, round-robin), so
+a load change on the machine hits them all alike. Step time is the slowest
+rank's median over all timed steps (with the interquartile range); CPU time
+per step (the rank process's, gloo's threads included) is the work a step
+costs, and stays meaningful when the machine is shared; memory is
+the per-rank bytes of parameters, gradients and optimizer state
+(multigpu.footprint.state_bytes, local shards for FSDP). "none" trains the
+replicas without any gradient exchange: the compute-only floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from torch import nn
+
+import multigpu as mg
+from multigpu.comm_hooks import compression
+from multigpu.footprint import state_bytes
+from multigpu.testing import spawn
+
+STRATEGIES = [
+    ("none", "none", {}),
+    ("ddp", "ddp", {}),
+    ("fsdp", "fsdp", {}),  # block_classes=[Block] is filled in below
+    ("zero1", "zero1", {}),
+    ("ddp+fp16", "ddp", {"comm_hook": "fp16"}),
+    ("ddp+bf16", "ddp", {"comm_hook": "bf16"}),
+    ("ddp+powersgd", "ddp", {"comm_hook": "powersgd", "powersgd_rank": 4, "powersgd_start_iter": 2}),
+]
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+def make_model(width: int, depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(width) for _ in range(depth)], nn.Linear(width, 10))
+
+
+def _bench(dist, args):
+    x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(dist.rank))
+    y = torch.randint(0, 10, (args.batch,), generator=torch.Generator().manual_seed(dist.rank))
+    runs = {}
+    for name, strategy, options in STRATEGIES:
+        if strategy == "fsdp":
+            options = {"block_classes": [Block]}
+        model = mg.wrap(make_model(args.width, args.depth).to(dist.device), strategy, **options)
+        runs[name] = (model, mg.optimizer(model, torch.optim.AdamW, lr=1e-4), [], [])
+
+    def step(model, opt):
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # keep gradients allocated, as in a steady-state loop
+
+    for name, (model, opt, _, _) in runs.items():
+        for _ in range(args.warmup):
+            step(model, opt)
+    for _ in range(args.rounds):
+        for name, (model, opt, times, cpu) in runs.items():
+            torch.distributed.barrier()
+            for _ in range(args.steps):
+                t0, c0 = time.perf_counter(), time.process_time()
+                step(model, opt)
+                times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
+    out = {}
+    for name, (model, opt, times, cpu) in runs.items():
+        c = compression(model)
+        out[name] = {"times": times, "cpu": cpu, "bytes": state_bytes(model, opt).as_dict(),
+                     "compression": None if c is None else round(c.ratio, 2)}
+    return out
+
+
+def fingerprint(world_size: int) -> dict:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
+        rev += "+dirty" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        rev = "unknown"
+    return {
+        "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "device": "cpu", "backend": "gloo", "world_size": world_size, "threads_per_rank": 1, "git": rev,
+        "load_average_1min": round(os.getloadavg()[0], 2),
+    }
+
+
+def _q(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=4)[{0.25: 0, 0.75: 2}[q]] if len(values) > 1 else values[0]
+
+
+def table(results: list[dict], params: int) -> list[str]:
+    names = list(results[0])
+    med = {n: max(statistics.median(r[n]["times"]) for r in results) for n in names}
+    iqr = {n: max(_q(r[n]["times"], 0.75) - _q(r[n]["times"], 0.25) for r in results) for n in names}
+    cpu = {n: max(statistics.median(r[n]["cpu"]) for r in results) for n in names}
+    mem = {n: max(r[n]["bytes"]["total"] for r in results) for n in names}
+    lines = [
+        "| strategy | step ms (median) | IQR ms | time / ddp | CPU ms per step | CPU / ddp "
+        "| state MB per rank | memory / ddp | grad compression |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in names:
+        comp = results[0][n]["compression"]
+        lines.append(
+            f"| {n} | {med[n] * 1e3:.1f} | {iqr[n] * 1e3:.1f} | {med[n] / med['ddp']:.2f} | "
+            f"{cpu[n] * 1e3:.1f} | {cpu[n] / cpu['ddp']:.2f} | "
+            f"{mem[n] / 2**20:.2f} | {mem[n] / mem['ddp']:.2f} | {'-' if comp is None else f'{comp}x'} |"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--batch", type=int, default=32, help="per-rank batch")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--json", help="also write the raw results here")
+    args = p.parse_args(argv)
+    env = fingerprint(args.world_size)
+    params = sum(q.numel() for q in make_model(args.width, args.depth).parameters())
+    results = spawn(_bench, args.world_size, args, timeout=1800)
+    print("environment:", json.dumps(env))
+    print(f"model: {args.depth} blocks x width {args.width} = {params / 1e6:.2f} M params, AdamW; "
+          f"per-rank batch {args.batch}; n = {args.rounds * args.steps} timed steps per strategy "
+          f"({args.rounds} interleaved rounds), slowest rank's median")
+    print("\n".join(table(results, params)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "args": vars(args), "results": results}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

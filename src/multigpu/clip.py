@@ -1,0 +1,65 @@
+"""Gradient clipping that sees the global gradient under every strategy.
+
+Under none/dp/ddp/zero1 every rank holds the full, already all-reduced
+gradient, so ``torch.nn.utils.clip_grad_norm_`` is right as it is. Under FSDP
+each rank holds a shard: a local norm would be the norm of 1/N of the
+gradient, and ranks would clip by different factors. The gradients there are
+DTensors, so the norm is computed with PyTorch's own ``get_total_norm`` (a
+DTensor with a pending reduction) and completed with ``full_tensor()`` (one
+all-reduce), as torchtitan does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+    """Clip the gradients of ``model`` to ``max_norm``; return the global norm before clipping.
+
+    Call it after the last backward of the step (after ``amp.unscale_(opt)``
+    under fp16) and before ``opt.step()``; every rank must call it.
+
+    >>> norm = mg.clip_grad_norm_(model, 1.0)
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    if not grads:
+        return torch.tensor(0.0)
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(grads[0], DTensor) and grads[0].to_local().device.type != grads[0].device_mesh.device_type:
+        # FSDP's cpu_offload: shards live on the CPU but the mesh (NCCL) on
+        # the GPU, where DTensor's own reduction would send CPU tensors.
+        total = norm_of_shards(grads, norm_type, error_if_nonfinite, foreach)
+    else:
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+    return total
+
+
+def norm_of_shards(grads: list, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                   foreach: bool | None = None) -> torch.Tensor:
+    """The global norm of DTensor gradients sharded (not replicated) over a 1-D mesh, reduced on the mesh's device.
+
+    Each element lives on exactly one rank (FSDP's dim-0 shards; its padding
+    is not part of ``to_local()``), so the p-th powers of the local norms add
+    up to the p-th power of the global norm (the maxima, for p = inf).
+    """
+    import torch.distributed as tdist
+
+    mesh = grads[0].device_mesh
+    local = torch.nn.utils.get_total_norm([g.to_local() for g in grads], norm_type, error_if_nonfinite, foreach)
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    if norm_type == float("inf"):
+        total = local.to(device)
+        tdist.all_reduce(total, op=tdist.ReduceOp.MAX, group=mesh.get_group())
+    else:
+        total = local.to(device, torch.float64) ** norm_type
+        tdist.all_reduce(total, group=mesh.get_group())
+        total = total ** (1.0 / norm_type)
+    return total.to(local.device, local.dtype)

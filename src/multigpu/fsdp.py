@@ -1,0 +1,164 @@
+"""Strategy ``"fsdp"``: PyTorch's FSDP2 (``fully_shard``), applied per block.
+
+Each rank keeps 1/N of every parameter, gradient and optimizer state; a
+block's full parameters exist only while that block runs (all-gather before,
+free after when ``reshard_after_forward``), and gradients are reduce-scattered
+straight into shards. The unit of sharding is a block: one all-gather and one
+reduce-scatter per block and step, so the peak memory is the sharded state
+plus about one block's full parameters.
+
+``fully_shard`` changes the module in place (its class becomes an
+``FSDPModule`` subclass and its parameters become ``DTensor`` shards), so
+``mg.unwrap`` returns the module itself, and ``module.state_dict()`` holds
+DTensors: use ``mg.full_state_dict(model)`` for plain full tensors, or
+``torch.distributed.checkpoint`` (``get_state_dict``/``set_state_dict``) for
+sharded checkpoints that resume under any strategy.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+from .batchnorm import prepare_batchnorm
+from .errors import UsageError
+from .precision import DTYPES
+
+try:  # torch >= 2.6 exports FSDP2 publicly; 2.4-2.5 had it under _composable.
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+except ImportError:  # pragma: no cover - older torch
+    from torch.distributed._composable.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+# A block smaller than this is not worth its own all-gather: it joins its
+# parent's. At fp32 1M parameters are 4 MB, about where NCCL collectives stop
+# being latency-bound (see docs/strategies.md).
+DEFAULT_MIN_BLOCK_PARAMS = 1_000_000
+
+
+def _dtype(name: str, value: Any) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if value in DTYPES:
+        return DTYPES[value]
+    raise UsageError(f"fsdp {name} must be a torch.dtype or one of {', '.join(DTYPES)}, got {value!r}; "
+                     f"e.g. mg.wrap(model, 'fsdp', {name}='bf16')")
+
+
+def _own_params(module: nn.Module, sharded: set[int]) -> int:
+    """Parameters of ``module`` not already inside a sharded sub-block."""
+    return sum(p.numel() for p in module.parameters() if id(p) not in sharded)
+
+
+def _param_uses(module: nn.Module) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    return counts
+
+
+def pick_blocks(model: nn.Module, block_classes: Iterable[type] | None, min_block_params: int) -> list[nn.Module]:
+    """The sub-modules to shard separately, innermost first (the root is not included).
+
+    With ``block_classes``, every instance of those classes; otherwise every
+    module below the root whose parameters not yet in a smaller block number
+    at least ``min_block_params`` (FSDP1's size-based auto-wrap rule).
+    Modules sharing a parameter with a module outside them are never blocks.
+    """
+    blocks: list[nn.Module] = []
+    sharded: set[int] = set()
+    classes = tuple(block_classes or ())
+    uses = _param_uses(model)
+
+    def visit(module: nn.Module, is_root: bool) -> None:
+        for child in module.children():
+            visit(child, False)
+        if is_root:
+            return
+        chosen = isinstance(module, classes) if classes else _own_params(module, sharded) >= min_block_params
+        # A parameter tied to a module outside this one (a language model's
+        # embedding and output head) must stay in one FSDP unit with both:
+        # leave it to an enclosing block or the root.
+        tied_out = any(_param_uses(module)[k] < uses[k] for k in _param_uses(module))
+        if chosen and not tied_out and _own_params(module, sharded) > 0:
+            blocks.append(module)
+            sharded.update(id(p) for p in module.parameters())
+
+    visit(model, True)
+    return blocks
+
+
+def wrap_fsdp(
+    model: nn.Module,
+    block_classes: Iterable[type] | None = None,
+    min_block_params: int = DEFAULT_MIN_BLOCK_PARAMS,
+    reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | str | None = None,
+    reduce_dtype: torch.dtype | str | None = None,
+    cpu_offload: bool = False,
+    sync_batchnorm: bool = False,
+) -> nn.Module:
+    """FSDP2 per block, then on the root. Returns the same module, sharded in place."""
+    params = list(model.parameters())
+    if not params:
+        raise UsageError(f"strategy 'fsdp' shards parameters but {type(model).__name__} has none; "
+                         "use strategy 'none' (or 'ddp') for a model without parameters")
+    device = params[0].device
+    if device.type == "meta":
+        raise UsageError("strategy 'fsdp' got a model on the meta device; materialise it on dist.device first "
+                         "(model.to_empty(device=dist.device) and initialise its weights)")
+    if block_classes is not None and (isinstance(block_classes, type) or not all(isinstance(c, type) for c in block_classes)):
+        raise UsageError(f"fsdp block_classes must be a list of module classes, got {block_classes!r}; "
+                         "e.g. mg.wrap(model, 'fsdp', block_classes=[TransformerBlock])")
+    if isinstance(min_block_params, bool) or not isinstance(min_block_params, int) or min_block_params < 1:
+        raise UsageError(f"fsdp min_block_params must be a positive int, got {min_block_params!r}")
+    if not (tdist.is_available() and tdist.is_initialized()):
+        raise UsageError("strategy 'fsdp' needs a process group; call mg.wrap inside `with mg.init() as dist:`")
+    model = prepare_batchnorm(model, "fsdp", sync_batchnorm, device)
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # The mesh must live on the parameters' device type: gloo meshes are
+    # "cpu", NCCL meshes "cuda" (init_device_mesh would otherwise guess from
+    # what is installed, not from where the model is).
+    mesh = init_device_mesh(device.type, (tdist.get_world_size(),))
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    pdt, rdt = _dtype("param_dtype", param_dtype), _dtype("reduce_dtype", reduce_dtype)
+    if pdt is not None or rdt is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=pdt, reduce_dtype=rdt)
+    if cpu_offload:
+        # Pinned host memory makes the host<->GPU copies asynchronous; it
+        # exists only with CUDA.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for block in pick_blocks(model, block_classes, min_block_params):
+        fully_shard(block, **kwargs)
+    # The root takes whatever no block took (embeddings, heads, norms); FSDP2
+    # itself keeps the root unsharded between forward and backward.
+    fully_shard(model, **kwargs)
+    return model
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def full_state_dict(model: nn.Module, cpu: bool = True) -> dict[str, torch.Tensor]:
+    """The model's state_dict with full (unsharded) tensors and no wrapper prefixes, for any strategy.
+
+    A collective under FSDP: every rank must call it. With ``cpu=True`` the
+    tensors are gathered to CPU and only rank 0 receives them (other ranks
+    get ``{}``), so GPU memory never holds a second full copy.
+
+    >>> state = mg.full_state_dict(model)
+    >>> if dist.is_main:
+    ...     torch.save(state, "model.pt")   # loads into the plain, unwrapped model
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not (tdist.is_available() and tdist.is_initialized()):
+        from .strategy import unwrap
+
+        return {k: v.cpu() if cpu else v for k, v in unwrap(model).state_dict().items()}
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu))
