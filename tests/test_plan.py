@@ -120,3 +120,33 @@ def test_log_without_noise_scale_is_a_usage_error(tmp_path):
     log.write_text("not json\n")
     with pytest.raises(mg.UsageError, match="is not JSON"):
         read_noise_scale(str(log))
+
+
+def test_plan_reads_the_noise_scale_a_step_meter_logged(tmp_path, capsys):
+    """End to end: NoiseScale -> StepMeter's metrics.jsonl -> `multigpu plan --noise-scale FILE`."""
+    import torch
+
+    from multigpu.planner import read_noise_scale
+
+    torch.manual_seed(0)
+    plan = mg.BatchPlan(global_batch=64, world_size=1, micro_batch=16)
+    model = torch.nn.Linear(8, 1)
+    noise = mg.NoiseScale(plan).attach(model)
+    seen = set()
+    with mg.StepMeter(None, plan, log_every=5, log_dir=str(tmp_path), gpu_monitor=False, progress=False,
+                      watchdog=None, flops_per_sample=None) as meter:
+        for _step, _ in meter.steps(range(20)):
+            for _ in range(plan.accum_steps):
+                x = torch.randn(plan.micro_batch, 8)
+                loss = (model(x).squeeze(1) - x[:, 0]).square().mean() / plan.accum_steps
+                loss.backward()
+            model.zero_grad(set_to_none=True)
+            m = noise.metrics()
+            seen.add(m["noise/b_simple"])
+            meter.log(m)
+            meter.step_end(loss=loss.detach())
+    logged = read_noise_scale(str(tmp_path / "metrics.jsonl"))
+    assert logged in seen
+    rc = cli.main(["plan", "--lr", "0.1", "--batch", "64", "--optimizer", "sgd", "--gpus", "4",
+                   "--noise-scale", str(tmp_path / "metrics.jsonl")])
+    assert rc == 0 and f"measured noise scale {logged:,.0f}" in capsys.readouterr().out
