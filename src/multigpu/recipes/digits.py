@@ -9,7 +9,6 @@ An ordinary training script on the public API: it runs unchanged under
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from torch import nn
@@ -68,6 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-rule", default="linear", choices=["linear", "sqrt", "none"])
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--steps", type=int, default=None, help="stop after this many optimizer steps (default: --epochs)")
+    p.add_argument("--eval-every", type=int, default=5, help="evaluate every N epochs (and at the end)")
+    p.add_argument("--log-every", type=int, default=10, help="step meter: log every N steps")
+    p.add_argument("--log-dir", default=None, help="where metrics.jsonl goes (default: the launcher's run folder, or runs/)")
     p.add_argument("--strategy", default="ddp", help="none | dp | ddp (more in later issues)")
     p.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16")
     p.add_argument("--seed", type=int, default=0)
@@ -99,38 +102,49 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         mg.print0(plan.summary(lr=lr, steps_per_epoch=len(train), epochs=args.epochs, precision=args.precision,
                                strategy=strategy, backend=dist.backend, device=str(dist.device)))
         loss_fn = nn.CrossEntropyLoss()
-        start = time.perf_counter()
-        samples = 0
-        for epoch in range(args.epochs):
-            loss_sum = torch.zeros((), device=dist.device)
-            for micro_batches in train:
+        total = args.steps or args.epochs * len(train)
+        meter = mg.StepMeter(dist, plan, log_every=args.log_every, log_dir=args.log_dir, model=model, total_steps=total,
+                             dtype=amp.name, fingerprint_extra={"recipe": "digits", "strategy": strategy, "lr": lr,
+                                                                "precision": amp.name})
+        with meter:
+            epoch = 0
+            for step, micro_batches in meter.steps(_epochs(train)):
                 for x, y in mg.accumulate(model, micro_batches):
                     with amp.autocast():
                         loss = loss_fn(model(x), y) / plan.accum_steps
                     amp.scale(loss).backward()
-                    loss_sum += loss.detach()
                 amp.step(opt)
                 opt.zero_grad(set_to_none=True)
                 if sched is not None:
                     sched.step()
-                samples += plan.global_batch
-            if epoch == args.epochs - 1 or epoch % 5 == 4:
-                mean_loss = mg.all_reduce_sum(loss_sum.item()) / dist.world_size / len(train)
-                metrics = evaluate(model, test_set, dist, amp)
-                b_simple = noise.metrics().get("noise/b_simple") if noise else None
-                mg.print0(f"epoch {epoch + 1:3d}/{args.epochs} | train loss {mean_loss:.4f} | "
-                          f"test loss {metrics['loss']:.4f} | test accuracy {100 * metrics['accuracy']:.2f}%"
-                          + (f" | noise scale {b_simple:.1f}" if b_simple is not None else ""))
-        wall = time.perf_counter() - start
-        metrics = evaluate(model, test_set, dist, amp)
-        result = dict(metrics, samples_per_s=samples / wall, wall_s=wall, world_size=dist.world_size)
+                meter.step_end(loss=loss.detach() * plan.accum_steps, lr=opt)
+                if noise is not None and meter.will_log:
+                    meter.log(noise.metrics())
+                done = step + 1 == total
+                if (step + 1) % len(train) == 0 or done:
+                    epoch = (step + 1) // len(train)
+                    if done or epoch % args.eval_every == 0:
+                        metrics = evaluate(model, test_set, dist, amp)
+                        meter.log_eval(step=step, accuracy=metrics["accuracy"], loss=metrics["loss"])
+                if done:
+                    break
+        summary = meter.summary() or {}
+        result = dict(metrics, world_size=dist.world_size, steps=total,
+                      samples_per_s=(summary.get("samples_per_s") or {}).get("mean"), wall_s=summary.get("wall_time"))
         if noise is not None:
             result |= noise.metrics()
             mg.print0(noise.summary())
         mg.print0(f"digits: test accuracy {100 * metrics['accuracy']:.2f}% ({int(metrics['correct'])}/"
-                  f"{int(metrics['count'])}) | {samples / wall:,.0f} samples/s | wall {wall:.1f} s | "
-                  f"world size {dist.world_size} | skipped fp16 steps {amp.skipped_steps}")
+                  f"{int(metrics['count'])}) | {result['samples_per_s'] or 0:,.0f} samples/s | "
+                  f"wall {result['wall_s'] or 0:.1f} s | world size {dist.world_size} | "
+                  f"skipped fp16 steps {amp.skipped_steps}")
         return result
+
+
+def _epochs(train):
+    """Endless steps over epochs (the loader reshuffles each pass); the caller stops."""
+    while True:
+        yield from train
 
 
 def _find_batch(net: nn.Module, plan: mg.BatchPlan, dist: mg.Dist, budget_mb: float | None) -> mg.BatchPlan:
