@@ -114,15 +114,15 @@ def test_cuda_real_out_of_memory():
     step(found.micro_batch)   # the answer really fits
 
 
-def test_digits_recipe_find_batch(monkeypatch, capfd):
+def test_digits_recipe_find_batch(monkeypatch, capfd, tmp_path):
     from multigpu.recipes import digits
 
     monkeypatch.delenv("RANK", raising=False)
-    res = digits.main(["--epochs", "2", "--global-batch", "64", "--find-batch", "--memory-budget-mb", "64"])
+    res = digits.main(["--epochs", "2", "--global-batch", "64", "--find-batch", "--memory-budget-mb", "64", "--log-dir", str(tmp_path / "a")])
     out = capfd.readouterr().out
     assert "largest micro-batch that fits: 64 per rank" in out       # capped at the rank's share
     assert res["count"] == 360
     with pytest.raises(SystemExit) as exc:
-        digits.main(["--epochs", "1", "--find-batch"])
+        digits.main(["--epochs", "1", "--find-batch", "--log-dir", str(tmp_path / "b")])
     err = capfd.readouterr().err.strip()
     assert exc.value.code == 2 and err.count("\n") == 0 and "memory_budget" in err

@@ -269,18 +269,18 @@ def test_ddp_ranks_match_closed_form(world):
     assert "gradient_as_bucket_view=False" in r0["view_error"]
 
 
-def test_digits_recipe_reports_the_noise_scale(monkeypatch, capfd):
+def test_digits_recipe_reports_the_noise_scale(monkeypatch, capfd, tmp_path):
     from multigpu.recipes import digits
 
     monkeypatch.delenv("RANK", raising=False)
-    res = digits.main(["--epochs", "5", "--micro-batch", "16", "--noise-every", "1"])
+    res = digits.main(["--epochs", "5", "--micro-batch", "16", "--noise-every", "1", "--log-dir", str(tmp_path / "a")])
     out = capfd.readouterr().out
     assert res["noise/measured_steps"] == 5 * 22 and res["noise/skipped_steps"] == 0
     assert 10 < res["noise/b_simple"] < 500                       # 47 measured at this point
     assert "noise scale" in out and "B_simple ~" in out and "per-example efficiency" in out
     # One process without micro-batches cannot measure: one line, exit 2.
     with pytest.raises(SystemExit) as exc:
-        digits.main(["--epochs", "1", "--noise-every", "1"])
+        digits.main(["--epochs", "1", "--noise-every", "1", "--log-dir", str(tmp_path / "b")])
     err = capfd.readouterr().err.strip()
     assert exc.value.code == 2 and err.count("\n") == 0 and "accum_steps >= 2" in err
 
