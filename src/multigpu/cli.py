@@ -61,6 +61,20 @@ def _cmd_ckpt(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_study(args: argparse.Namespace) -> int:
+    from .study import main as study_main
+
+    return study_main(args)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    html_path, md_path = write_report(args.results, args.output)
+    print(f"multigpu report: {html_path} (self-contained) and {md_path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="multigpu", description="Scale a PyTorch training script from one GPU to many, and measure it.")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
@@ -101,6 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("checkpoint", help="checkpoint directory, e.g. runs/x/step-120")
     exp.add_argument("out", help="output file, e.g. model.pt")
     ckpt.set_defaults(func=_cmd_ckpt)
+    from .study import add_study_arguments
+
+    study = sub.add_parser("study", help="run a workload at several world sizes and batch policies; measure and judge")
+    add_study_arguments(study)
+    study.set_defaults(func=_cmd_study)
+
+    report = sub.add_parser("report", help="write the HTML report and Markdown summary of a study's results")
+    report.add_argument("results", help="the results directory `multigpu study` wrote")
+    report.add_argument("-o", "--output", default=None, help="HTML file to write (default: RESULTS/report.html)")
+    report.set_defaults(func=_cmd_report)
     return parser
 
 
