@@ -76,7 +76,7 @@ class StudyConfig:
     target: str | None = None
     out: str | None = None
     cpu: bool = False
-    profile: str | None = "4:8"
+    profile: str | None = "20:25"
 
 
 @dataclass(frozen=True)
@@ -278,10 +278,14 @@ def summarize(runs: list[dict[str, Any]], workers: Iterable[int], policies: Iter
 
 
 def headline(groups: list[dict[str, Any]]) -> str:
-    parts = []
+    parts, seen_baseline = [], False
     for g in groups:
+        if g["workers"] == 1:
+            if seen_baseline:
+                continue  # every policy shares the 1-worker run
+            seen_baseline = True
         acc = g["accuracy"]["mean"] if g.get("accuracy") else None
-        label = f"{g['workers']} worker{'s' if g['workers'] > 1 else ''} {g['policy']}"
+        label = "1 worker" if g["workers"] == 1 else f"{g['workers']} workers {g['policy']}"
         if g["n_ok"] == 0:
             parts.append(f"{label}: failed")
             continue
@@ -426,7 +430,7 @@ def add_study_arguments(parser) -> None:
     parser.add_argument("--target", default=None, help="e.g. accuracy>=0.95 or loss<=0.1: time and samples to reach it")
     parser.add_argument("--out", default=None, help="results directory (default: studies/<workload>-<time>)")
     parser.add_argument("--cpu", action="store_true", help="run on CPU processes (gloo) even where GPUs exist")
-    parser.add_argument("--profile", default="4:8", help="profiled steps for the time breakdown, or 'off'")
+    parser.add_argument("--profile", default="20:25", help="profiled steps for the time breakdown, or 'off'")
     parser.add_argument("--no-report", action="store_true", help="skip writing report.html / report.md")
     parser.add_argument("workload", help=f"a recipe ({', '.join(RECIPES)}), a script path or a module")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the workload")
@@ -442,7 +446,8 @@ def main(args) -> int:
     out, study = run_study(cfg, say=lambda s: print(s, flush=True))
     print(f"multigpu study: {study['headline']}")
     for g in study["groups"]:
-        print(f"  {g['workers']} worker{'s' if g['workers'] > 1 else ''} {g['policy']}: {g['verdict']}")
+        if g["workers"] > 1:
+            print(f"  {g['workers']} workers {g['policy']}: {g['verdict']}")
     if not args.no_report:
         from .report import write_report
 
