@@ -1,7 +1,7 @@
 """The ``multigpu`` command: argparse verbs, each one function call.
 
-Every verb imports its module lazily (``multigpu --help`` does not import
-torch) and a ``UsageError`` becomes one line on stderr with exit status 2.
+Every verb's module is imported only when that verb runs, and a
+``UsageError`` becomes one line on stderr with exit status 2.
 """
 
 from __future__ import annotations
@@ -45,20 +45,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_ckpt(args: argparse.Namespace) -> int:
-    from .checkpoint import export, table
+    from .checkpoint.tools import main as ckpt_main
 
-    if args.action == "export":
-        info = export(args.checkpoint, args.out)
-        print(f"exported {args.checkpoint} (step {info['step']}) -> {args.out}: {info['tensors']} tensors, "
-              f"{info['parameters']:,} parameters, {info['bytes']:,} bytes; "
-              "load with model.load_state_dict(torch.load(path, weights_only=True))")
-        return 0
-    lines, bad = table(args.dir, full=args.action == "verify")
-    print("\n".join(lines))
-    if args.action == "verify":
-        print(f"{bad} of {len(lines) - 1} checkpoints not valid" if bad else "all checkpoints valid")
-        return 1 if bad else 0
-    return 0
+    return ckpt_main(args)
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
