@@ -1,6 +1,5 @@
 """DDP / accumulation equivalence against a single-process reference, on real gloo ranks."""
 
-import warnings
 
 import pytest
 import torch

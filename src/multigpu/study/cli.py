@@ -1,0 +1,65 @@
+"""`multigpu study` arguments and entry point."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import UsageError
+from .run import RECIPES, StudyConfig, run_study
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"--workers must be a comma-separated list of integers, got {text!r}; use e.g. --workers 1,2,4") from None
+
+
+def default_workers() -> str:
+    """1, 2, 4, ... up to the visible GPUs; 1,2 on a machine without GPUs."""
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < 2:
+        return "1,2"
+    ws, w = [], 1
+    while w < n:
+        ws.append(w)
+        w *= 2
+    return ",".join(map(str, ws + [n]))
+
+
+def add_study_arguments(parser) -> None:
+    parser.add_argument("--workers", default=None, help="world sizes to run, e.g. 1,2,4 (default: 1,2,4.. up to the GPUs; 1,2 on CPU)")
+    parser.add_argument("--policy", default="keep-global", help="batch policies, comma-separated: keep-global, scale-global")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per setting, for mean and spread")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (passed as --steps; default: the workload's own)")
+    parser.add_argument("--global-batch", type=int, default=None, help="global batch at 1 worker (passed as --global-batch)")
+    parser.add_argument("--target", default=None, help="e.g. accuracy>=0.95 or loss<=0.1: time and samples to reach it")
+    parser.add_argument("--out", default=None, help="results directory (default: studies/<workload>-<time>)")
+    parser.add_argument("--cpu", action="store_true", help="run on CPU processes (gloo) even where GPUs exist")
+    parser.add_argument("--profile", default="20:25", help="profiled steps for the time breakdown, or 'off'")
+    parser.add_argument("--no-report", action="store_true", help="skip writing report.html / report.md")
+    parser.add_argument("workload", help=f"a recipe ({', '.join(RECIPES)}), a script path or a module")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the workload")
+
+
+def main(args) -> int:
+    cfg = StudyConfig(
+        workload=args.workload, args=tuple(args.args), workers=_ints(args.workers or default_workers()),
+        policies=tuple(p.strip() for p in args.policy.split(",") if p.strip()), repeats=args.repeats,
+        steps=args.steps, global_batch=args.global_batch, target=args.target, out=args.out, cpu=args.cpu,
+        profile=None if args.profile in ("off", "none", "") else args.profile,
+    )
+    out, study = run_study(cfg, say=lambda s: print(s, flush=True))
+    print(f"multigpu study: {study['headline']}")
+    for g in study["groups"]:
+        if g["workers"] > 1:
+            print(f"  {g['workers']} workers {g['policy']}: {g['verdict']}")
+    if not args.no_report:
+        from ..report import write_report
+
+        html_path, md_path = write_report(out)
+        print(f"multigpu study: report {html_path} (and {md_path.name}); data {out / 'study.json'}")
+    failed = sum(g["n_failed"] for g in study["groups"])
+    return 1 if failed and all(g["n_ok"] == 0 for g in study["groups"]) else 0

@@ -1,0 +1,153 @@
+"""Reading a study's runs back: one run's figures from its metrics.jsonl and profile, and the groups."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..errors import UsageError
+from ..verdict import findings, verdict
+
+TARGET_OPS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b}
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash; the rest still counts
+    return out
+
+
+def _reached(evals: list[dict], steps: list[dict], target: tuple[str, str, float] | None) -> dict | None:
+    if target is None:
+        return None
+    metric, op, value = target
+    for rec in evals + ([] if any(metric in e for e in evals) else steps):
+        v = rec.get(metric)
+        if v is not None and TARGET_OPS[op](v, value):
+            return {"samples": rec.get("samples_seen"), "wall_s": rec.get("time")}
+    return None
+
+
+def measure_run(run_dir: Path, target: tuple[str, str, float] | None) -> dict[str, Any]:
+    """The figures of one finished run, from its metrics.jsonl and profile summary."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise UsageError(f"{run_dir} has no metrics.jsonl: the workload must use mg.StepMeter (see docs/study.md)")
+    recs = _records(metrics)
+    steps = [r for r in recs if r.get("type") == "step"]
+    evals = [r for r in recs if r.get("type") == "eval"]
+    summary = next((r for r in reversed(recs) if r.get("type") == "summary"), None)
+    if summary is None:
+        raise UsageError(f"{metrics} has no summary record: the run ended before meter.close()")
+    out: dict[str, Any] = {
+        "samples_per_s": (summary.get("samples_per_s") or {}).get("mean"),
+        "step_time_s": (summary.get("step_time") or {}).get("mean"),
+        "wall_s": summary.get("wall_time"),
+        "samples_seen": summary.get("samples_seen"),
+        "curve": {"samples": [r["samples_seen"] for r in steps if r.get("loss") is not None],
+                  "loss": [r["loss"] for r in steps if r.get("loss") is not None],
+                  "wall_s": [r["time"] for r in steps if r.get("loss") is not None]},
+        "evals": [{k: e.get(k) for k in ("samples_seen", "time", "accuracy", "loss")} for e in evals],
+        "final": {k: v for k, v in (evals[-1] if evals else {}).items() if k in ("accuracy", "loss")},
+        "to_target": _reached(evals, steps, target),
+    }
+    noise = [r for r in steps if r.get("noise/b_simple") is not None]
+    out["noise"] = {"samples": [r["samples_seen"] for r in noise], "b_simple": [r["noise/b_simple"] for r in noise]}
+    out["noise_scale"] = noise[-1]["noise/b_simple"] if noise else None
+    out["breakdown"] = breakdown(summary.get("fractions") or {}, run_dir / "profile" / "summary.json")
+    return out
+
+
+def breakdown(fractions: dict[str, float], profile_summary: Path) -> dict[str, Any]:
+    """Fractions of step time: compute, exposed communication, data wait, idle.
+
+    Data wait comes from the meter (every unprofiled step; the profiler slows
+    the Python loader and would overstate it). The rest of the step, which the
+    meter cannot split, is divided in the proportions the profiler measured
+    over its window: compute (with communication it overlaps), exposed
+    communication, and idle. Without a profile, exposed communication is unknown.
+    """
+    wait = fractions.get("data_wait")
+    rest = (fractions.get("compute") or 0.0) + (fractions.get("other") or 0.0)
+    if not profile_summary.is_file():
+        return {"compute": fractions.get("compute"), "comm_exposed": None, "data_wait": wait,
+                "idle": fractions.get("other"), "source": "meter"}
+    ranks = json.loads(profile_summary.read_text())
+    parts = {"compute": ("compute", "overlapped_comm"), "comm_exposed": ("exposed_comm",), "idle": ("idle",)}
+    share = {k: statistics.fmean(sum(r[p] for p in ps) for r in ranks) for k, ps in parts.items()}
+    total = sum(share.values()) or 1.0
+    return {k: rest * v / total for k, v in share.items()} | {"data_wait": wait, "source": "meter+profiler"}
+
+
+# --- grouping and judging ---------------------------------------------------------
+
+def _stat(values: Iterable[float | None]) -> dict[str, float] | None:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    return {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "n": len(vals)}
+
+
+def summarize(runs: list[dict[str, Any]], workers: Iterable[int], policies: Iterable[str]) -> list[dict[str, Any]]:
+    """One group per (workers, policy): means and spreads over repeats, speedup, efficiency, verdict."""
+    groups = []
+    for pol in policies:
+        for w in sorted(set(workers)):
+            mine = [r for r in runs if r["workers"] == w and pol in r["policies"]]
+            ok = [r for r in mine if r["status"] == "ok"]
+            g: dict[str, Any] = {
+                "workers": w, "policy": pol, "global_batch": mine[0]["global_batch"] if mine else None,
+                "n_ok": len(ok), "n_failed": len(mine) - len(ok),
+                "errors": [r["error"] for r in mine if r["status"] != "ok"],
+                "samples_per_s": _stat(r["samples_per_s"] for r in ok),
+                "step_time_s": _stat(r["step_time_s"] for r in ok),
+                "accuracy": _stat(r["final"].get("accuracy") for r in ok),
+                "loss": _stat(r["final"].get("loss") for r in ok),
+                "to_target_s": _stat((r["to_target"] or {}).get("wall_s") for r in ok),
+                "to_target_samples": _stat((r["to_target"] or {}).get("samples") for r in ok),
+                "noise_scale": (_stat(r["noise_scale"] for r in ok) or {}).get("mean"),
+                "breakdown": {k: (_stat(r["breakdown"].get(k) for r in ok) or {}).get("mean")
+                              for k in ("compute", "comm_exposed", "data_wait", "idle")} if ok else {},
+            }
+            groups.append(g)
+    for g in groups:
+        base = next((b for b in groups if b["policy"] == g["policy"] and b["workers"] == 1), None)
+        g["speedup"] = g["efficiency"] = None
+        if base and g["workers"] > 1 and base["samples_per_s"] and g["samples_per_s"]:
+            s, b = g["samples_per_s"], base["samples_per_s"]
+            ratio = s["mean"] / b["mean"]
+            rel = math.hypot(s["std"] / s["mean"], b["std"] / b["mean"])
+            g["speedup"] = {"mean": ratio, "std": ratio * rel}
+            g["efficiency"] = {"mean": ratio / g["workers"], "std": ratio * rel / g["workers"]}
+        g["findings"] = [f.text for f in findings(g, base)]
+        g["verdict"] = verdict(g, base)
+    return groups
+
+
+def headline(groups: list[dict[str, Any]]) -> str:
+    parts, seen_baseline = [], False
+    for g in groups:
+        if g["workers"] == 1:
+            if seen_baseline:
+                continue  # every policy shares the 1-worker run
+            seen_baseline = True
+        acc = g["accuracy"]["mean"] if g.get("accuracy") else None
+        label = "1 worker" if g["workers"] == 1 else f"{g['workers']} workers {g['policy']}"
+        if g["n_ok"] == 0:
+            parts.append(f"{label}: failed")
+            continue
+        speed = f"{g['speedup']['mean']:.2f}x, {100 * g['efficiency']['mean']:.0f} % efficiency" if g["speedup"] else \
+            f"{g['samples_per_s']['mean']:,.0f} samples/s"
+        parts.append(f"{label}: {speed}" + (f", accuracy {100 * acc:.2f} %" if acc is not None else ""))
+    return "; ".join(parts)
+
+

@@ -1,0 +1,255 @@
+"""`multigpu study`: run one workload at several world sizes and batch policies, measure, judge.
+
+Every run goes through ``multigpu run`` (the launcher's Python API) with the
+step meter on and a short profiler window; the study reads back each run's
+``metrics.jsonl`` and profile summary, groups the runs by (workers, policy),
+derives speedup, efficiency, time breakdown, accuracy, time to target and the
+noise scale, and writes one results directory:
+
+    <out>/study.json          the summary (schema below, read by `multigpu report`)
+    <out>/fingerprint.json    the environment
+    <out>/runs/<run id>/...   every run's launcher folder: metrics.jsonl, logs, profile
+
+Batch policies: ``keep-global`` keeps the global batch (each worker gets a
+smaller share); ``scale-global`` keeps the per-worker batch (the global batch
+grows with the workers; the workload scales its LR from ``--global-batch``).
+Both see the same number of samples: with ``--steps``, scale-global runs
+``steps / workers`` steps.
+
+The contract for a workload (built-in recipe or user script): it uses
+``mg.StepMeter`` (which writes ``metrics.jsonl`` into the launcher's run
+folder), accepts ``--global-batch N`` and, if ``--steps`` is given to the
+study, ``--steps N``; it logs evaluation metrics with ``meter.log_eval(...)``
+(``accuracy`` and/or ``loss``) and, optionally, ``noise/b_simple`` with
+``meter.log(noise.metrics())``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import UsageError
+from .measure import TARGET_OPS, headline, measure_run, summarize
+
+POLICIES = ("keep-global", "scale-global")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A built-in workload: its module, and the extra arguments a study passes to it."""
+
+    module: str
+    global_batch: int
+    target: str | None = None
+    args: tuple[str, ...] = ()
+    noise_args: tuple[str, ...] = ()  # only for runs with >= 2 workers (the estimator needs ranks)
+
+
+RECIPES = {
+    "digits": Recipe("multigpu.recipes.digits", global_batch=64, target="accuracy>=0.95",
+                     args=("--eval-every", "1"), noise_args=("--noise-every", "5")),
+}
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """What to run. Field comments are the CLI's help."""
+
+    workload: str
+    args: tuple[str, ...] = ()
+    workers: tuple[int, ...] = (1, 2)
+    policies: tuple[str, ...] = ("keep-global",)
+    repeats: int = 1
+    steps: int | None = None
+    global_batch: int | None = None
+    target: str | None = None
+    out: str | None = None
+    cpu: bool = False
+    profile: str | None = "20:25"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    id: str
+    workers: int
+    policies: tuple[str, ...]
+    repeat: int
+    global_batch: int
+    steps: int | None
+    args: tuple[str, ...] = field(repr=False)
+
+
+def resolve_workload(name: str) -> tuple[str, bool, str, Recipe | None]:
+    """(launch target, is module, display name, recipe or None) for a recipe name, script path or module."""
+    if name in RECIPES:
+        return RECIPES[name].module, True, name, RECIPES[name]
+    if name.endswith(".py"):
+        if not os.path.isfile(name):
+            raise UsageError(f"script {name!r} does not exist; pass a recipe ({', '.join(RECIPES)}), a script path or a module")
+        return os.path.abspath(name), False, Path(name).stem, None
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise UsageError(f"unknown recipe {name!r}; expected one of {', '.join(RECIPES)}, a script path (.py) or an importable module")
+    return name, True, name.rsplit(".", 1)[-1], None
+
+
+def parse_target(text: str | None) -> tuple[str, str, float] | None:
+    """``"accuracy>=0.95"`` -> ("accuracy", ">=", 0.95)."""
+    if not text:
+        return None
+    for op in TARGET_OPS:
+        if op in text:
+            metric, _, value = text.partition(op)
+            try:
+                return metric.strip(), op, float(value)
+            except ValueError:
+                break
+    raise UsageError(f"--target must look like accuracy>=0.95 or loss<=0.1, got {text!r}")
+
+
+def check(cfg: StudyConfig) -> None:
+    if not cfg.workers or any(w < 1 for w in cfg.workers):
+        raise UsageError(f"--workers must be positive integers, got {','.join(map(str, cfg.workers)) or 'nothing'}; use e.g. --workers 1,2,4")
+    bad = [p for p in cfg.policies if p not in POLICIES]
+    if bad or not cfg.policies:
+        raise UsageError(f"unknown policy {','.join(bad) or '(none)'}; expected {' or '.join(POLICIES)}")
+    if cfg.repeats < 1:
+        raise UsageError(f"--repeats must be >= 1, got {cfg.repeats}")
+    if cfg.steps is not None and cfg.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {cfg.steps}")
+    if cfg.global_batch is not None and cfg.global_batch < 1:
+        raise UsageError(f"--global-batch must be >= 1, got {cfg.global_batch}")
+    parse_target(cfg.target)
+
+
+def plan_runs(cfg: StudyConfig, recipe: Recipe | None) -> list[RunSpec]:
+    """One spec per distinct (workers, global batch, steps, repeat): policies that coincide share a run."""
+    base = cfg.global_batch or (recipe.global_batch if recipe else 64)
+    runs: dict[tuple, RunSpec] = {}
+    for w in sorted(set(cfg.workers)):
+        for pol in cfg.policies:
+            gb = base if pol == "keep-global" else base * w
+            steps = cfg.steps if cfg.steps is None or pol == "keep-global" else max(1, math.ceil(cfg.steps / w))
+            for rep in range(cfg.repeats):
+                key = (w, gb, steps, rep)
+                if key in runs:
+                    runs[key] = RunSpec(**{**asdict(runs[key]), "policies": runs[key].policies + (pol,)})
+                    continue
+                args = list(cfg.args) + ["--global-batch", str(gb)] + (["--steps", str(steps)] if steps else [])
+                if recipe:
+                    args = list(recipe.args) + (list(recipe.noise_args) if w > 1 else []) + args
+                runs[key] = RunSpec(f"w{w}-gb{gb}-r{rep}", w, (pol,), rep, gb, steps, tuple(args))
+    return list(runs.values())
+
+
+def _out_dir(cfg: StudyConfig, name: str) -> Path:
+    out = Path(cfg.out or os.path.join("studies", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise UsageError(f"results directory {out} is not writable ({err.strerror}); pass --out to a writable directory") from None
+    if (out / "study.json").exists():
+        raise UsageError(f"{out} already holds a study.json; pass a new --out (or delete the old study)")
+    return out
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    summary = [ln for ln in lines if ln.startswith("multigpu run:") or "error:" in ln]
+    return (summary or lines or [""])[-1].strip()
+
+
+def execute(spec: RunSpec, target: str, module: bool, cfg: StudyConfig, out: Path,
+            goal: tuple[str, str, float] | None) -> dict[str, Any]:
+    """Run one spec through the launcher, with its console output captured in a file."""
+    from ..launch import run as launch_run
+
+    root = out / "runs" / spec.id
+    root.mkdir(parents=True, exist_ok=True)
+    console = root / "console.log"
+    record: dict[str, Any] = {"id": spec.id, "workers": spec.workers, "policies": list(spec.policies),
+                              "policy": spec.policies[0], "repeat": spec.repeat, "global_batch": spec.global_batch,
+                              "steps": spec.steps, "args": list(spec.args)}
+    t0 = time.perf_counter()
+    try:
+        with open(console, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+            code = launch_run(target, spec.args, module=module, nproc=spec.workers, cpu=cfg.cpu,
+                              log_dir=str(root), profile=cfg.profile)
+    except UsageError as err:
+        code, message = 2, str(err)
+    else:
+        message = _last_line(console)
+    record["elapsed_s"] = time.perf_counter() - t0
+    run_dirs = sorted(p for p in root.iterdir() if p.is_dir())
+    record["run_dir"] = str(run_dirs[-1]) if run_dirs else None
+    if code != 0:
+        return record | {"status": "failed", "exit_code": code,
+                         "error": message or f"exit code {code}; see {console}"}
+    try:
+        return record | {"status": "ok", "exit_code": 0} | measure_run(run_dirs[-1], goal)
+    except (UsageError, IndexError, KeyError, ValueError) as err:
+        return record | {"status": "failed", "exit_code": 0, "error": f"unreadable metrics: {err}"}
+
+
+def _eta(done: list[float], left: int) -> str:
+    if not done:
+        return "ETA unknown"
+    s = statistics.fmean(done) * left
+    return f"ETA {int(s // 60)}m{int(s % 60):02d}s"
+
+
+def run_study(cfg: StudyConfig, say: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
+    """Run the study; returns the results directory and the study dict (also in study.json).
+
+    >>> out, study = run_study(StudyConfig("digits", workers=(1, 2), policies=("keep-global",)))
+    """
+    check(cfg)
+    target, module, name, recipe = resolve_workload(cfg.workload)
+    goal = parse_target(cfg.target or (recipe.target if recipe else None))
+    specs = plan_runs(cfg, recipe)
+    out = _out_dir(cfg, name)
+    from ..fingerprint import fingerprint
+
+    fp = fingerprint(workload=name)
+    (out / "fingerprint.json").write_text(json.dumps(fp, indent=1, default=str))
+    say(f"multigpu study: {name}, {len(specs)} runs ({', '.join(s.id for s in specs)}) -> {out}")
+    runs, durations = [], []
+    for i, spec in enumerate(specs, 1):
+        say(f"[{i}/{len(specs)}] {spec.workers} worker{'s' if spec.workers > 1 else ''}, "
+            f"{'/'.join(spec.policies)}, global batch {spec.global_batch}"
+            + (f", repeat {spec.repeat + 1}/{cfg.repeats}" if cfg.repeats > 1 else "") + f" ... {_eta(durations, len(specs) - i + 1)}")
+        rec = execute(spec, target, module, cfg, out, goal)
+        durations.append(rec["elapsed_s"])
+        runs.append(rec)
+        if rec["status"] == "ok":
+            acc = rec["final"].get("accuracy")
+            say(f"      done in {rec['elapsed_s']:.0f} s: {rec['samples_per_s'] or 0:,.0f} samples/s"
+                + (f", accuracy {100 * acc:.2f} %" if acc is not None else ""))
+        else:
+            say(f"      FAILED in {rec['elapsed_s']:.0f} s: {rec['error']} (the study goes on)")
+    groups = summarize(runs, cfg.workers, cfg.policies)
+    study = {"schema": 1, "workload": {"name": name, "target": target, "module": module, "args": list(cfg.args)},
+             "config": asdict(cfg) | {"target": cfg.target or (recipe.target if recipe else None)},
+             "fingerprint": fp, "headline": headline(groups), "groups": groups, "runs": runs}
+    (out / "study.json").write_text(json.dumps(study, indent=1, default=str))
+    return out, study
+
+
