@@ -14,6 +14,7 @@ from torch.utils.data import TensorDataset
 import multigpu as mg
 from multigpu.data import global_order
 from multigpu.footprint import state_bytes
+from multigpu.fsdp import is_fsdp
 from multigpu.testing import spawn
 
 GLOBAL_BATCH, STEPS, N, MAX_NORM = 16, 5, 96, 0.05
@@ -106,7 +107,7 @@ def _all_variants(dist):
             out[name, accum, clip] = (params, norms, bytes_)
             if name == "fsdp-block-classes" and not clip:
                 out["dcp"] = _dcp_round_trip(model, opt)
-                out["fsdp_units"] = sum(isinstance(m, mg.fsdp.FSDPModule) for m in model.modules())
+                out["fsdp_units"] = sum(is_fsdp(m) for m in model.modules())
     out["ddp_bytes"] = _train(dist, "ddp", None, False)[3]
     return out
 
