@@ -211,15 +211,59 @@ def _norms_two_ways(dist):
     return out
 
 
-def _precision_and_bad_inputs(dist):
+def _cross_resume(dist, path):
+    """A DCP checkpoint (get_state_dict + dcp.save) of one strategy resumes under the other.
+
+    Returns, per direction, the largest parameter difference right after
+    loading and after one more identical step on both (which also needs the
+    AdamW moments to have come across).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build(strategy):
+        model = mg.wrap(_net(), strategy, **({"block_classes": [Block]} if strategy == "fsdp" else {}))
+        return model, mg.optimizer(model, torch.optim.AdamW, lr=0.01)
+
+    def train(model, opt, steps, seed):
+        g = torch.Generator().manual_seed(seed * 10 + dist.rank)  # different data on each rank
+        for _ in range(steps):
+            model(torch.randn(4, 12, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    def gap(a, b):
+        fa, fb = mg.full_state_dict(a, cpu=False), mg.full_state_dict(b, cpu=False)
+        return max((fa[k] - fb[k]).abs().max().item() for k in fa)
+
+    out = {}
+    for src, dst in (("fsdp", "ddp"), ("ddp", "fsdp")):
+        a, oa = build(src)
+        train(a, oa, 3, seed=1)
+        msd, osd = get_state_dict(a, oa)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{path}/{src}")
+        b, ob = build(dst)
+        train(b, ob, 1, seed=2)  # a different state, overwritten by the load
+        msd, osd = get_state_dict(b, ob)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=f"{path}/{src}")
+        set_state_dict(b, ob, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        loaded = gap(a, b)
+        train(a, oa, 1, seed=3)
+        train(b, ob, 1, seed=3)
+        out[src, dst] = (loaded, gap(a, b))
+    return out
+
+
+def _precision_and_bad_inputs(dist, path):
     return (_fp16_inf_on_one_rank(dist), _bf16_mixed_precision_trains(dist), _bad_inputs(dist),
-            _zero1_fp16_and_full_state_dict(dist), _norms_two_ways(dist))
+            _zero1_fp16_and_full_state_dict(dist), _norms_two_ways(dist), _cross_resume(dist, path))
 
 
 @pytest.fixture(scope="module")
-def two_rank_checks():
-    """One spawn for the precision and bad-input checks (a spawn costs seconds)."""
-    return spawn(_precision_and_bad_inputs, 2)
+def two_rank_checks(tmp_path_factory):
+    """One spawn for the precision, checkpoint and bad-input checks (a spawn costs seconds)."""
+    return spawn(_precision_and_bad_inputs, 2, str(tmp_path_factory.mktemp("dcp")))
 
 
 def test_fsdp_fp16_scaler_skips_on_every_rank_and_bf16_policy_trains(two_rank_checks):
@@ -260,6 +304,13 @@ def test_zero1_fp16_skips_together_and_full_state_dict_gathers_on_rank0(two_rank
     assert stepped0 == stepped1 == [True, False, True]
     assert state1 == {}
     assert state0 == {k: (tuple(v.shape), "cpu") for k, v in _net().state_dict().items()}
+
+
+def test_dcp_checkpoint_of_fsdp_resumes_under_ddp_and_back(two_rank_checks):
+    for rank_result in two_rank_checks:
+        for direction, (loaded, after_step) in rank_result[5].items():
+            assert loaded == 0.0, direction  # the very same values
+            assert after_step < 1e-6, direction  # AdamW moments came across too
 
 
 def test_norm_of_shards_matches_dtensor_reduction(two_rank_checks):
