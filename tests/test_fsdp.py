@@ -287,6 +287,7 @@ def _bad_inputs(dist):
         "unknown": lambda: mg.wrap(_net(), "fsdp", bucket_cap_mb=25),
         "dtype": lambda: mg.wrap(_net(), "fsdp", param_dtype="fp8"),
         "blocks": lambda: mg.wrap(_net(), "fsdp", block_classes=Block),
+        "no_match": lambda: mg.wrap(_net(), "fsdp", block_classes=[nn.Conv2d]),
         "lbfgs": lambda: mg.optimizer(mg.wrap(_net(), "zero1"), torch.optim.LBFGS, lr=1),
         "instance": lambda: mg.optimizer(mg.wrap(_net(), "zero1"),
                                          torch.optim.SGD(_net().parameters(), lr=1)),
@@ -321,7 +322,8 @@ def test_norm_of_shards_matches_dtensor_reduction(two_rank_checks):
 
 def test_bad_input_is_one_line_with_the_fix(two_rank_checks):
     errors = two_rank_checks[0][2]
-    assert set(errors) == {"no_params", "hook", "unknown", "dtype", "blocks", "lbfgs", "instance"}
+    assert set(errors) == {"no_params", "hook", "unknown", "dtype", "blocks", "no_match", "lbfgs", "instance"}
+    assert "block_classes [Conv2d] matched no module of Sequential" in errors["no_match"]
     assert all("\n" not in e for e in errors.values())
     assert "_NoParams has none; use strategy 'none'" in errors["no_params"]
     assert "comm hooks are DDP's" in errors["hook"] and "reduce_dtype='bf16'" in errors["hook"]

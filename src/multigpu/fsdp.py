@@ -123,6 +123,17 @@ def wrap_fsdp(
         raise UsageError(f"fsdp min_block_params must be a positive int, got {min_block_params!r}")
     if not (tdist.is_available() and tdist.is_initialized()):
         raise UsageError("strategy 'fsdp' needs a process group; call mg.wrap inside `with mg.init() as dist:`")
+    if tdist.get_backend() == "nccl" and device.type != "cuda":
+        raise UsageError(f"strategy 'fsdp' over NCCL needs the model on the GPU but it is on {device.type}; "
+                         "use mg.wrap(model.to(dist.device), 'fsdp')")
+    # Check everything before changing the model: a refused call leaves it as it was.
+    pdt, rdt = _dtype("param_dtype", param_dtype), _dtype("reduce_dtype", reduce_dtype)
+    blocks = pick_blocks(model, block_classes, min_block_params)
+    if block_classes is not None and not blocks:
+        names = ", ".join(c.__name__ for c in block_classes)
+        raise UsageError(f"fsdp block_classes [{names}] matched no module of {type(model).__name__} (tied-weight "
+                         "modules do not count); pass the classes of its repeated blocks, or drop block_classes "
+                         "to shard by size")
     model = prepare_batchnorm(model, "fsdp", sync_batchnorm, device)
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -133,14 +144,15 @@ def wrap_fsdp(
     # what is installed, not from where the model is).
     mesh = init_device_mesh(device.type, (tdist.get_world_size(),))
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    pdt, rdt = _dtype("param_dtype", param_dtype), _dtype("reduce_dtype", reduce_dtype)
     if pdt is not None or rdt is not None:
         kwargs["mp_policy"] = fsdp2.MixedPrecisionPolicy(param_dtype=pdt, reduce_dtype=rdt)
     if cpu_offload:
         # Pinned host memory makes the host<->GPU copies asynchronous; it
         # exists only with CUDA.
         kwargs["offload_policy"] = fsdp2.CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    for block in pick_blocks(model, block_classes, min_block_params):
+    if sync_batchnorm:  # the conversion replaced BatchNorm modules: pick from the model as it is now
+        blocks = pick_blocks(model, block_classes, min_block_params)
+    for block in blocks:
         fsdp2.fully_shard(block, **kwargs)
     # The root takes whatever no block took (embeddings, heads, norms); FSDP2
     # itself keeps the root unsharded between forward and backward.
