@@ -17,6 +17,9 @@ STEPS = [
     ("digits demo, bf16", [sys.executable, "-m", "multigpu", "run", "-n", "1", "-m", "multigpu.recipes.digits",
                            "--precision", "bf16"]),
     ("overhead benchmark", [sys.executable, "benchmarks/overhead.py", "--device", "cuda"]),
+    ("meter overhead", [sys.executable, "benchmarks/meter.py", "--device", "cuda", "--trials", "5"]),
+    ("meter + profiler example", [sys.executable, "-m", "multigpu", "run", "-n", "1", "examples/observe.py",
+                                  "--steps", "40", "--profile", "10:15", "--log-every", "10"]),
 ]
 
 

@@ -125,3 +125,25 @@ def test_eval_shards_cover_the_dataset_exactly_once(n, world):
             seen += x.tolist()
     assert seen == list(range(n))
     assert sum(len(shard_range(n, r, world)) for r in range(world)) == n
+
+
+class _Plain(Dataset):
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        return self.base[i]
+
+
+def test_tensor_datasets_are_read_per_micro_batch_with_identical_results():
+    g = torch.Generator().manual_seed(0)
+    base = TensorDataset(torch.randn(40, 3, generator=g), torch.randint(0, 5, (40,), generator=g))
+    plan = mg.BatchPlan(8, 2, micro_batch=2)
+    fast = [mb for step in mg.loader(base, plan, _dist(1, 2), seed=4) for mb in step]
+    slow = [mb for step in mg.loader(_Plain(base), plan, _dist(1, 2), seed=4) for mb in step]
+    assert len(fast) == len(slow) == 10
+    for (fx, fy), (sx, sy) in zip(fast, slow):
+        assert torch.equal(fx, sx) and torch.equal(fy, sy) and fy.dtype == sy.dtype

@@ -360,8 +360,9 @@ def test_two_nodes_on_loopback(tmp_path):
     for rank in (0, 1):
         rec = json.loads((tmp_path / "out" / f"rank{rank}.attempt0.json").read_text())
         assert rec["world"] == 2 and rec["sum"] == 3.0
-    dirs = sorted(_run_dir(err.read_text()).name for _, _, err in nodes)
-    assert "-node0-" in dirs[0] and "-node1-" in dirs[1]
+    # nodes were started as (1, 0): each names its run folder after its own node rank.
+    dirs = [_run_dir(err.read_text()).name for _, _, err in nodes]
+    assert "-node1-" in dirs[0] and "-node0-" in dirs[1]
     # Global rank 0 prints on whichever node the rendezvous gave it to; the other node's console stays quiet.
     outs = sorted(out.read_text() for _, out, _ in nodes)
     assert outs == ["", "stdout of rank 0\n"]

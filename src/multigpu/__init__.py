@@ -10,7 +10,12 @@ from .clip import clip_grad_norm_
 from .data import all_reduce_sum, eval_loader, loader
 from .dist import Dist, init, print0
 from .errors import UsageError
+from .finder import MicroBatchSearch, find_micro_batch
+from .fingerprint import fingerprint
 from .fsdp import full_state_dict
+from .meter import StepMeter, profile
+from .noise import NoiseScale
+from .planner import ScaledRecipe, scale_recipe
 from .precision import Precision
 from .strategy import accumulate, optimizer, unwrap, wrap
 
@@ -18,20 +23,39 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchPlan",
+    "Checkpointer",
     "Dist",
+    "MicroBatchSearch",
+    "NoiseScale",
     "Precision",
+    "ScaledRecipe",
+    "StepMeter",
     "UsageError",
     "accumulate",
     "all_reduce_sum",
     "clip_grad_norm_",
     "eval_loader",
+    "find_micro_batch",
+    "fingerprint",
     "full_state_dict",
     "init",
     "loader",
     "optimizer",
     "print0",
+    "profile",
     "scale_lr",
+    "scale_recipe",
     "unwrap",
     "warmup",
     "wrap",
 ]
+
+
+def __getattr__(name: str):
+    # Checkpointer pulls in torch.distributed.checkpoint (about a second of
+    # imports); load it on first use so `import multigpu` stays light.
+    if name == "Checkpointer":
+        from .checkpoint import Checkpointer
+
+        return Checkpointer
+    raise AttributeError(f"module 'multigpu' has no attribute {name!r}")

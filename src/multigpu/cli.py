@@ -38,6 +38,29 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .planner import main as plan_main
+
+    return plan_main(args)
+
+
+def _cmd_ckpt(args: argparse.Namespace) -> int:
+    from .checkpoint import export, table
+
+    if args.action == "export":
+        info = export(args.checkpoint, args.out)
+        print(f"exported {args.checkpoint} (step {info['step']}) -> {args.out}: {info['tensors']} tensors, "
+              f"{info['parameters']:,} parameters, {info['bytes']:,} bytes; "
+              "load with model.load_state_dict(torch.load(path, weights_only=True))")
+        return 0
+    lines, bad = table(args.dir, full=args.action == "verify")
+    print("\n".join(lines))
+    if args.action == "verify":
+        print(f"{bad} of {len(lines) - 1} checkpoints not valid" if bad else "all checkpoints valid")
+        return 1 if bad else 0
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="multigpu", description="Scale a PyTorch training script from one GPU to many, and measure it.")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
@@ -60,6 +83,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="time collectives with nccl-tests' algbw/busbw columns, and check their results")
     add_bench_arguments(bench)
     bench.set_defaults(func=_cmd_bench)
+
+    from .planner import add_plan_arguments
+
+    plan = sub.add_parser("plan", help="translate a 1-GPU recipe (LR, batch, schedule) for N GPUs")
+    add_plan_arguments(plan)
+    plan.set_defaults(func=_cmd_plan)
+
+    ckpt = sub.add_parser("ckpt", help="list, verify and export checkpoints written by mg.Checkpointer")
+    ckpt_sub = ckpt.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
+    ckpt_sub.required = True
+    ls = ckpt_sub.add_parser("ls", help="checkpoints with step, world size, size, and valid or why not (sizes only)")
+    ls.add_argument("dir", help="run directory (or one checkpoint directory)")
+    verify = ckpt_sub.add_parser("verify", help="check every file's sha256; exit status 1 if any checkpoint is damaged")
+    verify.add_argument("dir", help="run directory (or one checkpoint directory)")
+    exp = ckpt_sub.add_parser("export", help="write one checkpoint's model weights as a plain torch.save file")
+    exp.add_argument("checkpoint", help="checkpoint directory, e.g. runs/x/step-120")
+    exp.add_argument("out", help="output file, e.g. model.pt")
+    ckpt.set_defaults(func=_cmd_ckpt)
     return parser
 
 

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as tdist
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from .batch import BatchPlan
 from .dist import Dist
@@ -49,6 +49,33 @@ class _MicroBatchSampler:
     def __len__(self) -> int:
         o = self.owner
         return (o.steps_per_epoch - o.batch_index) * o.plan.accum_steps
+
+
+class _BatchedTensors(Dataset):
+    """A TensorDataset read one micro-batch at a time: one index op per tensor, not one per sample.
+
+    The default DataLoader path calls ``__getitem__`` per sample and stacks the
+    rows; for in-memory tensors that Python loop dominated the digits step
+    (28 % of step time spent waiting on data, measured with the step meter).
+    The result is the same tensors, dtypes and values.
+    """
+
+    def __init__(self, dataset: TensorDataset) -> None:
+        self.tensors = dataset.tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors[0])
+
+    def __getitem__(self, index):
+        return tuple(t[index] for t in self.tensors)
+
+    def __getitems__(self, indices: list[int]):
+        idx = torch.as_tensor(indices)
+        return tuple(t[idx] for t in self.tensors)
+
+
+def _as_batch(batch):
+    return batch
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -105,7 +132,10 @@ class DistributedLoader:
         # Worker seeds differ per rank and epoch and are reproducible: the
         # DataLoader draws its workers' base seed from this generator.
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 4099 + self.dist.rank)
-        return DataLoader(self.dataset, batch_sampler=_MicroBatchSampler(self), generator=gen, **self._kwargs)
+        dataset, kwargs = self.dataset, self._kwargs
+        if type(dataset) is TensorDataset and "collate_fn" not in kwargs:
+            dataset, kwargs = _BatchedTensors(dataset), dict(kwargs, collate_fn=_as_batch)
+        return DataLoader(dataset, batch_sampler=_MicroBatchSampler(self), generator=gen, **kwargs)
 
     def __iter__(self) -> Iterator[list[Any]]:
         if self.batch_index >= self.steps_per_epoch:

@@ -55,6 +55,8 @@ class RunConfig:
     max_restarts: int = 0
     all_ranks: bool = False
     log_dir: str | None = None
+    profile: str | None = None
+    """START:STOP: torch.profiler over those steps in every worker's StepMeter."""
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,11 @@ def _torchrun_argv(cfg: RunConfig, place: Placement) -> list[str]:
 
 def launch(cfg: RunConfig) -> int:
     """Run ``cfg`` to completion and return the exit code (0, the failed worker's, or 128+signal)."""
+    from .meter.launcher import hang_monitor, worker_env
+    from .meter.profile import parse_steps
+
+    if cfg.profile:
+        parse_steps(cfg.profile)  # a bad --profile fails here, before anything starts
     place = resolve(cfg)
     run_dir = _run_dir(cfg, place)
 
@@ -239,6 +246,12 @@ def launch(cfg: RunConfig) -> int:
         env["CUDA_VISIBLE_DEVICES"] = ("", "--cpu: workers see no GPU and use gloo")
 
     gpus = "" if cfg.cpu else _visible_gpus()
+    # The workers' StepMeters log into the run directory and profile --profile's steps; on GPU,
+    # NCCL's flight recorder keeps the last collectives for the hang report (user settings win).
+    for name, value in worker_env(run_dir, cfg.profile, cuda=bool(gpus)).items():
+        if name.startswith("MULTIGPU_") or name not in os.environ:
+            why = {"MULTIGPU_RUN_DIR": "the workers' metrics and hang reports", "MULTIGPU_PROFILE": "--profile"}
+            env[name] = (value, why.get(name, "NCCL flight recorder for hang reports"))
     device = f"{gpus} GPU{'s' if gpus > 1 else ''}" if gpus else "CPU"
     world = place.nproc * place.nnodes
     where = f"node {place.node_rank} of {place.nnodes} ({place.source}, master {place.master_addr}:{place.master_port})" if place.nnodes > 1 else "1 node"
@@ -246,7 +259,8 @@ def launch(cfg: RunConfig) -> int:
 
     specs = logs.RankLogsSpecs(run_dir, console_ranks=None if cfg.all_ranks else {0}, prefixed=cfg.all_ranks)
     code, summary = 0, ""
-    with _worker_env(env), logs.torch_logs_to(os.path.join(run_dir, "launcher.log"), specs.watch), logs.restored_signal_handlers():
+    with _worker_env(env), logs.torch_logs_to(os.path.join(run_dir, "launcher.log"), specs.watch), logs.restored_signal_handlers(), \
+            hang_monitor(run_dir, world if place.nnodes == 1 else None, expect=place.nproc):
         try:
             config, cmd, cmd_args = torchrun.config_from_args(args)
             config.logs_specs = specs
@@ -289,6 +303,7 @@ def run(
     max_restarts: int = 0,
     all_ranks: bool = False,
     log_dir: str | None = None,
+    profile: str | None = None,
 ) -> int:
     """Run ``target`` on ``nproc`` processes per node via torch's elastic launcher; return the exit code.
 
@@ -298,7 +313,8 @@ def run(
     >>> code = run("train.py", ["--epochs", "2"], nproc=2, cpu=True)
     >>> code = run("pkg.train", module=True, nnodes=2, node_rank=0, master="node0:29500")
     """
-    cfg = RunConfig(target, tuple(str(a) for a in args), module, nproc, cpu, nnodes, node_rank, master, max_restarts, all_ranks, log_dir)
+    cfg = RunConfig(target, tuple(str(a) for a in args), module, nproc, cpu, nnodes, node_rank, master, max_restarts, all_ranks, log_dir,
+                    profile)
     return launch(cfg)
 
 
@@ -312,6 +328,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nnodes", type=int, metavar="N", help="number of nodes (default: 1, or SLURM's inside srun)")
     parser.add_argument("--node-rank", type=int, metavar="R", help="this node's rank in [0, N): node 0 hosts the rendezvous at --master (global ranks are numbered by the rendezvous)")
     parser.add_argument("--master", metavar="HOST:PORT", help="node 0's address and a free port, for --nnodes > 1")
+    parser.add_argument("--profile", metavar="START:STOP", help="profile steps START..STOP-1 on every rank (e.g. 10:15; scripts using mg.StepMeter): traces and a summary table in the run's log directory")
     parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE", help="run a module like `python -m` (the rest of the line is its arguments)")
     parser.add_argument("script", nargs="?", help="the training script (the rest of the line is its arguments)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -327,4 +344,5 @@ def main(args: argparse.Namespace) -> int:
     return run(
         target, rest, module=module, nproc=args.nproc, cpu=args.cpu, nnodes=args.nnodes, node_rank=args.node_rank,
         master=args.master, max_restarts=args.max_restarts, all_ranks=args.all_ranks, log_dir=args.log_dir,
+        profile=args.profile,
     )

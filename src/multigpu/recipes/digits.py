@@ -9,7 +9,6 @@ An ordinary training script on the public API: it runs unchanged under
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from torch import nn
@@ -68,10 +67,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-rule", default="linear", choices=["linear", "sqrt", "none"])
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--steps", type=int, default=None, help="stop after this many optimizer steps (default: --epochs)")
+    p.add_argument("--eval-every", type=int, default=5, help="evaluate every N epochs (and at the end)")
+    p.add_argument("--log-every", type=int, default=10, help="step meter: log every N steps")
+    p.add_argument("--log-dir", default=None, help="where metrics.jsonl goes (default: the launcher's run folder, or runs/)")
     p.add_argument("--strategy", default="ddp", help="none | dp | ddp (more in later issues)")
     p.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--noise-every", type=int, default=0,
+                   help="measure the gradient noise scale every N steps (0: off; one process needs --micro-batch)")
+    p.add_argument("--find-batch", action="store_true",
+                   help="search the largest micro-batch that fits, keeping --global-batch (accumulating the rest)")
+    p.add_argument("--memory-budget-mb", type=float, default=None, help="memory budget for --find-batch on CPU")
     return p.parse_args(argv)
 
 
@@ -81,7 +89,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_set, test_set = digits_datasets(seed=0)
         plan = mg.BatchPlan(args.global_batch, dist.world_size, micro_batch=args.micro_batch)
         strategy = args.strategy if not (args.strategy == "ddp" and dist.world_size == 1) else "none"
-        model = mg.wrap(make_model().to(dist.device), strategy)
+        net = make_model().to(dist.device)
+        if args.find_batch:
+            plan = _find_batch(net, plan, dist, args.memory_budget_mb)
+        model = mg.wrap(net, strategy)
+        noise = mg.NoiseScale(plan, every=args.noise_every).attach(model) if args.noise_every else None
         lr = mg.scale_lr(args.lr, base_batch=args.base_batch, batch=plan.global_batch, rule=args.lr_rule)
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         sched = mg.warmup(opt, steps=args.warmup_steps, start_lr=min(args.lr, lr)) if args.warmup_steps else None
@@ -90,33 +102,66 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         mg.print0(plan.summary(lr=lr, steps_per_epoch=len(train), epochs=args.epochs, precision=args.precision,
                                strategy=strategy, backend=dist.backend, device=str(dist.device)))
         loss_fn = nn.CrossEntropyLoss()
-        start = time.perf_counter()
-        samples = 0
-        for epoch in range(args.epochs):
-            loss_sum = torch.zeros((), device=dist.device)
-            for micro_batches in train:
+        total = args.steps or args.epochs * len(train)
+        meter = mg.StepMeter(dist, plan, log_every=args.log_every, log_dir=args.log_dir, model=model, total_steps=total,
+                             dtype=amp.name, fingerprint_extra={"recipe": "digits", "strategy": strategy, "lr": lr,
+                                                                "precision": amp.name})
+        with meter:
+            epoch = 0
+            for step, micro_batches in meter.steps(_epochs(train)):
                 for x, y in mg.accumulate(model, micro_batches):
                     with amp.autocast():
                         loss = loss_fn(model(x), y) / plan.accum_steps
                     amp.scale(loss).backward()
-                    loss_sum += loss.detach()
                 amp.step(opt)
                 opt.zero_grad(set_to_none=True)
                 if sched is not None:
                     sched.step()
-                samples += plan.global_batch
-            if epoch == args.epochs - 1 or epoch % 5 == 4:
-                mean_loss = mg.all_reduce_sum(loss_sum.item()) / dist.world_size / len(train)
-                metrics = evaluate(model, test_set, dist, amp)
-                mg.print0(f"epoch {epoch + 1:3d}/{args.epochs} | train loss {mean_loss:.4f} | "
-                          f"test loss {metrics['loss']:.4f} | test accuracy {100 * metrics['accuracy']:.2f}%")
-        wall = time.perf_counter() - start
-        metrics = evaluate(model, test_set, dist, amp)
-        result = dict(metrics, samples_per_s=samples / wall, wall_s=wall, world_size=dist.world_size)
+                meter.step_end(loss=loss.detach() * plan.accum_steps, lr=opt)
+                if noise is not None and meter.will_log:
+                    meter.log(noise.metrics())
+                done = step + 1 == total
+                if (step + 1) % len(train) == 0 or done:
+                    epoch = (step + 1) // len(train)
+                    if done or epoch % args.eval_every == 0:
+                        metrics = evaluate(model, test_set, dist, amp)
+                        meter.log_eval(step=step, accuracy=metrics["accuracy"], loss=metrics["loss"])
+                if done:
+                    break
+        summary = meter.summary() or {}
+        result = dict(metrics, world_size=dist.world_size, steps=total,
+                      samples_per_s=(summary.get("samples_per_s") or {}).get("mean"), wall_s=summary.get("wall_time"))
+        if noise is not None:
+            result |= noise.metrics()
+            mg.print0(noise.summary())
         mg.print0(f"digits: test accuracy {100 * metrics['accuracy']:.2f}% ({int(metrics['correct'])}/"
-                  f"{int(metrics['count'])}) | {samples / wall:,.0f} samples/s | wall {wall:.1f} s | "
-                  f"world size {dist.world_size} | skipped fp16 steps {amp.skipped_steps}")
+                  f"{int(metrics['count'])}) | {result['samples_per_s'] or 0:,.0f} samples/s | "
+                  f"wall {result['wall_s'] or 0:.1f} s | world size {dist.world_size} | "
+                  f"skipped fp16 steps {amp.skipped_steps}")
         return result
+
+
+def _epochs(train):
+    """Endless steps over epochs (the loader reshuffles each pass); the caller stops."""
+    while True:
+        yield from train
+
+
+def _find_batch(net: nn.Module, plan: mg.BatchPlan, dist: mg.Dist, budget_mb: float | None) -> mg.BatchPlan:
+    """The plan with the largest micro-batch that fits (trials on the unwrapped model: no collectives)."""
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step(m: int) -> None:
+        net.zero_grad(set_to_none=True)
+        x = torch.rand(m, 64, device=dist.device)
+        loss_fn(net(x), torch.zeros(m, dtype=torch.long, device=dist.device)).backward()
+
+    budget = int(budget_mb * 2**20) if budget_mb is not None else None
+    share = plan.global_batch // dist.world_size
+    found = mg.find_micro_batch(step, dist, memory_budget=budget, max_micro_batch=share, global_batch=plan.global_batch)
+    net.zero_grad(set_to_none=True)
+    mg.print0(found.summary())
+    return found.plan
 
 
 if __name__ == "__main__":

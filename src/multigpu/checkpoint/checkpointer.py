@@ -1,0 +1,333 @@
+"""``mg.Checkpointer``: every rank calls ``resume()`` and ``save(step)``; no rank conditions.
+
+Model and optimizer go through ``get_state_dict``/``set_state_dict`` and
+``torch.distributed.checkpoint`` (DCP), so replicated (DDP) and sharded
+(FSDP2) state take one path and a checkpoint written by W ranks loads on
+W' ranks. Scheduler, loss scaler and stateful extras are DCP entries too;
+the loader position, the step and plain extras live in the JSON manifest.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+from ..dist import print0
+from ..errors import UsageError
+from . import rng, storage
+from .zero import gather_state, is_zero
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def strategy_of(model: nn.Module | None, optimizer: Any = None) -> str:
+    """The strategy name recorded in the manifest: ``none``, ``dp``, ``ddp``, ``zero1`` or ``fsdp``."""
+    if model is None:
+        return "none"
+    if is_zero(optimizer):
+        return "zero1"
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return "ddp"
+    if isinstance(model, nn.DataParallel):
+        return "dp"
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        if any(isinstance(m, FSDPModule) for m in model.modules()):
+            return "fsdp"
+    except ImportError:  # pragma: no cover - older torch
+        pass
+    return "none"
+
+
+class _Group:
+    """Collectives when a process group exists, their one-process meaning otherwise."""
+
+    def __init__(self) -> None:
+        self.on = tdist.is_available() and tdist.is_initialized()
+        self.rank = tdist.get_rank() if self.on else 0
+        self.world = tdist.get_world_size() if self.on else 1
+
+    def gather(self, value: Any) -> list[Any]:
+        if self.world == 1:
+            return [value]
+        out: list[Any] = [None] * self.world
+        tdist.all_gather_object(out, value)
+        return out
+
+    def broadcast(self, value: Any) -> Any:
+        if self.world == 1:
+            return value
+        box = [value]
+        tdist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+class Checkpointer:
+    """Save and resume a training run; every rank calls every method.
+
+    ``every``: ``save(step)`` writes only when ``step % every == 0``.
+    ``keep``: keep the newest ``keep`` complete checkpoints (``None``: all).
+    ``scaler`` may be a ``torch.amp.GradScaler`` or an ``mg.Precision``;
+    ``optimizer`` may be a ``ZeroRedundancyOptimizer`` (strategy ``zero1``).
+    Extra keyword arguments are extras: an object with
+    ``state_dict``/``load_state_dict`` is saved through DCP; anything else
+    must be a plain JSON value, read back from ``ckpt.extra[name]``.
+    The directory must be shared by all ranks (one filesystem).
+
+    >>> ckpt = mg.Checkpointer("runs/x", every=100, keep=3, model=model, optimizer=opt,
+    ...                        scheduler=sched, loader=train, best_acc=0.0)
+    >>> step = ckpt.resume()                      # 0 when there is nothing to resume
+    >>> for micro_batches in train:               # continues mid-epoch after a resume
+    ...     ...                                   # forward, backward, opt.step()
+    ...     ckpt.save(step)                       # writes after steps 0, 100, 200, ...
+    ...     step += 1
+    """
+
+    def __init__(self, directory: str | Path, every: int = 1, keep: int | None = None, *,
+                 model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 scheduler: Any = None, scaler: Any = None, loader: Any = None, **extra: Any) -> None:
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise UsageError(f"Checkpointer every= must be a positive integer number of steps, got {every!r}; use e.g. every=100")
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+            raise UsageError(f"Checkpointer keep= must be a positive integer or None (keep all), got {keep!r}; use e.g. keep=3")
+        self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise UsageError(f"checkpoint directory {self.directory} exists but is a file; pass a directory path")
+        if model is not None and not isinstance(model, nn.Module):
+            raise UsageError(f"Checkpointer model= expects a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None:
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise UsageError(f"Checkpointer optimizer= expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            if model is None:
+                raise UsageError("Checkpointer got optimizer= without model=; pass the model too (its parameter names key the optimizer state)")
+        for name, obj in (("scheduler", scheduler), ("scaler", scaler), ("loader", loader)):
+            if obj is not None and not _is_stateful(obj):
+                raise UsageError(f"Checkpointer {name}= needs state_dict()/load_state_dict(), got {type(obj).__name__}")
+        self.every, self.keep = every, keep
+        self.model, self.optimizer = model, optimizer
+        self.scheduler, self.scaler, self.loader = scheduler, scaler, loader
+        self.extra: dict[str, Any] = {}
+        for name, value in extra.items():
+            if not _is_stateful(value):
+                self._check_plain(name, value)
+            self.extra[name] = value
+        self.last_saved: Path | None = None
+
+    @staticmethod
+    def _check_plain(name: str, value: Any) -> None:
+        try:
+            ok = json.loads(json.dumps(value, allow_nan=True)) == value
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise UsageError(
+                f"Checkpointer extra {name}= must be a plain value (number, string, bool, None, list, dict of those) "
+                f"or have state_dict()/load_state_dict(), got {type(value).__name__}; convert it, e.g. {name}=float(x)"
+            )
+
+    # --- what is saved ------------------------------------------------------------
+
+    def _module(self) -> nn.Module:
+        from ..strategy import unwrap
+
+        return unwrap(self.model)
+
+    def _dcp_state(self, for_load: bool = False) -> dict[str, Any]:
+        """The DCP state dict; model/optimizer keys are parameter names without wrapper prefixes.
+
+        A ZeroRedundancyOptimizer's state is gathered on rank 0 (collective) for
+        a save, and left out of the template for a load (see zero.py).
+        """
+        state: dict[str, Any] = {}
+        if self.model is not None:
+            zero = is_zero(self.optimizer)
+            opts = [self.optimizer] if self.optimizer is not None and not zero else []
+            msd, osd = get_state_dict(self._module(), opts, options=StateDictOptions(strict=True))
+            state["model"] = msd
+            if zero and not for_load:
+                full = gather_state(self._module(), self.optimizer, _Group().rank)
+                if full is not None:
+                    state["optim"] = full
+            elif opts:
+                state["optim"] = osd
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        for name, obj in self.extra.items():
+            if _is_stateful(obj):
+                state.setdefault("extra", {})[name] = obj.state_dict()
+        return state
+
+    def _manifest(self, step: int, group: _Group) -> dict[str, Any]:
+        from .. import __version__
+
+        msd = self._module().state_dict() if self.model is not None else {}
+        return {
+            "format": storage.FORMAT,
+            "step": step,
+            "world_size": group.world,
+            "strategy": strategy_of(self.model, self.optimizer),
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "versions": {"multigpu": __version__, "torch": torch.__version__, "numpy": np.__version__,
+                         "python": platform.python_version()},
+            "state_keys": sorted(self._dcp_keys()),
+            "loader": self.loader.state_dict() if self.loader is not None else None,
+            "extra": {k: v for k, v in self.extra.items() if not _is_stateful(v)},
+            "model_parameters": sum(p.numel() for p in self._module().parameters()) if self.model is not None else 0,
+            "model_tensors": len(msd),
+            "rng": {"world_size": group.world, "cuda": torch.cuda.is_available() and torch.cuda.is_initialized()},
+        }
+
+    def _dcp_keys(self) -> list[str]:
+        keys = [k for k, v in (("model", self.model), ("optim", self.optimizer), ("scheduler", self.scheduler),
+                               ("scaler", self.scaler)) if v is not None]
+        if any(_is_stateful(v) for v in self.extra.values()):
+            keys.append("extra")
+        return keys
+
+    # --- resume ---------------------------------------------------------------------
+
+    def resume(self, checkpoint: str | Path | int | None = None) -> int:
+        """Load the newest valid checkpoint and return the next step (0 when there is none).
+
+        Incomplete saves are skipped, damaged checkpoints (checksums, manifest)
+        are skipped with a warning naming them; the newest valid one is used.
+        ``checkpoint`` (``"step-120"``, ``120`` or a path) asks for one
+        checkpoint: if it is damaged, a ``UsageError`` says why. Prints
+        ``multigpu: resumed from runs/x/step-120 (step 120, written by 2 ranks, now 4)``.
+
+        >>> step = ckpt.resume()
+        """
+        from .loading import resume
+
+        return resume(self, checkpoint, _Group())
+
+    # --- save -----------------------------------------------------------------------
+
+    def save(self, step: int, force: bool = False) -> Path | None:
+        """Write a checkpoint of the state after ``step`` if ``step % every == 0`` (or ``force``).
+
+        Returns the checkpoint directory, or None when nothing was written.
+        A failure on any rank (disk full, permissions) raises the same
+        ``UsageError`` on every rank; the previous checkpoint stays intact.
+
+        >>> ckpt.save(step)                # at the end of each step, on every rank
+        >>> ckpt.save(step, force=True)    # e.g. before a planned stop
+        """
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise UsageError(f"Checkpointer.save(step) expects a non-negative integer step, got {step!r}")
+        if not force and step % self.every != 0:
+            return None
+        group = _Group()
+        t0 = time.perf_counter()
+        final = storage.step_dir(self.directory, step)
+        tmp = storage.tmp_dir(self.directory, step)
+        ctx = (final, group)
+
+        def prepare() -> None:
+            if group.rank == 0:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():  # left by a save that was killed: never loaded, safe to replace
+                    storage.remove_tree(tmp)
+                tmp.mkdir()
+
+        self._agree("creating the directory", prepare, ctx)
+        try:
+            # An optimizer that has not stepped yet gets state from get_state_dict
+            # (a zero-lr step). That is not training state: save none, and undo
+            # it, so saving never changes the run (Adam would count an extra step).
+            fresh = self.optimizer is not None and not is_zero(self.optimizer) and not self.optimizer.state
+            state = self._dcp_state()
+            if fresh:
+                state["optim"]["state"] = {}
+                self.optimizer.state.clear()
+            with storage.single_process_ok():
+                self._agree("writing tensors (DCP)", lambda: dcp.save(
+                    state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True),
+                    no_dist=not group.on), ctx)
+            self._agree("writing RNG states", lambda: rng.save(tmp / rng.file_name(group.rank), rng.capture()), ctx)
+            names = group.broadcast(storage.list_files(tmp) if group.rank == 0 else None)
+            # Every rank hashes a share of the files: the check costs 1/W of the bytes per rank.
+            hashes = self._agree("hashing files", lambda: storage.hash_files(tmp, names[group.rank::group.world]), ctx,
+                                 gather=True)
+            manifest = self._manifest(step, group)
+            manifest["optimizer_fresh"] = fresh
+            manifest["files"] = {k: v for part in hashes for k, v in part.items()}
+            manifest["bytes"] = sum(v["bytes"] for v in manifest["files"].values())
+            manifest["save_seconds"] = round(time.perf_counter() - t0, 3)
+            self._agree("finishing (manifest, rename, marker)",
+                        lambda: storage.finish(tmp, final, manifest) if group.rank == 0 else None, ctx)
+        except BaseException:
+            if group.rank == 0 and tmp.exists():
+                try:
+                    storage.remove_tree(tmp)
+                except OSError:
+                    pass
+            raise
+        self.last_saved = final
+        self._agree("removing old checkpoints", lambda: self._prune(final) if group.rank == 0 else None, ctx)
+        print0(f"multigpu: saved {final} ({manifest['bytes'] / 1e6:.1f} MB in {time.perf_counter() - t0:.2f} s)")
+        return final
+
+    def _prune(self, newest: Path) -> None:
+        """Delete older complete checkpoints beyond ``keep``, and leftovers of killed saves."""
+        entries = storage.scan(self.directory)
+        if self.keep is not None:
+            complete = [e for e in entries if e.complete and e.path != newest]
+            for e in complete[self.keep - 1:]:
+                storage.remove_tree(e.path)
+        for e in entries:  # leftovers of killed saves (.tmp-step-N, or step-N without its marker)
+            if not e.complete and e.path != newest and e.path.exists():
+                storage.remove_tree(e.path)
+
+    def _agree(self, what: str, fn: Callable[[], Any], ctx: tuple[Path, _Group], gather: bool = False) -> Any:
+        """Run ``fn`` on every rank; if it failed anywhere, raise the same error everywhere.
+
+        Returns ``fn``'s result, or the list of every rank's results with ``gather=True``.
+        """
+        final, group = ctx
+        result, error = None, None
+        try:
+            result = fn()
+        except CheckpointException as err:  # DCP's own (a BaseException) already gathered every rank's cause
+            origin, (cause, _) = min(err.failures.items())
+            error = (origin, f"{type(cause).__name__}: {cause}")
+        except Exception as err:  # noqa: BLE001 - reported below, on every rank
+            error = (group.rank, f"{type(err).__name__}: {err}")
+        outcomes = group.gather((error, result if gather else None))
+        bad = [e for e, _ in outcomes if e]
+        if bad:
+            rank, err = min(bad)
+            err = " ".join(err.split())[:400]
+            prev = self._previous(final)
+            raise UsageError(
+                f"could not save checkpoint {final}: {what} failed on rank {rank}: {err}; "
+                f"the previous checkpoint {prev or '(none)'} is intact; free disk space or fix the permissions of "
+                f"{self.directory} and restart (the run resumes from the previous checkpoint)"
+            )
+        return [r for _, r in outcomes] if gather else result
+
+    def _previous(self, final: Path) -> Path | None:
+        try:
+            for e in storage.scan(self.directory):
+                if e.complete and e.path != final:
+                    return e.path
+        except OSError:
+            pass
+        return None

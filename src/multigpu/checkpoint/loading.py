@@ -1,0 +1,216 @@
+"""Resume: pick the newest valid checkpoint (checked by all ranks together) and load it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+from ..dist import print0
+from ..errors import UsageError
+from . import rng, storage
+from .storage import Damaged
+from .zero import is_zero
+from .zero import load_state as load_zero_state
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer, _Group
+
+
+def _warn(group: "_Group", msg: str) -> None:
+    if group.rank == 0:
+        print(f"multigpu: warning: {msg}", file=sys.stderr, flush=True)
+
+
+def _listing(group: "_Group", directory: Path) -> list[tuple[str, int, bool]]:
+    """Rank 0 scans; every rank gets the same list (a shared filesystem may lag)."""
+    entries = None
+    if group.rank == 0:
+        entries = [(str(e.path), e.step, e.complete) for e in storage.scan(directory)] if directory.is_dir() else []
+    return group.broadcast(entries)
+
+
+def check(path: Path, group: "_Group") -> tuple[dict[str, Any] | None, list[str]]:
+    """Manifest and problems of one checkpoint; the hashing is split over the ranks."""
+    outcome = None
+    if group.rank == 0:
+        try:
+            manifest = storage.read_manifest(path)
+            problems = storage.check_sizes(path, manifest)
+            outcome = (manifest, problems)
+        except Damaged as err:
+            outcome = (None, [str(err)])
+    manifest, problems = group.broadcast(outcome)
+    if problems:
+        return manifest, problems
+    names = sorted(manifest["files"])
+    parts = group.gather(storage.check_hashes(path, manifest, names[group.rank::group.world]))
+    problems = [p for part in parts for p in part]
+    if not problems and group.rank == 0:
+        try:
+            storage.read_metadata(path)
+        except Damaged as err:
+            problems = [f"{path / '.metadata'}: {err}"]
+    return manifest, group.broadcast(problems)
+
+
+def _short(items: list[str], n: int = 6) -> str:
+    more = f" (+{len(items) - n} more)" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+
+
+def _check_model_fits(path: Path, model_state: dict[str, Any], metadata) -> None:
+    """Name the mismatching keys and shapes before DCP reports a bare 'Missing key'."""
+    saved = {k[len("model."):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    mine = set(model_state)
+    missing = sorted(mine - set(saved))
+    unexpected = sorted(set(saved) - mine)
+    shapes = []
+    for k in sorted(mine & set(saved)):
+        v, md = model_state[k], saved[k]
+        if isinstance(v, torch.Tensor) and isinstance(md, TensorStorageMetadata) and tuple(v.shape) != tuple(md.size):
+            shapes.append(f"{k} checkpoint {tuple(md.size)} vs model {tuple(v.shape)}")
+    parts = []
+    if missing:
+        parts.append(f"not in checkpoint: {_short(missing)}")
+    if unexpected:
+        parts.append(f"not in model: {_short(unexpected)}")
+    if shapes:
+        parts.append(f"shape mismatch: {_short(shapes, 4)}")
+    if parts:
+        raise UsageError(
+            f"checkpoint {path} does not fit this model ({'; '.join(parts)}); "
+            "build the model with the architecture the checkpoint was saved with, or use another --dir"
+        )
+
+
+def load(ckpt: "Checkpointer", path: Path, manifest: dict[str, Any], group: "_Group") -> None:
+    """Load ``path`` into the checkpointer's objects (collective)."""
+    from .checkpointer import _is_stateful
+
+    saved_keys = set(manifest["state_keys"])
+    want = set(ckpt._dcp_keys())
+    for key in sorted(want - saved_keys):
+        raise UsageError(
+            f"checkpoint {path} holds no {key!r} state but this Checkpointer was given one; "
+            f"resume with the same objects it was saved with (it has: {', '.join(sorted(saved_keys)) or 'nothing'})"
+        )
+    zero = is_zero(ckpt.optimizer)
+    state = ckpt._dcp_state(for_load=True)
+    fresh = bool(manifest.get("optimizer_fresh")) and "optim" in state
+    if fresh:  # saved before the first optimizer step: there is no optimizer state to load
+        state["optim"]["state"] = {}
+    if "model" in state:
+        _check_model_fits(path, state["model"], storage.read_metadata(path))
+    for key in sorted(saved_keys - want):
+        _warn(group, f"{path} also holds {key!r} state, which this Checkpointer was not given; it is not restored")
+    try:
+        with storage.single_process_ok():
+            dcp.load(state, storage_reader=storage.SafeReader(path), planner=storage.SafeLoadPlanner(),
+                     no_dist=not group.on)
+    except CheckpointException as err:  # DCP gathers every rank's failure; the first one says it
+        _, (cause, _) = min(err.failures.items())
+        text = " ".join(f"{type(cause).__name__}: {cause}".split())[:300]
+        if "Missing key" in text or "ize mismatch" in text:
+            raise UsageError(f"checkpoint {path} does not match this run's state ({text}); resume with the same "
+                             "model, optimizer, scheduler and extras types it was saved with") from None
+        raise
+    if ckpt.model is not None:
+        opts = [ckpt.optimizer] if ckpt.optimizer is not None and not zero else []
+        set_state_dict(ckpt._module(), opts, model_state_dict=state["model"],
+                       optim_state_dict=state.get("optim", {}), options=StateDictOptions(strict=True))
+        if fresh:
+            ckpt.optimizer.state.clear()
+        if zero:
+            load_zero_state(path, ckpt._module(), ckpt.optimizer, no_dist=not group.on)
+    if ckpt.scheduler is not None:
+        ckpt.scheduler.load_state_dict(state["scheduler"])
+    if ckpt.scaler is not None:
+        ckpt.scaler.load_state_dict(state["scaler"])
+    for name, obj in ckpt.extra.items():
+        if _is_stateful(obj):
+            obj.load_state_dict(state["extra"][name])
+        elif name in manifest.get("extra", {}):
+            ckpt.extra[name] = manifest["extra"][name]
+    if ckpt.loader is not None:
+        if manifest.get("loader") is None:
+            _warn(group, f"{path} holds no loader position; the loader starts at epoch 0, batch 0")
+        else:
+            ckpt.loader.load_state_dict(manifest["loader"])
+    _restore_rng(path, manifest, group)
+
+
+def _restore_rng(path: Path, manifest: dict[str, Any], group: "_Group") -> None:
+    saved_world = int(manifest["world_size"])
+    if group.rank < saved_world:
+        rng.restore(rng.load(path / rng.file_name(group.rank)))
+    else:
+        rng.reseed(int(manifest["step"]), group.rank)
+    if saved_world != group.world:
+        if group.world > saved_world:
+            policy = (f"{_span(0, saved_world - 1)}: saved RNG states restored, "
+                      f"{_span(saved_world, group.world - 1)}: reseeded from (step, rank)")
+        else:
+            policy = (f"{_span(0, group.world - 1)}: saved RNG states restored, "
+                      f"saved states of {_span(group.world, saved_world - 1)}: dropped")
+        print0(f"multigpu: world size changed {saved_world} -> {group.world}: {policy}; random draws (dropout, "
+               "augmentation) differ from an uninterrupted run, the data order and model state do not")
+
+
+def resume(ckpt: "Checkpointer", checkpoint: str | Path | int | None, group: "_Group") -> int:
+    """See ``Checkpointer.resume``."""
+    explicit = checkpoint is not None
+    if explicit:
+        candidates = [storage.resolve(ckpt.directory, checkpoint)]
+    else:
+        listing = _listing(group, ckpt.directory)
+        for p, _, complete in listing:
+            if not complete:
+                _warn(group, f"skipping {p}: incomplete (its save was interrupted before the COMPLETE marker); "
+                             "it is never loaded and is removed by the next save")
+        candidates = [Path(p) for p, _, complete in listing if complete]
+    damaged = []
+    for path in candidates:
+        manifest, problems = check(path, group)
+        if problems:
+            reason = problems[0] + (f" (+{len(problems) - 1} more problems)" if len(problems) > 1 else "")
+            if explicit:
+                raise UsageError(f"checkpoint {path} cannot be loaded: {reason}; list the valid ones with "
+                                 f"`multigpu ckpt ls {ckpt.directory}` or call resume() to use the newest valid one")
+            _warn(group, f"skipping damaged checkpoint {path}: {reason}")
+            damaged.append(path)
+            continue
+        load(ckpt, path, manifest, group)
+        step = int(manifest["step"])
+        changed = f", {manifest['strategy']} -> {_strategy(ckpt)}" if manifest["strategy"] != _strategy(ckpt) else ""
+        print0(f"multigpu: resumed from {path} (step {step}, written by {_ranks(manifest['world_size'])}, "
+               f"now {group.world}{changed}); continuing at step {step + 1}")
+        return step + 1
+    if damaged:
+        raise UsageError(
+            f"no valid checkpoint in {ckpt.directory}: all {len(damaged)} complete ones are damaged "
+            f"({', '.join(p.name for p in damaged)}); see `multigpu ckpt verify {ckpt.directory}`, "
+            "and move them away to start again from step 0"
+        )
+    print0(f"multigpu: no checkpoint in {ckpt.directory}; starting at step 0")
+    return 0
+
+
+def _strategy(ckpt: "Checkpointer") -> str:
+    from .checkpointer import strategy_of
+
+    return strategy_of(ckpt.model, ckpt.optimizer)
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+def _span(first: int, last: int) -> str:
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"

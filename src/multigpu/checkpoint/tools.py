@@ -1,0 +1,111 @@
+"""``multigpu ckpt ls | verify | export``: inspect and convert checkpoints in one process."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import UsageError
+from . import storage
+
+
+def _run_dir(directory: str | Path) -> Path:
+    path = Path(directory)
+    if not path.exists():
+        raise UsageError(f"checkpoint directory {path} does not exist; pass the directory given to mg.Checkpointer")
+    if not path.is_dir():
+        raise UsageError(f"{path} is a file, not a checkpoint directory; pass the directory given to mg.Checkpointer")
+    return path
+
+
+def _targets(directory: Path) -> list[Path]:
+    """A run directory's checkpoints, or the one checkpoint ``directory`` is."""
+    if (directory / storage.MARKER).exists() or (directory / storage.MANIFEST).exists():
+        return [directory]
+    return [e.path for e in storage.scan(directory)]
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def table(directory: str | Path, full: bool = False) -> tuple[list[str], int]:
+    """Lines describing every checkpoint under ``directory``, and how many are not valid.
+
+    ``full=False`` checks the marker, manifest and file sizes; ``full=True``
+    also every file's sha256 (reads all bytes).
+
+    >>> lines, bad = table("runs/x")
+    """
+    path = _run_dir(directory)
+    targets = _targets(path)
+    rows = [("checkpoint", "step", "world", "strategy", "size", "written", "status")]
+    bad = 0
+    for t in targets:
+        manifest, problems = storage.verify(t, full=full)
+        if problems:
+            bad += 1
+            status = "NOT VALID: " + problems[0] + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
+        else:
+            status = "valid" if full else "complete (sizes ok)"
+        m = manifest or {}
+        rows.append((
+            str(t), str(m.get("step", "?")), str(m.get("world_size", "?")), str(m.get("strategy", "?")),
+            _size(m["bytes"]) if "bytes" in m else "?", str(m.get("time", "?")), status,
+        ))
+    if not targets:
+        return [f"no checkpoints in {path}"], 0
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
+    return lines, bad
+
+
+def export(checkpoint: str | Path, out: str | Path) -> dict[str, int]:
+    """Write the model weights of one checkpoint as a plain ``torch.save`` file.
+
+    Keys are those of the unwrapped model (no ``module.`` prefix), so
+    ``model.load_state_dict(torch.load(out, weights_only=True))`` works
+    without multigpu or a process group. The checkpoint is fully verified first.
+
+    >>> export("runs/x/step-120", "model.pt")
+    """
+    src = Path(checkpoint)
+    if not src.exists():
+        raise UsageError(f"checkpoint {src} does not exist; list them with `multigpu ckpt ls DIR`")
+    manifest, problems = storage.verify(src, full=True)
+    if problems:
+        raise UsageError(f"checkpoint {src} cannot be exported: {problems[0]}; pick a valid one from `multigpu ckpt ls`")
+    if "model" not in manifest["state_keys"]:
+        raise UsageError(f"checkpoint {src} holds no model state (it has: {', '.join(manifest['state_keys'])})")
+    out = Path(out)
+    if out.is_dir():
+        raise UsageError(f"export target {out} is a directory; pass a file name such as {out / 'model.pt'}")
+    if not out.parent.is_dir():
+        raise UsageError(f"the directory of export target {out} does not exist; create {out.parent} first")
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    # The private loader (as torch's own dcp_to_torch_save uses): the public
+    # dcp.load copies into a new dict, and an empty one must be filled here.
+    state: dict = {}
+    _load_state_dict(state, storage_reader=storage.SafeReader(src),
+                     planner=storage.SafeEmptyLoadPlanner(keys={"model"}), no_dist=True)
+    weights = state["model"]
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(weights, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    tensors = [v for v in weights.values() if isinstance(v, torch.Tensor)]
+    return {"step": manifest["step"], "tensors": len(tensors), "parameters": sum(t.numel() for t in tensors),
+            "bytes": out.stat().st_size}

@@ -1,0 +1,204 @@
+"""The largest per-rank micro-batch that fits in memory, agreed by every rank.
+
+Search: double from ``start`` until a trial does not fit, then bisect between
+the last fit and the first miss. Every rank runs every trial and the verdict
+is one all-reduce (MAX) of an "out of memory" flag, so a rank that fails does
+not leave the others waiting in a collective, and all ranks end with the same
+answer. The global batch is kept by raising accumulation (``BatchPlan``).
+
+"Does not fit" means:
+* CUDA: ``torch.OutOfMemoryError`` during the trial, or a peak
+  (``torch.cuda.max_memory_allocated``) above ``memory_budget`` if one is given;
+* CPU (no OOM signal before the OS kills the process): a peak resident set
+  above ``memory_budget``. The peak is the kernel's high-water mark
+  ``VmHWM`` from ``/proc/self/status``, reset before each trial by writing 5 to
+  ``/proc/self/clear_refs`` (Linux >= 4.0, proc(5)), minus the resident set
+  before the trial: real memory of the process, including torch's allocations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import pathlib
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as tdist
+
+from .batch import BatchPlan
+from .errors import UsageError
+
+__all__ = ["MicroBatchSearch", "find_micro_batch"]
+
+
+@dataclass(frozen=True)
+class MicroBatchSearch:
+    """Result of ``find_micro_batch``: the agreed micro-batch, its plan and the trials."""
+
+    micro_batch: int
+    plan: BatchPlan | None
+    trials: tuple[tuple[int, bool, int | None], ...]  # (micro-batch, fits on all ranks, this rank's peak bytes)
+    limit: str  # what decided "does not fit": "cuda-oom", "cuda-budget" or "cpu-budget"
+
+    def summary(self) -> str:
+        tried = ", ".join(f"{mb}{'' if ok else ' x'}" for mb, ok, _ in self.trials)
+        line = f"largest micro-batch that fits: {self.micro_batch} per rank (tried {tried}; limit: {self.limit})"
+        if self.plan is not None:
+            line += (f"; global batch {self.plan.global_batch} = {self.plan.world_size} ranks x "
+                     f"{self.plan.micro_batch} x {self.plan.accum_steps} accumulation")
+        return line
+
+
+def _load_libc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc (musl, macOS): nothing to trim
+        return None
+
+
+_LIBC = _load_libc()
+
+
+def _proc_status(key: str) -> int:
+    text = pathlib.Path("/proc/self/status").read_text()
+    return int(re.search(rf"^{key}:\s+(\d+) kB", text, re.M).group(1)) * 1024
+
+
+def _reset_peak(device: torch.device) -> int:
+    """Reset the peak counter; return the current usage (the trial's baseline)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    pathlib.Path("/proc/self/clear_refs").write_text("5")
+    return _proc_status("VmRSS")
+
+
+def _peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    return _proc_status("VmHWM")
+
+
+def _free(device: torch.device, collect: bool) -> None:
+    # Tensors of a trial that returned die with their last reference; a full
+    # collection (0.1-0.2 s with torch loaded) is only needed after an
+    # exception, whose traceback keeps the trial's frames in a reference cycle.
+    if collect:
+        gc.collect()
+    if device.type == "cpu" and _LIBC is not None:
+        # glibc keeps freed heap pages resident (its mmap threshold adapts
+        # upwards); they would count in the next trial's baseline, not its peak.
+        _LIBC.malloc_trim(0)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+OK, OOM, FAILED = 0, 1, 2
+
+
+def _agree(code: int, device: torch.device, group) -> int:
+    """The worst outcome over ranks (one all-reduce of a flag): OK, OOM or FAILED."""
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return code
+    flag = torch.tensor([code], device=device)
+    tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=group)
+    return int(flag.item())
+
+
+def find_micro_batch(
+    step_fn: Callable[[int], object],
+    dist=None,
+    *,
+    start: int = 1,
+    max_micro_batch: int | None = None,
+    memory_budget: int | None = None,
+    global_batch: int | None = None,
+    group=None,
+) -> MicroBatchSearch:
+    """Largest micro-batch ``m`` for which ``step_fn(m)`` (one forward + backward) fits.
+
+    ``step_fn`` must not run collectives (a rank that fails would leave the
+    others waiting in them): give it the unwrapped model, or run its backward
+    under ``no_sync``; let it zero its gradients. ``memory_budget`` (bytes) is
+    required on CPU. With ``global_batch`` the result carries the
+    ``BatchPlan`` that keeps it, accumulating where the micro-batch is smaller.
+
+    >>> def step(m):
+    ...     model.zero_grad(set_to_none=True)
+    ...     loss_fn(model(x[:m]), y[:m]).backward()
+    >>> found = mg.find_micro_batch(step, dist, global_batch=1024)
+    >>> found.micro_batch, found.plan.accum_steps
+    """
+    device = torch.device(dist.device) if dist is not None else torch.device("cpu")
+    world = dist.world_size if dist is not None else 1
+    for name, v in (("start", start), ("max_micro_batch", max_micro_batch), ("memory_budget", memory_budget),
+                    ("global_batch", global_batch)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise UsageError(f"find_micro_batch {name} must be a positive integer, got {v!r}")
+    if max_micro_batch is not None and max_micro_batch < start:
+        raise UsageError(f"find_micro_batch max_micro_batch {max_micro_batch} is below start {start}; raise it or lower start")
+    if device.type == "cpu":
+        if memory_budget is None:
+            raise UsageError("on CPU there is no out-of-memory signal to search against; pass memory_budget=<bytes> (e.g. 8 << 30)")
+        if not pathlib.Path("/proc/self/clear_refs").exists():
+            raise UsageError("measuring CPU peak memory needs Linux /proc/self/clear_refs; run the search on CUDA or on Linux")
+    limit = "cpu-budget" if device.type == "cpu" else ("cuda-budget" if memory_budget else "cuda-oom")
+    trials: list[tuple[int, bool, int | None]] = []
+
+    def fits(m: int, warmup: bool = False) -> bool:
+        base = _reset_peak(device)
+        code, peak, error = OK, None, None
+        try:
+            step_fn(m)
+            peak = _peak(device) - base
+            code = OOM if memory_budget is not None and peak > memory_budget and not warmup else OK
+        except torch.OutOfMemoryError:
+            # Decide outside the except block: the traceback holds the trial's tensors.
+            code = OOM
+        except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks know
+            code, error = FAILED, err
+        _free(device, collect=code != OK)
+        agreed = _agree(code, device, group)
+        if agreed == FAILED:
+            # Every rank leaves the search; the failing one with its own error.
+            if error is not None:
+                raise error
+            raise RuntimeError(f"find_micro_batch: another rank failed in step_fn({m}); see its log")
+        if not warmup:
+            trials.append((m, agreed == OK, peak))
+        return agreed == OK
+
+    _free(device, collect=True)
+    # One unmeasured call first: the first backward pays one-time costs (gradient
+    # buffers, lazy library and thread-pool initialisation) that no batch size needs again.
+    good, bad, m = None, None, start
+    if not fits(start, warmup=True):
+        bad = start
+    while bad is None:
+        if fits(m):
+            good = m
+            if max_micro_batch is not None and m >= max_micro_batch:
+                break
+            m = m * 2 if max_micro_batch is None else min(m * 2, max_micro_batch)
+        else:
+            bad = m
+    if good is None:
+        raise UsageError(f"micro-batch {start} does not fit in memory on some rank; lower start, shrink the model, "
+                         "or use a sharded strategy")
+    while bad is not None and bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    plan = None
+    if global_batch is not None:
+        # The largest micro-batch <= good that divides the rank's share; the rest is accumulation.
+        plan = BatchPlan(global_batch, world, micro_batch=BatchPlan(global_batch, world, max_micro_batch=good).micro_batch)
+    return MicroBatchSearch(good, plan, tuple(trials), limit)

@@ -1,0 +1,99 @@
+"""FLOPs per sample (counted by PyTorch) and the peak FLOP/s of common GPUs, for MFU.
+
+MFU = achieved model FLOP/s / (peak FLOP/s per GPU x GPUs) (PaLM, Chowdhery et
+al. 2022). The peaks are NVIDIA's dense datasheet figures (no 2:4 sparsity),
+in TFLOP/s; "tf32" is the fp32 matmul rate with TF32 tensor cores on.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import torch
+
+from ..errors import UsageError
+
+# (pattern on torch.cuda.get_device_name(), {dtype: dense TFLOP/s}); first match wins,
+# so the more specific names come first ("H100 PCIe" before "H100", "L40S" before "L4").
+PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
+    (r"B200", {"bf16": 2250, "fp16": 2250, "tf32": 1100, "fp32": 75}),
+    (r"H200", {"bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67}),
+    (r"H100.*PCIe", {"bf16": 756, "fp16": 756, "tf32": 378, "fp32": 51}),
+    (r"H100.*NVL", {"bf16": 835, "fp16": 835, "tf32": 418, "fp32": 60}),
+    (r"H100", {"bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67}),  # SXM5
+    (r"A100", {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5}),
+    (r"L40S", {"bf16": 362, "fp16": 362, "tf32": 183, "fp32": 91.6}),
+    (r"L40\b", {"bf16": 181, "fp16": 181, "tf32": 90.5, "fp32": 90.5}),
+    (r"\bL4\b", {"bf16": 121, "fp16": 121, "tf32": 60, "fp32": 30.3}),
+    (r"A10G", {"bf16": 70, "fp16": 70, "tf32": 35, "fp32": 31.2}),
+    (r"\bA10\b", {"bf16": 125, "fp16": 125, "tf32": 62.5, "fp32": 31.2}),
+    (r"RTX 4090", {"bf16": 165, "fp16": 165, "tf32": 82.6, "fp32": 82.6}),  # fp32 accumulate
+    (r"RTX 6000 Ada", {"bf16": 364, "fp16": 364, "tf32": 182, "fp32": 91.1}),
+    (r"RTX 3090", {"bf16": 71, "fp16": 71, "tf32": 35.6, "fp32": 35.6}),
+    (r"V100", {"fp16": 125, "fp32": 15.7}),
+    (r"\bT4\b", {"fp16": 65, "fp32": 8.1}),
+]
+
+_DTYPES = {
+    "bf16": "bf16", "bfloat16": "bf16", torch.bfloat16: "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", torch.float16: "fp16",
+    "fp32": "fp32", "float32": "fp32", torch.float32: "fp32", "tf32": "tf32",
+}
+
+
+def dtype_key(dtype: str | torch.dtype | None) -> str:
+    """'bf16' | 'fp16' | 'tf32' | 'fp32'; None -> fp32, or tf32 when TF32 matmuls are on."""
+    if dtype is None:
+        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+    if dtype not in _DTYPES:
+        raise UsageError(f"dtype {dtype!r} is not one of bf16, fp16, tf32, fp32; pass the dtype your matmuls run in")
+    return _DTYPES[dtype]
+
+
+def peak_flops(device_name: str, dtype: str | torch.dtype | None = "bf16") -> float | None:
+    """Dense peak FLOP/s of one GPU for ``dtype``; None for an unknown GPU (or the CPU).
+
+    >>> peak_flops("NVIDIA H100 80GB HBM3", "bf16")
+    989000000000000.0
+    """
+    key = dtype_key(dtype)
+    for pattern, table in PEAK_TFLOPS:
+        if re.search(pattern, device_name):
+            tflops = table.get(key)
+            return None if tflops is None else tflops * 1e12
+    return None
+
+
+def count_flops(fn: Callable[[], object]) -> int:
+    """FLOPs of everything ``fn()`` runs (forward and backward), by ``FlopCounterMode``.
+
+    >>> count_flops(lambda: model(x).sum().backward())
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+class FlopCount:
+    """Counts FLOPs between ``start()`` and ``stop()`` (the meter's first step).
+
+    FlopCounterMode is a dispatch mode: entering it at step start and leaving it
+    at step end counts the user's forward and backward without touching their code.
+    """
+
+    def __init__(self) -> None:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self._mode = FlopCounterMode(display=False)
+        self.total: int | None = None
+
+    def start(self) -> None:
+        self._mode.__enter__()
+
+    def stop(self) -> int:
+        self._mode.__exit__(None, None, None)
+        self.total = int(self._mode.get_total_flops())
+        return self.total

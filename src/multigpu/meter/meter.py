@@ -1,0 +1,431 @@
+"""``StepMeter``: where the time of each training step goes, with almost no cost of its own.
+
+Per step the meter stores a few timestamps (CUDA events on GPU) and adds the
+loss to a running sum on the device; nothing is synchronised. Every
+``log_every`` steps it waits for the last step's end event, gathers one small
+vector per rank (times, loss and metric sums, peak memory, GPU monitor
+summary) and rank 0 writes a record to its sinks. See docs/observability.md
+for the record schema.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import resource
+import socket
+import statistics
+import time
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as tdist
+
+from ..errors import UsageError
+from ..fingerprint import fingerprint
+from . import gpumon, sinks as _sinks
+from .flops import FlopCount, dtype_key, peak_flops
+from .records import interval_record, mad, run_summary
+
+RUN_DIR_ENV = "MULTIGPU_RUN_DIR"  # set by `multigpu run` for its workers: launcher -> worker channel only
+PROFILE_ENV = "MULTIGPU_PROFILE"  # `multigpu run --profile 10:15`
+SCHEMA_VERSION = 1
+
+
+def _rank_peak_memory(device: torch.device) -> float:
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return float(peak)
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # kB on Linux: peak RSS
+
+
+class StepMeter:
+    """Times data wait and compute per step; logs throughput, MFU, memory, loss, stragglers.
+
+    >>> with mg.StepMeter(dist, plan, log_every=10, log_dir="runs/x", model=model) as meter:
+    ...     for step, micro_batches in meter.steps(train):
+    ...         ...  # forward, backward, opt.step()
+    ...         meter.step_end(loss=loss, lr=opt.param_groups[0]["lr"])
+    """
+
+    def __init__(
+        self,
+        dist: Any = None,
+        plan: Any = None,
+        *,
+        log_every: int = 10,
+        log_dir: str | None = None,
+        sinks: Iterable[str] = ("jsonl",),
+        model: torch.nn.Module | None = None,
+        samples_per_step: int | None = None,
+        flops_per_sample: float | str | None = "auto",
+        tokens_per_sample: float | None = None,
+        dtype: str | torch.dtype | None = None,
+        total_steps: int | None = None,
+        gpu_monitor: bool = True,
+        progress: bool = True,
+        watchdog: float | None = 300.0,
+        profile: str | tuple[int, int] | None = None,
+        straggler_threshold: float = 0.05,
+        resume: bool = False,
+        fingerprint_extra: dict[str, Any] | None = None,
+        sink_options: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        if not isinstance(log_every, int) or log_every < 1:
+            raise UsageError(f"log_every must be a positive integer, got {log_every!r}; use e.g. log_every=10")
+        _sinks.check_sinks(sinks)
+        self.rank = getattr(dist, "rank", 0)
+        self.world_size = getattr(dist, "world_size", 1)
+        self.device = torch.device(getattr(dist, "device", "cpu"))
+        self.is_main = self.rank == 0
+        self.log_every = log_every
+        self.total_steps = total_steps
+        self._cuda = self.device.type == "cuda"
+        self._distributed = tdist.is_available() and tdist.is_initialized() and self.world_size > 1
+        if samples_per_step is None:
+            if plan is None:
+                raise UsageError("StepMeter needs the global samples per step; pass plan=BatchPlan(...) or samples_per_step=N")
+            samples_per_step = plan.global_batch
+        self.samples_per_step = int(samples_per_step)
+        self.tokens_per_sample = tokens_per_sample
+        self._flops_auto = flops_per_sample == "auto"
+        self.flops_per_sample = None if flops_per_sample in (None, "auto") else float(flops_per_sample)
+        self._dtype = dtype_key(dtype)
+        name = torch.cuda.get_device_name(self.device) if self._cuda else "cpu"
+        self.peak_flops = peak_flops(name, self._dtype) if self._cuda else None
+        self.straggler_threshold = straggler_threshold
+        self.step = 0  # index of the next step to run
+        self._in_step = False
+        self._started = False
+        self._records: list[dict[str, Any]] = []
+        self._streak: dict[tuple[int, str], int] = {}
+        self._extra: dict[str, Any] = {}
+        self._lr: float | None = None
+        self._flop_count: FlopCount | None = None
+        self._t_start_wall = time.time()
+        self._reset_interval()
+
+        self._resume = False
+        self.hosts = self._gather_objects(socket.gethostname())
+        self.log_dir = self._agree_log_dir(log_dir)
+        os.makedirs(self.log_dir, exist_ok=True)
+
+        self._ready_ev = None
+        self._ready_t: float | None = None
+        self._hooks = []
+        if model is not None:
+            # The time until this rank's own gradients are ready, before it can wait for
+            # anybody in the all-reduce: the fair basis for naming a compute straggler.
+            for p in model.parameters():
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+        self.monitor = None
+        self._notes: list[str] = []
+        if gpu_monitor and self._cuda:
+            uuid = getattr(torch.cuda.get_device_properties(self.device), "uuid", None)
+            self.monitor = gpumon.GpuMonitor(self.device.index or 0, uuid=f"GPU-{uuid}" if uuid else None).start()
+            if not self.monitor.enabled:
+                self._notes.append(self.monitor.reason)
+        elif gpu_monitor:
+            self._notes.append("GPU monitor off: this run is on the CPU")
+
+        from .watchdog import Watchdog
+
+        self.watchdog = Watchdog(os.path.join(self.log_dir, "watchdog"), self.rank, self.hosts[self.rank], watchdog).start() \
+            if watchdog else None
+
+        profile = profile if profile is not None else os.environ.get(PROFILE_ENV) or None
+        self.profiler = None
+        if profile:
+            from .profile import Profile
+
+            self.profiler = Profile(dist, profile, out_dir=os.path.join(self.log_dir, "profile")).start()
+
+        self.sinks: list[Any] = []
+        self.console = None
+        if self.is_main:
+            self.header = {
+                "type": "header", "schema": SCHEMA_VERSION,
+                "fingerprint": fingerprint(dist, **(fingerprint_extra or {})),
+                "plan": {k: getattr(plan, k) for k in ("global_batch", "world_size", "micro_batch", "accum_steps")} if plan else None,
+                "meter": {"log_every": log_every, "samples_per_step": self.samples_per_step, "dtype": self._dtype,
+                          "peak_flops": self.peak_flops, "flops_per_sample": flops_per_sample, "hosts": self.hosts},
+            }
+            try:
+                self.sinks = _sinks.make_sinks(sinks, self.log_dir, self.header, resume or self._resume,
+                                               sink_options or {})
+            except BaseException:
+                self._shutdown(write_summary=False)  # no threads or hooks left behind
+                raise
+            if progress:
+                self.console = _sinks.ConsoleSink(total_steps)
+                self.sinks.append(self.console)
+                for note in self._notes[:1]:  # said once, by rank 0
+                    self.console.note(f"multigpu: {note}")
+
+    # -- collectives used only at construction and at log steps -------------------------
+    def _gather_objects(self, obj: Any) -> list[Any]:
+        if not self._distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        tdist.all_gather_object(out, obj)
+        return out
+
+    def _agree_log_dir(self, log_dir: str | None) -> str:
+        if log_dir is None:
+            log_dir = os.environ.get(RUN_DIR_ENV)
+            if log_dir is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+                self._resume = True  # a restart of the same run: append after a new header line
+        if log_dir is None:
+            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+            log_dir = os.path.join("runs", stamp)
+            if self._distributed:  # every rank must write into rank 0's directory
+                box = [log_dir]
+                tdist.broadcast_object_list(box, src=0)
+                log_dir = box[0]
+        return log_dir
+
+    # -- per step: timestamps only ------------------------------------------------------
+    def _reset_interval(self) -> None:
+        self._n = 0
+        self._dws: list[float] = []  # per step: data wait, compute, ready (CPU clocks; GPU events below)
+        self._cps: list[float] = []
+        self._rds: list[float] = []
+        self._events: list[tuple[Any, Any, Any]] = []
+        self._loss_sum: Any = 0.0
+        self._loss_n = 0
+        self._metric_sums: dict[str, Any] = {}
+        self._t0 = time.perf_counter()
+
+    def _grad_ready(self, _param) -> None:
+        if self._in_step:
+            if self._cuda:
+                # One event record per backward pass, not per parameter (a record costs a few us):
+                # when every hooked parameter has its gradient. A step where some parameters get
+                # none has no ready time and the straggler check falls back to compute time.
+                self._hook_count += 1
+                if self._hook_count % len(self._hooks) == 0:
+                    self._ready_ev.record()
+            else:
+                self._ready_t = time.perf_counter()
+
+    @property
+    def will_log(self) -> bool:
+        """True while running a step that ends with a log record (use it to compute costly metrics)."""
+        return (self.step + 1) % self.log_every == 0
+
+    def steps(self, iterable: Iterable[Any], start: int | None = None) -> Iterator[tuple[int, Any]]:
+        """Yield ``(step, batch)`` from ``iterable``, timing how long each ``next()`` blocks.
+
+        A step the user does not end with ``step_end()`` is ended when the next one is requested.
+        """
+        if start is not None:
+            self.step = start
+        it = iter(iterable)
+        if not self._started:
+            self._started = True
+            self._t0 = time.perf_counter()
+        while True:
+            t0 = time.perf_counter()
+            try:
+                if self.profiler is not None and self.profiler.active:
+                    with torch.profiler.record_function("multigpu:data_wait"):
+                        batch = next(it)
+                else:
+                    batch = next(it)
+            except StopIteration:
+                return
+            self.step_begin(data_wait=time.perf_counter() - t0)
+            yield self.step, batch
+            if self._in_step:
+                self.step_end()
+
+    def step_begin(self, data_wait: float = 0.0) -> None:
+        """Start timing compute (``steps()`` calls this; call it yourself only without ``steps()``)."""
+        if not self._started:
+            self._started = True
+            self._t0 = time.perf_counter()
+        self._in_step = True
+        self._dws.append(data_wait)
+        self._ready_t = None
+        self._hook_count = 0
+        if self._cuda:
+            start, self._ready_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._events.append((start, self._ready_ev, None))
+        self._t_step = time.perf_counter()
+        if self._flops_auto and self.flops_per_sample is None and self._flop_count is None:
+            self._flop_count = FlopCount()
+            self._flop_count.start()
+
+    def step_end(self, loss: Any = None, lr: Any = None, **metrics: Any) -> None:
+        """End the step: ``loss`` (tensor or float, summed on the device), ``lr`` (float or optimizer).
+
+        Extra keyword metrics are averaged over steps and ranks at log steps.
+        """
+        if not self._in_step:
+            raise UsageError("step_end() called outside a step; iterate with meter.steps(loader) or call meter.step_begin() first")
+        now = time.perf_counter()
+        self._in_step = False
+        if self._cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            start, ready, _ = self._events[-1]
+            self._events[-1] = (start, ready, end)
+        else:
+            self._cps.append(now - self._t_step)
+            if self._ready_t is not None:
+                self._rds.append(self._ready_t - self._t_step)
+        if self._flop_count is not None and self._flop_count.total is None:
+            rank_samples = self.samples_per_step / self.world_size
+            self.flops_per_sample = self._flop_count.stop() / rank_samples or None
+        if loss is not None:
+            if not torch.is_tensor(loss):
+                self._loss_sum = self._loss_sum + float(loss)
+            elif torch.is_tensor(self._loss_sum):
+                self._loss_sum.add_(loss.detach())  # on the device: no sync, no new tensor
+            else:
+                self._loss_sum = loss.detach().float() + self._loss_sum
+            self._loss_n += 1
+        for key, value in metrics.items():
+            v = value.detach().float() if torch.is_tensor(value) else float(value)
+            self._metric_sums[key] = self._metric_sums.get(key, 0.0) + v
+        if lr is not None:
+            self._lr = float(lr.param_groups[0]["lr"]) if hasattr(lr, "param_groups") else float(lr)
+        self._n += 1
+        self.step += 1
+        if self.watchdog is not None:
+            self.watchdog.beat(self.step - 1)
+        if self.step % self.log_every == 0:
+            self._log_interval()
+        if self.profiler is not None:  # after the log step, so its gather counts in this step's window
+            self.profiler.step()
+
+    def log(self, values: dict[str, Any] | None = None, /, **kw: Any) -> None:
+        """Values (already global, e.g. ``noise.metrics()``) added to the next log record as given."""
+        self._extra.update(values or {}, **kw)
+
+    def log_eval(self, step: int | None = None, **metrics: Any) -> None:
+        """Write an ``eval`` record now (rank 0; pass values that are already global)."""
+        if self.is_main:
+            rec = {"type": "eval", "step": self.step - 1 if step is None else step,
+                   "time": time.time() - self._t_start_wall, "samples_seen": self.step * self.samples_per_step}
+            rec.update({k: (v.item() if torch.is_tensor(v) else v) for k, v in metrics.items()})
+            for s in self.sinks:
+                s.write(rec)
+
+    # -- log steps: one sync, one gather ----------------------------------------------
+    def _rank_vector(self) -> tuple[list[float], list[str]]:
+        cps, rds = self._cps, self._rds
+        if self._cuda and self._events:
+            self._events[-1][2].synchronize()
+            for start, ready_ev, end in self._events:
+                cps.append(start.elapsed_time(end) / 1e3)
+                try:
+                    rds.append(start.elapsed_time(ready_ev) / 1e3)
+                except RuntimeError:  # never recorded: no gradient this step
+                    pass
+        wall = time.perf_counter() - self._t0
+        loss = self._loss_sum.item() if torch.is_tensor(self._loss_sum) else self._loss_sum
+        keys = sorted(self._metric_sums)
+        vals = [v.item() if torch.is_tensor(v) else v for v in (self._metric_sums[k] for k in keys)]
+        full = len(rds) == self._n and self._n > 0  # ready known for every step (hooks fired)
+        vec = [self._n, wall, sum(self._dws), sum(cps), sum(rds) if full else math.nan, loss, self._loss_n,
+               _rank_peak_memory(self.device), statistics.median(self._dws), statistics.median(cps),
+               statistics.median(rds) if full else math.nan, mad(self._dws), mad(cps),
+               mad(rds) if full else math.nan, *vals]
+        if not self._cuda:  # same on every rank, so the gathered vectors keep one length
+            return vec, keys
+        mon = self.monitor.take() if self.monitor is not None and self.monitor.enabled else None
+        return vec + gpumon.as_vector(mon), keys
+
+    def _log_interval(self) -> None:
+        if self._n == 0:
+            return
+        vec, keys = self._rank_vector()
+        comm_device = self.device if self._cuda else torch.device("cpu")
+        mine = torch.tensor(vec, dtype=torch.float64, device=comm_device)
+        if self._distributed:
+            # Every rank must report the same metric names; a mismatch fails here, loudly.
+            gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+            tdist.all_gather(gathered, mine)
+            rows = [g.tolist() for g in gathered]
+        else:
+            rows = [vec]
+        n_steps = self._n
+        self._reset_interval()
+        if self.is_main:
+            self._write_record(rows, keys, n_steps)
+
+    def _write_record(self, rows: list[list[float]], keys: list[str], n_steps: int) -> None:
+        rec, self._streak = interval_record(
+            rows, keys, step=self.step - 1, n_steps=n_steps, samples_per_step=self.samples_per_step,
+            elapsed=time.time() - self._t_start_wall, lr=self._lr, world_size=self.world_size,
+            tokens_per_sample=self.tokens_per_sample, flops_per_sample=self.flops_per_sample,
+            peak_flops=self.peak_flops, hosts=self.hosts, gpu=self._cuda,
+            straggler_threshold=self.straggler_threshold, streak=self._streak)
+        if self.profiler is not None and self.step - n_steps < self.profiler.stop_step and \
+                self.step > self.profiler.start_step - 1:
+            rec["profiled"] = True  # the profiler slowed these steps: left out of the summary
+        rec.update(self._extra)
+        self._extra = {}
+        self._records.append(rec)
+        for s in self.sinks:
+            s.write(rec)
+
+    # -- end of run ---------------------------------------------------------------------
+    def summary(self) -> dict[str, Any] | None:
+        """Throughput mean/spread and the time breakdown over the logged intervals (rank 0).
+
+        The first interval (warm-up, FLOP counting) is left out when there are others.
+        """
+        return run_summary(self._records, steps=self.step, samples_per_step=self.samples_per_step,
+                           wall_time=time.time() - self._t_start_wall, flops_per_sample=self.flops_per_sample,
+                           peak_flops=self.peak_flops)
+
+    def close(self) -> dict[str, Any] | None:
+        """Log the last partial interval, write the summary (rank 0), stop threads. Collective."""
+        if self._in_step:
+            self.step_end()
+        self._log_interval()
+        return self._shutdown(write_summary=True)
+
+    def _shutdown(self, write_summary: bool) -> dict[str, Any] | None:
+        summary = self.summary() if write_summary and self.is_main else None
+        if summary is not None:
+            for s in self.sinks:
+                if s is not self.console:
+                    s.write(summary)
+            if self.console is not None:
+                sp = summary["samples_per_s"]
+                f = summary["fractions"]
+                self.console.note(
+                    f"multigpu: {summary['steps']} steps, {sp['mean']:,.0f} ± {sp['std']:,.0f} samples/s over "
+                    f"{sp['n']} intervals; time: compute {100 * f['compute']:.0f}%, data wait {100 * f['data_wait']:.0f}%, "
+                    f"other {100 * f['other']:.0f}%")
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.monitor is not None:
+            self.monitor.stop()
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.profiler is not None:
+            self.profiler.stop(gather=write_summary)
+        for s in self.sinks:
+            s.close()
+        self.sinks = []
+        return summary
+
+    def __enter__(self) -> "StepMeter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            # Another rank may be gone: no collective here, just flush and stop.
+            self._shutdown(write_summary=False)

@@ -1,0 +1,111 @@
+"""Turning the gathered per-rank numbers into log records and the run summary (pure functions).
+
+The JSONL schema these records follow is documented in docs/observability.md.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from . import gpumon
+from .stragglers import find_stragglers
+
+# Per-rank numbers gathered at log steps, in this order, followed by the step_end(**metrics)
+# sums (sorted by name) and, on GPU, the monitor's vector. The medians (per step) name
+# stragglers: a rank slowed on a few steps by the OS scheduler is noise, one slow on most
+# steps is a straggler.
+FIELDS = ("n", "wall", "data_wait", "compute", "ready", "loss_sum", "loss_n", "peak_mem",
+          "dw_med", "cp_med", "rd_med", "dw_mad", "cp_mad", "rd_mad")
+
+
+def mad(values: list[float]) -> float:
+    """Median absolute deviation from the median."""
+    med = statistics.median(values)
+    return statistics.median([abs(v - med) for v in values])
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """``{mean, std, min, max, n}`` (sample standard deviation)."""
+    n = len(values)
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": n}
+
+
+def interval_record(
+    rows: list[list[float]], keys: list[str], *, step: int, n_steps: int, samples_per_step: int, elapsed: float,
+    lr: float | None, world_size: int, tokens_per_sample: float | None, flops_per_sample: float | None,
+    peak_flops: float | None, hosts: list[str], gpu: bool, straggler_threshold: float,
+    streak: dict[tuple[int, str], int],
+) -> tuple[dict[str, Any], dict[tuple[int, str], int]]:
+    """One ``step`` record from every rank's row; returns it and the updated straggler streaks."""
+    b = len(FIELDS)
+    per = [dict(zip(FIELDS, r[:b])) for r in rows]
+    step_time = max(p["wall"] / p["n"] for p in per)  # the job runs at its slowest rank's pace
+    dw = [p["data_wait"] / p["n"] for p in per]
+    cp = [p["compute"] / p["n"] for p in per]
+    rd = [p["ready"] / p["n"] for p in per]
+    loss_n = sum(p["loss_n"] for p in per)
+    sps = samples_per_step / step_time
+    rec: dict[str, Any] = {
+        "type": "step", "step": step, "steps": n_steps,
+        "samples_seen": (step + 1) * samples_per_step, "time": elapsed,
+        "step_time": step_time, "data_wait": sum(dw) / len(dw), "data_wait_max": max(dw),
+        "compute": sum(cp) / len(cp), "compute_max": max(cp),
+        "data_wait_frac": sum(dw) / len(dw) / step_time, "compute_frac": sum(cp) / len(cp) / step_time,
+        "samples_per_s": sps,
+        "tokens_per_s": sps * tokens_per_sample if tokens_per_sample else None,
+        "loss": sum(p["loss_sum"] for p in per) / loss_n if loss_n else None,
+        "lr": lr,
+        "peak_mem_gb": max(p["peak_mem"] for p in per) / 1e9,
+        "peak_mem_rank": max(range(len(per)), key=lambda r: per[r]["peak_mem"]),
+    }
+    if flops_per_sample:
+        rec["flops_per_s"] = flops_per_sample * sps
+        rec["mfu"] = rec["flops_per_s"] / (peak_flops * world_size) if peak_flops else None
+    for i, key in enumerate(keys):
+        rec[key] = sum(r[b + i] for r in rows) / sum(p["n"] for p in per)
+    g = gpumon.across_ranks([r[b + len(keys):] for r in rows]) if gpu else None
+    if g:
+        rec["gpu"] = g
+    have_ready = not any(math.isnan(x) for x in rd)
+    if have_ready:  # fwd+bwd until this rank's own gradients were ready (no waiting for others)
+        rec["ready"], rec["ready_max"] = sum(rd) / len(rd), max(rd)
+    key = "rd" if have_ready else "cp"
+    found = find_stragglers(
+        [p["dw_med"] for p in per], [p[key + "_med"] for p in per], hosts, min_excess=straggler_threshold,
+        data_jitter=[p["dw_mad"] for p in per], compute_jitter=[p[key + "_mad"] for p in per],
+    ) if len(per) > 1 else []
+    # A straggler seen in consecutive intervals is real; one interval can be the OS scheduler.
+    streak = {(s.rank, s.cause): streak.get((s.rank, s.cause), 0) + 1 for s in found}
+    rec["stragglers"] = [dict(s.to_dict(), line=s.line(), intervals=streak[s.rank, s.cause]) for s in found]
+    return rec, streak
+
+
+def run_summary(records: list[dict[str, Any]], *, steps: int, samples_per_step: int, wall_time: float,
+                flops_per_sample: float | None, peak_flops: float | None) -> dict[str, Any] | None:
+    """The ``summary`` record: spreads over the intervals except the first and profiled ones, time fractions."""
+    recs = records[1:] if len(records) > 1 else records
+    recs = [r for r in recs if not r.get("profiled")] or recs
+    if not recs:
+        return None
+    total = sum(r["step_time"] * r["steps"] for r in recs)
+    dw = sum(r["data_wait"] * r["steps"] for r in recs)
+    cp = sum(r["compute"] * r["steps"] for r in recs)
+    out = {
+        "type": "summary", "steps": steps, "samples_seen": steps * samples_per_step,
+        "wall_time": wall_time, "intervals": len(recs), "measured_steps": sum(r["steps"] for r in recs),
+        "samples_per_s": spread([r["samples_per_s"] for r in recs]),
+        "step_time": spread([r["step_time"] for r in recs]),
+        "fractions": {"data_wait": dw / total, "compute": cp / total, "other": max(0.0, 1 - (dw + cp) / total)},
+        "peak_mem_gb": max(r["peak_mem_gb"] for r in records),
+        "stragglers": sorted({(s["rank"], s["cause"]) for r in records for s in r["stragglers"] if s["intervals"] >= 2}),
+        "flops_per_sample": flops_per_sample, "peak_flops": peak_flops,
+    }
+    if any(r.get("mfu") is not None for r in recs):
+        out["mfu"] = spread([r["mfu"] for r in recs if r.get("mfu") is not None])
+    if any(r.get("flops_per_s") for r in recs):
+        out["flops_per_s"] = spread([r["flops_per_s"] for r in recs if r.get("flops_per_s")])
+    return out

@@ -1,0 +1,281 @@
+"""From one GPU to N: translate a single-GPU recipe (LR, batch, schedule) for N GPUs.
+
+``scale_recipe()`` returns a frozen ``ScaledRecipe``; ``multigpu plan`` prints it.
+Rules (see /docs/batch-size.md and the references there):
+
+* ``keep-global``: the global batch stays; each GPU takes 1/N of it. Same
+  updates, same LR, same schedule: only the wall-clock changes.
+* ``scale-global``: each GPU keeps a full per-GPU batch, so the global batch
+  grows N-fold; the LR follows the optimiser's rule (linear for SGD, Goyal et
+  al. 2017; square root for Adam-type, Hoffer et al. 2017 / Malladi et al.
+  2022) and every step-counted quantity shrinks so the same number of samples
+  is seen.
+* With a measured noise scale phi: per-example efficiency (phi+B0)/(phi+B)
+  and steps to the same loss S(B)/S(B0) = (1+phi/B)/(1+phi/B0) (McCandlish et
+  al. 2018; Pollux), and a warning when B is far beyond phi.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from dataclasses import dataclass, field
+
+from typing import TYPE_CHECKING
+
+from .errors import UsageError
+
+if TYPE_CHECKING:
+    from .batch import BatchPlan
+
+# torch-free at import: `multigpu --help` builds this verb's parser without importing torch.
+
+OPTIMIZER_RULES = {"sgd": "linear", "adam": "sqrt", "adamw": "sqrt"}
+POLICIES = ("scale-global", "keep-global")
+FAR_BEYOND = 2.0  # warn when the global batch exceeds this multiple of the noise scale
+
+
+@dataclass(frozen=True)
+class ScaledRecipe:
+    """A single-GPU recipe translated for ``gpus`` GPUs. Build it with ``mg.scale_recipe``."""
+
+    gpus: int
+    policy: str
+    optimizer: str
+    lr_rule: str
+    base_batch: int
+    base_lr: float
+    global_batch: int
+    micro_batch: int
+    accum_steps: int
+    lr: float
+    base_steps: int | None = None
+    steps: int | None = None
+    base_warmup_steps: int | None = None
+    warmup_steps: int | None = None
+    base_eval_every: int | None = None
+    eval_every: int | None = None
+    base_checkpoint_every: int | None = None
+    checkpoint_every: int | None = None
+    noise_scale: float | None = None
+    efficiency: float | None = None       # per-example, relative to the base batch
+    gain: float | None = None             # progress per step relative to the base batch
+    steps_to_target: int | None = None    # predicted from the noise scale
+    reasoning: tuple[str, ...] = field(default=())
+    warnings: tuple[str, ...] = field(default=())
+
+    def batch_plan(self) -> "BatchPlan":
+        """The ``mg.BatchPlan`` of the translated recipe."""
+        from .batch import BatchPlan
+
+        return BatchPlan(self.global_batch, self.gpus, micro_batch=self.micro_batch)
+
+    def text(self) -> str:
+        """The table, reasoning and warnings that ``multigpu plan`` prints."""
+        rule = {"linear": "linear LR rule", "sqrt": "square-root LR rule"}[self.lr_rule]
+        lines = [f"1 GPU -> {self.gpus} GPUs, policy {self.policy}, {self.optimizer} ({rule})"]
+        rows = [
+            ("per-GPU micro-batch", self.base_batch, self.micro_batch),
+            ("accumulation steps", 1, self.accum_steps),
+            ("global batch", self.base_batch, self.global_batch),
+            ("learning rate", f"{self.base_lr:.6g}", f"{self.lr:.6g}"),
+            ("warmup steps", self.base_warmup_steps, self.warmup_steps),
+            ("total steps", self.base_steps, self.steps),
+            ("eval every", self.base_eval_every, self.eval_every),
+            ("checkpoint every", self.base_checkpoint_every, self.checkpoint_every),
+        ]
+        rows = [r for r in rows if r[1] is not None]
+        w = max(len(r[0]) for r in rows)
+        lines.append(f"  {'':<{w}}  {'1 GPU':>10}  {f'{self.gpus} GPUs':>10}")
+        lines += [f"  {name:<{w}}  {str(a):>10}  {str(b):>10}" for name, a, b in rows]
+        lines += [f"why: {r}" for r in self.reasoning]
+        lines += [f"WARNING: {w_}" for w_ in self.warnings]
+        return "\n".join(lines)
+
+
+def _positive_int(name: str, value, allow_zero: bool = False) -> None:
+    lo = 0 if allow_zero else 1
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < lo):
+        kind = "a non-negative" if allow_zero else "a positive"
+        raise UsageError(f"{name} must be {kind} integer, got {value!r}")
+
+
+def _rescale(steps: int | None, ratio: float) -> int | None:
+    """Steps at the new batch that see the same number of samples (at least 1 if there were any)."""
+    if steps is None:
+        return None
+    return 0 if steps == 0 else max(1, math.ceil(steps * ratio))
+
+
+def scale_recipe(
+    lr: float,
+    batch: int,
+    gpus: int,
+    optimizer: str,
+    *,
+    policy: str = "scale-global",
+    per_gpu_batch: int | None = None,
+    steps: int | None = None,
+    warmup_steps: int | None = None,
+    eval_every: int | None = None,
+    checkpoint_every: int | None = None,
+    noise_scale: float | None = None,
+) -> ScaledRecipe:
+    """Translate a one-GPU recipe (``lr`` at ``batch``) to ``gpus`` GPUs.
+
+    ``per_gpu_batch`` is the micro-batch one GPU takes per forward (what fits
+    its memory): under ``keep-global`` the remainder becomes accumulation,
+    under ``scale-global`` the global batch is ``gpus * per_gpu_batch``.
+
+    >>> r = mg.scale_recipe(0.1, 128, 8, "sgd", steps=10000, warmup_steps=100)
+    >>> r.global_batch, r.lr, r.steps, r.warmup_steps
+    (1024, 0.8, 1250, 13)
+    """
+    from .batch import scale_lr
+    from .noise import efficiency, gain
+
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0 or not math.isfinite(lr):
+        raise UsageError(f"learning rate must be a positive number, got {lr!r}; e.g. --lr 0.1")
+    _positive_int("batch", batch)
+    _positive_int("gpus", gpus)
+    _positive_int("per-GPU batch", per_gpu_batch)
+    _positive_int("steps", steps)
+    for name, v in (("warmup steps", warmup_steps),):
+        _positive_int(name, v, allow_zero=True)
+    _positive_int("eval interval", eval_every)
+    _positive_int("checkpoint interval", checkpoint_every)
+    opt = str(optimizer).lower()
+    if opt not in OPTIMIZER_RULES:
+        raise UsageError(f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZER_RULES)}")
+    if policy not in POLICIES:
+        raise UsageError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+    if noise_scale is not None and not (noise_scale > 0 and math.isfinite(noise_scale)):
+        raise UsageError(f"noise scale must be a positive number of examples, got {noise_scale!r}")
+    if warmup_steps is not None and steps is not None and warmup_steps > steps:
+        raise UsageError(f"warmup steps {warmup_steps} exceed total steps {steps}; use --warmup-steps <= {steps}")
+
+    if policy == "keep-global":
+        if batch % gpus:
+            ok = [g for g in range(1, batch + 1) if batch % g == 0]
+            near = sorted(ok, key=lambda g: abs(g - gpus))[:2]
+            raise UsageError(
+                f"batch {batch} does not split over {gpus} GPUs under keep-global; "
+                f"use {' or '.join(map(str, sorted(near)))} GPUs, or --policy scale-global"
+            )
+        share = batch // gpus
+        micro = per_gpu_batch or share
+        if micro > share or share % micro:
+            fits = [d for d in range(1, share + 1) if share % d == 0 and d <= micro]
+            raise UsageError(
+                f"per-GPU batch {micro} does not divide the per-GPU share {share} of batch {batch} over {gpus} GPUs; "
+                f"use --per-gpu-batch {max(fits)}, or --policy scale-global"
+            )
+        global_batch, accum = batch, share // micro
+    else:
+        micro = per_gpu_batch or batch
+        global_batch, accum = gpus * micro, 1
+    rule = OPTIMIZER_RULES[opt]
+    k = global_batch / batch
+    new_lr = scale_lr(lr, base_batch=batch, batch=global_batch, rule=rule)
+    ratio = batch / global_batch
+
+    why = []
+    if k == 1:
+        why.append(f"the global batch stays {batch}, so every update is the one 1 GPU would make: LR and schedule unchanged")
+    else:
+        law = "linear rule (Goyal et al. 2017)" if rule == "linear" else "square-root rule for Adam-type optimisers (Malladi et al. 2022)"
+        why.append(f"global batch x{k:g} ({batch} -> {global_batch}): LR x{new_lr / lr:.3g} by the {law}")
+        why.append(f"step counts x{ratio:.3g} so the run sees the same number of samples ({_samples(steps, batch)})")
+    if accum > 1:
+        why.append(f"{micro} per GPU per forward x {accum} accumulation steps x {gpus} GPUs = {global_batch}")
+
+    warns = []
+    if rule == "linear" and k >= 4 and not warmup_steps:
+        warns.append(f"LR grows x{k:g} with no warmup; Goyal et al. needed ~5 epochs of gradual warmup at x32 (--warmup-steps)")
+    eff = g = to_target = None
+    if noise_scale is not None:
+        eff = efficiency(global_batch, noise_scale, base_batch=batch)
+        g = gain(global_batch, batch, noise_scale)
+        if steps is not None:
+            # S(B) = S_min (1 + phi/B): the base run's steps, moved along that curve.
+            to_target = math.ceil(steps * (1 + noise_scale / global_batch) / (1 + noise_scale / batch))
+        why.append(
+            f"measured noise scale {noise_scale:,.0f}: per-example efficiency {eff:.0%} of the 1-GPU recipe, "
+            f"progress per step x{g:.2f} (ideal x{k:g})"
+            + (f"; about {to_target} steps to the same loss" if to_target is not None else "")
+        )
+        if global_batch > FAR_BEYOND * noise_scale:
+            warns.append(
+                f"global batch {global_batch} is {global_batch / noise_scale:.1f}x the noise scale {noise_scale:,.0f}: "
+                f"far past the critical batch, extra GPUs mostly add compute, not progress; use fewer GPUs or --policy keep-global"
+            )
+        if to_target is not None and steps is not None and to_target > 1.1 * _rescale(steps, ratio):
+            warns.append(f"the same-samples schedule ({_rescale(steps, ratio)} steps) likely ends short of the 1-GPU loss; plan ~{to_target}")
+    return ScaledRecipe(
+        gpus=gpus, policy=policy, optimizer=opt, lr_rule=rule, base_batch=batch, base_lr=float(lr),
+        global_batch=global_batch, micro_batch=micro, accum_steps=accum, lr=new_lr,
+        base_steps=steps, steps=_rescale(steps, ratio),
+        base_warmup_steps=warmup_steps, warmup_steps=_rescale(warmup_steps, ratio),
+        base_eval_every=eval_every, eval_every=_rescale(eval_every, ratio),
+        base_checkpoint_every=checkpoint_every, checkpoint_every=_rescale(checkpoint_every, ratio),
+        noise_scale=noise_scale, efficiency=eff, gain=g, steps_to_target=to_target,
+        reasoning=tuple(why), warnings=tuple(warns),
+    )
+
+
+def _samples(steps: int | None, batch: int) -> str:
+    return f"{steps * batch:,} samples" if steps else "same epochs"
+
+
+def read_noise_scale(source: str) -> float:
+    """A noise scale given as a number, or the last ``noise/b_simple`` in a JSONL metrics log."""
+    try:
+        return float(source)
+    except ValueError:
+        pass
+    path = pathlib.Path(source)
+    if not path.is_file():
+        raise UsageError(f"--noise-scale expects a number or a JSONL metrics file, got {source!r} (no such file)")
+    value = None
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise UsageError(f"{path}:{n} is not JSON; --noise-scale expects one JSON object per line") from None
+            if isinstance(row, dict) and isinstance(row.get("noise/b_simple"), (int, float)):
+                value = float(row["noise/b_simple"])
+    if value is None:
+        raise UsageError(f"{path} has no 'noise/b_simple' entry; log mg.NoiseScale.metrics() during the run, or pass a number")
+    return value
+
+
+def main(args) -> int:
+    """``multigpu plan``: print the translated recipe."""
+    noise = read_noise_scale(args.noise_scale) if args.noise_scale is not None else None
+    recipe = scale_recipe(
+        args.lr, args.batch, args.gpus, args.optimizer, policy=args.policy, per_gpu_batch=args.per_gpu_batch,
+        steps=args.steps, warmup_steps=args.warmup_steps, eval_every=args.eval_every,
+        checkpoint_every=args.checkpoint_every, noise_scale=noise,
+    )
+    print(recipe.text(), flush=True)
+    return 0
+
+
+def add_plan_arguments(p) -> None:
+    p.add_argument("--lr", type=float, required=True, help="learning rate of the 1-GPU recipe")
+    p.add_argument("--batch", type=int, required=True, help="batch size of the 1-GPU recipe")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs to plan for")
+    p.add_argument("--optimizer", required=True, help=f"one of {', '.join(OPTIMIZER_RULES)} (chooses the LR rule)")
+    p.add_argument("--policy", default="scale-global", help="scale-global (default: each GPU keeps a full batch) or keep-global")
+    p.add_argument("--per-gpu-batch", type=int, default=None, help="micro-batch one GPU takes per forward (what fits its memory)")
+    p.add_argument("--steps", type=int, default=None, help="total optimizer steps of the 1-GPU recipe")
+    p.add_argument("--warmup-steps", type=int, default=None, help="warmup steps of the 1-GPU recipe")
+    p.add_argument("--eval-every", type=int, default=None, help="evaluation interval (steps) of the 1-GPU recipe")
+    p.add_argument("--checkpoint-every", type=int, default=None, help="checkpoint interval (steps) of the 1-GPU recipe")
+    p.add_argument("--noise-scale", default=None, metavar="N|FILE.jsonl",
+                   help="measured gradient noise scale, or a metrics log holding noise/b_simple")

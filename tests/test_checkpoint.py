@@ -1,0 +1,418 @@
+"""Checkpointer: exact resume, resharding, kills mid-training and mid-save, damage, keep-K, export, CLI.
+
+Real gloo processes (testing.spawn, torchrun); several checks per spawn to keep the file fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+import multigpu as mg
+from multigpu.checkpoint import storage
+from multigpu.cli import main as cli
+from multigpu.testing import spawn
+
+import ckpt_train
+from ckpt_train import net, train
+
+STEPS = 10
+
+
+def _captured(fn, *args, **kwargs):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        result = fn(*args, **kwargs)
+    return result, out.getvalue(), err.getvalue()
+
+
+def _listing(path) -> list[str]:
+    return sorted(p.name for p in Path(path).iterdir())
+
+
+def _deterministic():
+    torch.use_deterministic_algorithms(True)
+
+
+# --- one 2-rank spawn: exact resume, keep-last-K, and a checkpoint to reshard ---------------
+
+def _two_rank_runs(dist, root):
+    _deterministic()
+    exact, reshard = Path(root, "exact"), Path(root, "reshard")
+    ref_dropout, _ = train(dist, steps=STEPS, dropout=0.2)
+    # Crash after step 7: the last checkpoint is step 6, step 7 is lost and redone.
+    _captured(train, dist, exact, steps=STEPS, every=2, keep=2, dropout=0.2, stop=7)
+    after_stop = _listing(exact)
+    (resumed, ckpt), out, err = _captured(train, dist, exact, steps=STEPS, every=2, keep=2, dropout=0.2)
+    manifest = json.loads((exact / "step-8" / "manifest.json").read_text())
+    # Resharding: no per-rank random draws, so the run is world-size invariant up to float rounding.
+    ref, _ = train(dist, steps=STEPS, noise=False)
+    (at5, _), _, _ = _captured(train, dist, reshard, steps=STEPS, every=5, stop=5, noise=False)
+    # ZeRO-1 (ZeroRedundancyOptimizer): sharded optimizer state, same checkpoint format.
+    zero, zero_copy = Path(root, "zero"), Path(root, "zero-copy")
+    ref_zero, _ = train(dist, steps=STEPS, noise=False, zero=True)
+    _captured(train, dist, zero, steps=STEPS, every=5, stop=5, noise=False, zero=True)
+    if dist.rank == 0:
+        shutil.copytree(zero, zero_copy)  # pristine, for the resharding test
+    tdist.barrier()
+    (zero_resumed, _), zero_out, _ = _captured(train, dist, zero, steps=STEPS, every=5, noise=False, zero=True)
+    return dict(ref_dropout=ref_dropout, resumed=resumed, after_stop=after_stop, after_resume=_listing(exact),
+                out=out, err=err, extra=ckpt.extra, manifest=manifest, ref=ref, at5=at5,
+                ref_zero=ref_zero, zero_resumed=zero_resumed, zero_out=zero_out)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return root, spawn(_two_rank_runs, 2, str(root))
+
+
+def test_exact_resume_is_bitwise_and_keeps_last_k(two_ranks):
+    root, results = two_ranks
+    for r in results:
+        # Dropout, python and numpy draws, Adam, StepLR, loader position: all restored exactly.
+        for a, b in zip(r["resumed"], r["ref_dropout"]):
+            assert torch.equal(a, b)
+        assert r["after_stop"] == ["step-4", "step-6"]
+        assert r["after_resume"] == ["step-6", "step-8"]
+    out = results[0]["out"]
+    assert f"resumed from {root / 'exact' / 'step-6'} (step 6, written by 2 ranks, now 2); continuing at step 7" in out
+    assert results[1]["out"] == ""  # only rank 0 talks
+    assert isinstance(results[0]["extra"]["last_loss"], float)
+    m = results[0]["manifest"]
+    assert m["step"] == 8 and m["world_size"] == 2 and m["strategy"] == "ddp"
+    assert m["loader"]["epoch"] == 1 and m["loader"]["batch_index"] == 3  # 6 batches per epoch, step 8 done
+    assert set(m["files"]) >= {".metadata", "rng/rank-0.pt", "rng/rank-1.pt"}
+    assert m["bytes"] == sum(f["bytes"] for f in m["files"].values()) and m["versions"]["torch"] == torch.__version__
+    for r in results:  # ZeRO-1: exact too, and the same update as plain DDP + Adam
+        for a, b, c in zip(r["zero_resumed"], r["ref_zero"], r["ref"]):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
+    assert "resumed from " + str(root / "zero" / "step-5") + " (step 5, written by 2 ranks, now 2)" in results[0]["zero_out"]
+    assert json.loads((root / "zero" / "step-5" / "manifest.json").read_text())["strategy"] == "zero1"
+
+
+# --- resharding: a 2-rank checkpoint resumes on 1 and on 4 ranks -------------------------------
+
+def _resume_elsewhere(dist, root, dst):
+    _deterministic()
+    if dist.rank == 0:
+        shutil.copytree(Path(root, "reshard"), Path(dst, "ddp"))
+        shutil.copytree(Path(root, "zero-copy"), Path(dst, "zero"))
+    tdist.barrier()
+    (params, _), out, err = _captured(train, dist, Path(dst, "ddp"), steps=STEPS, every=5, noise=False)
+    # A ZeRO-1 checkpoint: on 4 ranks with ZeRO-1 again (its shards re-cut), on 1 rank with a plain Adam.
+    (zero_params, _), zero_out, _ = _captured(train, dist, Path(dst, "zero"), steps=STEPS, every=5, noise=False,
+                                              zero=dist.world_size > 1)
+    return params, out + zero_out, zero_params
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_resharding_continues_the_same_data_order(two_ranks, tmp_path, world):
+    root, results = two_ranks
+    got = spawn(_resume_elsewhere, world, str(root), str(tmp_path / "run"))
+    ref = results[0]["ref"]  # uninterrupted 2-rank run
+    for params, _, zero_params in got:
+        for a, b, c in zip(params, ref, zero_params):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-6)
+    out = got[0][1]
+    assert f"ddp/step-5 (step 5, written by 2 ranks, now {world}); continuing at step 6" in out
+    assert "world size changed 2 -> " + str(world) in out
+    assert ("ranks 2-3: reseeded from (step, rank)" in out) == (world > 2)
+    assert ("saved states of rank 1: dropped" in out) == (world < 2)
+    if world == 1:
+        assert "zero/step-5 (step 5, written by 2 ranks, now 1, zero1 -> ddp); continuing at step 6" in out
+
+
+# --- kill -9 during saves and during training, then automatic restart ---------------------------
+
+def _kill_in_save(dist, directory, where):
+    """Train with dropout and noise like the fixture's reference; SIGKILL rank 0 inside a save."""
+    _deterministic()
+    if where == "hashing-step4" and dist.rank == 0:
+        real = storage.hash_files
+
+        def hash_then_die(root, names):
+            if Path(root).name == ".tmp-step-4":
+                os.kill(os.getpid(), signal.SIGKILL)  # DCP files written, no manifest yet
+            return real(root, names)
+
+        storage.hash_files = hash_then_die
+    if where == "marker-step8" and dist.rank == 0:
+        real_write = storage.write_durable
+
+        def die_before_marker(path, data):
+            if path.name == storage.MARKER and path.parent.name == "step-8":
+                os.kill(os.getpid(), signal.SIGKILL)  # renamed to step-8, marker never written
+            return real_write(path, data)
+
+        storage.write_durable = die_before_marker
+    train(dist, directory, steps=STEPS, every=2, dropout=0.2)
+
+
+def test_kills_during_save_and_training_lose_nothing(two_ranks, tmp_path, capfd):
+    """Killed mid-save twice (spawn), then under `multigpu run --max-restarts` a random rank is killed
+    at a random step; the final parameters equal the uninterrupted run's, bit for bit."""
+    run = tmp_path / "run"
+    killed = "exited with code -9|Connection reset|Connection closed"  # the dead rank, or its peer noticing first
+    with pytest.raises(RuntimeError, match=killed):
+        spawn(_kill_in_save, 2, str(run), "hashing-step4")
+    assert _listing(run) == [".tmp-step-4", "step-0", "step-2"]
+    capfd.readouterr()
+    with pytest.raises(RuntimeError, match=killed):
+        spawn(_kill_in_save, 2, str(run), "marker-step8")
+    out, err = capfd.readouterr()
+    assert f"skipping {run}/.tmp-step-4: incomplete" in err
+    assert f"resumed from {run}/step-2 (step 2" in out
+    assert _listing(run) == [f"step-{i}" for i in (0, 2, 4, 6, 8)]  # the stale .tmp-step-4 was replaced
+    assert not (run / "step-8" / storage.MARKER).exists()
+
+    seed = random.randrange(1 << 30)
+    rnd = random.Random(seed)
+    kill_rank, kill_step = rnd.randrange(2), rnd.randrange(7, STEPS)
+    out_file = tmp_path / "params.pt"
+    cmd = [sys.executable, "-m", "multigpu", "run", "-n", "2", "--cpu", "--max-restarts", "2",
+           "--log-dir", str(tmp_path / "logs"), ckpt_train.__file__,
+           "--dir", str(run), "--steps", str(STEPS), "--every", "2", "--dropout", "0.2",
+           "--kill-rank", str(kill_rank), "--kill-step", str(kill_step), "--out", str(out_file)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    log = proc.stdout + proc.stderr
+    where = f"seed {seed}: kill rank {kill_rank} at step {kill_step}"
+    assert proc.returncode == 0, f"{where}\n{log[-3000:]}"
+    assert f"skipping {run}/step-8: incomplete" in log, where
+    assert f"resumed from {run}/step-6 (step 6, written by 2 ranks, now 2); continuing at step 7" in log, where
+    saved = kill_step - kill_step % 2  # save() runs before the kill within a step
+    assert f"resumed from {run}/step-{saved} (step {saved}, written by 2 ranks, now 2)" in log, where
+    ref = two_ranks[1][0]["ref_dropout"]  # the fixture's uninterrupted 2-rank run
+    for a, b in zip(torch.load(out_file, weights_only=True), ref):
+        assert torch.equal(a, b), where
+    assert all(storage.verify(run / f"step-{i}")[1] == [] for i in (0, 2, 4, 6, 8))
+
+
+# --- disk full and damaged checkpoints, one 2-rank spawn ----------------------------------------
+
+def _damage(kind, ck: Path):
+    data = sorted(ck.glob("*.distcp"))[0]
+    if kind == "flip":
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    elif kind == "truncate":
+        with open(data, "r+b") as f:
+            f.truncate(data.stat().st_size // 2)
+    elif kind == "manifest":
+        m = ck / storage.MANIFEST
+        m.write_text(m.read_text().replace('"world_size": 2', '"world_size": 3'))
+    elif kind == "metadata":
+        # A planted .metadata that would create a directory when unpickled, with
+        # manifest and marker rewritten so every checksum matches.
+        (ck / ".metadata").write_bytes(pickle.dumps(_Planted(str(ck / "pwned"))))
+        manifest = json.loads((ck / storage.MANIFEST).read_text())
+        manifest["files"][".metadata"] = dict(zip(("bytes", "sha256"), storage.sha256_file(ck / ".metadata")))
+        storage.write_durable(ck / storage.MANIFEST, (json.dumps(manifest) + "\n").encode())
+        import hashlib
+
+        digest = hashlib.sha256((ck / storage.MANIFEST).read_bytes()).hexdigest()
+        (ck / storage.MARKER).write_text(json.dumps({"format": storage.FORMAT, "manifest_sha256": digest}))
+
+
+class _Planted:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def _disk_full_and_damage(dist, root):
+    _deterministic()
+    root = Path(root)
+    run = root / "run"
+    _, ckpt = train(dist, run, steps=6, every=2)  # step-0, step-2, step-4
+    report = {}
+    # Disk full: rank 1 may write files of at most 2 kB (a real EFBIG from write()).
+    if dist.rank == 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2000, hard))
+    try:
+        ckpt.save(6, force=True)
+        report["disk_full"] = None
+    except mg.UsageError as err:
+        report["disk_full"] = str(err)
+    if dist.rank == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    tdist.barrier()
+    report["after_full"] = _listing(run)
+    report["step4_ok"] = storage.verify(run / "step-4")[1] == []
+    for kind in ("flip", "truncate", "manifest", "metadata"):
+        copy = root / kind
+        if dist.rank == 0:
+            shutil.copytree(run, copy)
+            _damage(kind, copy / "step-4")
+        tdist.barrier()
+        _, out, err = _captured(train, dist, copy, steps=3, every=100)
+        report[kind] = (out, err, (copy / "step-4" / "pwned").exists())
+    # Asking for the damaged one by name is an error that names it.
+    try:
+        ck = mg.Checkpointer(root / "flip", model=mg.wrap(net(), "ddp"))
+        ck.resume("step-4")
+        report["explicit"] = None
+    except mg.UsageError as err:
+        report["explicit"] = str(err)
+    # Every checkpoint damaged: stop, do not silently start over.
+    if dist.rank == 0:
+        for ck in (root / "truncate").glob("step-*"):
+            _damage("truncate", ck)
+    tdist.barrier()
+    try:
+        mg.Checkpointer(root / "truncate", model=mg.wrap(net(), "ddp")).resume()
+        report["all_damaged"] = None
+    except mg.UsageError as err:
+        report["all_damaged"] = str(err)
+    return report
+
+
+def test_disk_full_and_damaged_checkpoints(tmp_path):
+    results = spawn(_disk_full_and_damage, 2, str(tmp_path))
+    run = tmp_path / "run"
+    for rep in results:  # every rank gets the same error; nothing hangs
+        msg = rep["disk_full"]
+        assert msg is not None and msg.startswith(f"could not save checkpoint {run}/step-6: ")
+        assert "failed on rank 1" in msg and "File too large" in msg
+        assert f"the previous checkpoint {run}/step-4 is intact" in msg
+        assert rep["after_full"] == ["step-0", "step-2", "step-4"] and rep["step4_ok"]
+        assert rep["explicit"].startswith(f"checkpoint {tmp_path}/flip/step-4 cannot be loaded: ")
+        assert "changed bytes (sha256 mismatch)" in rep["explicit"]
+        assert rep["all_damaged"].startswith(f"no valid checkpoint in {tmp_path}/truncate: all 3 complete ones are damaged")
+    rep = results[0]
+    reasons = {
+        "flip": "__0_0.distcp has changed bytes (sha256 mismatch)",
+        "truncate": "expected",
+        "manifest": "manifest.json does not match the hash in its COMPLETE marker",
+        "metadata": ".metadata refers to posix.mkdir, which a DCP checkpoint never contains",
+    }
+    for kind, reason in reasons.items():
+        out, err, pwned = rep[kind]
+        assert f"warning: skipping damaged checkpoint {tmp_path}/{kind}/step-4: " in err
+        assert reason in err
+        assert f"resumed from {tmp_path}/{kind}/step-2 (step 2" in out
+        assert not pwned
+
+
+# --- CLI, export, bad input (in this process, on the 2-rank checkpoints) ---------------------------
+
+def test_cli_ls_verify_export_and_plain_torch_load(two_ranks, tmp_path, capsys):
+    root, results = two_ranks
+    assert cli(["ckpt", "ls", str(root / "exact")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["checkpoint", "step", "world"]
+    assert [ln.split()[1:4] for ln in lines[1:]] == [["8", "2", "ddp"], ["6", "2", "ddp"]]
+    assert all(ln.endswith("complete (sizes ok)") for ln in lines[1:])
+    copy = tmp_path / "copy"
+    shutil.copytree(root / "exact", copy)
+    assert cli(["ckpt", "verify", str(copy)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "all checkpoints valid"
+    _damage("flip", copy / "step-6")
+    assert cli(["ckpt", "verify", str(copy)]) == 1
+    out = capsys.readouterr().out
+    assert "NOT VALID: " + str(copy / "step-6") + "/__0_0.distcp has changed bytes" in out
+    assert out.splitlines()[-1] == "1 of 2 checkpoints not valid"
+    target = tmp_path / "model.pt"
+    assert cli(["ckpt", "export", str(root / "reshard" / "step-5"), str(target)]) == 0
+    assert "load with model.load_state_dict(torch.load(path, weights_only=True))" in capsys.readouterr().out
+    model = net()
+    model.load_state_dict(torch.load(target, weights_only=True))  # strict: same keys, no prefixes
+    for a, b in zip(model.parameters(), results[0]["at5"]):
+        assert torch.equal(a, b)
+
+
+def test_bad_input_is_one_clear_line(two_ranks, tmp_path, capsys):
+    root, _ = two_ranks
+    for argv in (["ckpt", "ls", str(tmp_path / "missing")], ["ckpt", "export", str(tmp_path / "nope"), "x.pt"]):
+        assert cli(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "does not exist" in err[0]
+    # Wrong architecture: the message names the keys and shapes (no process group needed).
+    ckpt = mg.Checkpointer(root / "reshard", model=net(hidden=64))
+    with pytest.raises(mg.UsageError) as info:
+        ckpt.resume()
+    msg = str(info.value)
+    assert "does not fit this model" in msg and "0.weight checkpoint (32, 10) vs model (64, 10)" in msg
+    assert "3.weight checkpoint (2, 32) vs model (2, 64)" in msg
+    # Another optimizer type: DCP's missing key, named, as a usage error.
+    model = net()
+    ckpt = mg.Checkpointer(root / "reshard", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    with pytest.raises(mg.UsageError, match=r"does not match this run's state \(RuntimeError: Missing key in checkpoint "
+                                            r"state_dict: optim\.state\.0\.weight\.momentum_buffer"):
+        ckpt.resume()
+    with pytest.raises(mg.UsageError, match="reshard/step-99 cannot be loaded: does not exist"):
+        mg.Checkpointer(root / "reshard", model=net()).resume("step-99")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(mg.UsageError, match="exists but is a file"):
+        mg.Checkpointer(tmp_path / "afile", model=net())
+    with pytest.raises(mg.UsageError, match="every= must be a positive integer"):
+        mg.Checkpointer(tmp_path / "d", every=0, model=net())
+    with pytest.raises(mg.UsageError, match="must be a plain value"):
+        mg.Checkpointer(tmp_path / "d", model=net(), when=object())
+
+
+def test_saving_before_the_first_step_changes_nothing(tmp_path):
+    """get_state_dict gives a fresh Adam a zero-lr step; neither the run nor its resume may see it."""
+
+    def run(directory, resume):
+        torch.manual_seed(0)
+        model = net()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        ckpt = mg.Checkpointer(directory, model=model, optimizer=opt)
+        if resume:
+            _captured(ckpt.resume)
+        else:
+            _captured(ckpt.save, 0, force=True)  # no process group: one process
+        x, y = torch.randn(8, 10, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1] * 4)
+        for _ in range(3):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()], opt.state_dict()["state"][0]["step"]
+
+    saved, saved_steps = run(tmp_path / "a", False)
+    resumed, resumed_steps = run(tmp_path / "a", True)
+    torch.manual_seed(0)
+    model = net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 10, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1] * 4)
+    for _ in range(3):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for a, b, c in zip(saved, resumed, model.parameters()):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    assert float(saved_steps) == float(resumed_steps) == 3.0
+
+
+def test_next_save_removes_leftovers_of_killed_saves(tmp_path):
+    run = tmp_path / "run"
+    for junk in (".tmp-step-3", "step-5", ".tmp-old-step-2"):  # no COMPLETE marker in any of them
+        (run / junk).mkdir(parents=True)
+        (run / junk / "__0_0.distcp").write_bytes(b"partial")
+    ckpt = mg.Checkpointer(run, keep=2, model=net())
+    assert _captured(ckpt.resume)[0] == 0  # nothing complete to resume
+    for step in (6, 7, 8):
+        _captured(ckpt.save, step)
+    assert _listing(run) == ["step-7", "step-8"]

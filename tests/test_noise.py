@@ -1,0 +1,307 @@
+"""Gradient noise scale: estimator against known answers, on 1 process and on gloo ranks.
+
+Known answers:
+* synthetic per-example gradients g = mu + L z (covariance Sigma = L L^T): |G|^2 = |mu|^2, tr(Sigma);
+* least squares with x ~ N(0, I_d), y = x.w* + eps, eps ~ N(0, s2), at w = w* + delta:
+  per-example gradient x (x.delta - eps), so G = delta and
+  Sigma = (|delta|^2 + s2) I + delta delta^T  ->  tr(Sigma) = d (|delta|^2 + s2) + |delta|^2.
+Tolerances are 4 standard errors, from the spread of the per-step estimates.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as tdist
+
+import multigpu as mg
+from multigpu import noise as nz
+from multigpu.testing import spawn
+
+D, S2 = 4, 0.25
+DELTA = torch.tensor([0.6, -0.8, 0.0, 0.0])  # |delta|^2 = 1
+TRUE_G = float(DELTA.square().sum())
+TRUE_T = D * (TRUE_G + S2) + TRUE_G
+TRUE_B = TRUE_T / TRUE_G  # 6.0
+
+
+def _check(values, truth, name):
+    """Mean within 4 standard errors of the truth; returns the relative error."""
+    v = np.asarray(values, dtype=float)
+    se = v.std(ddof=1) / math.sqrt(len(v))
+    assert abs(v.mean() - truth) < 4 * se, f"{name}: mean {v.mean():.4g} vs true {truth:.4g} (4 SE = {4 * se:.3g})"
+    return abs(v.mean() - truth) / truth
+
+
+# ---- synthetic gradients (numpy, no model) ---------------------------------------
+def _synthetic(rng, trials, k, b, mu, chol):
+    z = rng.standard_normal((trials, k, b, len(mu)))
+    per_example = mu + z @ chol.T
+    g = per_example.mean(axis=2)                 # each rank's gradient
+    local = (g**2).sum(-1).mean(1)               # mean_i |g_i|^2, before the all-reduce
+    total = (g.mean(1) ** 2).sum(-1)             # |mean_i g_i|^2, after
+    return nz.estimate(local, total, b_small=b, b_big=k * b)
+
+
+def test_synthetic_gradients_match_true_grad_sq_and_trace():
+    rng = np.random.default_rng(0)
+    mu = np.array([0.5, -1.0, 0.25, 0.0, 2.0])
+    chol = np.tril(rng.standard_normal((5, 5)))  # a correlated covariance
+    true_t = float(np.trace(chol @ chol.T))
+    for k, b in ((2, 16), (4, 8), (8, 4)):
+        grad_sq, trace = _synthetic(rng, 20000, k, b, mu, chol)
+        _check(grad_sq, float(mu @ mu), f"|G|^2 K={k}")
+        _check(trace, true_t, f"tr(Sigma) K={k}")
+    # The naive reading (|g|^2 of the big batch as |G|^2) is biased by tr(Sigma)/B: the test can fail.
+    z = rng.standard_normal((20000, 32, 5))
+    naive = ((mu + z @ chol.T).mean(1) ** 2).sum(-1)
+    assert naive.mean() - mu @ mu > 10 * naive.std() / math.sqrt(len(naive))
+
+
+def test_ratio_of_emas_is_not_biased_like_mean_of_ratios():
+    rng = np.random.default_rng(1)
+    mu = np.array([1.0, 0.0, 0.0, 0.0])
+    chol = np.eye(4) * 1.2                     # tr(Sigma) = 5.76, B_simple = 5.76
+    true_b = 5.76
+    grad_sq, trace = _synthetic(rng, 12000, 2, 16, mu, chol)
+    # Ratio of (debiased) EMAs, as NoiseScale keeps them.
+    g_ema, t_ema = nz._DebiasedEMA(), nz._DebiasedEMA()
+    beta = math.exp(-32 / 1e9)                 # time constant >> run: ~ the plain average
+    for g, t in zip(grad_sq.tolist(), trace.tolist()):
+        g_ema.update(g, beta)
+        t_ema.update(t, beta)
+    ratio_of_emas = t_ema.value() / g_ema.value()
+    positive = grad_sq > 0
+    mean_of_ratios = float(np.mean(trace[positive] / grad_sq[positive]))
+    err_emas, err_ratios = abs(ratio_of_emas / true_b - 1), abs(mean_of_ratios / true_b - 1)
+    assert err_emas < 0.03, ratio_of_emas
+    assert err_ratios > 5 * err_emas and err_ratios > 0.15, (mean_of_ratios, ratio_of_emas)
+
+
+def test_debiased_ema_time_constant():
+    ema = nz._DebiasedEMA()
+    beta = math.exp(-128 / 1280)               # 128 examples a step, tau = 10 steps
+    ema.update(5.0, beta)
+    assert ema.value() == pytest.approx(5.0)   # debiased: the first value, not 5 * (1 - beta)
+    for _ in range(10):
+        ema.update(1.0, beta)
+    # after one time constant the old value keeps weight e^-1 (debiased over the total weight)
+    assert ema.value() == pytest.approx(1 + 4 * math.exp(-1) * (1 - beta) / (1 - beta**11), rel=1e-9)
+    for _ in range(300):
+        ema.update(1.0, beta)
+    assert ema.value() == pytest.approx(1.0, abs=1e-9)
+
+
+def test_formulas_efficiency_gain_steps():
+    assert nz.efficiency(1000, 1000) == 0.5
+    assert nz.gain(128, 128, 500.0) == pytest.approx(1.0)
+    assert nz.gain(1024, 128, 1e12) == pytest.approx(8.0)
+    assert nz.gain(1024, 128, 0.0) == pytest.approx(1.0)
+    # (S/Smin - 1)(E/Emin - 1) = 1 with E/Emin = 1/efficiency
+    b, phi = 300.0, 900.0
+    assert (nz.steps_factor(b, phi) - 1) * (1 / nz.efficiency(b, phi) - 1) == pytest.approx(1.0)
+
+
+# ---- least squares, real model gradients ----------------------------------------
+def _batch(gen, n):
+    x = torch.randn(n, D, generator=gen)
+    y = torch.randn(n, generator=gen) * math.sqrt(S2)   # w* = 0, so y is the noise
+    return x, y
+
+
+def _linear():
+    model = torch.nn.Linear(D, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(DELTA[None])
+    return model
+
+
+def _loss(model, x, y, accum):
+    return 0.5 * (model(x).squeeze(1) - y).square().mean() / accum
+
+
+class _ConstScale:
+    def __init__(self, s):
+        self.s = s
+
+    def get_scale(self):
+        return self.s
+
+
+def test_one_process_uses_micro_batches_and_skips_nonfinite():
+    gen = torch.Generator().manual_seed(3)
+    plan = mg.BatchPlan(global_batch=64, world_size=1, micro_batch=16)
+    model = _linear()
+    noise = mg.NoiseScale(plan, tau=1e12, scaler=_ConstScale(256.0)).attach(model)
+    gs, ts = [], []
+    for step in range(1500):
+        for j in range(plan.accum_steps):
+            x, y = _batch(gen, plan.micro_batch)
+            loss = _loss(model, x, y, plan.accum_steps) * 256.0
+            if step == 7 and j == 1:
+                loss = loss * math.inf            # an fp16 overflow
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        noise.update()
+        if step != 7:
+            gs.append(float(noise.last["grad_sq"]))
+            ts.append(float(noise.last["trace_cov"]))
+    m = noise.metrics()
+    assert m["noise/skipped_steps"] == 1 and m["noise/measured_steps"] == 1499
+    err_g, err_t = _check(gs, TRUE_G, "|G|^2"), _check(ts, TRUE_T, "tr(Sigma)")
+    assert m["noise/b_simple"] == pytest.approx(np.mean(ts) / np.mean(gs), rel=1e-9)
+    assert abs(m["noise/b_simple"] / TRUE_B - 1) < 0.1
+    print(f"one process, 4 micro-batches: rel. error |G|^2 {err_g:.3f}, tr {err_t:.3f}, B_simple {m['noise/b_simple']:.3f} (true {TRUE_B})")
+    # A step that went unmeasured leaves everything as it was, and summary reads the numbers.
+    assert "B_simple ~ 6 examples" in noise.summary()
+
+
+def test_one_process_needs_accumulation():
+    with pytest.raises(mg.UsageError, match="accum_steps >= 2"):
+        mg.NoiseScale(mg.BatchPlan(64, 1)).attach(_linear())
+    with pytest.raises(mg.UsageError, match="every"):
+        mg.NoiseScale(mg.BatchPlan(64, 1), every=0)
+
+
+def _ddp_worker(dist, steps, accum):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    world, rank = dist.world_size, dist.rank
+    out = {}
+    # (a) exact: the hook's norms equal all-gathered reference gradients.
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    model = mg.wrap(ref, "ddp", bucket_cap_mb=1e-4)  # tiny buckets: several per step
+    plan = mg.BatchPlan(global_batch=8 * world, world_size=world)
+    noise = mg.NoiseScale(plan).attach(model)
+    gen = torch.Generator().manual_seed(100 + rank)
+    errs = []
+    for _ in range(3):
+        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+        g_i = torch.cat([g.flatten() for g in torch.autograd.grad(((ref(x) - y) ** 2).mean(), list(ref.parameters()))])
+        gathered = [torch.empty_like(g_i) for _ in range(world)]
+        tdist.all_gather(gathered, g_i)
+        local_ref = float(torch.stack([g.double().square().sum() for g in gathered]).mean())
+        total_ref = float(torch.stack(gathered).double().mean(0).square().sum())
+        ((model(x) - y) ** 2).mean().backward()
+        model.zero_grad(set_to_none=True)
+        noise.update()
+        errs.append(abs(float(noise.last["local_sq"]) / local_ref - 1))
+        errs.append(abs(float(noise.last["total_sq"]) / total_ref - 1))
+    out["exact_rel_err"] = max(errs)
+    # (b) least squares, accumulation under no_sync, PyTorch's allreduce hook.
+    # (c) the same with fp16 compression, mg.Precision('fp16')'s GradScaler and one inf step.
+    for name, hook, scale in (("plain", None, False), ("fp16", default_hooks.fp16_compress_hook, True)):
+        model = mg.wrap(_linear(), "ddp")
+        plan = mg.BatchPlan(global_batch=16 * accum * world, world_size=world, micro_batch=16)
+        amp = mg.Precision("fp16" if scale else "fp32", "cpu")
+        noise = mg.NoiseScale(plan, tau=1e12, scaler=amp).attach(model, comm_hook=hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lets the scaler adapt; the weights stay put
+        gen = torch.Generator().manual_seed(7 + rank)
+        gs, ts = [], []
+        for step in range(steps if name == "plain" else steps // 3):
+            micro_batches = [_batch(gen, plan.micro_batch) for _ in range(accum)]
+            for j, (x, y) in enumerate(mg.accumulate(model, micro_batches)):
+                loss = amp.scale(_loss(model, x, y, accum))   # fp32 loss, scaled by 65536 under fp16
+                if scale and step == 5 and j == accum - 1 and rank == 1:
+                    loss = loss * math.inf
+                loss.backward()
+            amp.step(opt)
+            model.zero_grad(set_to_none=True)
+            noise.update()
+            if math.isfinite(noise.last["grad_sq"]) and math.isfinite(noise.last["trace_cov"]):
+                gs.append(float(noise.last["grad_sq"]))
+                ts.append(float(noise.last["trace_cov"]))
+        out[name] = {"gs": gs, "ts": ts, "metrics": noise.metrics(), "summary": noise.summary(),
+                     "amp_skipped": amp.skipped_steps}
+    # (d) sharded gradients (what FSDP leaves): shard norms summed across ranks give the same numbers.
+    gen = torch.Generator().manual_seed(11 + rank)
+    model = _linear()
+    plan = mg.BatchPlan(global_batch=16 * world, world_size=world)
+    sharded, replicated = mg.NoiseScale(plan), mg.NoiseScale(plan)
+    for _ in range(5):
+        x, y = _batch(gen, 16)
+        (g,) = torch.autograd.grad(_loss(model, x, y, 1), [model.weight])
+        g = g.flatten()
+        avg = g.clone()
+        tdist.all_reduce(avg)
+        avg /= world
+        shard = avg.tensor_split(world)[rank]  # uneven shards, as FSDP pads
+        sharded.observe(g.square().sum(), shard.square().sum(), sharded=True)
+        replicated.observe(g.square().sum(), avg.square().sum())
+    out["sharded"], out["replicated"] = sharded.metrics(), replicated.metrics()
+    try:
+        mg.NoiseScale(plan).attach(mg.wrap(_linear(), "ddp", gradient_as_bucket_view=True))
+    except mg.UsageError as err:
+        out["view_error"] = str(err)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_ranks_match_closed_form(world):
+    steps = 900 if world == 2 else 450
+    res = spawn(_ddp_worker, world, steps, 2, timeout=240)
+    r0 = res[0]
+    assert r0["exact_rel_err"] < 1e-6
+    for name in ("plain", "fp16"):
+        rec = r0[name]
+        m = rec["metrics"]
+        err_g, err_t = _check(rec["gs"], TRUE_G, f"{name} |G|^2"), _check(rec["ts"], TRUE_T, f"{name} tr(Sigma)")
+        # The overflowing steps (the injected inf; fp16 compression of gradients scaled by 65536)
+        # are exactly those the GradScaler skipped.
+        assert m["noise/skipped_steps"] == rec["amp_skipped"]
+        assert (m["noise/skipped_steps"] >= 1) == (name == "fp16")
+        assert m["noise/measured_steps"] == len(rec["gs"])
+        err_b = abs(m["noise/b_simple"] / TRUE_B - 1)
+        print(f"{world} ranks {name}: rel. error |G|^2 {err_g:.3f}, tr {err_t:.3f}, B_simple {m['noise/b_simple']:.3f} (true {TRUE_B})")
+        # 4 standard errors of the ratio (relative errors of the two means add in quadrature)
+        n = len(rec["gs"])
+        rel_se = math.hypot(np.std(rec["gs"]) / np.mean(rec["gs"]), np.std(rec["ts"]) / np.mean(rec["ts"])) / math.sqrt(n)
+        assert err_b < 4 * rel_se, (err_b, rel_se)
+        # every rank holds the same numbers
+        assert all(r[name]["metrics"]["noise/b_simple"] == pytest.approx(m["noise/b_simple"], rel=1e-9) for r in res)
+    for key in ("noise/grad_sq", "noise/trace_cov"):
+        assert r0["sharded"][key] == pytest.approx(r0["replicated"][key], rel=1e-6)  # fp32 sums in another order
+    assert "global batch" in r0["plain"]["summary"]
+    assert "gradient_as_bucket_view=False" in r0["view_error"]
+
+
+def test_digits_recipe_reports_the_noise_scale(monkeypatch, capfd, tmp_path):
+    from multigpu.recipes import digits
+
+    monkeypatch.delenv("RANK", raising=False)
+    res = digits.main(["--epochs", "5", "--micro-batch", "16", "--noise-every", "1", "--log-dir", str(tmp_path / "a")])
+    out = capfd.readouterr().out
+    assert res["noise/measured_steps"] == 5 * 22 and res["noise/skipped_steps"] == 0
+    assert 10 < res["noise/b_simple"] < 500                       # 47 measured at this point
+    assert "noise scale" in out and "B_simple ~" in out and "per-example efficiency" in out
+    # One process without micro-batches cannot measure: one line, exit 2.
+    with pytest.raises(SystemExit) as exc:
+        digits.main(["--epochs", "1", "--noise-every", "1", "--log-dir", str(tmp_path / "b")])
+    err = capfd.readouterr().err.strip()
+    assert exc.value.code == 2 and err.count("\n") == 0 and "accum_steps >= 2" in err
+
+
+@pytest.mark.gpu
+def test_cuda_one_process_matches_closed_form():
+    device = torch.device("cuda", 0)
+    gen = torch.Generator(device=device).manual_seed(3)
+    plan = mg.BatchPlan(global_batch=256, world_size=1, micro_batch=64)
+    model = _linear().to(device)
+    amp = mg.Precision("fp16", device)
+    noise = mg.NoiseScale(plan, tau=1e12, scaler=amp).attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for _ in range(400):
+        for _ in range(plan.accum_steps):
+            x = torch.randn(plan.micro_batch, D, generator=gen, device=device)
+            y = torch.randn(plan.micro_batch, generator=gen, device=device) * math.sqrt(S2)
+            amp.scale(_loss(model, x, y, plan.accum_steps)).backward()
+        amp.step(opt)
+        opt.zero_grad(set_to_none=True)
+    assert len(noise._raw) > 0          # folded lazily on CUDA: no host sync per step
+    m = noise.metrics()
+    assert not noise._raw and m["noise/measured_steps"] + m["noise/skipped_steps"] == 400
+    assert abs(m["noise/b_simple"] / TRUE_B - 1) < 0.1
