@@ -255,9 +255,47 @@ def _cross_resume(dist, path):
     return out
 
 
+def _checkpointer_across_strategies(dist, path):
+    """mg.Checkpointer: save under one strategy, resume under another, against the uninterrupted run.
+
+    For each (saved under, resumed under): 4 loader steps with the first
+    strategy, a checkpoint after step 1, then a fresh model under the second
+    strategy resumes it and trains steps 2-3; the largest parameter gap to
+    the uninterrupted run is returned with the step resume() gave.
+    """
+    plan = mg.BatchPlan(GLOBAL_BATCH, dist.world_size)
+
+    def run(strategy, directory, save_at=None, resume=False):
+        options = {"block_classes": [Block]} if strategy == "fsdp" else {}
+        model = mg.wrap(_net(), strategy, **options)
+        opt = mg.optimizer(model, torch.optim.AdamW, lr=LR)
+        train = mg.loader(_data(), plan, dist, seed=0)
+        ckpt = mg.Checkpointer(directory, every=1000, model=model, optimizer=opt, loader=train)
+        start = ckpt.resume() if resume else 0
+        for step, micro_batches in enumerate(train, start=start):
+            if step == 4:
+                break
+            for x, y in mg.accumulate(model, micro_batches):
+                nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == save_at:
+                ckpt.save(step, force=True)
+        return start, mg.full_state_dict(model, cpu=False)
+
+    out = {}
+    for src, dst in (("fsdp", "ddp"), ("ddp", "fsdp"), ("zero1", "fsdp"), ("fsdp", "zero1")):
+        directory = f"{path}/{src}-{dst}"
+        _, uninterrupted = run(src, directory, save_at=1)
+        start, resumed = run(dst, directory, resume=True)
+        out[src, dst] = (start, max((uninterrupted[k] - resumed[k]).abs().max().item() for k in resumed))
+    return out
+
+
 def _precision_and_bad_inputs(dist, path):
     return (_fp16_inf_on_one_rank(dist), _bf16_mixed_precision_trains(dist), _bad_inputs(dist),
-            _zero1_fp16_and_full_state_dict(dist), _norms_two_ways(dist), _cross_resume(dist, path))
+            _zero1_fp16_and_full_state_dict(dist), _norms_two_ways(dist), _cross_resume(dist, path),
+            _checkpointer_across_strategies(dist, path))
 
 
 @pytest.fixture(scope="module")
@@ -312,6 +350,15 @@ def test_dcp_checkpoint_of_fsdp_resumes_under_ddp_and_back(two_rank_checks):
         for direction, (loaded, after_step) in rank_result[5].items():
             assert loaded == 0.0, direction  # the very same values
             assert after_step < 1e-6, direction  # AdamW moments came across too
+
+
+def test_checkpointer_resumes_across_fsdp_ddp_and_zero1(two_rank_checks):
+    for rank_result in two_rank_checks:
+        results = rank_result[6]
+        assert set(results) == {("fsdp", "ddp"), ("ddp", "fsdp"), ("zero1", "fsdp"), ("fsdp", "zero1")}
+        for direction, (start, gap) in results.items():
+            assert start == 2, direction
+            assert gap <= 1e-6, (direction, gap)  # the same run as without the interruption
 
 
 def test_norm_of_shards_matches_dtensor_reduction(two_rank_checks):
