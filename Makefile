@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/multigpu run -m multigpu.recipes.digits
+	$(VENV)/bin/multigpu study --policy keep-global,scale-global digits
 
 test: $(STAMP) browser
 	$(PY) -m pytest -q

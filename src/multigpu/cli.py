@@ -1,7 +1,7 @@
 """The ``multigpu`` command: argparse verbs, each one function call.
 
-Every verb imports its module lazily (``multigpu --help`` does not import
-torch) and a ``UsageError`` becomes one line on stderr with exit status 2.
+Every verb's module is imported only when that verb runs, and a
+``UsageError`` becomes one line on stderr with exit status 2.
 """
 
 from __future__ import annotations
@@ -45,19 +45,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_ckpt(args: argparse.Namespace) -> int:
-    from .checkpoint import export, table
+    from .checkpoint.tools import main as ckpt_main
 
-    if args.action == "export":
-        info = export(args.checkpoint, args.out)
-        print(f"exported {args.checkpoint} (step {info['step']}) -> {args.out}: {info['tensors']} tensors, "
-              f"{info['parameters']:,} parameters, {info['bytes']:,} bytes; "
-              "load with model.load_state_dict(torch.load(path, weights_only=True))")
-        return 0
-    lines, bad = table(args.dir, full=args.action == "verify")
-    print("\n".join(lines))
-    if args.action == "verify":
-        print(f"{bad} of {len(lines) - 1} checkpoints not valid" if bad else "all checkpoints valid")
-        return 1 if bad else 0
+    return ckpt_main(args)
+
+
+def _cmd_study(args: argparse.Namespace) -> int:
+    from .study import main as study_main
+
+    return study_main(args)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    html_path, md_path = write_report(args.results, args.output)
+    print(f"multigpu report: {html_path} (self-contained) and {md_path}")
     return 0
 
 
@@ -101,6 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("checkpoint", help="checkpoint directory, e.g. runs/x/step-120")
     exp.add_argument("out", help="output file, e.g. model.pt")
     ckpt.set_defaults(func=_cmd_ckpt)
+    from .study import add_study_arguments
+
+    study = sub.add_parser("study", help="run a workload at several world sizes and batch policies; measure and judge")
+    add_study_arguments(study)
+    study.set_defaults(func=_cmd_study)
+
+    report = sub.add_parser("report", help="write the HTML report and Markdown summary of a study's results")
+    report.add_argument("results", help="the results directory `multigpu study` wrote")
+    report.add_argument("-o", "--output", default=None, help="HTML file to write (default: RESULTS/report.html)")
+    report.set_defaults(func=_cmd_report)
     return parser
 
 

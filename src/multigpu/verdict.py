@@ -38,6 +38,11 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f} %"
 
 
+def _mean(value: Any) -> float | None:
+    """A figure given as a number or as a {mean, std} spread."""
+    return value.get("mean") if isinstance(value, Mapping) else value
+
+
 def findings(group: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> list[Finding]:
     """All findings for one (workers, policy) group, most important first.
 
@@ -55,7 +60,7 @@ def findings(group: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> li
         out.append(Finding("failed", f"{group['n_failed']} of {group['n_failed'] + group['n_ok']} runs failed: "
                                      f"{(group.get('errors') or ['?'])[0]}"))
     acc, base_acc = (group.get("accuracy") or {}), (baseline or {}).get("accuracy") or {}
-    if acc.get("mean") is not None and base_acc.get("mean") is not None and baseline is not group:
+    if acc.get("mean") is not None and base_acc.get("mean") is not None and group.get("workers") != 1:
         spread = max(acc.get("std") or 0.0, base_acc.get("std") or 0.0)
         drop = base_acc["mean"] - acc["mean"]
         if drop > max(ACCURACY_DROP, 2 * spread):
@@ -77,7 +82,7 @@ def findings(group: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> li
     if phi and batch and phi > 0 and batch >= BEYOND_CRITICAL * phi:
         out.append(Finding("critical-batch", f"beyond the critical batch: global batch {batch} vs noise scale "
                                              f"~{phi:.0f}; more GPUs will not cut steps"))
-    eff = group.get("efficiency")
+    eff = _mean(group.get("efficiency"))
     if eff is not None:
         if eff >= GOOD_EFFICIENCY and not any(f.kind in ("data", "communication") for f in out):
             out.append(Finding("compute", f"compute bound: {_pct(eff)} efficiency"))

@@ -109,3 +109,19 @@ def export(checkpoint: str | Path, out: str | Path) -> dict[str, int]:
     tensors = [v for v in weights.values() if isinstance(v, torch.Tensor)]
     return {"step": manifest["step"], "tensors": len(tensors), "parameters": sum(t.numel() for t in tensors),
             "bytes": out.stat().st_size}
+
+
+def main(args) -> int:
+    """`multigpu ckpt ls | verify | export`: print the table or export; exit 1 when verify finds damage."""
+    if args.action == "export":
+        info = export(args.checkpoint, args.out)
+        print(f"exported {args.checkpoint} (step {info['step']}) -> {args.out}: {info['tensors']} tensors, "
+              f"{info['parameters']:,} parameters, {info['bytes']:,} bytes; "
+              "load with model.load_state_dict(torch.load(path, weights_only=True))")
+        return 0
+    lines, bad = table(args.dir, full=args.action == "verify")
+    print("\n".join(lines))
+    if args.action == "verify":
+        print(f"{bad} of {len(lines) - 1} checkpoints not valid" if bad else "all checkpoints valid")
+        return 1 if bad else 0
+    return 0

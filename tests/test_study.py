@@ -1,0 +1,125 @@
+"""The scaling study end to end on real launcher runs (digits, 1 and 2 gloo workers), and its bad input."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from multigpu.report import write_report
+from multigpu.study import StudyConfig, plan_runs, run_study, RECIPES
+
+
+def test_digits_study_writes_every_file_and_efficiency_is_the_throughput_ratio(tmp_path):
+    out = tmp_path / "study"
+    proc = subprocess.run(
+        [sys.executable, "-m", "multigpu", "study", "--workers", "1,2", "--policy", "keep-global,scale-global",
+         "--steps", "60", "--cpu", "--out", str(out), "digits", "--eval-every", "1"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[3/3] 2 workers, scale-global, global batch 128" in proc.stdout  # progress, 1 worker shared
+    study = json.loads((out / "study.json").read_text())
+    assert (out / "fingerprint.json").is_file() and (out / "report.html").is_file() and (out / "report.md").is_file()
+    runs = {r["id"]: r for r in study["runs"]}
+    assert set(runs) == {"w1-gb64-r0", "w2-gb64-r0", "w2-gb128-r0"}
+    assert all(r["status"] == "ok" for r in runs.values())
+    for r in runs.values():
+        assert (tmp_path / r["run_dir"]).joinpath("metrics.jsonl").is_file()
+        assert r["breakdown"]["source"] == "meter+profiler"
+        assert abs(sum(r["breakdown"][k] for k in ("compute", "comm_exposed", "data_wait", "idle")) - 1) < 1e-6
+    # Same samples under both policies: scale-global runs half the steps at twice the batch.
+    assert runs["w2-gb128-r0"]["steps"] == 30 and runs["w2-gb64-r0"]["steps"] == 60
+    assert runs["w2-gb128-r0"]["samples_seen"] == runs["w2-gb64-r0"]["samples_seen"] == 60 * 64
+    groups = {(g["workers"], g["policy"]): g for g in study["groups"]}
+    for pol in ("keep-global", "scale-global"):
+        one, two = groups[(1, pol)], groups[(2, pol)]
+        assert two["efficiency"]["mean"] == pytest.approx(
+            two["samples_per_s"]["mean"] / (2 * one["samples_per_s"]["mean"]), rel=1e-12)
+        assert two["verdict"] and one["verdict"] == "baseline (1 worker)"
+        assert two["noise_scale"] is not None and one["noise_scale"] is None  # needs >= 2 ranks
+        assert 0 < two["accuracy"]["mean"] <= 1
+    assert "2 workers keep-global:" in study["headline"] and "efficiency" in study["headline"]
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 4
+
+
+FAILS_ON_TWO = textwrap.dedent("""
+    import argparse, torch, multigpu as mg
+    p = argparse.ArgumentParser()
+    p.add_argument("--global-batch", type=int)
+    p.add_argument("--steps", type=int, default=20)
+    a = p.parse_args()
+    with mg.init() as dist:
+        if dist.world_size == 2:
+            raise RuntimeError("this workload breaks on 2 ranks")
+        plan = mg.BatchPlan(a.global_batch, dist.world_size)
+        model = mg.wrap(torch.nn.Linear(4, 1), "none")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = torch.utils.data.TensorDataset(torch.randn(256, 4), torch.randn(256, 1))
+        with mg.StepMeter(dist, plan, log_every=5, progress=False) as meter:
+            for step, mbs in meter.steps(mg.loader(data, plan, dist)):
+                for x, y in mbs:
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                    loss.backward()
+                opt.step(); opt.zero_grad()
+                meter.step_end(loss=loss)
+                if step + 1 == a.steps:
+                    break
+            meter.log_eval(loss=loss.item())
+""")
+
+
+def test_a_failed_run_is_reported_and_the_study_goes_on(tmp_path):
+    script = tmp_path / "flaky.py"
+    script.write_text(FAILS_ON_TWO)
+    said = []
+    cfg = StudyConfig(str(script), workers=(1, 2), global_batch=16, steps=10, cpu=True, out=str(tmp_path / "s"),
+                      profile=None, target="loss<=100")
+    out, study = run_study(cfg, say=said.append)
+    runs = {r["workers"]: r for r in study["runs"]}
+    assert runs[1]["status"] == "ok" and runs[1]["to_target"] is not None
+    assert runs[2]["status"] == "failed" and runs[2]["exit_code"] == 1
+    assert "rank" in runs[2]["error"] and "log" in runs[2]["error"]
+    assert any(line.startswith("      FAILED") and "the study goes on" in line for line in said)
+    two = next(g for g in study["groups"] if g["workers"] == 2)
+    assert two["verdict"].startswith("failed: ") and two["n_failed"] == 1
+    assert runs[1]["breakdown"]["source"] == "meter" and runs[1]["breakdown"]["comm_exposed"] is None
+    html_path, md_path = write_report(out)
+    assert "Failed runs" in md_path.read_text()
+
+
+def test_policies_that_coincide_share_a_run():
+    specs = plan_runs(StudyConfig("digits", workers=(1, 2, 4), policies=("keep-global", "scale-global"),
+                                  steps=100, repeats=2), RECIPES["digits"])
+    by_id = {s.id: s for s in specs}
+    assert len(specs) == 10  # 1 worker shared by both policies, x2 repeats
+    assert by_id["w1-gb64-r1"].policies == ("keep-global", "scale-global")
+    assert by_id["w4-gb256-r0"].steps == 25 and "--noise-every" in by_id["w4-gb256-r0"].args
+    assert "--noise-every" not in by_id["w1-gb64-r0"].args
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["nosuchrecipe"], "unknown recipe 'nosuchrecipe'; expected one of digits"),
+    (["--workers", "0,2", "digits"], "--workers must be positive integers, got 0,2"),
+    (["--workers", "1,x", "digits"], "comma-separated list of integers"),
+    (["--policy", "double", "digits"], "unknown policy double; expected keep-global or scale-global"),
+    (["--target", "accuracy=0.9", "digits"], "--target must look like accuracy>=0.95"),
+    (["--out", "{file}/sub", "digits"], "is not writable"),
+    (["missing.py"], "script 'missing.py' does not exist"),
+])
+def test_bad_study_input_is_one_line_exit_2(argv, fragment, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    argv = [a.replace("{file}", str(blocker)) for a in argv]
+    proc = subprocess.run([sys.executable, "-m", "multigpu", "study", *argv], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert fragment in proc.stderr
+
+
+def test_report_of_a_missing_study_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "multigpu", "report", str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "holds no study.json" in proc.stderr and proc.stderr.count("\n") == 1
