@@ -14,6 +14,7 @@ from torch.utils.data import TensorDataset
 import multigpu as mg
 from multigpu.data import global_order
 from multigpu.footprint import state_bytes
+from multigpu.fsdp import is_fsdp
 from multigpu.testing import spawn
 
 GLOBAL_BATCH, STEPS, N, MAX_NORM = 16, 5, 96, 0.05
@@ -106,7 +107,7 @@ def _all_variants(dist):
             out[name, accum, clip] = (params, norms, bytes_)
             if name == "fsdp-block-classes" and not clip:
                 out["dcp"] = _dcp_round_trip(model, opt)
-                out["fsdp_units"] = sum(isinstance(m, mg.fsdp.FSDPModule) for m in model.modules())
+                out["fsdp_units"] = sum(is_fsdp(m) for m in model.modules())
     out["ddp_bytes"] = _train(dist, "ddp", None, False)[3]
     return out
 
@@ -210,15 +211,97 @@ def _norms_two_ways(dist):
     return out
 
 
-def _precision_and_bad_inputs(dist):
+def _cross_resume(dist, path):
+    """A DCP checkpoint (get_state_dict + dcp.save) of one strategy resumes under the other.
+
+    Returns, per direction, the largest parameter difference right after
+    loading and after one more identical step on both (which also needs the
+    AdamW moments to have come across).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build(strategy):
+        model = mg.wrap(_net(), strategy, **({"block_classes": [Block]} if strategy == "fsdp" else {}))
+        return model, mg.optimizer(model, torch.optim.AdamW, lr=0.01)
+
+    def train(model, opt, steps, seed):
+        g = torch.Generator().manual_seed(seed * 10 + dist.rank)  # different data on each rank
+        for _ in range(steps):
+            model(torch.randn(4, 12, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    def gap(a, b):
+        fa, fb = mg.full_state_dict(a, cpu=False), mg.full_state_dict(b, cpu=False)
+        return max((fa[k] - fb[k]).abs().max().item() for k in fa)
+
+    out = {}
+    for src, dst in (("fsdp", "ddp"), ("ddp", "fsdp")):
+        a, oa = build(src)
+        train(a, oa, 3, seed=1)
+        msd, osd = get_state_dict(a, oa)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{path}/{src}")
+        b, ob = build(dst)
+        train(b, ob, 1, seed=2)  # a different state, overwritten by the load
+        msd, osd = get_state_dict(b, ob)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=f"{path}/{src}")
+        set_state_dict(b, ob, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        loaded = gap(a, b)
+        train(a, oa, 1, seed=3)
+        train(b, ob, 1, seed=3)
+        out[src, dst] = (loaded, gap(a, b))
+    return out
+
+
+def _checkpointer_across_strategies(dist, path):
+    """mg.Checkpointer: save under one strategy, resume under another, against the uninterrupted run.
+
+    For each (saved under, resumed under): 4 loader steps with the first
+    strategy, a checkpoint after step 1, then a fresh model under the second
+    strategy resumes it and trains steps 2-3; the largest parameter gap to
+    the uninterrupted run is returned with the step resume() gave.
+    """
+    plan = mg.BatchPlan(GLOBAL_BATCH, dist.world_size)
+
+    def run(strategy, directory, save_at=None, resume=False):
+        options = {"block_classes": [Block]} if strategy == "fsdp" else {}
+        model = mg.wrap(_net(), strategy, **options)
+        opt = mg.optimizer(model, torch.optim.AdamW, lr=LR)
+        train = mg.loader(_data(), plan, dist, seed=0)
+        ckpt = mg.Checkpointer(directory, every=1000, model=model, optimizer=opt, loader=train)
+        start = ckpt.resume() if resume else 0
+        for step, micro_batches in enumerate(train, start=start):
+            if step == 4:
+                break
+            for x, y in mg.accumulate(model, micro_batches):
+                nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == save_at:
+                ckpt.save(step, force=True)
+        return start, mg.full_state_dict(model, cpu=False)
+
+    out = {}
+    for src, dst in (("fsdp", "ddp"), ("ddp", "fsdp"), ("zero1", "fsdp"), ("fsdp", "zero1")):
+        directory = f"{path}/{src}-{dst}"
+        _, uninterrupted = run(src, directory, save_at=1)
+        start, resumed = run(dst, directory, resume=True)
+        out[src, dst] = (start, max((uninterrupted[k] - resumed[k]).abs().max().item() for k in resumed))
+    return out
+
+
+def _precision_and_bad_inputs(dist, path):
     return (_fp16_inf_on_one_rank(dist), _bf16_mixed_precision_trains(dist), _bad_inputs(dist),
-            _zero1_fp16_and_full_state_dict(dist), _norms_two_ways(dist))
+            _zero1_fp16_and_full_state_dict(dist), _norms_two_ways(dist), _cross_resume(dist, path),
+            _checkpointer_across_strategies(dist, path))
 
 
 @pytest.fixture(scope="module")
-def two_rank_checks():
-    """One spawn for the precision and bad-input checks (a spawn costs seconds)."""
-    return spawn(_precision_and_bad_inputs, 2)
+def two_rank_checks(tmp_path_factory):
+    """One spawn for the precision, checkpoint and bad-input checks (a spawn costs seconds)."""
+    return spawn(_precision_and_bad_inputs, 2, str(tmp_path_factory.mktemp("dcp")))
 
 
 def test_fsdp_fp16_scaler_skips_on_every_rank_and_bf16_policy_trains(two_rank_checks):
@@ -242,6 +325,7 @@ def _bad_inputs(dist):
         "unknown": lambda: mg.wrap(_net(), "fsdp", bucket_cap_mb=25),
         "dtype": lambda: mg.wrap(_net(), "fsdp", param_dtype="fp8"),
         "blocks": lambda: mg.wrap(_net(), "fsdp", block_classes=Block),
+        "no_match": lambda: mg.wrap(_net(), "fsdp", block_classes=[nn.Conv2d]),
         "lbfgs": lambda: mg.optimizer(mg.wrap(_net(), "zero1"), torch.optim.LBFGS, lr=1),
         "instance": lambda: mg.optimizer(mg.wrap(_net(), "zero1"),
                                          torch.optim.SGD(_net().parameters(), lr=1)),
@@ -261,6 +345,22 @@ def test_zero1_fp16_skips_together_and_full_state_dict_gathers_on_rank0(two_rank
     assert state0 == {k: (tuple(v.shape), "cpu") for k, v in _net().state_dict().items()}
 
 
+def test_dcp_checkpoint_of_fsdp_resumes_under_ddp_and_back(two_rank_checks):
+    for rank_result in two_rank_checks:
+        for direction, (loaded, after_step) in rank_result[5].items():
+            assert loaded == 0.0, direction  # the very same values
+            assert after_step < 1e-6, direction  # AdamW moments came across too
+
+
+def test_checkpointer_resumes_across_fsdp_ddp_and_zero1(two_rank_checks):
+    for rank_result in two_rank_checks:
+        results = rank_result[6]
+        assert set(results) == {("fsdp", "ddp"), ("ddp", "fsdp"), ("zero1", "fsdp"), ("fsdp", "zero1")}
+        for direction, (start, gap) in results.items():
+            assert start == 2, direction
+            assert gap <= 1e-6, (direction, gap)  # the same run as without the interruption
+
+
 def test_norm_of_shards_matches_dtensor_reduction(two_rank_checks):
     for rank_result in two_rank_checks:
         for got, want in rank_result[4]:
@@ -269,7 +369,8 @@ def test_norm_of_shards_matches_dtensor_reduction(two_rank_checks):
 
 def test_bad_input_is_one_line_with_the_fix(two_rank_checks):
     errors = two_rank_checks[0][2]
-    assert set(errors) == {"no_params", "hook", "unknown", "dtype", "blocks", "lbfgs", "instance"}
+    assert set(errors) == {"no_params", "hook", "unknown", "dtype", "blocks", "no_match", "lbfgs", "instance"}
+    assert "block_classes [Conv2d] matched no module of Sequential" in errors["no_match"]
     assert all("\n" not in e for e in errors.values())
     assert "_NoParams has none; use strategy 'none'" in errors["no_params"]
     assert "comm hooks are DDP's" in errors["hook"] and "reduce_dtype='bf16'" in errors["hook"]

@@ -20,7 +20,6 @@ import warnings
 
 import torch
 import torch.distributed as tdist
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -56,6 +55,8 @@ class GlooSyncBatchNorm(_BatchNorm):
         distributed = tdist.is_available() and tdist.is_initialized() and tdist.get_world_size(group) > 1
         if not (self.training and distributed):
             return _BatchNorm.forward(self, input)  # plain BatchNorm: eval, or a single process
+        import torch.distributed.nn.functional as dist_fn  # differentiable collectives; imported on first use
+
         dims = [0] + list(range(2, input.dim()))
         channels = input.shape[1]
         count = torch.tensor([input.numel() // channels], dtype=input.dtype, device=input.device)

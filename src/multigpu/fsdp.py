@@ -27,10 +27,17 @@ from .batchnorm import prepare_batchnorm
 from .errors import UsageError
 from .precision import DTYPES
 
-try:  # torch >= 2.6 exports FSDP2 publicly; 2.4-2.5 had it under _composable.
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-except ImportError:  # pragma: no cover - older torch
-    from torch.distributed._composable.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+def _fsdp2() -> Any:
+    """FSDP2's module, imported on first use: it pulls in DTensor and device
+    meshes, seconds of import time that `import multigpu` should not pay."""
+    try:  # torch >= 2.6 exports FSDP2 publicly; 2.4-2.5 had it under _composable.
+        import torch.distributed.fsdp as fsdp2
+
+        fsdp2.fully_shard  # noqa: B018 - probe the public name
+    except (ImportError, AttributeError):  # pragma: no cover - older torch
+        import torch.distributed._composable.fsdp as fsdp2
+    return fsdp2
 
 # A block smaller than this is not worth its own all-gather: it joins its
 # parent's. At fp32 1M parameters are 4 MB, about where NCCL collectives stop
@@ -116,32 +123,50 @@ def wrap_fsdp(
         raise UsageError(f"fsdp min_block_params must be a positive int, got {min_block_params!r}")
     if not (tdist.is_available() and tdist.is_initialized()):
         raise UsageError("strategy 'fsdp' needs a process group; call mg.wrap inside `with mg.init() as dist:`")
+    if tdist.get_backend() == "nccl" and device.type != "cuda":
+        raise UsageError(f"strategy 'fsdp' over NCCL needs the model on the GPU but it is on {device.type}; "
+                         "use mg.wrap(model.to(dist.device), 'fsdp')")
+    # Check everything before changing the model: a refused call leaves it as it was.
+    pdt, rdt = _dtype("param_dtype", param_dtype), _dtype("reduce_dtype", reduce_dtype)
+    blocks = pick_blocks(model, block_classes, min_block_params)
+    if block_classes is not None and not blocks:
+        names = ", ".join(c.__name__ for c in block_classes)
+        raise UsageError(f"fsdp block_classes [{names}] matched no module of {type(model).__name__} (tied-weight "
+                         "modules do not count); pass the classes of its repeated blocks, or drop block_classes "
+                         "to shard by size")
     model = prepare_batchnorm(model, "fsdp", sync_batchnorm, device)
 
     from torch.distributed.device_mesh import init_device_mesh
 
+    fsdp2 = _fsdp2()
     # The mesh must live on the parameters' device type: gloo meshes are
     # "cpu", NCCL meshes "cuda" (init_device_mesh would otherwise guess from
     # what is installed, not from where the model is).
     mesh = init_device_mesh(device.type, (tdist.get_world_size(),))
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    pdt, rdt = _dtype("param_dtype", param_dtype), _dtype("reduce_dtype", reduce_dtype)
     if pdt is not None or rdt is not None:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=pdt, reduce_dtype=rdt)
+        kwargs["mp_policy"] = fsdp2.MixedPrecisionPolicy(param_dtype=pdt, reduce_dtype=rdt)
     if cpu_offload:
         # Pinned host memory makes the host<->GPU copies asynchronous; it
         # exists only with CUDA.
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    for block in pick_blocks(model, block_classes, min_block_params):
-        fully_shard(block, **kwargs)
+        kwargs["offload_policy"] = fsdp2.CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    if sync_batchnorm:  # the conversion replaced BatchNorm modules: pick from the model as it is now
+        blocks = pick_blocks(model, block_classes, min_block_params)
+    for block in blocks:
+        fsdp2.fully_shard(block, **kwargs)
     # The root takes whatever no block took (embeddings, heads, norms); FSDP2
     # itself keeps the root unsharded between forward and backward.
-    fully_shard(model, **kwargs)
+    fsdp2.fully_shard(model, **kwargs)
     return model
 
 
 def is_fsdp(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    """Whether ``fully_shard`` was applied to ``model`` (False without importing FSDP if it never was)."""
+    import sys
+
+    if "torch.distributed.fsdp" not in sys.modules and "torch.distributed._composable.fsdp" not in sys.modules:
+        return False
+    return isinstance(model, _fsdp2().FSDPModule)
 
 
 def full_state_dict(model: nn.Module, cpu: bool = True) -> dict[str, torch.Tensor]:
