@@ -7,7 +7,6 @@
 Same code on GPU (nccl, CUDA events) and CPU (gloo, wall clock after a
 barrier). Run under torchrun (or ``multigpu run``) it measures the launched
 job in place, across nodes too; otherwise it starts ``nproc`` local ranks.
-This package imports torch lazily, so ``multigpu --help`` stays fast.
 """
 
 from __future__ import annotations

@@ -1,13 +1,4 @@
-"""Running the benchmark: launch ranks (or join the launched job), collect, format.
-
->>> from multigpu.commbench import BenchConfig, run_bench
->>> result = run_bench(BenchConfig(ops=("all_reduce",), sizes=(1024, 2048)), nproc=2)
->>> result["rows"][0]["in"]["busbw"]   # GB/s, max time over ranks
-
-Same code on GPU (nccl, CUDA events) and CPU (gloo, wall clock after a
-barrier). Run under torchrun (or ``multigpu run``) it measures the launched
-job in place, across nodes too; otherwise it starts ``nproc`` local ranks.
-"""
+"""Running the benchmark: launch ranks (or join the launched job), collect, format (see the package docstring)."""
 
 from __future__ import annotations
 
