@@ -126,11 +126,11 @@ def check(cfg: StudyConfig) -> None:
     if bad or not cfg.policies:
         raise UsageError(f"unknown policy {','.join(bad) or '(none)'}; expected {' or '.join(POLICIES)}")
     if cfg.repeats < 1:
-        raise UsageError(f"--repeats must be >= 1, got {cfg.repeats}")
+        raise UsageError(f"--repeats must be >= 1, got {cfg.repeats}; use e.g. --repeats 3 for a mean and spread")
     if cfg.steps is not None and cfg.steps < 1:
-        raise UsageError(f"--steps must be >= 1, got {cfg.steps}")
+        raise UsageError(f"--steps must be >= 1, got {cfg.steps}; omit it to train for the workload's own length")
     if cfg.global_batch is not None and cfg.global_batch < 1:
-        raise UsageError(f"--global-batch must be >= 1, got {cfg.global_batch}")
+        raise UsageError(f"--global-batch must be >= 1, got {cfg.global_batch}; use e.g. --global-batch 64")
     parse_target(cfg.target)
 
 
