@@ -211,3 +211,15 @@ def write_report(results_dir: str | Path, output: str | Path | None = None) -> t
     except OSError as err:
         raise UsageError(f"cannot write the report to {html_path.parent} ({err.strerror}); pass -o to a writable path") from None
     return html_path, md_path
+
+
+def add_arguments(parser) -> None:
+    """`multigpu report RESULTS [-o report.html]` arguments."""
+    parser.add_argument("results", help="the results directory `multigpu study` wrote")
+    parser.add_argument("-o", "--output", default=None, help="HTML file to write (default: RESULTS/report.html)")
+
+
+def main(args) -> int:
+    html_path, md_path = write_report(args.results, args.output)
+    print(f"multigpu report: {html_path} (self-contained) and {md_path}")
+    return 0

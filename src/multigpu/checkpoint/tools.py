@@ -125,3 +125,17 @@ def main(args) -> int:
         print(f"{bad} of {len(lines) - 1} checkpoints not valid" if bad else "all checkpoints valid")
         return 1 if bad else 0
     return 0
+
+
+def add_arguments(parser) -> None:
+    """`multigpu ckpt ls | verify | export` arguments."""
+    # Sub-actions use the parent's parser class, so their mistakes are one line too.
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", parser_class=type(parser))
+    actions.required = True
+    ls = actions.add_parser("ls", help="checkpoints with step, world size, size, and valid or why not (sizes only)")
+    ls.add_argument("dir", help="run directory (or one checkpoint directory)")
+    verify = actions.add_parser("verify", help="check every file's sha256; exit status 1 if any checkpoint is damaged")
+    verify.add_argument("dir", help="run directory (or one checkpoint directory)")
+    exp = actions.add_parser("export", help="write one checkpoint's model weights as a plain torch.save file")
+    exp.add_argument("checkpoint", help="checkpoint directory, e.g. runs/x/step-120")
+    exp.add_argument("out", help="output file, e.g. model.pt")
