@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -126,3 +128,30 @@ def test_digits_recipe_find_batch(monkeypatch, capfd, tmp_path):
         digits.main(["--epochs", "1", "--find-batch", "--log-dir", str(tmp_path / "b")])
     err = capfd.readouterr().err.strip()
     assert exc.value.code == 2 and err.count("\n") == 0 and "memory_budget" in err
+
+
+def test_launcher_request_budget_and_result_file(monkeypatch, tmp_path, capfd):
+    # What a worker of `multigpu run --find-batch --memory-budget 38MiB` sees (in process, one rank).
+    assert not mg.find_batch_requested()
+    monkeypatch.setenv("MULTIGPU_FIND_BATCH", "1")
+    monkeypatch.setenv("MULTIGPU_MEMORY_BUDGET", str((4 * 9 + 2) * MIB))
+    monkeypatch.setenv("MULTIGPU_RUN_DIR", str(tmp_path))
+    assert mg.find_batch_requested()
+    assert mg.find_micro_batch(_alloc_step(), global_batch=32).micro_batch == 9          # the launcher's budget
+    found = mg.find_micro_batch(_alloc_step(), memory_budget=(4 * 5 + 2) * MIB, global_batch=32)
+    assert found.micro_batch == 5                                                       # an explicit budget wins
+    result = json.loads((tmp_path / "find_batch.json").read_text())                     # the last search's
+    assert (result["micro_batch"], result["memory_budget"], result["summary"]) == (5, (4 * 5 + 2) * MIB, found.summary())
+    assert result["plan"] == {"global_batch": 32, "world_size": 1, "micro_batch": 4, "accum_steps": 8}
+    monkeypatch.setenv("MULTIGPU_MEMORY_BUDGET", "lots")
+    with pytest.raises(mg.UsageError, match="MULTIGPU_MEMORY_BUDGET must be a positive number of bytes"):
+        mg.find_micro_batch(_alloc_step())
+
+    # The digits recipe honours the request without its own --find-batch (budget from the launcher).
+    from multigpu.recipes import digits
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("MULTIGPU_MEMORY_BUDGET", str(64 * MIB))
+    digits.main(["--steps", "1", "--global-batch", "64", "--log-dir", str(tmp_path / "m")])
+    assert "largest micro-batch that fits: 64 per rank" in capfd.readouterr().out
+    assert json.loads((tmp_path / "find_batch.json").read_text())["memory_budget"] == 64 * MIB

@@ -22,7 +22,7 @@ import pytest
 
 from multigpu import cli
 from multigpu.errors import UsageError
-from multigpu.launch import RunConfig, resolve
+from multigpu.launch import RunConfig, parse_size, resolve
 
 # A torchrun-style script: reads RANK/WORLD_SIZE itself, calls init_process_group itself,
 # imports a module from its own directory. It knows nothing of multigpu.
@@ -148,6 +148,11 @@ def _free_port() -> int:
         (["--max-restarts", "-1", "{script}"], "--max-restarts must be 0 or more, got -1"),
         (["--nnodes", "0", "{script}"], "--nnodes must be at least 1, got 0"),
         (["--log-dir", "{script}", "{script}"], "cannot create the log directory"),
+        (["--find-batch", "{script}"], "--find-batch on CPU workers (--cpu) needs --memory-budget SIZE"),
+        (["--memory-budget", "1GiB", "{script}"], "got it without --find-batch; add --find-batch or drop --memory-budget 1GiB"),
+        (["--find-batch", "--memory-budget", "12XB", "{script}"], "--memory-budget must be a positive size like 512MB, 8GiB or a number of bytes, got '12XB'"),
+        (["--find-batch", "--memory-budget", "0MB", "{script}"], "got '0MB'"),
+        (["--find-batch", "--memory-budget", "1.5", "{script}"], "got '1.5'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, expected, tmp_path, monkeypatch, capsys):
@@ -204,6 +209,19 @@ def test_resolve_gpus_and_slurm(tmp_path, monkeypatch):
     assert resolve(RunConfig(script, cpu=True), environ={**slurm, "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_NTASKS": "1"}).source == "standalone"
     place = resolve(RunConfig(script, cpu=True, nnodes=2, node_rank=0, master="[::1]:29500"), environ={})
     assert (place.master_addr, place.master_port) == ("::1", 29500)
+
+
+def test_memory_budget_sizes_and_find_batch_on_gpus(tmp_path):
+    assert [parse_size(t) for t in ("4096", "512MB", "512mb", "8GiB", "1.5GiB", "2KiB", "1TB")] == [
+        4096, 512 * 10**6, 512 * 10**6, 8 << 30, 3 << 29, 2048, 10**12]
+    for bad in ("", "-1GB", "1e9", "12 MB", "GiB", "1.5.2GB", "0", "0.0000001KB", "1.5B", "2GiBs"):
+        with pytest.raises(UsageError, match="--memory-budget must be a positive size"):
+            parse_size(bad)
+    # With GPUs the search has CUDA's out-of-memory error; a budget is optional there.
+    script = str(_write_scripts(tmp_path))
+    assert resolve(RunConfig(script, find_batch=True), environ={}, gpu_count=lambda: 2).nproc == 2
+    with pytest.raises(UsageError, match=r"--find-batch on CPU workers \(no visible GPU\)"):
+        resolve(RunConfig(script, find_batch=True), environ={}, gpu_count=lambda: 0)
 
 
 # --------------------------------------------------------------------------- real launches
@@ -433,3 +451,51 @@ def test_launcher_failure_is_one_line(tmp_path, monkeypatch, capsys):
         f"(details in {run_dir}/launcher.log)"
     )
     assert "RendezvousConnectionError" in (run_dir / "launcher.log").read_text()  # the traceback is kept there
+
+
+# --------------------------------------------------------------------------- --find-batch
+
+
+def test_find_batch_reported_by_the_launcher(tmp_path):
+    # Three real launches at once: a script that runs the search, one that ignores the request,
+    # and a bad budget from the command line (one line, exit 2, nothing started).
+    script = Path(__file__).with_name("_find_batch_worker.py")
+    logs = tmp_path / "logs"
+    common = ["-n", "2", "--cpu", "--find-batch", "--log-dir", str(logs)]
+    # 2 MiB per sample against 75 MiB: about 37 per rank fits (CPU peaks are exact to a few hundred KB).
+    search = _start([*common, "--memory-budget", "75MiB", str(script), "search"], tmp_path, "search")
+    ignore = _start([*common, "--memory-budget", "75MiB", str(script), "ignore"], tmp_path, "ignore")
+    bad = _start(["--cpu", "--find-batch", "--memory-budget", "75 MiB", "--log-dir", str(tmp_path / "bad-logs"), str(script)],
+                 tmp_path, "bad")
+    _wait_all([search[0], ignore[0], bad[0]])
+
+    err = search[2].read_text()
+    assert search[0].returncode == 0, err
+    run_dir = _run_dir(err)
+    assert f"multigpu run: MULTIGPU_MEMORY_BUDGET: unset -> '{75 << 20}' (--memory-budget 75MiB in bytes)" in err
+    assert "multigpu run: MULTIGPU_FIND_BATCH: unset -> '1'" in err
+    result = json.loads((run_dir / "find_batch.json").read_text())
+    found = result["micro_batch"]
+    assert 32 <= found < 64, result  # below the rank's share of 64, so accumulation must rise
+    assert result["plan"] == {"global_batch": 128, "world_size": 2, "micro_batch": 32, "accum_steps": 2}
+    assert result["limit"] == "cpu-budget" and result["memory_budget"] == 75 << 20 and result["world_size"] == 2
+    assert [t["micro_batch"] for t in result["trials"]][:6] == [1, 2, 4, 8, 16, 32]
+    assert not [p for p in run_dir.iterdir() if p.name.endswith(".tmp")]  # written atomically
+    assert search[1].read_text().splitlines() == ["plan: 2 ranks x 32 x 2 accumulation"]  # the global batch is kept
+    assert err.splitlines()[-1] == (
+        f"multigpu run: --find-batch: micro-batch {found} per rank fits on all 2 ranks (limit: cpu-budget, budget 75.0 MiB, "
+        f"{len(result['trials'])} trials); plan: global batch 128 = 2 ranks x 32 x 2 accumulation; details: {run_dir / 'find_batch.json'}")
+
+    err = ignore[2].read_text()
+    assert ignore[0].returncode == 0, err  # the workers' code: the run itself succeeded
+    assert not (_run_dir(err) / "find_batch.json").exists()
+    assert ignore[1].read_text().splitlines() == ["plan: 2 ranks x 64 x 1 accumulation"]
+    assert err.splitlines()[-1] == (
+        "multigpu run: --find-batch: _find_batch_worker.py did not call mg.find_micro_batch, so no micro-batch was searched; "
+        "in the script, call it when mg.find_batch_requested() is true (docs/batch-size.md)")
+
+    assert bad[0].returncode == 2
+    assert bad[2].read_text().splitlines() == [
+        "multigpu run: error: --memory-budget must be a positive size like 512MB, 8GiB or a number of bytes, got '75 MiB'; "
+        "use e.g. --memory-budget 8GiB"]
+    assert not (tmp_path / "bad-logs").exists()

@@ -8,7 +8,7 @@ import multigpu as mg
 PUBLIC = [
     "BatchPlan", "Checkpointer", "Dist", "MicroBatchSearch", "NoiseScale", "Precision", "ScaledRecipe",
     "StepMeter", "UsageError", "accumulate", "all_reduce_sum", "clip_grad_norm_", "eval_loader",
-    "find_micro_batch", "fingerprint", "full_state_dict", "init", "loader", "optimizer", "print0", "profile",
+    "find_batch_requested", "find_micro_batch", "fingerprint", "full_state_dict", "init", "loader", "optimizer", "print0", "profile",
     "scale_lr", "scale_recipe", "unwrap", "warmup", "wrap",
 ]
 

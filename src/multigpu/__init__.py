@@ -10,7 +10,7 @@ from .clip import clip_grad_norm_
 from .data import all_reduce_sum, eval_loader, loader
 from .dist import Dist, init, print0
 from .errors import UsageError
-from .finder import MicroBatchSearch, find_micro_batch
+from .finder import MicroBatchSearch, find_batch_requested, find_micro_batch
 from .fingerprint import fingerprint
 from .fsdp import full_state_dict
 from .meter import StepMeter, profile
@@ -35,6 +35,7 @@ __all__ = [
     "all_reduce_sum",
     "clip_grad_norm_",
     "eval_loader",
+    "find_batch_requested",
     "find_micro_batch",
     "fingerprint",
     "full_state_dict",

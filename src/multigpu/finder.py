@@ -14,14 +14,25 @@ answer. The global batch is kept by raising accumulation (``BatchPlan``).
   ``VmHWM`` from ``/proc/self/status``, reset before each trial by writing 5 to
   ``/proc/self/clear_refs`` (Linux >= 4.0, proc(5)), minus the resident set
   before the trial: real memory of the process, including torch's allocations.
+
+Under ``multigpu run --find-batch [--memory-budget SIZE]`` the launcher asks
+through variables it sets for its workers (``MULTIGPU_FIND_BATCH``,
+``MULTIGPU_MEMORY_BUDGET``; a launcher -> worker channel like
+``MULTIGPU_RUN_DIR``): ``find_batch_requested()`` tells the script, the search
+takes the budget when the caller gave none, and local rank 0 of each node
+writes the result to ``<run dir>/find_batch.json``, which the launcher reads
+for its closing line (``launcher_line``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
+import json
+import os
 import pathlib
 import re
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,8 +41,13 @@ import torch.distributed as tdist
 
 from .batch import BatchPlan
 from .errors import UsageError
+from .meter.meter import RUN_DIR_ENV
 
-__all__ = ["MicroBatchSearch", "find_micro_batch"]
+__all__ = ["MicroBatchSearch", "find_batch_requested", "find_micro_batch"]
+
+FIND_BATCH_ENV = "MULTIGPU_FIND_BATCH"  # "1" under `multigpu run --find-batch`
+MEMORY_BUDGET_ENV = "MULTIGPU_MEMORY_BUDGET"  # bytes, from `multigpu run --memory-budget SIZE`
+RESULT_FILE = "find_batch.json"  # in the run directory (MULTIGPU_RUN_DIR)
 
 
 @dataclass(frozen=True)
@@ -99,6 +115,90 @@ def _free(device: torch.device, collect: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def find_batch_requested() -> bool:
+    """True in a worker started by ``multigpu run --find-batch``: the script should run ``find_micro_batch``.
+
+    >>> plan = mg.BatchPlan(global_batch=1024, world_size=dist.world_size)
+    >>> if mg.find_batch_requested():
+    ...     plan = mg.find_micro_batch(step, dist, global_batch=plan.global_batch).plan
+    """
+    return os.environ.get(FIND_BATCH_ENV) == "1"
+
+
+def _launcher_budget() -> int | None:
+    text = os.environ.get(MEMORY_BUDGET_ENV)
+    if text is None:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"{MEMORY_BUDGET_ENV} must be a positive number of bytes (`multigpu run --memory-budget` "
+                         f"sets it), got {text!r}; unset it or pass memory_budget= to find_micro_batch")
+    return int(text)
+
+
+def _write_result(found: MicroBatchSearch, dist, memory_budget: int | None) -> None:
+    """``find_batch.json`` in the run directory, for the launcher's closing line; atomic (tmp + rename)."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    local_rank = getattr(dist, "local_rank", None)
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    # Every rank holds the same agreed result; local rank 0 writes it so that each node's
+    # launcher (one run directory per node) finds it, not only the node of global rank 0.
+    if not run_dir or local_rank != 0:
+        return
+    plan = found.plan
+    record = {
+        "micro_batch": found.micro_batch,
+        "plan": None if plan is None else {"global_batch": plan.global_batch, "world_size": plan.world_size,
+                                           "micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps},
+        "trials": [{"micro_batch": m, "fits": ok, "peak_bytes": peak} for m, ok, peak in found.trials],
+        "limit": found.limit,
+        "memory_budget": memory_budget,
+        "world_size": getattr(dist, "world_size", 1),
+        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+        "time": time.time(),
+        "summary": found.summary(),
+    }
+    path = os.path.join(run_dir, RESULT_FILE)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fp:
+        json.dump(record, fp, indent=1)
+        fp.write("\n")
+    os.replace(tmp, path)  # the launcher never reads half a file
+
+
+def launcher_line(run_dir: str, script: str, exit_code: int) -> str | None:
+    """The launcher's closing line for ``--find-batch`` (None: nothing to add to a failure summary).
+
+    >>> launcher_line("multigpu_logs/train-x", "train.py", 0)
+    '--find-batch: micro-batch 37 per rank fits on all 2 ranks (...); plan: global batch 128 = 2 ranks x 32 x 2 accumulation; ...'
+    """
+    path = os.path.join(run_dir, RESULT_FILE)
+    try:
+        with open(path) as fp:
+            rec = json.load(fp)
+    except FileNotFoundError:
+        if exit_code != 0:
+            return None  # the failure summary says what happened; the search may never have been reached
+        # The exit code stays the workers' 0: the script trained to the end with its own batch
+        # plan, and a job scheduler or a CI step should not see a finished run as failed; the
+        # launcher's exit code is always the workers' (docs/launcher.md). This line says what to fix.
+        return (f"--find-batch: {script} did not call mg.find_micro_batch, so no micro-batch was searched; in the script, "
+                f"call it when mg.find_batch_requested() is true (docs/batch-size.md)")
+    except (OSError, ValueError) as err:
+        return f"--find-batch: cannot read {path}: {err}"
+    trials = rec["trials"]
+    budget = f", budget {rec['memory_budget'] / 2**20:,.1f} MiB" if rec.get("memory_budget") else ""
+    line = (f"--find-batch: micro-batch {rec['micro_batch']} per rank fits on all {rec['world_size']} ranks "
+            f"(limit: {rec['limit']}{budget}, {len(trials)} trials); ")
+    plan = rec["plan"]
+    if plan is None:
+        line += "no plan: the script passed no global_batch; "
+    else:
+        line += (f"plan: global batch {plan['global_batch']} = {plan['world_size']} ranks x {plan['micro_batch']} x "
+                 f"{plan['accum_steps']} accumulation; ")
+    return line + f"details: {path}"
+
+
 OK, OOM, FAILED = 0, 1, 2
 
 
@@ -137,6 +237,8 @@ def find_micro_batch(
     """
     device = torch.device(dist.device) if dist is not None else torch.device("cpu")
     world = dist.world_size if dist is not None else 1
+    if memory_budget is None:
+        memory_budget = _launcher_budget()  # an explicit argument wins over the launcher's
     for name, v in (("start", start), ("max_micro_batch", max_micro_batch), ("memory_budget", memory_budget),
                     ("global_batch", global_batch)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -145,7 +247,8 @@ def find_micro_batch(
         raise UsageError(f"find_micro_batch max_micro_batch {max_micro_batch} is below start {start}; raise it or lower start")
     if device.type == "cpu":
         if memory_budget is None:
-            raise UsageError("on CPU there is no out-of-memory signal to search against; pass memory_budget=<bytes> (e.g. 8 << 30)")
+            raise UsageError("on CPU there is no out-of-memory signal to search against; pass memory_budget=<bytes> (e.g. 8 << 30), "
+                             "or under multigpu run: --memory-budget SIZE")
         if not pathlib.Path("/proc/self/clear_refs").exists():
             raise UsageError("measuring CPU peak memory needs Linux /proc/self/clear_refs; run the search on CUDA or on Linux")
     limit = "cpu-budget" if device.type == "cpu" else ("cuda-budget" if memory_budget else "cuda-oom")
@@ -201,4 +304,7 @@ def find_micro_batch(
     if global_batch is not None:
         # The largest micro-batch <= good that divides the rank's share; the rest is accumulation.
         plan = BatchPlan(global_batch, world, micro_batch=BatchPlan(global_batch, world, max_micro_batch=good).micro_batch)
-    return MicroBatchSearch(good, plan, tuple(trials), limit)
+    found = MicroBatchSearch(good, plan, tuple(trials), limit)
+    if find_batch_requested():
+        _write_result(found, dist, memory_budget)
+    return found

@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import importlib.util
 import os
+import re
 import secrets
 import sys
 import time
@@ -57,6 +58,10 @@ class RunConfig:
     log_dir: str | None = None
     profile: str | None = None
     """START:STOP: torch.profiler over those steps in every worker's StepMeter."""
+    find_batch: bool = False
+    """Ask the workers' ``mg.find_micro_batch`` for the largest micro-batch that fits; report it."""
+    memory_budget: str | int | None = None
+    """--find-batch's memory budget per rank: bytes, or a size like ``512MB``, ``8GiB`` (required on CPU)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,29 @@ def _parse_master(master: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"--master must be HOST:PORT with a port in 1..65535, got {master!r}; use e.g. --master node0:29500")
     return host, int(port)
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)([kmgt]i?b)?", re.IGNORECASE)
+_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``4096``, ``512MB`` (10**6) or ``8GiB`` (2**30); ``UsageError`` for anything else.
+
+    >>> parse_size("1.5GiB"), parse_size("512MB"), parse_size("4096")
+    (1610612736, 512000000, 4096)
+    """
+    got = str(text)
+    match = _SIZE.fullmatch(got)
+    # A fraction only with a unit: "1.5" bytes means nothing; "1.5GiB" is 1.5 * 2**30 rounded down.
+    size = None
+    if match and (match.group(2) or "." not in match.group(1)):
+        unit = _UNITS[match.group(2).lower()] if match.group(2) else 1
+        size = int(float(match.group(1)) * unit) if "." in match.group(1) else int(match.group(1)) * unit
+    if not size:
+        raise UsageError(f"--memory-budget must be a positive size like 512MB, 8GiB or a number of bytes, got {got!r}; "
+                         "use e.g. --memory-budget 8GiB")
+    return size
 
 
 def _slurm_nodes(environ) -> tuple[int, int, str, int, str] | None:
@@ -118,6 +146,11 @@ def resolve(cfg: RunConfig, environ=os.environ, gpu_count=_visible_gpus) -> Plac
         raise UsageError(f"--max-restarts must be 0 or more, got {cfg.max_restarts}")
     if cfg.nnodes is not None and cfg.nnodes < 1:
         raise UsageError(f"--nnodes must be at least 1, got {cfg.nnodes}")
+    if cfg.memory_budget is not None:
+        if not cfg.find_batch:
+            raise UsageError(f"--memory-budget is the budget of --find-batch's search, got it without --find-batch; "
+                             f"add --find-batch or drop --memory-budget {cfg.memory_budget}")
+        parse_size(cfg.memory_budget)
     if not cfg.target:
         raise UsageError("expected a script (`multigpu run train.py`) or a module (`multigpu run -m pkg.train`), got neither")
     if cfg.module:
@@ -148,6 +181,12 @@ def resolve(cfg: RunConfig, environ=os.environ, gpu_count=_visible_gpus) -> Plac
     gpus = 0 if cfg.cpu else gpu_count()
     if gpus and cfg.nproc is not None and cfg.nproc > gpus:
         raise UsageError(f"-n {cfg.nproc} is more than the {gpus} visible GPUs; use -n {gpus} or fewer, or --cpu for CPU workers")
+    if cfg.find_batch and cfg.memory_budget is None and not gpus:
+        # Checked here, not in N workers: a CPU process gets no out-of-memory error to search
+        # against, the kernel's OOM killer ends it instead.
+        why = "--cpu" if cfg.cpu else "no visible GPU"
+        raise UsageError(f"--find-batch on CPU workers ({why}) needs --memory-budget SIZE, the most memory a rank may use "
+                         "(CPU has no out-of-memory signal to search against), got none; add e.g. --memory-budget 2GiB")
     nproc = cfg.nproc or gpus or 2
     return Placement(nproc, nnodes, node_rank, addr, port, source, run_id)
 
@@ -214,6 +253,7 @@ def _torchrun_argv(cfg: RunConfig, place: Placement) -> list[str]:
 
 def launch(cfg: RunConfig) -> int:
     """Run ``cfg`` to completion and return the exit code (0, the failed worker's, or 128+signal)."""
+    from .finder import FIND_BATCH_ENV, MEMORY_BUDGET_ENV, launcher_line
     from .meter.launcher import hang_monitor, worker_env
     from .meter.profile import parse_steps
 
@@ -252,6 +292,10 @@ def launch(cfg: RunConfig) -> int:
         if name.startswith("MULTIGPU_") or name not in os.environ:
             why = {"MULTIGPU_RUN_DIR": "the workers' metrics and hang reports", "MULTIGPU_PROFILE": "--profile"}
             env[name] = (value, why.get(name, "NCCL flight recorder for hang reports"))
+    if cfg.find_batch:
+        env[FIND_BATCH_ENV] = ("1", "--find-batch: the workers' mg.find_micro_batch searches and reports")
+        if cfg.memory_budget is not None:
+            env[MEMORY_BUDGET_ENV] = (str(parse_size(cfg.memory_budget)), f"--memory-budget {cfg.memory_budget} in bytes")
     device = f"{gpus} GPU{'s' if gpus > 1 else ''}" if gpus else "CPU"
     world = place.nproc * place.nnodes
     where = f"node {place.node_rank} of {place.nnodes} ({place.source}, master {place.master_addr}:{place.master_port})" if place.nnodes > 1 else "1 node"
@@ -285,6 +329,10 @@ def launch(cfg: RunConfig) -> int:
             summary = f"launcher failed: {type(err).__name__}: {text} (details in {run_dir}/launcher.log)"
         finally:
             specs.stop_console()
+    if cfg.find_batch:
+        found = launcher_line(run_dir, cfg.target if cfg.module else os.path.basename(cfg.target), code)
+        if found:
+            logs.say(found)  # before the failure summary, which stays the last line
     if summary:
         logs.say(summary)
     return code
@@ -304,6 +352,8 @@ def run(
     all_ranks: bool = False,
     log_dir: str | None = None,
     profile: str | None = None,
+    find_batch: bool = False,
+    memory_budget: str | int | None = None,
 ) -> int:
     """Run ``target`` on ``nproc`` processes per node via torch's elastic launcher; return the exit code.
 
@@ -312,9 +362,10 @@ def run(
     >>> from multigpu.launch import run
     >>> code = run("train.py", ["--epochs", "2"], nproc=2, cpu=True)
     >>> code = run("pkg.train", module=True, nnodes=2, node_rank=0, master="node0:29500")
+    >>> code = run("train.py", nproc=2, cpu=True, find_batch=True, memory_budget="2GiB")
     """
     cfg = RunConfig(target, tuple(str(a) for a in args), module, nproc, cpu, nnodes, node_rank, master, max_restarts, all_ranks, log_dir,
-                    profile)
+                    profile, find_batch, memory_budget)
     return launch(cfg)
 
 
@@ -329,6 +380,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-rank", type=int, metavar="R", help="this node's rank in [0, N): node 0 hosts the rendezvous at --master (global ranks are numbered by the rendezvous)")
     parser.add_argument("--master", metavar="HOST:PORT", help="node 0's address and a free port, for --nnodes > 1")
     parser.add_argument("--profile", metavar="START:STOP", help="profile steps START..STOP-1 on every rank (e.g. 10:15; scripts using mg.StepMeter): traces and a summary table in the run's log directory")
+    parser.add_argument("--find-batch", action="store_true", help="the script's mg.find_micro_batch searches the largest per-rank micro-batch that fits, keeping the global batch (scripts that check mg.find_batch_requested()); the launcher prints the result")
+    parser.add_argument("--memory-budget", metavar="SIZE", help="--find-batch's memory limit per rank, e.g. 512MB (10^6), 8GiB (2^30) or bytes; required on CPU, optional on GPU (out-of-memory decides there)")
     parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE", help="run a module like `python -m` (the rest of the line is its arguments)")
     parser.add_argument("script", nargs="?", help="the training script (the rest of the line is its arguments)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -344,5 +397,5 @@ def main(args: argparse.Namespace) -> int:
     return run(
         target, rest, module=module, nproc=args.nproc, cpu=args.cpu, nnodes=args.nnodes, node_rank=args.node_rank,
         master=args.master, max_restarts=args.max_restarts, all_ranks=args.all_ranks, log_dir=args.log_dir,
-        profile=args.profile,
+        profile=args.profile, find_batch=args.find_batch, memory_budget=args.memory_budget,
     )

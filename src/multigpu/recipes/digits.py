@@ -4,6 +4,7 @@ An ordinary training script on the public API: it runs unchanged under
 ``python -m multigpu.recipes.digits``, ``torchrun`` and ``multigpu run``.
 
     multigpu run -n 2 -m multigpu.recipes.digits --epochs 20
+    multigpu run -n 2 --cpu --find-batch --memory-budget 2MiB -m multigpu.recipes.digits --global-batch 1024
 """
 
 from __future__ import annotations
@@ -78,8 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--noise-every", type=int, default=0,
                    help="measure the gradient noise scale every N steps (0: off; one process needs --micro-batch)")
     p.add_argument("--find-batch", action="store_true",
-                   help="search the largest micro-batch that fits, keeping --global-batch (accumulating the rest)")
-    p.add_argument("--memory-budget-mb", type=float, default=None, help="memory budget for --find-batch on CPU")
+                   help="search the largest micro-batch that fits, keeping --global-batch (accumulating the rest); "
+                        "also on with `multigpu run --find-batch`")
+    p.add_argument("--memory-budget-mb", type=float, default=None,
+                   help="memory budget for --find-batch on CPU (default: `multigpu run --memory-budget`'s)")
     return p.parse_args(argv)
 
 
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         plan = mg.BatchPlan(args.global_batch, dist.world_size, micro_batch=args.micro_batch)
         strategy = args.strategy if not (args.strategy == "ddp" and dist.world_size == 1) else "none"
         net = make_model().to(dist.device)
-        if args.find_batch:
+        if args.find_batch or mg.find_batch_requested():
             plan = _find_batch(net, plan, dist, args.memory_budget_mb)
         model = mg.wrap(net, strategy)
         noise = mg.NoiseScale(plan, every=args.noise_every).attach(model) if args.noise_every else None

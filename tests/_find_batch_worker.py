@@ -1,0 +1,26 @@
+"""An ordinary script for `multigpu run --find-batch` (tests/test_launch.py).
+
+``search``: runs the search when the launcher asks, each trial touching 2 MiB per sample;
+``ignore``: never calls mg.find_micro_batch. Either way it prints the plan it trains with.
+"""
+
+import sys
+
+import torch
+
+import multigpu as mg
+
+MIB = 1 << 20
+
+
+def step(m: int) -> None:
+    t = torch.empty(m, 2 * MIB // 4)
+    t.fill_(1.0)  # touch every page: resident, not just reserved
+
+
+if __name__ == "__main__":
+    with mg.init(seed=0) as dist:
+        plan = mg.BatchPlan(global_batch=128, world_size=dist.world_size)
+        if sys.argv[1] == "search" and mg.find_batch_requested():
+            plan = mg.find_micro_batch(step, dist, global_batch=plan.global_batch).plan
+        mg.print0(f"plan: {plan.world_size} ranks x {plan.micro_batch} x {plan.accum_steps} accumulation")
