@@ -19,6 +19,7 @@ import torch.distributed as tdist
 
 import multigpu as mg
 from multigpu import noise as nz
+from multigpu.noise.formulas import DebiasedEMA
 from multigpu.testing import spawn
 
 D, S2 = 4, 0.25
@@ -68,7 +69,7 @@ def test_ratio_of_emas_is_not_biased_like_mean_of_ratios():
     true_b = 5.76
     grad_sq, trace = _synthetic(rng, 12000, 2, 16, mu, chol)
     # Ratio of (debiased) EMAs, as NoiseScale keeps them.
-    g_ema, t_ema = nz._DebiasedEMA(), nz._DebiasedEMA()
+    g_ema, t_ema = DebiasedEMA(), DebiasedEMA()
     beta = math.exp(-32 / 1e9)                 # time constant >> run: ~ the plain average
     for g, t in zip(grad_sq.tolist(), trace.tolist()):
         g_ema.update(g, beta)
@@ -82,7 +83,7 @@ def test_ratio_of_emas_is_not_biased_like_mean_of_ratios():
 
 
 def test_debiased_ema_time_constant():
-    ema = nz._DebiasedEMA()
+    ema = DebiasedEMA()
     beta = math.exp(-128 / 1280)               # 128 examples a step, tau = 10 steps
     ema.update(5.0, beta)
     assert ema.value() == pytest.approx(5.0)   # debiased: the first value, not 5 * (1 - beta)
@@ -135,7 +136,7 @@ def test_one_process_uses_micro_batches_and_skips_nonfinite():
     gen = torch.Generator().manual_seed(3)
     plan = mg.BatchPlan(global_batch=64, world_size=1, micro_batch=16)
     model = _linear()
-    noise = mg.NoiseScale(plan, tau=1e12, scaler=_ConstScale(256.0)).attach(model)
+    noise = mg.NoiseScale(plan, tau=1e12, scaler=_ConstScale(256.0), sync_every=1).attach(model)
     gs, ts = [], []
     for step in range(1500):
         for j in range(plan.accum_steps):
@@ -145,7 +146,6 @@ def test_one_process_uses_micro_batches_and_skips_nonfinite():
                 loss = loss * math.inf            # an fp16 overflow
             loss.backward()
         model.zero_grad(set_to_none=True)
-        noise.update()
         if step != 7:
             gs.append(float(noise.last["grad_sq"]))
             ts.append(float(noise.last["trace_cov"]))
@@ -167,8 +167,6 @@ def test_one_process_needs_accumulation():
 
 
 def _ddp_worker(dist, steps, accum):
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     world, rank = dist.world_size, dist.rank
     out = {}
     # (a) exact: the hook's norms equal all-gathered reference gradients.
@@ -176,7 +174,7 @@ def _ddp_worker(dist, steps, accum):
     ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
     model = mg.wrap(ref, "ddp", bucket_cap_mb=1e-4)  # tiny buckets: several per step
     plan = mg.BatchPlan(global_batch=8 * world, world_size=world)
-    noise = mg.NoiseScale(plan).attach(model)
+    noise = mg.NoiseScale(plan, sync_every=1).attach(model)
     gen = torch.Generator().manual_seed(100 + rank)
     errs = []
     for _ in range(3):
@@ -188,17 +186,17 @@ def _ddp_worker(dist, steps, accum):
         total_ref = float(torch.stack(gathered).double().mean(0).square().sum())
         ((model(x) - y) ** 2).mean().backward()
         model.zero_grad(set_to_none=True)
-        noise.update()
+        noise.metrics()  # lands the step's all-reduce (asynchronous) and folds it
         errs.append(abs(float(noise.last["local_sq"]) / local_ref - 1))
         errs.append(abs(float(noise.last["total_sq"]) / total_ref - 1))
     out["exact_rel_err"] = max(errs)
-    # (b) least squares, accumulation under no_sync, PyTorch's allreduce hook.
-    # (c) the same with fp16 compression, mg.Precision('fp16')'s GradScaler and one inf step.
-    for name, hook, scale in (("plain", None, False), ("fp16", default_hooks.fp16_compress_hook, True)):
-        model = mg.wrap(_linear(), "ddp")
+    # (b) least squares, accumulation under no_sync, DDP's own (C++) all-reduce.
+    # (c) the same with DDP's fp16 compression hook, mg.Precision('fp16')'s GradScaler and one inf step.
+    for name, hook, scale in (("plain", None, False), ("fp16", "fp16", True)):
+        model = mg.wrap(_linear(), "ddp", comm_hook=hook)
         plan = mg.BatchPlan(global_batch=16 * accum * world, world_size=world, micro_batch=16)
         amp = mg.Precision("fp16" if scale else "fp32", "cpu")
-        noise = mg.NoiseScale(plan, tau=1e12, scaler=amp).attach(model, comm_hook=hook)
+        noise = mg.NoiseScale(plan, tau=1e12, scaler=amp, sync_every=1).attach(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lets the scaler adapt; the weights stay put
         gen = torch.Generator().manual_seed(7 + rank)
         gs, ts = [], []
@@ -211,7 +209,7 @@ def _ddp_worker(dist, steps, accum):
                 loss.backward()
             amp.step(opt)
             model.zero_grad(set_to_none=True)
-            noise.update()
+            noise.metrics()
             if math.isfinite(noise.last["grad_sq"]) and math.isfinite(noise.last["trace_cov"]):
                 gs.append(float(noise.last["grad_sq"]))
                 ts.append(float(noise.last["trace_cov"]))
@@ -221,7 +219,7 @@ def _ddp_worker(dist, steps, accum):
     gen = torch.Generator().manual_seed(11 + rank)
     model = _linear()
     plan = mg.BatchPlan(global_batch=16 * world, world_size=world)
-    sharded, replicated = mg.NoiseScale(plan), mg.NoiseScale(plan)
+    sharded, replicated = mg.NoiseScale(plan, sync_every=5), mg.NoiseScale(plan, sync_every=5)  # one all-reduce
     for _ in range(5):
         x, y = _batch(gen, 16)
         (g,) = torch.autograd.grad(_loss(model, x, y, 1), [model.weight])
@@ -305,3 +303,53 @@ def test_cuda_one_process_matches_closed_form():
     m = noise.metrics()
     assert not noise._raw and m["noise/measured_steps"] + m["noise/skipped_steps"] == 400
     assert abs(m["noise/b_simple"] / TRUE_B - 1) < 0.1
+
+
+# ---- FSDP2: the same numbers as DDP, read from the reduce-scatter ------------------
+class _Block(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.lin = torch.nn.Linear(n, n)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def _fsdp_worker(dist, steps):
+    world, rank = dist.world_size, dist.rank
+    plan = mg.BatchPlan(global_batch=8 * 2 * world, world_size=world, micro_batch=8)  # 2 micro-batches per step
+    out = {}
+    for strategy in ("ddp", "fsdp"):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(_Block(6), _Block(6), torch.nn.Linear(6, 3))
+        kw = {"block_classes": [_Block]} if strategy == "fsdp" else {}
+        model = mg.wrap(net, strategy, **kw)   # fsdp: three FSDP modules, three reduce-scatters per step
+        noise = mg.NoiseScale(plan, tau=1e12, every=2).attach(model)   # default sync_every=16
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(steps):
+            micro_batches = [(torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)) for _ in range(2)]
+            for x, y in mg.accumulate(model, micro_batches):
+                (((model(x) - y) ** 2).mean() / plan.accum_steps).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[strategy] = noise.metrics()
+    # fp16 reduce-scatters are pre-divided by a factor FSDP keeps to itself: refused, with the fix.
+    model = mg.wrap(torch.nn.Linear(6, 3), "fsdp", param_dtype="fp16")
+    mg.NoiseScale(plan).attach(model)
+    try:
+        model(torch.randn(8, 6)).float().square().mean().backward()
+    except mg.UsageError as err:
+        out["fp16_error"] = str(err)
+    return out
+
+
+def test_fsdp_reads_the_same_norms_as_ddp():
+    res = spawn(_fsdp_worker, 2, 66, timeout=240)
+    ddp, fsdp = res[0]["ddp"], res[0]["fsdp"]
+    # 66 steps, one in 2 measured: 33, of which 32 averaged across ranks (two all-reduces of 16).
+    assert ddp["noise/measured_steps"] == fsdp["noise/measured_steps"] == 32
+    for key in ("noise/grad_sq", "noise/trace_cov"):
+        assert fsdp[key] == pytest.approx(ddp[key], rel=1e-5)   # fp32 gradients reduced in another order (seen: 1e-7)
+    assert res[1]["fsdp"] == res[0]["fsdp"]
+    assert "reduce_dtype='fp32'" in res[0]["fp16_error"] and "\n" not in res[0]["fp16_error"]

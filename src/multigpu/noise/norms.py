@@ -1,0 +1,117 @@
+"""Where NoiseScale reads squared gradient norms, and when.
+
+Timing comes from the autograd engine, not from a communication hook. A hook
+on the model's output queues a callback at the start of each backward; the
+engine runs queued callbacks in order once the graph is done, and runs
+callbacks queued *by a callback* after those (torch/csrc/autograd/engine.cpp,
+``GraphTask::exec_post_processing``: "more callbacks may be added in between
+callback calls"). So:
+
+* ``before``, queued at the start of the backward, runs before DDP's
+  ``finalize_backward`` (queued when its last bucket is ready): ``p.grad``
+  still holds this rank's gradient (DDP reduces copies in its buckets when
+  ``gradient_as_bucket_view=False``);
+* ``after``, queued by ``before``, runs after DDP's finalize and FSDP's root
+  post-backward callback: ``p.grad`` holds the averaged gradient (or its
+  shard), before any user code (unscale, clipping) touches it.
+
+DDP keeps its C++ all-reduce or whichever comm hook the user registered: a
+Python comm hook alone costs more than the whole measurement (measured in
+benchmarks/noise_overhead.py). Under FSDP2 the rank gradients exist only
+inside the reduce-scatter, so ``ReduceScatterNorms`` wraps it (FSDP's public
+``set_custom_reduce_scatter``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as tdist
+
+def norm_parts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors' L2 norms (fp32 scalars): the sum of their squares is the squared norm of all.
+
+    One foreach call (what ``clip_grad_norm_`` runs), accumulated in fp32
+    whatever the dtype (fp16 norms overflow). Stacking, squaring and summing
+    wait for ``sum_sq``, which does it for many steps in one go: every tensor
+    op costs host time, measured against steps of a few milliseconds.
+    """
+    if not tensors:
+        return [torch.zeros((), dtype=torch.float32)]
+    return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+
+
+def sum_sq(parts: list[list[torch.Tensor]]) -> torch.Tensor:
+    """``[sum(t^2 for t in p) for p in parts]`` in float64, as one vector."""
+    lengths = [len(p) for p in parts]
+    flat = torch.stack([t for p in parts for t in p]).double().square()
+    if len(set(lengths)) == 1:
+        return flat.view(len(parts), -1).sum(1)
+    return torch.stack([chunk.sum() for chunk in flat.split(lengths)])
+
+
+def local_tensors(grads: Iterator[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The gradients present, as plain tensors (a DTensor shard: its local part)."""
+    out = []
+    for g in grads:
+        if g is None:
+            continue
+        to_local = getattr(g, "to_local", None)  # DTensor (FSDP2): this rank's shard
+        out.append(to_local() if to_local is not None else g)
+    return out
+
+
+def tensors_in(output: Any) -> Iterator[torch.Tensor]:
+    """Tensors in a forward's output (tensor, or tuples/lists/dicts of them)."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for item in output:
+            yield from tensors_in(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from tensors_in(item)
+
+
+def queue_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the current backward has finished (after those queued before)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2's public name
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+class ReduceScatterNorms:
+    """An FSDP2 reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) that shows ``on_input`` each input.
+
+    The input is the flat, zero-padded concatenation of this rank's unsharded
+    gradients of one parameter group: its squared norm is the group's share
+    of ``|g_i|^2``. Duck-typed on FSDP's ``ReduceScatter`` interface
+    (``allocate`` + call), whose class lives in a private module; the
+    reduction itself is the public ``reduce_scatter_tensor``, as FSDP's default.
+    """
+
+    def __init__(self, on_input: Callable[[torch.Tensor, Any], None]) -> None:
+        self.on_input = on_input
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        self.on_input(input_tensor, op)
+        return _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+# torch 2.13 renamed reduce_scatter_tensor (deprecated there) to reduce_scatter_single.
+_reduce_scatter = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
+
+
+def is_plain_sum(op: Any) -> bool:
+    """FSDP passes a plain SUM only when it pre-divided the input by a factor it does not pass on."""
+    return op == tdist.ReduceOp.SUM

@@ -1,0 +1,401 @@
+"""``NoiseScale``: the gradient noise scale B_simple of a running job, at almost no cost.
+
+Data parallelism has two batch sizes for free: each rank's gradient (batch b,
+before the reduction) and the averaged one (batch K*b, after); with one
+process the accumulation micro-batches play the small batch. Their squared
+norms give unbiased |G|^2 and tr(Sigma) (formulas.py), averaged separately
+(debiased EMAs, time constant in examples) and only then divided: the mean of
+per-step ratios is biased (tests/test_noise.py shows by how much).
+
+Cost per measured step: two squared norms over the gradients, read at the end
+of the backward (norms.py says when), and no collective: the ranks' ``|g_i|^2``
+are averaged ``sync_every`` steps at a time in one small all-reduce, at the
+same step on every rank. Nothing calls ``.item()`` during training on CUDA:
+values stay on the device until a batch of them is folded into the EMAs.
+
+The loss must be a mean over the examples of the optimizer step (divide by
+``plan.accum_steps`` when accumulating), as in every multigpu example.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from ..batch import BatchPlan
+from ..errors import UsageError
+from . import norms
+from .formulas import DebiasedEMA, efficiency, estimate, steps_factor
+
+__all__ = ["NoiseScale"]
+
+# Averaged steps kept on the device before one transfer folds them into the
+# EMAs: a host sync every step would stall a CUDA pipeline.
+_FOLD_EVERY_CUDA = 64
+
+
+class NoiseScale:
+    """Measure the gradient noise scale B_simple of a running training job.
+
+    ``attach(model)`` after ``mg.wrap``: DDP (any comm hook) and FSDP2 on
+    several ranks, any model on one process with ``plan.accum_steps >= 2``.
+    Elsewhere (e.g. your own sharding) call ``observe`` with the norms.
+
+    ``tau``: EMA time constant in training examples (default 100 global
+    batches). ``every``: measure one optimizer step in ``every``.
+    ``sync_every``: measured steps averaged across ranks in one all-reduce;
+    ``metrics()`` lags by up to that many steps. ``scaler``: the
+    ``mg.Precision`` or ``torch.amp.GradScaler`` whose loss scale the
+    gradients carry (anything with ``get_scale()``).
+
+    >>> noise = mg.NoiseScale(plan, every=1)
+    >>> noise.attach(model)                  # after mg.wrap(model, "ddp")
+    >>> ...train...
+    >>> log(noise.metrics()); mg.print0(noise.summary())
+    """
+
+    def __init__(self, plan: BatchPlan, *, tau: float | None = None, every: int = 1, sync_every: int = 16,
+                 scaler: Any = None, group=None):
+        if not isinstance(plan, BatchPlan):
+            raise UsageError(f"NoiseScale needs the run's mg.BatchPlan, got {type(plan).__name__}; pass plan=mg.BatchPlan(...)")
+        for name, value, what in (("every", every, "measure one step in every"),
+                                  ("sync_every", sync_every, "measured steps per all-reduce of the rank norms")):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UsageError(f"NoiseScale {name}= must be a positive integer ({what}), got {value!r}")
+        self.plan = plan
+        self.tau = float(tau) if tau is not None else 100.0 * plan.global_batch
+        if not self.tau > 0:
+            raise UsageError(f"NoiseScale tau= is a time constant in examples and must be positive, got {tau}")
+        self.every = every
+        self.sync_every = sync_every
+        self.scaler = scaler
+        self.group = group
+        self._ema_g, self._ema_t = DebiasedEMA(), DebiasedEMA()
+        self.measured = 0       # steps folded into the EMAs
+        self.skipped = 0        # measured steps dropped for inf/nan (fp16 overflow)
+        self.last: dict[str, float] = {}  # raw values of the last folded step (tests, debugging)
+        self._steps: list[tuple] = []  # measured, not yet averaged across ranks: (local, total, scale, sharded)
+        self._raw: list[tuple] = []    # squared norms, not yet folded: (local vec, total vec, scales, b_small)
+        self._inflight: tuple | None = None  # the all-reduce of the last sync: (work, vec, scales)
+        self._rounds = 0        # optimizer steps seen, measured or not
+        self._kind: str | None = None  # "ddp" | "fsdp" | "micro" (one process, micro-batches)
+        self._params: list[torch.Tensor] = []
+        self._handles: list = []
+        self._queued = False    # this backward's callback is queued
+        self._local: torch.Tensor | None = None   # DDP: norm parts of this rank's gradient, this backward
+        self._parts: list[torch.Tensor] = []      # FSDP: norms of this backward's reduce-scatter inputs
+        self._reduced = False   # FSDP: this backward reduce-scattered (not a micro-batch without sync)
+        self._plain_sum = False  # FSDP pre-divided a reduce-scatter input (fp16 reduce dtype)
+        self._micro = 0         # one process: micro-batches of this step so far
+        self._micro_parts: list[torch.Tensor] = []  # one process: norm parts of this step's micro-batches
+        self._grad_list: list[torch.Tensor] = []    # DDP: the gradients read before the reduction
+        self._prev: list[torch.Tensor] | None = None  # one process: gradients after the previous micro-batch
+
+    # ---- wiring ---------------------------------------------------------------
+    def attach(self, model: torch.nn.Module) -> "NoiseScale":
+        """Start measuring ``model``: DDP or FSDP2 on several ranks, any model on one process."""
+        world = self.plan.world_size
+        actual = tdist.get_world_size(self.group) if tdist.is_available() and tdist.is_initialized() else 1
+        if actual != world:
+            raise UsageError(f"NoiseScale's plan is for world_size {world} but this job has {actual} processes; "
+                             "build the plan with mg.BatchPlan(..., world_size=dist.world_size)")
+        if self._kind is not None:
+            raise UsageError("NoiseScale.attach was already called; use one NoiseScale per model")
+        if world > 1:
+            fsdp = norms.fsdp_modules(model)
+            if fsdp:
+                self._attach_fsdp(fsdp)
+            elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+                if getattr(model, "gradient_as_bucket_view", False):
+                    # The rank gradients are read while the last bucket is being reduced: as
+                    # views of the buckets they would be overwritten under the reader.
+                    raise UsageError("NoiseScale needs DDP's default gradient_as_bucket_view=False, got True; "
+                                     "wrap without gradient_as_bucket_view=True")
+                self._kind = "ddp"
+            else:
+                raise UsageError(
+                    f"NoiseScale.attach on {world} ranks needs a DDP or FSDP2 model, got {type(model).__name__}; "
+                    "wrap it first (mg.wrap(model, 'ddp')) or, for other sharding, call noise.observe(...) each step"
+                )
+        else:
+            if self.plan.accum_steps < 2:
+                raise UsageError(
+                    f"NoiseScale on one process measures with accumulation micro-batches and needs accum_steps >= 2, "
+                    f"got global batch {self.plan.global_batch} in micro-batches of {self.plan.micro_batch}; "
+                    f"use mg.BatchPlan(..., micro_batch={max(1, self.plan.global_batch // 2)}) or run on 2+ ranks"
+                )
+            self._kind = "micro"
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._handles.append(model.register_forward_hook(self._on_forward))
+        return self
+
+    def _attach_fsdp(self, modules: list[torch.nn.Module]) -> None:
+        for m in modules:
+            if not hasattr(m, "set_custom_reduce_scatter"):
+                raise UsageError(f"NoiseScale under FSDP2 needs FSDPModule.set_custom_reduce_scatter (torch >= 2.8), "
+                                 f"got torch {torch.__version__}; upgrade torch or call noise.observe(..., sharded=True)")
+            try:
+                m.set_custom_reduce_scatter(norms.ReduceScatterNorms(self._on_reduce_scatter))
+            except ValueError as err:  # several parameter groups per module (per-parameter meshes)
+                raise UsageError(f"NoiseScale cannot read this FSDP2 model's reduce-scatter ({err}); "
+                                 "call noise.observe(..., sharded=True) each step instead") from None
+        self._kind = "fsdp"
+
+    def detach(self) -> None:
+        """Stop measuring (FSDP keeps the reduce-scatter wrapper, which then only reduces)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._kind = "detached"
+
+    def _measuring(self) -> bool:
+        return self._rounds % self.every == 0
+
+    def _scale(self, device: torch.device) -> torch.Tensor | None:
+        """The loss scale of the backward in progress (None without a scaler)."""
+        s = self.scaler
+        if s is not None and not hasattr(s, "get_scale"):
+            s = getattr(s, "scaler", None)  # an mg.Precision: its GradScaler, or None below fp16
+        if s is None:
+            return None
+        # GradScaler keeps its scale in a device tensor: reading it avoids the
+        # host sync of get_scale(); it must be read now, before scaler.update().
+        t = getattr(s, "_scale", None)
+        if isinstance(t, torch.Tensor):
+            return t.detach().to(device=device, dtype=torch.float64).reshape(())
+        return torch.tensor(float(s.get_scale()), device=device, dtype=torch.float64)
+
+    # ---- the hooks (norms.py explains the timing) -------------------------------
+    def _on_forward(self, module, inputs, output) -> None:
+        if not torch.is_grad_enabled() or self._kind == "detached":
+            return
+        if self._kind == "ddp" and not module.require_backward_grad_sync:
+            return  # a micro-batch under no_sync: its backward reduces nothing
+        for t in norms.tensors_in(output):
+            if t.requires_grad:
+                t.register_hook(self._on_backward_start)
+
+    def _on_backward_start(self, grad: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            norms.queue_callback(self._before_reduction)
+
+    def _before_reduction(self) -> None:
+        """End of the backward, before DDP's finalize: ``p.grad`` is this rank's gradient."""
+        if self._kind == "micro":
+            self._queued = False
+            self._micro_batch_done()
+            return
+        if self._kind == "ddp" and self._measuring():
+            # DDP's finalize copies the averaged buckets into these same tensors.
+            self._grad_list = self._grads()
+            self._local = norms.norm_parts(self._grad_list)
+        norms.queue_callback(self._after_reduction)
+
+    def _after_reduction(self) -> None:
+        """After DDP's finalize / FSDP's post-backward: ``p.grad`` is the average (or its shard)."""
+        self._queued = False
+        if self._kind == "fsdp":
+            if not self._reduced:
+                return  # a micro-batch without gradient sync
+            self._reduced = False
+            if self._plain_sum:
+                raise UsageError("NoiseScale under FSDP2 reads unscaled reduce-scatter inputs, but FSDP pre-divided "
+                                 "them (fp16 reduce dtype or force-sum reduction); reduce in fp32 or bf16: "
+                                 "mg.wrap(model, 'fsdp', param_dtype='fp16', reduce_dtype='fp32')")
+        measuring = self._measuring()
+        self._rounds += 1
+        if not measuring:
+            return
+        if self._kind == "fsdp":
+            total = norms.norm_parts(self._grads())
+            local, self._parts = self._parts or [torch.zeros_like(total[0])], []
+        else:
+            total = norms.norm_parts(self._grad_list)
+            local, self._local, self._grad_list = self._local, None, []
+        self._queue_step(local, total, self._scale(total[0].device), sharded=self._kind == "fsdp")
+
+    def _on_reduce_scatter(self, flat_input: torch.Tensor, op) -> None:
+        self._reduced = True
+        if self._measuring() and self._kind == "fsdp":
+            self._plain_sum = self._plain_sum or norms.is_plain_sum(op)
+            self._parts += norms.norm_parts([flat_input])
+
+    def _micro_batch_done(self) -> None:
+        """One process: the micro-batch's share of the gradient is what its backward added."""
+        self._micro += 1
+        last = self._micro == self.plan.accum_steps
+        if self._measuring():
+            grads = self._grads()
+            added = grads if self._prev is None else torch._foreach_sub(grads, self._prev)
+            self._micro_parts += norms.norm_parts(added)
+            if last:
+                local, self._micro_parts, self._prev = self._micro_parts, [], None
+                self._queue_step(local, norms.norm_parts(grads), self._scale(local[0].device), sharded=False)
+            else:
+                self._prev = [g.detach().clone() for g in grads]
+        if last:
+            self._micro = 0
+            self._rounds += 1
+
+    def _grads(self) -> list[torch.Tensor]:
+        if self._kind == "fsdp":
+            return norms.local_tensors(p.grad for p in self._params)
+        return [p.grad for p in self._params if p.grad is not None]
+
+    # ---- estimation -----------------------------------------------------------
+    def observe(self, local_sq, total_sq, *, sharded: bool = False, scale: float | torch.Tensor = 1.0) -> None:
+        """Record one step from squared norms computed elsewhere (every rank calls it; collective
+        every ``sync_every`` calls).
+
+        ``local_sq``: this rank's ``|g_i|^2`` before averaging (batch ``plan.rank_batch``).
+        ``total_sq``: ``|mean_i g_i|^2``; with ``sharded=True``, the squared norm
+        of this rank's shard of it, summed across ranks here.
+        ``scale``: the loss scale the gradients carry. Call it once per
+        ``every`` optimizer steps.
+        """
+        if self.plan.world_size < 2:
+            raise UsageError("NoiseScale.observe needs 2+ ranks (rank gradients are the small batch); "
+                             "on one process use attach(model) with accumulation micro-batches")
+        if self._kind is not None:
+            raise UsageError("NoiseScale.observe is for models attach() cannot read; this one is attached "
+                             "and measures by itself: drop the observe call")
+        # Norm parts, as norm_parts gives them (norms whose squares sum to the squared norm); float64
+        # here: the caller's numbers may be exact, and shard sums must match replicated totals.
+        local = torch.as_tensor(local_sq, dtype=torch.float64).reshape(()).sqrt()
+        total = torch.as_tensor(total_sq, dtype=torch.float64, device=local.device).reshape(()).sqrt()
+        scale = torch.as_tensor(scale, dtype=torch.float64, device=local.device).reshape(())
+        self._queue_step([local], [total], scale, sharded=sharded)
+
+    def _queue_step(self, local: list[torch.Tensor], total: list[torch.Tensor], scale, *, sharded: bool) -> None:
+        """One measured step's norm parts (sum of squares = squared norm); processed ``sync_every`` at a time."""
+        self._steps.append((local, total, scale, sharded))
+        if len(self._steps) >= self.sync_every:
+            self._sync()
+
+    def _sync(self) -> None:
+        """Squared norms of the queued steps; on several ranks, averaged in one all-reduce.
+
+        The all-reduce is asynchronous, waited for at the next sync or by
+        ``metrics()``: waiting at once would stall every rank until the
+        slowest arrives, a step's skew each time (measured: ~1 ms on gloo).
+        """
+        self._land()
+        steps, self._steps = self._steps, []
+        local_sq = norms.sum_sq([s[0] for s in steps])
+        total_sq = norms.sum_sq([s[1] for s in steps]).to(local_sq.device)
+        scales = [s[2] for s in steps]
+        if self._kind == "micro":
+            # The loss carries 1/accum_steps: each micro-batch's mean gradient is accum x what it added.
+            self._raw.append((local_sq * self.plan.accum_steps, total_sq, scales, self.plan.micro_batch))
+            self._maybe_fold()
+            return
+        world = self.plan.world_size
+        # Summed over ranks: the mean of the rank norms; shard norms add up to the full
+        # norm; a replicated total (the same on every rank) averages to itself.
+        per_rank = torch.tensor([1.0 if s[3] else 1.0 / world for s in steps], dtype=torch.float64)
+        vec = torch.cat([local_sq / world, total_sq * per_rank.to(total_sq.device)])
+        work = tdist.all_reduce(vec, group=self.group, async_op=True)
+        self._inflight = (work, vec, scales)
+
+    def _land(self) -> None:
+        """Wait for the in-flight all-reduce (every rank launched it: no rank waits alone)."""
+        if self._inflight is None:
+            return
+        (work, vec, scales), self._inflight = self._inflight, None
+        work.wait()
+        n = len(scales)
+        self._raw.append((vec[:n], vec[n:], scales, self.plan.rank_batch))
+        self._maybe_fold()
+
+    def _maybe_fold(self) -> None:
+        if self._raw[0][0].device.type != "cuda" or sum(len(r[2]) for r in self._raw) >= _FOLD_EVERY_CUDA:
+            self._fold()
+
+    def _fold(self) -> None:
+        if not self._raw:
+            return
+        device = self._raw[0][0].device
+        scales = [s for r in self._raw for s in r[2]]
+        scale_vec = torch.stack([torch.ones((), dtype=torch.float64, device=device) if s is None
+                                 else s.reshape(()).double().to(device) for s in scales])
+        # One transfer for the whole queue (one host sync on CUDA).
+        flat = torch.cat([torch.cat([r[0] for r in self._raw]), torch.cat([r[1] for r in self._raw]), scale_vec]).tolist()
+        n = len(scales)
+        b_small = [r[3] for r in self._raw for _ in r[2]]
+        b_big = self.plan.global_batch
+        beta = math.exp(-self.every * b_big / self.tau)  # a measurement stands for ``every`` steps
+        for i in range(n):
+            local, total = flat[i] / flat[2 * n + i] ** 2, flat[n + i] / flat[2 * n + i] ** 2
+            grad_sq, trace_cov = estimate(local, total, b_small[i], b_big)
+            self.last = {"local_sq": local, "total_sq": total, "grad_sq": grad_sq, "trace_cov": trace_cov}
+            if not (math.isfinite(grad_sq) and math.isfinite(trace_cov)):
+                self.skipped += 1  # an fp16 overflow step: the scaler skips it too
+                continue
+            self._ema_g.update(grad_sq, beta)
+            self._ema_t.update(trace_cov, beta)
+            self.measured += 1
+        self._raw = []
+
+    # ---- reporting ------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """Current estimates for the step logger (empty before the first measured step).
+
+        ``noise/b_simple`` is absent while the |G|^2 estimate is <= 0
+        (noise-dominated); ``noise/noise_dominated`` is then 1.
+        Measured steps count in batches of ``sync_every`` (on several ranks,
+        once averaged across ranks): no collective here.
+        """
+        if self._kind == "micro" and self._steps:
+            self._sync()  # one process: nothing to wait for
+        self._land()
+        self._fold()
+        if self.measured + self.skipped == 0:
+            return {}
+        out = {"noise/measured_steps": float(self.measured), "noise/skipped_steps": float(self.skipped)}
+        if self.measured == 0:
+            return out
+        g, t = self._ema_g.value(), self._ema_t.value()
+        out |= {"noise/grad_sq": g, "noise/trace_cov": t}
+        if g > 0:
+            out["noise/b_simple"] = t / g
+            out["noise/efficiency"] = efficiency(self.plan.global_batch, t / g)
+        out["noise/noise_dominated"] = float(g <= 0)
+        return out
+
+    def summary(self, global_batch: int | None = None, world_size: int | None = None) -> str:
+        """Plain-language reading of the measurement for the end of a run.
+
+        >>> mg.print0(noise.summary())
+        """
+        m = self.metrics()
+        batch = global_batch or self.plan.global_batch
+        world = world_size or self.plan.world_size
+        if "noise/grad_sq" not in m:
+            return "gradient noise scale: no step measured yet (it needs one synchronised optimizer step)."
+        steps = int(m["noise/measured_steps"])
+        head = f"gradient noise scale over {steps} measured steps (EMA time constant {self.tau:,.0f} examples):"
+        if "noise/b_simple" not in m:
+            return (
+                f"{head} noise-dominated (estimated |G|^2 = {m['noise/grad_sq']:.3g} <= 0): the gradient signal is "
+                f"below the noise at batch {batch}, so larger batches still help almost linearly; measure longer to resolve it."
+            )
+        phi = m["noise/b_simple"]
+        eff = efficiency(batch, phi)
+        per_gpu = batch / world
+        doubled = 2 * batch
+        speedup = steps_factor(batch, phi) / steps_factor(doubled, phi)
+        verdict = (
+            "still pays (near-linear)" if speedup >= 1.6 else
+            "pays partly" if speedup >= 1.25 else "would mostly waste the extra GPUs"
+        )
+        return "\n".join([
+            head,
+            f"  B_simple ~ {phi:,.0f} examples; global batch {batch} is {batch / phi:.2g}x of it.",
+            f"  per-example efficiency ~ {eff:.0%} of a small-batch run (steps to target ~ {steps_factor(batch, phi):.2f}x the minimum).",
+            f"  twice the GPUs at {per_gpu:g} per GPU (global {doubled}): steps to target /{speedup:.2f} "
+            f"(ideal /2) -> {verdict}.",
+        ])
