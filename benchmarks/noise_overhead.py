@@ -1,20 +1,21 @@
 """What measuring the gradient noise scale every step costs, and what it measures, on digits.
 
 Part 1 (overhead): the digits recipe's model and data (sklearn's 8x8 digits,
-MLP 64-256-256-10, SGD momentum, global batch 64) over gloo ranks; DDP
-models in one process group, three of them: plain DDP, DDP with PyTorch's own
-Python ``allreduce_hook`` (the floor of any comm-hook measurement) and DDP
-with ``mg.NoiseScale``, trained in alternating blocks of ``--steps``
-optimizer steps (order flipped each block) so machine noise hits all alike.
-Printed: median wall time (slowest rank) and CPU time (all threads of all
-ranks) per step, ratios of totals and per-block medians with IQR, and an
+MLP 64-256-256-10, SGD momentum, global batch 64: the recipe's defaults)
+over gloo ranks. DDP models in one process group: plain DDP, DDP with
+``mg.NoiseScale`` measuring one step in each ``--every`` (1 and 4 by
+default), and one whose NoiseScale callbacks run under a CPU stopwatch (its
+direct cost); trained in turn in blocks of ``--steps`` optimizer steps
+(order flipped each block) so machine noise hits all alike. Printed: median
+wall time (slowest rank) and CPU time (all threads of all ranks) per step,
+ratios of totals and per-block medians with IQR, the direct cost, and an
 environment fingerprint.
 
 Part 2 (measurement): a full digits training run (the recipe's defaults) with
 NoiseScale every step: B_simple as training goes, and the end-of-run summary.
 
     python benchmarks/noise_overhead.py                     # 2 gloo ranks
-    python benchmarks/noise_overhead.py --every 10 --world-size 4
+    python benchmarks/noise_overhead.py --every 1,2,10 --world-size 4 --epochs 0
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import multigpu as mg
 from multigpu.recipes.digits import digits_datasets, evaluate, make_model
 from multigpu.testing import spawn
 
-GLOBAL_BATCH, LR, WARMUP_STEPS = 64, 0.1, 5
+GLOBAL_BATCH, LR, WARMUP_STEPS = 64, 0.1, 5  # the digits recipe's defaults
 
 
 def _batches(train):
@@ -41,51 +42,74 @@ def _batches(train):
         yield from train
 
 
-class _Run:
-    """One DDP model training on digits; ``block(n)`` times n optimizer steps (slowest rank)."""
+class _TimedNoiseScale(mg.NoiseScale):
+    """NoiseScale with a CPU stopwatch (this thread's CPU time) around each of its callbacks: its direct
+    cost, which preemption by other processes does not inflate."""
 
-    def __init__(self, dist, train_set, every: int | None):  # None: plain DDP; 0: allreduce_hook only
-        self.plan = mg.BatchPlan(GLOBAL_BATCH, dist.world_size)
+    seconds = 0.0
+
+    def _timed(name):  # noqa: N805 - a decorator factory used in the class body
+        def wrapper(self, *args):
+            start = time.thread_time()
+            try:
+                return getattr(mg.NoiseScale, name)(self, *args)
+            finally:
+                self.seconds += time.thread_time() - start
+        return wrapper
+
+    _on_grad = _timed("_on_grad")
+    _before_reduction = _timed("_before_reduction")
+    _after_reduction = _timed("_after_reduction")
+
+
+class _Run:
+    """One DDP model training on digits; ``block(n)`` times n optimizer steps."""
+
+    def __init__(self, dist, train_set, every: int | None, batch: int, timed: bool = False):  # every None: plain
+        self.plan = mg.BatchPlan(batch, dist.world_size)
         torch.manual_seed(0)
         self.model = mg.wrap(make_model(), "ddp")
-        self.noise = mg.NoiseScale(self.plan, every=every).attach(self.model) if every else None
-        if every == 0:
-            # The floor of any Python DDP comm hook: PyTorch's own all-reduce hook, nothing measured.
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            self.model.register_comm_hook(None, default_hooks.allreduce_hook)
+        cls = _TimedNoiseScale if timed else mg.NoiseScale
+        self.noise = cls(self.plan, every=every).attach(self.model) if every else None
         self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=0.9)
         self.loss_fn = nn.CrossEntropyLoss()
         self.batches = _batches(mg.loader(train_set, self.plan, dist, seed=0))
 
-    def block(self, steps: int) -> tuple[float, float]:
-        """(wall seconds per step, slowest rank; CPU seconds per step, all threads of all ranks)."""
+    def block(self, steps: int) -> tuple[float, float, float]:
+        """(wall seconds per step, slowest rank; CPU seconds per step, all threads of all ranks;
+        NoiseScale's callbacks' CPU time / the process's CPU time, mean of the ranks)."""
         tdist.barrier()
-        start, cpu = time.perf_counter(), time.process_time()
+        if isinstance(self.noise, _TimedNoiseScale):
+            self.noise.seconds = 0.0
+        start, cpu0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             for x, y in mg.accumulate(self.model, next(self.batches)):
                 (self.loss_fn(self.model(x), y) / self.plan.accum_steps).backward()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
-        wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        cpu = torch.tensor([time.process_time() - cpu], dtype=torch.float64)
+        elapsed, own_cpu = time.perf_counter() - start, time.process_time() - cpu0
+        direct = self.noise.seconds / own_cpu if isinstance(self.noise, _TimedNoiseScale) else 0.0
+        vals = torch.tensor([elapsed, own_cpu, direct], dtype=torch.float64)
+        wall = vals[:1].clone()
         tdist.all_reduce(wall, op=tdist.ReduceOp.MAX)  # a step is as slow as its slowest rank
         # CPU time is what the work costs, whatever else the (shared) machine runs meanwhile.
-        tdist.all_reduce(cpu)
-        return float(wall) / steps, float(cpu) / steps
+        tdist.all_reduce(vals)
+        return float(wall) / steps, float(vals[1]) / steps, float(vals[2]) / tdist.get_world_size()
 
 
-def _overhead(dist, blocks: int, steps: int, every: int) -> dict:
-    """Blocks of ``steps`` steps, alternating plain / with NoiseScale (order flipped every block)."""
+def _overhead(dist, blocks: int, steps: int, everies: list[int], batch: int) -> dict:
+    """Blocks of ``steps`` steps of each variant in turn (order flipped every block)."""
     train_set, _ = digits_datasets(seed=0)
-    runs = {"plain": _Run(dist, train_set, None), "pyhook": _Run(dist, train_set, 0), "noise": _Run(dist, train_set, every)}
+    runs = {"plain": _Run(dist, train_set, None, batch)}
+    runs |= {f"every {e}": _Run(dist, train_set, e, batch) for e in everies}
+    # With stopwatches: their direct cost; their own step times are not compared.
+    runs |= {f"timed {e}": _Run(dist, train_set, e, batch, timed=True) for e in everies}
     for run in runs.values():
         run.block(WARMUP_STEPS)
     out = {name: [] for name in runs}
     for i in range(blocks):
         for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
             out[name].append(runs[name].block(steps))
-    out["b_simple"] = runs["noise"].noise.metrics().get("noise/b_simple")
     return out
 
 
@@ -133,29 +157,35 @@ def _fingerprint(world: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--blocks", type=int, default=60, help="timed blocks per variant, alternating plain / NoiseScale")
-    ap.add_argument("--steps", type=int, default=10, help="optimizer steps per block")
-    ap.add_argument("--every", type=int, default=1, help="NoiseScale measures one step in this many")
+    ap.add_argument("--blocks", type=int, default=40, help="timed blocks per variant")
+    ap.add_argument("--steps", type=int, default=40, help="optimizer steps per block")
+    ap.add_argument("--global-batch", type=int, default=GLOBAL_BATCH, help="global batch of part 1 (recipe default 64)")
+    ap.add_argument("--every", default="1,4", help="NoiseScale variants: one measured step in this many (comma-separated)")
     ap.add_argument("--epochs", type=int, default=20, help="epochs of the measurement run (0: skip it)")
     args = ap.parse_args()
     w = args.world_size
     print("fingerprint:", ", ".join(f"{k}={v}" for k, v in _fingerprint(w).items()), flush=True)
 
-    r = spawn(_overhead, w, args.blocks, args.steps, args.every, timeout=3600)[0]
-    print(f"digits MLP, DDP over {w} gloo ranks, global batch {GLOBAL_BATCH}, NoiseScale every {args.every} step(s); "
-          f"{args.blocks} alternating blocks of {args.steps} steps per variant:")
+    everies = [int(e) for e in args.every.split(",")]
+    r = spawn(_overhead, w, args.blocks, args.steps, everies, args.global_batch, timeout=3600)[0]
+    print(f"digits MLP, DDP over {w} gloo ranks, global batch {args.global_batch}; {args.blocks} blocks of {args.steps} "
+          f"steps per variant, variants in turn (order flipped every block):")
     for i, what in ((0, "wall time per step (slowest rank)"), (1, "CPU time per step (all ranks, all threads)")):
-        plain, hook, noise = ([b[i] for b in r[k]] for k in ("plain", "pyhook", "noise"))
-        print(f"  {what}, medians: plain DDP {statistics.median(plain) * 1e3:.3f} ms | with PyTorch's allreduce_hook "
-              f"{statistics.median(hook) * 1e3:.3f} ms | with NoiseScale {statistics.median(noise) * 1e3:.3f} ms")
-        for label, base in (("NoiseScale / plain DDP", plain), ("NoiseScale / allreduce_hook", hook),
-                            ("allreduce_hook / plain DDP", None)):
-            num, den = (hook, plain) if base is None else (noise, base)
-            ratios = sorted(b / a for a, b in zip(den, num))
+        plain = [b[i] for b in r["plain"]]
+        print(f"  {what}: plain DDP median {statistics.median(plain) * 1e3:.3f} ms")
+        for e in everies:
+            noise = [b[i] for b in r[f"every {e}"]]
+            ratios = sorted(b / a for a, b in zip(plain, noise))
             q = statistics.quantiles(ratios, n=4)
-            print(f"    {label}: totals {sum(num) / sum(den):.3f}; per block median {statistics.median(ratios):.3f} "
-                  f"(IQR {q[0]:.3f}-{q[2]:.3f}, n={len(ratios)})")
-    print("  target: NoiseScale / plain DDP < 1.03")
+            print(f"    NoiseScale every {e} / plain DDP: totals {sum(noise) / sum(plain):.3f}; per block median "
+                  f"{statistics.median(ratios):.3f} (IQR {q[0]:.3f}-{q[2]:.3f}, n={len(ratios)})")
+    print("  direct cost: CPU time inside NoiseScale's callbacks / the rank's CPU time (mean of ranks):")
+    for e in everies:
+        direct = sorted(b[2] for b in r[f"timed {e}"])
+        q = statistics.quantiles(direct, n=4)
+        print(f"    every {e}: median {100 * statistics.median(direct):.2f}% (IQR {100 * q[0]:.2f}-{100 * q[2]:.2f}%, "
+              f"n={len(direct)})")
+    print("  target: < 3% of the step when measured every step")
 
     if args.epochs:
         t = spawn(_train, w, args.epochs, timeout=3600)[0]

@@ -324,7 +324,7 @@ def _fsdp_worker(dist, steps):
         net = torch.nn.Sequential(_Block(6), _Block(6), torch.nn.Linear(6, 3))
         kw = {"block_classes": [_Block]} if strategy == "fsdp" else {}
         model = mg.wrap(net, strategy, **kw)   # fsdp: three FSDP modules, three reduce-scatters per step
-        noise = mg.NoiseScale(plan, tau=1e12, every=2).attach(model)   # default sync_every=16
+        noise = mg.NoiseScale(plan, tau=1e12, every=2, sync_every=16).attach(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         gen = torch.Generator().manual_seed(100 + rank)
         for _ in range(steps):

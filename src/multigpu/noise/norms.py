@@ -1,16 +1,16 @@
 """Where NoiseScale reads squared gradient norms, and when.
 
-Timing comes from the autograd engine, not from a communication hook. A hook
-on the model's output queues a callback at the start of each backward; the
-engine runs queued callbacks in order once the graph is done, and runs
-callbacks queued *by a callback* after those (torch/csrc/autograd/engine.cpp,
-``GraphTask::exec_post_processing``: "more callbacks may be added in between
-callback calls"). So:
+Timing comes from the autograd engine, not from a communication hook. The
+first gradient of a backward (a post-accumulate-grad hook; under FSDP the
+first reduce-scatter) queues a callback; the engine runs queued callbacks in
+order once the graph is done, and runs callbacks queued *by a callback* after
+those (torch/csrc/autograd/engine.cpp, ``GraphTask::exec_post_processing``:
+"more callbacks may be added in between callback calls"). So:
 
-* ``before``, queued at the start of the backward, runs before DDP's
-  ``finalize_backward`` (queued when its last bucket is ready): ``p.grad``
-  still holds this rank's gradient (DDP reduces copies in its buckets when
-  ``gradient_as_bucket_view=False``);
+* ``before`` runs before DDP's ``finalize_backward``, which DDP queues when
+  its last gradient is ready (a parameter's own hooks run before DDP's hook
+  on it): ``p.grad`` still holds this rank's gradient (DDP reduces copies in
+  its buckets when ``gradient_as_bucket_view=False``);
 * ``after``, queued by ``before``, runs after DDP's finalize and FSDP's root
   post-backward callback: ``p.grad`` holds the averaged gradient (or its
   shard), before any user code (unscale, clipping) touches it.
@@ -60,18 +60,6 @@ def local_tensors(grads: Iterator[torch.Tensor | None]) -> list[torch.Tensor]:
         to_local = getattr(g, "to_local", None)  # DTensor (FSDP2): this rank's shard
         out.append(to_local() if to_local is not None else g)
     return out
-
-
-def tensors_in(output: Any) -> Iterator[torch.Tensor]:
-    """Tensors in a forward's output (tensor, or tuples/lists/dicts of them)."""
-    if isinstance(output, torch.Tensor):
-        yield output
-    elif isinstance(output, (tuple, list)):
-        for item in output:
-            yield from tensors_in(item)
-    elif isinstance(output, dict):
-        for item in output.values():
-            yield from tensors_in(item)
 
 
 def queue_callback(fn: Callable[[], None]) -> None:

@@ -57,7 +57,7 @@ class NoiseScale:
     >>> log(noise.metrics()); mg.print0(noise.summary())
     """
 
-    def __init__(self, plan: BatchPlan, *, tau: float | None = None, every: int = 1, sync_every: int = 16,
+    def __init__(self, plan: BatchPlan, *, tau: float | None = None, every: int = 1, sync_every: int = 64,
                  scaler: Any = None, group=None):
         if not isinstance(plan, BatchPlan):
             raise UsageError(f"NoiseScale needs the run's mg.BatchPlan, got {type(plan).__name__}; pass plan=mg.BatchPlan(...)")
@@ -83,9 +83,10 @@ class NoiseScale:
         self._rounds = 0        # optimizer steps seen, measured or not
         self._kind: str | None = None  # "ddp" | "fsdp" | "micro" (one process, micro-batches)
         self._params: list[torch.Tensor] = []
+        self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self._handles: list = []
         self._queued = False    # this backward's callback is queued
-        self._local: torch.Tensor | None = None   # DDP: norm parts of this rank's gradient, this backward
+        self._local: list[torch.Tensor] = []      # DDP: norm parts of this rank's gradient, this backward
         self._parts: list[torch.Tensor] = []      # FSDP: norms of this backward's reduce-scatter inputs
         self._reduced = False   # FSDP: this backward reduce-scattered (not a micro-batch without sync)
         self._plain_sum = False  # FSDP pre-divided a reduce-scatter input (fp16 reduce dtype)
@@ -114,7 +115,7 @@ class NoiseScale:
                     # views of the buckets they would be overwritten under the reader.
                     raise UsageError("NoiseScale needs DDP's default gradient_as_bucket_view=False, got True; "
                                      "wrap without gradient_as_bucket_view=True")
-                self._kind = "ddp"
+                self._kind, self._ddp = "ddp", model
             else:
                 raise UsageError(
                     f"NoiseScale.attach on {world} ranks needs a DDP or FSDP2 model, got {type(model).__name__}; "
@@ -129,7 +130,11 @@ class NoiseScale:
                 )
             self._kind = "micro"
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self._handles.append(model.register_forward_hook(self._on_forward))
+        if self._kind != "fsdp":  # FSDP: each reduce-scatter is the signal (_on_reduce_scatter)
+            # The first gradient of a backward queues the end-of-backward callback; a
+            # parameter's hook runs before DDP's own hook on it, so always before DDP
+            # queues its finalize (when its last gradient is ready).
+            self._handles += [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
         return self
 
     def _attach_fsdp(self, modules: list[torch.nn.Module]) -> None:
@@ -169,19 +174,11 @@ class NoiseScale:
         return torch.tensor(float(s.get_scale()), device=device, dtype=torch.float64)
 
     # ---- the hooks (norms.py explains the timing) -------------------------------
-    def _on_forward(self, module, inputs, output) -> None:
-        if not torch.is_grad_enabled() or self._kind == "detached":
-            return
-        if self._kind == "ddp" and not module.require_backward_grad_sync:
-            return  # a micro-batch under no_sync: its backward reduces nothing
-        for t in norms.tensors_in(output):
-            if t.requires_grad:
-                t.register_hook(self._on_backward_start)
-
-    def _on_backward_start(self, grad: torch.Tensor) -> None:
-        if not self._queued:
-            self._queued = True
-            norms.queue_callback(self._before_reduction)
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if self._queued or (self._ddp is not None and not self._ddp.require_backward_grad_sync):
+            return  # queued already, or a micro-batch under no_sync: its backward reduces nothing
+        self._queued = True
+        norms.queue_callback(self._before_reduction)
 
     def _before_reduction(self) -> None:
         """End of the backward, before DDP's finalize: ``p.grad`` is this rank's gradient."""
@@ -190,7 +187,9 @@ class NoiseScale:
             self._micro_batch_done()
             return
         if self._kind == "ddp" and self._measuring():
-            # DDP's finalize copies the averaged buckets into these same tensors.
+            # One foreach over all gradients: per-parameter norms in the hooks, while each
+            # gradient is still in cache, cost the same on CPU (benchmarks/noise_overhead.py)
+            # and one kernel launch per parameter on CUDA.
             self._grad_list = self._grads()
             self._local = norms.norm_parts(self._grad_list)
         norms.queue_callback(self._after_reduction)
@@ -214,13 +213,19 @@ class NoiseScale:
             total = norms.norm_parts(self._grads())
             local, self._parts = self._parts or [torch.zeros_like(total[0])], []
         else:
+            # DDP's finalize copied the averaged buckets into the tensors _on_grad saw.
             total = norms.norm_parts(self._grad_list)
-            local, self._local, self._grad_list = self._local, None, []
+            local, self._local, self._grad_list = self._local, [], []
         self._queue_step(local, total, self._scale(total[0].device), sharded=self._kind == "fsdp")
 
     def _on_reduce_scatter(self, flat_input: torch.Tensor, op) -> None:
+        if self._kind != "fsdp":
+            return  # detached
         self._reduced = True
-        if self._measuring() and self._kind == "fsdp":
+        if not self._queued:
+            self._queued = True
+            norms.queue_callback(self._before_reduction)
+        if self._measuring():
             self._plain_sum = self._plain_sum or norms.is_plain_sum(op)
             self._parts += norms.norm_parts([flat_input])
 
