@@ -135,6 +135,7 @@ def _train(dist, epochs: int) -> dict:
             sched.step()
         if epoch in (0, 1, 4) or epoch % 5 == 4:
             history.append((epoch + 1, noise.metrics(), evaluate(model, test_set, dist, amp)["accuracy"]))
+    noise.flush()  # the steps still waiting for their batch's all-reduce
     return {"history": history, "summary": noise.summary(), "steps_per_epoch": len(train)}
 
 
@@ -192,7 +193,8 @@ def main() -> None:
         print(f"\nnoise scale during a digits run ({args.epochs} epochs x {t['steps_per_epoch']} steps, {w} ranks, "
               f"global batch {GLOBAL_BATCH}):")
         for epoch, m, acc in t["history"]:
-            b = f"{m['noise/b_simple']:8.1f}" if "noise/b_simple" in m else "   (noise-dominated)"
+            b = (f"{m['noise/b_simple']:8.1f}" if "noise/b_simple" in m else
+                 "   (noise-dominated)" if m else "  (no step averaged yet)")
             print(f"  epoch {epoch:3d}: B_simple {b} | |G|^2 {m.get('noise/grad_sq', float('nan')):.4g} | "
                   f"tr(Sigma) {m.get('noise/trace_cov', float('nan')):.4g} | test accuracy {100 * acc:.2f}%")
         print(t["summary"])

@@ -155,8 +155,12 @@ def test_one_process_uses_micro_batches_and_skips_nonfinite():
     assert m["noise/b_simple"] == pytest.approx(np.mean(ts) / np.mean(gs), rel=1e-9)
     assert abs(m["noise/b_simple"] / TRUE_B - 1) < 0.1
     print(f"one process, 4 micro-batches: rel. error |G|^2 {err_g:.3f}, tr {err_t:.3f}, B_simple {m['noise/b_simple']:.3f} (true {TRUE_B})")
-    # A step that went unmeasured leaves everything as it was, and summary reads the numbers.
     assert "B_simple ~ 6 examples" in noise.summary()
+    # After detach, training goes on unmeasured.
+    noise.detach()
+    for _ in range(plan.accum_steps):
+        _loss(model, *_batch(gen, plan.micro_batch), plan.accum_steps).backward()
+    assert noise.metrics()["noise/measured_steps"] == 1499
 
 
 def test_one_process_needs_accumulation():
@@ -299,9 +303,10 @@ def test_cuda_one_process_matches_closed_form():
             amp.scale(_loss(model, x, y, plan.accum_steps)).backward()
         amp.step(opt)
         opt.zero_grad(set_to_none=True)
-    assert len(noise._raw) > 0          # folded lazily on CUDA: no host sync per step
+    # Batches of 1, 2, ..., 32, then 64 (383 steps): 17 wait on the device, no host work per step.
+    assert len(noise._steps) == 17 and not noise._raw
     m = noise.metrics()
-    assert not noise._raw and m["noise/measured_steps"] + m["noise/skipped_steps"] == 400
+    assert not noise._steps and m["noise/measured_steps"] + m["noise/skipped_steps"] == 400
     assert abs(m["noise/b_simple"] / TRUE_B - 1) < 0.1
 
 
@@ -333,6 +338,8 @@ def _fsdp_worker(dist, steps):
                 (((model(x) - y) ** 2).mean() / plan.accum_steps).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+        out[strategy + " before flush"] = noise.metrics()["noise/measured_steps"]
+        noise.flush()
         out[strategy] = noise.metrics()
     # fp16 reduce-scatters are pre-divided by a factor FSDP keeps to itself: refused, with the fix.
     model = mg.wrap(torch.nn.Linear(6, 3), "fsdp", param_dtype="fp16")
@@ -347,8 +354,10 @@ def _fsdp_worker(dist, steps):
 def test_fsdp_reads_the_same_norms_as_ddp():
     res = spawn(_fsdp_worker, 2, 66, timeout=240)
     ddp, fsdp = res[0]["ddp"], res[0]["fsdp"]
-    # 66 steps, one in 2 measured: 33, of which 32 averaged across ranks (two all-reduces of 16).
-    assert ddp["noise/measured_steps"] == fsdp["noise/measured_steps"] == 32
+    # 66 steps, one in 2 measured: 33; averaged across ranks in batches of 1, 2, 4, 8, 16 (31),
+    # the last 2 by flush().
+    assert res[0]["ddp before flush"] == res[0]["fsdp before flush"] == 31
+    assert ddp["noise/measured_steps"] == fsdp["noise/measured_steps"] == 33
     for key in ("noise/grad_sq", "noise/trace_cov"):
         assert fsdp[key] == pytest.approx(ddp[key], rel=1e-5)   # fp32 gradients reduced in another order (seen: 1e-7)
     assert res[1]["fsdp"] == res[0]["fsdp"]

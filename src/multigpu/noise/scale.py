@@ -80,6 +80,7 @@ class NoiseScale:
         self._steps: list[tuple] = []  # measured, not yet averaged across ranks: (local, total, scale, sharded)
         self._raw: list[tuple] = []    # squared norms, not yet folded: (local vec, total vec, scales, b_small)
         self._inflight: tuple | None = None  # the all-reduce of the last sync: (work, vec, scales)
+        self._syncs = 0         # batches of steps processed so far
         self._rounds = 0        # optimizer steps seen, measured or not
         self._kind: str | None = None  # "ddp" | "fsdp" | "micro" (one process, micro-batches)
         self._params: list[torch.Tensor] = []
@@ -140,13 +141,14 @@ class NoiseScale:
     def _attach_fsdp(self, modules: list[torch.nn.Module]) -> None:
         for m in modules:
             if not hasattr(m, "set_custom_reduce_scatter"):
-                raise UsageError(f"NoiseScale under FSDP2 needs FSDPModule.set_custom_reduce_scatter (torch >= 2.8), "
-                                 f"got torch {torch.__version__}; upgrade torch or call noise.observe(..., sharded=True)")
+                raise UsageError(f"NoiseScale under FSDP2 needs FSDPModule.set_custom_reduce_scatter, which torch "
+                                 f"{torch.__version__} lacks; upgrade torch (2.13 has it), or leave the model "
+                                 "unattached and call noise.observe(..., sharded=True) each step")
             try:
                 m.set_custom_reduce_scatter(norms.ReduceScatterNorms(self._on_reduce_scatter))
             except ValueError as err:  # several parameter groups per module (per-parameter meshes)
-                raise UsageError(f"NoiseScale cannot read this FSDP2 model's reduce-scatter ({err}); "
-                                 "call noise.observe(..., sharded=True) each step instead") from None
+                raise UsageError(f"NoiseScale cannot read this FSDP2 model's reduce-scatter ({err}); leave the "
+                                 "model unattached and call noise.observe(..., sharded=True) each step") from None
         self._kind = "fsdp"
 
     def detach(self) -> None:
@@ -278,7 +280,8 @@ class NoiseScale:
     def _queue_step(self, local: list[torch.Tensor], total: list[torch.Tensor], scale, *, sharded: bool) -> None:
         """One measured step's norm parts (sum of squares = squared norm); processed ``sync_every`` at a time."""
         self._steps.append((local, total, scale, sharded))
-        if len(self._steps) >= self.sync_every:
+        # Batches of 1, 2, 4, ... up to sync_every: the first estimates appear within a few steps.
+        if len(self._steps) >= min(self.sync_every, 2 ** self._syncs):
             self._sync()
 
     def _sync(self) -> None:
@@ -289,6 +292,7 @@ class NoiseScale:
         slowest arrives, a step's skew each time (measured: ~1 ms on gloo).
         """
         self._land()
+        self._syncs += 1
         steps, self._steps = self._steps, []
         local_sq = norms.sum_sq([s[0] for s in steps])
         total_sq = norms.sum_sq([s[1] for s in steps]).to(local_sq.device)
@@ -344,6 +348,18 @@ class NoiseScale:
             self._ema_t.update(trace_cov, beta)
             self.measured += 1
         self._raw = []
+
+    def flush(self) -> None:
+        """Average the measured steps still waiting for their batch (collective: every rank calls it).
+
+        Call it at the end of training, before the last ``metrics()`` or
+        ``summary()``, so they include the final steps.
+
+        >>> noise.flush(); mg.print0(noise.summary())
+        """
+        if self._steps:
+            self._sync()
+        self._land()
 
     # ---- reporting ------------------------------------------------------------
     def metrics(self) -> dict[str, float]:

@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         result = dict(metrics, world_size=dist.world_size, steps=total,
                       samples_per_s=(summary.get("samples_per_s") or {}).get("mean"), wall_s=summary.get("wall_time"))
         if noise is not None:
+            noise.flush()  # every rank: average the last steps in before reporting
             result |= noise.metrics()
             mg.print0(noise.summary())
         mg.print0(f"digits: test accuracy {100 * metrics['accuracy']:.2f}% ({int(metrics['correct'])}/"
