@@ -170,18 +170,16 @@ def test_one_process_needs_accumulation():
         mg.NoiseScale(mg.BatchPlan(64, 1), every=0)
 
 
-def _ddp_worker(dist, steps, accum):
+def _exact_errors(dist, static: bool, counts: list) -> list[float]:
     world, rank = dist.world_size, dist.rank
-    out = {}
-    # (a) exact: the hook's norms equal all-gathered reference gradients.
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
-    model = mg.wrap(ref, "ddp", bucket_cap_mb=1e-4)  # tiny buckets: several per step
+    model = mg.wrap(ref, "ddp", bucket_cap_mb=1e-4, static_graph=static)  # tiny buckets: several per step
     plan = mg.BatchPlan(global_batch=8 * world, world_size=world)
     noise = mg.NoiseScale(plan, sync_every=1).attach(model)
     gen = torch.Generator().manual_seed(100 + rank)
     errs = []
-    for _ in range(3):
+    for step in range(3):
         x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
         g_i = torch.cat([g.flatten() for g in torch.autograd.grad(((ref(x) - y) ** 2).mean(), list(ref.parameters()))])
         gathered = [torch.empty_like(g_i) for _ in range(world)]
@@ -190,10 +188,24 @@ def _ddp_worker(dist, steps, accum):
         total_ref = float(torch.stack(gathered).double().mean(0).square().sum())
         ((model(x) - y) ** 2).mean().backward()
         model.zero_grad(set_to_none=True)
-        noise.metrics()  # lands the step's all-reduce (asynchronous) and folds it
+        m = noise.metrics()  # lands the step's all-reduce (asynchronous) and folds it
+        if static and step == 0:
+            continue
         errs.append(abs(float(noise.last["local_sq"]) / local_ref - 1))
         errs.append(abs(float(noise.last["total_sq"]) / total_ref - 1))
-    out["exact_rel_err"] = max(errs)
+    counts.append(int(m["noise/measured_steps"]))
+    return errs
+
+
+def _ddp_worker(dist, steps, accum):
+    world, rank = dist.world_size, dist.rank
+    out = {}
+    # (a) exact: the norms read at the end of the backward equal all-gathered reference gradients;
+    # with static_graph too, whose first backward reduces before NoiseScale can read it (not measured).
+    errs, counts = [], []
+    for static in (False, True):
+        errs += _exact_errors(dist, static, counts)
+    out["exact_rel_err"], out["exact_counts"] = max(errs), counts
     # (b) least squares, accumulation under no_sync, DDP's own (C++) all-reduce.
     # (c) the same with DDP's fp16 compression hook, mg.Precision('fp16')'s GradScaler and one inf step.
     for name, hook, scale in (("plain", None, False), ("fp16", "fp16", True)):
@@ -248,6 +260,7 @@ def test_ddp_ranks_match_closed_form(world):
     res = spawn(_ddp_worker, world, steps, 2, timeout=240)
     r0 = res[0]
     assert r0["exact_rel_err"] < 1e-6
+    assert r0["exact_counts"] == [3, 2]   # static_graph: the first step is not measured
     for name in ("plain", "fp16"):
         rec = r0[name]
         m = rec["metrics"]

@@ -94,6 +94,7 @@ class NoiseScale:
         self._micro = 0         # one process: micro-batches of this step so far
         self._micro_parts: list[torch.Tensor] = []  # one process: norm parts of this step's micro-batches
         self._grad_list: list[torch.Tensor] = []    # DDP: the gradients read before the reduction
+        self._skip_next = False  # DDP static_graph: its first backward cannot be measured
         self._prev: list[torch.Tensor] | None = None  # one process: gradients after the previous micro-batch
 
     # ---- wiring ---------------------------------------------------------------
@@ -117,6 +118,9 @@ class NoiseScale:
                     raise UsageError("NoiseScale needs DDP's default gradient_as_bucket_view=False, got True; "
                                      "wrap without gradient_as_bucket_view=True")
                 self._kind, self._ddp = "ddp", model
+                # With static_graph, DDP's first backward reduces in a callback of its own that
+                # runs before ours: that step's rank gradients are already averaged (seen in tests).
+                self._skip_next = bool(getattr(model, "static_graph", False))
             else:
                 raise UsageError(
                     f"NoiseScale.attach on {world} ranks needs a DDP or FSDP2 model, got {type(model).__name__}; "
@@ -188,12 +192,13 @@ class NoiseScale:
             self._queued = False
             self._micro_batch_done()
             return
-        if self._kind == "ddp" and self._measuring():
+        if self._kind == "ddp" and self._measuring() and not self._skip_next:
             # One foreach over all gradients: per-parameter norms in the hooks, while each
             # gradient is still in cache, cost the same on CPU (benchmarks/noise_overhead.py)
             # and one kernel launch per parameter on CUDA.
             self._grad_list = self._grads()
             self._local = norms.norm_parts(self._grad_list)
+        self._skip_next = False
         norms.queue_callback(self._after_reduction)
 
     def _after_reduction(self) -> None:
@@ -207,7 +212,7 @@ class NoiseScale:
                 raise UsageError("NoiseScale under FSDP2 reads unscaled reduce-scatter inputs, but FSDP pre-divided "
                                  "them (fp16 reduce dtype or force-sum reduction); reduce in fp32 or bf16: "
                                  "mg.wrap(model, 'fsdp', param_dtype='fp16', reduce_dtype='fp32')")
-        measuring = self._measuring()
+        measuring = self._measuring() and (self._kind != "ddp" or bool(self._grad_list))
         self._rounds += 1
         if not measuring:
             return
