@@ -120,10 +120,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 opt.zero_grad(set_to_none=True)
                 if sched is not None:
                     sched.step()
+                done = step + 1 == total
+                if noise is not None and done:
+                    noise.flush()  # every rank: the last steps' all-reduce, so the final record has them
+                    meter.log(noise.metrics())
                 meter.step_end(loss=loss.detach() * plan.accum_steps, lr=opt)
                 if noise is not None and meter.will_log:
                     meter.log(noise.metrics())
-                done = step + 1 == total
                 if (step + 1) % len(train) == 0 or done:
                     epoch = (step + 1) // len(train)
                     if done or epoch % args.eval_every == 0:
@@ -135,7 +138,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         result = dict(metrics, world_size=dist.world_size, steps=total,
                       samples_per_s=(summary.get("samples_per_s") or {}).get("mean"), wall_s=summary.get("wall_time"))
         if noise is not None:
-            noise.flush()  # every rank: average the last steps in before reporting
             result |= noise.metrics()
             mg.print0(noise.summary())
         mg.print0(f"digits: test accuracy {100 * metrics['accuracy']:.2f}% ({int(metrics['correct'])}/"
