@@ -29,10 +29,12 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as tdist
 
+
 def norm_parts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors' L2 norms (fp32 scalars): the sum of their squares is the squared norm of all.
 
-    One foreach call (what ``clip_grad_norm_`` runs), accumulated in fp32
+    One ``torch._foreach_norm`` call (what ``clip_grad_norm_`` runs; the public
+    ``get_total_norm`` wraps it in ~15 µs of Python per call), accumulated in fp32
     whatever the dtype (fp16 norms overflow). Stacking, squaring and summing
     wait for ``sum_sq``, which does it for many steps in one go: every tensor
     op costs host time, measured against steps of a few milliseconds.
@@ -49,6 +51,20 @@ def sum_sq(parts: list[list[torch.Tensor]]) -> torch.Tensor:
     if len(set(lengths)) == 1:
         return flat.view(len(parts), -1).sum(1)
     return torch.stack([chunk.sum() for chunk in flat.split(lengths)])
+
+
+def loss_scale(scaler: Any, device: torch.device) -> torch.Tensor | None:
+    """The loss scale of the backward in progress (None without a scaler)."""
+    if scaler is not None and not hasattr(scaler, "get_scale"):
+        scaler = getattr(scaler, "scaler", None)  # an mg.Precision: its GradScaler, or None below fp16
+    if scaler is None:
+        return None
+    # GradScaler keeps its scale in a device tensor: reading it avoids the host
+    # sync of get_scale(); it must be read now, before scaler.update().
+    t = getattr(scaler, "_scale", None)
+    if isinstance(t, torch.Tensor):
+        return t.detach().to(device=device, dtype=torch.float64).reshape(())
+    return torch.tensor(float(scaler.get_scale()), device=device, dtype=torch.float64)
 
 
 def local_tensors(grads: Iterator[torch.Tensor | None]) -> list[torch.Tensor]:

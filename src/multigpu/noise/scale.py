@@ -46,8 +46,9 @@ class NoiseScale:
 
     ``tau``: EMA time constant in training examples (default 100 global
     batches). ``every``: measure one optimizer step in ``every``.
-    ``sync_every``: measured steps averaged across ranks in one all-reduce;
-    ``metrics()`` lags by up to that many steps. ``scaler``: the
+    ``sync_every``: measured steps averaged across ranks in one all-reduce
+    (batches of 1, 2, 4, ... at first); ``metrics()`` lags by up to that many
+    steps, and ``flush()`` (every rank) averages the rest. ``scaler``: the
     ``mg.Precision`` or ``torch.amp.GradScaler`` whose loss scale the
     gradients carry (anything with ``get_scale()``).
 
@@ -166,18 +167,7 @@ class NoiseScale:
         return self._rounds % self.every == 0
 
     def _scale(self, device: torch.device) -> torch.Tensor | None:
-        """The loss scale of the backward in progress (None without a scaler)."""
-        s = self.scaler
-        if s is not None and not hasattr(s, "get_scale"):
-            s = getattr(s, "scaler", None)  # an mg.Precision: its GradScaler, or None below fp16
-        if s is None:
-            return None
-        # GradScaler keeps its scale in a device tensor: reading it avoids the
-        # host sync of get_scale(); it must be read now, before scaler.update().
-        t = getattr(s, "_scale", None)
-        if isinstance(t, torch.Tensor):
-            return t.detach().to(device=device, dtype=torch.float64).reshape(())
-        return torch.tensor(float(s.get_scale()), device=device, dtype=torch.float64)
+        return norms.loss_scale(self.scaler, device)
 
     # ---- the hooks (norms.py explains the timing) -------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -260,8 +250,8 @@ class NoiseScale:
 
     # ---- estimation -----------------------------------------------------------
     def observe(self, local_sq, total_sq, *, sharded: bool = False, scale: float | torch.Tensor = 1.0) -> None:
-        """Record one step from squared norms computed elsewhere (every rank calls it; collective
-        every ``sync_every`` calls).
+        """Record one step from squared norms computed elsewhere (every rank calls it: the
+        averaging all-reduce runs once per batch of calls, see ``sync_every``).
 
         ``local_sq``: this rank's ``|g_i|^2`` before averaging (batch ``plan.rank_batch``).
         ``total_sq``: ``|mean_i g_i|^2``; with ``sharded=True``, the squared norm
