@@ -361,6 +361,15 @@ def _fsdp_worker(dist, steps):
         model(torch.randn(8, 6)).float().square().mean().backward()
     except mg.UsageError as err:
         out["fp16_error"] = str(err)
+    # HSDP (a 2-D mesh) replicates shards: refused at attach.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    try:
+        mg.NoiseScale(plan).attach(fully_shard(torch.nn.Linear(6, 3), mesh=mesh))
+    except mg.UsageError as err:
+        out["hsdp_error"] = str(err)
     return out
 
 
@@ -375,3 +384,4 @@ def test_fsdp_reads_the_same_norms_as_ddp():
         assert fsdp[key] == pytest.approx(ddp[key], rel=1e-5)   # fp32 gradients reduced in another order (seen: 1e-7)
     assert res[1]["fsdp"] == res[0]["fsdp"]
     assert "reduce_dtype='fp32'" in res[0]["fp16_error"] and "\n" not in res[0]["fp16_error"]
+    assert "2-D mesh (HSDP)" in res[0]["hsdp_error"] and "shard_sq / replicas" in res[0]["hsdp_error"]

@@ -144,6 +144,12 @@ class NoiseScale:
         return self
 
     def _attach_fsdp(self, modules: list[torch.nn.Module]) -> None:
+        meshes = {getattr(getattr(p, "device_mesh", None), "ndim", 1) for m in modules for p in m.parameters()}
+        if meshes != {1}:
+            # HSDP replicates each shard: summing shard norms over all ranks would count each R times.
+            raise UsageError("NoiseScale reads FSDP2 on a 1-D mesh (every rank one shard), got a "
+                             f"{max(meshes)}-D mesh (HSDP); leave the model unattached and call "
+                             "noise.observe(local_sq, shard_sq / replicas, sharded=True) each step")
         for m in modules:
             if not hasattr(m, "set_custom_reduce_scatter"):
                 raise UsageError(f"NoiseScale under FSDP2 needs FSDPModule.set_custom_reduce_scatter, which torch "
