@@ -58,17 +58,20 @@ class _TimedNoiseScale(mg.NoiseScale):
         return wrapper
 
     _on_grad = _timed("_on_grad")
+    _on_micro_grad = _timed("_on_micro_grad")
     _before_reduction = _timed("_before_reduction")
     _after_reduction = _timed("_after_reduction")
 
 
 class _Run:
-    """One DDP model training on digits; ``block(n)`` times n optimizer steps."""
+    """One model training on digits (DDP; one process: 4 micro-batches); ``block(n)`` times n optimizer steps."""
 
     def __init__(self, dist, train_set, every: int | None, batch: int, timed: bool = False):  # every None: plain
-        self.plan = mg.BatchPlan(batch, dist.world_size)
+        one = dist.world_size == 1  # NoiseScale measures with accumulation micro-batches there
+        self.plan = mg.BatchPlan(batch, dist.world_size, micro_batch=batch // 4 if one else None)
+        self.device = dist.device
         torch.manual_seed(0)
-        self.model = mg.wrap(make_model(), "ddp")
+        self.model = mg.wrap(make_model().to(dist.device), "none" if one else "ddp")
         cls = _TimedNoiseScale if timed else mg.NoiseScale
         self.noise = cls(self.plan, every=every).attach(self.model) if every else None
         self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=0.9)
@@ -78,23 +81,34 @@ class _Run:
     def block(self, steps: int) -> tuple[float, float, float]:
         """(wall seconds per step, slowest rank; CPU seconds per step, all threads of all ranks;
         NoiseScale's callbacks' CPU time / the process's CPU time, mean of the ranks)."""
-        tdist.barrier()
+        world = tdist.get_world_size()
+        if world > 1:
+            tdist.barrier()
+        _sync(self.device)
         if isinstance(self.noise, _TimedNoiseScale):
             self.noise.seconds = 0.0
         start, cpu0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             for x, y in mg.accumulate(self.model, next(self.batches)):
+                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
                 (self.loss_fn(self.model(x), y) / self.plan.accum_steps).backward()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
+        _sync(self.device)
         elapsed, own_cpu = time.perf_counter() - start, time.process_time() - cpu0
         direct = self.noise.seconds / own_cpu if isinstance(self.noise, _TimedNoiseScale) else 0.0
         vals = torch.tensor([elapsed, own_cpu, direct], dtype=torch.float64)
         wall = vals[:1].clone()
-        tdist.all_reduce(wall, op=tdist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-        # CPU time is what the work costs, whatever else the (shared) machine runs meanwhile.
-        tdist.all_reduce(vals)
-        return float(wall) / steps, float(vals[1]) / steps, float(vals[2]) / tdist.get_world_size()
+        if world > 1:
+            tdist.all_reduce(wall, op=tdist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+            # CPU time is what the work costs, whatever else the (shared) machine runs meanwhile.
+            tdist.all_reduce(vals)
+        return float(wall) / steps, float(vals[1]) / steps, float(vals[2]) / world
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _overhead(dist, blocks: int, steps: int, everies: list[int], batch: int) -> dict:
@@ -157,7 +171,9 @@ def _fingerprint(world: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--world-size", type=int, default=2, help="gloo ranks (1: one process, 4 micro-batches)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: one process on one GPU (NoiseScale from micro-batches); part 1 only")
     ap.add_argument("--blocks", type=int, default=40, help="timed blocks per variant")
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps per block")
     ap.add_argument("--global-batch", type=int, default=GLOBAL_BATCH, help="global batch of part 1 (recipe default 64)")
@@ -168,17 +184,23 @@ def main() -> None:
     print("fingerprint:", ", ".join(f"{k}={v}" for k, v in _fingerprint(w).items()), flush=True)
 
     everies = [int(e) for e in args.every.split(",")]
-    r = spawn(_overhead, w, args.blocks, args.steps, everies, args.global_batch, timeout=3600)[0]
-    print(f"digits MLP, DDP over {w} gloo ranks, global batch {args.global_batch}; {args.blocks} blocks of {args.steps} "
+    if args.device == "cuda":
+        with mg.init(backend="nccl", seed=0) as dist:
+            r = _overhead(dist, args.blocks, args.steps, everies, args.global_batch)
+        where = f"1 process on {torch.cuda.get_device_name(0)}, 4 micro-batches"
+    else:
+        r = spawn(_overhead, w, args.blocks, args.steps, everies, args.global_batch, timeout=3600)[0]
+        where = f"DDP over {w} gloo ranks" if w > 1 else "1 process on CPU, 4 micro-batches"
+    print(f"digits MLP, {where}, global batch {args.global_batch}; {args.blocks} blocks of {args.steps} "
           f"steps per variant, variants in turn (order flipped every block):")
     for i, what in ((0, "wall time per step (slowest rank)"), (1, "CPU time per step (all ranks, all threads)")):
         plain = [b[i] for b in r["plain"]]
-        print(f"  {what}: plain DDP median {statistics.median(plain) * 1e3:.3f} ms")
+        print(f"  {what}: plain median {statistics.median(plain) * 1e3:.3f} ms")
         for e in everies:
             noise = [b[i] for b in r[f"every {e}"]]
             ratios = sorted(b / a for a, b in zip(plain, noise))
             q = statistics.quantiles(ratios, n=4)
-            print(f"    NoiseScale every {e} / plain DDP: totals {sum(noise) / sum(plain):.3f}; per block median "
+            print(f"    NoiseScale every {e} / plain: totals {sum(noise) / sum(plain):.3f}; per block median "
                   f"{statistics.median(ratios):.3f} (IQR {q[0]:.3f}-{q[2]:.3f}, n={len(ratios)})")
     print("  direct cost: CPU time inside NoiseScale's callbacks / the rank's CPU time (mean of ranks):")
     for e in everies:
@@ -188,7 +210,7 @@ def main() -> None:
               f"n={len(direct)})")
     print("  target: < 3% of the step when measured every step")
 
-    if args.epochs:
+    if args.epochs and args.device == "cpu" and w > 1:
         t = spawn(_train, w, args.epochs, timeout=3600)[0]
         print(f"\nnoise scale during a digits run ({args.epochs} epochs x {t['steps_per_epoch']} steps, {w} ranks, "
               f"global batch {GLOBAL_BATCH}):")

@@ -96,7 +96,7 @@ class NoiseScale:
         self._micro_parts: list[torch.Tensor] = []  # one process: norm parts of this step's micro-batches
         self._grad_list: list[torch.Tensor] = []    # DDP: the gradients read before the reduction
         self._skip_next = False  # DDP static_graph: its first backward cannot be measured
-        self._prev: list[torch.Tensor] | None = None  # one process: gradients after the previous micro-batch
+        self._incoming: list[torch.Tensor] = []  # one process: norms of this micro-batch's gradients
 
     # ---- wiring ---------------------------------------------------------------
     def attach(self, model: torch.nn.Module) -> "NoiseScale":
@@ -136,11 +136,15 @@ class NoiseScale:
                 )
             self._kind = "micro"
         self._params = [p for p in model.parameters() if p.requires_grad]
-        if self._kind != "fsdp":  # FSDP: each reduce-scatter is the signal (_on_reduce_scatter)
+        if self._kind == "ddp":
             # The first gradient of a backward queues the end-of-backward callback; a
             # parameter's hook runs before DDP's own hook on it, so always before DDP
             # queues its finalize (when its last gradient is ready).
             self._handles += [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+        elif self._kind == "micro":
+            # A tensor hook sees each micro-batch's gradient before it is accumulated: no copy
+            # of the running sum is needed to tell the micro-batches apart.
+            self._handles += [p.register_hook(self._on_micro_grad) for p in self._params]
         return self
 
     def _attach_fsdp(self, modules: list[torch.nn.Module]) -> None:
@@ -232,19 +236,25 @@ class NoiseScale:
             self._plain_sum = self._plain_sum or norms.is_plain_sum(op)
             self._parts += norms.norm_parts([flat_input])
 
+    def _on_micro_grad(self, grad: torch.Tensor) -> None:
+        if self._measuring():
+            # The norm now, while the gradient is in cache; holding the tensor instead would
+            # stop autograd from stealing it into p.grad (one more copy per micro-batch).
+            self._incoming.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
+        if not self._queued:
+            self._queued = True
+            norms.queue_callback(self._before_reduction)
+
     def _micro_batch_done(self) -> None:
-        """One process: the micro-batch's share of the gradient is what its backward added."""
+        """One process: each micro-batch's gradient, as its backward delivered it, then the sum."""
         self._micro += 1
         last = self._micro == self.plan.accum_steps
         if self._measuring():
-            grads = self._grads()
-            added = grads if self._prev is None else torch._foreach_sub(grads, self._prev)
-            self._micro_parts += norms.norm_parts(added)
+            self._micro_parts += self._incoming
+            self._incoming = []
             if last:
-                local, self._micro_parts, self._prev = self._micro_parts, [], None
-                self._queue_step(local, norms.norm_parts(grads), self._scale(local[0].device), sharded=False)
-            else:
-                self._prev = [g.detach().clone() for g in grads]
+                local, self._micro_parts = self._micro_parts, []
+                self._queue_step(local, norms.norm_parts(self._grads()), self._scale(local[0].device), sharded=False)
         if last:
             self._micro = 0
             self._rounds += 1
