@@ -2,7 +2,8 @@
 
 1. the GPU-marked tests (nccl, CUDA events, NVML, real OOM);
 2. the digits demo on the GPU (nccl, world size 1, bf16);
-3. the overhead benchmark on the GPU (1 process, nccl, bf16).
+3. the overhead benchmarks on the GPU (1 process, nccl): the training loop (bf16), the step
+   meter, NoiseScale (from micro-batches).
 Prints each step's exit status and a one-line summary; exits non-zero if any failed.
 """
 
@@ -18,6 +19,8 @@ STEPS = [
                            "--precision", "bf16"]),
     ("overhead benchmark", [sys.executable, "benchmarks/overhead.py", "--device", "cuda"]),
     ("meter overhead", [sys.executable, "benchmarks/meter.py", "--device", "cuda", "--trials", "5"]),
+    ("noise-scale overhead", [sys.executable, "benchmarks/noise_overhead.py", "--device", "cuda", "--blocks", "20",
+                              "--every", "1,4"]),
     ("meter + profiler example", [sys.executable, "-m", "multigpu", "run", "-n", "1", "examples/observe.py",
                                   "--steps", "40", "--profile", "10:15", "--log-every", "10"]),
 ]

@@ -180,7 +180,7 @@ def main() -> None:
     ap.add_argument("--every", default="1,4", help="NoiseScale variants: one measured step in this many (comma-separated)")
     ap.add_argument("--epochs", type=int, default=20, help="epochs of the measurement run (0: skip it)")
     args = ap.parse_args()
-    w = args.world_size
+    w = 1 if args.device == "cuda" else args.world_size
     print("fingerprint:", ", ".join(f"{k}={v}" for k, v in _fingerprint(w).items()), flush=True)
 
     everies = [int(e) for e in args.every.split(",")]
