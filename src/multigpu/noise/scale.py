@@ -93,10 +93,9 @@ class NoiseScale:
         self._reduced = False   # FSDP: this backward reduce-scattered (not a micro-batch without sync)
         self._plain_sum = False  # FSDP pre-divided a reduce-scatter input (fp16 reduce dtype)
         self._micro = 0         # one process: micro-batches of this step so far
-        self._micro_parts: list[torch.Tensor] = []  # one process: norm parts of this step's micro-batches
+        self._micro_parts: list[torch.Tensor] = []  # one process: norms of this step's micro-batch gradients
         self._grad_list: list[torch.Tensor] = []    # DDP: the gradients read before the reduction
         self._skip_next = False  # DDP static_graph: its first backward cannot be measured
-        self._incoming: list[torch.Tensor] = []  # one process: norms of this micro-batch's gradients
 
     # ---- wiring ---------------------------------------------------------------
     def attach(self, model: torch.nn.Module) -> "NoiseScale":
@@ -220,7 +219,7 @@ class NoiseScale:
             total = norms.norm_parts(self._grads())
             local, self._parts = self._parts or [torch.zeros_like(total[0])], []
         else:
-            # DDP's finalize copied the averaged buckets into the tensors _on_grad saw.
+            # DDP's finalize copied the averaged buckets into the tensors read before it.
             total = norms.norm_parts(self._grad_list)
             local, self._local, self._grad_list = self._local, [], []
         self._queue_step(local, total, self._scale(total[0].device), sharded=self._kind == "fsdp")
@@ -240,7 +239,7 @@ class NoiseScale:
         if self._measuring():
             # The norm now, while the gradient is in cache; holding the tensor instead would
             # stop autograd from stealing it into p.grad (one more copy per micro-batch).
-            self._incoming.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
+            self._micro_parts.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
         if not self._queued:
             self._queued = True
             norms.queue_callback(self._before_reduction)
@@ -249,12 +248,9 @@ class NoiseScale:
         """One process: each micro-batch's gradient, as its backward delivered it, then the sum."""
         self._micro += 1
         last = self._micro == self.plan.accum_steps
-        if self._measuring():
-            self._micro_parts += self._incoming
-            self._incoming = []
-            if last:
-                local, self._micro_parts = self._micro_parts, []
-                self._queue_step(local, norms.norm_parts(self._grads()), self._scale(local[0].device), sharded=False)
+        if self._measuring() and last:
+            local, self._micro_parts = self._micro_parts, []
+            self._queue_step(local, norms.norm_parts(self._grads()), self._scale(local[0].device), sharded=False)
         if last:
             self._micro = 0
             self._rounds += 1
