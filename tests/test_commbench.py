@@ -16,6 +16,8 @@ from multigpu.commbench.ddp import bucket_sizes, build_meta_model
 from multigpu.commbench.measure import _Case, counts_for, pattern
 from multigpu.commbench.spec import OPS, PLACES, parse_ops, parse_size
 
+from _cli import run_cli
+
 
 def test_busbw_factors_by_hand():
     # nccl-tests doc/PERFORMANCE.md: all_reduce 2(n-1)/n; all_gather, reduce_scatter, alltoall (n-1)/n; broadcast 1.
@@ -156,13 +158,7 @@ def test_bucket_prediction_matches_ddp():
                                   ["bench", "-n", "0"], ["bench", "--iters", "0"], ["bench", "--ddp", "nosuch"],
                                   ["bench", "--ddp", "os:nothing_here"]])
 def test_bench_usage_errors(argv, capsys):
-    from multigpu.cli import main
-
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err
+    code, err = run_cli(argv, capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
 
 

@@ -19,6 +19,8 @@ from multigpu.doctor.table import DEBUG, DEPRECATED, KNOWN_TORCH, NONEXISTENT
 from multigpu.doctor.smoke import likely_cause, run_smoke
 from multigpu.doctor.topology import parse_topo_matrix
 
+from _cli import run_cli
+
 # `nvidia-smi topo -m` of an 4x H100 SXM node with two NICs, colour codes included.
 NVLINK_TOPO = """\x1b[4m\tGPU0\tGPU1\tGPU2\tGPU3\tNIC0\tNIC1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m
 GPU0\t X \tNV18\tNV18\tNV18\tPXB\tSYS\t0-55,112-167\t0\t\tN/A
@@ -376,13 +378,7 @@ def test_smoke_failure_reports_the_rank_and_cause():
 @pytest.mark.parametrize("argv", [["doctor", "-n", "0"], ["doctor", "--port", "70000"], ["doctor", "--timeout", "0"],
                                   ["doctor", "-n", "x"]])
 def test_doctor_usage_errors(argv, capsys):
-    from multigpu.cli import main
-
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err
+    code, err = run_cli(argv, capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 

@@ -20,9 +20,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from multigpu import cli
 from multigpu.errors import UsageError
 from multigpu.launch import RunConfig, parse_size, resolve
+
+from _cli import run_cli
 
 # A torchrun-style script: reads RANK/WORLD_SIZE itself, calls init_process_group itself,
 # imports a module from its own directory. It knows nothing of multigpu.
@@ -162,11 +163,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, expected, tmp_path, monkeypatch,
         monkeypatch.delenv(name, raising=False)
     logs = tmp_path / "logs"
     args = ["run", "--cpu", "--log-dir", str(logs), *[a.format(script=script) for a in argv]]
-    try:
-        code = cli.main(args)
-    except SystemExit as exit_:  # argparse's own errors
-        code = exit_.code
-    err = capsys.readouterr().err
+    code, err = run_cli(args, capsys)
     assert code == 2
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1, err

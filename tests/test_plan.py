@@ -12,6 +12,8 @@ import multigpu as mg
 from multigpu import cli
 from multigpu.noise import efficiency, gain
 
+from _cli import run_cli
+
 
 def test_scale_global_sgd_is_linear_and_keeps_samples():
     r = mg.scale_recipe(0.1, 128, 8, "sgd", steps=10000, warmup_steps=100, eval_every=500, checkpoint_every=1000)
@@ -101,11 +103,7 @@ def test_cli_bad_input_is_one_line_exit_2(argv, needle, capsys):
         else:
             extra += [k, v]
     full = ["plan"] + [x for kv in args.items() for x in kv] + extra
-    try:
-        rc = cli.main(full)
-    except SystemExit as e:  # argparse's own errors
-        rc = e.code
-    err = capsys.readouterr().err
+    rc, err = run_cli(full, capsys)
     assert rc == 2
     assert needle in err and err.count("\n") == 1 and "Traceback" not in err
 
