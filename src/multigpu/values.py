@@ -1,0 +1,63 @@
+"""Plain values every layer reads the same way: sizes, dtypes, positive integers.
+
+One spelling each, so that ``MB`` means the same bytes in ``multigpu run
+--memory-budget`` and ``multigpu bench --sizes``, and ``"bf16"`` the same
+dtype in ``mg.Precision``, FSDP's mixed precision and the FLOP counter.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from .errors import UsageError
+
+# The training dtypes by their short names (the names flags and options take).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Binary: K, M, G (nccl-tests' -b/-e convention: 256M is 2**28) and KiB..TiB.
+# Decimal: KB..TB (SI, as disk and memory vendors count: 512MB is 512 * 10**6).
+_UNITS = {"k": 2**10, "m": 2**20, "g": 2**30,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_size(text: str | int, what: str = "size") -> int:
+    """Bytes from ``4096``, ``256M`` or ``8GiB`` (binary), ``512MB`` (decimal); ``UsageError`` otherwise.
+
+    ``what`` names the value in the error (e.g. ``"--memory-budget"``). A
+    fraction needs a unit (``1.5GiB``; ``1.5`` bytes means nothing).
+
+    >>> parse_size("1.5GiB"), parse_size("512MB"), parse_size("256M"), parse_size(4096)
+    (1610612736, 512000000, 268435456, 4096)
+    """
+    got = str(text)
+    match = _SIZE.fullmatch(got)
+    size = 0
+    if match and match.group(2).lower() in _UNITS | {"": 1} and (match.group(2) or "." not in match.group(1)):
+        unit = _UNITS.get(match.group(2).lower(), 1)
+        number = match.group(1)
+        size = int(float(number) * unit) if "." in number else int(number) * unit
+    if size <= 0:
+        fix = f"; use e.g. {what} 8GiB" if what.startswith("--") else ""
+        raise UsageError(f"{what} must be a positive size like 512MB, 8GiB or a number of bytes, got {got!r}{fix}")
+    return size
+
+
+def is_positive_int(value: Any) -> bool:
+    """An ``int`` (not a ``bool``) of at least 1."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def positive_int(value: Any, what: str, fix: str = "") -> int:
+    """``value`` if it is a positive ``int``; otherwise ``UsageError`` naming ``what`` (and the ``fix``).
+
+    >>> positive_int(3, "every")
+    3
+    """
+    if not is_positive_int(value):
+        raise UsageError(f"{what} must be a positive integer, got {value!r}" + (f"; {fix}" if fix else ""))
+    return value
