@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import multigpu as mg
-from multigpu.comm_hooks import compression
+from multigpu.parallel.comm_hooks import compression
 from multigpu.recipes.digits import digits_datasets, make_model
 from multigpu.testing import spawn
 
@@ -43,7 +43,7 @@ def _all_hooks(dist):
         "fp16": _run(dist, comm_hook="fp16"),
         "bf16": _run(dist, comm_hook="bf16"),
         # Small buckets: several PowerSGD buckets per step, whose all-reduces
-        # must stay in the same order on every rank (see comm_hooks.py).
+        # must stay in the same order on every rank (see multigpu/parallel/comm_hooks.py).
         "powersgd": _run(dist, comm_hook="powersgd", powersgd_rank=2, powersgd_start_iter=10, bucket_cap_mb=0.01),
     }
 

@@ -53,7 +53,7 @@ def _mlp_step(dist, model, m):
     def step(micro):
         model.zero_grad(set_to_none=True)
         x = torch.randn(micro, 64)
-        with mg.strategy.no_sync(model):  # no collectives inside a trial
+        with mg.parallel.no_sync(model):  # no collectives inside a trial
             model(x).square().mean().backward()
 
     return step

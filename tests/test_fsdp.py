@@ -13,8 +13,8 @@ from torch.utils.data import TensorDataset
 
 import multigpu as mg
 from multigpu.data import global_order
-from multigpu.footprint import state_bytes
-from multigpu.fsdp import is_fsdp
+from multigpu.parallel.footprint import state_bytes
+from multigpu.parallel.fsdp import is_fsdp
 from multigpu.testing import spawn
 
 GLOBAL_BATCH, STEPS, N, MAX_NORM = 16, 5, 96, 0.05
@@ -199,7 +199,7 @@ def _zero1_fp16_and_full_state_dict(dist):
 
 def _norms_two_ways(dist):
     """clip's offload path (local norms reduced by hand) agrees with DTensor's own reduction."""
-    from multigpu.clip import norm_of_shards
+    from multigpu.parallel.clip import norm_of_shards
 
     model = mg.wrap(_net(), "fsdp", block_classes=[Block])
     model(torch.randn(8, 12) * (dist.rank + 1)).pow(2).mean().backward()
@@ -388,7 +388,7 @@ def test_fsdp_needs_a_process_group(monkeypatch):
 
 
 def test_pick_blocks_policies():
-    from multigpu.fsdp import pick_blocks
+    from multigpu.parallel.fsdp import pick_blocks
 
     net = _net()  # Linear(12,32)=416, Block=1056 each, Linear(32,4)=132
     assert pick_blocks(net, None, 500) == [net[1].fc, net[2].fc]  # innermost module that passes
@@ -431,7 +431,7 @@ def test_fsdp_and_zero1_in_one_process_match_plain_pytorch(monkeypatch):
 
 
 def test_pick_blocks_keeps_tied_weights_in_one_unit():
-    from multigpu.fsdp import pick_blocks
+    from multigpu.parallel.fsdp import pick_blocks
 
     class Tied(nn.Module):
         def __init__(self):

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import multigpu as mg
-from multigpu.batchnorm import GlooSyncBatchNorm
+from multigpu.parallel.batchnorm import GlooSyncBatchNorm
 from multigpu.data import global_order
 from multigpu.testing import spawn
 

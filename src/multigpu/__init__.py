@@ -6,18 +6,16 @@ measurements. Importing this package has no side effects.
 """
 
 from .batch import BatchPlan, scale_lr, warmup
-from .clip import clip_grad_norm_
 from .data import all_reduce_sum, eval_loader, loader
 from .dist import Dist, init, print0
 from .errors import UsageError
 from .finder import MicroBatchSearch, find_batch_requested, find_micro_batch
 from .fingerprint import fingerprint
-from .fsdp import full_state_dict
 from .meter import StepMeter, profile
 from .noise import NoiseScale
+from .parallel import accumulate, clip_grad_norm_, full_state_dict, optimizer, unwrap, wrap
 from .planner import ScaledRecipe, scale_recipe
 from .precision import Precision
-from .strategy import accumulate, optimizer, unwrap, wrap
 
 __version__ = "0.1.0"
 

@@ -14,8 +14,7 @@ from typing import Iterator
 import torch
 
 from .errors import UsageError
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from .values import DTYPES, TRAINING_DTYPES
 
 
 class Precision:
@@ -29,8 +28,8 @@ class Precision:
     """
 
     def __init__(self, name: str = "fp32", device: torch.device | str = "cpu") -> None:
-        if name not in DTYPES:
-            raise UsageError(f"unknown precision {name!r}; expected one of {', '.join(DTYPES)}")
+        if name not in TRAINING_DTYPES:
+            raise UsageError(f"unknown precision {name!r}; expected one of {', '.join(TRAINING_DTYPES)}")
         self.name = name
         self.device = torch.device(device)
         self.dtype = DTYPES[name]

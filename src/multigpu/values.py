@@ -14,8 +14,14 @@ import torch
 
 from .errors import UsageError
 
-# The training dtypes by their short names (the names flags and options take).
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Every dtype a flag or an option names, by its short name. Training (mg.Precision,
+# FSDP's mixed precision, FLOP rates) takes the first three; collectives all.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64,
+          "int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64}
+TRAINING_DTYPES = ("fp32", "bf16", "fp16")
+_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16",
+            "float64": "fp64", "double": "fp64", "int": "int32"}
+_NAMES = {v: k for k, v in DTYPES.items()}
 
 # Binary: K, M, G (nccl-tests' -b/-e convention: 256M is 2**28) and KiB..TiB.
 # Decimal: KB..TB (SI, as disk and memory vendors count: 512MB is 512 * 10**6).
@@ -45,6 +51,20 @@ def parse_size(text: str | int, what: str = "size") -> int:
         fix = f"; use e.g. {what} 8GiB" if what.startswith("--") else ""
         raise UsageError(f"{what} must be a positive size like 512MB, 8GiB or a number of bytes, got {got!r}{fix}")
     return size
+
+
+def dtype_name(value: Any) -> str | None:
+    """The short name of a ``torch.dtype`` or of any accepted spelling (``"bfloat16"`` -> ``"bf16"``); None if unknown.
+
+    >>> dtype_name(torch.float16), dtype_name("half"), dtype_name("bf16"), dtype_name("complex")
+    ('fp16', 'fp16', 'bf16', None)
+    """
+    if isinstance(value, torch.dtype):
+        return _NAMES.get(value)
+    if isinstance(value, str):
+        name = value.lower()
+        return name if name in DTYPES else _ALIASES.get(name)
+    return None
 
 
 def is_positive_int(value: Any) -> bool:

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from ..errors import UsageError
+from ..values import TRAINING_DTYPES, dtype_name
 
 # (pattern on torch.cuda.get_device_name(), {dtype: dense TFLOP/s}); first match wins,
 # so the more specific names come first ("H100 PCIe" before "H100", "L40S" before "L4").
@@ -35,20 +36,14 @@ PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
     (r"\bT4\b", {"fp16": 65, "fp32": 8.1}),
 ]
 
-_DTYPES = {
-    "bf16": "bf16", "bfloat16": "bf16", torch.bfloat16: "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16", torch.float16: "fp16",
-    "fp32": "fp32", "float32": "fp32", torch.float32: "fp32", "tf32": "tf32",
-}
-
-
 def dtype_key(dtype: str | torch.dtype | None) -> str:
     """'bf16' | 'fp16' | 'tf32' | 'fp32'; None -> fp32, or tf32 when TF32 matmuls are on."""
     if dtype is None:
         return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
-    if dtype not in _DTYPES:
+    name = "tf32" if dtype == "tf32" else dtype_name(dtype)
+    if name not in (*TRAINING_DTYPES, "tf32"):
         raise UsageError(f"dtype {dtype!r} is not one of bf16, fp16, tf32, fp32; pass the dtype your matmuls run in")
-    return _DTYPES[dtype]
+    return name
 
 
 def peak_flops(device_name: str, dtype: str | torch.dtype | None = "bf16") -> float | None:

@@ -80,15 +80,9 @@ def local_tensors(grads: Iterator[torch.Tensor | None]) -> list[torch.Tensor]:
 
 def queue_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` when the current backward has finished (after those queued before)."""
-    torch.autograd.Variable._execution_engine.queue_callback(fn)
+    from ..compat import queue_backward_callback
 
-
-def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2's public name
-        return []
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+    queue_backward_callback(fn)
 
 
 class ReduceScatterNorms:

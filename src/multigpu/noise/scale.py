@@ -27,6 +27,8 @@ import torch.distributed as tdist
 
 from ..batch import BatchPlan
 from ..errors import UsageError
+from ..parallel import strategy_of
+from ..parallel.fsdp import fsdp_modules
 from . import norms
 from .formulas import DebiasedEMA, efficiency, estimate, steps_factor
 
@@ -108,10 +110,10 @@ class NoiseScale:
         if self._kind is not None:
             raise UsageError("NoiseScale.attach was already called; use one NoiseScale per model")
         if world > 1:
-            fsdp = norms.fsdp_modules(model)
-            if fsdp:
-                self._attach_fsdp(fsdp)
-            elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            strategy = strategy_of(model)
+            if strategy == "fsdp":
+                self._attach_fsdp(fsdp_modules(model))
+            elif strategy in ("ddp", "zero1"):
                 if getattr(model, "gradient_as_bucket_view", False):
                     # The rank gradients are read while the last bucket is being reduced: as
                     # views of the buckets they would be overwritten under the reader.

@@ -16,8 +16,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from .batchnorm import prepare_batchnorm
-from .errors import UsageError
+from ..errors import UsageError
+from .ddp import DDP, build_ddp
 
 # Optimizers whose step needs every parameter at once, so stepping shards
 # independently changes the algorithm: L-BFGS re-evaluates the whole loss in
@@ -28,6 +28,10 @@ UNSHARDABLE = {
 }
 
 
+class ZeroOneDDP(DDP):
+    """DDP whose optimizer ``mg.optimizer`` shards: the type is how ``strategy_of`` tells zero1 from ddp."""
+
+
 def wrap_zero1(
     model: nn.Module,
     bucket_cap_mb: float | None = None,
@@ -36,23 +40,17 @@ def wrap_zero1(
     gradient_as_bucket_view: bool | None = None,
     sync_batchnorm: bool = False,
 ) -> nn.Module:
-    """DDP over ``model``, marked so that ``mg.optimizer`` shards the optimizer state."""
-    from .strategy import _DDP, _device_of  # the DDP wrapper with the readable unused-parameter error
-
-    device = _device_of(model)
-    model = prepare_batchnorm(model, "zero1", sync_batchnorm, device)
-    given = dict(bucket_cap_mb=bucket_cap_mb, static_graph=static_graph,
-                 find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view)
-    kwargs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
-    if device.type == "cuda":
-        kwargs["device_ids"] = [device.index]
-    ddp = _DDP(model, **kwargs)
-    ddp._mg_zero1 = True  # read by mg.optimizer
-    return ddp
+    """DDP over ``model``, of the type for which ``mg.optimizer`` shards the optimizer state."""
+    return build_ddp(model, "zero1", ZeroOneDDP, sync_batchnorm=sync_batchnorm, bucket_cap_mb=bucket_cap_mb,
+                     static_graph=static_graph, find_unused_parameters=find_unused_parameters,
+                     gradient_as_bucket_view=gradient_as_bucket_view)
 
 
-def is_zero1(model: nn.Module) -> bool:
-    return bool(getattr(model, "_mg_zero1", False))
+def is_zero_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a ``ZeroRedundancyOptimizer``."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
 def check_optimizer_class(optimizer_class: Any, sharded: bool) -> None:

@@ -11,15 +11,20 @@ and cost time when it does not (see docs/strategies.md for measurements).
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations
 # as real objects (dist.GradBucket, Future[Tensor]), not strings.
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
 from torch import nn
 
-from .errors import UsageError
+from ..errors import UsageError
 
 HOOKS = ("fp16", "bf16", "powersgd")
+
+# DDP module -> (hook name, hook state), for compression(); kept beside the
+# module rather than stamped on it, and dropped with it.
+_REGISTERED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -104,8 +109,7 @@ def register(ddp: nn.Module, comm_hook: str, powersgd_rank: int | None = None,
         if tdist.get_backend() == "gloo":
             hook = _serialised_powersgd_hook
         ddp.register_comm_hook(state, hook)
-    # Kept on the wrapper so compression() can report it; nothing else reads it.
-    ddp._mg_comm_hook = (comm_hook, state)
+    _REGISTERED[ddp] = (comm_hook, state)
 
 
 def compression(model: nn.Module) -> Compression | None:
@@ -116,7 +120,7 @@ def compression(model: nn.Module) -> Compression | None:
     >>> compression(model)
     Compression(hook='powersgd', ratio=12.4, before=..., after=..., unit='elements')
     """
-    hook = getattr(model, "_mg_comm_hook", None)
+    hook = _REGISTERED.get(model)
     if hook is None:
         return None
     name, state = hook

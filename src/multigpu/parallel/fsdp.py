@@ -23,9 +23,9 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from ..errors import UsageError
+from ..values import DTYPES, TRAINING_DTYPES
 from .batchnorm import prepare_batchnorm
-from .errors import UsageError
-from .precision import DTYPES
 
 
 def _fsdp2() -> Any:
@@ -48,9 +48,9 @@ DEFAULT_MIN_BLOCK_PARAMS = 1_000_000
 def _dtype(name: str, value: Any) -> torch.dtype | None:
     if value is None or isinstance(value, torch.dtype):
         return value
-    if value in DTYPES:
+    if value in TRAINING_DTYPES:
         return DTYPES[value]
-    raise UsageError(f"fsdp {name} must be a torch.dtype or one of {', '.join(DTYPES)}, got {value!r}; "
+    raise UsageError(f"fsdp {name} must be a torch.dtype or one of {', '.join(TRAINING_DTYPES)}, got {value!r}; "
                      f"e.g. mg.wrap(model, 'fsdp', {name}='bf16')")
 
 
@@ -160,30 +160,20 @@ def wrap_fsdp(
     return model
 
 
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that ``fully_shard`` was applied to (without importing FSDP if it never was)."""
+    import sys
+
+    if "torch.distributed.fsdp" not in sys.modules and "torch.distributed._composable.fsdp" not in sys.modules:
+        return []
+    cls = _fsdp2().FSDPModule
+    return [m for m in model.modules() if isinstance(m, cls)]
+
+
 def is_fsdp(model: nn.Module) -> bool:
-    """Whether ``fully_shard`` was applied to ``model`` (False without importing FSDP if it never was)."""
+    """Whether ``fully_shard`` was applied to ``model`` itself."""
     import sys
 
     if "torch.distributed.fsdp" not in sys.modules and "torch.distributed._composable.fsdp" not in sys.modules:
         return False
     return isinstance(model, _fsdp2().FSDPModule)
-
-
-def full_state_dict(model: nn.Module, cpu: bool = True) -> dict[str, torch.Tensor]:
-    """The model's state_dict with full (unsharded) tensors and no wrapper prefixes, for any strategy.
-
-    A collective under FSDP: every rank must call it. With ``cpu=True`` the
-    tensors are gathered to CPU and only rank 0 receives them (other ranks
-    get ``{}``), so GPU memory never holds a second full copy.
-
-    >>> state = mg.full_state_dict(model)
-    >>> if dist.is_main:
-    ...     torch.save(state, "model.pt")   # loads into the plain, unwrapped model
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    if not (tdist.is_available() and tdist.is_initialized()):
-        from .strategy import unwrap
-
-        return {k: v.cpu() if cpu else v for k, v in unwrap(model).state_dict().items()}
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu))

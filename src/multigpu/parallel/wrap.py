@@ -1,17 +1,17 @@
-"""Model wrapping: ``wrap()`` picks one flat implementation per strategy.
+"""The dispatcher: the one place that chooses by strategy name.
 
-Each strategy is one function ``(model, dist_device, **options) -> module``
-with its own allowed options; none inherits from another. ``unwrap`` gives
-back the user's module, and ``accumulate`` skips gradient synchronisation on
-all but the last micro-batch for whichever strategy is in use.
+``wrap()`` picks one flat implementation per strategy (ddp.py, dp.py, zero.py,
+fsdp.py), each one function ``(model, **options) -> module`` with its own
+allowed options; none inherits from another. ``strategy_of`` tells which
+strategy a model was wrapped with, from the wrapper's type, for every reader
+(``optimizer``, ``no_sync``, the checkpoint manifest, ``NoiseScale``); nothing
+is stamped on the user's module.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import re
-import warnings
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -19,109 +19,23 @@ import torch.distributed as tdist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import comm_hooks
-from .batchnorm import prepare_batchnorm
-from .errors import UsageError
-from .fsdp import wrap_fsdp
-from .zero import build_zero_optimizer, check_optimizer_class, is_zero1, wrap_zero1
+from ..errors import UsageError
+from .ddp import wrap_ddp
+from .dp import wrap_dp
+from .fsdp import fsdp_modules, wrap_fsdp
+from .zero import ZeroOneDDP, build_zero_optimizer, check_optimizer_class, is_zero_optimizer, wrap_zero1
 
-
-def _world() -> tuple[int, str | None]:
-    if tdist.is_available() and tdist.is_initialized():
-        return tdist.get_world_size(), tdist.get_backend()
-    return 1, None
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    for t in list(model.parameters()) + list(model.buffers()):
-        return t.device
-    return torch.device("cpu")
-
-
-# --- none ---------------------------------------------------------------------
 
 def _wrap_none(model: nn.Module) -> nn.Module:
     return model
 
 
-# --- dp -----------------------------------------------------------------------
-
-def _wrap_dp(model: nn.Module, device_ids: list[int] | None = None) -> nn.Module:
-    world, _ = _world()
-    if world > 1:
-        raise UsageError(
-            f"strategy 'dp' (nn.DataParallel) is single-process but this job has {world} processes; "
-            "run it with -n 1 or use strategy 'ddp'"
-        )
-    warnings.warn(
-        "strategy 'dp' (nn.DataParallel) is kept for comparison: one process drives all GPUs with threads, "
-        "re-replicates the model every step and gathers outputs on GPU 0, so it is slower than 'ddp' "
-        "(PyTorch docs recommend DistributedDataParallel); use 'ddp' for real runs",
-        stacklevel=3,
-    )
-    return nn.DataParallel(model, device_ids=device_ids)
-
-
-# --- ddp ----------------------------------------------------------------------
-
-class _DDP(DistributedDataParallel):
-    """DDP whose unused-parameter error names the parameters and the fix."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().forward(*args, **kwargs)
-        except RuntimeError as err:
-            if "Expected to have finished reduction" not in str(err):
-                raise
-            raise UsageError(_unused_message(self.module, str(err))) from None
-
-
-def _unused_message(module: nn.Module, text: str) -> str:
-    names = [n for n, p in module.named_parameters() if p.requires_grad]
-    found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", text)
-    unused = [names[int(i)] for i in found.group(1).split()] if found else []
-    which = ", ".join(unused) if unused else "some parameters"
-    return (
-        f"DDP expected a gradient for every parameter but {which} got none in the previous step; "
-        "use mg.wrap(model, 'ddp', find_unused_parameters=True), or make every parameter take part in the loss"
-    )
-
-
-def _wrap_ddp(
-    model: nn.Module,
-    bucket_cap_mb: float | None = None,
-    static_graph: bool | None = None,
-    find_unused_parameters: bool | None = None,
-    gradient_as_bucket_view: bool | None = None,
-    broadcast_buffers: bool | None = None,
-    sync_batchnorm: bool = False,
-    comm_hook: str | None = None,
-    powersgd_rank: int | None = None,
-    powersgd_start_iter: int | None = None,
-) -> nn.Module:
-    comm_hooks.validate(comm_hook, powersgd_rank, powersgd_start_iter)
-    device = _device_of(model)
-    model = prepare_batchnorm(model, "ddp", sync_batchnorm, device)
-    # Pass only what the user set: DDP's own defaults stay DDP's, and options
-    # that newer torch deprecates (broadcast_buffers) warn only when used.
-    given = dict(bucket_cap_mb=bucket_cap_mb, static_graph=static_graph,
-                 find_unused_parameters=find_unused_parameters,
-                 gradient_as_bucket_view=gradient_as_bucket_view, broadcast_buffers=broadcast_buffers)
-    kwargs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
-    if device.type == "cuda":
-        kwargs["device_ids"] = [device.index]
-    ddp = _DDP(model, **kwargs)
-    if comm_hook is not None:
-        comm_hooks.register(ddp, comm_hook, powersgd_rank, powersgd_start_iter)
-    return ddp
-
-
 STRATEGIES: dict[str, Callable[..., nn.Module]] = {
     "none": _wrap_none,
-    "dp": _wrap_dp,
-    "ddp": _wrap_ddp,
-    "fsdp": wrap_fsdp,     # fsdp.py
-    "zero1": wrap_zero1,   # zero.py
+    "dp": wrap_dp,
+    "ddp": wrap_ddp,
+    "fsdp": wrap_fsdp,
+    "zero1": wrap_zero1,
 }
 
 # Options that belong to another strategy: the error names the right one.
@@ -191,6 +105,47 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+def strategy_of(model: nn.Module | None, optimizer: Any = None) -> str:
+    """The strategy ``model`` was wrapped with: ``none``, ``dp``, ``ddp``, ``zero1`` or ``fsdp``.
+
+    Read from the wrapper's type, so a model the user wrapped by hand
+    (``DistributedDataParallel``, ``fully_shard``) is named too; a
+    ``ZeroRedundancyOptimizer`` makes it ``zero1``.
+
+    >>> mg.parallel.strategy_of(mg.wrap(net, "zero1"))
+    'zero1'
+    """
+    if model is None:
+        return "none"
+    if isinstance(model, ZeroOneDDP) or is_zero_optimizer(optimizer):
+        return "zero1"
+    if isinstance(model, DistributedDataParallel):
+        return "ddp"
+    if isinstance(model, nn.DataParallel):
+        return "dp"
+    if fsdp_modules(model):
+        return "fsdp"
+    return "none"
+
+
+def full_state_dict(model: nn.Module, cpu: bool = True) -> dict[str, torch.Tensor]:
+    """The model's state_dict with full (unsharded) tensors and no wrapper prefixes, for any strategy.
+
+    A collective under FSDP: every rank must call it. With ``cpu=True`` the
+    tensors are gathered to CPU and only rank 0 receives them (other ranks
+    get ``{}``), so GPU memory never holds a second full copy.
+
+    >>> state = mg.full_state_dict(model)
+    >>> if dist.is_main:
+    ...     torch.save(state, "model.pt")   # loads into the plain, unwrapped model
+    """
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return {k: v.cpu() if cpu else v for k, v in unwrap(model).state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu))
+
+
 def optimizer(model: nn.Module, optimizer_class: type, params: Any = None, **defaults: Any) -> torch.optim.Optimizer:
     """Build the optimizer for a wrapped model, for every strategy alike.
 
@@ -202,7 +157,7 @@ def optimizer(model: nn.Module, optimizer_class: type, params: Any = None, **def
 
     >>> opt = mg.optimizer(model, torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
     """
-    zero = is_zero1(model)
+    zero = strategy_of(model) == "zero1"
     check_optimizer_class(optimizer_class, sharded=zero)
     params = model.parameters() if params is None else params
     if zero:
@@ -213,10 +168,12 @@ def optimizer(model: nn.Module, optimizer_class: type, params: Any = None, **def
 @contextlib.contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Skip gradient synchronisation inside the block, for whichever strategy wraps ``model``."""
-    if hasattr(model, "no_sync"):  # DDP (and ZeRO-1, which is DDP underneath)
+    strategy = strategy_of(model)
+    if strategy in ("ddp", "zero1"):
         with model.no_sync():
             yield
-    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+    elif strategy == "fsdp" and hasattr(model, "set_requires_gradient_sync"):
+        # FSDP2 skips the reduce-scatter of every FSDP module below the root too.
         model.set_requires_gradient_sync(False)
         try:
             yield

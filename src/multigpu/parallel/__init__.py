@@ -1,0 +1,15 @@
+"""How a model is spread over the ranks: the strategies and the one dispatcher that chooses between them.
+
+``wrap.py`` is the dispatcher (``wrap``, ``unwrap``, ``optimizer``,
+``accumulate``, ``no_sync``, ``strategy_of``); each strategy is one flat file
+(``ddp.py``, ``dp.py``, ``zero.py``, ``fsdp.py``) and the pieces they share
+sit beside them (``comm_hooks.py``, ``batchnorm.py``, ``clip.py``,
+``footprint.py``). Model parallelism (``mesh.py``, ``tp.py``, ``pp.py``)
+joins here.
+"""
+
+from .clip import clip_grad_norm_
+from .wrap import STRATEGIES, accumulate, full_state_dict, no_sync, optimizer, strategy_of, unwrap, wrap
+
+__all__ = ["STRATEGIES", "accumulate", "clip_grad_norm_", "full_state_dict", "no_sync", "optimizer",
+           "strategy_of", "unwrap", "wrap"]
