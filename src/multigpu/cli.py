@@ -33,10 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
          doctor.add_arguments, doctor.main),
         ("bench", "time collectives with nccl-tests' algbw/busbw columns, and check their results",
          commbench.add_arguments, commbench.main),
-        ("plan", "translate a 1-GPU recipe (LR, batch, schedule) for N GPUs", planner.add_plan_arguments, planner.main),
+        ("plan", "translate a 1-GPU recipe (LR, batch, schedule) for N GPUs", planner.add_arguments, planner.main),
         ("ckpt", "list, verify and export checkpoints written by mg.Checkpointer", ckpt.add_arguments, ckpt.main),
         ("study", "run a workload at several world sizes and batch policies; measure and judge",
-         study.add_study_arguments, study.main),
+         study.add_arguments, study.main),
         ("report", "write the HTML report and Markdown summary of a study's results", report.add_arguments, report.main),
     ]
     for name, help_text, add_arguments, run in verbs:

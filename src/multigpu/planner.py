@@ -266,7 +266,7 @@ def main(args) -> int:
     return 0
 
 
-def add_plan_arguments(p) -> None:
+def add_arguments(p) -> None:
     p.add_argument("--lr", type=float, required=True, help="learning rate of the 1-GPU recipe")
     p.add_argument("--batch", type=int, required=True, help="batch size of the 1-GPU recipe")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs to plan for")

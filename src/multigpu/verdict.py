@@ -1,7 +1,7 @@
 """Verdicts for a scaling study: what limits a world size, derived from measurements.
 
 Each rule reads one group's measured figures (means over repeats) and returns a
-``Finding`` or nothing; the first finding in severity order is the headline.
+``StudyFinding`` or nothing; the first finding in severity order is the headline.
 Thresholds are module constants so the docs can quote them and tests can
 fabricate measurements on either side of them.
 """
@@ -24,8 +24,11 @@ ACCURACY_DROP = 0.01
 
 
 @dataclass(frozen=True)
-class Finding:
-    """One reason, with the measurement behind it and what to try."""
+class StudyFinding:
+    """One reason a scaling-study group scales or not, with the measurement behind it and what to try.
+
+    (Not ``multigpu.doctor.Finding``, which is one line of the doctor's environment report.)
+    """
 
     kind: str  # failed | accuracy | data | communication | critical-batch | compute | scaling
     text: str
@@ -43,7 +46,7 @@ def _mean(value: Any) -> float | None:
     return value.get("mean") if isinstance(value, Mapping) else value
 
 
-def findings(group: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> list[Finding]:
+def findings(group: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> list[StudyFinding]:
     """All findings for one (workers, policy) group, most important first.
 
     ``group`` holds: workers, global_batch, n_ok, n_failed, efficiency (or None
@@ -52,19 +55,19 @@ def findings(group: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> li
     and errors (list of str). ``baseline`` is the 1-worker group of the same
     policy (or None).
     """
-    out: list[Finding] = []
+    out: list[StudyFinding] = []
     if group.get("n_ok", 0) == 0:
         err = (group.get("errors") or ["no run finished"])[0]
-        return [Finding("failed", f"failed: {err}")]
+        return [StudyFinding("failed", f"failed: {err}")]
     if group.get("n_failed"):
-        out.append(Finding("failed", f"{group['n_failed']} of {group['n_failed'] + group['n_ok']} runs failed: "
-                                     f"{(group.get('errors') or ['?'])[0]}"))
+        out.append(StudyFinding("failed", f"{group['n_failed']} of {group['n_failed'] + group['n_ok']} runs failed: "
+                                          f"{(group.get('errors') or ['?'])[0]}"))
     acc, base_acc = (group.get("accuracy") or {}), (baseline or {}).get("accuracy") or {}
     if acc.get("mean") is not None and base_acc.get("mean") is not None and group.get("workers") != 1:
         spread = max(acc.get("std") or 0.0, base_acc.get("std") or 0.0)
         drop = base_acc["mean"] - acc["mean"]
         if drop > max(ACCURACY_DROP, 2 * spread):
-            out.append(Finding(
+            out.append(StudyFinding(
                 "accuracy",
                 f"accuracy drop: {100 * acc['mean']:.2f} % vs {100 * base_acc['mean']:.2f} % on 1 worker "
                 f"at global batch {group.get('global_batch')}; lengthen warmup, lower the LR rule "
@@ -73,22 +76,23 @@ def findings(group: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> li
     breakdown = group.get("breakdown") or {}
     wait, comm = breakdown.get("data_wait"), breakdown.get("comm_exposed")
     if wait is not None and wait >= DATA_WAIT_BOUND:
-        out.append(Finding("data", f"data-loading bound: rank wait {_pct(wait)} of step; raise num_workers, "
-                                   f"pin memory, or move preprocessing off the training path"))
+        out.append(StudyFinding("data", f"data-loading bound: rank wait {_pct(wait)} of step; raise num_workers, "
+                                        f"pin memory, or move preprocessing off the training path"))
     if comm is not None and comm >= COMM_BOUND:
-        out.append(Finding("communication", f"communication bound: {_pct(comm)} exposed all-reduce; try bf16 "
-                                            f"compress, larger buckets, or a larger per-GPU batch"))
+        out.append(StudyFinding("communication", f"communication bound: {_pct(comm)} exposed all-reduce; try bf16 "
+                                                 f"compress, larger buckets, or a larger per-GPU batch"))
     phi, batch = group.get("noise_scale"), group.get("global_batch")
     if phi and batch and phi > 0 and batch >= BEYOND_CRITICAL * phi:
-        out.append(Finding("critical-batch", f"beyond the critical batch: global batch {batch} vs noise scale "
-                                             f"~{phi:.0f}; more GPUs will not cut steps"))
+        out.append(StudyFinding("critical-batch", f"beyond the critical batch: global batch {batch} vs noise scale "
+                                                  f"~{phi:.0f}; more GPUs will not cut steps"))
     eff = _mean(group.get("efficiency"))
     if eff is not None:
         if eff >= GOOD_EFFICIENCY and not any(f.kind in ("data", "communication") for f in out):
-            out.append(Finding("compute", f"compute bound: {_pct(eff)} efficiency"))
+            out.append(StudyFinding("compute", f"compute bound: {_pct(eff)} efficiency"))
         elif eff < GOOD_EFFICIENCY and not any(f.kind in ("data", "communication") for f in out):
             parts = ", ".join(f"{k.replace('_', ' ')} {_pct(v)}" for k, v in breakdown.items() if v is not None)
-            out.append(Finding("scaling", f"poor scaling: {_pct(eff)} efficiency" + (f" ({parts})" if parts else "")))
+            out.append(StudyFinding("scaling",
+                                    f"poor scaling: {_pct(eff)} efficiency" + (f" ({parts})" if parts else "")))
     return out
 
 

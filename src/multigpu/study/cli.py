@@ -29,7 +29,7 @@ def default_workers() -> str:
     return ",".join(map(str, ws + [n]))
 
 
-def add_study_arguments(parser) -> None:
+def add_arguments(parser) -> None:
     parser.add_argument("--workers", default=None, help="world sizes to run, e.g. 1,2,4 (default: 1,2,4.. up to the GPUs; 1,2 on CPU)")
     parser.add_argument("--policy", default="keep-global", help="batch policies, comma-separated: keep-global, scale-global")
     parser.add_argument("--repeats", type=int, default=1, help="runs per setting, for mean and spread")
