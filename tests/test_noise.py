@@ -317,7 +317,7 @@ def test_cuda_one_process_matches_closed_form():
         amp.step(opt)
         opt.zero_grad(set_to_none=True)
     # Batches of 1, 2, ..., 32, then 64 (383 steps): 17 wait on the device, no host work per step.
-    assert len(noise._steps) == 17 and not noise._raw
+    assert len(noise._steps) == 17 and not noise.estimates.pending
     m = noise.metrics()
     assert not noise._steps and m["noise/measured_steps"] + m["noise/skipped_steps"] == 400
     assert abs(m["noise/b_simple"] / TRUE_B - 1) < 0.1

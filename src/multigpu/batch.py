@@ -8,13 +8,20 @@ micro-batch and gradient accumulation meet:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .errors import UsageError
+from .values import is_positive_int, positive_int
 
 LR_RULES = ("linear", "sqrt", "none")
+
+# What happens to the batch when a recipe tuned on one worker runs on N:
+# keep-global keeps the global batch (each worker takes 1/N of it, the same
+# updates as one worker); scale-global keeps each worker's batch (the global
+# batch grows N-fold, and the LR and step counts follow it).
+POLICIES = ("keep-global", "scale-global")
 
 
 def _divisors(n: int) -> list[int]:
@@ -23,10 +30,14 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How one global batch is split over ranks and accumulation steps.
+    """How one global batch is split over data-parallel ranks and accumulation steps.
 
-    ``micro_batch=None`` takes the whole rank share in one micro-batch, or the
-    largest divisor of the share that is <= ``max_micro_batch``.
+    ``world_size`` is the number of data-parallel ranks: the processes, unless
+    model parallelism groups several processes into one data-parallel rank.
+    ``dp_rank`` is this process's data-parallel rank; left out, it is the
+    process's rank (``dp_rank_of(dist)``). ``micro_batch=None`` takes the
+    whole rank share in one micro-batch, or the largest divisor of the share
+    that is <= ``max_micro_batch``.
 
     >>> plan = mg.BatchPlan(global_batch=512, world_size=4, micro_batch=64)
     >>> plan.accum_steps
@@ -37,20 +48,22 @@ class BatchPlan:
     world_size: int
     micro_batch: int | None = None
     max_micro_batch: int | None = None
+    dp_rank: int | None = None
     accum_steps: int = field(init=False)
 
     def __post_init__(self) -> None:
         g, w, m = self.global_batch, self.world_size, self.micro_batch
         for name, value in (("global_batch", g), ("world_size", w)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UsageError(f"{name} must be a positive integer, got {value!r}")
+            positive_int(value, name)
         for name, value in (("micro_batch", m), ("max_micro_batch", self.max_micro_batch)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            if value is not None and not is_positive_int(value):
                 raise UsageError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.dp_rank is not None and not (isinstance(self.dp_rank, int) and 0 <= self.dp_rank < w):
+            raise UsageError(f"dp_rank must be an integer in 0..{w - 1} (world_size {w}), got {self.dp_rank!r}")
         if g % w:
             lo, hi = (g // w) * w, (g // w + 1) * w
             near_w = [d for d in _divisors(g) if d != w]
-            alt = f"use global batch {lo or hi} or {hi}" if lo else f"use global batch {hi}"
+            alt = f"use global_batch={lo or hi} or {hi}" if lo else f"use global_batch={hi}"
             raise UsageError(
                 f"global batch {g} is not divisible by world_size {w}; {alt}, "
                 f"or run on {' or '.join(map(str, _closest(near_w, w, 2)))} processes"
@@ -64,12 +77,38 @@ class BatchPlan:
             unit = w * m
             lo, hi = (g // unit) * unit, (g // unit + 1) * unit
             fits = [d for d in _divisors(share) if d <= m]
-            alt_g = f"--global-batch {lo} or {hi}" if lo else f"--global-batch {hi}"
+            alt_g = f"global_batch={lo} or {hi}" if lo else f"global_batch={hi}"
             raise UsageError(
                 f"global batch {g} is not divisible by world_size {w} x micro_batch {m} = {unit}; "
-                f"use {alt_g} or --micro-batch {max(fits)}"
+                f"use {alt_g} or micro_batch={max(fits)}"
             )
         object.__setattr__(self, "accum_steps", share // m)
+
+    def fitting(self, max_micro_batch: int) -> "BatchPlan":
+        """The same global batch with the largest micro-batch <= ``max_micro_batch`` that divides the rank share.
+
+        >>> mg.BatchPlan(96, 2).fitting(20).micro_batch   # share 48: 16 x 3 accumulation
+        16
+        """
+        share = self.rank_batch
+        micro = max(d for d in _divisors(share) if d <= max(1, max_micro_batch))
+        return replace(self, micro_batch=micro, max_micro_batch=None)
+
+    def dp_rank_of(self, dist) -> int:
+        """This process's data-parallel rank: ``dp_rank``, or the rank of ``dist`` when the plan spans its world."""
+        if self.dp_rank is not None:
+            return self.dp_rank
+        if self.world_size != dist.world_size:
+            raise UsageError(
+                f"the batch plan is for world_size {self.world_size} but this job has {dist.world_size} processes; "
+                f"build it with mg.BatchPlan(..., world_size=dist.world_size)"
+            )
+        return dist.rank
+
+    def rank_slice(self, dp_rank: int) -> slice:
+        """Where data-parallel rank ``dp_rank``'s contiguous share sits in every global batch."""
+        share = self.rank_batch
+        return slice(dp_rank * share, (dp_rank + 1) * share)
 
     @property
     def rank_batch(self) -> int:
@@ -96,6 +135,30 @@ class BatchPlan:
         body = [f"| {k:<{width}} : {v}" for k, v in rows]
         line = "+" + "-" * (max(len(b) for b in body) + 1)
         return "\n".join([line, *body, line])
+
+
+def policy_batch(policy: str, batch: int, workers: int, per_worker: int | None = None) -> int:
+    """The global batch on ``workers`` ranks of a recipe tuned at ``batch`` on one.
+
+    ``per_worker`` is each worker's batch under ``scale-global`` (default ``batch``).
+
+    >>> policy_batch("keep-global", 128, 8), policy_batch("scale-global", 128, 8)
+    (128, 1024)
+    """
+    if policy not in POLICIES:
+        raise UsageError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+    return batch if policy == "keep-global" else workers * (per_worker or batch)
+
+
+def same_samples_steps(steps: int | None, base_batch: int, batch: int) -> int | None:
+    """Steps at ``batch`` that see as many samples as ``steps`` at ``base_batch`` (at least 1 if there were any).
+
+    >>> same_samples_steps(10000, 128, 1024)
+    1250
+    """
+    if steps is None:
+        return None
+    return 0 if steps == 0 else max(1, -(-steps * base_batch // batch))  # exact ceiling
 
 
 def _fmt(v) -> str:

@@ -7,6 +7,7 @@ a ``UsageError`` becomes one line on stderr with exit status 2.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from .errors import UsageError, report_usage_error
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
     sub.required = True
     verbs = [
-        ("run", "start N worker processes of a script through torchrun's launcher", launch.add_run_arguments, launch.main),
+        ("run", "start N worker processes of a script through torchrun's launcher", launch.add_arguments, launch.main),
         ("doctor", "check versions, GPUs, topology, NCCL variables and the host; run a live all-reduce",
          doctor.add_arguments, doctor.main),
         ("bench", "time collectives with nccl-tests' algbw/busbw columns, and check their results",
@@ -42,8 +43,21 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text, add_arguments, run in verbs:
         verb = sub.add_parser(name, help=help_text)
         add_arguments(verb)
-        verb.set_defaults(func=run)
+        verb.set_defaults(func=run, verb_parser=verb)
     return parser
+
+
+def in_flags(message: str, parser: argparse.ArgumentParser) -> str:
+    """A library error in this verb's spelling: ``per_gpu_batch=8`` becomes ``--per-gpu-batch 8``.
+
+    Library functions name the fix in Python (what their callers write); on the
+    command line the same fix is the verb's flag, whose ``dest`` is that name.
+    """
+    for action in parser._actions:  # argparse keeps no public list of a parser's actions
+        longest = max(action.option_strings, key=len, default="")
+        if longest.startswith("--"):
+            message = re.sub(rf"\b{action.dest}=(['\"]?)([^'\"\s,;]+)\1", rf"{longest} \2", message)
+    return message
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UsageError as err:
-        report_usage_error(err, prog=f"multigpu {args.verb}")
+        report_usage_error(UsageError(in_flags(str(err), args.verb_parser)), prog=f"multigpu {args.verb}")
         return 2
     except KeyboardInterrupt:
         print(f"multigpu {args.verb}: interrupted", file=sys.stderr)

@@ -38,11 +38,11 @@ class _MicroBatchSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         o = self.owner
-        plan, rank = o.plan, o.dist.rank
-        share = plan.global_batch // plan.world_size
+        plan, mine_in = o.plan, o.plan.rank_slice(o.dp_rank)
         order = global_order(o.dataset_size, o.seed, o.epoch, o.shuffle)
         for b in range(o.batch_index, o.steps_per_epoch):
-            mine = order[b * plan.global_batch + rank * share : b * plan.global_batch + (rank + 1) * share]
+            start = b * plan.global_batch
+            mine = order[start + mine_in.start : start + mine_in.stop]
             for a in range(plan.accum_steps):
                 yield mine[a * plan.micro_batch : (a + 1) * plan.micro_batch].tolist()
 
@@ -103,11 +103,9 @@ class DistributedLoader:
 
     def __init__(self, dataset: Dataset, plan: BatchPlan, dist: Dist, *, shuffle: bool, seed: int,
                  device: torch.device | None, loader_kwargs: dict[str, Any]) -> None:
-        if plan.world_size != dist.world_size:
-            raise UsageError(
-                f"the batch plan is for world_size {plan.world_size} but this job has {dist.world_size} processes; "
-                f"build it with mg.BatchPlan(..., world_size=dist.world_size)"
-            )
+        # The data-parallel rank keys the share: peers that model parallelism
+        # groups into one data-parallel rank read the same samples.
+        self.dp_rank = plan.dp_rank_of(dist)
         self.dataset, self.plan, self.dist = dataset, plan, dist
         self.dataset_size = len(dataset)
         if self.dataset_size < plan.global_batch:
@@ -129,9 +127,9 @@ class DistributedLoader:
         return self.steps_per_epoch
 
     def _dataloader(self) -> DataLoader:
-        # Worker seeds differ per rank and epoch and are reproducible: the
+        # Worker seeds differ per data-parallel rank and epoch and are reproducible: the
         # DataLoader draws its workers' base seed from this generator.
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 4099 + self.dist.rank)
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 4099 + self.dp_rank)
         dataset, kwargs = self.dataset, self._kwargs
         if type(dataset) is TensorDataset and "collate_fn" not in kwargs:
             dataset, kwargs = _BatchedTensors(dataset), dict(kwargs, collate_fn=_as_batch)

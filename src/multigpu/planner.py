@@ -1,7 +1,7 @@
 """From one GPU to N: translate a single-GPU recipe (LR, batch, schedule) for N GPUs.
 
 ``scale_recipe()`` returns a frozen ``ScaledRecipe``; ``multigpu plan`` prints it.
-Rules (see /docs/batch-size.md and the references there):
+Rules (see docs/batch-size.md and the references there):
 
 * ``keep-global``: the global batch stays; each GPU takes 1/N of it. Same
   updates, same LR, same schedule: only the wall-clock changes.
@@ -22,17 +22,12 @@ import math
 import pathlib
 from dataclasses import dataclass, field
 
-from typing import TYPE_CHECKING
-
+from .batch import POLICIES, BatchPlan, policy_batch, same_samples_steps, scale_lr
 from .errors import UsageError
-
-if TYPE_CHECKING:
-    from .batch import BatchPlan
-
-# torch-free at import: `multigpu --help` builds this verb's parser without importing torch.
+from .noise import efficiency, gain
+from .values import is_positive_int
 
 OPTIMIZER_RULES = {"sgd": "linear", "adam": "sqrt", "adamw": "sqrt"}
-POLICIES = ("scale-global", "keep-global")
 FAR_BEYOND = 2.0  # warn when the global batch exceeds this multiple of the noise scale
 
 
@@ -65,10 +60,8 @@ class ScaledRecipe:
     reasoning: tuple[str, ...] = field(default=())
     warnings: tuple[str, ...] = field(default=())
 
-    def batch_plan(self) -> "BatchPlan":
+    def batch_plan(self) -> BatchPlan:
         """The ``mg.BatchPlan`` of the translated recipe."""
-        from .batch import BatchPlan
-
         return BatchPlan(self.global_batch, self.gpus, micro_batch=self.micro_batch)
 
     def text(self) -> str:
@@ -94,18 +87,55 @@ class ScaledRecipe:
         return "\n".join(lines)
 
 
-def _positive_int(name: str, value, allow_zero: bool = False) -> None:
-    lo = 0 if allow_zero else 1
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < lo):
-        kind = "a non-negative" if allow_zero else "a positive"
-        raise UsageError(f"{name} must be {kind} integer, got {value!r}")
+def _check_count(name: str, value, allow_zero: bool = False) -> None:
+    if value is None or is_positive_int(value) or (allow_zero and value == 0 and not isinstance(value, bool)):
+        return
+    kind = "a non-negative" if allow_zero else "a positive"
+    raise UsageError(f"{name} must be {kind} integer, got {value!r}")
 
 
-def _rescale(steps: int | None, ratio: float) -> int | None:
-    """Steps at the new batch that see the same number of samples (at least 1 if there were any)."""
-    if steps is None:
-        return None
-    return 0 if steps == 0 else max(1, math.ceil(steps * ratio))
+def _check_recipe(lr, batch, gpus, optimizer, policy, per_gpu_batch, steps, warmup_steps, eval_every,
+                  checkpoint_every, noise_scale) -> str:
+    """Refuse impossible inputs before any arithmetic; return the optimizer's canonical name."""
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0 or not math.isfinite(lr):
+        raise UsageError(f"learning rate must be a positive number, got {lr!r}; e.g. lr=0.1")
+    for name, value in (("batch", batch), ("gpus", gpus), ("per-GPU batch", per_gpu_batch), ("steps", steps),
+                        ("eval interval", eval_every), ("checkpoint interval", checkpoint_every)):
+        _check_count(name, value)
+    _check_count("warmup steps", warmup_steps, allow_zero=True)
+    opt = str(optimizer).lower()
+    if opt not in OPTIMIZER_RULES:
+        raise UsageError(f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZER_RULES)}")
+    if policy not in POLICIES:
+        raise UsageError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+    if noise_scale is not None and not (noise_scale > 0 and math.isfinite(noise_scale)):
+        raise UsageError(f"noise scale must be a positive number of examples, got {noise_scale!r}")
+    if warmup_steps is not None and steps is not None and warmup_steps > steps:
+        raise UsageError(f"warmup steps {warmup_steps} exceed total steps {steps}; use warmup_steps={steps} or fewer")
+    return opt
+
+
+def _split(policy: str, batch: int, gpus: int, per_gpu_batch: int | None) -> BatchPlan:
+    """The translated batch: the policy's global batch in per-GPU micro-batches and accumulation."""
+    if policy == "keep-global":
+        if batch % gpus:
+            ok = [g for g in range(1, batch + 1) if batch % g == 0]
+            near = sorted(ok, key=lambda g: abs(g - gpus))[:2]
+            raise UsageError(
+                f"batch {batch} does not split over {gpus} GPUs under keep-global; "
+                f"use {' or '.join(map(str, sorted(near)))} GPUs, or policy='scale-global'"
+            )
+        share = batch // gpus
+        micro = per_gpu_batch or share
+        if micro > share or share % micro:
+            fits = max(d for d in range(1, share + 1) if share % d == 0 and d <= micro)
+            raise UsageError(
+                f"per-GPU batch {micro} does not divide the per-GPU share {share} of batch {batch} over {gpus} GPUs; "
+                f"use per_gpu_batch={fits}, or policy='scale-global'"
+            )
+    else:
+        micro = per_gpu_batch or batch
+    return BatchPlan(policy_batch(policy, batch, gpus, micro), gpus, micro_batch=micro)
 
 
 def scale_recipe(
@@ -132,53 +162,13 @@ def scale_recipe(
     >>> r.global_batch, r.lr, r.steps, r.warmup_steps
     (1024, 0.8, 1250, 13)
     """
-    from .batch import scale_lr
-    from .noise import efficiency, gain
-
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0 or not math.isfinite(lr):
-        raise UsageError(f"learning rate must be a positive number, got {lr!r}; e.g. --lr 0.1")
-    _positive_int("batch", batch)
-    _positive_int("gpus", gpus)
-    _positive_int("per-GPU batch", per_gpu_batch)
-    _positive_int("steps", steps)
-    for name, v in (("warmup steps", warmup_steps),):
-        _positive_int(name, v, allow_zero=True)
-    _positive_int("eval interval", eval_every)
-    _positive_int("checkpoint interval", checkpoint_every)
-    opt = str(optimizer).lower()
-    if opt not in OPTIMIZER_RULES:
-        raise UsageError(f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZER_RULES)}")
-    if policy not in POLICIES:
-        raise UsageError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
-    if noise_scale is not None and not (noise_scale > 0 and math.isfinite(noise_scale)):
-        raise UsageError(f"noise scale must be a positive number of examples, got {noise_scale!r}")
-    if warmup_steps is not None and steps is not None and warmup_steps > steps:
-        raise UsageError(f"warmup steps {warmup_steps} exceed total steps {steps}; use --warmup-steps <= {steps}")
-
-    if policy == "keep-global":
-        if batch % gpus:
-            ok = [g for g in range(1, batch + 1) if batch % g == 0]
-            near = sorted(ok, key=lambda g: abs(g - gpus))[:2]
-            raise UsageError(
-                f"batch {batch} does not split over {gpus} GPUs under keep-global; "
-                f"use {' or '.join(map(str, sorted(near)))} GPUs, or --policy scale-global"
-            )
-        share = batch // gpus
-        micro = per_gpu_batch or share
-        if micro > share or share % micro:
-            fits = [d for d in range(1, share + 1) if share % d == 0 and d <= micro]
-            raise UsageError(
-                f"per-GPU batch {micro} does not divide the per-GPU share {share} of batch {batch} over {gpus} GPUs; "
-                f"use --per-gpu-batch {max(fits)}, or --policy scale-global"
-            )
-        global_batch, accum = batch, share // micro
-    else:
-        micro = per_gpu_batch or batch
-        global_batch, accum = gpus * micro, 1
+    opt = _check_recipe(lr, batch, gpus, optimizer, policy, per_gpu_batch, steps, warmup_steps, eval_every,
+                        checkpoint_every, noise_scale)
+    plan = _split(policy, batch, gpus, per_gpu_batch)
+    global_batch, micro, accum = plan.global_batch, plan.micro_batch, plan.accum_steps
     rule = OPTIMIZER_RULES[opt]
     k = global_batch / batch
     new_lr = scale_lr(lr, base_batch=batch, batch=global_batch, rule=rule)
-    ratio = batch / global_batch
 
     why = []
     if k == 1:
@@ -186,7 +176,7 @@ def scale_recipe(
     else:
         law = "linear rule (Goyal et al. 2017)" if rule == "linear" else "square-root rule for Adam-type optimisers (Malladi et al. 2022)"
         why.append(f"global batch x{k:g} ({batch} -> {global_batch}): LR x{new_lr / lr:.3g} by the {law}")
-        why.append(f"step counts x{ratio:.3g} so the run sees the same number of samples ({_samples(steps, batch)})")
+        why.append(f"step counts x{batch / global_batch:.3g} so the run sees the same number of samples ({_samples(steps, batch)})")
     if accum > 1:
         why.append(f"{micro} per GPU per forward x {accum} accumulation steps x {gpus} GPUs = {global_batch}")
 
@@ -208,17 +198,18 @@ def scale_recipe(
         if global_batch > FAR_BEYOND * noise_scale:
             warns.append(
                 f"global batch {global_batch} is {global_batch / noise_scale:.1f}x the noise scale {noise_scale:,.0f}: "
-                f"far past the critical batch, extra GPUs mostly add compute, not progress; use fewer GPUs or --policy keep-global"
+                f"far past the critical batch, extra GPUs mostly add compute, not progress; use fewer GPUs or policy='keep-global'"
             )
-        if to_target is not None and steps is not None and to_target > 1.1 * _rescale(steps, ratio):
-            warns.append(f"the same-samples schedule ({_rescale(steps, ratio)} steps) likely ends short of the 1-GPU loss; plan ~{to_target}")
+        same = same_samples_steps(steps, batch, global_batch)
+        if to_target is not None and same is not None and to_target > 1.1 * same:
+            warns.append(f"the same-samples schedule ({same} steps) likely ends short of the 1-GPU loss; plan ~{to_target}")
     return ScaledRecipe(
         gpus=gpus, policy=policy, optimizer=opt, lr_rule=rule, base_batch=batch, base_lr=float(lr),
         global_batch=global_batch, micro_batch=micro, accum_steps=accum, lr=new_lr,
-        base_steps=steps, steps=_rescale(steps, ratio),
-        base_warmup_steps=warmup_steps, warmup_steps=_rescale(warmup_steps, ratio),
-        base_eval_every=eval_every, eval_every=_rescale(eval_every, ratio),
-        base_checkpoint_every=checkpoint_every, checkpoint_every=_rescale(checkpoint_every, ratio),
+        base_steps=steps, steps=same_samples_steps(steps, batch, global_batch),
+        base_warmup_steps=warmup_steps, warmup_steps=same_samples_steps(warmup_steps, batch, global_batch),
+        base_eval_every=eval_every, eval_every=same_samples_steps(eval_every, batch, global_batch),
+        base_checkpoint_every=checkpoint_every, checkpoint_every=same_samples_steps(checkpoint_every, batch, global_batch),
         noise_scale=noise_scale, efficiency=eff, gain=g, steps_to_target=to_target,
         reasoning=tuple(why), warnings=tuple(warns),
     )

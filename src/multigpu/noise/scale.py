@@ -19,7 +19,6 @@ The loss must be a mean over the examples of the optimizer step (divide by
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -30,13 +29,9 @@ from ..errors import UsageError
 from ..parallel import strategy_of
 from ..parallel.fsdp import fsdp_modules
 from . import norms
-from .formulas import DebiasedEMA, efficiency, estimate, steps_factor
+from .estimates import Estimates
 
 __all__ = ["NoiseScale"]
-
-# Averaged steps kept on the device before one transfer folds them into the
-# EMAs: a host sync every step would stall a CUDA pipeline.
-_FOLD_EVERY_CUDA = 64
 
 
 class NoiseScale:
@@ -76,12 +71,8 @@ class NoiseScale:
         self.sync_every = sync_every
         self.scaler = scaler
         self.group = group
-        self._ema_g, self._ema_t = DebiasedEMA(), DebiasedEMA()
-        self.measured = 0       # steps folded into the EMAs
-        self.skipped = 0        # measured steps dropped for inf/nan (fp16 overflow)
-        self.last: dict[str, float] = {}  # raw values of the last folded step (tests, debugging)
+        self.estimates = Estimates(plan.global_batch, self.tau, every)
         self._steps: list[tuple] = []  # measured, not yet averaged across ranks: (local, total, scale, sharded)
-        self._raw: list[tuple] = []    # squared norms, not yet folded: (local vec, total vec, scales, b_small)
         self._inflight: tuple | None = None  # the all-reduce of the last sync: (work, vec, scales)
         self._syncs = 0         # batches of steps processed so far
         self._rounds = 0        # optimizer steps seen, measured or not
@@ -308,8 +299,7 @@ class NoiseScale:
         scales = [s[2] for s in steps]
         if self._kind == "micro":
             # The loss carries 1/accum_steps: each micro-batch's mean gradient is accum x what it added.
-            self._raw.append((local_sq * self.plan.accum_steps, total_sq, scales, self.plan.micro_batch))
-            self._maybe_fold()
+            self.estimates.add(local_sq * self.plan.accum_steps, total_sq, scales, self.plan.micro_batch)
             return
         world = self.plan.world_size
         # Summed over ranks: the mean of the rank norms; shard norms add up to the full
@@ -326,37 +316,7 @@ class NoiseScale:
         (work, vec, scales), self._inflight = self._inflight, None
         work.wait()
         n = len(scales)
-        self._raw.append((vec[:n], vec[n:], scales, self.plan.rank_batch))
-        self._maybe_fold()
-
-    def _maybe_fold(self) -> None:
-        if self._raw[0][0].device.type != "cuda" or sum(len(r[2]) for r in self._raw) >= _FOLD_EVERY_CUDA:
-            self._fold()
-
-    def _fold(self) -> None:
-        if not self._raw:
-            return
-        device = self._raw[0][0].device
-        scales = [s for r in self._raw for s in r[2]]
-        scale_vec = torch.stack([torch.ones((), dtype=torch.float64, device=device) if s is None
-                                 else s.reshape(()).double().to(device) for s in scales])
-        # One transfer for the whole queue (one host sync on CUDA).
-        flat = torch.cat([torch.cat([r[0] for r in self._raw]), torch.cat([r[1] for r in self._raw]), scale_vec]).tolist()
-        n = len(scales)
-        b_small = [r[3] for r in self._raw for _ in r[2]]
-        b_big = self.plan.global_batch
-        beta = math.exp(-self.every * b_big / self.tau)  # a measurement stands for ``every`` steps
-        for i in range(n):
-            local, total = flat[i] / flat[2 * n + i] ** 2, flat[n + i] / flat[2 * n + i] ** 2
-            grad_sq, trace_cov = estimate(local, total, b_small[i], b_big)
-            self.last = {"local_sq": local, "total_sq": total, "grad_sq": grad_sq, "trace_cov": trace_cov}
-            if not (math.isfinite(grad_sq) and math.isfinite(trace_cov)):
-                self.skipped += 1  # an fp16 overflow step: the scaler skips it too
-                continue
-            self._ema_g.update(grad_sq, beta)
-            self._ema_t.update(trace_cov, beta)
-            self.measured += 1
-        self._raw = []
+        self.estimates.add(vec[:n], vec[n:], scales, self.plan.rank_batch)
 
     def flush(self) -> None:
         """Average the measured steps still waiting for their batch (collective: every rank calls it).
@@ -382,50 +342,25 @@ class NoiseScale:
         if self._kind == "micro" and self._steps:
             self._sync()  # one process: nothing to wait for
         self._land()
-        self._fold()
-        if self.measured + self.skipped == 0:
-            return {}
-        out = {"noise/measured_steps": float(self.measured), "noise/skipped_steps": float(self.skipped)}
-        if self.measured == 0:
-            return out
-        g, t = self._ema_g.value(), self._ema_t.value()
-        out |= {"noise/grad_sq": g, "noise/trace_cov": t}
-        if g > 0:
-            out["noise/b_simple"] = t / g
-            out["noise/efficiency"] = efficiency(self.plan.global_batch, t / g)
-        out["noise/noise_dominated"] = float(g <= 0)
-        return out
+        return self.estimates.metrics()
 
     def summary(self, global_batch: int | None = None, world_size: int | None = None) -> str:
         """Plain-language reading of the measurement for the end of a run.
 
         >>> mg.print0(noise.summary())
         """
-        m = self.metrics()
-        batch = global_batch or self.plan.global_batch
-        world = world_size or self.plan.world_size
-        if "noise/grad_sq" not in m:
-            return "gradient noise scale: no step measured yet (it needs one synchronised optimizer step)."
-        steps = int(m["noise/measured_steps"])
-        head = f"gradient noise scale over {steps} measured steps (EMA time constant {self.tau:,.0f} examples):"
-        if "noise/b_simple" not in m:
-            return (
-                f"{head} noise-dominated (estimated |G|^2 = {m['noise/grad_sq']:.3g} <= 0): the gradient signal is "
-                f"below the noise at batch {batch}, so larger batches still help almost linearly; measure longer to resolve it."
-            )
-        phi = m["noise/b_simple"]
-        eff = efficiency(batch, phi)
-        per_gpu = batch / world
-        doubled = 2 * batch
-        speedup = steps_factor(batch, phi) / steps_factor(doubled, phi)
-        verdict = (
-            "still pays (near-linear)" if speedup >= 1.6 else
-            "pays partly" if speedup >= 1.25 else "would mostly waste the extra GPUs"
-        )
-        return "\n".join([
-            head,
-            f"  B_simple ~ {phi:,.0f} examples; global batch {batch} is {batch / phi:.2g}x of it.",
-            f"  per-example efficiency ~ {eff:.0%} of a small-batch run (steps to target ~ {steps_factor(batch, phi):.2f}x the minimum).",
-            f"  twice the GPUs at {per_gpu:g} per GPU (global {doubled}): steps to target /{speedup:.2f} "
-            f"(ideal /2) -> {verdict}.",
-        ])
+        self.metrics()
+        return self.estimates.summary(global_batch or self.plan.global_batch, world_size or self.plan.world_size)
+
+    # The estimates' counters, read by callers and tests.
+    @property
+    def measured(self) -> int:
+        return self.estimates.measured
+
+    @property
+    def skipped(self) -> int:
+        return self.estimates.skipped
+
+    @property
+    def last(self) -> dict[str, float]:
+        return self.estimates.last

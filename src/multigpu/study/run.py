@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import math
 import os
 import statistics
 import time
@@ -37,10 +36,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..batch import POLICIES, policy_batch, same_samples_steps
 from ..errors import UsageError
 from .measure import TARGET_OPS, headline, measure_run, summarize
 
-POLICIES = ("keep-global", "scale-global")
 
 
 @dataclass(frozen=True)
@@ -140,8 +139,8 @@ def plan_runs(cfg: StudyConfig, recipe: Recipe | None) -> list[RunSpec]:
     runs: dict[tuple, RunSpec] = {}
     for w in sorted(set(cfg.workers)):
         for pol in cfg.policies:
-            gb = base if pol == "keep-global" else base * w
-            steps = cfg.steps if cfg.steps is None or pol == "keep-global" else max(1, math.ceil(cfg.steps / w))
+            gb = policy_batch(pol, base, w)
+            steps = same_samples_steps(cfg.steps, base, gb)
             for rep in range(cfg.repeats):
                 key = (w, gb, steps, rep)
                 if key in runs:
@@ -168,19 +167,11 @@ def _out_dir(cfg: StudyConfig, name: str) -> Path:
     return out
 
 
-def _last_line(path: Path) -> str:
-    try:
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return ""
-    summary = [ln for ln in lines if ln.startswith("multigpu run:") or "error:" in ln]
-    return (summary or lines or [""])[-1].strip()
-
-
 def execute(spec: RunSpec, target: str, module: bool, cfg: StudyConfig, out: Path,
             goal: tuple[str, str, float] | None) -> dict[str, Any]:
     """Run one spec through the launcher, with its console output captured in a file."""
     from ..launch import run as launch_run
+    from ..launch.logs import last_line
 
     root = out / "runs" / spec.id
     root.mkdir(parents=True, exist_ok=True)
@@ -196,7 +187,9 @@ def execute(spec: RunSpec, target: str, module: bool, cfg: StudyConfig, out: Pat
     except UsageError as err:
         code, message = 2, str(err)
     else:
-        message = _last_line(console)
+        # The launcher's summary (or an error line) says more than whatever the workers printed last.
+        message = last_line(str(console), limit=None, tail=None,
+                            prefer=lambda ln: ln.startswith("multigpu run:") or "error:" in ln)
     record["elapsed_s"] = time.perf_counter() - t0
     run_dirs = sorted(p for p in root.iterdir() if p.is_dir())
     record["run_dir"] = str(run_dirs[-1]) if run_dirs else None
