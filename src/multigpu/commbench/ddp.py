@@ -16,6 +16,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from .. import compat
 from ..errors import UsageError
 from .spec import algbw, bus_factor
 
@@ -73,9 +74,9 @@ def bucket_sizes(model: nn.Module, bucket_cap_mb: float = 25.0) -> list[int]:
         raise UsageError("the model has no trainable parameters, so DDP has nothing to all-reduce")
     rev = list(reversed(params))
     cap = int(bucket_cap_mb * 2**20)
-    first = tdist._DEFAULT_FIRST_BUCKET_BYTES
+    first = compat.ddp_first_bucket_bytes()
     limits = [first, cap] if first < cap else [cap]  # DDP's rule: a small first bucket only below the cap
-    buckets, _ = tdist._compute_bucket_assignment_by_size(rev, limits, [False] * len(rev))
+    buckets = compat.ddp_bucket_assignment(rev, limits)
     return [sum(rev[i].numel() * rev[i].element_size() for i in b) for b in buckets]
 
 

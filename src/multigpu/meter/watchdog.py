@@ -189,9 +189,9 @@ def _dump_flight_recorder(out_dir: str, rank: int) -> str | None:
     if not torch.cuda.is_available():
         return None
     try:
-        from torch._C._distributed_c10d import _dump_nccl_trace
+        from ..compat import dump_nccl_trace
 
-        data = _dump_nccl_trace()
+        data = dump_nccl_trace()
     except Exception:  # noqa: BLE001 - older torch, no NCCL group, recorder off
         return None
     path = os.path.join(out_dir, f"nccl_trace_rank_{rank}")

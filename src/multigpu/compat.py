@@ -1,0 +1,92 @@
+"""The private torch APIs multigpu uses, in one place, so a torch upgrade has one file to check.
+
+The project supports torch >= 2.7. Each entry says the torch versions it was
+checked on: "2.13" is the installed 2.13.0 (CPU), "2.14" the 2.14.1 (CUDA)
+wheel, "older source" a stored pytorch/pytorch source from before 2.7 that
+has the same name (2.7 itself lies between, not read).
+Every torch import here happens inside the function that needs it, as the
+callers did before, so importing this module imports nothing beyond torch
+(``torch.distributed.checkpoint`` costs about a second).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+def dcp_load_in_place(state_dict: dict[str, Any], storage_reader: Any, planner: Any, no_dist: bool) -> None:
+    """DCP's loader that fills ``state_dict`` itself (the public ``dcp.load`` copies into a new dict,
+    so an empty dict filled by ``empty_load_planner()`` must go through this one, as torch's own
+    ``dcp_to_torch_save`` does).
+
+    ``torch.distributed.checkpoint.state_dict_loader._load_state_dict``: checked on 2.13, 2.14, older source.
+    """
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    _load_state_dict(state_dict, storage_reader=storage_reader, planner=planner, no_dist=no_dist)
+
+
+def empty_load_planner() -> type:
+    """DCP's load planner that rebuilds the state dict from the checkpoint metadata
+    (``keys=`` picks top-level entries); a class, for subclassing.
+
+    ``torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner(keys=None, ...)``:
+    checked on 2.13, 2.14, older source.
+    """
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+
+    return _EmptyStateDictLoadPlanner
+
+
+def set_nested(root: dict[str, Any], path: Any, value: Any) -> None:
+    """Put ``value`` at ``path`` (DCP's flattening mapping) inside the nested ``root``.
+
+    ``torch.distributed.checkpoint._nested_dict.set_element``: checked on 2.13 (re-exported there
+    from ``_traverse``) and 2.14.
+    """
+    from torch.distributed.checkpoint._nested_dict import set_element
+
+    set_element(root, path, value)
+
+
+def ddp_first_bucket_bytes() -> int:
+    """DDP's size limit for its first gradient bucket (1 MiB).
+
+    ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``: checked on 2.13, 2.14, older source.
+    """
+    import torch.distributed as tdist
+
+    return tdist._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def ddp_bucket_assignment(params: list[torch.Tensor], limits: list[int]) -> list[list[int]]:
+    """Indices into ``params`` per bucket, as DDP's Reducer assigns them (no sparse gradients).
+
+    ``torch.distributed._compute_bucket_assignment_by_size(tensors, limits, expect_sparse_gradient)``,
+    which returns ``(buckets, per_bucket_limits)``: checked on 2.13, 2.14; the name also in older source.
+    """
+    import torch.distributed as tdist
+
+    buckets, _ = tdist._compute_bucket_assignment_by_size(params, limits, [False] * len(params))
+    return buckets
+
+
+def dump_nccl_trace() -> bytes:
+    """The NCCL flight recorder's ring buffer, pickled; raises where there is none.
+
+    ``torch._C._distributed_c10d._dump_nccl_trace()``: checked on 2.14 (CUDA); 2.13 CPU builds
+    have no NCCL and so no such name (ImportError, which callers treat as "no trace").
+    """
+    from torch._C._distributed_c10d import _dump_nccl_trace
+
+    return _dump_nccl_trace()
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the current backward pass has finished (after callbacks queued before).
+
+    ``torch.autograd.Variable._execution_engine.queue_callback``: checked on 2.13, 2.14.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
