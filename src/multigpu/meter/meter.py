@@ -11,11 +11,8 @@ for the record schema.
 from __future__ import annotations
 
 import datetime
-import math
 import os
-import resource
 import socket
-import statistics
 import time
 from typing import Any, Iterable, Iterator
 
@@ -24,21 +21,13 @@ import torch.distributed as tdist
 
 from ..errors import UsageError
 from ..fingerprint import fingerprint
+from ..launch.contract import profile_window, run_dir
 from . import gpumon, sinks as _sinks
 from .flops import FlopCount, dtype_key, peak_flops
-from .records import interval_record, mad, run_summary
+from .interval import Interval
+from .records import interval_record, run_summary
 
-RUN_DIR_ENV = "MULTIGPU_RUN_DIR"  # set by `multigpu run` for its workers: launcher -> worker channel only
-PROFILE_ENV = "MULTIGPU_PROFILE"  # `multigpu run --profile 10:15`
 SCHEMA_VERSION = 1
-
-
-def _rank_peak_memory(device: torch.device) -> float:
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return float(peak)
-    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # kB on Linux: peak RSS
 
 
 class StepMeter:
@@ -105,13 +94,19 @@ class StepMeter:
         self._lr: float | None = None
         self._flop_count: FlopCount | None = None
         self._t_start_wall = time.time()
-        self._reset_interval()
+        self._iv = Interval()
 
         self._resume = False
         self.hosts = self._gather_objects(socket.gethostname())
         self.log_dir = self._agree_log_dir(log_dir)
         os.makedirs(self.log_dir, exist_ok=True)
 
+        self._start_instruments(dist, model, gpu_monitor, watchdog, profile)
+        self._open_sinks(dist, plan, sinks, progress, resume, fingerprint_extra, sink_options, flops_per_sample)
+
+    def _start_instruments(self, dist: Any, model: torch.nn.Module | None, gpu_monitor: bool,
+                           watchdog: float | None, profile: Any) -> None:
+        """Gradient-ready hooks, GPU monitor, watchdog and profiler, as asked."""
         self._ready_ev = None
         self._ready_t: float | None = None
         self._hooks = []
@@ -137,13 +132,17 @@ class StepMeter:
         self.watchdog = Watchdog(os.path.join(self.log_dir, "watchdog"), self.rank, self.hosts[self.rank], watchdog).start() \
             if watchdog else None
 
-        profile = profile if profile is not None else os.environ.get(PROFILE_ENV) or None
+        profile = profile if profile is not None else profile_window()
         self.profiler = None
         if profile:
             from .profile import Profile
 
             self.profiler = Profile(dist, profile, out_dir=os.path.join(self.log_dir, "profile")).start()
 
+    def _open_sinks(self, dist: Any, plan: Any, sinks: Iterable[str], progress: bool, resume: bool,
+                    fingerprint_extra: dict[str, Any] | None, sink_options: dict[str, dict[str, Any]] | None,
+                    flops_per_sample: Any) -> None:
+        """Rank 0's header and sinks (a sink that fails to open stops what was started)."""
         self.sinks: list[Any] = []
         self.console = None
         if self.is_main:
@@ -151,7 +150,7 @@ class StepMeter:
                 "type": "header", "schema": SCHEMA_VERSION,
                 "fingerprint": fingerprint(dist, **(fingerprint_extra or {})),
                 "plan": {k: getattr(plan, k) for k in ("global_batch", "world_size", "micro_batch", "accum_steps")} if plan else None,
-                "meter": {"log_every": log_every, "samples_per_step": self.samples_per_step, "dtype": self._dtype,
+                "meter": {"log_every": self.log_every, "samples_per_step": self.samples_per_step, "dtype": self._dtype,
                           "peak_flops": self.peak_flops, "flops_per_sample": flops_per_sample, "hosts": self.hosts},
             }
             try:
@@ -161,7 +160,7 @@ class StepMeter:
                 self._shutdown(write_summary=False)  # no threads or hooks left behind
                 raise
             if progress:
-                self.console = _sinks.ConsoleSink(total_steps)
+                self.console = _sinks.ConsoleSink(self.total_steps)
                 self.sinks.append(self.console)
                 for note in self._notes[:1]:  # said once, by rank 0
                     self.console.note(f"multigpu: {note}")
@@ -176,7 +175,7 @@ class StepMeter:
 
     def _agree_log_dir(self, log_dir: str | None) -> str:
         if log_dir is None:
-            log_dir = os.environ.get(RUN_DIR_ENV)
+            log_dir = run_dir()  # `multigpu run`'s
             if log_dir is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
                 self._resume = True  # a restart of the same run: append after a new header line
         if log_dir is None:
@@ -189,17 +188,6 @@ class StepMeter:
         return log_dir
 
     # -- per step: timestamps only ------------------------------------------------------
-    def _reset_interval(self) -> None:
-        self._n = 0
-        self._dws: list[float] = []  # per step: data wait, compute, ready (CPU clocks; GPU events below)
-        self._cps: list[float] = []
-        self._rds: list[float] = []
-        self._events: list[tuple[Any, Any, Any]] = []
-        self._loss_sum: Any = 0.0
-        self._loss_n = 0
-        self._metric_sums: dict[str, Any] = {}
-        self._t0 = time.perf_counter()
-
     def _grad_ready(self, _param) -> None:
         if self._in_step:
             if self._cuda:
@@ -227,7 +215,7 @@ class StepMeter:
         it = iter(iterable)
         if not self._started:
             self._started = True
-            self._t0 = time.perf_counter()
+            self._iv.t0 = time.perf_counter()
         while True:
             t0 = time.perf_counter()
             try:
@@ -247,15 +235,15 @@ class StepMeter:
         """Start timing compute (``steps()`` calls this; call it yourself only without ``steps()``)."""
         if not self._started:
             self._started = True
-            self._t0 = time.perf_counter()
+            self._iv.t0 = time.perf_counter()
         self._in_step = True
-        self._dws.append(data_wait)
+        self._iv.dws.append(data_wait)
         self._ready_t = None
         self._hook_count = 0
         if self._cuda:
             start, self._ready_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            self._events.append((start, self._ready_ev, None))
+            self._iv.events.append((start, self._ready_ev, None))
         self._t_step = time.perf_counter()
         if self._flops_auto and self.flops_per_sample is None and self._flop_count is None:
             self._flop_count = FlopCount()
@@ -273,29 +261,18 @@ class StepMeter:
         if self._cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            start, ready, _ = self._events[-1]
-            self._events[-1] = (start, ready, end)
+            start, ready, _ = self._iv.events[-1]
+            self._iv.events[-1] = (start, ready, end)
         else:
-            self._cps.append(now - self._t_step)
+            self._iv.cps.append(now - self._t_step)
             if self._ready_t is not None:
-                self._rds.append(self._ready_t - self._t_step)
+                self._iv.rds.append(self._ready_t - self._t_step)
         if self._flop_count is not None and self._flop_count.total is None:
             rank_samples = self.samples_per_step / self.world_size
             self.flops_per_sample = self._flop_count.stop() / rank_samples or None
-        if loss is not None:
-            if not torch.is_tensor(loss):
-                self._loss_sum = self._loss_sum + float(loss)
-            elif torch.is_tensor(self._loss_sum):
-                self._loss_sum.add_(loss.detach())  # on the device: no sync, no new tensor
-            else:
-                self._loss_sum = loss.detach().float() + self._loss_sum
-            self._loss_n += 1
-        for key, value in metrics.items():
-            v = value.detach().float() if torch.is_tensor(value) else float(value)
-            self._metric_sums[key] = self._metric_sums.get(key, 0.0) + v
+        self._iv.add(loss, metrics)
         if lr is not None:
             self._lr = float(lr.param_groups[0]["lr"]) if hasattr(lr, "param_groups") else float(lr)
-        self._n += 1
         self.step += 1
         if self.watchdog is not None:
             self.watchdog.beat(self.step - 1)
@@ -318,34 +295,10 @@ class StepMeter:
                 s.write(rec)
 
     # -- log steps: one sync, one gather ----------------------------------------------
-    def _rank_vector(self) -> tuple[list[float], list[str]]:
-        cps, rds = self._cps, self._rds
-        if self._cuda and self._events:
-            self._events[-1][2].synchronize()
-            for start, ready_ev, end in self._events:
-                cps.append(start.elapsed_time(end) / 1e3)
-                try:
-                    rds.append(start.elapsed_time(ready_ev) / 1e3)
-                except RuntimeError:  # never recorded: no gradient this step
-                    pass
-        wall = time.perf_counter() - self._t0
-        loss = self._loss_sum.item() if torch.is_tensor(self._loss_sum) else self._loss_sum
-        keys = sorted(self._metric_sums)
-        vals = [v.item() if torch.is_tensor(v) else v for v in (self._metric_sums[k] for k in keys)]
-        full = len(rds) == self._n and self._n > 0  # ready known for every step (hooks fired)
-        vec = [self._n, wall, sum(self._dws), sum(cps), sum(rds) if full else math.nan, loss, self._loss_n,
-               _rank_peak_memory(self.device), statistics.median(self._dws), statistics.median(cps),
-               statistics.median(rds) if full else math.nan, mad(self._dws), mad(cps),
-               mad(rds) if full else math.nan, *vals]
-        if not self._cuda:  # same on every rank, so the gathered vectors keep one length
-            return vec, keys
-        mon = self.monitor.take() if self.monitor is not None and self.monitor.enabled else None
-        return vec + gpumon.as_vector(mon), keys
-
     def _log_interval(self) -> None:
-        if self._n == 0:
+        if self._iv.n == 0:
             return
-        vec, keys = self._rank_vector()
+        vec, keys = self._iv.vector(self.device, self.monitor)
         comm_device = self.device if self._cuda else torch.device("cpu")
         mine = torch.tensor(vec, dtype=torch.float64, device=comm_device)
         if self._distributed:
@@ -355,8 +308,8 @@ class StepMeter:
             rows = [g.tolist() for g in gathered]
         else:
             rows = [vec]
-        n_steps = self._n
-        self._reset_interval()
+        n_steps = self._iv.n
+        self._iv = Interval()
         if self.is_main:
             self._write_record(rows, keys, n_steps)
 
