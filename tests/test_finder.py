@@ -122,7 +122,7 @@ def test_digits_recipe_find_batch(monkeypatch, capfd, tmp_path):
     from multigpu.recipes import digits
 
     monkeypatch.delenv("RANK", raising=False)
-    res = digits.main(["--epochs", "2", "--global-batch", "64", "--find-batch", "--memory-budget-mb", "64", "--log-dir", str(tmp_path / "a")])
+    res = digits.main(["--epochs", "2", "--global-batch", "64", "--find-batch", "--memory-budget", "64MiB", "--log-dir", str(tmp_path / "a")])
     out = capfd.readouterr().out
     assert "largest micro-batch that fits: 64 per rank" in out       # capped at the rank's share
     assert res["count"] == 360

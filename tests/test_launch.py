@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from multigpu.errors import UsageError
-from multigpu.launch import RunConfig, parse_size, resolve
+from multigpu.launch import RunConfig, resolve
 
 from _cli import run_cli
 
@@ -208,12 +208,16 @@ def test_resolve_gpus_and_slurm(tmp_path, monkeypatch):
     assert (place.master_addr, place.master_port) == ("::1", 29500)
 
 
+def _budget(text: str) -> int | None:
+    return RunConfig("train.py", find_batch=True, memory_budget=text).memory_budget_bytes  # values.parse_size's
+
+
 def test_memory_budget_sizes_and_find_batch_on_gpus(tmp_path):
-    assert [parse_size(t) for t in ("4096", "512MB", "512mb", "8GiB", "1.5GiB", "2KiB", "1TB")] == [
+    assert [_budget(t) for t in ("4096", "512MB", "512mb", "8GiB", "1.5GiB", "2KiB", "1TB")] == [
         4096, 512 * 10**6, 512 * 10**6, 8 << 30, 3 << 29, 2048, 10**12]
     for bad in ("", "-1GB", "1e9", "12 MB", "GiB", "1.5.2GB", "0", "0.0000001KB", "1.5B", "2GiBs"):
         with pytest.raises(UsageError, match="--memory-budget must be a positive size"):
-            parse_size(bad)
+            _budget(bad)
     # With GPUs the search has CUDA's out-of-memory error; a budget is optional there.
     script = str(_write_scripts(tmp_path))
     assert resolve(RunConfig(script, find_batch=True), environ={}, gpu_count=lambda: 2).nproc == 2
@@ -389,7 +393,7 @@ def test_two_nodes_on_loopback(tmp_path):
 def test_summary_names_the_first_real_failure(tmp_path):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from multigpu.launch_logs import RankLogsSpecs, failure_summary
+    from multigpu.launch.logs import RankLogsSpecs, failure_summary
 
     specs = RankLogsSpecs(str(tmp_path))
     lines = {0: "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:2948",

@@ -16,19 +16,17 @@ answer. The global batch is kept by raising accumulation (``BatchPlan``).
   before the trial: real memory of the process, including torch's allocations.
 
 Under ``multigpu run --find-batch [--memory-budget SIZE]`` the launcher asks
-through variables it sets for its workers (``MULTIGPU_FIND_BATCH``,
-``MULTIGPU_MEMORY_BUDGET``; a launcher -> worker channel like
-``MULTIGPU_RUN_DIR``): ``find_batch_requested()`` tells the script, the search
-takes the budget when the caller gave none, and local rank 0 of each node
-writes the result to ``<run dir>/find_batch.json``, which the launcher reads
-for its closing line (``launcher_line``).
+through the variables of its contract with the workers
+(``multigpu.launch.contract``): ``find_batch_requested()`` tells the script,
+the search takes the budget when the caller gave none, and local rank 0 of
+each node writes the result to ``<run dir>/find_batch.json``, which the
+launcher reads for its closing line.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
-import json
 import os
 import pathlib
 import re
@@ -41,13 +39,10 @@ import torch.distributed as tdist
 
 from .batch import BatchPlan
 from .errors import UsageError
-from .meter.meter import RUN_DIR_ENV
+from .launch.contract import find_batch_requested, write_find_batch
+from .launch.contract import memory_budget as _launcher_budget, run_dir as _run_dir
 
 __all__ = ["MicroBatchSearch", "find_batch_requested", "find_micro_batch"]
-
-FIND_BATCH_ENV = "MULTIGPU_FIND_BATCH"  # "1" under `multigpu run --find-batch`
-MEMORY_BUDGET_ENV = "MULTIGPU_MEMORY_BUDGET"  # bytes, from `multigpu run --memory-budget SIZE`
-RESULT_FILE = "find_batch.json"  # in the run directory (MULTIGPU_RUN_DIR)
 
 
 @dataclass(frozen=True)
@@ -115,29 +110,9 @@ def _free(device: torch.device, collect: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def find_batch_requested() -> bool:
-    """True in a worker started by ``multigpu run --find-batch``: the script should run ``find_micro_batch``.
-
-    >>> plan = mg.BatchPlan(global_batch=1024, world_size=dist.world_size)
-    >>> if mg.find_batch_requested():
-    ...     plan = mg.find_micro_batch(step, dist, global_batch=plan.global_batch).plan
-    """
-    return os.environ.get(FIND_BATCH_ENV) == "1"
-
-
-def _launcher_budget() -> int | None:
-    text = os.environ.get(MEMORY_BUDGET_ENV)
-    if text is None:
-        return None
-    if not text.isdigit() or int(text) < 1:
-        raise UsageError(f"{MEMORY_BUDGET_ENV} must be a positive number of bytes (`multigpu run --memory-budget` "
-                         f"sets it), got {text!r}; unset it or pass memory_budget= to find_micro_batch")
-    return int(text)
-
-
 def _write_result(found: MicroBatchSearch, dist, memory_budget: int | None) -> None:
-    """``find_batch.json`` in the run directory, for the launcher's closing line; atomic (tmp + rename)."""
-    run_dir = os.environ.get(RUN_DIR_ENV)
+    """``find_batch.json`` in the run directory, for the launcher's closing line."""
+    run_dir = _run_dir()
     local_rank = getattr(dist, "local_rank", None)
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
@@ -158,45 +133,7 @@ def _write_result(found: MicroBatchSearch, dist, memory_budget: int | None) -> N
         "time": time.time(),
         "summary": found.summary(),
     }
-    path = os.path.join(run_dir, RESULT_FILE)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as fp:
-        json.dump(record, fp, indent=1)
-        fp.write("\n")
-    os.replace(tmp, path)  # the launcher never reads half a file
-
-
-def launcher_line(run_dir: str, script: str, exit_code: int) -> str | None:
-    """The launcher's closing line for ``--find-batch`` (None: nothing to add to a failure summary).
-
-    >>> launcher_line("multigpu_logs/train-x", "train.py", 0)
-    '--find-batch: micro-batch 37 per rank fits on all 2 ranks (...); plan: global batch 128 = 2 ranks x 32 x 2 accumulation; ...'
-    """
-    path = os.path.join(run_dir, RESULT_FILE)
-    try:
-        with open(path) as fp:
-            rec = json.load(fp)
-    except FileNotFoundError:
-        if exit_code != 0:
-            return None  # the failure summary says what happened; the search may never have been reached
-        # The exit code stays the workers' 0: the script trained to the end with its own batch
-        # plan, and a job scheduler or a CI step should not see a finished run as failed; the
-        # launcher's exit code is always the workers' (docs/launcher.md). This line says what to fix.
-        return (f"--find-batch: {script} did not call mg.find_micro_batch, so no micro-batch was searched; in the script, "
-                f"call it when mg.find_batch_requested() is true (docs/batch-size.md)")
-    except (OSError, ValueError) as err:
-        return f"--find-batch: cannot read {path}: {err}"
-    trials = rec["trials"]
-    budget = f", budget {rec['memory_budget'] / 2**20:,.1f} MiB" if rec.get("memory_budget") else ""
-    line = (f"--find-batch: micro-batch {rec['micro_batch']} per rank fits on all {rec['world_size']} ranks "
-            f"(limit: {rec['limit']}{budget}, {len(trials)} trials); ")
-    plan = rec["plan"]
-    if plan is None:
-        line += "no plan: the script passed no global_batch; "
-    else:
-        line += (f"plan: global batch {plan['global_batch']} = {plan['world_size']} ranks x {plan['micro_batch']} x "
-                 f"{plan['accum_steps']} accumulation; ")
-    return line + f"details: {path}"
+    write_find_batch(run_dir, record)
 
 
 OK, OOM, FAILED = 0, 1, 2

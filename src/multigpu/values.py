@@ -28,14 +28,14 @@ _NAMES = {v: k for k, v in DTYPES.items()}
 _UNITS = {"k": 2**10, "m": 2**20, "g": 2**30,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)([a-z]*)\s*", re.IGNORECASE)  # one word: "12 MB" is two
 
 
 def parse_size(text: str | int, what: str = "size") -> int:
     """Bytes from ``4096``, ``256M`` or ``8GiB`` (binary), ``512MB`` (decimal); ``UsageError`` otherwise.
 
     ``what`` names the value in the error (e.g. ``"--memory-budget"``). A
-    fraction needs a unit (``1.5GiB``; ``1.5`` bytes means nothing).
+    fraction needs a unit (``1.5GiB``; ``1.5`` or ``1.5B`` bytes mean nothing).
 
     >>> parse_size("1.5GiB"), parse_size("512MB"), parse_size("256M"), parse_size(4096)
     (1610612736, 512000000, 268435456, 4096)
@@ -43,7 +43,8 @@ def parse_size(text: str | int, what: str = "size") -> int:
     got = str(text)
     match = _SIZE.fullmatch(got)
     size = 0
-    if match and match.group(2).lower() in _UNITS | {"": 1} and (match.group(2) or "." not in match.group(1)):
+    if match and match.group(2).lower() in _UNITS | {"": 1} and (
+            match.group(2).lower() not in ("", "b") or "." not in match.group(1)):
         unit = _UNITS.get(match.group(2).lower(), 1)
         number = match.group(1)
         size = int(float(number) * unit) if "." in number else int(number) * unit

@@ -2,8 +2,9 @@
 
 The launcher tells its workers where the run directory is and which steps to
 profile through variables it sets when it starts them (like torchrun's own
-RANK/WORLD_SIZE): a launcher-to-worker channel, never a user setting. It
-watches the run directory for the watchdogs' reports and prints one verdict.
+RANK/WORLD_SIZE): a launcher-to-worker channel, never a user setting, encoded
+in ``multigpu.launch.contract``. It watches the run directory for the
+watchdogs' reports and prints one verdict.
 
     env.update(worker_env(run_dir, profile=cfg.profile))
     with hang_monitor(run_dir, world_size):
@@ -13,10 +14,9 @@ watches the run directory for the watchdogs' reports and prints one verdict.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterator
 
-from .meter import PROFILE_ENV, RUN_DIR_ENV
+from ..launch.contract import worker_env as _multigpu_env
 from .profile import parse_steps
 from .watchdog import HangMonitor, flight_recorder_env
 
@@ -27,10 +27,8 @@ def worker_env(run_dir: str, profile: str | None = None, cuda: bool = True) -> d
     >>> worker_env("runs/x", profile="10:15", cuda=False)
     {'MULTIGPU_RUN_DIR': '/abs/runs/x', 'MULTIGPU_PROFILE': '10:15'}
     """
-    env = {RUN_DIR_ENV: os.path.abspath(run_dir)}
-    if profile:
-        start, stop = parse_steps(profile)  # a bad spec fails in the launcher, not in N workers
-        env[PROFILE_ENV] = f"{start}:{stop}"
+    # A bad --profile spec fails in the launcher, not in N workers.
+    env = _multigpu_env(run_dir, profile=parse_steps(profile) if profile else None)
     if cuda:
         env.update(flight_recorder_env(run_dir))
     return env

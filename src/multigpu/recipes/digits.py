@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import multigpu as mg
+from multigpu.values import parse_size
 
 
 def digits_datasets(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
@@ -81,9 +82,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--find-batch", action="store_true",
                    help="search the largest micro-batch that fits, keeping --global-batch (accumulating the rest); "
                         "also on with `multigpu run --find-batch`")
-    p.add_argument("--memory-budget-mb", type=float, default=None,
-                   help="memory budget for --find-batch on CPU (default: `multigpu run --memory-budget`'s)")
-    return p.parse_args(argv)
+    p.add_argument("--memory-budget", metavar="SIZE", default=None,
+                   help="memory budget for --find-batch on CPU, e.g. 64MiB (2^20) or 64MB (10^6) "
+                        "(default: `multigpu run --memory-budget`'s)")
+    args = p.parse_args(argv)
+    if args.memory_budget is not None:
+        try:
+            args.memory_budget = parse_size(args.memory_budget, "--memory-budget")
+        except mg.UsageError as err:
+            p.error(str(err))
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         strategy = args.strategy if not (args.strategy == "ddp" and dist.world_size == 1) else "none"
         net = make_model().to(dist.device)
         if args.find_batch or mg.find_batch_requested():
-            plan = _find_batch(net, plan, dist, args.memory_budget_mb)
+            plan = _find_batch(net, plan, dist, args.memory_budget)
         model = mg.wrap(net, strategy)
         noise = mg.NoiseScale(plan, every=args.noise_every).attach(model) if args.noise_every else None
         lr = mg.scale_lr(args.lr, base_batch=args.base_batch, batch=plan.global_batch, rule=args.lr_rule)
@@ -153,7 +161,7 @@ def _epochs(train):
         yield from train
 
 
-def _find_batch(net: nn.Module, plan: mg.BatchPlan, dist: mg.Dist, budget_mb: float | None) -> mg.BatchPlan:
+def _find_batch(net: nn.Module, plan: mg.BatchPlan, dist: mg.Dist, budget: int | None) -> mg.BatchPlan:
     """The plan with the largest micro-batch that fits (trials on the unwrapped model: no collectives)."""
     loss_fn = nn.CrossEntropyLoss()
 
@@ -162,7 +170,6 @@ def _find_batch(net: nn.Module, plan: mg.BatchPlan, dist: mg.Dist, budget_mb: fl
         x = torch.rand(m, 64, device=dist.device)
         loss_fn(net(x), torch.zeros(m, dtype=torch.long, device=dist.device)).backward()
 
-    budget = int(budget_mb * 2**20) if budget_mb is not None else None
     share = plan.global_batch // dist.world_size
     found = mg.find_micro_batch(step, dist, memory_budget=budget, max_micro_batch=share, global_batch=plan.global_batch)
     net.zero_grad(set_to_none=True)

@@ -11,7 +11,7 @@ prefixes), ``[rank<r>] `` with ``--all-ranks``. Layout::
     <log_dir>/<run>/attempt_<k>/rank<r>.stderr.log
     <log_dir>/<run>/attempt_<k>/rank<r>.error.json   only for workers decorated with torch's @record
 
-This module imports torch; ``launch.py`` imports it only once the arguments
+This module imports torch; ``start.py`` imports it only once the arguments
 are valid, so usage errors stay fast.
 """
 
@@ -26,7 +26,7 @@ import signal
 import socket
 import sys
 import threading
-from typing import Iterator, TextIO
+from typing import Callable, Iterator, TextIO
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -145,19 +145,31 @@ class RankLogsSpecs(LogsSpecs):
         self._tails = []
 
 
-def _last_line(path: str, limit: int = 300) -> str:
+def last_line(path: str, limit: int | None = 300, *, tail: int | None = 8192,
+              prefer: Callable[[str], bool] | None = None) -> str:
+    """The last non-blank line of a text file, stripped; "" when there is none or the file cannot be read.
+
+    ``tail``: read only the file's last ``tail`` bytes (None: all of it); ``prefer``: the last
+    line for which it is true, where one is; ``limit``: cut longer lines to that many characters.
+
+    >>> last_line("multigpu_logs/train-x/attempt_0/rank1.stderr.log")
+    'RuntimeError: boom'
+    """
     try:
         with open(path, "rb") as fp:
-            fp.seek(0, os.SEEK_END)
-            fp.seek(max(0, fp.tell() - 8192))
+            if tail is not None:
+                fp.seek(0, os.SEEK_END)
+                fp.seek(max(0, fp.tell() - tail))
             lines = [ln.strip() for ln in fp.read().decode("utf-8", "replace").splitlines()]
     except OSError:
         return ""
     lines = [ln for ln in lines if ln]
+    if prefer is not None:
+        lines = [ln for ln in lines if prefer(ln)] or lines
     if not lines:
         return ""
     last = lines[-1]
-    return last if len(last) <= limit else last[: limit - 3] + "..."
+    return last if limit is None or len(last) <= limit else last[: limit - 3] + "..."
 
 
 # Last lines that say "another rank died first": gloo's and NCCL's reports of a lost peer, store timeouts.
@@ -178,7 +190,7 @@ def failure_summary(err: ChildFailedError, specs: RankLogsSpecs) -> tuple[int, s
     that was seen first. The exit code is the worker's own (a usage error's 2
     stays 2); a worker killed by signal N gives 128+N, the shell's convention.
     """
-    lasts = {rank: _last_line(specs.stderr_paths.get(rank, "")) for rank in err.failures}
+    lasts = {rank: last_line(specs.stderr_paths.get(rank, "")) for rank in err.failures}
 
     def key(item):
         index, (rank, failure) = item

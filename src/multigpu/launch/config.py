@@ -1,0 +1,202 @@
+"""What ``multigpu run`` was asked to do, its checks, and where the workers go.
+
+``resolve`` turns a ``RunConfig`` into a ``Placement`` (workers here, nodes,
+rendezvous address) or raises a one-line ``UsageError``; everything that needs
+no torch process is checked there, before anything starts. ``add_arguments``
+and ``from_args`` are the command line's side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from typing import Iterator
+
+from ..errors import UsageError
+from ..values import parse_size
+
+DEFAULT_LOG_DIR = "multigpu_logs"  # in the working directory, next to the project (and in .gitignore)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What ``multigpu run`` was asked to do; ``None`` means "choose for me"."""
+
+    target: str
+    """Script path, or module name when ``module`` is true."""
+    args: tuple[str, ...] = ()
+    module: bool = False
+    nproc: int | None = None
+    """Worker processes on this node (default: visible GPUs, or 2 on CPU)."""
+    cpu: bool = False
+    """Hide GPUs from the workers (CUDA_VISIBLE_DEVICES=""): CPU tensors, gloo."""
+    nnodes: int | None = None
+    node_rank: int | None = None
+    master: str | None = None
+    """HOST:PORT of node 0, where the rendezvous store listens."""
+    max_restarts: int = 0
+    all_ranks: bool = False
+    log_dir: str | None = None
+    profile: str | None = None
+    """START:STOP: torch.profiler over those steps in every worker's StepMeter."""
+    find_batch: bool = False
+    """Ask the workers' ``mg.find_micro_batch`` for the largest micro-batch that fits; report it."""
+    memory_budget: str | int | None = None
+    """--find-batch's memory budget per rank: bytes, or a size like ``512MB``, ``8GiB`` (required on CPU)."""
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        """``memory_budget`` in bytes (``values.parse_size``: 512MB is 10**6, 8GiB 2**30)."""
+        return None if self.memory_budget is None else parse_size(self.memory_budget, "--memory-budget")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The resolved layout: how many workers here, how many nodes, where node 0 listens."""
+
+    nproc: int
+    nnodes: int
+    node_rank: int
+    master_addr: str | None
+    master_port: int | None
+    source: str  # "standalone" | "flags" | "slurm"
+    run_id: str = ""  # the rendezvous id, the same on every node
+
+
+def _parse_master(master: str) -> tuple[str, int]:
+    host, sep, port = master.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:29500
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--master must be HOST:PORT with a port in 1..65535, got {master!r}; use e.g. --master node0:29500")
+    return host, int(port)
+
+
+def _slurm_nodes(environ) -> tuple[int, int, str, int, str] | None:
+    """(nnodes, node_rank, master host, port, run id) inside ``srun``, else None."""
+    keys = ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST")
+    if not all(environ.get(k) for k in keys):
+        return None
+    from ..dist import slurm_first_host
+
+    try:
+        job, nnodes, node = int(environ["SLURM_JOB_ID"]), int(environ["SLURM_NNODES"]), int(environ["SLURM_NODEID"])
+        ntasks = int(environ.get("SLURM_NTASKS", nnodes))
+    except ValueError:
+        raise UsageError("SLURM_JOB_ID/SLURM_NNODES/SLURM_NODEID are not integers; run `multigpu run` inside `srun`") from None
+    if ntasks != nnodes:
+        raise UsageError(
+            f"`multigpu run` starts the workers itself and needs one srun task per node, got SLURM_NTASKS={ntasks} "
+            f"on {nnodes} nodes; use `srun --ntasks-per-node=1 multigpu run ...`"
+        )
+    # The same port on every node, different for jobs sharing a node (as mg.init does for plain srun).
+    return nnodes, node, slurm_first_host(environ["SLURM_JOB_NODELIST"]), 20000 + job % 20000, f"slurm-{job}"
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _check_target(cfg: RunConfig) -> None:
+    if not cfg.target:
+        raise UsageError("expected a script (`multigpu run train.py`) or a module (`multigpu run -m pkg.train`), got neither")
+    if cfg.module:
+        if cfg.target.endswith(".py") or os.sep in cfg.target:
+            raise UsageError(f"-m expects a module name like pkg.train, got the path {cfg.target!r}; drop -m to run a script file")
+        with _cwd_on_path():
+            found = importlib.util.find_spec(cfg.target.split(".")[0]) is not None  # top level only: imports nothing
+        if not found:
+            raise UsageError(f"module {cfg.target!r} was not found from {os.getcwd()}; check the name, the directory or PYTHONPATH")
+    elif not os.path.isfile(cfg.target):
+        raise UsageError(f"script {cfg.target!r} does not exist (working directory {os.getcwd()}); check the path")
+
+
+def resolve(cfg: RunConfig, environ=os.environ, gpu_count=visible_gpus) -> Placement:
+    """Check ``cfg`` and decide the layout; raises ``UsageError`` (one line) for bad input.
+
+    Everything that needs no torch is checked first, so a typo fails in well under a second.
+    """
+    if cfg.nproc is not None and cfg.nproc < 1:
+        raise UsageError(f"-n/--nproc must be at least 1, got {cfg.nproc}; use e.g. -n 2")
+    if cfg.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be 0 or more, got {cfg.max_restarts}")
+    if cfg.nnodes is not None and cfg.nnodes < 1:
+        raise UsageError(f"--nnodes must be at least 1, got {cfg.nnodes}")
+    if cfg.memory_budget is not None and not cfg.find_batch:
+        raise UsageError(f"--memory-budget is the budget of --find-batch's search, got it without --find-batch; "
+                         f"add --find-batch or drop --memory-budget {cfg.memory_budget}")
+    budget = cfg.memory_budget_bytes  # a bad size fails here, before anything starts
+    _check_target(cfg)
+
+    slurm = _slurm_nodes(environ) if cfg.nnodes is None and cfg.master is None else None
+    if slurm is not None and slurm[0] > 1:  # one SLURM node: a standalone run like any other
+        nnodes, node_rank, addr, port, run_id = slurm
+        source = "slurm"
+    else:
+        nnodes = cfg.nnodes or 1
+        node_rank = cfg.node_rank if cfg.node_rank is not None else 0
+        addr, port = _parse_master(cfg.master) if cfg.master is not None else (None, None)
+        source = "flags" if addr is not None else "standalone"
+        run_id = f"multigpu-{addr}-{port}" if addr is not None else ""
+        if nnodes > 1 and addr is None:
+            raise UsageError(f"--nnodes {nnodes} needs --master HOST:PORT (node 0's address and a free port), or run inside srun")
+    if cfg.node_rank is not None and source != "slurm" and not 0 <= cfg.node_rank < nnodes:
+        raise UsageError(f"--node-rank must be in [0, {nnodes}) for --nnodes {nnodes}, got {cfg.node_rank}")
+
+    gpus = 0 if cfg.cpu else gpu_count()
+    if gpus and cfg.nproc is not None and cfg.nproc > gpus:
+        raise UsageError(f"-n {cfg.nproc} is more than the {gpus} visible GPUs; use -n {gpus} or fewer, or --cpu for CPU workers")
+    if cfg.find_batch and budget is None and not gpus:
+        # Checked here, not in N workers: a CPU process gets no out-of-memory error to search
+        # against, the kernel's OOM killer ends it instead.
+        why = "--cpu" if cfg.cpu else "no visible GPU"
+        raise UsageError(f"--find-batch on CPU workers ({why}) needs --memory-budget SIZE, the most memory a rank may use "
+                         "(CPU has no out-of-memory signal to search against), got none; add e.g. --memory-budget 2GiB")
+    nproc = cfg.nproc or gpus or 2
+    return Placement(nproc, nnodes, node_rank, addr, port, source, run_id)
+
+
+@contextlib.contextmanager
+def _cwd_on_path() -> Iterator[None]:
+    # `python -m` in the worker searches the working directory first; so do we.
+    sys.path.insert(0, os.getcwd())
+    try:
+        yield
+    finally:
+        sys.path.remove(os.getcwd())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.usage = "multigpu run [options] script.py [args ...]  |  multigpu run [options] -m module [args ...]"
+    parser.add_argument("-n", "--nproc", type=int, metavar="N", help="worker processes on this node (default: visible GPUs, or 2 without GPUs or with --cpu)")
+    parser.add_argument("--cpu", action="store_true", help="workers use CPU and gloo even where GPUs exist (hides them)")
+    parser.add_argument("--all-ranks", action="store_true", help="show every rank's output on the console, prefixed [rank<r>] (default: rank 0 only)")
+    parser.add_argument("--log-dir", metavar="DIR", help=f"where each run's per-rank logs go (default: ./{DEFAULT_LOG_DIR})")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="R", help="restart the whole worker group up to R times after a failure (torchrun's elastic restarts)")
+    parser.add_argument("--nnodes", type=int, metavar="N", help="number of nodes (default: 1, or SLURM's inside srun)")
+    parser.add_argument("--node-rank", type=int, metavar="R", help="this node's rank in [0, N): node 0 hosts the rendezvous at --master (global ranks are numbered by the rendezvous)")
+    parser.add_argument("--master", metavar="HOST:PORT", help="node 0's address and a free port, for --nnodes > 1")
+    parser.add_argument("--profile", metavar="START:STOP", help="profile steps START..STOP-1 on every rank (e.g. 10:15; scripts using mg.StepMeter): traces and a summary table in the run's log directory")
+    parser.add_argument("--find-batch", action="store_true", help="the script's mg.find_micro_batch searches the largest per-rank micro-batch that fits, keeping the global batch (scripts that check mg.find_batch_requested()); the launcher prints the result")
+    parser.add_argument("--memory-budget", metavar="SIZE", help="--find-batch's memory limit per rank, e.g. 512MB (10^6), 8GiB (2^30) or bytes; required on CPU, optional on GPU (out-of-memory decides there)")
+    parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE", help="run a module like `python -m` (the rest of the line is its arguments)")
+    parser.add_argument("script", nargs="?", help="the training script (the rest of the line is its arguments)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+
+def from_args(args: argparse.Namespace) -> RunConfig:
+    """The ``RunConfig`` of a parsed ``multigpu run`` command line."""
+    if args.module is not None:
+        if not args.module:
+            raise UsageError("-m needs a module name, got nothing; use e.g. `multigpu run -m pkg.train`")
+        target, rest, module = args.module[0], args.module[1:], True
+    else:
+        target, rest, module = args.script or "", args.script_args, False
+    return RunConfig(target, tuple(str(a) for a in rest), module, args.nproc, args.cpu, args.nnodes, args.node_rank,
+                     args.master, args.max_restarts, args.all_ranks, args.log_dir, args.profile, args.find_batch,
+                     args.memory_budget)

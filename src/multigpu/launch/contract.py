@@ -1,0 +1,103 @@
+"""The launcher -> worker contract of ``multigpu run``: the one module that encodes and decodes it.
+
+The launcher talks to the workers it starts through environment variables it
+sets for them (as torchrun does with ``RANK`` and ``WORLD_SIZE``): a
+launcher-to-worker channel, never a user setting. The workers answer through a
+file in the run directory::
+
+    MULTIGPU_RUN_DIR         always: the run's log directory (StepMeters log there, watchdogs report there)
+    MULTIGPU_PROFILE         --profile START:STOP: the steps every StepMeter profiles
+    MULTIGPU_FIND_BATCH      "1" under --find-batch: the script should call mg.find_micro_batch
+    MULTIGPU_MEMORY_BUDGET   --memory-budget SIZE, in bytes: the search's budget when the call gives none
+    <run dir>/find_batch.json  the agreed search result (local rank 0 of each node), for the launcher's last line
+
+Launcher side: ``worker_env`` and ``read_find_batch``. Worker side: ``run_dir``,
+``profile_window``, ``find_batch_requested``, ``memory_budget`` and
+``write_find_batch``. The standard library only: meter/, the finder and the
+recipes read it in every worker, below everything else in ``multigpu.launch``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ..errors import UsageError
+
+RUN_DIR_ENV = "MULTIGPU_RUN_DIR"
+PROFILE_ENV = "MULTIGPU_PROFILE"
+FIND_BATCH_ENV = "MULTIGPU_FIND_BATCH"
+MEMORY_BUDGET_ENV = "MULTIGPU_MEMORY_BUDGET"
+FIND_BATCH_FILE = "find_batch.json"
+
+
+# -- launcher side ----------------------------------------------------------------------------
+def worker_env(run_dir: str, *, profile: tuple[int, int] | None = None, find_batch: bool = False,
+               memory_budget: int | None = None) -> dict[str, str]:
+    """The ``MULTIGPU_*`` variables for the workers (values already checked by the launcher).
+
+    >>> worker_env("runs/x", profile=(10, 15), find_batch=True, memory_budget=2 << 20)
+    {'MULTIGPU_RUN_DIR': '/abs/runs/x', 'MULTIGPU_PROFILE': '10:15', 'MULTIGPU_FIND_BATCH': '1', 'MULTIGPU_MEMORY_BUDGET': '2097152'}
+    """
+    env = {RUN_DIR_ENV: os.path.abspath(run_dir)}
+    if profile is not None:
+        env[PROFILE_ENV] = f"{profile[0]}:{profile[1]}"
+    if find_batch:
+        env[FIND_BATCH_ENV] = "1"
+    if memory_budget is not None:
+        env[MEMORY_BUDGET_ENV] = str(memory_budget)
+    return env
+
+
+def find_batch_path(run_dir: str) -> str:
+    return os.path.join(run_dir, FIND_BATCH_FILE)
+
+
+def read_find_batch(run_dir: str) -> dict[str, Any]:
+    """The record ``write_find_batch`` left in ``run_dir``; ``FileNotFoundError`` when no search wrote one."""
+    with open(find_batch_path(run_dir)) as fp:
+        return json.load(fp)
+
+
+# -- worker side ------------------------------------------------------------------------------
+def run_dir() -> str | None:
+    """The run directory of ``multigpu run`` (None outside it)."""
+    return os.environ.get(RUN_DIR_ENV)
+
+
+def profile_window() -> str | None:
+    """``"START:STOP"`` from ``multigpu run --profile`` (None without it)."""
+    return os.environ.get(PROFILE_ENV) or None
+
+
+def find_batch_requested() -> bool:
+    """True in a worker started by ``multigpu run --find-batch``: the script should run ``find_micro_batch``.
+
+    >>> plan = mg.BatchPlan(global_batch=1024, world_size=dist.world_size)
+    >>> if mg.find_batch_requested():
+    ...     plan = mg.find_micro_batch(step, dist, global_batch=plan.global_batch).plan
+    """
+    return os.environ.get(FIND_BATCH_ENV) == "1"
+
+
+def memory_budget() -> int | None:
+    """Bytes from ``multigpu run --memory-budget`` (None without it); ``UsageError`` for a value it did not write."""
+    text = os.environ.get(MEMORY_BUDGET_ENV)
+    if text is None:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"{MEMORY_BUDGET_ENV} must be a positive number of bytes (`multigpu run --memory-budget` "
+                         f"sets it), got {text!r}; unset it or pass memory_budget= to find_micro_batch")
+    return int(text)
+
+
+def write_find_batch(run_dir: str, record: dict[str, Any]) -> str:
+    """``record`` as ``find_batch.json`` in ``run_dir``, atomically (tmp + rename: the launcher never reads half a file)."""
+    path = find_batch_path(run_dir)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fp:
+        json.dump(record, fp, indent=1)
+        fp.write("\n")
+    os.replace(tmp, path)
+    return path

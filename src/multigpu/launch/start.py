@@ -1,0 +1,253 @@
+"""Starting the workers: torchrun's ``elastic_launch`` in this process, with our logs and summaries.
+
+We build a torchrun command line, let ``torch.distributed.run`` turn it into a
+``LaunchConfig`` and call ``elastic_launch``: torch supervises the workers,
+runs the rendezvous and handles restarts. torch is imported only once
+``resolve`` accepted the arguments, so usage errors stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import time
+import uuid
+from typing import Iterator, Sequence
+
+from ..errors import UsageError
+from . import contract
+from .config import DEFAULT_LOG_DIR, Placement, RunConfig, from_args, resolve, visible_gpus
+
+SHUTDOWN_GRACE_S = 10  # SIGTERM -> SIGKILL for the surviving workers (torch's default is 30 s)
+
+
+def _cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def _worker_env(changes: dict[str, tuple[str, str]]) -> Iterator[None]:
+    """Set variables the workers inherit, logging old -> new; restore them afterwards."""
+    from .logs import say
+
+    saved = {name: os.environ.get(name) for name in changes}
+    for name, (value, why) in changes.items():
+        old = os.environ.get(name)
+        if old != value:
+            say(f"{name}: {'unset' if old is None else repr(old)} -> {value!r} ({why})")
+            os.environ[name] = value
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
+def _run_dir(cfg: RunConfig, place: Placement) -> str:
+    root = os.path.abspath(cfg.log_dir or DEFAULT_LOG_DIR)
+    stem = cfg.target.rsplit(".", 1)[-1] if cfg.module else os.path.splitext(os.path.basename(cfg.target))[0]
+    node = f"-node{place.node_rank}" if place.nnodes > 1 else ""
+    path = os.path.join(root, f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}{node}-{secrets.token_hex(3)}")
+    try:
+        os.makedirs(path)
+    except OSError as err:
+        raise UsageError(f"cannot create the log directory {path}: {err.strerror}; pass a writable --log-dir") from None
+    return path
+
+
+def _torchrun_argv(cfg: RunConfig, place: Placement) -> list[str]:
+    argv = [f"--nproc-per-node={place.nproc}", f"--max-restarts={cfg.max_restarts}", "--monitor-interval=0.1"]
+    # DefaultLogsSpecs (built by config_from_args, replaced by ours) would otherwise mkdtemp in /tmp.
+    argv.append(f"--log-dir={os.devnull}")
+    if place.master_addr is not None:
+        host = f"[{place.master_addr}]" if ":" in place.master_addr else place.master_addr
+        argv += [f"--nnodes={place.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{place.master_port}"]
+        argv += [f"--rdzv-id={place.run_id}", f"--rdzv-conf=is_host={'true' if place.node_rank == 0 else 'false'}"]
+    if cfg.module:
+        argv.append("--module")
+    return argv + [cfg.target, *cfg.args]
+
+
+def _torchrun_args(cfg: RunConfig, place: Placement) -> argparse.Namespace:
+    import torch.distributed.run as torchrun
+
+    args = torchrun.get_args_parser().parse_args(_torchrun_argv(cfg, place))
+    if place.master_addr is None:
+        # What torchrun --standalone does: c10d store on a free port of localhost, a fresh run id.
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    return args
+
+
+def _worker_variables(cfg: RunConfig, place: Placement, run_dir: str, steps: tuple[int, int] | None,
+                      gpus: int) -> dict[str, tuple[str, str]]:
+    """name -> (value, why) for every variable the workers get from us."""
+    from ..meter.watchdog import flight_recorder_env
+
+    env: dict[str, tuple[str, str]] = {}
+    if "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, _cpu_count() // place.nproc)
+        env["OMP_NUM_THREADS"] = (str(threads), f"{_cpu_count()} CPUs // {place.nproc} workers")
+    if cfg.max_restarts and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        # By default the workers of every attempt use the agent's one store, where the previous
+        # attempt's keys are still set: the next attempt's gloo connects to dead ports and fails
+        # or hangs (seen with torch 2.13, torchrun too). Opting out gives each attempt a fresh store.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = ("1", "--max-restarts: a fresh store per attempt")
+    if cfg.cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ("", "--cpu: workers see no GPU and use gloo")
+    # The workers' StepMeters log into the run directory and profile --profile's steps; the finder
+    # searches under --find-batch. These are ours to set, whatever the environment holds.
+    why = {contract.RUN_DIR_ENV: "the workers' metrics and hang reports", contract.PROFILE_ENV: "--profile",
+           contract.FIND_BATCH_ENV: "--find-batch: the workers' mg.find_micro_batch searches and reports",
+           contract.MEMORY_BUDGET_ENV: f"--memory-budget {cfg.memory_budget} in bytes"}
+    ours = contract.worker_env(run_dir, profile=steps, find_batch=cfg.find_batch, memory_budget=cfg.memory_budget_bytes)
+    env.update((name, (value, why[name])) for name, value in ours.items())
+    # On GPU, NCCL's flight recorder keeps the last collectives for the hang report (user settings win).
+    for name, value in (flight_recorder_env(run_dir) if gpus else {}).items():
+        if name not in os.environ:
+            env[name] = (value, "NCCL flight recorder for hang reports")
+    return env
+
+
+def _launcher_failure(err: Exception, run_dir: str) -> str:
+    """The summary line of a launcher that failed itself (rendezvous timeouts, unreachable master, ...)."""
+    import logging
+    import traceback
+
+    logging.getLogger("torch.distributed.launcher").error("launcher failed:\n%s", traceback.format_exc())
+    text = " ".join(str(err).split())
+    if err.__cause__ is not None:  # e.g. "connection to the C10d store has failed" <- the socket's timeout
+        text += " <- " + " ".join(str(err.__cause__).split("\n", 1)[0].split())
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return f"launcher failed: {type(err).__name__}: {text} (details in {run_dir}/launcher.log)"
+
+
+def _supervise(torchrun_args: argparse.Namespace, specs) -> tuple[int, str]:
+    """Run the workers to the end under torch's agent: (exit code, summary line or "")."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from . import logs
+
+    try:
+        config, cmd, cmd_args = torchrun.config_from_args(torchrun_args)
+        config.logs_specs = specs
+        if hasattr(config, "shutdown_timeout"):  # torch >= 2.9
+            config.shutdown_timeout = SHUTDOWN_GRACE_S
+        elastic_launch(config, cmd)(*cmd_args)
+    except ChildFailedError as err:
+        specs.stop_console()
+        return logs.failure_summary(err, specs)
+    except SignalException as err:
+        return 128 + int(err.sigval), f"stopped by {err.sigval.name}; all workers were stopped"
+    except Exception as err:  # noqa: BLE001 - rendezvous timeouts, unreachable master, ...
+        return 1, _launcher_failure(err, specs.run_dir)
+    finally:
+        specs.stop_console()
+    return 0, ""
+
+
+def launch(cfg: RunConfig) -> int:
+    """Run ``cfg`` to completion and return the exit code (0, the failed worker's, or 128+signal)."""
+    from ..meter.launcher import hang_monitor
+    from ..meter.profile import parse_steps
+
+    steps = parse_steps(cfg.profile) if cfg.profile else None  # a bad --profile fails here, before anything starts
+    place = resolve(cfg)
+    run_dir = _run_dir(cfg, place)
+    torchrun_args = _torchrun_args(cfg, place)
+
+    from . import logs
+
+    gpus = 0 if cfg.cpu else visible_gpus()
+    env = _worker_variables(cfg, place, run_dir, steps, gpus)
+    device = f"{gpus} GPU{'s' if gpus > 1 else ''}" if gpus else "CPU"
+    world = place.nproc * place.nnodes
+    where = f"node {place.node_rank} of {place.nnodes} ({place.source}, master {place.master_addr}:{place.master_port})" if place.nnodes > 1 else "1 node"
+    logs.say(f"{place.nproc} worker{'s' if place.nproc > 1 else ''} on {device}, {where}, world size {world}; logs: {run_dir}")
+
+    specs = logs.RankLogsSpecs(run_dir, console_ranks=None if cfg.all_ranks else {0}, prefixed=cfg.all_ranks)
+    with _worker_env(env), logs.torch_logs_to(os.path.join(run_dir, "launcher.log"), specs.watch), logs.restored_signal_handlers(), \
+            hang_monitor(run_dir, world if place.nnodes == 1 else None, expect=place.nproc):
+        code, summary = _supervise(torchrun_args, specs)
+    if cfg.find_batch:
+        found = find_batch_line(run_dir, cfg.target if cfg.module else os.path.basename(cfg.target), code)
+        if found:
+            logs.say(found)  # before the failure summary, which stays the last line
+    if summary:
+        logs.say(summary)
+    return code
+
+
+def find_batch_line(run_dir: str, script: str, exit_code: int) -> str | None:
+    """The launcher's closing line for ``--find-batch`` (None: nothing to add to a failure summary).
+
+    >>> find_batch_line("multigpu_logs/train-x", "train.py", 0)
+    '--find-batch: micro-batch 37 per rank fits on all 2 ranks (...); plan: global batch 128 = 2 ranks x 32 x 2 accumulation; ...'
+    """
+    path = contract.find_batch_path(run_dir)
+    try:
+        rec = contract.read_find_batch(run_dir)
+    except FileNotFoundError:
+        if exit_code != 0:
+            return None  # the failure summary says what happened; the search may never have been reached
+        # The exit code stays the workers' 0: the script trained to the end with its own batch
+        # plan, and a job scheduler or a CI step should not see a finished run as failed; the
+        # launcher's exit code is always the workers' (docs/launcher.md). This line says what to fix.
+        return (f"--find-batch: {script} did not call mg.find_micro_batch, so no micro-batch was searched; in the script, "
+                f"call it when mg.find_batch_requested() is true (docs/batch-size.md)")
+    except (OSError, ValueError) as err:
+        return f"--find-batch: cannot read {path}: {err}"
+    trials = rec["trials"]
+    budget = f", budget {rec['memory_budget'] / 2**20:,.1f} MiB" if rec.get("memory_budget") else ""
+    line = (f"--find-batch: micro-batch {rec['micro_batch']} per rank fits on all {rec['world_size']} ranks "
+            f"(limit: {rec['limit']}{budget}, {len(trials)} trials); ")
+    plan = rec["plan"]
+    if plan is None:
+        line += "no plan: the script passed no global_batch; "
+    else:
+        line += (f"plan: global batch {plan['global_batch']} = {plan['world_size']} ranks x {plan['micro_batch']} x "
+                 f"{plan['accum_steps']} accumulation; ")
+    return line + f"details: {path}"
+
+
+def run(
+    target: str,
+    args: Sequence[str] = (),
+    *,
+    module: bool = False,
+    nproc: int | None = None,
+    cpu: bool = False,
+    nnodes: int | None = None,
+    node_rank: int | None = None,
+    master: str | None = None,
+    max_restarts: int = 0,
+    all_ranks: bool = False,
+    log_dir: str | None = None,
+    profile: str | None = None,
+    find_batch: bool = False,
+    memory_budget: str | int | None = None,
+) -> int:
+    """Run ``target`` on ``nproc`` processes per node via torch's elastic launcher; return the exit code.
+
+    Raises ``UsageError`` for bad arguments (nothing has started then).
+
+    >>> from multigpu.launch import run
+    >>> code = run("train.py", ["--epochs", "2"], nproc=2, cpu=True)
+    >>> code = run("pkg.train", module=True, nnodes=2, node_rank=0, master="node0:29500")
+    >>> code = run("train.py", nproc=2, cpu=True, find_batch=True, memory_budget="2GiB")
+    """
+    cfg = RunConfig(target, tuple(str(a) for a in args), module, nproc, cpu, nnodes, node_rank, master, max_restarts, all_ranks, log_dir,
+                    profile, find_batch, memory_budget)
+    return launch(cfg)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry of ``multigpu run``."""
+    return launch(from_args(args))
