@@ -65,7 +65,7 @@ def compare_rank(sizes: list[int], warmup: int, iters: int, repeats: int, backen
 def main() -> int:
     sys.path.insert(0, "src")
     from multigpu.commbench.launch import launch_local
-    from multigpu.commbench.run import fingerprint
+    from multigpu.fingerprint import fingerprint
     from multigpu.commbench.spec import parse_sizes
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -78,9 +78,9 @@ def main() -> int:
     a = p.parse_args()
     sizes = [s for s in parse_sizes(a.sizes) if s >= 4]
     res = launch_local(compare_rank, a.nproc, sizes, a.warmup, a.iters, a.repeats, a.backend)[0]
-    fp = fingerprint()
+    fp = fingerprint(None, world_size=res["world_size"], backend=res["backend"], device=res["device"])
     print(f"# commbench vs hand-written loop: all_reduce float32, {res['world_size']} ranks, {res['backend']} on {res['device']}")
-    print(f"# python {fp['python']}, torch {fp['torch']}, host {fp['host']} ({fp['cpus']} cpus), git {fp['git']}; "
+    print(f"# python {fp['python']}, torch {fp['torch']}, host {fp['hostname']} ({fp['cpus']} cpus), git {fp['git']}; "
           f"warmup {a.warmup}, iters {a.iters}, median of {a.repeats} interleaved repeats, max over ranks")
     print(f"{'size (B)':>10} {'bench med':>10} {'hand med':>10} {'ratio':>6}   {'bench min':>10} {'hand min':>10} {'ratio':>6}"
           f"   {'paired':>6}  (us; paired = median of per-repeat ratios)")

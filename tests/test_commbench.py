@@ -14,7 +14,8 @@ from multigpu import UsageError
 from multigpu.commbench import BenchConfig, DdpConfig, algbw, bus_factor, format_table, parse_sizes, run_bench
 from multigpu.commbench.ddp import bucket_sizes, build_meta_model
 from multigpu.commbench.measure import _Case, counts_for, pattern
-from multigpu.commbench.spec import OPS, PLACES, parse_ops, parse_size
+from multigpu.commbench.spec import OPS, PLACES, parse_ops
+from multigpu.values import parse_size
 
 from _cli import run_cli
 
@@ -48,6 +49,8 @@ def test_parse_sizes_and_ops():
     assert s[0] == 8 and s[-1] == 256 * 2**20 and len(s) == 26 and all(b == 2 * a for a, b in zip(s, s[1:]))
     assert parse_sizes("1K,4M") == [1024, 4 * 2**20]
     assert parse_sizes("1G:1G") == [2**30]
+    # One size parser for every flag (values.parse_size): KiB.. binary like K, KB.. decimal (SI).
+    assert parse_sizes("1KiB,1KB,1MB,2MiB") == [1024, 1000, 10**6, 2 * 2**20]
     for bad in ("8:abc", "0", "-5", "64:8", "8..64", "", "1T"):
         with pytest.raises(UsageError):
             parse_sizes(bad)
@@ -94,7 +97,9 @@ def test_bench_cli_json_on_two_gloo_ranks():
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["world_size"] == 2 and result["backend"] == "gloo" and result["wrong"] == 0
-    assert {"torch", "git", "host", "python"} <= set(result["fingerprint"])
+    fp = result["fingerprint"]  # mg.fingerprint's, as the step meter's header
+    assert {"torch", "git", "hostname", "python", "cpus", "devices"} <= set(fp)
+    assert (fp["world_size"], fp["backend"]) == (2, "gloo")
     rows = result["rows"]
     assert [(r["op"], r["size"]) for r in rows] == [(op, s) for op in ("all_reduce", "all_gather") for s in (1024, 2048, 4096, 8192)]
     for r in rows:

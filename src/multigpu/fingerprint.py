@@ -2,8 +2,9 @@
 
 A throughput figure means little without the versions, devices, world size
 and code revision that produced it (DESIGN.md, "measure like a record
-attempt"). ``fingerprint()`` collects them once; benchmarks print it, the
-step meter writes it as the header line of its JSONL file.
+attempt"). ``fingerprint()`` collects them once; benchmarks (``multigpu
+bench`` too) print it, the step meter writes it as the header line of its
+JSONL file.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def fingerprint(dist: Any = None, **extra: Any) -> dict[str, Any]:
         "nccl": nccl,
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
+        "cpus": os.cpu_count(),
         "devices": _devices(),
         "world_size": getattr(dist, "world_size", 1),
         "backend": getattr(dist, "backend", None),

@@ -33,8 +33,8 @@ def __getattr__(name: str):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--nproc", type=int, default=None, help="ranks to start (default: GPUs visible, else 2)")
     parser.add_argument("--ops", nargs="+", default=None, metavar="OP", help=f"collectives (default all): {', '.join(OPS)}")
-    parser.add_argument("--sizes", default=None, help="MIN:MAX swept by factor 2, or a comma list; binary units "
-                        "(default 8:256M on GPU, 8:4M on CPU)")
+    parser.add_argument("--sizes", default=None, help="MIN:MAX swept by factor 2, or a comma list; K, M, G "
+                        "and KiB, MiB, GiB binary, KB, MB, GB decimal (default 8:256M on GPU, 8:4M on CPU)")
     parser.add_argument("--dtype", default="float32", help="float32 (default), float16, bfloat16, float64, int8, uint8, int32, int64")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations per size (default 5)")
     parser.add_argument("--iters", type=int, default=20, help="timed iterations per size (default 20, as nccl-tests)")

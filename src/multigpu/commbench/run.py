@@ -10,6 +10,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ..errors import UsageError
+from ..fingerprint import fingerprint
 from .ddp import DdpConfig
 from .launch import LaunchError, launch_local
 from .spec import BenchConfig, bus_factor, parse_dtype, parse_ops, parse_sizes
@@ -30,30 +31,9 @@ def bench_rank(cfg: BenchConfig, ddp: DdpConfig | None, timeout: float) -> dict 
         if not dist.is_main:
             return None
         dev = torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "cpu"
-        return {"world_size": dist.world_size, "backend": dist.backend, "device": dev, "rows": rows, "ddp": ddp_result}
-
-
-def fingerprint() -> dict:
-    """Versions, host and git revision recorded with every figure."""
-    import platform
-    import socket
-    import subprocess
-
-    import torch
-
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        rev = "unknown"
-    nccl = None
-    if torch.cuda.is_available():
-        try:
-            nccl = ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception:  # noqa: BLE001
-            pass
-    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl,
-            "host": socket.gethostname(), "cpus": os.cpu_count(), "git": rev}
+        # Versions, devices, host and git revision, recorded with every figure (the meter's header has the same).
+        return {"world_size": dist.world_size, "backend": dist.backend, "device": dev, "rows": rows, "ddp": ddp_result,
+                "fingerprint": fingerprint(dist)}
 
 
 def _launched() -> bool:
@@ -74,7 +54,6 @@ def run_bench(cfg: BenchConfig, nproc: int = 2, ddp: DdpConfig | None = None, ti
             raise UsageError(f"-n {nproc} needs {nproc} GPUs but {ngpu} are visible; use -n {ngpu} or --backend gloo")
         result = launch_local(bench_rank, nproc, cfg, ddp, timeout, timeout=timeout)[0]
     if result is not None:
-        result["fingerprint"] = fingerprint()
         result["config"] = {"ops": list(cfg.ops), "sizes": list(cfg.sizes), "dtype": cfg.dtype, "warmup": cfg.warmup,
                             "iters": cfg.iters, "check": cfg.check}
         done = [r for r in result["rows"] if not r.get("unsupported")]
@@ -100,7 +79,7 @@ def format_table(result: dict) -> str:
     fp = result["fingerprint"]
     lines = [
         f"# multigpu bench: {result['world_size']} ranks, backend {result['backend']}, device {result['device']}",
-        f"# python {fp['python']}, torch {fp['torch']}, cuda {fp['cuda']}, nccl {fp['nccl']}, host {fp['host']} "
+        f"# python {fp['python']}, torch {fp['torch']}, cuda {fp['cuda']}, nccl {fp['nccl']}, host {fp['hostname']} "
         f"({fp['cpus']} cpus), git {fp['git']}",
         f"# warmup {result['config']['warmup']}, iters {result['config']['iters']}; time = max over ranks; "
         "algbw = size/time (GB/s, 1e9 B); busbw = algbw x factor",

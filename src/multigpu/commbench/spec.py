@@ -1,17 +1,20 @@
 """What to measure: ops, sizes, dtypes, and nccl-tests' bandwidth formulas.
 
-Sizes are binary (``256M`` = 256 MiB) and bandwidths decimal (1 GB = 1e9
-bytes), as in nccl-tests' doc/PERFORMANCE.md; the two bases stay apart.
+Sizes are read by ``values.parse_size``, as every size flag: ``K``, ``M``,
+``G`` are binary (``256M`` = 256 MiB, as nccl-tests' -b/-e), so are ``KiB`` ..
+``GiB``; ``KB``, ``MB``, ``GB`` are decimal (``1MB`` = 10**6 bytes).
+Bandwidths are decimal (1 GB/s = 1e9 bytes/s), as in nccl-tests'
+doc/PERFORMANCE.md; the two bases stay apart.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import UsageError
+from ..values import parse_size
 
 from . import OPS
 _OP_ALIASES = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
@@ -32,7 +35,6 @@ DTYPES = {
     "int8": (torch.int8, "int8"), "uint8": (torch.uint8, "uint8"),
     "int32": (torch.int32, "int32"), "int": (torch.int32, "int32"), "int64": (torch.int64, "int64"),
 }
-_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30}
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -55,23 +57,15 @@ def algbw(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
 
 
-def parse_size(text: str) -> int:
-    """``'256M'`` -> 268435456 (binary units K, M, G; plain numbers are bytes)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?B?)\s*", text, re.I)
-    if not m or int(m.group(1)) <= 0:
-        raise UsageError(f"size {text!r} is not a positive byte count; expected e.g. 8, 64K, 256M or 1G (binary units)")
-    return int(m.group(1)) * _UNITS[m.group(2).upper()]
-
-
 def parse_sizes(spec: str) -> list[int]:
-    """``'MIN:MAX'`` swept by factor 2, or a comma list of sizes.
+    """``'MIN:MAX'`` swept by factor 2, or a comma list of sizes (``values.parse_size``'s).
 
-    >>> parse_sizes("8:64"), parse_sizes("1K,4M")
-    ([8, 16, 32, 64], [1024, 4194304])
+    >>> parse_sizes("8:64"), parse_sizes("1K,4M"), parse_sizes("1MB")
+    ([8, 16, 32, 64], [1024, 4194304], [1000000])
     """
     if ":" in spec:
         lo_s, _, hi_s = spec.partition(":")
-        lo, hi = parse_size(lo_s), parse_size(hi_s)
+        lo, hi = parse_size(lo_s, "--sizes"), parse_size(hi_s, "--sizes")
         if lo > hi:
             raise UsageError(f"--sizes {spec}: start {lo} B is larger than end {hi} B; write MIN:MAX, e.g. 8:256M")
         out = []
@@ -79,7 +73,7 @@ def parse_sizes(spec: str) -> list[int]:
             out.append(lo)
             lo *= 2
         return out
-    return [parse_size(s) for s in spec.split(",")]
+    return [parse_size(s, "--sizes") for s in spec.split(",")]
 
 
 def parse_ops(items: list[str] | str | None) -> tuple[str, ...]:
