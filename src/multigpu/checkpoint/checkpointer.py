@@ -18,63 +18,17 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from ..dist import print0
 from ..errors import UsageError
-from . import rng, storage
-from .zero import gather_state, is_zero
-
-
-def _is_stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-def strategy_of(model: nn.Module | None, optimizer: Any = None) -> str:
-    """The strategy name recorded in the manifest: ``none``, ``dp``, ``ddp``, ``zero1`` or ``fsdp``."""
-    if model is None:
-        return "none"
-    if is_zero(optimizer):
-        return "zero1"
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        return "ddp"
-    if isinstance(model, nn.DataParallel):
-        return "dp"
-    try:
-        from torch.distributed.fsdp import FSDPModule
-
-        if any(isinstance(m, FSDPModule) for m in model.modules()):
-            return "fsdp"
-    except ImportError:  # pragma: no cover - older torch
-        pass
-    return "none"
-
-
-class _Group:
-    """Collectives when a process group exists, their one-process meaning otherwise."""
-
-    def __init__(self) -> None:
-        self.on = tdist.is_available() and tdist.is_initialized()
-        self.rank = tdist.get_rank() if self.on else 0
-        self.world = tdist.get_world_size() if self.on else 1
-
-    def gather(self, value: Any) -> list[Any]:
-        if self.world == 1:
-            return [value]
-        out: list[Any] = [None] * self.world
-        tdist.all_gather_object(out, value)
-        return out
-
-    def broadcast(self, value: Any) -> Any:
-        if self.world == 1:
-            return value
-        box = [value]
-        tdist.broadcast_object_list(box, src=0)
-        return box[0]
+from ..parallel import strategy_of
+from . import loading, rng, storage
+from .group import Group
+from .state import TrainingObjects, is_stateful
+from .zero_state import is_zero
 
 
 class Checkpointer:
@@ -116,14 +70,14 @@ class Checkpointer:
             if model is None:
                 raise UsageError("Checkpointer got optimizer= without model=; pass the model too (its parameter names key the optimizer state)")
         for name, obj in (("scheduler", scheduler), ("scaler", scaler), ("loader", loader)):
-            if obj is not None and not _is_stateful(obj):
+            if obj is not None and not is_stateful(obj):
                 raise UsageError(f"Checkpointer {name}= needs state_dict()/load_state_dict(), got {type(obj).__name__}")
         self.every, self.keep = every, keep
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler, self.loader = scheduler, scaler, loader
         self.extra: dict[str, Any] = {}
         for name, value in extra.items():
-            if not _is_stateful(value):
+            if not is_stateful(value):
                 self._check_plain(name, value)
             self.extra[name] = value
         self.last_saved: Path | None = None
@@ -140,44 +94,16 @@ class Checkpointer:
                 f"or have state_dict()/load_state_dict(), got {type(value).__name__}; convert it, e.g. {name}=float(x)"
             )
 
-    # --- what is saved ------------------------------------------------------------
+    # --- what is saved (the DCP part is built in state.py) ------------------------------
 
-    def _module(self) -> nn.Module:
-        from ..strategy import unwrap
+    def _objects(self) -> TrainingObjects:
+        return TrainingObjects(self.model, self.optimizer, self.scheduler, self.scaler, self.loader, self.extra)
 
-        return unwrap(self.model)
-
-    def _dcp_state(self, for_load: bool = False) -> dict[str, Any]:
-        """The DCP state dict; model/optimizer keys are parameter names without wrapper prefixes.
-
-        A ZeroRedundancyOptimizer's state is gathered on rank 0 (collective) for
-        a save, and left out of the template for a load (see zero.py).
-        """
-        state: dict[str, Any] = {}
-        if self.model is not None:
-            zero = is_zero(self.optimizer)
-            opts = [self.optimizer] if self.optimizer is not None and not zero else []
-            msd, osd = get_state_dict(self._module(), opts, options=StateDictOptions(strict=True))
-            state["model"] = msd
-            if zero and not for_load:
-                full = gather_state(self._module(), self.optimizer, _Group().rank)
-                if full is not None:
-                    state["optim"] = full
-            elif opts:
-                state["optim"] = osd
-        if self.scheduler is not None:
-            state["scheduler"] = self.scheduler.state_dict()
-        if self.scaler is not None:
-            state["scaler"] = self.scaler.state_dict()
-        for name, obj in self.extra.items():
-            if _is_stateful(obj):
-                state.setdefault("extra", {})[name] = obj.state_dict()
-        return state
-
-    def _manifest(self, step: int, group: _Group) -> dict[str, Any]:
+    def _manifest(self, step: int, group: Group) -> dict[str, Any]:
         from .. import __version__
 
-        msd = self._module().state_dict() if self.model is not None else {}
+        objects = self._objects()
+        msd = objects.module().state_dict() if self.model is not None else {}
         return {
             "format": storage.FORMAT,
             "step": step,
@@ -186,20 +112,13 @@ class Checkpointer:
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "versions": {"multigpu": __version__, "torch": torch.__version__, "numpy": np.__version__,
                          "python": platform.python_version()},
-            "state_keys": sorted(self._dcp_keys()),
+            "state_keys": sorted(objects.keys()),
             "loader": self.loader.state_dict() if self.loader is not None else None,
-            "extra": {k: v for k, v in self.extra.items() if not _is_stateful(v)},
-            "model_parameters": sum(p.numel() for p in self._module().parameters()) if self.model is not None else 0,
+            "extra": {k: v for k, v in self.extra.items() if not is_stateful(v)},
+            "model_parameters": sum(p.numel() for p in objects.module().parameters()) if self.model is not None else 0,
             "model_tensors": len(msd),
             "rng": {"world_size": group.world, "cuda": torch.cuda.is_available() and torch.cuda.is_initialized()},
         }
-
-    def _dcp_keys(self) -> list[str]:
-        keys = [k for k, v in (("model", self.model), ("optim", self.optimizer), ("scheduler", self.scheduler),
-                               ("scaler", self.scaler)) if v is not None]
-        if any(_is_stateful(v) for v in self.extra.values()):
-            keys.append("extra")
-        return keys
 
     # --- resume ---------------------------------------------------------------------
 
@@ -214,9 +133,8 @@ class Checkpointer:
 
         >>> step = ckpt.resume()
         """
-        from .loading import resume
-
-        return resume(self, checkpoint, _Group())
+        return loading.resume(self.directory, checkpoint, self._objects(), Group(),
+                              strategy_of(self.model, self.optimizer))
 
     # --- save -----------------------------------------------------------------------
 
@@ -234,7 +152,7 @@ class Checkpointer:
             raise UsageError(f"Checkpointer.save(step) expects a non-negative integer step, got {step!r}")
         if not force and step % self.every != 0:
             return None
-        group = _Group()
+        group = Group()
         t0 = time.perf_counter()
         final = storage.step_dir(self.directory, step)
         tmp = storage.tmp_dir(self.directory, step)
@@ -253,7 +171,7 @@ class Checkpointer:
             # (a zero-lr step). That is not training state: save none, and undo
             # it, so saving never changes the run (Adam would count an extra step).
             fresh = self.optimizer is not None and not is_zero(self.optimizer) and not self.optimizer.state
-            state = self._dcp_state()
+            state = self._objects().state_dict(rank=group.rank)
             if fresh:
                 state["optim"]["state"] = {}
                 self.optimizer.state.clear()
@@ -296,7 +214,7 @@ class Checkpointer:
             if not e.complete and e.path != newest and e.path.exists():
                 storage.remove_tree(e.path)
 
-    def _agree(self, what: str, fn: Callable[[], Any], ctx: tuple[Path, _Group], gather: bool = False) -> Any:
+    def _agree(self, what: str, fn: Callable[[], Any], ctx: tuple[Path, Group], gather: bool = False) -> Any:
         """Run ``fn`` on every rank; if it failed anywhere, raise the same error everywhere.
 
         Returns ``fn``'s result, or the list of every rank's results with ``gather=True``.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -15,20 +15,19 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_
 from ..dist import print0
 from ..errors import UsageError
 from . import rng, storage
+from .group import Group
+from .state import TrainingObjects, is_stateful
 from .storage import Damaged
-from .zero import is_zero
-from .zero import load_state as load_zero_state
-
-if TYPE_CHECKING:
-    from .checkpointer import Checkpointer, _Group
+from .zero_state import is_zero
+from .zero_state import load_state as load_zero_state
 
 
-def _warn(group: "_Group", msg: str) -> None:
+def _warn(group: Group, msg: str) -> None:
     if group.rank == 0:
         print(f"multigpu: warning: {msg}", file=sys.stderr, flush=True)
 
 
-def _listing(group: "_Group", directory: Path) -> list[tuple[str, int, bool]]:
+def _listing(group: Group, directory: Path) -> list[tuple[str, int, bool]]:
     """Rank 0 scans; every rank gets the same list (a shared filesystem may lag)."""
     entries = None
     if group.rank == 0:
@@ -36,7 +35,7 @@ def _listing(group: "_Group", directory: Path) -> list[tuple[str, int, bool]]:
     return group.broadcast(entries)
 
 
-def check(path: Path, group: "_Group") -> tuple[dict[str, Any] | None, list[str]]:
+def check(path: Path, group: Group) -> tuple[dict[str, Any] | None, list[str]]:
     """Manifest and problems of one checkpoint; the hashing is split over the ranks."""
     outcome = None
     if group.rank == 0:
@@ -90,19 +89,17 @@ def _check_model_fits(path: Path, model_state: dict[str, Any], metadata) -> None
         )
 
 
-def load(ckpt: "Checkpointer", path: Path, manifest: dict[str, Any], group: "_Group") -> None:
-    """Load ``path`` into the checkpointer's objects (collective)."""
-    from .checkpointer import _is_stateful
-
+def load(objects: TrainingObjects, path: Path, manifest: dict[str, Any], group: Group) -> None:
+    """Load ``path`` into the training objects (collective)."""
     saved_keys = set(manifest["state_keys"])
-    want = set(ckpt._dcp_keys())
+    want = set(objects.keys())
     for key in sorted(want - saved_keys):
         raise UsageError(
             f"checkpoint {path} holds no {key!r} state but this Checkpointer was given one; "
             f"resume with the same objects it was saved with (it has: {', '.join(sorted(saved_keys)) or 'nothing'})"
         )
-    zero = is_zero(ckpt.optimizer)
-    state = ckpt._dcp_state(for_load=True)
+    zero = is_zero(objects.optimizer)
+    state = objects.state_dict(for_load=True)
     fresh = bool(manifest.get("optimizer_fresh")) and "optim" in state
     if fresh:  # saved before the first optimizer step: there is no optimizer state to load
         state["optim"]["state"] = {}
@@ -121,32 +118,32 @@ def load(ckpt: "Checkpointer", path: Path, manifest: dict[str, Any], group: "_Gr
             raise UsageError(f"checkpoint {path} does not match this run's state ({text}); resume with the same "
                              "model, optimizer, scheduler and extras types it was saved with") from None
         raise
-    if ckpt.model is not None:
-        opts = [ckpt.optimizer] if ckpt.optimizer is not None and not zero else []
-        set_state_dict(ckpt._module(), opts, model_state_dict=state["model"],
+    if objects.model is not None:
+        opts = [objects.optimizer] if objects.optimizer is not None and not zero else []
+        set_state_dict(objects.module(), opts, model_state_dict=state["model"],
                        optim_state_dict=state.get("optim", {}), options=StateDictOptions(strict=True))
         if fresh:
-            ckpt.optimizer.state.clear()
+            objects.optimizer.state.clear()
         if zero:
-            load_zero_state(path, ckpt._module(), ckpt.optimizer, no_dist=not group.on)
-    if ckpt.scheduler is not None:
-        ckpt.scheduler.load_state_dict(state["scheduler"])
-    if ckpt.scaler is not None:
-        ckpt.scaler.load_state_dict(state["scaler"])
-    for name, obj in ckpt.extra.items():
-        if _is_stateful(obj):
+            load_zero_state(path, objects.module(), objects.optimizer, no_dist=not group.on)
+    if objects.scheduler is not None:
+        objects.scheduler.load_state_dict(state["scheduler"])
+    if objects.scaler is not None:
+        objects.scaler.load_state_dict(state["scaler"])
+    for name, obj in objects.extra.items():
+        if is_stateful(obj):
             obj.load_state_dict(state["extra"][name])
         elif name in manifest.get("extra", {}):
-            ckpt.extra[name] = manifest["extra"][name]
-    if ckpt.loader is not None:
+            objects.extra[name] = manifest["extra"][name]
+    if objects.loader is not None:
         if manifest.get("loader") is None:
             _warn(group, f"{path} holds no loader position; the loader starts at epoch 0, batch 0")
         else:
-            ckpt.loader.load_state_dict(manifest["loader"])
+            objects.loader.load_state_dict(manifest["loader"])
     _restore_rng(path, manifest, group)
 
 
-def _restore_rng(path: Path, manifest: dict[str, Any], group: "_Group") -> None:
+def _restore_rng(path: Path, manifest: dict[str, Any], group: Group) -> None:
     saved_world = int(manifest["world_size"])
     if group.rank < saved_world:
         rng.restore(rng.load(path / rng.file_name(group.rank)))
@@ -163,13 +160,14 @@ def _restore_rng(path: Path, manifest: dict[str, Any], group: "_Group") -> None:
                "augmentation) differ from an uninterrupted run, the data order and model state do not")
 
 
-def resume(ckpt: "Checkpointer", checkpoint: str | Path | int | None, group: "_Group") -> int:
-    """See ``Checkpointer.resume``."""
+def resume(directory: Path, checkpoint: str | Path | int | None, objects: TrainingObjects, group: Group,
+           strategy: str) -> int:
+    """See ``Checkpointer.resume``; ``strategy`` is this run's (``strategy_of``), named when it changed."""
     explicit = checkpoint is not None
     if explicit:
-        candidates = [storage.resolve(ckpt.directory, checkpoint)]
+        candidates = [storage.resolve(directory, checkpoint)]
     else:
-        listing = _listing(group, ckpt.directory)
+        listing = _listing(group, directory)
         for p, _, complete in listing:
             if not complete:
                 _warn(group, f"skipping {p}: incomplete (its save was interrupted before the COMPLETE marker); "
@@ -182,30 +180,24 @@ def resume(ckpt: "Checkpointer", checkpoint: str | Path | int | None, group: "_G
             reason = problems[0] + (f" (+{len(problems) - 1} more problems)" if len(problems) > 1 else "")
             if explicit:
                 raise UsageError(f"checkpoint {path} cannot be loaded: {reason}; list the valid ones with "
-                                 f"`multigpu ckpt ls {ckpt.directory}` or call resume() to use the newest valid one")
+                                 f"`multigpu ckpt ls {directory}` or call resume() to use the newest valid one")
             _warn(group, f"skipping damaged checkpoint {path}: {reason}")
             damaged.append(path)
             continue
-        load(ckpt, path, manifest, group)
+        load(objects, path, manifest, group)
         step = int(manifest["step"])
-        changed = f", {manifest['strategy']} -> {_strategy(ckpt)}" if manifest["strategy"] != _strategy(ckpt) else ""
+        changed = f", {manifest['strategy']} -> {strategy}" if manifest["strategy"] != strategy else ""
         print0(f"multigpu: resumed from {path} (step {step}, written by {_ranks(manifest['world_size'])}, "
                f"now {group.world}{changed}); continuing at step {step + 1}")
         return step + 1
     if damaged:
         raise UsageError(
-            f"no valid checkpoint in {ckpt.directory}: all {len(damaged)} complete ones are damaged "
-            f"({', '.join(p.name for p in damaged)}); see `multigpu ckpt verify {ckpt.directory}`, "
+            f"no valid checkpoint in {directory}: all {len(damaged)} complete ones are damaged "
+            f"({', '.join(p.name for p in damaged)}); see `multigpu ckpt verify {directory}`, "
             "and move them away to start again from step 0"
         )
-    print0(f"multigpu: no checkpoint in {ckpt.directory}; starting at step 0")
+    print0(f"multigpu: no checkpoint in {directory}; starting at step 0")
     return 0
-
-
-def _strategy(ckpt: "Checkpointer") -> str:
-    from .checkpointer import strategy_of
-
-    return strategy_of(ckpt.model, ckpt.optimizer)
 
 
 def _ranks(n: int) -> str:

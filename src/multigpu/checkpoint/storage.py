@@ -33,8 +33,10 @@ from typing import Any, Iterable, Iterator
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
+
+from .. import compat
 
 FORMAT = "multigpu-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -308,16 +310,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that reads non-tensor values with ``weights_only=True``."""
 
     def load_bytes(self, read_item, value) -> None:
-        from torch.distributed.checkpoint._nested_dict import set_element
-
         fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], _load_plain(value))
+            compat.set_nested(self.original_state_dict, self.mappings[fqn], _load_plain(value))
         else:
             self.state_dict[fqn] = _load_plain(value)
 
 
-class SafeEmptyLoadPlanner(_EmptyStateDictLoadPlanner):
+class SafeEmptyLoadPlanner(compat.empty_load_planner()):
     """Rebuilds a state dict from the metadata (for export), reading plain values safely."""
 
     load_bytes = SafeLoadPlanner.load_bytes

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from .. import compat
 from ..errors import UsageError
 from . import storage
 
@@ -88,13 +89,9 @@ def export(checkpoint: str | Path, out: str | Path) -> dict[str, int]:
         raise UsageError(f"export target {out} is a directory; pass a file name such as {out / 'model.pt'}")
     if not out.parent.is_dir():
         raise UsageError(f"the directory of export target {out} does not exist; create {out.parent} first")
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    # The private loader (as torch's own dcp_to_torch_save uses): the public
-    # dcp.load copies into a new dict, and an empty one must be filled here.
-    state: dict = {}
-    _load_state_dict(state, storage_reader=storage.SafeReader(src),
-                     planner=storage.SafeEmptyLoadPlanner(keys={"model"}), no_dist=True)
+    state: dict = {}  # filled from the checkpoint's metadata
+    compat.dcp_load_in_place(state, storage_reader=storage.SafeReader(src),
+                             planner=storage.SafeEmptyLoadPlanner(keys={"model"}), no_dist=True)
     weights = state["model"]
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:

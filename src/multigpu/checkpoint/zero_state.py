@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import compat
 from . import storage
 
 
@@ -56,12 +57,10 @@ def gather_state(module: nn.Module, optimizer: Any, rank: int) -> dict[str, Any]
 
 def load_state(path: Path, module: nn.Module, optimizer: Any, no_dist: bool) -> None:
     """Read the optimizer entries of a checkpoint on every rank and load this rank's partition."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     loaded: dict[str, Any] = {}
     with storage.single_process_ok():
-        _load_state_dict(loaded, storage_reader=storage.SafeReader(path),
-                         planner=storage.SafeEmptyLoadPlanner(keys={"optim"}), no_dist=no_dist)
+        compat.dcp_load_in_place(loaded, storage_reader=storage.SafeReader(path),
+                                 planner=storage.SafeEmptyLoadPlanner(keys={"optim"}), no_dist=no_dist)
     saved = loaded["optim"]
     index = {n: i for i, n in enumerate(_names(module, optimizer))}
     groups = saved["param_groups"]
