@@ -23,7 +23,7 @@ def source(name: str, doc: str = NCCL_ENV) -> str:
 
 
 # NVIDIA files these under "Debugging": not production defaults, because NCCL
-# already tunes them per topology (reference: shared/reference/nccl.md).
+# already tunes them per topology (NCCL User Guide, Environment Variables: NCCL_ENV).
 DEBUG = {
     "NCCL_P2P_DISABLE": "routes GPU-to-GPU traffic through host memory instead of NVLink/PCIe P2P",
     "NCCL_P2P_LEVEL": "overrides NCCL's choice of where P2P is used",
