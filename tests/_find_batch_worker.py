@@ -22,5 +22,5 @@ if __name__ == "__main__":
     with mg.init(seed=0) as dist:
         plan = mg.BatchPlan(global_batch=128, world_size=dist.world_size)
         if sys.argv[1] == "search" and mg.find_batch_requested():
-            plan = mg.find_micro_batch(step, dist, global_batch=plan.global_batch).plan
+            plan = mg.find_micro_batch(step, dist, plan=plan).plan
         mg.print0(f"plan: {plan.world_size} ranks x {plan.micro_batch} x {plan.accum_steps} accumulation")

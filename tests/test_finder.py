@@ -27,7 +27,7 @@ def _alloc_step(per_sample_mib=4, oom_from=None):
 
 
 def test_cpu_budget_doubling_then_bisection_keeps_global_batch():
-    found = mg.find_micro_batch(_alloc_step(), start=1, memory_budget=4 * 37 * MIB + 2 * MIB, global_batch=128)
+    found = mg.find_micro_batch(_alloc_step(), start=1, memory_budget=4 * 37 * MIB + 2 * MIB, plan=mg.BatchPlan(128, 1))
     assert found.micro_batch == 37
     assert [m for m, _, _ in found.trials] == [1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 38, 37]
     assert [ok for _, ok, _ in found.trials] == [True] * 6 + [False, False, False, True, False, True]
@@ -63,7 +63,7 @@ def _ranks_worker(dist):
     out = {}
     # Ranks with different memory: the smallest decides, and both say so.
     budget = (4 * 37 + 2) * MIB if dist.rank == 0 else (4 * 24 + 2) * MIB
-    found = mg.find_micro_batch(_alloc_step(), dist, memory_budget=budget, global_batch=96)
+    found = mg.find_micro_batch(_alloc_step(), dist, memory_budget=budget, plan=mg.BatchPlan(96, dist.world_size))
     out["budget"] = (found.micro_batch, found.plan.micro_batch, found.plan.accum_steps, found.trials)
     # A CUDA-style OOM exception on one rank only.
     step = _alloc_step(1, oom_from=10 if dist.rank == 1 else None)
@@ -78,7 +78,7 @@ def _ranks_worker(dist):
         out["error"] = f"{type(err).__name__}: {err}"
     # A real DDP model, trials under no_sync.
     model = mg.wrap(torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)), "ddp")
-    found = mg.find_micro_batch(_mlp_step(dist, model, 0), dist, memory_budget=24 * MIB, global_batch=4096)
+    found = mg.find_micro_batch(_mlp_step(dist, model, 0), dist, memory_budget=24 * MIB, plan=mg.BatchPlan(4096, dist.world_size))
     out["mlp"] = (found.micro_batch, found.plan.accum_steps, found.plan.micro_batch)
     return out
 
@@ -109,7 +109,7 @@ def test_cuda_real_out_of_memory():
     before = torch.cuda.memory_allocated(device)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    found = mg.find_micro_batch(step, type("D", (), {"device": device, "world_size": 1})(), global_batch=1024)
+    found = mg.find_micro_batch(step, type("D", (), {"device": device, "world_size": 1})(), plan=mg.BatchPlan(1024, 1))
     assert found.limit == "cuda-oom"
     # About all the free memory, in whole GiB (the allocator and the context keep a little).
     assert free // chunk - 2 <= found.micro_batch <= free // chunk
@@ -139,8 +139,8 @@ def test_launcher_request_budget_and_result_file(monkeypatch, tmp_path, capfd):
     monkeypatch.setenv("MULTIGPU_MEMORY_BUDGET", str((4 * 9 + 2) * MIB))
     monkeypatch.setenv("MULTIGPU_RUN_DIR", str(tmp_path))
     assert mg.find_batch_requested()
-    assert mg.find_micro_batch(_alloc_step(), global_batch=32).micro_batch == 9          # the launcher's budget
-    found = mg.find_micro_batch(_alloc_step(), memory_budget=(4 * 5 + 2) * MIB, global_batch=32)
+    assert mg.find_micro_batch(_alloc_step(), plan=mg.BatchPlan(32, 1)).micro_batch == 9          # the launcher's budget
+    found = mg.find_micro_batch(_alloc_step(), memory_budget=(4 * 5 + 2) * MIB, plan=mg.BatchPlan(32, 1))
     assert found.micro_batch == 5                                                       # an explicit budget wins
     result = json.loads((tmp_path / "find_batch.json").read_text())                     # the last search's
     assert (result["micro_batch"], result["memory_budget"], result["summary"]) == (5, (4 * 5 + 2) * MIB, found.summary())

@@ -39,6 +39,7 @@ import torch.distributed as tdist
 
 from .batch import BatchPlan
 from .errors import UsageError
+from .values import positive_int
 from .launch.contract import find_batch_requested, write_find_batch
 from .launch.contract import memory_budget as _launcher_budget, run_dir as _run_dir
 
@@ -148,38 +149,13 @@ def _agree(code: int, device: torch.device, group) -> int:
     return int(flag.item())
 
 
-def find_micro_batch(
-    step_fn: Callable[[int], object],
-    dist=None,
-    *,
-    start: int = 1,
-    max_micro_batch: int | None = None,
-    memory_budget: int | None = None,
-    global_batch: int | None = None,
-    group=None,
-) -> MicroBatchSearch:
-    """Largest micro-batch ``m`` for which ``step_fn(m)`` (one forward + backward) fits.
-
-    ``step_fn`` must not run collectives (a rank that fails would leave the
-    others waiting in them): give it the unwrapped model, or run its backward
-    under ``no_sync``; let it zero its gradients. ``memory_budget`` (bytes) is
-    required on CPU. With ``global_batch`` the result carries the
-    ``BatchPlan`` that keeps it, accumulating where the micro-batch is smaller.
-
-    >>> def step(m):
-    ...     model.zero_grad(set_to_none=True)
-    ...     loss_fn(model(x[:m]), y[:m]).backward()
-    >>> found = mg.find_micro_batch(step, dist, global_batch=1024)
-    >>> found.micro_batch, found.plan.accum_steps
-    """
-    device = torch.device(dist.device) if dist is not None else torch.device("cpu")
-    world = dist.world_size if dist is not None else 1
-    if memory_budget is None:
-        memory_budget = _launcher_budget()  # an explicit argument wins over the launcher's
-    for name, v in (("start", start), ("max_micro_batch", max_micro_batch), ("memory_budget", memory_budget),
-                    ("global_batch", global_batch)):
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise UsageError(f"find_micro_batch {name} must be a positive integer, got {v!r}")
+def _check_arguments(device: torch.device, plan, start, max_micro_batch, memory_budget) -> None:
+    if plan is not None and not isinstance(plan, BatchPlan):
+        raise UsageError(f"find_micro_batch plan= must be an mg.BatchPlan, got {type(plan).__name__}; "
+                         "pass plan=mg.BatchPlan(global_batch, world_size=dist.world_size)")
+    for name, v in (("start", start), ("max_micro_batch", max_micro_batch), ("memory_budget", memory_budget)):
+        if v is not None:
+            positive_int(v, f"find_micro_batch {name}")
     if max_micro_batch is not None and max_micro_batch < start:
         raise UsageError(f"find_micro_batch max_micro_batch {max_micro_batch} is below start {start}; raise it or lower start")
     if device.type == "cpu":
@@ -188,8 +164,11 @@ def find_micro_batch(
                              "or under multigpu run: --memory-budget SIZE")
         if not pathlib.Path("/proc/self/clear_refs").exists():
             raise UsageError("measuring CPU peak memory needs Linux /proc/self/clear_refs; run the search on CUDA or on Linux")
-    limit = "cpu-budget" if device.type == "cpu" else ("cuda-budget" if memory_budget else "cuda-oom")
-    trials: list[tuple[int, bool, int | None]] = []
+
+
+def _trial(step_fn: Callable[[int], object], device: torch.device, memory_budget: int | None, group,
+           trials: list) -> Callable[..., bool]:
+    """``fits(m)``: run ``step_fn(m)`` on every rank and agree whether it fit; measured trials go to ``trials``."""
 
     def fits(m: int, warmup: bool = False) -> bool:
         base = _reset_peak(device)
@@ -214,7 +193,11 @@ def find_micro_batch(
             trials.append((m, agreed == OK, peak))
         return agreed == OK
 
-    _free(device, collect=True)
+    return fits
+
+
+def _largest(fits: Callable[..., bool], start: int, max_micro_batch: int | None) -> int:
+    """Double from ``start`` until a trial misses (or ``max_micro_batch``), then bisect."""
     # One unmeasured call first: the first backward pays one-time costs (gradient
     # buffers, lazy library and thread-pool initialisation) that no batch size needs again.
     good, bad, m = None, None, start
@@ -237,11 +220,43 @@ def find_micro_batch(
             good = mid
         else:
             bad = mid
-    plan = None
-    if global_batch is not None:
-        # The largest micro-batch <= good that divides the rank's share; the rest is accumulation.
-        plan = BatchPlan(global_batch, world, micro_batch=BatchPlan(global_batch, world, max_micro_batch=good).micro_batch)
-    found = MicroBatchSearch(good, plan, tuple(trials), limit)
+    return good
+
+
+def find_micro_batch(
+    step_fn: Callable[[int], object],
+    dist=None,
+    *,
+    plan: BatchPlan | None = None,
+    start: int = 1,
+    max_micro_batch: int | None = None,
+    memory_budget: int | None = None,
+    group=None,
+) -> MicroBatchSearch:
+    """Largest micro-batch ``m`` for which ``step_fn(m)`` (one forward + backward) fits.
+
+    ``step_fn`` must not run collectives (a rank that fails would leave the
+    others waiting in them): give it the unwrapped model, or run its backward
+    under ``no_sync``; let it zero its gradients. ``memory_budget`` (bytes) is
+    required on CPU. With ``plan`` the result carries the same global batch in
+    the largest micro-batch that fits and divides the plan's rank share, the
+    rest as accumulation.
+
+    >>> def step(m):
+    ...     model.zero_grad(set_to_none=True)
+    ...     loss_fn(model(x[:m]), y[:m]).backward()
+    >>> found = mg.find_micro_batch(step, dist, plan=mg.BatchPlan(1024, dist.world_size))
+    >>> found.micro_batch, found.plan.accum_steps
+    """
+    device = torch.device(dist.device) if dist is not None else torch.device("cpu")
+    if memory_budget is None:
+        memory_budget = _launcher_budget()  # an explicit argument wins over the launcher's
+    _check_arguments(device, plan, start, max_micro_batch, memory_budget)
+    limit = "cpu-budget" if device.type == "cpu" else ("cuda-budget" if memory_budget else "cuda-oom")
+    trials: list[tuple[int, bool, int | None]] = []
+    _free(device, collect=True)
+    good = _largest(_trial(step_fn, device, memory_budget, group, trials), start, max_micro_batch)
+    found = MicroBatchSearch(good, None if plan is None else plan.fitting(good), tuple(trials), limit)
     if find_batch_requested():
         _write_result(found, dist, memory_budget)
     return found

@@ -76,7 +76,7 @@ def find_batch_requested() -> bool:
 
     >>> plan = mg.BatchPlan(global_batch=1024, world_size=dist.world_size)
     >>> if mg.find_batch_requested():
-    ...     plan = mg.find_micro_batch(step, dist, global_batch=plan.global_batch).plan
+    ...     plan = mg.find_micro_batch(step, dist, plan=plan).plan
     """
     return os.environ.get(FIND_BATCH_ENV) == "1"
 

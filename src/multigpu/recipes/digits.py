@@ -170,8 +170,7 @@ def _find_batch(net: nn.Module, plan: mg.BatchPlan, dist: mg.Dist, budget: int |
         x = torch.rand(m, 64, device=dist.device)
         loss_fn(net(x), torch.zeros(m, dtype=torch.long, device=dist.device)).backward()
 
-    share = plan.global_batch // dist.world_size
-    found = mg.find_micro_batch(step, dist, memory_budget=budget, max_micro_batch=share, global_batch=plan.global_batch)
+    found = mg.find_micro_batch(step, dist, plan=plan, memory_budget=budget, max_micro_batch=plan.rank_batch)
     net.zero_grad(set_to_none=True)
     mg.print0(found.summary())
     return found.plan
