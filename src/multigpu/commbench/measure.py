@@ -14,7 +14,8 @@ from functools import partial
 import torch
 import torch.distributed as tdist
 
-from .spec import DTYPES, PLACES, REDOP, ROOT, BenchConfig, algbw, bus_factor
+from ..values import DTYPES, dtype_name
+from .spec import NCCL_TYPE, PLACES, REDOP, ROOT, BenchConfig, algbw, bus_factor
 
 # Largest integer each dtype holds exactly (bf16 has 8 significant bits, fp16 11).
 _EXACT = {torch.int8: 127, torch.uint8: 255, torch.bfloat16: 256, torch.float16: 2048}
@@ -129,7 +130,8 @@ def supported(op: str, dtype, device, n: int, rank: int) -> bool:
 
 def measure(cfg: BenchConfig, device, rank: int, n: int) -> list[dict]:
     """All rows of ``cfg`` on this rank (every rank returns the same, max-over-ranks figures)."""
-    dtype, type_name = DTYPES[cfg.dtype]
+    short = dtype_name(cfg.dtype)
+    dtype, type_name = DTYPES[short], NCCL_TYPE[short]
     elt = torch.empty(0, dtype=dtype).element_size()
     rows = []
     for op in cfg.ops:

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from ..errors import UsageError
-from ..values import parse_size
-
+from ..values import dtype_name, parse_size
 from . import OPS
 _OP_ALIASES = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
                "bcast": "broadcast", "alltoall": "all_to_all", "all2all": "all_to_all"}
@@ -26,15 +23,9 @@ PLACES = {"all_reduce": ("in",), "broadcast": ("in",), "all_gather": ("out", "in
 REDOP = {"all_reduce": "sum", "reduce_scatter": "sum"}
 ROOT = {"broadcast": 0}
 
-# name -> (torch dtype, nccl-tests type name); several spellings accepted.
-DTYPES = {
-    "float32": (torch.float32, "float"), "float": (torch.float32, "float"), "fp32": (torch.float32, "float"),
-    "float16": (torch.float16, "half"), "half": (torch.float16, "half"), "fp16": (torch.float16, "half"),
-    "bfloat16": (torch.bfloat16, "bfloat16"), "bf16": (torch.bfloat16, "bfloat16"),
-    "float64": (torch.float64, "double"), "double": (torch.float64, "double"),
-    "int8": (torch.int8, "int8"), "uint8": (torch.uint8, "uint8"),
-    "int32": (torch.int32, "int32"), "int": (torch.int32, "int32"), "int64": (torch.int64, "int64"),
-}
+# nccl-tests' name of each type, for its "type" column (the dtypes themselves: values.DTYPES).
+NCCL_TYPE = {"fp32": "float", "fp16": "half", "bf16": "bfloat16", "fp64": "double", "int8": "int8", "uint8": "uint8",
+             "int32": "int32", "int64": "int64"}
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -92,7 +83,7 @@ def parse_ops(items: list[str] | str | None) -> tuple[str, ...]:
 
 
 def parse_dtype(name: str) -> str:
-    if name.lower() not in DTYPES:
+    if dtype_name(name) not in NCCL_TYPE:
         raise UsageError(f"unknown dtype {name!r}; expected one of float32, float16, bfloat16, float64, int8, uint8, int32, int64")
     return name.lower()
 
