@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from ..errors import UsageError
 from ..values import dtype_name, parse_size
 from . import OPS
+
 _OP_ALIASES = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
                "bcast": "broadcast", "alltoall": "all_to_all", "all2all": "all_to_all"}
 # torch.distributed.all_reduce and broadcast work in place by API; all_to_all_single has no
