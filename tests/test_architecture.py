@@ -16,7 +16,23 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 MAX_LINES = 400
 
 # Every verb's flags. A new flag is a decision: add it here, and to the docs.
-FLAGS = {}
+FLAGS = {
+    "bench": ["--backend", "--bucket-cap-mb", "--ddp", "--dtype", "--iters", "--json", "--no-check", "--nproc",
+              "--ops", "--sizes", "--timeout", "--warmup", "-n"],
+    "ckpt": [],
+    "ckpt export": ["<checkpoint>", "<out>"],
+    "ckpt ls": ["<dir>"],
+    "ckpt verify": ["<dir>"],
+    "doctor": ["--backend", "--json", "--no-smoke", "--nproc", "--port", "--timeout", "-n"],
+    "plan": ["--batch", "--checkpoint-every", "--eval-every", "--gpus", "--lr", "--noise-scale", "--optimizer",
+             "--per-gpu-batch", "--policy", "--steps", "--warmup-steps"],
+    "report": ["--output", "-o", "<results>"],
+    "run": ["--all-ranks", "--cpu", "--find-batch", "--log-dir", "--master", "--max-restarts",
+            "--memory-budget", "--nnodes", "--node-rank", "--nproc", "--profile", "-m", "-n", "<script>",
+            "<script_args>"],
+    "study": ["--cpu", "--global-batch", "--no-report", "--out", "--policy", "--profile", "--repeats",
+              "--steps", "--target", "--workers", "<args>", "<workload>"],
+}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -101,6 +117,46 @@ def test_no_module_in_src_passes_the_line_limit():
 
 def test_src_has_no_import_cycle():
     assert _cycles(_imports(_modules())) == []
+
+
+# The layers, bottom up (docs/architecture.md): a module imports its own layer and the ones below.
+LAYERS = [
+    ("runtime", ["errors", "values", "compat", "dist", "fingerprint", "launch.contract"]),
+    ("loop pieces", ["batch", "data", "precision"]),
+    ("parallelism", ["parallel"]),
+    ("instruments and state", ["meter", "noise", "checkpoint", "finder"]),
+    ("tools and decisions", ["launch", "planner", "study", "report", "verdict", "doctor", "commbench", "recipes",
+                             "testing", "cli", "__main__"]),
+]
+
+
+def _layer(mod: str) -> int:
+    """The layer of a module: its longest matching prefix in LAYERS."""
+    best, depth = None, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            name = f"multigpu.{prefix}"
+            if (mod == name or mod.startswith(name + ".")) and len(name) > depth:
+                best, depth = i, len(name)
+    assert best is not None, f"{mod} is in no layer: add it to LAYERS and docs/architecture.md"
+    return best
+
+
+def test_imports_go_down_the_layers():
+    upward = []
+    for mod, targets in _imports(_modules()).items():
+        if mod == "multigpu":
+            continue  # the package's __init__ is the public API over every layer
+        for target in targets:
+            # "multigpu" itself: `from .. import __version__`, the one name read from the package.
+            if target != "multigpu" and _layer(target) > _layer(mod):
+                upward.append(f"{mod} ({LAYERS[_layer(mod)][0]}) imports {target} ({LAYERS[_layer(target)][0]})")
+    assert not upward, "imports that go up a layer: " + "; ".join(sorted(upward))
+
+
+def test_the_layer_of_a_module_is_its_longest_prefix():
+    assert _layer("multigpu.launch.contract") == 0 and _layer("multigpu.launch.start") == 4
+    assert _layer("multigpu.parallel.fsdp") == 2 and _layer("multigpu.checkpoint") == 3
 
 
 def test_the_cycle_check_finds_a_cycle():
