@@ -1,8 +1,8 @@
 """The environment fingerprint recorded next to every number we measure.
 
 A throughput figure means little without the versions, devices, world size
-and code revision that produced it (DESIGN.md, "measure like a record
-attempt"). ``fingerprint()`` collects them once; benchmarks (``multigpu
+and code revision that produced it ("measure like a record attempt":
+warm up, repeat, report the spread and the environment). ``fingerprint()`` collects them once; benchmarks (``multigpu
 bench`` too) print it, the step meter writes it as the header line of its
 JSONL file.
 """

@@ -25,6 +25,7 @@ from torch import nn
 from ..dist import print0
 from ..errors import UsageError
 from ..parallel import strategy_of
+from ..values import is_positive_int
 from . import loading, rng, storage
 from .group import Group
 from .state import TrainingObjects, is_stateful
@@ -55,9 +56,9 @@ class Checkpointer:
     def __init__(self, directory: str | Path, every: int = 1, keep: int | None = None, *,
                  model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  scheduler: Any = None, scaler: Any = None, loader: Any = None, **extra: Any) -> None:
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        if not is_positive_int(every):
             raise UsageError(f"Checkpointer every= must be a positive integer number of steps, got {every!r}; use e.g. every=100")
-        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+        if keep is not None and not is_positive_int(keep):
             raise UsageError(f"Checkpointer keep= must be a positive integer or None (keep all), got {keep!r}; use e.g. keep=3")
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():

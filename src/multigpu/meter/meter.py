@@ -22,6 +22,7 @@ import torch.distributed as tdist
 from ..errors import UsageError
 from ..fingerprint import fingerprint
 from ..launch.contract import profile_window, run_dir
+from ..values import positive_int
 from . import gpumon, sinks as _sinks
 from .flops import FlopCount, dtype_key, peak_flops
 from .interval import Interval
@@ -62,8 +63,7 @@ class StepMeter:
         fingerprint_extra: dict[str, Any] | None = None,
         sink_options: dict[str, dict[str, Any]] | None = None,
     ) -> None:
-        if not isinstance(log_every, int) or log_every < 1:
-            raise UsageError(f"log_every must be a positive integer, got {log_every!r}; use e.g. log_every=10")
+        positive_int(log_every, "log_every", "use e.g. log_every=10")
         _sinks.check_sinks(sinks)
         self.rank = getattr(dist, "rank", 0)
         self.world_size = getattr(dist, "world_size", 1)

@@ -4,7 +4,7 @@ McCandlish et al. 2018 (arXiv:1812.06162): with true gradient G and
 per-example covariance Sigma, ``B_simple = tr(Sigma) / |G|^2`` estimates the
 critical batch size, beyond which a bigger batch buys little. Since
 ``E|G_B|^2 = |G|^2 + tr(Sigma)/B``, two batch sizes give unbiased estimates of
-both terms. See ../shared/reference/large-batch.md for the sources.
+both terms (their appendix A.1).
 """
 
 from __future__ import annotations

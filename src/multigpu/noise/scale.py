@@ -28,6 +28,7 @@ from ..batch import BatchPlan
 from ..errors import UsageError
 from ..parallel import strategy_of
 from ..parallel.fsdp import fsdp_modules
+from ..values import positive_int
 from . import norms
 from .estimates import Estimates
 
@@ -61,8 +62,7 @@ class NoiseScale:
             raise UsageError(f"NoiseScale needs the run's mg.BatchPlan, got {type(plan).__name__}; pass plan=mg.BatchPlan(...)")
         for name, value, what in (("every", every, "measure one step in every"),
                                   ("sync_every", sync_every, "measured steps per all-reduce of the rank norms")):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UsageError(f"NoiseScale {name}= must be a positive integer ({what}), got {value!r}")
+            positive_int(value, f"NoiseScale {name}= ({what})")
         self.plan = plan
         self.tau = float(tau) if tau is not None else 100.0 * plan.global_batch
         if not self.tau > 0:

@@ -4,8 +4,8 @@
 ``accumulate``, ``no_sync``, ``strategy_of``); each strategy is one flat file
 (``ddp.py``, ``dp.py``, ``zero.py``, ``fsdp.py``) and the pieces they share
 sit beside them (``comm_hooks.py``, ``batchnorm.py``, ``clip.py``,
-``footprint.py``). Model parallelism (``mesh.py``, ``tp.py``, ``pp.py``)
-joins here.
+``footprint.py``). Model parallelism (a device mesh, tensor and pipeline
+parallel plans) is to join here, one file each.
 """
 
 from .clip import clip_grad_norm_

@@ -24,7 +24,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from ..errors import UsageError
-from ..values import DTYPES, TRAINING_DTYPES
+from ..values import DTYPES, TRAINING_DTYPES, positive_int
 from .batchnorm import prepare_batchnorm
 
 
@@ -119,8 +119,7 @@ def wrap_fsdp(
     if block_classes is not None and (isinstance(block_classes, type) or not all(isinstance(c, type) for c in block_classes)):
         raise UsageError(f"fsdp block_classes must be a list of module classes, got {block_classes!r}; "
                          "e.g. mg.wrap(model, 'fsdp', block_classes=[TransformerBlock])")
-    if isinstance(min_block_params, bool) or not isinstance(min_block_params, int) or min_block_params < 1:
-        raise UsageError(f"fsdp min_block_params must be a positive int, got {min_block_params!r}")
+    positive_int(min_block_params, "fsdp min_block_params")
     if not (tdist.is_available() and tdist.is_initialized()):
         raise UsageError("strategy 'fsdp' needs a process group; call mg.wrap inside `with mg.init() as dist:`")
     if tdist.get_backend() == "nccl" and device.type != "cuda":
