@@ -62,3 +62,18 @@ def test_summary_box_lists_plan_and_extras():
     box = mg.BatchPlan(128, 2, 32).summary(lr=0.2, strategy="ddp", precision=None)
     assert "global batch       : 128" in box and "accumulation       : 2" in box and "lr" in box
     assert "precision" not in box
+
+
+def test_plan_shares_fitting_and_policies():
+    plan = mg.BatchPlan(96, 2, dp_rank=1)
+    assert plan.rank_slice(1) == slice(48, 96) and plan.rank_slice(0) == slice(0, 48)
+    fitted = plan.fitting(20)  # share 48: the largest divisor <= 20 is 16, 3 accumulation steps
+    assert (fitted.global_batch, fitted.micro_batch, fitted.accum_steps, fitted.dp_rank) == (96, 16, 3, 1)
+    assert plan.fitting(1000).micro_batch == 48
+    from multigpu.batch import policy_batch, same_samples_steps
+
+    assert policy_batch("keep-global", 128, 8) == 128 and policy_batch("scale-global", 128, 8) == 1024
+    assert policy_batch("scale-global", 128, 8, per_worker=32) == 256
+    assert [same_samples_steps(s, 128, 1024) for s in (None, 0, 1, 10000, 10001)] == [None, 0, 1, 1250, 1251]
+    with pytest.raises(mg.UsageError, match="unknown policy 'double'"):
+        policy_batch("double", 128, 8)

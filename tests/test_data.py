@@ -147,3 +147,23 @@ def test_tensor_datasets_are_read_per_micro_batch_with_identical_results():
     assert len(fast) == len(slow) == 10
     for (fx, fy), (sx, sy) in zip(fast, slow):
         assert torch.equal(fx, sx) and torch.equal(fy, sy) and fy.dtype == sy.dtype
+
+
+def test_model_parallel_peers_read_the_same_samples_keyed_on_the_data_parallel_rank():
+    """4 processes as 2 data-parallel ranks x 2 peers (e.g. tensor parallel): the plan's dp_rank keys the share."""
+    reference, _ = _global_batches(60, 12, 1, epochs=1)
+    shares = []
+    for dp in range(2):
+        plan = mg.BatchPlan(12, 2, micro_batch=3, dp_rank=dp)
+        peers = [[torch.cat([mb[0] for mb in step]).tolist() for step in mg.loader(_indices(60), plan, _dist(2 * dp + p, 4), seed=3)]
+                 for p in range(2)]
+        assert peers[0] == peers[1]
+        shares.append(peers[0])
+    assert [a + b for a, b in zip(*shares)] == reference[0]
+
+
+def test_a_plan_without_dp_rank_must_span_the_world():
+    with pytest.raises(mg.UsageError, match="world_size 2 but this job has 4 processes"):
+        mg.BatchPlan(16, 2).dp_rank_of(_dist(0, 4))
+    with pytest.raises(mg.UsageError, match="dp_rank must be an integer in 0..1"):
+        mg.BatchPlan(16, 2, dp_rank=2)

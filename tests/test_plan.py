@@ -148,3 +148,12 @@ def test_plan_reads_the_noise_scale_a_step_meter_logged(tmp_path, capsys):
     rc = cli.main(["plan", "--lr", "0.1", "--batch", "64", "--optimizer", "sgd", "--gpus", "4",
                    "--noise-scale", str(tmp_path / "metrics.jsonl")])
     assert rc == 0 and f"measured noise scale {logged:,.0f}" in capsys.readouterr().out
+
+
+def test_library_errors_reach_the_terminal_in_the_verbs_flags(capsys):
+    """scale_recipe names Python parameters; `multigpu plan` says the same fix with its flags."""
+    with pytest.raises(mg.UsageError, match=r"use per_gpu_batch=8, or policy='scale-global'"):
+        mg.scale_recipe(0.1, 128, 8, "sgd", policy="keep-global", per_gpu_batch=12)
+    rc, err = run_cli(["plan", "--lr", "0.1", "--batch", "128", "--optimizer", "sgd", "--gpus", "8",
+                       "--policy", "keep-global", "--per-gpu-batch", "12"], capsys)
+    assert rc == 2 and "use --per-gpu-batch 8, or --policy scale-global" in err
