@@ -26,10 +26,10 @@ from ..dist import print0
 from ..errors import UsageError
 from ..parallel import strategy_of
 from ..values import is_positive_int
+from ..parallel.zero import is_zero_optimizer
 from . import loading, rng, storage
 from .group import Group
 from .state import TrainingObjects, is_stateful
-from .zero_state import is_zero
 
 
 class Checkpointer:
@@ -171,7 +171,7 @@ class Checkpointer:
             # An optimizer that has not stepped yet gets state from get_state_dict
             # (a zero-lr step). That is not training state: save none, and undo
             # it, so saving never changes the run (Adam would count an extra step).
-            fresh = self.optimizer is not None and not is_zero(self.optimizer) and not self.optimizer.state
+            fresh = self.optimizer is not None and not is_zero_optimizer(self.optimizer) and not self.optimizer.state
             state = self._objects().state_dict(rank=group.rank)
             if fresh:
                 state["optim"]["state"] = {}

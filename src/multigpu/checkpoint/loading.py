@@ -14,11 +14,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_
 
 from ..dist import print0
 from ..errors import UsageError
+from ..parallel.zero import is_zero_optimizer
 from . import rng, storage
 from .group import Group
 from .state import TrainingObjects, is_stateful
 from .storage import Damaged
-from .zero_state import is_zero
 from .zero_state import load_state as load_zero_state
 
 
@@ -98,7 +98,7 @@ def load(objects: TrainingObjects, path: Path, manifest: dict[str, Any], group: 
             f"checkpoint {path} holds no {key!r} state but this Checkpointer was given one; "
             f"resume with the same objects it was saved with (it has: {', '.join(sorted(saved_keys)) or 'nothing'})"
         )
-    zero = is_zero(objects.optimizer)
+    zero = is_zero_optimizer(objects.optimizer)
     state = objects.state_dict(for_load=True)
     fresh = bool(manifest.get("optimizer_fresh")) and "optim" in state
     if fresh:  # saved before the first optimizer step: there is no optimizer state to load

@@ -15,7 +15,8 @@ from typing import Any
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from .zero_state import gather_state, is_zero
+from ..parallel.zero import is_zero_optimizer
+from .zero_state import gather_state
 
 
 def is_stateful(obj: Any) -> bool:
@@ -54,7 +55,7 @@ class TrainingObjects:
         """The DCP state dict (collective under ZeRO-1 for a save); ``for_load``: the template DCP loads into."""
         state: dict[str, Any] = {}
         if self.model is not None:
-            zero = is_zero(self.optimizer)
+            zero = is_zero_optimizer(self.optimizer)
             opts = [self.optimizer] if self.optimizer is not None and not zero else []
             msd, osd = get_state_dict(self.module(), opts, options=StateDictOptions(strict=True))
             state["model"] = msd

@@ -21,12 +21,6 @@ from .. import compat
 from . import storage
 
 
-def is_zero(optimizer: Any) -> bool:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return isinstance(optimizer, ZeroRedundancyOptimizer)
-
-
 def _names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """Parameter index (torch's optimizer state_dict numbering) -> parameter name."""
     fqn = {id(p): n for n, p in module.named_parameters()}
