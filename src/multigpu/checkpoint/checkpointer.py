@@ -25,8 +25,8 @@ from torch import nn
 from ..dist import print0
 from ..errors import UsageError
 from ..parallel import strategy_of
-from ..values import is_positive_int
 from ..parallel.zero import is_zero_optimizer
+from ..values import is_positive_int
 from . import loading, rng, storage
 from .group import Group
 from .state import TrainingObjects, is_stateful
