@@ -199,12 +199,14 @@ def shard_range(dataset_size: int, rank: int, world_size: int) -> range:
     return range(rank * dataset_size // world_size, (rank + 1) * dataset_size // world_size)
 
 
-def eval_loader(dataset: Dataset, dist: Dist, batch_size: int, *, num_workers: int = 0,
+def eval_loader(dataset: Dataset, dist: Dist, batch_size: int, *, mesh: Any = None, num_workers: int = 0,
                 pin_memory: bool | None = None, **dataloader_kwargs: Any) -> DataLoader:
     """This rank's evaluation shard, without the padding duplicates of DistributedSampler.
 
     Sum metrics per rank and combine them with ``mg.all_reduce_sum`` for exact
-    dataset-level figures on any world size.
+    dataset-level figures on any world size. With a ``mesh``
+    (``mg.parallel.mesh``) the shards follow the data-parallel ranks, so
+    tensor-parallel peers evaluate the same samples (count them once).
 
     >>> correct = count = 0
     >>> for x, y in mg.eval_loader(test_set, dist, batch_size=256):
@@ -215,7 +217,8 @@ def eval_loader(dataset: Dataset, dist: Dist, batch_size: int, *, num_workers: i
         raise UsageError(f"eval batch_size must be >= 1, got {batch_size}")
     if pin_memory is None:
         pin_memory = dist.device.type == "cuda"
-    shard = Subset(dataset, shard_range(len(dataset), dist.rank, dist.world_size))
+    rank, world = (mesh.dp_rank, mesh.dp_size) if mesh is not None else (dist.rank, dist.world_size)
+    shard = Subset(dataset, shard_range(len(dataset), rank, world))
     return DataLoader(shard, batch_size=batch_size, shuffle=False, num_workers=num_workers,
                       pin_memory=pin_memory, **dataloader_kwargs)
 

@@ -25,21 +25,42 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     >>> norm = mg.clip_grad_norm_(model, 1.0)
     """
     params = [p for p in model.parameters() if p.grad is not None]
-    grads = [p.grad for p in params]
-    if not grads:
+    if not params:
         return torch.tensor(0.0)
     from torch.distributed.tensor import DTensor
 
-    if isinstance(grads[0], DTensor) and grads[0].to_local().device.type != grads[0].device_mesh.device_type:
-        # FSDP's cpu_offload: shards live on the CPU but the mesh (NCCL) on
-        # the GPU, where DTensor's own reduction would send CPU tensors.
-        total = norm_of_shards(grads, norm_type, error_if_nonfinite, foreach)
-    else:
-        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+    # One group per device mesh, plus the plain tensors: torch's norm refuses to mix DTensors
+    # and tensors (or DTensors of different meshes), which model parallelism gives (TP leaves
+    # the norms plain; FSDP x TP puts TP's weights on a 2-D mesh and the norms on a 1-D one).
+    groups: dict[object, list[torch.nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    parts = []
+    for mesh, group in groups.items():
+        grads = [p.grad for p in group]
+        if mesh is not None and grads[0].to_local().device.type != mesh.device_type:
+            # FSDP's cpu_offload: shards live on the CPU but the mesh (NCCL) on
+            # the GPU, where DTensor's own reduction would send CPU tensors.
+            part = norm_of_shards(grads, norm_type, error_if_nonfinite, foreach)
+        else:
+            part = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+            if isinstance(part, DTensor):
+                part = part.full_tensor()
+        parts.append(part)
+    # Plain gradients are the same on every rank (DDP averaged them, or TP's replicated
+    # inputs made them so): each group's norm counts once.
+    total = parts[0] if len(parts) == 1 else _combine(parts, norm_type)
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
     return total
+
+
+def _combine(parts: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    device = parts[0].device
+    stacked = torch.stack([p.to(device, torch.float64) for p in parts])
+    if norm_type == float("inf"):
+        return stacked.max().to(parts[0].dtype)
+    return (stacked ** norm_type).sum().pow(1.0 / norm_type).to(parts[0].dtype)
 
 
 def norm_of_shards(grads: list, norm_type: float = 2.0, error_if_nonfinite: bool = False,

@@ -134,14 +134,20 @@ def wrap_fsdp(
                          "modules do not count); pass the classes of its repeated blocks, or drop block_classes "
                          "to shard by size")
     model = prepare_batchnorm(model, "fsdp", sync_batchnorm, device)
-
+    if sync_batchnorm:  # the conversion replaced BatchNorm modules: pick from the model as it is now
+        blocks = pick_blocks(model, block_classes, min_block_params)
     from torch.distributed.device_mesh import init_device_mesh
 
-    fsdp2 = _fsdp2()
     # The mesh must live on the parameters' device type: gloo meshes are
     # "cpu", NCCL meshes "cuda" (init_device_mesh would otherwise guess from
     # what is installed, not from where the model is).
     mesh = init_device_mesh(device.type, (tdist.get_world_size(),))
+    return _shard(model, blocks, mesh, reshard_after_forward, pdt, rdt, cpu_offload, device)
+
+
+def _shard(model: nn.Module, blocks: list[nn.Module], mesh: Any, reshard_after_forward: bool,
+           pdt: torch.dtype | None, rdt: torch.dtype | None, cpu_offload: bool, device: torch.device) -> nn.Module:
+    fsdp2 = _fsdp2()
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if pdt is not None or rdt is not None:
         kwargs["mp_policy"] = fsdp2.MixedPrecisionPolicy(param_dtype=pdt, reduce_dtype=rdt)
@@ -149,14 +155,29 @@ def wrap_fsdp(
         # Pinned host memory makes the host<->GPU copies asynchronous; it
         # exists only with CUDA.
         kwargs["offload_policy"] = fsdp2.CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    if sync_batchnorm:  # the conversion replaced BatchNorm modules: pick from the model as it is now
-        blocks = pick_blocks(model, block_classes, min_block_params)
     for block in blocks:
         fsdp2.fully_shard(block, **kwargs)
     # The root takes whatever no block took (embeddings, heads, norms); FSDP2
     # itself keeps the root unsharded between forward and backward.
     fsdp2.fully_shard(model, **kwargs)
     return model
+
+
+def shard_blocks(model: nn.Module, mesh: Any, block_classes: Iterable[type] | None = None,
+                 min_block_params: int = DEFAULT_MIN_BLOCK_PARAMS, reshard_after_forward: bool = True,
+                 param_dtype: torch.dtype | str | None = None, reduce_dtype: torch.dtype | str | None = None,
+                 cpu_offload: bool = False) -> nn.Module:
+    """FSDP2 per block and on the root over a given mesh: 1-D (FSDP) or 2-D (replicate, shard: HSDP).
+
+    For models on a device mesh (``mg.parallel.mesh``), after tensor parallelism:
+    the data-parallel dimensions shard what TP left on each rank.
+
+    >>> shard_blocks(model, mesh.dp_mesh, block_classes=[Block])
+    """
+    pdt, rdt = _dtype("param_dtype", param_dtype), _dtype("reduce_dtype", reduce_dtype)
+    blocks = pick_blocks(model, block_classes, min_block_params)
+    device = next(model.parameters()).device
+    return _shard(model, blocks, mesh, reshard_after_forward, pdt, rdt, cpu_offload, device)
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:

@@ -1,0 +1,127 @@
+"""The device mesh: the world factored into data parallel (replicate x shard) and tensor parallel.
+
+``world = dp_replicate x dp_shard x tp``, outer to inner, as torchtitan and
+Accelerate order them: a tensor-parallel group is a run of consecutive ranks
+(the GPUs of one node, where TP's per-layer collectives belong), and the
+data-parallel rank is the flattened (replicate, shard) coordinate. Every
+tensor-parallel peer of a data-parallel rank reads the same samples
+(``plan()`` puts that rank into the ``BatchPlan``). Degrees that do not
+multiply to the world are refused before any process-group work, with the
+equation and the degrees that would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import UsageError
+from ..values import is_positive_int
+
+DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """The degrees of a mesh; ``dp_shard`` is what remains of the world after the others."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: the number of distinct sample streams."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+
+def factor(world_size: int, *, tp: int = 1, dp_replicate: int = 1, dp_shard: int | None = None) -> MeshShape:
+    """The mesh degrees for ``world_size`` processes; ``dp_shard=None`` takes the rest of the world.
+
+    >>> factor(8, tp=2, dp_replicate=2)
+    MeshShape(dp_replicate=2, dp_shard=2, tp=2)
+    """
+    for name, value in (("tp", tp), ("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
+        if value is not None and not is_positive_int(value):
+            raise UsageError(f"mesh degree {name} must be a positive integer, got {value!r}")
+    fixed = tp * dp_replicate
+    if dp_shard is None:
+        if world_size % fixed:
+            ok = [d for d in _divisors(world_size) if d <= world_size]
+            raise UsageError(
+                f"world size {world_size} is not divisible by dp_replicate {dp_replicate} x tp {tp} = {fixed}; "
+                f"use tp (x dp_replicate) in {', '.join(map(str, ok))}, or run on a multiple of {fixed} processes"
+            )
+        dp_shard = world_size // fixed
+    shape = MeshShape(dp_replicate, dp_shard, tp)
+    if shape.world_size != world_size:
+        raise UsageError(
+            f"mesh dp_replicate {dp_replicate} x dp_shard {dp_shard} x tp {tp} = {shape.world_size} processes, "
+            f"but this job has {world_size}; run on {shape.world_size} processes or leave dp_shard out to fill the world"
+        )
+    return shape
+
+
+class Mesh:
+    """A ``DeviceMesh`` over ``DIMS`` and what the loop needs from it: the data-parallel size and rank.
+
+    >>> mesh = mg.parallel.mesh(dist, tp=2)           # 4 processes: dp_shard 2 x tp 2
+    >>> plan = mesh.plan(global_batch=64, micro_batch=8)
+    """
+
+    def __init__(self, shape: MeshShape, device_mesh: Any) -> None:
+        self.shape = shape
+        self.device_mesh = device_mesh
+        rep, shard = device_mesh["dp_replicate"].get_local_rank(), device_mesh["dp_shard"].get_local_rank()
+        self.dp_rank = rep * shape.dp_shard + shard
+        self.dp_size = shape.dp
+
+    @property
+    def tp_rank(self) -> int:
+        """This process's rank among its tensor-parallel peers."""
+        return self.device_mesh["tp"].get_local_rank()
+
+    @property
+    def tp_mesh(self) -> Any:
+        return self.device_mesh["tp"]
+
+    @property
+    def dp_mesh(self) -> Any | None:
+        """What FSDP shards over: 2-D (replicate, shard) for HSDP, 1-D (shard) for FSDP, None without data parallelism."""
+        if self.shape.dp_replicate > 1:
+            return self.device_mesh["dp_replicate", "dp_shard"]
+        if self.shape.dp_shard > 1:
+            return self.device_mesh["dp_shard"]
+        return None
+
+    def plan(self, global_batch: int, micro_batch: int | None = None, max_micro_batch: int | None = None):
+        """The ``BatchPlan`` over this mesh's data-parallel ranks, bound to this process's data-parallel rank."""
+        from ..batch import BatchPlan
+
+        return BatchPlan(global_batch, self.dp_size, micro_batch=micro_batch, max_micro_batch=max_micro_batch,
+                         dp_rank=self.dp_rank)
+
+    def __repr__(self) -> str:
+        s = self.shape
+        return f"Mesh(dp_replicate={s.dp_replicate}, dp_shard={s.dp_shard}, tp={s.tp}; dp rank {self.dp_rank} of {self.dp_size})"
+
+
+def mesh(dist: Any, *, tp: int = 1, dp_replicate: int = 1, dp_shard: int | None = None) -> Mesh:
+    """The job's device mesh (collective: every rank calls it). Checks the degrees before building anything.
+
+    >>> mesh = mg.parallel.mesh(dist, tp=2, dp_replicate=2)   # 8 processes: HSDP 2 x 2, TP 2
+    """
+    shape = factor(dist.world_size, tp=tp, dp_replicate=dp_replicate, dp_shard=dp_shard)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = dist.device.type if hasattr(dist.device, "type") else str(dist.device)
+    device_mesh = init_device_mesh(device_type, (shape.dp_replicate, shape.dp_shard, shape.tp), mesh_dim_names=DIMS)
+    return Mesh(shape, device_mesh)

@@ -1,0 +1,136 @@
+"""Train the GPT recipe under any layout: data parallel, FSDP, tensor parallel, FSDP x TP, HSDP.
+
+An ordinary training script on the public API:
+
+    python -m multigpu.recipes.gpt --steps 50                              # one process
+    multigpu run -n 2 --cpu -m multigpu.recipes.gpt --tp 2                 # tensor parallel
+    multigpu run -n 4 --cpu -m multigpu.recipes.gpt --tp 2 --sequence-parallel --loss-parallel   # FSDP 2 x TP 2
+    multigpu run -n 4 --cpu -m multigpu.recipes.gpt --dp-replicate 2       # HSDP 2 x 2
+
+The loss is the mean over the step's tokens (each micro-batch's mean divided
+by the accumulation steps; micro-batches hold equal token counts), so the
+gradient is the same for every layout. Reports tokens/s and MFU through the
+step meter (6N + 12·L·h·s FLOPs per token), and the held-out loss with bits
+per byte (the built-in text is byte-tokenised, so bits per token are bits per
+byte).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+import multigpu as mg
+
+from .data import TokenWindows, prepare_tokens
+from .model import GPT, SIZES, config
+from .parallelize import parallelize
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m multigpu.recipes.gpt", description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model size (default tiny, < 1M parameters)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per sequence (default: the size's)")
+    p.add_argument("--data", default=None, help="directory with train.bin/val.bin (uint16); default: Python's docs as bytes")
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step, over all data-parallel ranks")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per data-parallel rank per forward")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (innermost mesh dimension)")
+    p.add_argument("--dp-replicate", type=int, default=1, help="replicas of the sharded model (HSDP's outer dimension)")
+    p.add_argument("--dp-shard", type=int, default=None, help="FSDP degree (default: the rest of the world)")
+    p.add_argument("--sequence-parallel", action="store_true", help="split norms and residuals along the sequence (needs --tp)")
+    p.add_argument("--loss-parallel", action="store_true", help="cross-entropy on vocabulary-sharded logits (needs --tp)")
+    p.add_argument("--eval-every", type=int, default=25, help="held-out loss every N steps (and at the end)")
+    p.add_argument("--eval-batches", type=int, default=8, help="held-out sequences evaluated: this many global batches")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-dir", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def _datasets(args, cfg):
+    data = args.data or os.path.join(tempfile.gettempdir(), "multigpu-pydoc-tokens")
+    directory = prepare_tokens(data) if args.data is None else data
+    return (TokenWindows(os.path.join(directory, "train.bin"), cfg.block_size, cfg.vocab_size),
+            TokenWindows(os.path.join(directory, "val.bin"), cfg.block_size, cfg.vocab_size))
+
+
+def evaluate(model, val_set, mesh, dist, batch_size: int, sequences: int, loss_parallel: bool) -> dict[str, float]:
+    """Mean held-out loss per token over the first ``sequences`` windows; every TP peer computes it, one counts it."""
+    model.eval()
+    subset = torch.utils.data.Subset(val_set, range(min(sequences, len(val_set))))
+    total = tokens = 0.0
+    with torch.no_grad():
+        for x, y in mg.eval_loader(subset, dist, batch_size, mesh=mesh):
+            x, y = x.to(dist.device), y.to(dist.device)
+            with mg.parallel.loss_parallel(loss_parallel):
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")
+            loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+            total += float(loss)
+            tokens += y.numel()
+    once = 1.0 if mesh.tp_rank == 0 else 0.0  # TP peers hold the same numbers
+    sums = mg.all_reduce_sum({"loss": total * once, "tokens": tokens * once})
+    model.train()
+    mean = sums["loss"] / max(sums["tokens"], 1.0)
+    return {"loss": mean, "bits_per_byte": mean / math.log(2)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    args = parse_args(argv)
+    with mg.init(seed=args.seed) as dist:
+        cfg = config(args.size, **({"block_size": args.block_size} if args.block_size else {}))
+        train_set, val_set = _datasets(args, cfg)
+        mesh = mg.parallel.mesh(dist, tp=args.tp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard)
+        plan = mesh.plan(args.global_batch, micro_batch=args.micro_batch)
+        torch.manual_seed(args.seed)  # the full model, the same on every rank, then spread: weights as one process's
+        model = parallelize(GPT(cfg).to(dist.device), mesh, sequence_parallel=args.sequence_parallel,
+                            loss_parallel=args.loss_parallel)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+        sched = mg.warmup(opt, steps=args.warmup_steps) if args.warmup_steps else None
+        train = mg.loader(train_set, plan, dist, shuffle=True, seed=args.seed)
+        mg.print0(plan.summary(layout=repr(mesh), parameters=cfg.parameters, tokens_per_step=plan.global_batch * cfg.block_size))
+        meter = mg.StepMeter(dist, plan, log_every=args.log_every, log_dir=args.log_dir, total_steps=args.steps,
+                             flops_per_sample=cfg.flops_per_token() * cfg.block_size, tokens_per_sample=cfg.block_size,
+                             fingerprint_extra={"recipe": "gpt", "size": args.size, "layout": repr(mesh)})
+        metrics: dict[str, float] = {}
+        with meter:
+            for step, micro_batches in meter.steps(_forever(train)):
+                for x, y in mg.accumulate(model, micro_batches):
+                    with mg.parallel.loss_parallel(args.loss_parallel):
+                        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / plan.accum_steps
+                        loss.backward()
+                if args.clip:
+                    mg.clip_grad_norm_(model, args.clip)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if sched is not None:
+                    sched.step()
+                done = step + 1 == args.steps
+                loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+                meter.step_end(loss=loss.detach() * plan.accum_steps, lr=opt)
+                if done or (step + 1) % args.eval_every == 0:
+                    metrics = evaluate(model, val_set, mesh, dist, plan.micro_batch, args.eval_batches * plan.global_batch,
+                                       args.loss_parallel)
+                    meter.log_eval(step=step, loss=metrics["loss"], bits_per_byte=metrics["bits_per_byte"])
+                if done:
+                    break
+        summary = meter.summary() or {}
+        sps = (summary.get("samples_per_s") or {}).get("mean")
+        result = dict(metrics, world_size=dist.world_size, steps=args.steps,
+                      tokens_per_s=sps * cfg.block_size if sps else None, wall_s=summary.get("wall_time"))
+        mg.print0(f"gpt {args.size}: val loss {metrics.get('loss', float('nan')):.4f} "
+                  f"({metrics.get('bits_per_byte', float('nan')):.3f} bits/byte) | {repr(mesh)}")
+        return result
+
+
+def _forever(train):
+    while True:
+        yield from train

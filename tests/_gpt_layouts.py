@@ -1,0 +1,50 @@
+"""Worker for tests/test_model_parallel.py: the tiny GPT trained under one layout, its full weights returned."""
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import multigpu as mg
+from multigpu.recipes.gpt.model import GPT, config
+from multigpu.recipes.gpt.parallelize import parallelize
+
+GLOBAL_BATCH, BLOCK = 8, 16
+
+
+def tokens(n: int = 64, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(0, 256, (n, BLOCK + 1), generator=g)
+    return TensorDataset(seq[:, :-1], seq[:, 1:])
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None = 0.5) -> dict:
+    """``layout``: mesh degrees plus sequence_parallel / loss_parallel; every rank returns the same full state."""
+    layout = dict(layout)
+    sp, lp = layout.pop("sequence_parallel", False), layout.pop("loss_parallel", False)
+    torch.manual_seed(0)
+    model = GPT(config("tiny", block_size=BLOCK))   # the full model, the same on every rank
+    mesh = mg.parallel.mesh(dist, **layout)
+    parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    plan = mesh.plan(GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // mesh.dp_size // accum)
+    losses, norms = [], []
+    for _, micro_batches in zip(range(steps), mg.loader(tokens(), plan, dist, seed=0)):
+        total = 0.0
+        for x, y in mg.accumulate(model, micro_batches):
+            with mg.parallel.loss_parallel(lp):
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / plan.accum_steps
+                loss.backward()
+            total += float(full(loss))
+        if clip is not None:
+            norms.append(float(mg.clip_grad_norm_(model, clip)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    state = {k: full(v) for k, v in model.state_dict().items()}
+    return {"state": state, "losses": losses, "norms": norms, "mesh": repr(mesh)}
