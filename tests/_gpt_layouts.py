@@ -47,4 +47,10 @@ def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None
         opt.zero_grad(set_to_none=True)
         losses.append(total)
     state = {k: full(v) for k, v in model.state_dict().items()}
-    return {"state": state, "losses": losses, "norms": norms, "mesh": repr(mesh)}
+    tied = model.head.weight is model.embed.wte.weight
+    return {"state": state, "losses": losses, "norms": norms, "mesh": repr(mesh), "tied": tied}
+
+
+def train_layouts(dist, layouts: list[dict]) -> list[dict]:
+    """Several layouts, one after another, in the same processes (one start-up for all)."""
+    return [train(dist, layout) for layout in layouts]

@@ -1,0 +1,119 @@
+"""Model parallelism computes the same training as one process: TP, TP + SP + loss parallel, FSDP x TP, HSDP.
+
+Each layout trains the tiny GPT (tied embeddings) for 5 AdamW steps with
+gradient accumulation 2 and clipping at 0.5 (below the gradient norm, so it
+acts) on gloo CPU ranks; its full weights after training must equal one
+process's to fp32 tolerance. The data-parallel ranks read disjoint shares of
+each global batch, tensor-parallel peers the same samples (the mesh's
+data-parallel rank keys the loader).
+"""
+
+
+import pytest
+import torch
+
+import multigpu as mg
+from multigpu.parallel.mesh import factor
+from multigpu.recipes.gpt.model import GPT, config
+from multigpu.recipes.gpt.parallelize import check_tp
+from multigpu.testing import spawn
+
+import _gpt_layouts as layouts
+
+TOL = 1e-5  # max absolute parameter difference after 5 steps (fp32)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return spawn(layouts.train, 1, {})[0]
+
+
+def _max_diff(got, ref):
+    assert sorted(got["state"]) == sorted(ref["state"])
+    return max((got["state"][k] - ref["state"][k]).abs().max().item() for k in ref["state"])
+
+
+def _check(results, ref, names):
+    for name, per_rank in zip(names, results):
+        for r in per_rank:  # every rank ends with the same full weights
+            assert _max_diff(r, ref) < TOL, f"{name}: max parameter difference {_max_diff(r, ref):.3g}"
+            assert r["norms"] == pytest.approx(ref["norms"], rel=1e-5), name
+            assert r["tied"], f"{name}: the embedding and the head no longer share their weight"
+
+
+def test_tensor_parallel_with_and_without_sequence_and_loss_parallel_equals_one_process(reference):
+    names = [{"tp": 2}, {"tp": 2, "sequence_parallel": True, "loss_parallel": True}]
+    out = spawn(layouts.train_layouts, 2, names, timeout=240)
+    _check([[rank[i] for rank in out] for i in range(len(names))], reference, names)
+    assert "tp=2" in out[0][0]["mesh"]
+    # Clipping acted: the norm before clipping is above the threshold.
+    assert min(reference["norms"]) > 0.5
+
+
+@pytest.mark.slow
+def test_fsdp_x_tp_and_hsdp_equal_one_process(reference):
+    names = [{"tp": 2}, {"tp": 2, "sequence_parallel": True, "loss_parallel": True}, {"dp_replicate": 2}]
+    out = spawn(layouts.train_layouts, 4, names, timeout=300)
+    _check([[rank[i] for rank in out] for i in range(len(names))], reference, names)
+    assert [out[0][i]["mesh"].split(";")[0] for i in range(3)] == [
+        "Mesh(dp_replicate=1, dp_shard=2, tp=2", "Mesh(dp_replicate=1, dp_shard=2, tp=2",
+        "Mesh(dp_replicate=2, dp_shard=2, tp=1"]
+
+
+def test_mesh_degrees_are_checked_before_any_group_work():
+    assert factor(8, tp=2, dp_replicate=2) == mg.parallel.MeshShape(2, 2, 2)
+    assert factor(4, tp=2).dp == 2 and factor(1).world_size == 1
+    with pytest.raises(mg.UsageError, match="world size 6 is not divisible by dp_replicate 1 x tp 4 = 4"):
+        factor(6, tp=4)
+    with pytest.raises(mg.UsageError, match=r"dp_replicate 1 x dp_shard 4 x tp 2 = 8 processes, but this job has 4"):
+        factor(4, tp=2, dp_shard=4)
+    with pytest.raises(mg.UsageError, match="tp must be a positive integer"):
+        factor(4, tp=0)
+
+
+def test_tp_degree_must_divide_what_it_shards():
+    check_tp(config("tiny"), 2)
+    with pytest.raises(mg.UsageError, match=r"tensor-parallel degree 3 does not divide n_head 4.*use tp=2"):
+        check_tp(config("tiny"), 3)
+    with pytest.raises(mg.UsageError, match="n_embd 65 is not divisible by n_head 4"):
+        config("tiny", n_embd=65)
+
+
+def test_flops_per_token_is_palms_formula_and_the_flop_counter_agrees():
+    """6N + 12·L·h·s against torch's FlopCounterMode on a forward + backward (math attention, which it can count)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = config("tiny")
+    model = GPT(cfg)
+    assert cfg.parameters == sum(p.numel() for p in model.parameters()) < 1_000_000
+    assert config("gpt2").parameters == 124_475_904  # GPT-2 small with its vocabulary padded to 50304
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    tokens = x.numel()
+    matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    attention = 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+    assert counter.get_total_flops() == (6 * matmul_weights + attention) * tokens
+    # The formula also counts biases and norms in N: within 2 % here, less for larger models.
+    assert cfg.flops_per_token() * tokens == pytest.approx(counter.get_total_flops(), rel=0.02)
+
+
+def test_token_files_and_windows(tmp_path):
+    from multigpu.recipes.gpt.data import TokenWindows, builtin_text, prepare_tokens
+
+    directory = prepare_tokens(tmp_path / "tok")
+    train = TokenWindows(directory / "train.bin", block_size=32, vocab_size=256)
+    val = TokenWindows(directory / "val.bin", block_size=32, vocab_size=256)
+    text = builtin_text().encode("utf-8")
+    assert len(train.tokens) + len(val.tokens) == len(text)
+    assert len(val.tokens) == pytest.approx(0.1 * len(text), abs=1)
+    x, y = train[1]
+    assert bytes(x.tolist()) == text[32:64] and bytes(y.tolist()) == text[33:65]
+    assert len(train) == (len(train.tokens) - 1) // 32
+    prepare_tokens(directory)  # kept as it is
+    with pytest.raises(mg.UsageError, match="holds token id .* but the model's vocabulary is 100"):
+        TokenWindows(directory / "val.bin", block_size=32, vocab_size=100)
+    with pytest.raises(mg.UsageError, match="does not exist"):
+        TokenWindows(tmp_path / "nope.bin", block_size=32)
