@@ -23,8 +23,13 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None = 0.5) -> dict:
-    """``layout``: mesh degrees plus sequence_parallel / loss_parallel; every rank returns the same full state."""
+def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None = 0.5, ckpt: str | None = None,
+          stop_after: int | None = None) -> dict:
+    """``layout``: mesh degrees plus sequence_parallel / loss_parallel; every rank returns the same full state.
+
+    With ``ckpt``: resume from that directory if it holds a checkpoint, save after every step, and
+    stop after step ``stop_after`` (a run that a later one, perhaps under another layout, continues).
+    """
     layout = dict(layout)
     sp, lp = layout.pop("sequence_parallel", False), layout.pop("loss_parallel", False)
     torch.manual_seed(0)
@@ -33,8 +38,13 @@ def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None
     parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     plan = mesh.plan(GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // mesh.dp_size // accum)
+    train_loader = mg.loader(tokens(), plan, dist, seed=0)
+    start = 0
+    if ckpt is not None:
+        checkpointer = mg.Checkpointer(ckpt, model=model, optimizer=opt, loader=train_loader)
+        start = checkpointer.resume()
     losses, norms = [], []
-    for _, micro_batches in zip(range(steps), mg.loader(tokens(), plan, dist, seed=0)):
+    for step, micro_batches in zip(range(start, steps), train_loader):
         total = 0.0
         for x, y in mg.accumulate(model, micro_batches):
             with mg.parallel.loss_parallel(lp):
@@ -46,6 +56,10 @@ def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
+        if ckpt is not None:
+            checkpointer.save(step)
+            if step == stop_after:
+                break
     state = {k: full(v) for k, v in model.state_dict().items()}
     tied = model.head.weight is model.embed.wte.weight
     return {"state": state, "losses": losses, "norms": norms, "mesh": repr(mesh), "tied": tied}
