@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import multigpu as mg
+from multigpu.parallel.footprint import state_bytes
 from multigpu.recipes.gpt.model import GPT, config
 from multigpu.recipes.gpt.parallelize import parallelize
 
@@ -23,6 +24,28 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
+def saved_bytes(out: list):
+    """A context that appends the bytes autograd saves for the backward inside it (a saved-tensors hook)."""
+    import contextlib
+
+    total = [0]
+
+    def pack(t):
+        from torch.distributed.tensor import DTensor
+
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total[0] += local.numel() * local.element_size()
+        return t
+
+    @contextlib.contextmanager
+    def ctx():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        out.append(total[0])
+
+    return ctx()
+
+
 def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None = 0.5, ckpt: str | None = None,
           stop_after: int | None = None) -> dict:
     """``layout``: mesh degrees plus sequence_parallel / loss_parallel; every rank returns the same full state.
@@ -32,10 +55,11 @@ def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None
     """
     layout = dict(layout)
     sp, lp = layout.pop("sequence_parallel", False), layout.pop("loss_parallel", False)
+    ac = layout.pop("activation_checkpointing", False)
     torch.manual_seed(0)
     model = GPT(config("tiny", block_size=BLOCK))   # the full model, the same on every rank
     mesh = mg.parallel.mesh(dist, **layout)
-    parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp)
+    parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp, activation_checkpointing=ac)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     plan = mesh.plan(GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // mesh.dp_size // accum)
     train_loader = mg.loader(tokens(), plan, dist, seed=0)
@@ -43,17 +67,19 @@ def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None
     if ckpt is not None:
         checkpointer = mg.Checkpointer(ckpt, model=model, optimizer=opt, loader=train_loader)
         start = checkpointer.resume()
-    losses, norms = [], []
+    losses, norms, saved = [], [], []
     for step, micro_batches in zip(range(start, steps), train_loader):
         total = 0.0
         for x, y in mg.accumulate(model, micro_batches):
-            with mg.parallel.loss_parallel(lp):
+            with mg.parallel.loss_parallel(lp), saved_bytes(saved):
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / plan.accum_steps
+            with mg.parallel.loss_parallel(lp):
                 loss.backward()
             total += float(full(loss))
         if clip is not None:
             norms.append(float(mg.clip_grad_norm_(model, clip)))
         opt.step()
+        held = state_bytes(model, opt).as_dict()  # this rank's parameters, gradients, optimizer state
         opt.zero_grad(set_to_none=True)
         losses.append(total)
         if ckpt is not None:
@@ -62,7 +88,8 @@ def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None
                 break
     state = {k: full(v) for k, v in model.state_dict().items()}
     tied = model.head.weight is model.embed.wte.weight
-    return {"state": state, "losses": losses, "norms": norms, "mesh": repr(mesh), "tied": tied}
+    return {"state": state, "losses": losses, "norms": norms, "mesh": repr(mesh), "tied": tied, "bytes": held,
+            "saved": saved[0]}
 
 
 def train_layouts(dist, layouts: list[dict]) -> list[dict]:

@@ -128,3 +128,41 @@ def test_checkpoints_resume_across_layouts(reference, tmp_path):
     final = spawn(layouts.train, 1, {}, ckpt=ckpt, timeout=240)[0]
     assert _max_diff(final, reference) < TOL
     assert final["norms"] == pytest.approx(reference["norms"][4:], rel=1e-5)  # only the last step ran here
+
+
+def _expected_param_bytes(tp: int, dp_shard: int) -> float:
+    """fp32 parameter bytes per rank by the reference's formula: TP divides what it shards, FSDP divides the rest.
+
+    Sharded by TP: q, k, v (weights and biases), attention out and MLP down weights, MLP up, and the
+    (tied) token table; replicated: the biases after a row-wise layer, the norms, the position table.
+    """
+    cfg = config("tiny", block_size=layouts.BLOCK)
+    h, L = cfg.n_embd, cfg.n_layer
+    sharded = L * (12 * h * h + 7 * h) + cfg.vocab_size * h
+    replicated = L * 6 * h + cfg.block_size * h + 2 * h
+    return 4 * (sharded / tp + replicated) / dp_shard
+
+
+@pytest.mark.slow
+def test_memory_per_rank_follows_the_layout(reference):
+    """Parameters, gradients and AdamW state per rank, counted from the tensors each rank holds."""
+    out = spawn(layouts.train_layouts, 4, [{"tp": 2}, {"dp_replicate": 2}, {"tp": 4}], timeout=300)
+    ref = reference["bytes"]
+    assert ref["params"] == _expected_param_bytes(1, 1)
+    for i, (tp, shard) in enumerate([(2, 2), (1, 2), (4, 1)]):
+        got = out[0][i]["bytes"]
+        assert got["params"] == pytest.approx(_expected_param_bytes(tp, shard), rel=0.02), (tp, shard)
+        assert got["grads"] == pytest.approx(got["params"], rel=0.02)
+        # AdamW: two moments per parameter (and a step counter per tensor).
+        assert 2 * got["params"] <= got["optimizer"] <= 2 * got["params"] * 1.05
+    # FSDP 2 x TP 2 holds about a quarter of one process's state.
+    assert out[0][0]["bytes"]["total"] / ref["total"] == pytest.approx(0.254, abs=0.005)
+
+
+def test_activation_checkpointing_computes_the_same_and_saves_less(reference):
+    """Per-block checkpointing under TP=2: the same weights as one process, a fraction of the saved activations."""
+    names = [{"tp": 2, "activation_checkpointing": True}, {"tp": 2}]
+    out = spawn(layouts.train_layouts, 2, names, timeout=240)
+    _check([[rank[0] for rank in out]], reference, names[:1])
+    with_ac, without = out[0][0]["saved"], out[0][1]["saved"]
+    assert with_ac < 0.5 * without, (with_ac, without)

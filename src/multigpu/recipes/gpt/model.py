@@ -101,14 +101,25 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """Pre-LN block. ``checkpointed``: keep only its input for the backward and recompute the rest
+    (activation checkpointing, non-reentrant ``torch.utils.checkpoint``; parameter names unchanged)."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
+        self.checkpointed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 

@@ -59,8 +59,9 @@ def tp_plan(cfg: GPTConfig, *, sequence_parallel: bool = False, loss_parallel: b
 
 
 def parallelize(model: nn.Module, mesh: Any, *, sequence_parallel: bool = False, loss_parallel: bool = False,
-                fsdp: bool = True, **fsdp_options: Any) -> nn.Module:
-    """TP over ``mesh.tp_mesh`` (when tp > 1), then FSDP per block and on the root over ``mesh.dp_mesh``."""
+                activation_checkpointing: bool = False, fsdp: bool = True, **fsdp_options: Any) -> nn.Module:
+    """TP over ``mesh.tp_mesh`` (when tp > 1), activation checkpointing per block if asked, then FSDP
+    per block and on the root over ``mesh.dp_mesh`` (torchtitan's order: FSDP outermost)."""
     from ...parallel import apply_tp, shard_blocks
     from .model import Block
 
@@ -71,6 +72,8 @@ def parallelize(model: nn.Module, mesh: Any, *, sequence_parallel: bool = False,
     elif sequence_parallel or loss_parallel:
         raise UsageError("sequence_parallel and loss_parallel split work over tensor-parallel ranks but tp is 1; "
                          "use mg.parallel.mesh(dist, tp=2) or drop them")
+    for block in model.blocks.values():
+        block.checkpointed = activation_checkpointing
     if fsdp and mesh.dp_mesh is not None:
         shard_blocks(model, mesh.dp_mesh, block_classes=[Block], **fsdp_options)
     return model

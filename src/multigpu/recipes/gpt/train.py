@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dp-shard", type=int, default=None, help="FSDP degree (default: the rest of the world)")
     p.add_argument("--sequence-parallel", action="store_true", help="split norms and residuals along the sequence (needs --tp)")
     p.add_argument("--loss-parallel", action="store_true", help="cross-entropy on vocabulary-sharded logits (needs --tp)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block in the backward instead of keeping its activations")
     p.add_argument("--eval-every", type=int, default=25, help="held-out loss every N steps (and at the end)")
     p.add_argument("--eval-batches", type=int, default=8, help="held-out sequences evaluated: this many global batches")
     p.add_argument("--log-every", type=int, default=10)
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         plan = mesh.plan(args.global_batch, micro_batch=args.micro_batch)
         torch.manual_seed(args.seed)  # the full model, the same on every rank, then spread: weights as one process's
         model = parallelize(GPT(cfg).to(dist.device), mesh, sequence_parallel=args.sequence_parallel,
-                            loss_parallel=args.loss_parallel)
+                            loss_parallel=args.loss_parallel, activation_checkpointing=args.activation_checkpointing)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
         sched = mg.warmup(opt, steps=args.warmup_steps) if args.warmup_steps else None
         train = mg.loader(train_set, plan, dist, shuffle=True, seed=args.seed)
