@@ -23,20 +23,18 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as tdist
 from torch import nn
 
 import multigpu as mg
+from multigpu.fingerprint import format_fingerprint
 from multigpu.checkpoint import storage
 from multigpu.testing import spawn
 
@@ -101,14 +99,6 @@ def _trial(dist, params: float, repeats: int, root: str):
     return {"rows": rows, "parameters": n}
 
 
-def _git_rev() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=10).stdout.strip() or "?"
-    except OSError:
-        return "?"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=float, default=100e6, help="model size in parameters (default 100e6)")
@@ -136,9 +126,8 @@ def main() -> None:
     print(f"ratio Checkpointer / torch.save (median of per-trial ratios): save {ratio('plain_save', 'ckpt_save'):.2f}x, "
           f"load {ratio('plain_load', 'ckpt_load'):.2f}x")
     load = os.getloadavg()
-    print(f"env: torch {torch.__version__}, numpy {np.__version__}, python {platform.python_version()}, "
-          f"multigpu {mg.__version__} @ {_git_rev()}, device cpu, world size {args.world_size}, "
-          f"{os.cpu_count()} CPUs, load average {load[0]:.1f}, {platform.platform()}")
+    print("env:", format_fingerprint(mg.fingerprint(None, world_size=args.world_size, backend="gloo")),
+          f"| load average {load[0]:.1f}")
 
 
 if __name__ == "__main__":

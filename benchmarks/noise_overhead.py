@@ -21,9 +21,7 @@ NoiseScale every step: B_simple as training goes, and the end-of-run summary.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
-import subprocess
 import time
 
 import torch
@@ -31,6 +29,7 @@ import torch.distributed as tdist
 from torch import nn
 
 import multigpu as mg
+from multigpu.fingerprint import format_fingerprint
 from multigpu.recipes.digits import digits_datasets, evaluate, make_model
 from multigpu.testing import spawn
 
@@ -153,22 +152,6 @@ def _train(dist, epochs: int) -> dict:
     return {"history": history, "summary": noise.summary(), "steps_per_epoch": len(train)}
 
 
-def _fingerprint(world: int) -> dict:
-    try:
-        from multigpu.fingerprint import fingerprint  # the meter branch's, once merged
-
-        return fingerprint(world_size=world)
-    except ImportError:
-        pass
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        rev = "?"
-    return {"torch": torch.__version__, "python": platform.python_version(), "device": "cpu/gloo",
-            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "world_size": world, "git": rev or "?"}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=2, help="gloo ranks (1: one process, 4 micro-batches)")
@@ -181,7 +164,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=20, help="epochs of the measurement run (0: skip it)")
     args = ap.parse_args()
     w = 1 if args.device == "cuda" else args.world_size
-    print("fingerprint:", ", ".join(f"{k}={v}" for k, v in _fingerprint(w).items()), flush=True)
+    print("fingerprint:", format_fingerprint(mg.fingerprint(None, world_size=w)), flush=True)
 
     everies = [int(e) for e in args.every.split(",")]
     if args.device == "cuda":

@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -93,22 +91,6 @@ def _bench(dist, args):
     return out
 
 
-def fingerprint(world_size: int) -> dict:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
-        rev += "+dirty" if dirty else ""
-    except (OSError, subprocess.CalledProcessError):
-        rev = "unknown"
-    return {
-        "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
-        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-        "device": "cpu", "backend": "gloo", "world_size": world_size, "threads_per_rank": 1, "git": rev,
-        "load_average_1min": round(os.getloadavg()[0], 2),
-    }
-
-
 def _q(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=4)[{0.25: 0, 0.75: 2}[q]] if len(values) > 1 else values[0]
 
@@ -145,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--json", help="also write the raw results here")
     args = p.parse_args(argv)
-    env = fingerprint(args.world_size)
+    env = mg.fingerprint(None, world_size=args.world_size, backend="gloo", threads_per_rank=1,
+                         load_average_1min=round(os.getloadavg()[0], 2))
     params = sum(q.numel() for q in make_model(args.width, args.depth).parameters())
     results = spawn(_bench, args.world_size, args, timeout=1800)
     print("environment:", json.dumps(env))
