@@ -1,0 +1,134 @@
+"""GPT layouts side by side: step time and per-rank state memory under DDP, FSDP, HSDP, TP and FSDP x TP.
+
+    PYTHONPATH=src python benchmarks/model_parallel.py                 # 4 gloo ranks on CPU
+    PYTHONPATH=src python benchmarks/model_parallel.py --rounds 8 --json out.json
+
+Every layout trains the same GPT (``--layers`` x ``--width``, byte vocabulary,
+``--block`` tokens) with AdamW on the same global batch of ``--batch``
+sequences: the data-parallel ranks split it, tensor-parallel peers share
+their rank's part. The layouts are built once, then timed in interleaved
+rounds (``--steps`` steps each, round-robin), so a change of load on the
+machine hits them all alike. Step time is the slowest rank's median over all
+timed steps (with the interquartile range); memory is the per-rank bytes of
+parameters, gradients and optimizer state, counted from the tensors each rank
+holds (local shards).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import multigpu as mg
+from multigpu.fingerprint import format_fingerprint
+from multigpu.parallel.footprint import state_bytes
+from multigpu.recipes.gpt.model import GPT, config
+from multigpu.recipes.gpt.parallelize import parallelize
+from multigpu.testing import spawn
+
+# name -> mesh degrees (None: plain DDP through mg.wrap), for 4 ranks.
+LAYOUTS = {
+    "ddp": None,
+    "fsdp 4": {},
+    "hsdp 2x2": {"dp_replicate": 2},
+    "tp 4": {"tp": 4},
+    "fsdp 2 x tp 2": {"tp": 2},
+    "fsdp 2 x tp 2 + sp": {"tp": 2, "sequence_parallel": True},
+}
+
+
+def _build(dist, args, layout):
+    torch.manual_seed(0)
+    cfg = config("small", n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.block)
+    model = GPT(cfg)
+    if layout is None:
+        model, dp_size, dp_rank, sp = mg.wrap(model, "ddp"), dist.world_size, dist.rank, False
+    else:
+        layout = dict(layout)
+        sp = layout.pop("sequence_parallel", False)
+        mesh = mg.parallel.mesh(dist, **layout)
+        model, dp_size, dp_rank = parallelize(model, mesh, sequence_parallel=sp), mesh.dp_size, mesh.dp_rank
+    g = torch.Generator().manual_seed(dp_rank)  # tensor-parallel peers read the same sequences
+    per_rank = args.batch // dp_size
+    seq = torch.randint(0, cfg.vocab_size, (per_rank, cfg.block_size + 1), generator=g)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, opt, seq[:, :-1], seq[:, 1:]
+
+
+def _bench(dist, args):
+    runs = {name: (*_build(dist, args, layout), [], []) for name, layout in LAYOUTS.items()}
+
+    def step(model, opt, x, y):
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # keep gradients allocated, as in a steady-state loop
+
+    for model, opt, x, y, _, _ in runs.values():
+        for _ in range(args.warmup):
+            step(model, opt, x, y)
+    for _ in range(args.rounds):
+        for model, opt, x, y, times, cpu in runs.values():
+            torch.distributed.barrier()
+            for _ in range(args.steps):
+                t0, c0 = time.perf_counter(), time.process_time()
+                step(model, opt, x, y)
+                times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
+    return {name: {"times": times, "cpu": cpu, "bytes": state_bytes(model, opt).as_dict()}
+            for name, (model, opt, _, _, times, cpu) in runs.items()}
+
+
+def _q(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=4)[q] if len(values) > 1 else values[0]
+
+
+def table(results: list[dict]) -> list[str]:
+    names = list(results[0])
+    med = {n: max(statistics.median(r[n]["times"]) for r in results) for n in names}
+    iqr = {n: max(_q(r[n]["times"], 2) - _q(r[n]["times"], 0) for r in results) for n in names}
+    cpu = {n: max(statistics.median(r[n]["cpu"]) for r in results) for n in names}
+    mem = {n: max(r[n]["bytes"]["total"] for r in results) for n in names}
+    lines = ["| layout | step ms (median) | IQR ms | time / ddp | CPU ms per step | state MB per rank | memory / ddp |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for n in names:
+        lines.append(f"| {n} | {med[n] * 1e3:.0f} | {iqr[n] * 1e3:.0f} | {med[n] / med['ddp']:.2f} | "
+                     f"{cpu[n] * 1e3:.0f} | {mem[n] / 2**20:.2f} | {mem[n] / mem['ddp']:.2f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--block", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=16, help="global batch in sequences (divisible by 4)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--json", help="also write the raw results here")
+    args = p.parse_args(argv)
+    env = mg.fingerprint(None, world_size=4, backend="gloo", threads_per_rank=1,
+                         load_average_1min=round(os.getloadavg()[0], 2))
+    cfg = config("small", n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.block)
+    results = spawn(_bench, 4, args, timeout=3600)
+    print("environment:", format_fingerprint(env))
+    print(f"model: GPT {args.layers} layers x {args.width} ({cfg.parameters / 1e6:.2f} M parameters), {args.block} "
+          f"tokens per sequence, AdamW; global batch {args.batch} sequences; n = {args.rounds * args.steps} timed "
+          f"steps per layout ({args.rounds} interleaved rounds), slowest rank's median; 4 gloo ranks")
+    print("\n".join(table(results)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "args": vars(args), "results": results}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
