@@ -3,7 +3,9 @@
 1. the GPU-marked tests (nccl, CUDA events, NVML, real OOM);
 2. the digits demo on the GPU (nccl, world size 1, bf16);
 3. the overhead benchmarks on the GPU (1 process, nccl): the training loop (bf16), the step
-   meter, NoiseScale (from micro-batches).
+   meter, NoiseScale (from micro-batches);
+4. the GPT recipe at GPT-2 124M on one GPU, bf16 and torch.compile per block: tokens/s, MFU
+   (against the GPU's dense bf16 peak) and peak memory, without and with activation checkpointing.
 Prints each step's exit status and a one-line summary; exits non-zero if any failed.
 """
 
@@ -21,6 +23,11 @@ STEPS = [
     ("meter overhead", [sys.executable, "benchmarks/meter.py", "--device", "cuda", "--trials", "5"]),
     ("noise-scale overhead", [sys.executable, "benchmarks/noise_overhead.py", "--device", "cuda", "--blocks", "20",
                               "--every", "1,4"]),
+    *[(f"gpt2 124M, bf16, compile{name}", [sys.executable, "-m", "multigpu", "run", "-n", "1", "-m",
+                                           "multigpu.recipes.gpt", "--size", "gpt2", "--precision", "bf16", "--compile",
+                                           "--global-batch", "16", "--steps", "60", "--warmup-steps", "5",
+                                           "--eval-every", "1000", "--eval-batches", "1", "--log-every", "10", *extra])
+      for name, extra in (("", []), (", activation checkpointing", ["--activation-checkpointing"]))],
     ("meter + profiler example", [sys.executable, "-m", "multigpu", "run", "-n", "1", "examples/observe.py",
                                   "--steps", "40", "--profile", "10:15", "--log-every", "10"]),
 ]

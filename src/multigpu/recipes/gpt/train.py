@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loss-parallel", action="store_true", help="cross-entropy on vocabulary-sharded logits (needs --tp)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block in the backward instead of keeping its activations")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="autocast dtype (mg.Precision)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block (names unchanged; slow to start on CPU)")
     p.add_argument("--eval-every", type=int, default=25, help="held-out loss every N steps (and at the end)")
     p.add_argument("--eval-batches", type=int, default=8, help="held-out sequences evaluated: this many global batches")
     p.add_argument("--log-every", type=int, default=10)
@@ -95,23 +97,31 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         torch.manual_seed(args.seed)  # the full model, the same on every rank, then spread: weights as one process's
         model = parallelize(GPT(cfg).to(dist.device), mesh, sequence_parallel=args.sequence_parallel,
                             loss_parallel=args.loss_parallel, activation_checkpointing=args.activation_checkpointing)
+        if args.compile:
+            for block in model.blocks.values():
+                block.compile()  # in place: the block keeps its parameter names (no _orig_mod prefix)
+        amp = mg.Precision(args.precision, dist.device)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
         sched = mg.warmup(opt, steps=args.warmup_steps) if args.warmup_steps else None
         train = mg.loader(train_set, plan, dist, shuffle=True, seed=args.seed)
         mg.print0(plan.summary(layout=repr(mesh), parameters=cfg.parameters, tokens_per_step=plan.global_batch * cfg.block_size))
         meter = mg.StepMeter(dist, plan, log_every=args.log_every, log_dir=args.log_dir, total_steps=args.steps,
                              flops_per_sample=cfg.flops_per_token() * cfg.block_size, tokens_per_sample=cfg.block_size,
+                             dtype=amp.name,
                              fingerprint_extra={"recipe": "gpt", "size": args.size, "layout": repr(mesh)})
         metrics: dict[str, float] = {}
         with meter:
             for step, micro_batches in meter.steps(_forever(train)):
                 for x, y in mg.accumulate(model, micro_batches):
                     with mg.parallel.loss_parallel(args.loss_parallel):
-                        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / plan.accum_steps
-                        loss.backward()
+                        with amp.autocast():
+                            logits = model(x)
+                        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / plan.accum_steps
+                        amp.scale(loss).backward()
                 if args.clip:
+                    amp.unscale_(opt)
                     mg.clip_grad_norm_(model, args.clip)
-                opt.step()
+                amp.step(opt)
                 opt.zero_grad(set_to_none=True)
                 if sched is not None:
                     sched.step()
@@ -126,10 +136,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     break
         summary = meter.summary() or {}
         sps = (summary.get("samples_per_s") or {}).get("mean")
+        peak = torch.cuda.max_memory_allocated(dist.device) if dist.device.type == "cuda" else None
         result = dict(metrics, world_size=dist.world_size, steps=args.steps,
-                      tokens_per_s=sps * cfg.block_size if sps else None, wall_s=summary.get("wall_time"))
+                      tokens_per_s=sps * cfg.block_size if sps else None, wall_s=summary.get("wall_time"),
+                      mfu=(summary.get("mfu") or {}).get("mean"), peak_memory_bytes=peak)
+        mfu = f", MFU {result['mfu']:.1%}" if result["mfu"] is not None else ""
+        mem = f", peak memory {peak / 2**30:.2f} GiB" if peak is not None else ""
+        tps = f"{result['tokens_per_s']:,.0f} tokens/s" if result["tokens_per_s"] else "tokens/s n/a"
         mg.print0(f"gpt {args.size}: val loss {metrics.get('loss', float('nan')):.4f} "
-                  f"({metrics.get('bits_per_byte', float('nan')):.3f} bits/byte) | {repr(mesh)}")
+                  f"({metrics.get('bits_per_byte', float('nan')):.3f} bits/byte); {tps}{mfu}{mem} | {repr(mesh)}")
         return result
 
 
