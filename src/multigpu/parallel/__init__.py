@@ -4,8 +4,9 @@
 ``accumulate``, ``no_sync``, ``strategy_of``); each strategy is one flat file
 (``ddp.py``, ``dp.py``, ``zero.py``, ``fsdp.py``) and the pieces they share
 sit beside them (``comm_hooks.py``, ``batchnorm.py``, ``clip.py``,
-``footprint.py``). Model parallelism (a device mesh, tensor and pipeline
-parallel plans) is to join here, one file each.
+``footprint.py``). Model parallelism: ``mesh.py`` (the device mesh and the
+data-parallel rank), ``tp.py`` (tensor-parallel plans), ``fsdp.shard_blocks``
+(FSDP over a mesh's data-parallel dimensions).
 """
 
 from .clip import clip_grad_norm_
