@@ -333,15 +333,21 @@ class _Block(torch.nn.Module):
         return torch.tanh(self.lin(x))
 
 
-def _fsdp_worker(dist, steps):
+def _fsdp_worker(dist, steps, strategies=("ddp", "fsdp")):
     world, rank = dist.world_size, dist.rank
     plan = mg.BatchPlan(global_batch=8 * 2 * world, world_size=world, micro_batch=8)  # 2 micro-batches per step
+    from torch.distributed.device_mesh import init_device_mesh
+
     out = {}
-    for strategy in ("ddp", "fsdp"):
+    for strategy in strategies:
         torch.manual_seed(0)
         net = torch.nn.Sequential(_Block(6), _Block(6), torch.nn.Linear(6, 3))
-        kw = {"block_classes": [_Block]} if strategy == "fsdp" else {}
-        model = mg.wrap(net, strategy, **kw)   # fsdp: three FSDP modules, three reduce-scatters per step
+        if strategy == "hsdp":  # 2 replicas x (world / 2) shards: each shard's norm is on 2 ranks
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+            model = mg.parallel.shard_blocks(net, mesh, block_classes=[_Block])
+        else:
+            kw = {"block_classes": [_Block]} if strategy == "fsdp" else {}
+            model = mg.wrap(net, strategy, **kw)   # fsdp: three FSDP modules, three reduce-scatters per step
         noise = mg.NoiseScale(plan, tau=1e12, every=2, sync_every=16).attach(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         gen = torch.Generator().manual_seed(100 + rank)
@@ -361,15 +367,22 @@ def _fsdp_worker(dist, steps):
         model(torch.randn(8, 6)).float().square().mean().backward()
     except mg.UsageError as err:
         out["fp16_error"] = str(err)
-    # HSDP (a 2-D mesh) replicates shards: refused at attach.
-    from torch.distributed.device_mesh import init_device_mesh
+    # FSDP x TP: the reduce-scatter inputs hold tensor-parallel shards: refused at attach, with the way out.
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
 
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    tp_model = mg.parallel.apply_tp(torch.nn.Sequential(torch.nn.Linear(6, 4)), mesh["tp"], {"0": ColwiseParallel()})
     try:
-        mg.NoiseScale(plan).attach(fully_shard(torch.nn.Linear(6, 3), mesh=mesh))
+        mg.NoiseScale(plan).attach(fully_shard(tp_model, mesh=mesh["dp"]))
     except mg.UsageError as err:
-        out["hsdp_error"] = str(err)
+        out["tp_error"] = str(err)
+    # Replicas of one-rank shards: FSDP reduces without a reduce-scatter, so there is nothing to read.
+    replicated = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    try:
+        mg.NoiseScale(plan).attach(fully_shard(torch.nn.Linear(6, 3), mesh=replicated))
+    except mg.UsageError as err:
+        out["replicate_error"] = str(err)
     return out
 
 
@@ -384,4 +397,15 @@ def test_fsdp_reads_the_same_norms_as_ddp():
         assert fsdp[key] == pytest.approx(ddp[key], rel=1e-5)   # fp32 gradients reduced in another order (seen: 1e-7)
     assert res[1]["fsdp"] == res[0]["fsdp"]
     assert "reduce_dtype='fp32'" in res[0]["fp16_error"] and "\n" not in res[0]["fp16_error"]
-    assert "2-D mesh (HSDP)" in res[0]["hsdp_error"] and "shard_sq / replicas" in res[0]["hsdp_error"]
+    assert "tensor parallelism" in res[0]["tp_error"] and "noise.observe(local_sq, total_sq)" in res[0]["tp_error"]
+    assert "mg.wrap(model, 'ddp')" in res[0]["replicate_error"]
+
+
+@pytest.mark.slow
+def test_hsdp_counts_each_replicated_shard_once():
+    res = spawn(_fsdp_worker, 4, 24, ("ddp", "hsdp"), timeout=240)
+    ddp, hsdp = res[0]["ddp"], res[0]["hsdp"]
+    assert hsdp["noise/measured_steps"] == ddp["noise/measured_steps"] == 12
+    for key in ("noise/grad_sq", "noise/trace_cov"):
+        assert hsdp[key] == pytest.approx(ddp[key], rel=1e-5)
+    assert all(r["hsdp"] == hsdp for r in res)

@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as tdist
 
+from ..errors import UsageError
+
 
 def norm_parts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors' L2 norms (fp32 scalars): the sum of their squares is the squared norm of all.
@@ -65,6 +67,37 @@ def loss_scale(scaler: Any, device: torch.device) -> torch.Tensor | None:
     if isinstance(t, torch.Tensor):
         return t.detach().to(device=device, dtype=torch.float64).reshape(())
     return torch.tensor(float(scaler.get_scale()), device=device, dtype=torch.float64)
+
+
+def shard_replicas(params: list[torch.Tensor]) -> int:
+    """How many ranks hold each FSDP2 shard: 1 on a 1-D mesh, the replicate degree under HSDP.
+
+    A (replicate, shard) mesh places parameters ``(Replicate(), Shard(0))``. Other 2-D layouts
+    (FSDP x tensor parallel) split what each rank's reduce-scatter input holds between its
+    tensor-parallel peers, replicated parameters in full on each: refused, with the way out.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    replicas = set()
+    for p in params:
+        mesh, placements = p.device_mesh, p.placements
+        if mesh.ndim == 1:
+            replicas.add(1)
+        elif mesh.ndim == 2 and isinstance(placements[0], Replicate) and isinstance(placements[1], Shard):
+            if mesh.size(1) == 1:
+                raise UsageError("NoiseScale reads the rank gradients in FSDP2's reduce-scatter, which FSDP skips "
+                                 "when each shard group has one rank (a replicate x 1 mesh is plain replication); "
+                                 "use mg.wrap(model, 'ddp') for that, or shard over 2+ ranks")
+            replicas.add(mesh.size(0))
+        else:
+            raise UsageError(f"NoiseScale reads FSDP2 and HSDP, but this model's parameters are placed "
+                             f"{tuple(placements)} on a {mesh.ndim}-D mesh (tensor parallelism); leave it unattached "
+                             "and call noise.observe(local_sq, total_sq) each step with the norms of each "
+                             "data-parallel rank's full gradient and of the averaged one")
+    if len(replicas) != 1:
+        raise UsageError(f"NoiseScale found FSDP2 shards replicated {sorted(replicas)} times in one model; "
+                         "shard every module over the same mesh, or call noise.observe(...) each step")
+    return replicas.pop()
 
 
 def local_tensors(grads: Iterator[torch.Tensor | None]) -> list[torch.Tensor]:

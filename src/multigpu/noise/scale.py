@@ -77,6 +77,7 @@ class NoiseScale:
         self._syncs = 0         # batches of steps processed so far
         self._rounds = 0        # optimizer steps seen, measured or not
         self._kind: str | None = None  # "ddp" | "fsdp" | "micro" (one process, micro-batches)
+        self._replicas = 1      # FSDP: ranks holding each shard (HSDP's replicate degree)
         self._params: list[torch.Tensor] = []
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self._handles: list = []
@@ -140,12 +141,7 @@ class NoiseScale:
         return self
 
     def _attach_fsdp(self, modules: list[torch.nn.Module]) -> None:
-        meshes = {getattr(getattr(p, "device_mesh", None), "ndim", 1) for m in modules for p in m.parameters()}
-        if meshes != {1}:
-            # HSDP replicates each shard: summing shard norms over all ranks would count each R times.
-            raise UsageError("NoiseScale reads FSDP2 on a 1-D mesh (every rank one shard), got a "
-                             f"{max(meshes)}-D mesh (HSDP); leave the model unattached and call "
-                             "noise.observe(local_sq, shard_sq / replicas, sharded=True) each step")
+        self._replicas = norms.shard_replicas([p for m in modules for p in m.parameters()])
         for m in modules:
             if not hasattr(m, "set_custom_reduce_scatter"):
                 raise UsageError(f"NoiseScale under FSDP2 needs FSDPModule.set_custom_reduce_scatter, which torch "
@@ -304,7 +300,8 @@ class NoiseScale:
         world = self.plan.world_size
         # Summed over ranks: the mean of the rank norms; shard norms add up to the full
         # norm; a replicated total (the same on every rank) averages to itself.
-        per_rank = torch.tensor([1.0 if s[3] else 1.0 / world for s in steps], dtype=torch.float64)
+        # Under HSDP every shard lives on `replicas` ranks: its norm counts once.
+        per_rank = torch.tensor([1.0 / self._replicas if s[3] else 1.0 / world for s in steps], dtype=torch.float64)
         vec = torch.cat([local_sq / world, total_sq * per_rank.to(total_sq.device)])
         work = tdist.all_reduce(vec, group=self.group, async_op=True)
         self._inflight = (work, vec, scales)
