@@ -23,9 +23,26 @@ import _gpt_layouts as layouts
 TOL = 1e-5  # max absolute parameter difference after 5 steps (fp32)
 
 
+TWO = [{"tp": 2}, {"tp": 2, "sequence_parallel": True, "loss_parallel": True}, {"tp": 2, "activation_checkpointing": True}]
+FOUR = [{"tp": 2}, {"tp": 2, "sequence_parallel": True, "loss_parallel": True}, {"dp_replicate": 2}, {"tp": 4}]
+
+
 @pytest.fixture(scope="module")
 def reference():
     return spawn(layouts.train, 1, {})[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Every 2-rank layout, trained in one start-up of 2 processes: per layout, the ranks' results."""
+    out = spawn(layouts.train_layouts, 2, TWO, timeout=240)
+    return [[rank[i] for rank in out] for i in range(len(TWO))]
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    out = spawn(layouts.train_layouts, 4, FOUR, timeout=300)
+    return [[rank[i] for rank in out] for i in range(len(FOUR))]
 
 
 def _max_diff(got, ref):
@@ -41,23 +58,19 @@ def _check(results, ref, names):
             assert r["tied"], f"{name}: the embedding and the head no longer share their weight"
 
 
-def test_tensor_parallel_with_and_without_sequence_and_loss_parallel_equals_one_process(reference):
-    names = [{"tp": 2}, {"tp": 2, "sequence_parallel": True, "loss_parallel": True}]
-    out = spawn(layouts.train_layouts, 2, names, timeout=240)
-    _check([[rank[i] for rank in out] for i in range(len(names))], reference, names)
-    assert "tp=2" in out[0][0]["mesh"]
+def test_tensor_parallel_with_and_without_sequence_and_loss_parallel_equals_one_process(reference, two_ranks):
+    _check(two_ranks[:2], reference, TWO[:2])
+    assert "tp=2" in two_ranks[0][0]["mesh"]
     # Clipping acted: the norm before clipping is above the threshold.
     assert min(reference["norms"]) > 0.5
 
 
 @pytest.mark.slow
-def test_fsdp_x_tp_and_hsdp_equal_one_process(reference):
-    names = [{"tp": 2}, {"tp": 2, "sequence_parallel": True, "loss_parallel": True}, {"dp_replicate": 2}]
-    out = spawn(layouts.train_layouts, 4, names, timeout=300)
-    _check([[rank[i] for rank in out] for i in range(len(names))], reference, names)
-    assert [out[0][i]["mesh"].split(";")[0] for i in range(3)] == [
+def test_fsdp_x_tp_hsdp_and_tp4_equal_one_process(reference, four_ranks):
+    _check(four_ranks, reference, FOUR)
+    assert [r[0]["mesh"].split(";")[0] for r in four_ranks] == [
         "Mesh(dp_replicate=1, dp_shard=2, tp=2", "Mesh(dp_replicate=1, dp_shard=2, tp=2",
-        "Mesh(dp_replicate=2, dp_shard=2, tp=1"]
+        "Mesh(dp_replicate=2, dp_shard=2, tp=1", "Mesh(dp_replicate=1, dp_shard=1, tp=4"]
 
 
 def test_mesh_degrees_are_checked_before_any_group_work():
@@ -144,25 +157,23 @@ def _expected_param_bytes(tp: int, dp_shard: int) -> float:
 
 
 @pytest.mark.slow
-def test_memory_per_rank_follows_the_layout(reference):
+def test_memory_per_rank_follows_the_layout(reference, two_ranks, four_ranks):
     """Parameters, gradients and AdamW state per rank, counted from the tensors each rank holds."""
-    out = spawn(layouts.train_layouts, 4, [{"tp": 2}, {"dp_replicate": 2}, {"tp": 4}], timeout=300)
     ref = reference["bytes"]
     assert ref["params"] == _expected_param_bytes(1, 1)
-    for i, (tp, shard) in enumerate([(2, 2), (1, 2), (4, 1)]):
-        got = out[0][i]["bytes"]
+    measured = [(two_ranks[0][0], 2, 1), (four_ranks[0][0], 2, 2), (four_ranks[2][0], 1, 2), (four_ranks[3][0], 4, 1)]
+    for result, tp, shard in measured:
+        got = result["bytes"]
         assert got["params"] == pytest.approx(_expected_param_bytes(tp, shard), rel=0.02), (tp, shard)
         assert got["grads"] == pytest.approx(got["params"], rel=0.02)
         # AdamW: two moments per parameter (and a step counter per tensor).
         assert 2 * got["params"] <= got["optimizer"] <= 2 * got["params"] * 1.05
     # FSDP 2 x TP 2 holds about a quarter of one process's state.
-    assert out[0][0]["bytes"]["total"] / ref["total"] == pytest.approx(0.254, abs=0.005)
+    assert four_ranks[0][0]["bytes"]["total"] / ref["total"] == pytest.approx(0.254, abs=0.005)
 
 
-def test_activation_checkpointing_computes_the_same_and_saves_less(reference):
+def test_activation_checkpointing_computes_the_same_and_saves_less(reference, two_ranks):
     """Per-block checkpointing under TP=2: the same weights as one process, a fraction of the saved activations."""
-    names = [{"tp": 2, "activation_checkpointing": True}, {"tp": 2}]
-    out = spawn(layouts.train_layouts, 2, names, timeout=240)
-    _check([[rank[0] for rank in out]], reference, names[:1])
-    with_ac, without = out[0][0]["saved"], out[0][1]["saved"]
+    _check(two_ranks[2:], reference, TWO[2:])
+    with_ac, without = two_ranks[2][0]["saved"], two_ranks[0][0]["saved"]
     assert with_ac < 0.5 * without, (with_ac, without)
