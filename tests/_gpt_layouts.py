@@ -56,10 +56,14 @@ def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None
     layout = dict(layout)
     sp, lp = layout.pop("sequence_parallel", False), layout.pop("loss_parallel", False)
     ac = layout.pop("activation_checkpointing", False)
+    compiled = layout.pop("compile", False)
     torch.manual_seed(0)
     model = GPT(config("tiny", block_size=BLOCK))   # the full model, the same on every rank
     mesh = mg.parallel.mesh(dist, **layout)
     parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp, activation_checkpointing=ac)
+    if compiled:
+        for block in model.blocks.values():
+            block.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     plan = mesh.plan(GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // mesh.dp_size // accum)
     train_loader = mg.loader(tokens(), plan, dist, seed=0)

@@ -177,3 +177,11 @@ def test_activation_checkpointing_computes_the_same_and_saves_less(reference, tw
     _check(two_ranks[2:], reference, TWO[2:])
     with_ac, without = two_ranks[2][0]["saved"], two_ranks[0][0]["saved"]
     assert with_ac < 0.5 * without, (with_ac, without)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_compute_the_same(reference):
+    """torch.compile per block (in place: parameter names unchanged) on one process: the eager weights."""
+    compiled = spawn(layouts.train, 1, {"compile": True}, timeout=280)[0]
+    assert sorted(compiled["state"]) == sorted(reference["state"])
+    assert _max_diff(compiled, reference) < TOL
