@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +30,9 @@ from multigpu.parallel.footprint import state_bytes
 from multigpu.recipes.gpt.model import GPT, config
 from multigpu.recipes.gpt.parallelize import parallelize
 from multigpu.testing import spawn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from interleave import slowest_rank, time_interleaved  # noqa: E402 - beside this file
 
 # name -> mesh degrees (None: plain DDP through mg.wrap), for 4 ranks.
 LAYOUTS = {
@@ -63,38 +64,25 @@ def _build(dist, args, layout):
 
 
 def _bench(dist, args):
-    runs = {name: (*_build(dist, args, layout), [], []) for name, layout in LAYOUTS.items()}
+    runs = {name: _build(dist, args, layout) for name, layout in LAYOUTS.items()}
 
-    def step(model, opt, x, y):
+    def step(run):
+        model, opt, x, y = run
         F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
         opt.step()
         opt.zero_grad(set_to_none=False)  # keep gradients allocated, as in a steady-state loop
 
-    for model, opt, x, y, _, _ in runs.values():
-        for _ in range(args.warmup):
-            step(model, opt, x, y)
-    for _ in range(args.rounds):
-        for model, opt, x, y, times, cpu in runs.values():
-            torch.distributed.barrier()
-            for _ in range(args.steps):
-                t0, c0 = time.perf_counter(), time.process_time()
-                step(model, opt, x, y)
-                times.append(time.perf_counter() - t0)
-                cpu.append(time.process_time() - c0)
-    return {name: {"times": times, "cpu": cpu, "bytes": state_bytes(model, opt).as_dict()}
-            for name, (model, opt, _, _, times, cpu) in runs.items()}
-
-
-def _q(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=4)[q] if len(values) > 1 else values[0]
+    out = time_interleaved(runs, step, warmup=args.warmup, rounds=args.rounds, steps=args.steps)
+    for name, (model, opt, _, _) in runs.items():
+        out[name]["bytes"] = state_bytes(model, opt).as_dict()
+    return out
 
 
 def table(results: list[dict]) -> list[str]:
     names = list(results[0])
-    med = {n: max(statistics.median(r[n]["times"]) for r in results) for n in names}
-    iqr = {n: max(_q(r[n]["times"], 2) - _q(r[n]["times"], 0) for r in results) for n in names}
-    cpu = {n: max(statistics.median(r[n]["cpu"]) for r in results) for n in names}
-    mem = {n: max(r[n]["bytes"]["total"] for r in results) for n in names}
+    stats = {n: slowest_rank(results, n) for n in names}
+    med, iqr = {n: s["median"] for n, s in stats.items()}, {n: s["iqr"] for n, s in stats.items()}
+    cpu, mem = {n: s["cpu"] for n, s in stats.items()}, {n: s["bytes"] for n, s in stats.items()}
     lines = ["| layout | step ms (median) | IQR ms | time / ddp | CPU ms per step | state MB per rank | memory / ddp |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for n in names:

@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 from torch import nn
@@ -31,6 +29,9 @@ import multigpu as mg
 from multigpu.parallel.comm_hooks import compression
 from multigpu.parallel.footprint import state_bytes
 from multigpu.testing import spawn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from interleave import slowest_rank, time_interleaved  # noqa: E402 - beside this file
 
 STRATEGIES = [
     ("none", "none", {}),
@@ -65,42 +66,26 @@ def _bench(dist, args):
         if strategy == "fsdp":
             options = {"block_classes": [Block]}
         model = mg.wrap(make_model(args.width, args.depth).to(dist.device), strategy, **options)
-        runs[name] = (model, mg.optimizer(model, torch.optim.AdamW, lr=1e-4), [], [])
+        runs[name] = (model, mg.optimizer(model, torch.optim.AdamW, lr=1e-4))
 
-    def step(model, opt):
+    def step(run):
+        model, opt = run
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=False)  # keep gradients allocated, as in a steady-state loop
 
-    for name, (model, opt, _, _) in runs.items():
-        for _ in range(args.warmup):
-            step(model, opt)
-    for _ in range(args.rounds):
-        for name, (model, opt, times, cpu) in runs.items():
-            torch.distributed.barrier()
-            for _ in range(args.steps):
-                t0, c0 = time.perf_counter(), time.process_time()
-                step(model, opt)
-                times.append(time.perf_counter() - t0)
-                cpu.append(time.process_time() - c0)
-    out = {}
-    for name, (model, opt, times, cpu) in runs.items():
+    out = time_interleaved(runs, step, warmup=args.warmup, rounds=args.rounds, steps=args.steps)
+    for name, (model, opt) in runs.items():
         c = compression(model)
-        out[name] = {"times": times, "cpu": cpu, "bytes": state_bytes(model, opt).as_dict(),
-                     "compression": None if c is None else round(c.ratio, 2)}
+        out[name] |= {"bytes": state_bytes(model, opt).as_dict(), "compression": None if c is None else round(c.ratio, 2)}
     return out
-
-
-def _q(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=4)[{0.25: 0, 0.75: 2}[q]] if len(values) > 1 else values[0]
 
 
 def table(results: list[dict], params: int) -> list[str]:
     names = list(results[0])
-    med = {n: max(statistics.median(r[n]["times"]) for r in results) for n in names}
-    iqr = {n: max(_q(r[n]["times"], 0.75) - _q(r[n]["times"], 0.25) for r in results) for n in names}
-    cpu = {n: max(statistics.median(r[n]["cpu"]) for r in results) for n in names}
-    mem = {n: max(r[n]["bytes"]["total"] for r in results) for n in names}
+    stats = {n: slowest_rank(results, n) for n in names}
+    med, iqr = {n: s["median"] for n, s in stats.items()}, {n: s["iqr"] for n, s in stats.items()}
+    cpu, mem = {n: s["cpu"] for n, s in stats.items()}, {n: s["bytes"] for n, s in stats.items()}
     lines = [
         "| strategy | step ms (median) | IQR ms | time / ddp | CPU ms per step | CPU / ddp "
         "| state MB per rank | memory / ddp | grad compression |",
