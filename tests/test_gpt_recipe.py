@@ -1,0 +1,40 @@
+"""The GPT recipe end to end: one process and TP 2 (sequence and loss parallel) reach the same held-out loss; bad layouts are one line."""
+
+import math
+
+import pytest
+
+from multigpu.recipes.gpt import train
+from multigpu.testing import spawn
+
+ARGS = ["--steps", "6", "--block-size", "32", "--global-batch", "8", "--eval-every", "6", "--eval-batches", "2",
+        "--warmup-steps", "2", "--log-every", "3"]
+
+
+def _run(dist, argv):
+    return train.main(argv)
+
+
+def test_one_process_and_tensor_parallel_reach_the_same_held_out_loss(monkeypatch, tmp_path):
+    monkeypatch.delenv("RANK", raising=False)
+    one = train.main([*ARGS, "--log-dir", str(tmp_path / "one")])
+    tp = spawn(_run, 2, [*ARGS, "--tp", "2", "--sequence-parallel", "--loss-parallel", "--log-dir", str(tmp_path / "tp")],
+               timeout=240)
+    assert one["loss"] == pytest.approx(tp[0]["loss"], abs=1e-4) and tp[0]["loss"] == tp[1]["loss"]
+    assert one["bits_per_byte"] == pytest.approx(one["loss"] / math.log(2))
+    assert 3.0 < one["loss"] < math.log(256)  # it learned something in 6 steps (uniform bytes: 5.545)
+    assert one["tokens_per_s"] > 0 and one["mfu"] is None  # no peak FLOP rate for a CPU
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--sequence-parallel"], "sequence_parallel and loss_parallel split work over tensor-parallel ranks but tp is 1"),
+    (["--tp", "2"], "world size 1 is not divisible by dp_replicate 1 x tp 2 = 2"),
+    (["--block-size", "100000"], "fewer than one window of 100001; use a smaller block_size"),
+])
+def test_bad_layouts_are_one_line_exit_2(argv, needle, capfd, monkeypatch, tmp_path):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        train.main([*ARGS, *argv, "--log-dir", str(tmp_path)])
+    err = capfd.readouterr().err.strip()
+    assert exc.value.code == 2 and err.count("\n") == 0, err
+    assert needle in err
