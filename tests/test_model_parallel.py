@@ -76,8 +76,10 @@ def test_fsdp_x_tp_hsdp_and_tp4_equal_one_process(reference, four_ranks):
 def test_mesh_degrees_are_checked_before_any_group_work():
     assert factor(8, tp=2, dp_replicate=2) == mg.parallel.MeshShape(2, 2, 2)
     assert factor(4, tp=2).dp == 2 and factor(1).world_size == 1
-    with pytest.raises(mg.UsageError, match="world size 6 is not divisible by dp_replicate 1 x tp 4 = 4"):
+    with pytest.raises(mg.UsageError, match="world size 6 is not divisible by dp_replicate 1 x tp 4 = 4; use tp in 1, 2, 3, 6"):
         factor(6, tp=4)
+    with pytest.raises(mg.UsageError, match="use dp_replicate in 1, 2, 4"):
+        factor(4, dp_replicate=3)
     with pytest.raises(mg.UsageError, match=r"dp_replicate 1 x dp_shard 4 x tp 2 = 8 processes, but this job has 4"):
         factor(4, tp=2, dp_shard=4)
     with pytest.raises(mg.UsageError, match="tp must be a positive integer"):

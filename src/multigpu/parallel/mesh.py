@@ -55,10 +55,13 @@ def factor(world_size: int, *, tp: int = 1, dp_replicate: int = 1, dp_shard: int
     fixed = tp * dp_replicate
     if dp_shard is None:
         if world_size % fixed:
-            ok = [d for d in _divisors(world_size) if d <= world_size]
+            if world_size % dp_replicate:
+                fix = f"use dp_replicate in {', '.join(map(str, _divisors(world_size)))}"
+            else:
+                fix = f"use tp in {', '.join(map(str, _divisors(world_size // dp_replicate)))}"
             raise UsageError(
                 f"world size {world_size} is not divisible by dp_replicate {dp_replicate} x tp {tp} = {fixed}; "
-                f"use tp (x dp_replicate) in {', '.join(map(str, ok))}, or run on a multiple of {fixed} processes"
+                f"{fix}, or run on a multiple of {fixed} processes"
             )
         dp_shard = world_size // fixed
     shape = MeshShape(dp_replicate, dp_shard, tp)
@@ -122,6 +125,6 @@ def mesh(dist: Any, *, tp: int = 1, dp_replicate: int = 1, dp_shard: int | None 
     shape = factor(dist.world_size, tp=tp, dp_replicate=dp_replicate, dp_shard=dp_shard)
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_type = dist.device.type if hasattr(dist.device, "type") else str(dist.device)
-    device_mesh = init_device_mesh(device_type, (shape.dp_replicate, shape.dp_shard, shape.tp), mesh_dim_names=DIMS)
+    # The mesh on the job's device type: gloo meshes are "cpu", NCCL meshes "cuda".
+    device_mesh = init_device_mesh(dist.device.type, (shape.dp_replicate, shape.dp_shard, shape.tp), mesh_dim_names=DIMS)
     return Mesh(shape, device_mesh)
