@@ -58,7 +58,7 @@ def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None
     ac = layout.pop("activation_checkpointing", False)
     compiled = layout.pop("compile", False)
     torch.manual_seed(0)
-    model = GPT(config("tiny", block_size=BLOCK))   # the full model, the same on every rank
+    model = GPT(config("tiny", block_size=BLOCK, **layout.pop("model", {})))   # the full model, the same on every rank
     mesh = mg.parallel.mesh(dist, **layout)
     parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp, activation_checkpointing=ac)
     if compiled:
@@ -96,6 +96,44 @@ def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None
             "saved": saved[0]}
 
 
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def train_pipeline(dist, layout: dict, steps: int = 5, accum: int = 4, clip: float = 0.5) -> dict:
+    """The GPT (``layout["model"]`` overrides) in pipeline stages over ``layout["pp"]`` ranks, by ``layout["schedule"]``."""
+    from multigpu.parallel import pp
+    from multigpu.recipes.gpt.pipeline import stage_module
+
+    layout = dict(layout)
+    schedule, overrides = layout.pop("schedule"), layout.pop("model", {})
+    torch.manual_seed(0)
+    model = GPT(config("tiny", block_size=BLOCK, **overrides))
+    mesh = mg.parallel.mesh(dist, **layout)
+    n_stages = pp.check(schedule, mesh.shape.pp, accum)
+    ids = pp.stage_ids(schedule, mesh.pp_rank, mesh.shape.pp)
+    parts = [stage_module(model, i, n_stages) for i in ids]
+    pipe = mg.parallel.Pipeline(parts, ids, n_stages, mesh.pp_mesh.get_group(), dist.device, schedule, accum, loss_fn)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1)
+    plan = mesh.plan(GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // mesh.dp_size // accum)
+    losses, norms = [], []
+    for _, micro_batches in zip(range(steps), mg.loader(tokens(), plan, dist, seed=0)):
+        loss = pipe.step(micro_batches)
+        norms.append(float(pipe.clip_grad_norm_(clip)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(None if loss is None else float(loss))
+    mine = {f"{k}": full(v) for part in parts for k, v in part.state_dict().items()}
+    gathered = [None] * dist.world_size
+    torch.distributed.all_gather_object(gathered, mine)
+    state = {k: v for d in gathered for k, v in d.items()}
+    return {"state": state, "losses": losses, "norms": norms, "mesh": repr(mesh), "stages": ids}
+
+
 def train_layouts(dist, layouts: list[dict]) -> list[dict]:
     """Several layouts, one after another, in the same processes (one start-up for all)."""
     return [train(dist, layout) for layout in layouts]
+
+
+def train_pipelines(dist, layouts: list[dict]) -> list[dict]:
+    return [train_pipeline(dist, layout) for layout in layouts]

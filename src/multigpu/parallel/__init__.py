@@ -12,9 +12,10 @@ data-parallel rank), ``tp.py`` (tensor-parallel plans), ``fsdp.shard_blocks``
 from .clip import clip_grad_norm_
 from .fsdp import shard_blocks
 from .mesh import Mesh, MeshShape, factor, mesh
+from .pp import Pipeline
 from .tp import apply_tp, loss_parallel
 from .wrap import STRATEGIES, accumulate, full_state_dict, no_sync, optimizer, strategy_of, unwrap, wrap
 
-__all__ = ["STRATEGIES", "Mesh", "MeshShape", "accumulate", "apply_tp", "clip_grad_norm_", "factor",
+__all__ = ["STRATEGIES", "Mesh", "MeshShape", "Pipeline", "accumulate", "apply_tp", "clip_grad_norm_", "factor",
            "full_state_dict", "loss_parallel", "mesh", "no_sync", "optimizer", "shard_blocks", "strategy_of",
            "unwrap", "wrap"]

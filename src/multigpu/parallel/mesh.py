@@ -1,10 +1,10 @@
-"""The device mesh: the world factored into data parallel (replicate x shard) and tensor parallel.
+"""The device mesh: the world factored into pipeline, data parallel (replicate x shard) and tensor parallel.
 
-``world = dp_replicate x dp_shard x tp``, outer to inner, as torchtitan and
-Accelerate order them: a tensor-parallel group is a run of consecutive ranks
-(the GPUs of one node, where TP's per-layer collectives belong), and the
-data-parallel rank is the flattened (replicate, shard) coordinate. Every
-tensor-parallel peer of a data-parallel rank reads the same samples
+``world = pp x dp_replicate x dp_shard x tp``, outer to inner, as torchtitan
+and Accelerate order them: a tensor-parallel group is a run of consecutive
+ranks (the GPUs of one node, where TP's per-layer collectives belong), and
+the data-parallel rank is the flattened (replicate, shard) coordinate. Every
+tensor-parallel peer and pipeline stage of a data-parallel rank reads the same samples
 (``plan()`` puts that rank into the ``BatchPlan``). Degrees that do not
 multiply to the world are refused before any process-group work, with the
 equation and the degrees that would.
@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import UsageError
 from ..values import is_positive_int
 
-DIMS = ("dp_replicate", "dp_shard", "tp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def _divisors(n: int) -> list[int]:
@@ -32,6 +32,7 @@ class MeshShape:
     dp_replicate: int
     dp_shard: int
     tp: int
+    pp: int = 1
 
     @property
     def dp(self) -> int:
@@ -40,35 +41,37 @@ class MeshShape:
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
 
-def factor(world_size: int, *, tp: int = 1, dp_replicate: int = 1, dp_shard: int | None = None) -> MeshShape:
+def factor(world_size: int, *, tp: int = 1, dp_replicate: int = 1, dp_shard: int | None = None, pp: int = 1) -> MeshShape:
     """The mesh degrees for ``world_size`` processes; ``dp_shard=None`` takes the rest of the world.
 
     >>> factor(8, tp=2, dp_replicate=2)
     MeshShape(dp_replicate=2, dp_shard=2, tp=2)
     """
-    for name, value in (("tp", tp), ("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
+    for name, value in (("tp", tp), ("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("pp", pp)):
         if value is not None and not is_positive_int(value):
             raise UsageError(f"mesh degree {name} must be a positive integer, got {value!r}")
-    fixed = tp * dp_replicate
+    fixed = tp * dp_replicate * pp
+    given = f"{'pp ' + str(pp) + ' x ' if pp > 1 else ''}dp_replicate {dp_replicate} x tp {tp}"
     if dp_shard is None:
         if world_size % fixed:
-            if world_size % dp_replicate:
-                fix = f"use dp_replicate in {', '.join(map(str, _divisors(world_size)))}"
+            if world_size % (dp_replicate * pp):
+                fix = f"use dp_replicate{' x pp' if pp > 1 else ''} in {', '.join(map(str, _divisors(world_size)))}"
             else:
-                fix = f"use tp in {', '.join(map(str, _divisors(world_size // dp_replicate)))}"
+                fix = f"use tp in {', '.join(map(str, _divisors(world_size // (dp_replicate * pp))))}"
             raise UsageError(
-                f"world size {world_size} is not divisible by dp_replicate {dp_replicate} x tp {tp} = {fixed}; "
+                f"world size {world_size} is not divisible by {given} = {fixed}; "
                 f"{fix}, or run on a multiple of {fixed} processes"
             )
         dp_shard = world_size // fixed
-    shape = MeshShape(dp_replicate, dp_shard, tp)
+    shape = MeshShape(dp_replicate, dp_shard, tp, pp)
     if shape.world_size != world_size:
         raise UsageError(
-            f"mesh dp_replicate {dp_replicate} x dp_shard {dp_shard} x tp {tp} = {shape.world_size} processes, "
-            f"but this job has {world_size}; run on {shape.world_size} processes or leave dp_shard out to fill the world"
+            f"mesh {'pp ' + str(pp) + ' x ' if pp > 1 else ''}dp_replicate {dp_replicate} x dp_shard {dp_shard} x tp {tp} "
+            f"= {shape.world_size} processes, but this job has {world_size}; run on {shape.world_size} processes "
+            "or leave dp_shard out to fill the world"
         )
     return shape
 
@@ -93,6 +96,15 @@ class Mesh:
         return self.device_mesh["tp"].get_local_rank()
 
     @property
+    def pp_rank(self) -> int:
+        """This process's pipeline coordinate (its first stage under a multi-stage schedule)."""
+        return self.device_mesh["pp"].get_local_rank()
+
+    @property
+    def pp_mesh(self) -> Any:
+        return self.device_mesh["pp"]
+
+    @property
     def tp_mesh(self) -> Any:
         return self.device_mesh["tp"]
 
@@ -114,17 +126,20 @@ class Mesh:
 
     def __repr__(self) -> str:
         s = self.shape
-        return f"Mesh(dp_replicate={s.dp_replicate}, dp_shard={s.dp_shard}, tp={s.tp}; dp rank {self.dp_rank} of {self.dp_size})"
+        pp = f"pp={s.pp}, " if s.pp > 1 else ""
+        return (f"Mesh({pp}dp_replicate={s.dp_replicate}, dp_shard={s.dp_shard}, tp={s.tp}; "
+                f"dp rank {self.dp_rank} of {self.dp_size})")
 
 
-def mesh(dist: Any, *, tp: int = 1, dp_replicate: int = 1, dp_shard: int | None = None) -> Mesh:
+def mesh(dist: Any, *, tp: int = 1, dp_replicate: int = 1, dp_shard: int | None = None, pp: int = 1) -> Mesh:
     """The job's device mesh (collective: every rank calls it). Checks the degrees before building anything.
 
     >>> mesh = mg.parallel.mesh(dist, tp=2, dp_replicate=2)   # 8 processes: HSDP 2 x 2, TP 2
     """
-    shape = factor(dist.world_size, tp=tp, dp_replicate=dp_replicate, dp_shard=dp_shard)
+    shape = factor(dist.world_size, tp=tp, dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp)
     from torch.distributed.device_mesh import init_device_mesh
 
     # The mesh on the job's device type: gloo meshes are "cpu", NCCL meshes "cuda".
-    device_mesh = init_device_mesh(dist.device.type, (shape.dp_replicate, shape.dp_shard, shape.tp), mesh_dim_names=DIMS)
+    device_mesh = init_device_mesh(dist.device.type, (shape.pp, shape.dp_replicate, shape.dp_shard, shape.tp),
+                                   mesh_dim_names=DIMS)
     return Mesh(shape, device_mesh)

@@ -162,10 +162,11 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids -> logits; a pipeline stage without ``embed`` takes, or without ``head`` returns, hidden states."""
         if idx.shape[1] > self.cfg.block_size:
             raise UsageError(f"sequence of {idx.shape[1]} tokens is longer than block_size {self.cfg.block_size}; "
                              "cut it or build the model with a larger block_size")
-        x = self.embed(idx)
+        x = self.embed(idx) if self.embed is not None else idx
         for block in self.blocks.values():
             x = block(x)
-        return self.head(self.ln_f(x))
+        return self.head(self.ln_f(x)) if self.head is not None else x

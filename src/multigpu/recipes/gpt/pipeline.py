@@ -1,0 +1,56 @@
+"""The GPT recipe as pipeline stages: contiguous blocks per stage, the embeddings on the first, the head on the last.
+
+Balanced by layers, counting the embeddings and the head as one layer each
+(torchtitan's ``input_weight``/``output_weight``), so the first and last
+stages take one block less when that evens them out. A stage is the full
+model with what it does not own deleted: parameter names (``blocks.5.mlp.up.weight``)
+stay as one process has them, which DCP needs to reshard a checkpoint between
+pipeline and other layouts.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+
+from ...errors import UsageError
+from .model import GPTConfig
+
+
+def stage_blocks(cfg: GPTConfig, n_stages: int) -> list[range]:
+    """Which blocks each stage runs: ``n_layer + 2`` units (embeddings, blocks, head) spread as evenly as possible."""
+    if n_stages > cfg.n_layer:
+        raise UsageError(f"{n_stages} pipeline stages but the model has {cfg.n_layer} blocks; use at most "
+                         f"{cfg.n_layer} stages (pp x stages per rank) or a deeper model")
+    units = cfg.n_layer + 2
+    bounds = [round(i * units / n_stages) for i in range(n_stages + 1)]
+    out = []
+    for s in range(n_stages):
+        lo, hi = max(bounds[s] - 1, 0), min(bounds[s + 1] - 1, cfg.n_layer)  # unit 0 is the embeddings
+        if s == n_stages - 1:
+            hi = cfg.n_layer
+        out.append(range(lo, hi))
+    if any(len(r) == 0 for r in out):  # an embeddings- or head-only stage: give each stage a block
+        per, extra = divmod(cfg.n_layer, n_stages)
+        starts = [s * per + min(s, extra) for s in range(n_stages + 1)]
+        out = [range(starts[s], starts[s + 1]) for s in range(n_stages)]
+    return out
+
+
+def stage_module(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
+    """A copy of ``model`` with only what stage ``stage`` of ``n_stages`` runs."""
+    cfg = model.cfg
+    if cfg.tie_embeddings and n_stages > 1:
+        raise UsageError("the token table is tied to the head, but a pipeline puts them on different stages; "
+                         "build the model with tie_embeddings=False for pipeline parallelism")
+    mine = stage_blocks(cfg, n_stages)[stage]
+    part = copy.deepcopy(model)
+    for name in list(part.blocks):
+        if int(name) not in mine:
+            del part.blocks[name]
+    if stage != 0:
+        part.embed = None
+    if stage != n_stages - 1:
+        part.ln_f, part.head = None, None
+    return part

@@ -1,0 +1,58 @@
+"""Pipeline parallelism computes the same training as one process: GPipe, 1F1B and interleaved 1F1B on 2 ranks.
+
+The GPT has 4 blocks and untied embeddings (the token table and the head sit
+on different stages); 5 AdamW steps of 4 micro-batches each, clipping at 0.5
+by the norm over every stage.
+"""
+
+import pytest
+
+import multigpu as mg
+from multigpu.parallel import pp
+from multigpu.recipes.gpt.model import GPT, config
+from multigpu.recipes.gpt.pipeline import stage_blocks, stage_module
+from multigpu.testing import spawn
+
+import _gpt_layouts as layouts
+
+MODEL = {"n_layer": 4, "tie_embeddings": False}
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]
+
+
+def test_pipeline_schedules_equal_one_process():
+    ref = spawn(layouts.train, 1, {"model": MODEL}, accum=4)[0]
+    out = spawn(layouts.train_pipelines, 2, [{"pp": 2, "schedule": s, "model": MODEL} for s in SCHEDULES], timeout=240)
+    for i, schedule in enumerate(SCHEDULES):
+        for rank in out:
+            got = rank[i]
+            assert sorted(got["state"]) == sorted(ref["state"])  # every stage keeps the one-process names
+            diff = max((got["state"][k] - ref["state"][k]).abs().max().item() for k in ref["state"])
+            assert diff < 1e-5, (schedule, diff)
+            assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5), schedule
+    assert [out[0][i]["stages"] for i in range(3)] == [[0], [0], [0, 2]]
+    assert [out[1][i]["stages"] for i in range(3)] == [[1], [1], [1, 3]]
+    # The mean micro-batch loss is on the last stage's rank only.
+    assert all(x is None for x in out[0][0]["losses"]) and all(x is not None for x in out[1][0]["losses"])
+
+
+def test_stages_balance_blocks_counting_embeddings_and_head():
+    cfg = config("tiny", n_layer=8)
+    assert [list(r) for r in stage_blocks(cfg, 4)] == [[0], [1, 2, 3], [4, 5, 6], [7]]
+    assert [list(r) for r in stage_blocks(config("tiny", n_layer=12), 4)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    part = stage_module(GPT(config("tiny", n_layer=4, tie_embeddings=False)), 1, 2)
+    assert sorted(part.blocks) == ["2", "3"] and part.embed is None and part.head is not None
+
+
+def test_pipeline_refusals_are_one_line():
+    with pytest.raises(mg.UsageError, match="4 pipeline stages but the model has 2 blocks"):
+        stage_blocks(config("tiny"), 4)
+    with pytest.raises(mg.UsageError, match="tie_embeddings=False"):
+        stage_module(GPT(config("tiny")), 0, 2)
+    with pytest.raises(mg.UsageError, match="needs at least as many micro-batches as stages, got 1 micro-batches for 2"):
+        pp.check("1f1b", 2, 1)
+    assert pp.check("gpipe", 2, 1) == 2 and pp.check("interleaved_1f1b", 2, 4) == 4
+    with pytest.raises(mg.UsageError, match="unknown pipeline schedule 'pipedream'"):
+        pp.check("pipedream", 2, 4)
+    with pytest.raises(mg.UsageError, match="pp 2 x dp_replicate 1 x tp 1 = 2"):
+        mg.parallel.factor(3, pp=2)
+    assert pp.stage_ids("zbv", 0, 2) == [0, 3] and pp.stage_ids("looped_bfs", 1, 2) == [1, 3]
