@@ -6,7 +6,8 @@
 sit beside them (``comm_hooks.py``, ``batchnorm.py``, ``clip.py``,
 ``footprint.py``). Model parallelism: ``mesh.py`` (the device mesh and the
 data-parallel rank), ``tp.py`` (tensor-parallel plans), ``fsdp.shard_blocks``
-(FSDP over a mesh's data-parallel dimensions).
+(FSDP over a mesh's data-parallel dimensions), ``pp.py`` (pipeline stages and
+their schedule).
 """
 
 from .clip import clip_grad_norm_
