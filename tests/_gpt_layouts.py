@@ -107,12 +107,13 @@ def train_pipeline(dist, layout: dict, steps: int = 5, accum: int = 4, clip: flo
 
     layout = dict(layout)
     schedule, overrides = layout.pop("schedule"), layout.pop("model", {})
+    sp = layout.pop("sequence_parallel", False)
     torch.manual_seed(0)
     model = GPT(config("tiny", block_size=BLOCK, **overrides))
     mesh = mg.parallel.mesh(dist, **layout)
     n_stages = pp.check(schedule, mesh.shape.pp, accum)
     ids = pp.stage_ids(schedule, mesh.pp_rank, mesh.shape.pp)
-    parts = [stage_module(model, i, n_stages) for i in ids]
+    parts = [parallelize(stage_module(model, i, n_stages), mesh, sequence_parallel=sp) for i in ids]
     pipe = mg.parallel.Pipeline(parts, ids, n_stages, mesh.pp_mesh.get_group(), dist.device, schedule, accum, loss_fn)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1)
     plan = mesh.plan(GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // mesh.dp_size // accum)

@@ -1,4 +1,4 @@
-"""Pipeline parallelism computes the same training as one process: GPipe, 1F1B and interleaved 1F1B on 2 ranks.
+"""Pipeline parallelism computes the same training as one process: schedules, and PP with FSDP and TP up to 3-D.
 
 The GPT has 4 blocks and untied embeddings (the token table and the head sit
 on different stages); 5 AdamW steps of 4 micro-batches each, clipping at 0.5
@@ -19,20 +19,46 @@ MODEL = {"n_layer": 4, "tie_embeddings": False}
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]
 
 
-def test_pipeline_schedules_equal_one_process():
-    ref = spawn(layouts.train, 1, {"model": MODEL}, accum=4)[0]
-    out = spawn(layouts.train_pipelines, 2, [{"pp": 2, "schedule": s, "model": MODEL} for s in SCHEDULES], timeout=240)
-    for i, schedule in enumerate(SCHEDULES):
+@pytest.fixture(scope="module")
+def reference():
+    return spawn(layouts.train, 1, {"model": MODEL}, accum=4)[0]
+
+
+def _check(out, ref, names):
+    for i, name in enumerate(names):
         for rank in out:
             got = rank[i]
             assert sorted(got["state"]) == sorted(ref["state"])  # every stage keeps the one-process names
             diff = max((got["state"][k] - ref["state"][k]).abs().max().item() for k in ref["state"])
-            assert diff < 1e-5, (schedule, diff)
-            assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5), schedule
+            assert diff < 1e-5, (name, diff)
+            assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5), name
+
+
+def test_pipeline_schedules_equal_one_process(reference):
+    out = spawn(layouts.train_pipelines, 2, [{"pp": 2, "schedule": s, "model": MODEL} for s in SCHEDULES], timeout=240)
+    _check(out, reference, SCHEDULES)
     assert [out[0][i]["stages"] for i in range(3)] == [[0], [0], [0, 2]]
     assert [out[1][i]["stages"] for i in range(3)] == [[1], [1], [1, 3]]
     # The mean micro-batch loss is on the last stage's rank only.
     assert all(x is None for x in out[0][0]["losses"]) and all(x is not None for x in out[1][0]["losses"])
+
+
+@pytest.mark.slow
+def test_pipeline_with_fsdp_and_tensor_parallel_equals_one_process(reference):
+    names = [{"pp": 2, "schedule": "1f1b", "model": MODEL},                      # PP 2 x FSDP 2
+             {"pp": 2, "tp": 2, "schedule": "1f1b", "model": MODEL},             # PP 2 x TP 2
+             {"pp": 2, "tp": 2, "sequence_parallel": True, "schedule": "interleaved_1f1b", "model": MODEL}]
+    out = spawn(layouts.train_pipelines, 4, names, timeout=300)
+    _check(out, reference, names)
+    assert out[0][0]["mesh"].startswith("Mesh(pp=2, dp_replicate=1, dp_shard=2, tp=1")
+
+
+@pytest.mark.slow
+def test_three_d_pipeline_fsdp_tensor_parallel_on_8_ranks_equals_one_process(reference):
+    names = [{"pp": 2, "tp": 2, "schedule": "1f1b", "model": MODEL}]          # PP 2 x FSDP 2 x TP 2
+    out = spawn(layouts.train_pipelines, 8, names, timeout=400)
+    _check(out, reference, names)
+    assert out[0][0]["mesh"].startswith("Mesh(pp=2, dp_replicate=1, dp_shard=2, tp=2")
 
 
 def test_stages_balance_blocks_counting_embeddings_and_head():

@@ -24,17 +24,42 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
 
     >>> norm = mg.clip_grad_norm_(model, 1.0)
     """
-    params = [p for p in model.parameters() if p.grad is not None]
-    if not params:
+    groups = grouped(model.parameters())
+    if not groups:
         return torch.tensor(0.0)
+    total = group_norm(groups, norm_type, error_if_nonfinite, foreach)
+    clip_groups(groups, max_norm, total, foreach)
+    return total
+
+
+def grouped(params) -> dict[object, list[torch.nn.Parameter]]:
+    """Parameters with gradients, one group per device mesh, plus the plain tensors (key None).
+
+    torch's norm refuses to mix DTensors and tensors (or DTensors of different meshes), which
+    model parallelism gives: TP leaves the norms plain; FSDP x TP puts TP's weights on a 2-D mesh
+    and the norms on a 1-D one.
+    """
     from torch.distributed.tensor import DTensor
 
-    # One group per device mesh, plus the plain tensors: torch's norm refuses to mix DTensors
-    # and tensors (or DTensors of different meshes), which model parallelism gives (TP leaves
-    # the norms plain; FSDP x TP puts TP's weights on a 2-D mesh and the norms on a 1-D one).
     groups: dict[object, list[torch.nn.Parameter]] = {}
     for p in params:
-        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    return groups
+
+
+def clip_groups(groups: dict[object, list[torch.nn.Parameter]], max_norm: float, total: torch.Tensor,
+                foreach: bool | None = None) -> None:
+    """Scale every group's gradients by ``max_norm / total`` (if that is below 1), one group at a time."""
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
+
+
+def group_norm(groups: dict[object, list[torch.nn.Parameter]], norm_type: float = 2.0,
+               error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+    """The norm over every group's gradients, complete across the ranks each mesh spans."""
+    from torch.distributed.tensor import DTensor
+
     parts = []
     for mesh, group in groups.items():
         grads = [p.grad for p in group]
@@ -49,10 +74,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         parts.append(part)
     # Plain gradients are the same on every rank (DDP averaged them, or TP's replicated
     # inputs made them so): each group's norm counts once.
-    total = parts[0] if len(parts) == 1 else _combine(parts, norm_type)
-    for group in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
-    return total
+    return parts[0] if len(parts) == 1 else _combine(parts, norm_type)
 
 
 def _combine(parts: list[torch.Tensor], norm_type: float) -> torch.Tensor:

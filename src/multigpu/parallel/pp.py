@@ -96,12 +96,10 @@ class Pipeline:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm over every stage: each rank's norm, combined over the pipeline."""
-        from .clip import clip_grad_norm_
+        from .clip import clip_groups, group_norm, grouped
 
-        local = torch.nn.Module()
-        local.parts = nn.ModuleList(self.modules)
-        # The norm of this rank's stages, unclipped (max_norm inf), then combined across the pipeline.
-        mine = clip_grad_norm_(local, float("inf"), norm_type).double()
+        groups = grouped(self.parameters())
+        mine = (group_norm(groups, norm_type) if groups else torch.tensor(0.0)).double()
         if norm_type == float("inf"):
             tdist.all_reduce(mine, op=tdist.ReduceOp.MAX, group=self.group)
             total = mine
@@ -109,7 +107,6 @@ class Pipeline:
             power = mine ** norm_type
             tdist.all_reduce(power, group=self.group)
             total = power ** (1.0 / norm_type)
-        params = [p for p in self.parameters() if p.grad is not None]
         total = total.float()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        clip_groups(groups, max_norm, total)
         return total

@@ -61,19 +61,28 @@ def tp_plan(cfg: GPTConfig, *, sequence_parallel: bool = False, loss_parallel: b
 def parallelize(model: nn.Module, mesh: Any, *, sequence_parallel: bool = False, loss_parallel: bool = False,
                 activation_checkpointing: bool = False, fsdp: bool = True, **fsdp_options: Any) -> nn.Module:
     """TP over ``mesh.tp_mesh`` (when tp > 1), activation checkpointing per block if asked, then FSDP
-    per block and on the root over ``mesh.dp_mesh`` (torchtitan's order: FSDP outermost)."""
+    per block and on the root over ``mesh.dp_mesh`` (torchtitan's order: FSDP outermost).
+
+    ``model`` may be a pipeline stage (``pipeline.stage_module``): the plan keeps the modules it has,
+    and FSDP keeps its parameters gathered between the micro-batches of a step (each would gather
+    them again otherwise).
+    """
     from ...parallel import apply_tp, shard_blocks
     from .model import Block
 
     cfg = model.cfg
     if mesh.shape.tp > 1:
         check_tp(cfg, mesh.shape.tp)
-        apply_tp(model, mesh.tp_mesh, tp_plan(cfg, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel))
+        plan = tp_plan(cfg, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        present = dict(model.named_modules())
+        apply_tp(model, mesh.tp_mesh, {name: style for name, style in plan.items() if name in present})
     elif sequence_parallel or loss_parallel:
         raise UsageError("sequence_parallel and loss_parallel split work over tensor-parallel ranks but tp is 1; "
                          "use mg.parallel.mesh(dist, tp=2) or drop them")
     for block in model.blocks.values():
         block.checkpointed = activation_checkpointing
     if fsdp and mesh.dp_mesh is not None:
+        if mesh.shape.pp > 1:
+            fsdp_options.setdefault("reshard_after_forward", False)
         shard_blocks(model, mesh.dp_mesh, block_classes=[Block], **fsdp_options)
     return model
