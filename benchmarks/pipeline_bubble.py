@@ -1,0 +1,131 @@
+"""The pipeline bubble, measured per stage, against (p-1)/(m+p-1) for GPipe and 1F1B.
+
+    PYTHONPATH=src python benchmarks/pipeline_bubble.py                 # 2 stages on 2 gloo ranks
+    PYTHONPATH=src python benchmarks/pipeline_bubble.py --micro 4,8,16 --rounds 4
+
+A GPT (``--layers`` x ``--width``, untied embeddings) split into 2 stages
+runs one optimizer step of m micro-batches per ``pipe.step``. Busy time is the
+time a stage spends computing: its ``forward_one_chunk`` and
+``backward_one_chunk`` calls, timed on the stage object; everything else in
+the step (waiting for the neighbour's activations or gradients, the
+transfers themselves) is idle. The idle share of the step is compared with
+GPipe's bubble (p-1)/(m+p-1) (Huang et al. 2018), which 1F1B shares
+(Narayanan et al. 2021; it saves activation memory, not time). Variants are
+timed in interleaved rounds; figures are medians over the timed steps, and
+memory is each stage's parameters, gradients and AdamW state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import multigpu as mg
+from multigpu.fingerprint import format_fingerprint
+from multigpu.parallel import pp
+from multigpu.parallel.footprint import state_bytes
+from multigpu.recipes.gpt.model import GPT, config
+from multigpu.recipes.gpt.pipeline import stage_module
+from multigpu.testing import spawn
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _timed(stage, busy: list[float]) -> None:
+    """Time the stage's compute calls (the schedule's own methods, wrapped on this instance)."""
+    for name in ("forward_one_chunk", "backward_one_chunk"):
+        inner = getattr(stage, name)
+
+        def wrapper(*args, _inner=inner, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                busy[0] += time.perf_counter() - t0
+
+        setattr(stage, name, wrapper)
+
+
+def _bench(dist, args):
+    cfg = config("small", n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.block,
+                 tie_embeddings=False)
+    mesh = mg.parallel.mesh(dist, pp=dist.world_size)
+    variants = {}
+    for schedule in ("gpipe", "1f1b"):
+        for m in args.micro:
+            torch.manual_seed(0)
+            n_stages = pp.check(schedule, mesh.shape.pp, m)
+            ids = pp.stage_ids(schedule, mesh.pp_rank, mesh.shape.pp)
+            parts = [stage_module(GPT(cfg), i, n_stages) for i in ids]
+            pipe = mg.parallel.Pipeline(parts, ids, n_stages, mesh.pp_mesh.get_group(), dist.device, schedule, m, _loss)
+            busy = [0.0]
+            _timed(pipe.stages[0], busy)
+            g = torch.Generator().manual_seed(0)
+            seq = torch.randint(0, cfg.vocab_size, (m * args.micro_batch, cfg.block_size + 1), generator=g)
+            micro_batches = [(x, y) for x, y in zip(seq[:, :-1].chunk(m), seq[:, 1:].chunk(m))]
+            opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
+            variants[(schedule, m)] = (pipe, opt, micro_batches, busy, [], [])
+    for pipe, opt, micro_batches, busy, _, _ in variants.values():
+        for _ in range(args.warmup):
+            pipe.step(micro_batches)
+            opt.zero_grad(set_to_none=False)
+    for _ in range(args.rounds):
+        for pipe, opt, micro_batches, busy, walls, idle in variants.values():
+            for _ in range(args.steps):
+                torch.distributed.barrier()
+                busy[0] = 0.0
+                t0 = time.perf_counter()
+                pipe.step(micro_batches)
+                wall = time.perf_counter() - t0
+                walls.append(wall)
+                idle.append(1.0 - busy[0] / wall)
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+    return {f"{s} m={m}": {"wall": walls, "idle": idle, "bytes": state_bytes(pipe.modules[0], opt).as_dict()["total"]}
+            for (s, m), (pipe, opt, _, _, walls, idle) in variants.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
+    p.add_argument("--micro", default="4,8,16", help="micro-batches per step, comma-separated")
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages = ranks")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=2, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    args.micro = [int(v) for v in args.micro.split(",")]
+    env = mg.fingerprint(None, world_size=args.stages, backend="gloo", threads_per_rank=1,
+                         load_average_1min=round(os.getloadavg()[0], 2))
+    results = spawn(_bench, args.stages, args, timeout=3600)
+    n = args.rounds * args.steps
+    print("environment:", format_fingerprint(env))
+    print(f"model: GPT {args.layers} layers x {args.width}, {args.block} tokens, micro-batch {args.micro_batch} sequences; "
+          f"{args.stages} stages on {args.stages} gloo ranks; n = {n} timed steps per variant ({args.rounds} interleaved rounds)")
+    head = " | ".join(f"stage {s} idle" for s in range(args.stages))
+    print(f"| schedule, micro-batches | predicted bubble (p-1)/(m+p-1) | {head} | step ms | stage state MB |")
+    print("|---|---:|" + "---:|" * args.stages + "---:|---:|")
+    p_ = args.stages
+    for name in results[0]:
+        m = int(name.split("m=")[1])
+        idle = " | ".join(f"{statistics.median(r[name]['idle']):.3f}" for r in results)
+        wall = max(statistics.median(r[name]["wall"]) for r in results)
+        mem = " / ".join(f"{r[name]['bytes'] / 2**20:.1f}" for r in results)
+        print(f"| {name} | {(p_ - 1) / (m + p_ - 1):.3f} | {idle} | {wall * 1e3:.0f} | {mem} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
