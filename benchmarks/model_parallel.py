@@ -80,14 +80,14 @@ def _bench(dist, args):
 
 def table(results: list[dict]) -> list[str]:
     names = list(results[0])
-    stats = {n: slowest_rank(results, n) for n in names}
-    med, iqr = {n: s["median"] for n, s in stats.items()}, {n: s["iqr"] for n, s in stats.items()}
-    cpu, mem = {n: s["cpu"] for n, s in stats.items()}, {n: s["bytes"] for n, s in stats.items()}
+    st = {n: slowest_rank(results, n) for n in names}
+    ref = st["ddp"]
     lines = ["| layout | step ms (median) | IQR ms | time / ddp | CPU ms per step | state MB per rank | memory / ddp |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for n in names:
-        lines.append(f"| {n} | {med[n] * 1e3:.0f} | {iqr[n] * 1e3:.0f} | {med[n] / med['ddp']:.2f} | "
-                     f"{cpu[n] * 1e3:.0f} | {mem[n] / 2**20:.2f} | {mem[n] / mem['ddp']:.2f} |")
+        s = st[n]
+        lines.append(f"| {n} | {s['median'] * 1e3:.0f} | {s['iqr'] * 1e3:.0f} | {s['median'] / ref['median']:.2f} | "
+                     f"{s['cpu'] * 1e3:.0f} | {s['bytes'] / 2**20:.2f} | {s['bytes'] / ref['bytes']:.2f} |")
     return lines
 
 

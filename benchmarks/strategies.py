@@ -83,20 +83,19 @@ def _bench(dist, args):
 
 def table(results: list[dict], params: int) -> list[str]:
     names = list(results[0])
-    stats = {n: slowest_rank(results, n) for n in names}
-    med, iqr = {n: s["median"] for n, s in stats.items()}, {n: s["iqr"] for n, s in stats.items()}
-    cpu, mem = {n: s["cpu"] for n, s in stats.items()}, {n: s["bytes"] for n, s in stats.items()}
+    st = {n: slowest_rank(results, n) for n in names}
+    ref = st["ddp"]
     lines = [
         "| strategy | step ms (median) | IQR ms | time / ddp | CPU ms per step | CPU / ddp "
         "| state MB per rank | memory / ddp | grad compression |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n in names:
-        comp = results[0][n]["compression"]
+        s, comp = st[n], results[0][n]["compression"]
         lines.append(
-            f"| {n} | {med[n] * 1e3:.1f} | {iqr[n] * 1e3:.1f} | {med[n] / med['ddp']:.2f} | "
-            f"{cpu[n] * 1e3:.1f} | {cpu[n] / cpu['ddp']:.2f} | "
-            f"{mem[n] / 2**20:.2f} | {mem[n] / mem['ddp']:.2f} | {'-' if comp is None else f'{comp}x'} |"
+            f"| {n} | {s['median'] * 1e3:.1f} | {s['iqr'] * 1e3:.1f} | {s['median'] / ref['median']:.2f} | "
+            f"{s['cpu'] * 1e3:.1f} | {s['cpu'] / ref['cpu']:.2f} | "
+            f"{s['bytes'] / 2**20:.2f} | {s['bytes'] / ref['bytes']:.2f} | {'-' if comp is None else f'{comp}x'} |"
         )
     return lines
 

@@ -187,3 +187,11 @@ def test_compiled_blocks_compute_the_same(reference):
     compiled = spawn(layouts.train, 1, {"compile": True}, timeout=280)[0]
     assert sorted(compiled["state"]) == sorted(reference["state"])
     assert _max_diff(compiled, reference) < TOL
+
+
+def test_shard_blocks_refuses_block_classes_like_wrap_does():
+    """The same checks as mg.wrap(model, 'fsdp'), before any FSDP work (no process group needed to refuse)."""
+    with pytest.raises(mg.UsageError, match="block_classes must be a list of module classes"):
+        mg.parallel.shard_blocks(torch.nn.Linear(2, 2), None, block_classes=torch.nn.Linear)
+    with pytest.raises(mg.UsageError, match=r"block_classes \[Conv2d\] matched no module of Sequential"):
+        mg.parallel.shard_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)), None, block_classes=[torch.nn.Conv2d])

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .errors import UsageError
-from .values import is_positive_int, positive_int
+from .values import divisors, is_positive_int, positive_int
 
 LR_RULES = ("linear", "sqrt", "none")
 
@@ -22,10 +22,6 @@ LR_RULES = ("linear", "sqrt", "none")
 # updates as one worker); scale-global keeps each worker's batch (the global
 # batch grows N-fold, and the LR and step counts follow it).
 POLICIES = ("keep-global", "scale-global")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True)
@@ -62,7 +58,7 @@ class BatchPlan:
             raise UsageError(f"dp_rank must be an integer in 0..{w - 1} (world_size {w}), got {self.dp_rank!r}")
         if g % w:
             lo, hi = (g // w) * w, (g // w + 1) * w
-            near_w = [d for d in _divisors(g) if d != w]
+            near_w = [d for d in divisors(g) if d != w]
             alt = f"use global_batch={lo or hi} or {hi}" if lo else f"use global_batch={hi}"
             raise UsageError(
                 f"global batch {g} is not divisible by world_size {w}; {alt}, "
@@ -71,12 +67,12 @@ class BatchPlan:
         share = g // w
         if m is None:
             cap = self.max_micro_batch or share
-            m = max(d for d in _divisors(share) if d <= cap)
+            m = max(d for d in divisors(share) if d <= cap)
             object.__setattr__(self, "micro_batch", m)
         elif share % m:
             unit = w * m
             lo, hi = (g // unit) * unit, (g // unit + 1) * unit
-            fits = [d for d in _divisors(share) if d <= m]
+            fits = [d for d in divisors(share) if d <= m]
             alt_g = f"global_batch={lo} or {hi}" if lo else f"global_batch={hi}"
             raise UsageError(
                 f"global batch {g} is not divisible by world_size {w} x micro_batch {m} = {unit}; "
@@ -91,7 +87,7 @@ class BatchPlan:
         16
         """
         share = self.rank_batch
-        micro = max(d for d in _divisors(share) if d <= max(1, max_micro_batch))
+        micro = max(d for d in divisors(share) if d <= max(1, max_micro_batch))
         return replace(self, micro_batch=micro, max_micro_batch=None)
 
     def dp_rank_of(self, dist) -> int:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from .batch import POLICIES, BatchPlan, policy_batch, same_samples_steps, scale_lr
 from .errors import UsageError
 from .noise import efficiency, gain
-from .values import is_positive_int
+from .values import divisors, is_positive_int
 
 OPTIMIZER_RULES = {"sgd": "linear", "adam": "sqrt", "adamw": "sqrt"}
 FAR_BEYOND = 2.0  # warn when the global batch exceeds this multiple of the noise scale
@@ -119,8 +119,7 @@ def _split(policy: str, batch: int, gpus: int, per_gpu_batch: int | None) -> Bat
     """The translated batch: the policy's global batch in per-GPU micro-batches and accumulation."""
     if policy == "keep-global":
         if batch % gpus:
-            ok = [g for g in range(1, batch + 1) if batch % g == 0]
-            near = sorted(ok, key=lambda g: abs(g - gpus))[:2]
+            near = sorted(divisors(batch), key=lambda g: abs(g - gpus))[:2]
             raise UsageError(
                 f"batch {batch} does not split over {gpus} GPUs under keep-global; "
                 f"use {' or '.join(map(str, sorted(near)))} GPUs, or policy='scale-global'"
@@ -128,7 +127,7 @@ def _split(policy: str, batch: int, gpus: int, per_gpu_batch: int | None) -> Bat
         share = batch // gpus
         micro = per_gpu_batch or share
         if micro > share or share % micro:
-            fits = max(d for d in range(1, share + 1) if share % d == 0 and d <= micro)
+            fits = max(d for d in divisors(share) if d <= micro)
             raise UsageError(
                 f"per-GPU batch {micro} does not divide the per-GPU share {share} of batch {batch} over {gpus} GPUs; "
                 f"use per_gpu_batch={fits}, or policy='scale-global'"

@@ -68,6 +68,15 @@ def dtype_name(value: Any) -> str | None:
     return None
 
 
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending: the alternatives an impossible split offers.
+
+    >>> divisors(12)
+    [1, 2, 3, 4, 6, 12]
+    """
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def is_positive_int(value: Any) -> bool:
     """An ``int`` (not a ``bool``) of at least 1."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -13,7 +13,7 @@ file in the run directory::
 
 Launcher side: ``worker_env`` and ``read_find_batch``. Worker side: ``run_dir``,
 ``profile_window``, ``find_batch_requested``, ``memory_budget`` and
-``write_find_batch``. The standard library only: meter/, the finder and the
+``write_find_batch``. The standard library and ``errors`` only: meter/, the finder and the
 recipes read it in every worker, below everything else in ``multigpu.launch``.
 """
 

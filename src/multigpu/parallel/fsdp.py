@@ -97,6 +97,30 @@ def pick_blocks(model: nn.Module, block_classes: Iterable[type] | None, min_bloc
     return blocks
 
 
+def _check_block_options(block_classes: Any, min_block_params: Any) -> None:
+    if block_classes is not None and (isinstance(block_classes, type) or not all(isinstance(c, type) for c in block_classes)):
+        raise UsageError(f"fsdp block_classes must be a list of module classes, got {block_classes!r}; "
+                         "e.g. mg.wrap(model, 'fsdp', block_classes=[TransformerBlock])")
+    positive_int(min_block_params, "fsdp min_block_params")
+
+
+def _matched_blocks(model: nn.Module, block_classes: Iterable[type] | None, min_block_params: int) -> list[nn.Module]:
+    """``pick_blocks``, refusing ``block_classes`` that match nothing (a typo would shard only the root)."""
+    blocks = pick_blocks(model, block_classes, min_block_params)
+    if block_classes is not None and not blocks:
+        names = ", ".join(c.__name__ for c in block_classes)
+        raise UsageError(f"fsdp block_classes [{names}] matched no module of {type(model).__name__} (tied-weight "
+                         "modules do not count); pass the classes of its repeated blocks, or drop block_classes "
+                         "to shard by size")
+    return blocks
+
+
+def _fsdp_imported() -> bool:
+    import sys
+
+    return "torch.distributed.fsdp" in sys.modules or "torch.distributed._composable.fsdp" in sys.modules
+
+
 def wrap_fsdp(
     model: nn.Module,
     block_classes: Iterable[type] | None = None,
@@ -116,10 +140,7 @@ def wrap_fsdp(
     if device.type == "meta":
         raise UsageError("strategy 'fsdp' got a model on the meta device; materialise it on dist.device first "
                          "(model.to_empty(device=dist.device) and initialise its weights)")
-    if block_classes is not None and (isinstance(block_classes, type) or not all(isinstance(c, type) for c in block_classes)):
-        raise UsageError(f"fsdp block_classes must be a list of module classes, got {block_classes!r}; "
-                         "e.g. mg.wrap(model, 'fsdp', block_classes=[TransformerBlock])")
-    positive_int(min_block_params, "fsdp min_block_params")
+    _check_block_options(block_classes, min_block_params)
     if not (tdist.is_available() and tdist.is_initialized()):
         raise UsageError("strategy 'fsdp' needs a process group; call mg.wrap inside `with mg.init() as dist:`")
     if tdist.get_backend() == "nccl" and device.type != "cuda":
@@ -127,12 +148,7 @@ def wrap_fsdp(
                          "use mg.wrap(model.to(dist.device), 'fsdp')")
     # Check everything before changing the model: a refused call leaves it as it was.
     pdt, rdt = _dtype("param_dtype", param_dtype), _dtype("reduce_dtype", reduce_dtype)
-    blocks = pick_blocks(model, block_classes, min_block_params)
-    if block_classes is not None and not blocks:
-        names = ", ".join(c.__name__ for c in block_classes)
-        raise UsageError(f"fsdp block_classes [{names}] matched no module of {type(model).__name__} (tied-weight "
-                         "modules do not count); pass the classes of its repeated blocks, or drop block_classes "
-                         "to shard by size")
+    blocks = _matched_blocks(model, block_classes, min_block_params)
     model = prepare_batchnorm(model, "fsdp", sync_batchnorm, device)
     if sync_batchnorm:  # the conversion replaced BatchNorm modules: pick from the model as it is now
         blocks = pick_blocks(model, block_classes, min_block_params)
@@ -174,17 +190,16 @@ def shard_blocks(model: nn.Module, mesh: Any, block_classes: Iterable[type] | No
 
     >>> shard_blocks(model, mesh.dp_mesh, block_classes=[Block])
     """
+    _check_block_options(block_classes, min_block_params)
     pdt, rdt = _dtype("param_dtype", param_dtype), _dtype("reduce_dtype", reduce_dtype)
-    blocks = pick_blocks(model, block_classes, min_block_params)
+    blocks = _matched_blocks(model, block_classes, min_block_params)
     device = next(model.parameters()).device
     return _shard(model, blocks, mesh, reshard_after_forward, pdt, rdt, cpu_offload, device)
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:
     """The modules of ``model`` that ``fully_shard`` was applied to (without importing FSDP if it never was)."""
-    import sys
-
-    if "torch.distributed.fsdp" not in sys.modules and "torch.distributed._composable.fsdp" not in sys.modules:
+    if not _fsdp_imported():
         return []
     cls = _fsdp2().FSDPModule
     return [m for m in model.modules() if isinstance(m, cls)]
@@ -192,8 +207,6 @@ def fsdp_modules(model: nn.Module) -> list[nn.Module]:
 
 def is_fsdp(model: nn.Module) -> bool:
     """Whether ``fully_shard`` was applied to ``model`` itself."""
-    import sys
-
-    if "torch.distributed.fsdp" not in sys.modules and "torch.distributed._composable.fsdp" not in sys.modules:
+    if not _fsdp_imported():
         return False
     return isinstance(model, _fsdp2().FSDPModule)

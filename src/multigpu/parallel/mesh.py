@@ -16,13 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UsageError
-from ..values import is_positive_int
+from ..values import divisors, is_positive_int
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True)
@@ -58,9 +54,9 @@ def factor(world_size: int, *, tp: int = 1, dp_replicate: int = 1, dp_shard: int
     if dp_shard is None:
         if world_size % fixed:
             if world_size % (dp_replicate * pp):
-                fix = f"use dp_replicate{' x pp' if pp > 1 else ''} in {', '.join(map(str, _divisors(world_size)))}"
+                fix = f"use dp_replicate{' x pp' if pp > 1 else ''} in {', '.join(map(str, divisors(world_size)))}"
             else:
-                fix = f"use tp in {', '.join(map(str, _divisors(world_size // (dp_replicate * pp))))}"
+                fix = f"use tp in {', '.join(map(str, divisors(world_size // (dp_replicate * pp))))}"
             raise UsageError(
                 f"world size {world_size} is not divisible by {given} = {fixed}; "
                 f"{fix}, or run on a multiple of {fixed} processes"

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..errors import UsageError
 from .ddp import wrap_ddp
 from .dp import wrap_dp
-from .fsdp import fsdp_modules, wrap_fsdp
+from .fsdp import fsdp_modules, is_fsdp, wrap_fsdp
 from .zero import ZeroOneDDP, build_zero_optimizer, check_optimizer_class, is_zero_optimizer, wrap_zero1
 
 
@@ -123,7 +123,8 @@ def strategy_of(model: nn.Module | None, optimizer: Any = None) -> str:
         return "ddp"
     if isinstance(model, nn.DataParallel):
         return "dp"
-    if fsdp_modules(model):
+    # The root first: no_sync asks on every micro-batch, and scanning every module costs more.
+    if is_fsdp(model) or fsdp_modules(model):
         return "fsdp"
     return "none"
 

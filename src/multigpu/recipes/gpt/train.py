@@ -77,8 +77,7 @@ def evaluate(model, val_set, mesh, dist, batch_size: int, sequences: int, loss_p
             x, y = x.to(dist.device), y.to(dist.device)
             with mg.parallel.loss_parallel(loss_parallel):
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")
-            loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-            total += float(loss)
+            total += float(_full(loss))
             tokens += y.numel()
     once = 1.0 if mesh.tp_rank == 0 else 0.0  # TP peers hold the same numbers
     sums = mg.all_reduce_sum({"loss": total * once, "tokens": tokens * once})
@@ -126,8 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 if sched is not None:
                     sched.step()
                 done = step + 1 == args.steps
-                loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-                meter.step_end(loss=loss.detach() * plan.accum_steps, lr=opt)
+                meter.step_end(loss=_full(loss).detach() * plan.accum_steps, lr=opt)
                 if done or (step + 1) % args.eval_every == 0:
                     metrics = evaluate(model, val_set, mesh, dist, plan.micro_batch, args.eval_batches * plan.global_batch,
                                        args.loss_parallel)
@@ -146,6 +144,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         mg.print0(f"gpt {args.size}: val loss {metrics.get('loss', float('nan')):.4f} "
                   f"({metrics.get('bits_per_byte', float('nan')):.3f} bits/byte); {tps}{mfu}{mem} | {repr(mesh)}")
         return result
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A loss under loss parallelism is a DTensor: its value, the same on every tensor-parallel rank."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _forever(train):
