@@ -24,6 +24,7 @@ import torch
 import torch.distributed as tdist
 
 from .errors import UsageError, report_usage_error
+from .launch.contract import RAISED_AT, stamp_raised
 
 BACKENDS = ("nccl", "gloo", "mpi")
 
@@ -198,11 +199,17 @@ def init(
     try:
         yield dist
     except UsageError as err:
+        stamp_raised(err)
         if created and tdist.is_initialized():
             tdist.destroy_process_group()
         report_usage_error(err)
-        raise SystemExit(2) from None
-    except BaseException:
+        stop = SystemExit(2)
+        setattr(stop, RAISED_AT, getattr(err, RAISED_AT, None))
+        raise stop from None
+    except BaseException as err:
+        # The time first (the failure summary orders ranks by it): tearing down closes the
+        # connections, and the peers' "Connection reset by peer" must come after.
+        stamp_raised(err)
         # No barrier here: the other ranks may be inside a collective, and
         # waiting for them would turn a crash into a hang (torchtitan #1342).
         if created and tdist.is_initialized():

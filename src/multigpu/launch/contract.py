@@ -10,10 +10,12 @@ file in the run directory::
     MULTIGPU_FIND_BATCH      "1" under --find-batch: the script should call mg.find_micro_batch
     MULTIGPU_MEMORY_BUDGET   --memory-budget SIZE, in bytes: the search's budget when the call gives none
     <run dir>/find_batch.json  the agreed search result (local rank 0 of each node), for the launcher's last line
+    <attempt dir>/rank<r>.failure.json  the exception that ended a worker, with the time it was raised
+                                        (written by worker.py, read by the failure summary)
 
 Launcher side: ``worker_env`` and ``read_find_batch``. Worker side: ``run_dir``,
 ``profile_window``, ``find_batch_requested``, ``memory_budget`` and
-``write_find_batch``. The standard library and ``errors`` only: meter/, the finder and the
+``write_find_batch``; ``failure_path`` for both. The standard library and ``errors`` only: meter/, the finder and the
 recipes read it in every worker, below everything else in ``multigpu.launch``.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 from ..errors import UsageError
@@ -30,6 +33,30 @@ PROFILE_ENV = "MULTIGPU_PROFILE"
 FIND_BATCH_ENV = "MULTIGPU_FIND_BATCH"
 MEMORY_BUDGET_ENV = "MULTIGPU_MEMORY_BUDGET"
 FIND_BATCH_FILE = "find_batch.json"
+RAISED_AT = "_multigpu_raised_at"  # set on an exception by the code that caught it first (mg.init)
+
+
+def failure_path(attempt_dir: str, rank: int) -> str:
+    """Where the worker of global ``rank`` records the exception that ended it."""
+    return os.path.join(attempt_dir, f"rank{rank}.failure.json")
+
+
+def read_failure(attempt_dir: str, rank: int) -> dict[str, Any] | None:
+    """The record worker.py left for ``rank`` (None: it ended without one: killed, or not started by us)."""
+    try:
+        with open(failure_path(attempt_dir, rank)) as fp:
+            return json.load(fp)
+    except (OSError, ValueError):
+        return None
+
+
+def stamp_raised(err: BaseException) -> None:
+    """Note the time ``err`` reached us, before any teardown: peers see its symptoms only after that."""
+    if getattr(err, RAISED_AT, None) is None:
+        try:
+            setattr(err, RAISED_AT, time.time())
+        except (AttributeError, TypeError):  # an exception type with __slots__
+            pass
 
 
 # -- launcher side ----------------------------------------------------------------------------

@@ -32,6 +32,8 @@ from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
+from .contract import read_failure
+
 _TORCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
 
 
@@ -181,21 +183,27 @@ _SECONDARY = re.compile(
 
 
 def failure_summary(err: ChildFailedError, specs: RankLogsSpecs) -> tuple[int, str]:
-    """(exit code, one summary line) for the worker that failed first in ``err``.
+    """(exit code, one summary line) for the worker whose failure started ``err``.
 
     torch records, besides the worker that failed, the ones its agent then
-    stopped with SIGTERM, all with a timestamp in whole seconds. So the first
-    failure is the one not stopped by the agent, whose last stderr line is not
-    a lost-peer report (gloo's "Connection closed by peer" is a symptom), and
-    that was seen first. The exit code is the worker's own (a usage error's 2
-    stays 2); a worker killed by signal N gives 128+N, the shell's convention.
+    stopped with SIGTERM, all with a timestamp in whole seconds: the first
+    failure and its symptoms on the other ranks share a second. So the order
+    comes from the workers' own records (worker.py: the time the exception was
+    raised, before any teardown), where they exist, else torch's timestamp; and
+    a rank stopped by the agent, or whose error is a lost-peer report (gloo's
+    "Connection reset by peer" is a symptom), comes after the others. The exit
+    code is the worker's own (a usage error's 2 stays 2); a worker killed by
+    signal N gives 128+N, the shell's convention.
     """
     lasts = {rank: last_line(specs.stderr_paths.get(rank, "")) for rank in err.failures}
+    records = {rank: read_failure(os.path.dirname(specs.stderr_paths.get(rank, "")), rank) for rank in err.failures}
 
     def key(item):
         index, (rank, failure) = item
         stopped = failure.exitcode == -signal.SIGTERM
-        return (stopped, bool(_SECONDARY.search(lasts[rank])), failure.timestamp, index)
+        rec = records[rank]
+        said = f"{rec['type']}: {rec['message']}" if rec else lasts[rank]
+        return (stopped, bool(_SECONDARY.search(said)), rec["time"] if rec else failure.timestamp, index)
 
     ordered = [ri for _, ri in sorted(enumerate(err.failures.items()), key=key)]
     rank, failure = ordered[0]

@@ -68,9 +68,8 @@ def _torchrun_argv(cfg: RunConfig, place: Placement) -> list[str]:
         host = f"[{place.master_addr}]" if ":" in place.master_addr else place.master_addr
         argv += [f"--nnodes={place.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{place.master_port}"]
         argv += [f"--rdzv-id={place.run_id}", f"--rdzv-conf=is_host={'true' if place.node_rank == 0 else 'false'}"]
-    if cfg.module:
-        argv.append("--module")
-    return argv + [cfg.target, *cfg.args]
+    # Every worker starts in worker.py, which runs the target (failure records, a clean exit).
+    return argv + ["--module", "multigpu.launch.worker", "module" if cfg.module else "script", cfg.target, *cfg.args]
 
 
 def _torchrun_args(cfg: RunConfig, place: Placement) -> argparse.Namespace:
