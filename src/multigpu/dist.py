@@ -24,7 +24,7 @@ import torch
 import torch.distributed as tdist
 
 from .errors import UsageError, report_usage_error
-from .launch.contract import RAISED_AT, stamp_raised
+from .launch.contract import RAISED_AT, record_failure
 
 BACKENDS = ("nccl", "gloo", "mpi")
 
@@ -199,7 +199,7 @@ def init(
     try:
         yield dist
     except UsageError as err:
-        stamp_raised(err)
+        record_failure(err)
         if created and tdist.is_initialized():
             tdist.destroy_process_group()
         report_usage_error(err)
@@ -207,9 +207,9 @@ def init(
         setattr(stop, RAISED_AT, getattr(err, RAISED_AT, None))
         raise stop from None
     except BaseException as err:
-        # The time first (the failure summary orders ranks by it): tearing down closes the
+        # Recorded first (the failure summary orders ranks by it): tearing down closes the
         # connections, and the peers' "Connection reset by peer" must come after.
-        stamp_raised(err)
+        record_failure(err)
         # No barrier here: the other ranks may be inside a collective, and
         # waiting for them would turn a crash into a hang (torchtitan #1342).
         if created and tdist.is_initialized():

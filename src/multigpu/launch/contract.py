@@ -50,13 +50,33 @@ def read_failure(attempt_dir: str, rank: int) -> dict[str, Any] | None:
         return None
 
 
-def stamp_raised(err: BaseException) -> None:
-    """Note the time ``err`` reached us, before any teardown: peers see its symptoms only after that."""
-    if getattr(err, RAISED_AT, None) is None:
-        try:
-            setattr(err, RAISED_AT, time.time())
-        except (AttributeError, TypeError):  # an exception type with __slots__
-            pass
+def record_failure(err: BaseException) -> None:
+    """Worker side: write ``err`` to this rank's failure record at once (once per exception).
+
+    Called where the exception is first caught (``mg.init``; worker.py for other
+    scripts), before any teardown: the peers see its symptoms only after that,
+    and the agent may SIGTERM this rank before it gets further.
+    """
+    if getattr(err, RAISED_AT, None) is not None:
+        return
+    now = time.time()
+    try:
+        setattr(err, RAISED_AT, now)
+    except (AttributeError, TypeError):  # an exception type with __slots__
+        pass
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # the launcher puts it in the attempt's folder
+    if not error_file:
+        return
+    message = " ".join(str(err).split())
+    rec = {"time": now, "type": type(err).__name__, "message": message if len(message) <= 500 else message[:497] + "...",
+           "pid": os.getpid()}
+    path = failure_path(os.path.dirname(error_file), int(os.environ.get("RANK", "0")))
+    try:
+        with open(f"{path}.tmp", "w") as fp:
+            json.dump(rec, fp)
+        os.replace(f"{path}.tmp", path)
+    except OSError:
+        pass  # the summary falls back to torch's record
 
 
 # -- launcher side ----------------------------------------------------------------------------

@@ -185,29 +185,37 @@ _SECONDARY = re.compile(
 def failure_summary(err: ChildFailedError, specs: RankLogsSpecs) -> tuple[int, str]:
     """(exit code, one summary line) for the worker whose failure started ``err``.
 
-    torch records, besides the worker that failed, the ones its agent then
-    stopped with SIGTERM, all with a timestamp in whole seconds: the first
-    failure and its symptoms on the other ranks share a second. So the order
-    comes from the workers' own records (worker.py: the time the exception was
-    raised, before any teardown), where they exist, else torch's timestamp; and
-    a rank stopped by the agent, or whose error is a lost-peer report (gloo's
-    "Connection reset by peer" is a symptom), comes after the others. The exit
-    code is the worker's own (a usage error's 2 stays 2); a worker killed by
-    signal N gives 128+N, the shell's convention.
+    torch records the worker that ended first and the ones its agent then
+    stopped with SIGTERM, all with a timestamp in whole seconds. In the real
+    race that is often the wrong order: rank 1 raises, and while it prints its
+    traceback and tears down, a peer's lost-peer error ("Connection reset by
+    peer") ends the peer first, and the agent stops rank 1. So the workers' own
+    records come first (worker.py: the exception and the time it was raised,
+    written before any teardown): the earliest one that is not a lost-peer
+    report names the rank. Without records (a killed worker, a script outside
+    worker.py), ranks the agent did not stop and whose last stderr line is no
+    lost-peer report come first, by torch's timestamp. The exit code is the
+    worker's own (a usage error's 2 stays 2; 1 for an exception whose rank the
+    agent stopped before it could exit); a worker killed by signal N gives
+    128+N, the shell's convention.
     """
     lasts = {rank: last_line(specs.stderr_paths.get(rank, "")) for rank in err.failures}
     records = {rank: read_failure(os.path.dirname(specs.stderr_paths.get(rank, "")), rank) for rank in err.failures}
+    cause = {rank: not _SECONDARY.search(f"{rec['type']}: {rec['message']}") for rank, rec in records.items() if rec}
 
     def key(item):
         index, (rank, failure) = item
+        if cause.get(rank):
+            return (0, records[rank]["time"], index)
         stopped = failure.exitcode == -signal.SIGTERM
-        rec = records[rank]
-        said = f"{rec['type']}: {rec['message']}" if rec else lasts[rank]
-        return (stopped, bool(_SECONDARY.search(said)), rec["time"] if rec else failure.timestamp, index)
+        return (1, stopped, rank in cause or bool(_SECONDARY.search(lasts[rank])), failure.timestamp, index)
 
     ordered = [ri for _, ri in sorted(enumerate(err.failures.items()), key=key)]
     rank, failure = ordered[0]
-    if failure.exitcode < 0:
+    if failure.exitcode == -signal.SIGTERM and cause.get(rank):
+        code = 1  # what it would have exited with: Python's status for an uncaught exception
+        how = f"failed ({records[rank]['type']}; the launcher stopped it while it was exiting)"
+    elif failure.exitcode < 0:
         code = 128 - failure.exitcode
         how = f"was killed by {failure.signal_name()}"
     else:

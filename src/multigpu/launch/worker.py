@@ -8,7 +8,9 @@ This runs TARGET as ``python TARGET`` / ``python -m TARGET`` would, and adds two
   ``mg.init`` before it tears anything down), its type and message. The
   launcher's failure summary orders the failed ranks by these times: torch's
   own record has whole seconds, in which the first failure and its
-  symptoms on the other ranks ("Connection reset by peer") tie.
+  symptoms on the other ranks ("Connection reset by peer") tie, and the
+  rank that raised first is often still tearing down (so the agent stops it
+  with SIGTERM) when a peer's symptom has already ended that peer.
 - **No abort at exit.** A process group still alive when the interpreter
   finalizes lets a gloo worker thread drop the last reference to a finished
   collective's tensors after Python is gone; taking the GIL then ends the
@@ -20,34 +22,15 @@ This runs TARGET as ``python TARGET`` / ``python -m TARGET`` would, and adds two
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import sys
-import time
 import traceback
 
-from .contract import RAISED_AT, failure_path
+from .contract import record_failure
 
 
 _OURS = {__file__, runpy.__file__, "<frozen runpy>"}
-
-
-def _record(err: BaseException) -> None:
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # the launcher puts it in the attempt's folder
-    if not error_file:
-        return
-    path = failure_path(os.path.dirname(error_file), int(os.environ.get("RANK", "0")))
-    message = " ".join(str(err).split())
-    rec = {"time": getattr(err, RAISED_AT, None) or time.time(), "type": type(err).__name__,
-           "message": message if len(message) <= 500 else message[:497] + "...", "pid": os.getpid()}
-    try:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as fp:
-            json.dump(rec, fp)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # the summary falls back to torch's record
 
 
 def _destroy_process_groups() -> None:
@@ -71,12 +54,12 @@ def main(argv: list[str]) -> int:
         _run(kind, target, args)
     except SystemExit as err:
         if err.code not in (None, 0):
-            _record(err)
+            record_failure(err)
         raise
     except KeyboardInterrupt:
         raise
     except BaseException as err:  # noqa: BLE001 - recorded, then reported as Python would
-        _record(err)
+        record_failure(err)
         # The traceback from the user's code on: these frames and runpy's are not theirs.
         tb = err.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename in _OURS:
