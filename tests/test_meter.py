@@ -138,7 +138,11 @@ def test_sinks_hold_the_logged_values(tmp_path):
     assert steps[0]["mfu"] is None  # CPU: achieved FLOP/s only
     assert ev["type"] == "eval" and ev["accuracy"] == 0.5 and ev["step"] == 6
     assert summary["type"] == "summary" and summary["steps"] == 7
-    assert summary["samples_per_s"]["n"] == 2  # the first interval (FLOP counting) left out
+    assert summary["measured"]["intervals"] == 2  # the first interval (FLOP counting) left out
+    # The throughput is the records' own clock: samples / time from the end of the first interval.
+    clock = (steps[-1]["samples_seen"] - steps[0]["samples_seen"]) / (steps[-1]["time"] - steps[0]["time"])
+    assert summary["samples_per_s"] == pytest.approx(clock, rel=1e-9)
+    assert summary["measured"] == dict(summary["measured"], steps=4, samples=32, from_step=3, to_step=6)
     assert sum(summary["fractions"].values()) == pytest.approx(1.0)
 
     acc = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
@@ -338,3 +342,45 @@ def test_mlflow_local_run_holds_the_logged_loss(tmp_path):
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert [(h.step, h.value) for h in client.get_metric_history(run.info.run_id, "loss")] == [(1, 0.5), (3, 2.5)]
     assert run.data.params["fingerprint/strategy"] == "none"
+
+
+def test_throughput_is_total_samples_over_total_time_not_the_mean_of_interval_rates():
+    from multigpu.meter.records import run_summary
+
+    def rec(step, time, steps=10, **kw):
+        return dict(type="step", step=step, steps=steps, samples_seen=(step + 1) * 100, time=time, step_time=0.0,
+                    samples_per_s=0.0, data_wait=0.01, compute=0.05, peak_mem_gb=0.1, stragglers=[], **kw)
+
+    # Warm-up, then intervals of 1 s, 10 s (a loaded machine) and 1 s (+0.5 s of eval, paused), 1000 samples each.
+    records = [rec(9, 1.0), rec(19, 2.0), rec(29, 12.0), rec(39, 13.5, paused_s=0.5)]
+    s = run_summary(records, steps=40, samples_per_step=100, wall_time=14.0, flops_per_sample=2.0, peak_flops=None,
+                    world_size=2, paused={"eval": 0.5})
+    assert s["samples_per_s"] == pytest.approx(3000 / 12)  # not (1000 + 100 + 1000) / 3 = 700
+    assert s["intervals"]["samples_per_s"]["mean"] == pytest.approx(700)  # kept, as the spread
+    assert s["intervals"]["samples_per_s"]["min"] == pytest.approx(100)
+    assert s["step_time"] == pytest.approx(12 / 30) and s["measured"]["time_s"] == pytest.approx(12)
+    assert (s["measured"]["from_step"], s["measured"]["to_step"], s["measured"]["steps"]) == (10, 39, 30)
+    assert s["flops_per_s"] == pytest.approx(500) and s["mfu"] is None and s["paused_s"] == {"eval": 0.5}
+    assert s["fractions"]["compute"] == pytest.approx(0.05 * 30 / 12)
+    # A profiled interval is left out with its time and samples; a single record counts from the start.
+    s = run_summary(records[:2] + [dict(records[2], profiled=True)], steps=30, samples_per_step=100, wall_time=12,
+                    flops_per_sample=None, peak_flops=None)
+    assert s["samples_per_s"] == pytest.approx(1000) and "mfu" not in s
+    s = run_summary(records[:1], steps=10, samples_per_step=100, wall_time=1, flops_per_sample=None, peak_flops=None)
+    assert s["samples_per_s"] == pytest.approx(1000)
+
+
+def test_paused_time_is_not_step_time(tmp_path):
+    import time as _time
+
+    plan = mg.BatchPlan(global_batch=4, world_size=1)
+    with StepMeter(None, plan, log_every=2, log_dir=str(tmp_path), progress=False, watchdog=None, gpu_monitor=False) as m:
+        for step, _ in m.steps(range(6)):
+            m.step_end(loss=1.0)
+            if step == 2:  # inside the interval of steps 2-3
+                with m.pause("eval"):
+                    _time.sleep(0.3)
+    recs = read_jsonl(tmp_path / "metrics.jsonl")
+    steps, summary = [r for r in recs if r["type"] == "step"], recs[-1]
+    assert steps[1]["paused_s"] >= 0.3 and steps[1]["step_time"] < 0.05
+    assert summary["paused_s"]["eval"] >= 0.3 and summary["measured"]["time_s"] < 0.1

@@ -94,7 +94,7 @@ def test_launcher_profile_variable_reaches_the_meter(tmp_path, monkeypatch, caps
     recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     # Steps 0-1 hold the profiler's warm-up step, 2-3 the profiled ones: both left out of the summary.
     assert [r.get("profiled", False) for r in recs if r["type"] == "step"] == [True, True, False]
-    assert recs[-1]["samples_per_s"]["n"] == 1
+    assert recs[-1]["measured"]["intervals"] == 1
     (s,) = json.loads((tmp_path / "profile" / "summary.json").read_text())
     assert s["steps"] == 2 and sum(s[p] for p in PARTS) == pytest.approx(s["step_total"])
     assert "profile of steps 2..3" in capsys.readouterr().out

@@ -40,6 +40,7 @@ class Interval:
         self.loss_sum: Any = 0.0
         self.loss_n = 0
         self.metric_sums: dict[str, Any] = {}
+        self.paused = 0.0  # seconds in meter.pause(): evaluation, checkpoints (not step time)
         self.t0 = time.perf_counter()
 
     def add(self, loss: Any, metrics: dict[str, Any]) -> None:
@@ -77,7 +78,7 @@ class Interval:
         vec = [self.n, wall, sum(self.dws), sum(cps), sum(rds) if full else math.nan, loss, self.loss_n,
                rank_peak_memory(device), statistics.median(self.dws), statistics.median(cps),
                statistics.median(rds) if full else math.nan, mad(self.dws), mad(cps),
-               mad(rds) if full else math.nan, *vals]
+               mad(rds) if full else math.nan, self.paused, *vals]
         if not cuda:  # same on every rank, so the gathered vectors keep one length
             return vec, keys
         mon = monitor.take() if monitor is not None and monitor.enabled else None

@@ -10,6 +10,7 @@ for the record schema.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -28,7 +29,7 @@ from .flops import FlopCount, dtype_key, peak_flops
 from .interval import Interval
 from .records import interval_record, run_summary
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: summary throughput from totals, per-interval spreads under "intervals", pauses
 
 
 class StepMeter:
@@ -95,6 +96,7 @@ class StepMeter:
         self._flop_count: FlopCount | None = None
         self._t_start_wall = time.time()
         self._iv = Interval()
+        self._paused: dict[str, float] = {}
 
         self._resume = False
         self.hosts = self._gather_objects(socket.gethostname())
@@ -285,6 +287,23 @@ class StepMeter:
         """Values (already global, e.g. ``noise.metrics()``) added to the next log record as given."""
         self._extra.update(values or {}, **kw)
 
+    @contextlib.contextmanager
+    def pause(self, kind: str = "eval") -> Iterator[None]:
+        """Time spent inside is not training time: throughput leaves it out, the summary reports it by kind.
+
+        >>> with meter.pause("eval"):
+        ...     accuracy = evaluate(model, val)
+        >>> with meter.pause("checkpoint"):
+        ...     ckpt.save(step)
+        """
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            self._iv.paused += dt
+            self._paused[kind] = self._paused.get(kind, 0.0) + dt
+
     def log_eval(self, step: int | None = None, **metrics: Any) -> None:
         """Write an ``eval`` record now (rank 0; pass values that are already global)."""
         if self.is_main:
@@ -331,13 +350,13 @@ class StepMeter:
 
     # -- end of run ---------------------------------------------------------------------
     def summary(self) -> dict[str, Any] | None:
-        """Throughput mean/spread and the time breakdown over the logged intervals (rank 0).
+        """Throughput (samples / time over the measured steps), its per-interval spread, the time breakdown (rank 0).
 
-        The first interval (warm-up, FLOP counting) is left out when there are others.
+        The first interval (warm-up, FLOP counting) and profiled ones are left out when there are others.
         """
         return run_summary(self._records, steps=self.step, samples_per_step=self.samples_per_step,
                            wall_time=time.time() - self._t_start_wall, flops_per_sample=self.flops_per_sample,
-                           peak_flops=self.peak_flops)
+                           peak_flops=self.peak_flops, world_size=self.world_size, paused=self._paused)
 
     def close(self) -> dict[str, Any] | None:
         """Log the last partial interval, write the summary (rank 0), stop threads. Collective."""
@@ -353,12 +372,14 @@ class StepMeter:
                 if s is not self.console:
                     s.write(summary)
             if self.console is not None:
-                sp = summary["samples_per_s"]
-                f = summary["fractions"]
+                m, f = summary["measured"], summary["fractions"]
+                spread = summary["intervals"]["samples_per_s"]
+                paused = "".join(f"; {k} {v:.1f} s" for k, v in summary["paused_s"].items())
                 self.console.note(
-                    f"multigpu: {summary['steps']} steps, {sp['mean']:,.0f} ± {sp['std']:,.0f} samples/s over "
-                    f"{sp['n']} intervals; time: compute {100 * f['compute']:.0f}%, data wait {100 * f['data_wait']:.0f}%, "
-                    f"other {100 * f['other']:.0f}%")
+                    f"multigpu: {summary['steps']} steps, {summary['samples_per_s']:,.0f} samples/s "
+                    f"({m['samples']:,} samples in {m['time_s']:.2f} s, steps {m['from_step']}-{m['to_step']}; "
+                    f"intervals {spread['min']:,.0f}-{spread['max']:,.0f}); time: compute {100 * f['compute']:.0f}%, "
+                    f"data wait {100 * f['data_wait']:.0f}%, other {100 * f['other']:.0f}%{paused}")
         for h in self._hooks:
             h.remove()
         self._hooks = []

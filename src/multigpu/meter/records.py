@@ -17,7 +17,7 @@ from .stragglers import find_stragglers
 # stragglers: a rank slowed on a few steps by the OS scheduler is noise, one slow on most
 # steps is a straggler.
 FIELDS = ("n", "wall", "data_wait", "compute", "ready", "loss_sum", "loss_n", "peak_mem",
-          "dw_med", "cp_med", "rd_med", "dw_mad", "cp_mad", "rd_mad")
+          "dw_med", "cp_med", "rd_med", "dw_mad", "cp_mad", "rd_mad", "paused")
 
 
 def mad(values: list[float]) -> float:
@@ -43,7 +43,8 @@ def interval_record(
     """One ``step`` record from every rank's row; returns it and the updated straggler streaks."""
     b = len(FIELDS)
     per = [dict(zip(FIELDS, r[:b])) for r in rows]
-    step_time = max(p["wall"] / p["n"] for p in per)  # the job runs at its slowest rank's pace
+    # The job runs at its slowest rank's pace; time in meter.pause() (eval, checkpoints) is not step time.
+    step_time = max((p["wall"] - p["paused"]) / p["n"] for p in per)
     dw = [p["data_wait"] / p["n"] for p in per]
     cp = [p["compute"] / p["n"] for p in per]
     rd = [p["ready"] / p["n"] for p in per]
@@ -61,6 +62,7 @@ def interval_record(
         "lr": lr,
         "peak_mem_gb": max(p["peak_mem"] for p in per) / 1e9,
         "peak_mem_rank": max(range(len(per)), key=lambda r: per[r]["peak_mem"]),
+        "paused_s": per[0]["paused"],  # rank 0's: "time" is rank 0's clock
     }
     if flops_per_sample:
         rec["flops_per_s"] = flops_per_sample * sps
@@ -84,28 +86,54 @@ def interval_record(
     return rec, streak
 
 
+def measured(records: list[dict[str, Any]]) -> list[tuple[int, float, dict[str, Any]]]:
+    """(samples, seconds, record) of every measured interval, from the records' own clock.
+
+    An interval runs from the previous record's ``time`` to its own (rank 0's
+    clock: everything in between counts, the log step's gather included) less
+    the time spent in ``meter.pause()``. The first interval (warm-up, FLOP
+    counting) and the profiled ones are left out when others remain.
+    """
+    spans = [(r["samples_seen"] - p["samples_seen"], r["time"] - p["time"] - r.get("paused_s", 0.0), r)
+             for p, r in zip(records, records[1:]) if not r.get("profiled")]
+    if not spans and records:  # one record: measured from the meter's start
+        r = records[0]
+        spans = [(r["samples_seen"], r["time"] - r.get("paused_s", 0.0), r)]
+    return [s for s in spans if s[1] > 0]
+
+
 def run_summary(records: list[dict[str, Any]], *, steps: int, samples_per_step: int, wall_time: float,
-                flops_per_sample: float | None, peak_flops: float | None) -> dict[str, Any] | None:
-    """The ``summary`` record: spreads over the intervals except the first and profiled ones, time fractions."""
-    recs = records[1:] if len(records) > 1 else records
-    recs = [r for r in recs if not r.get("profiled")] or recs
-    if not recs:
+                flops_per_sample: float | None, peak_flops: float | None, world_size: int = 1,
+                paused: dict[str, float] | None = None) -> dict[str, Any] | None:
+    """The ``summary`` record: throughput as total samples / total time over the measured intervals.
+
+    The per-interval rates are kept as a spread (``intervals``), never as the
+    value: their mean overstates a run whose intervals differ (a slow one
+    weighs as much as a fast one).
+    """
+    spans = measured(records)
+    if not spans:
         return None
-    total = sum(r["step_time"] * r["steps"] for r in recs)
-    dw = sum(r["data_wait"] * r["steps"] for r in recs)
-    cp = sum(r["compute"] * r["steps"] for r in recs)
+    samples = sum(s for s, _, _ in spans)
+    seconds = sum(t for _, t, _ in spans)
+    n_steps = sum(r["steps"] for _, _, r in spans)
+    dw = sum(r["data_wait"] * r["steps"] for _, _, r in spans)
+    cp = sum(r["compute"] * r["steps"] for _, _, r in spans)
+    sps = samples / seconds
     out = {
-        "type": "summary", "steps": steps, "samples_seen": steps * samples_per_step,
-        "wall_time": wall_time, "intervals": len(recs), "measured_steps": sum(r["steps"] for r in recs),
-        "samples_per_s": spread([r["samples_per_s"] for r in recs]),
-        "step_time": spread([r["step_time"] for r in recs]),
-        "fractions": {"data_wait": dw / total, "compute": cp / total, "other": max(0.0, 1 - (dw + cp) / total)},
+        "type": "summary", "steps": steps, "samples_seen": steps * samples_per_step, "wall_time": wall_time,
+        "samples_per_s": sps, "step_time": seconds / n_steps,
+        "measured": {"steps": n_steps, "samples": samples, "time_s": seconds, "intervals": len(spans),
+                     "from_step": spans[0][2]["step"] - spans[0][2]["steps"] + 1, "to_step": spans[-1][2]["step"]},
+        "intervals": {"samples_per_s": spread([s / t for s, t, _ in spans]),
+                      "step_time": spread([t / r["steps"] for _, t, r in spans])},
+        "paused_s": dict(paused or {}),
+        "fractions": {"data_wait": dw / seconds, "compute": cp / seconds, "other": max(0.0, 1 - (dw + cp) / seconds)},
         "peak_mem_gb": max(r["peak_mem_gb"] for r in records),
         "stragglers": sorted({(s["rank"], s["cause"]) for r in records for s in r["stragglers"] if s["intervals"] >= 2}),
         "flops_per_sample": flops_per_sample, "peak_flops": peak_flops,
     }
-    if any(r.get("mfu") is not None for r in recs):
-        out["mfu"] = spread([r["mfu"] for r in recs if r.get("mfu") is not None])
-    if any(r.get("flops_per_s") for r in recs):
-        out["flops_per_s"] = spread([r["flops_per_s"] for r in recs if r.get("flops_per_s")])
+    if flops_per_sample:
+        out["flops_per_s"] = flops_per_sample * sps
+        out["mfu"] = out["flops_per_s"] / (peak_flops * world_size) if peak_flops else None
     return out

@@ -138,13 +138,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 if (step + 1) % len(train) == 0 or done:
                     epoch = (step + 1) // len(train)
                     if done or epoch % args.eval_every == 0:
-                        metrics = evaluate(model, test_set, dist, amp)
+                        with meter.pause("eval"):
+                            metrics = evaluate(model, test_set, dist, amp)
                         meter.log_eval(step=step, accuracy=metrics["accuracy"], loss=metrics["loss"])
                 if done:
                     break
         summary = meter.summary() or {}
         result = dict(metrics, world_size=dist.world_size, steps=total,
-                      samples_per_s=(summary.get("samples_per_s") or {}).get("mean"), wall_s=summary.get("wall_time"))
+                      samples_per_s=summary.get("samples_per_s"), wall_s=summary.get("wall_time"))
         if noise is not None:
             result |= noise.metrics()
             mg.print0(noise.summary())

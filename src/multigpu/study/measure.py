@@ -49,8 +49,8 @@ def measure_run(run_dir: Path, target: tuple[str, str, float] | None) -> dict[st
     if summary is None:
         raise UsageError(f"{metrics} has no summary record: the run ended before meter.close()")
     out: dict[str, Any] = {
-        "samples_per_s": (summary.get("samples_per_s") or {}).get("mean"),
-        "step_time_s": (summary.get("step_time") or {}).get("mean"),
+        "samples_per_s": summary.get("samples_per_s"),
+        "step_time_s": summary.get("step_time"),
         "wall_s": summary.get("wall_time"),
         "samples_seen": summary.get("samples_seen"),
         "curve": {"samples": [r["samples_seen"] for r in steps if r.get("loss") is not None],

@@ -127,17 +127,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 done = step + 1 == args.steps
                 meter.step_end(loss=_full(loss).detach() * plan.accum_steps, lr=opt)
                 if done or (step + 1) % args.eval_every == 0:
-                    metrics = evaluate(model, val_set, mesh, dist, plan.micro_batch, args.eval_batches * plan.global_batch,
-                                       args.loss_parallel)
+                    with meter.pause("eval"):
+                        metrics = evaluate(model, val_set, mesh, dist, plan.micro_batch,
+                                           args.eval_batches * plan.global_batch, args.loss_parallel)
                     meter.log_eval(step=step, loss=metrics["loss"], bits_per_byte=metrics["bits_per_byte"])
                 if done:
                     break
         summary = meter.summary() or {}
-        sps = (summary.get("samples_per_s") or {}).get("mean")
+        sps = summary.get("samples_per_s")
         peak = torch.cuda.max_memory_allocated(dist.device) if dist.device.type == "cuda" else None
         result = dict(metrics, world_size=dist.world_size, steps=args.steps,
                       tokens_per_s=sps * cfg.block_size if sps else None, wall_s=summary.get("wall_time"),
-                      mfu=(summary.get("mfu") or {}).get("mean"), peak_memory_bytes=peak)
+                      mfu=summary.get("mfu"), peak_memory_bytes=peak)
         mfu = f", MFU {result['mfu']:.1%}" if result["mfu"] is not None else ""
         mem = f", peak memory {peak / 2**30:.2f} GiB" if peak is not None else ""
         tps = f"{result['tokens_per_s']:,.0f} tokens/s" if result["tokens_per_s"] else "tokens/s n/a"
