@@ -218,12 +218,16 @@ def _damage(kind, ck: Path):
     elif kind == "manifest":
         m = ck / storage.MANIFEST
         m.write_text(m.read_text().replace('"world_size": 2', '"world_size": 3'))
-    elif kind == "metadata":
-        # A planted .metadata that would create a directory when unpickled, with
-        # manifest and marker rewritten so every checksum matches.
-        (ck / ".metadata").write_bytes(pickle.dumps(_Planted(str(ck / "pwned"))))
+    elif kind in ("metadata", "rng"):
+        # A planted pickle that would create a directory when loaded (.metadata, or rank 0's
+        # RNG file read by torch.load), with manifest and marker rewritten so every checksum matches.
+        name = ".metadata" if kind == "metadata" else "rng/rank-0.pt"
+        if kind == "metadata":
+            (ck / name).write_bytes(pickle.dumps(_Planted(str(ck / "pwned"))))
+        else:
+            torch.save({"cpu": _Planted(str(ck / "pwned"))}, ck / name)
         manifest = json.loads((ck / storage.MANIFEST).read_text())
-        manifest["files"][".metadata"] = dict(zip(("bytes", "sha256"), storage.sha256_file(ck / ".metadata")))
+        manifest["files"][name] = dict(zip(("bytes", "sha256"), storage.sha256_file(ck / name)))
         storage.write_durable(ck / storage.MANIFEST, (json.dumps(manifest) + "\n").encode())
         import hashlib
 
@@ -260,7 +264,7 @@ def _disk_full_and_damage(dist, root):
     tdist.barrier()
     report["after_full"] = _listing(run)
     report["step4_ok"] = storage.verify(run / "step-4")[1] == []
-    for kind in ("flip", "truncate", "manifest", "metadata"):
+    for kind in ("flip", "truncate", "manifest", "metadata", "rng"):
         copy = root / kind
         if dist.rank == 0:
             shutil.copytree(run, copy)
@@ -306,6 +310,7 @@ def test_disk_full_and_damaged_checkpoints(tmp_path):
         "truncate": "expected",
         "manifest": "manifest.json does not match the hash in its COMPLETE marker",
         "metadata": ".metadata refers to posix.mkdir, which a DCP checkpoint never contains",
+        "rng": "rng/rank-0.pt cannot be read safely (UnpicklingError: Weights only load failed",
     }
     for kind, reason in reasons.items():
         out, err, pwned = rep[kind]
@@ -348,6 +353,11 @@ def test_bad_input_is_one_clear_line(two_ranks, tmp_path, capsys):
         assert cli(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "does not exist" in err[0]
+    # Nothing to verify is not "all checkpoints valid": a wrong directory must fail a CI step.
+    (tmp_path / "empty").mkdir()
+    assert cli(["ckpt", "verify", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"no checkpoints in {tmp_path / 'empty'} to verify" in err[0]
     # Wrong architecture: the message names the keys and shapes (no process group needed).
     ckpt = mg.Checkpointer(root / "reshard", model=net(hidden=64))
     with pytest.raises(mg.UsageError) as info:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import sys
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,8 @@ def load(objects: TrainingObjects, path: Path, manifest: dict[str, Any], group: 
     except CheckpointException as err:  # DCP gathers every rank's failure; the first one says it
         _, (cause, _) = min(err.failures.items())
         text = " ".join(f"{type(cause).__name__}: {cause}".split())[:300]
+        if isinstance(cause, pickle.UnpicklingError):  # weights_only refused a value: damage, not a bug
+            raise Damaged(f"a value in its tensor files is not plain data ({text})") from None
         if "Missing key" in text or "ize mismatch" in text:
             raise UsageError(f"checkpoint {path} does not match this run's state ({text}); resume with the same "
                              "model, optimizer, scheduler and extras types it was saved with") from None
@@ -145,8 +148,18 @@ def load(objects: TrainingObjects, path: Path, manifest: dict[str, Any], group: 
 
 def _restore_rng(path: Path, manifest: dict[str, Any], group: Group) -> None:
     saved_world = int(manifest["world_size"])
+    states, problem = None, None
     if group.rank < saved_world:
-        rng.restore(rng.load(path / rng.file_name(group.rank)))
+        name = rng.file_name(group.rank)
+        try:
+            states = rng.load(path / name)
+        except Exception as err:  # noqa: BLE001 - weights_only's refusal or a decoding error: damage
+            problem = f"{name} cannot be read safely ({' '.join(f'{type(err).__name__}: {err}'.split())[:200]})"
+    problems = [p for p in group.gather(problem) if p]  # every rank skips this checkpoint, or none
+    if problems:
+        raise Damaged(problems[0])
+    if states is not None:
+        rng.restore(states)
     else:
         rng.reseed(int(manifest["step"]), group.rank)
     if saved_world != group.world:
@@ -176,6 +189,11 @@ def resume(directory: Path, checkpoint: str | Path | int | None, objects: Traini
     damaged = []
     for path in candidates:
         manifest, problems = check(path, group)
+        if not problems:
+            try:
+                load(objects, path, manifest, group)
+            except Damaged as err:  # checksums match, yet a file holds what a safe load refuses
+                problems = [str(err)]
         if problems:
             reason = problems[0] + (f" (+{len(problems) - 1} more problems)" if len(problems) > 1 else "")
             if explicit:
@@ -184,7 +202,6 @@ def resume(directory: Path, checkpoint: str | Path | int | None, objects: Traini
             _warn(group, f"skipping damaged checkpoint {path}: {reason}")
             damaged.append(path)
             continue
-        load(objects, path, manifest, group)
         step = int(manifest["step"])
         changed = f", {manifest['strategy']} -> {strategy}" if manifest["strategy"] != strategy else ""
         print0(f"multigpu: resumed from {path} (step {step}, written by {_ranks(manifest['world_size'])}, "

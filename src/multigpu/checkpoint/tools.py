@@ -116,6 +116,10 @@ def main(args) -> int:
               f"{info['parameters']:,} parameters, {info['bytes']:,} bytes; "
               "load with model.load_state_dict(torch.load(path, weights_only=True))")
         return 0
+    if args.action == "verify" and not _targets(_run_dir(args.dir)):
+        # Nothing checked is not "all valid": a wrong directory must not pass a CI step.
+        raise UsageError(f"no checkpoints in {_run_dir(args.dir)} to verify; expected step-N folders written by "
+                         f"mg.Checkpointer: pass the directory given to Checkpointer(...)")
     lines, bad = table(args.dir, full=args.action == "verify")
     print("\n".join(lines))
     if args.action == "verify":
