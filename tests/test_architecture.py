@@ -30,8 +30,8 @@ FLAGS = {
     "run": ["--all-ranks", "--cpu", "--find-batch", "--log-dir", "--master", "--max-restarts",
             "--memory-budget", "--nnodes", "--node-rank", "--nproc", "--profile", "-m", "-n", "<script>",
             "<script_args>"],
-    "study": ["--cpu", "--global-batch", "--no-report", "--out", "--policy", "--profile", "--repeats",
-              "--steps", "--target", "--workers", "<args>", "<workload>"],
+    "study": ["--budget", "--ci", "--cpu", "--global-batch", "--max-repeats", "--no-report", "--out", "--policy",
+              "--profile", "--repeats", "--steps", "--target", "--threads", "--workers", "<args>", "<workload>"],
 }
 
 

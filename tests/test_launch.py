@@ -154,6 +154,9 @@ def _free_port() -> int:
         (["--find-batch", "--memory-budget", "12XB", "{script}"], "--memory-budget must be a positive size like 512MB, 8GiB or a number of bytes, got '12XB'"),
         (["--find-batch", "--memory-budget", "0MB", "{script}"], "got '0MB'"),
         (["--find-batch", "--memory-budget", "1.5", "{script}"], "got '1.5'"),
+        (["--cpu", "-n", "99999", "{script}"], "-n 99999 CPU workers on"),
+        (["--master", "nohost.invalid:1", "{script}"], "--master host 'nohost.invalid' does not resolve"),
+        (["--nnodes", "2", "--master", "nohost.invalid:29500", "{script}"], "use node 0's host name or IP address"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, expected, tmp_path, monkeypatch, capsys):

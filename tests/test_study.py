@@ -7,8 +7,12 @@ import textwrap
 
 import pytest
 
+import multigpu as mg
+
 from multigpu.report import write_report
 from multigpu.study import StudyConfig, plan_runs, run_study, RECIPES
+
+from _cli import run_cli
 
 
 def test_digits_study_writes_every_file_and_efficiency_is_the_throughput_ratio(tmp_path):
@@ -87,6 +91,13 @@ def test_a_failed_run_is_reported_and_the_study_goes_on(tmp_path):
     assert runs[1]["breakdown"]["source"] == "meter" and runs[1]["breakdown"]["comm_exposed"] is None
     html_path, md_path = write_report(out)
     assert "Failed runs" in md_path.read_text()
+    # A workload that rejects its arguments (exit 2) would reject them in every run: stop after the first.
+    said.clear()
+    bad = StudyConfig(str(script), args=("--bogus",), workers=(1, 2), global_batch=16, steps=10, cpu=True,
+                      out=str(tmp_path / "s2"), profile=None)
+    with pytest.raises(mg.UsageError, match=r"run w1-gb16-r0 rejected its arguments \(.*--bogus.*\); the study stopped"):
+        run_study(bad, say=said.append)
+    assert sum(line.startswith("[") for line in said) == 1
 
 
 def test_policies_that_coincide_share_a_run():
@@ -107,16 +118,49 @@ def test_policies_that_coincide_share_a_run():
     (["--target", "accuracy=0.9", "digits"], "--target must look like accuracy>=0.95"),
     (["--out", "{file}/sub", "digits"], "is not writable"),
     (["missing.py"], "script 'missing.py' does not exist"),
+    (["--global-batch", "7", "--workers", "1,2", "digits"],
+     "global batch 7 cannot be split over 2 workers (keep-global keeps it at 7 at every world size); "
+     "pass --global-batch as a multiple of 2, e.g. 6 or 8"),
+    (["--global-batch", "10", "--workers", "1,2,4", "digits"], "multiple of 4, e.g. 8 or 12"),
+    (["digits", "--workers", "1,2"], "--workers comes after the workload 'digits', so it would go to the workload; "
+                                     "study options go before it: multigpu study --workers ... digits"),
+    (["--ci", "1.5", "digits"], "--ci is the relative half-width"),
+    (["--threads", "0", "digits"], "--threads must be >= 1"),
 ])
-def test_bad_study_input_is_one_line_exit_2(argv, fragment, tmp_path):
+def test_bad_study_input_is_one_line_exit_2(argv, fragment, tmp_path, monkeypatch, capsys):
+    # In this process, through the CLI's own main: nothing may start before the refusal.
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    argv = [a.replace("{file}", str(blocker)) for a in argv]
-    proc = subprocess.run([sys.executable, "-m", "multigpu", "study", *argv], capture_output=True, text=True,
-                          timeout=60, cwd=tmp_path)
-    assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
-    assert fragment in proc.stderr
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli(["study", *[a.replace("{file}", str(blocker)) for a in argv]], capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert fragment in err
+    assert not (tmp_path / "studies").exists()
+
+
+def test_paired_speedup_interval_and_the_inconclusive_verdict():
+    from multigpu.study.measure import paired_speedup, summarize
+
+    def run(w, rep, sps):
+        return {"workers": w, "policies": ["keep-global"], "repeat": rep, "status": "ok", "samples_per_s": sps,
+                "global_batch": 64, "step_time_s": 1 / sps, "final": {}, "to_target": None, "noise_scale": None,
+                "breakdown": {}}
+
+    # Rounds drift (a loaded machine) but the ratio inside each round is steady: a tight interval.
+    steady = [run(1, r, 100 * (r + 1)) for r in range(3)] + [run(2, r, 190 * (r + 1) * f) for r, f in enumerate((1, 1.01, 0.99))]
+    sp = paired_speedup(steady, 2, "keep-global")
+    assert sp["n"] == 3 and sp["low"] < sp["mean"] < sp["high"] and sp["high"] / sp["low"] < 1.06
+    assert sp["mean"] == pytest.approx((1.9 ** 3 * 1.01 * 0.99) ** (1 / 3))
+    [_, two] = summarize(steady, (1, 2), ("keep-global",))
+    assert two["verdict"].startswith("compute bound: 95 % efficiency (95 % interval")
+    # The same means with noisy rounds: the interval straddles 80 % efficiency, so no verdict is claimed.
+    noisy = [run(1, r, 100) for r in range(3)] + [run(2, r, s) for r, s in enumerate((130, 160, 200))]
+    [_, two] = summarize(noisy, (1, 2), ("keep-global",))
+    assert two["verdict"].startswith("inconclusive: 80 % efficiency, but the 95 % interval 47 %-137 %")
+    assert "straddles the 80 % threshold" in two["verdict"]
+    one_round = summarize(steady[:1] + steady[3:4], (1, 2), ("keep-global",))[1]
+    assert one_round["speedup"]["low"] is None and "one round: no interval" in one_round["verdict"]
 
 
 def test_report_of_a_missing_study_is_one_line(tmp_path):

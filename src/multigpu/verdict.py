@@ -30,7 +30,7 @@ class StudyFinding:
     (Not ``multigpu.doctor.Finding``, which is one line of the doctor's environment report.)
     """
 
-    kind: str  # failed | accuracy | data | communication | critical-batch | compute | scaling
+    kind: str  # failed | accuracy | data | communication | critical-batch | inconclusive | compute | scaling
     text: str
 
     def __str__(self) -> str:
@@ -85,14 +85,24 @@ def findings(group: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> li
     if phi and batch and phi > 0 and batch >= BEYOND_CRITICAL * phi:
         out.append(StudyFinding("critical-batch", f"beyond the critical batch: global batch {batch} vs noise scale "
                                                   f"~{phi:.0f}; more GPUs will not cut steps"))
-    eff = _mean(group.get("efficiency"))
-    if eff is not None:
-        if eff >= GOOD_EFFICIENCY and not any(f.kind in ("data", "communication") for f in out):
-            out.append(StudyFinding("compute", f"compute bound: {_pct(eff)} efficiency"))
-        elif eff < GOOD_EFFICIENCY and not any(f.kind in ("data", "communication") for f in out):
+    efficiency = group.get("efficiency")
+    eff = _mean(efficiency)
+    if eff is not None and not any(f.kind in ("data", "communication") for f in out):
+        low, high = (efficiency.get("low"), efficiency.get("high")) if isinstance(efficiency, Mapping) else (None, None)
+        if low is None:
+            sure = "; one round: no interval (--repeats 3 or --ci 0.1 gives one)"
+        else:
+            sure = f" (95 % interval {_pct(low)}-{_pct(high)}, {efficiency.get('n')} rounds)"
+        if low is not None and low < GOOD_EFFICIENCY <= high:
+            out.append(StudyFinding("inconclusive", f"inconclusive: {_pct(eff)} efficiency, but the 95 % interval "
+                                                    f"{_pct(low)}-{_pct(high)} straddles the {_pct(GOOD_EFFICIENCY)} "
+                                                    f"threshold; more rounds (--ci 0.05) would decide"))
+        elif eff >= GOOD_EFFICIENCY:
+            out.append(StudyFinding("compute", f"compute bound: {_pct(eff)} efficiency{sure}"))
+        else:
             parts = ", ".join(f"{k.replace('_', ' ')} {_pct(v)}" for k, v in breakdown.items() if v is not None)
-            out.append(StudyFinding("scaling",
-                                    f"poor scaling: {_pct(eff)} efficiency" + (f" ({parts})" if parts else "")))
+            out.append(StudyFinding("scaling", f"poor scaling: {_pct(eff)} efficiency{sure}"
+                                               + (f" ({parts})" if parts else "")))
     return out
 
 

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import importlib.util
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Iterator
@@ -158,7 +159,30 @@ def resolve(cfg: RunConfig, environ=os.environ, gpu_count=visible_gpus) -> Place
         raise UsageError(f"--find-batch on CPU workers ({why}) needs --memory-budget SIZE, the most memory a rank may use "
                          "(CPU has no out-of-memory signal to search against), got none; add e.g. --memory-budget 2GiB")
     nproc = cfg.nproc or gpus or 2
+    if not gpus and nproc > CPU_WORKERS_PER_CPU * cpu_count():
+        raise UsageError(f"-n {nproc} CPU workers on {cpu_count()} CPUs is more than {CPU_WORKERS_PER_CPU} per CPU "
+                         f"({CPU_WORKERS_PER_CPU * cpu_count()}); each is a full Python process: use -n {min(cpu_count(), 8)} or a few more")
+    if source == "flags":
+        _check_resolves(addr, port)
     return Placement(nproc, nnodes, node_rank, addr, port, source, run_id)
+
+
+# More CPU workers than this per core only time-slice: a typo such as -n 99999 must not start forking.
+CPU_WORKERS_PER_CPU = 8
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (its affinity mask, which a scheduler may narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _check_resolves(host: str, port: int) -> None:
+    """A master host that does not resolve would make torch retry its socket for minutes: say it at once."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as err:
+        raise UsageError(f"--master host {host!r} does not resolve ({err.strerror or err}); use node 0's host name "
+                         f"or IP address, e.g. --master 10.0.0.1:{port}") from None
 
 
 @contextlib.contextmanager

@@ -18,13 +18,9 @@ from typing import Iterator, Sequence
 
 from ..errors import UsageError
 from . import contract
-from .config import DEFAULT_LOG_DIR, Placement, RunConfig, from_args, resolve, visible_gpus
+from .config import DEFAULT_LOG_DIR, Placement, RunConfig, cpu_count, from_args, resolve, visible_gpus
 
 SHUTDOWN_GRACE_S = 10  # SIGTERM -> SIGKILL for the surviving workers (torch's default is 30 s)
-
-
-def _cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 @contextlib.contextmanager
@@ -89,8 +85,8 @@ def _worker_variables(cfg: RunConfig, place: Placement, run_dir: str, steps: tup
 
     env: dict[str, tuple[str, str]] = {}
     if "OMP_NUM_THREADS" not in os.environ:
-        threads = max(1, _cpu_count() // place.nproc)
-        env["OMP_NUM_THREADS"] = (str(threads), f"{_cpu_count()} CPUs // {place.nproc} workers")
+        threads = max(1, cpu_count() // place.nproc)
+        env["OMP_NUM_THREADS"] = (str(threads), f"{cpu_count()} CPUs // {place.nproc} workers")
     if cfg.max_restarts and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
         # By default the workers of every attempt use the agent's one store, where the previous
         # attempt's keys are still set: the next attempt's gloo connects to dead ports and fails

@@ -32,7 +32,13 @@ def default_workers() -> str:
 def add_arguments(parser) -> None:
     parser.add_argument("--workers", default=None, help="world sizes to run, e.g. 1,2,4 (default: 1,2,4.. up to the GPUs; 1,2 on CPU)")
     parser.add_argument("--policy", default="keep-global", help="batch policies, comma-separated: keep-global, scale-global")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per setting, for mean and spread")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of interleaved runs (1, 2, 1, 2, ...); 2 or more give a 95 %% interval")
+    parser.add_argument("--ci", type=float, default=None, metavar="FRAC",
+                        help="keep adding rounds until every speedup's 95 %% interval is within +-FRAC (e.g. 0.1)")
+    parser.add_argument("--budget", type=float, default=600.0, metavar="S", help="with --ci: start no round after S seconds (default 600)")
+    parser.add_argument("--max-repeats", type=int, default=10, help="with --ci: at most this many rounds (default 10)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads per worker on CPU runs, the same at every world size (default 1: a worker stands for a device)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (passed as --steps; default: the workload's own)")
     parser.add_argument("--global-batch", type=int, default=None, help="global batch at 1 worker (passed as --global-batch)")
     parser.add_argument("--target", default=None, help="e.g. accuracy>=0.95 or loss<=0.1: time and samples to reach it")
@@ -42,14 +48,23 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-report", action="store_true", help="skip writing report.html / report.md")
     parser.add_argument("workload", help=f"a recipe ({', '.join(RECIPES)}), a script path or a module")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the workload")
+    flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    parser.set_defaults(study_flags=frozenset(flags))
 
 
 def main(args) -> int:
+    misplaced = [a for a in args.args if a.split("=", 1)[0] in args.study_flags]
+    if misplaced:
+        # argparse hands everything after the workload to it: `study digits --workers 1,2` would run the
+        # recipe with --workers, fail in every run, and the study would still try them all.
+        raise UsageError(f"{misplaced[0]} comes after the workload {args.workload!r}, so it would go to the workload; "
+                         f"study options go before it: multigpu study {misplaced[0]} ... {args.workload}")
     cfg = StudyConfig(
         workload=args.workload, args=tuple(args.args), workers=_ints(args.workers or default_workers()),
         policies=tuple(p.strip() for p in args.policy.split(",") if p.strip()), repeats=args.repeats,
         steps=args.steps, global_batch=args.global_batch, target=args.target, out=args.out, cpu=args.cpu,
         profile=None if args.profile in ("off", "none", "") else args.profile,
+        ci=args.ci, budget_s=args.budget, max_repeats=args.max_repeats, threads=args.threads,
     )
     out, study = run_study(cfg, say=lambda s: print(s, flush=True))
     print(f"multigpu study: {study['headline']}")

@@ -122,15 +122,42 @@ def summarize(runs: list[dict[str, Any]], workers: Iterable[int], policies: Iter
     for g in groups:
         base = next((b for b in groups if b["policy"] == g["policy"] and b["workers"] == 1), None)
         g["speedup"] = g["efficiency"] = None
-        if base and g["workers"] > 1 and base["samples_per_s"] and g["samples_per_s"]:
-            s, b = g["samples_per_s"], base["samples_per_s"]
-            ratio = s["mean"] / b["mean"]
-            rel = math.hypot(s["std"] / s["mean"], b["std"] / b["mean"])
-            g["speedup"] = {"mean": ratio, "std": ratio * rel}
-            g["efficiency"] = {"mean": ratio / g["workers"], "std": ratio * rel / g["workers"]}
+        if base and g["workers"] > 1:
+            g["speedup"] = paired_speedup(runs, g["workers"], g["policy"])
+            if g["speedup"]:
+                g["efficiency"] = {k: (v / g["workers"] if isinstance(v, float) else v)
+                                   for k, v in g["speedup"].items() if k != "ratios"}
         g["findings"] = [f.text for f in findings(g, base)]
         g["verdict"] = verdict(g, base)
     return groups
+
+
+def paired_speedup(runs: list[dict[str, Any]], workers: int, policy: str) -> dict[str, Any] | None:
+    """Speedup over 1 worker from the runs of the same round, with a 95 % interval from 2 rounds on.
+
+    Each round ran both world sizes back to back (interleaved), so their ratio
+    cancels what drifts between rounds. The interval is Student's t on the log
+    ratios (a ratio is not symmetric around its mean); ``low``/``high`` are None
+    with one round.
+    """
+    def rates(w: int) -> dict[int, float]:
+        return {r["repeat"]: r["samples_per_s"] for r in runs
+                if r["workers"] == w and policy in r["policies"] and r["status"] == "ok" and r["samples_per_s"]}
+
+    one, many = rates(1), rates(workers)
+    ratios = [many[k] / one[k] for k in sorted(one.keys() & many.keys())]
+    if not ratios:
+        return None
+    logs = [math.log(x) for x in ratios]
+    mean = math.exp(statistics.fmean(logs))
+    out = {"mean": mean, "low": None, "high": None, "n": len(ratios),
+           "std": statistics.stdev(ratios) if len(ratios) > 1 else 0.0, "ratios": ratios}
+    if len(ratios) > 1:
+        from scipy.stats import t
+
+        half = t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+        out["low"], out["high"] = mean * math.exp(-half), mean * math.exp(half)
+    return out
 
 
 def headline(groups: list[dict[str, Any]]) -> str:
@@ -145,8 +172,11 @@ def headline(groups: list[dict[str, Any]]) -> str:
         if g["n_ok"] == 0:
             parts.append(f"{label}: failed")
             continue
-        speed = f"{g['speedup']['mean']:.2f}x, {100 * g['efficiency']['mean']:.0f} % efficiency" if g["speedup"] else \
-            f"{g['samples_per_s']['mean']:,.0f} samples/s"
+        speed = f"{g['samples_per_s']['mean']:,.0f} samples/s"
+        if g["speedup"]:
+            sp = g["speedup"]
+            interval = f" (95 % interval {sp['low']:.2f}-{sp['high']:.2f}x, {sp['n']} rounds)" if sp["low"] else " (1 round)"
+            speed = f"{sp['mean']:.2f}x{interval}, {100 * g['efficiency']['mean']:.0f} % efficiency"
         parts.append(f"{label}: {speed}" + (f", accuracy {100 * acc:.2f} %" if acc is not None else ""))
     return "; ".join(parts)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import statistics
 import time
@@ -75,6 +76,10 @@ class StudyConfig:
     out: str | None = None
     cpu: bool = False
     profile: str | None = "20:25"
+    ci: float | None = None  # repeat until every speedup's 95 % interval is within +-ci (relative), e.g. 0.10
+    budget_s: float = 600.0  # with ci: no new round of runs once this much time has gone
+    max_repeats: int = 10  # with ci: at most this many rounds
+    threads: int = 1  # CPU threads per worker on CPU runs, the same at every world size (a worker stands for a device)
 
 
 @dataclass(frozen=True)
@@ -131,18 +136,44 @@ def check(cfg: StudyConfig) -> None:
         raise UsageError(f"--steps must be >= 1, got {cfg.steps}; omit it to train for the workload's own length")
     if cfg.global_batch is not None and cfg.global_batch < 1:
         raise UsageError(f"--global-batch must be >= 1, got {cfg.global_batch}; use e.g. --global-batch 64")
+    if cfg.ci is not None and not 0 < cfg.ci < 1:
+        raise UsageError(f"--ci is the relative half-width of the speedup's interval, in (0, 1), got {cfg.ci}; use e.g. --ci 0.1")
+    if cfg.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {cfg.threads}; use --threads 1 for one core per worker")
+    if cfg.max_repeats < max(cfg.repeats, 1):
+        raise UsageError(f"--max-repeats {cfg.max_repeats} is below --repeats {cfg.repeats}; raise it or lower --repeats")
     parse_target(cfg.target)
 
 
-def plan_runs(cfg: StudyConfig, recipe: Recipe | None) -> list[RunSpec]:
-    """One spec per distinct (workers, global batch, steps, repeat): policies that coincide share a run."""
-    base = cfg.global_batch or (recipe.global_batch if recipe else 64)
+def check_batches(cfg: StudyConfig, base: int) -> None:
+    """Refuse, before any run, a global batch that some world size cannot split into equal shares."""
+    for pol in cfg.policies:
+        bad = [w for w in sorted(set(cfg.workers)) if policy_batch(pol, base, w) % w]
+        if bad:
+            step = math.lcm(*cfg.workers)
+            near = sorted({m for m in (base // step * step, base // step * step + step) if m > 0})
+            raise UsageError(
+                f"global batch {base} cannot be split over {bad[0]} workers ({pol} keeps it at {base} at every world size); "
+                f"pass --global-batch as a multiple of {step}, e.g. {' or '.join(map(str, near))}")
+
+
+def base_batch(cfg: StudyConfig, recipe: Recipe | None) -> int:
+    return cfg.global_batch or (recipe.global_batch if recipe else 64)
+
+
+def plan_runs(cfg: StudyConfig, recipe: Recipe | None, repeats: range | None = None) -> list[RunSpec]:
+    """One spec per distinct (workers, global batch, steps, repeat): policies that coincide share a run.
+
+    Interleaved: every world size once per repeat (1, 2, 1, 2, ...), so a machine
+    that slows down during the study slows every world size alike.
+    """
+    base = base_batch(cfg, recipe)
     runs: dict[tuple, RunSpec] = {}
-    for w in sorted(set(cfg.workers)):
-        for pol in cfg.policies:
-            gb = policy_batch(pol, base, w)
-            steps = same_samples_steps(cfg.steps, base, gb)
-            for rep in range(cfg.repeats):
+    for rep in repeats if repeats is not None else range(cfg.repeats):
+        for w in sorted(set(cfg.workers)):
+            for pol in cfg.policies:
+                gb = policy_batch(pol, base, w)
+                steps = same_samples_steps(cfg.steps, base, gb)
                 key = (w, gb, steps, rep)
                 if key in runs:
                     runs[key] = RunSpec(**{**asdict(runs[key]), "policies": runs[key].policies + (pol,)})
@@ -182,7 +213,7 @@ def execute(spec: RunSpec, target: str, module: bool, cfg: StudyConfig, out: Pat
                               "steps": spec.steps, "args": list(spec.args)}
     t0 = time.perf_counter()
     try:
-        with open(console, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        with open(console, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f), _threads(cfg):
             code = launch_run(target, spec.args, module=module, nproc=spec.workers, cpu=cfg.cpu,
                               log_dir=str(root), profile=cfg.profile)
     except UsageError as err:
@@ -203,6 +234,29 @@ def execute(spec: RunSpec, target: str, module: bool, cfg: StudyConfig, out: Pat
         return record | {"status": "failed", "exit_code": 0, "error": f"unreadable metrics: {err}"}
 
 
+@contextlib.contextmanager
+def _threads(cfg: StudyConfig):
+    """OMP_NUM_THREADS for the workers of CPU runs (the launcher keeps a value it finds), restored after."""
+    if not on_cpu(cfg):
+        yield
+        return
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+
+
+def on_cpu(cfg: StudyConfig) -> bool:
+    import torch
+
+    return cfg.cpu or not torch.cuda.is_available()
+
+
 def _eta(done: list[float], left: int) -> str:
     if not done:
         return "ETA unknown"
@@ -213,37 +267,77 @@ def _eta(done: list[float], left: int) -> str:
 def run_study(cfg: StudyConfig, say: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
     """Run the study; returns the results directory and the study dict (also in study.json).
 
+    Rounds of interleaved runs (every world size once per round): ``repeats``
+    rounds, then, with ``ci``, more until every speedup's 95 % interval is
+    within +-ci, ``max_repeats`` rounds are done or ``budget_s`` has gone.
+
     >>> out, study = run_study(StudyConfig("digits", workers=(1, 2), policies=("keep-global",)))
     """
     check(cfg)
     target, module, name, recipe = resolve_workload(cfg.workload)
+    check_batches(cfg, base_batch(cfg, recipe))
     goal = parse_target(cfg.target or (recipe.target if recipe else None))
-    specs = plan_runs(cfg, recipe)
     out = _out_dir(cfg, name)
     from ..fingerprint import fingerprint
 
-    fp = fingerprint(workload=name)
+    cpu = on_cpu(cfg)
+    fp = fingerprint(workload=name, threads_per_worker=cfg.threads if cpu else None)
     (out / "fingerprint.json").write_text(json.dumps(fp, indent=1, default=str))
-    say(f"multigpu study: {name}, {len(specs)} runs ({', '.join(s.id for s in specs)}) -> {out}")
-    runs, durations = [], []
-    for i, spec in enumerate(specs, 1):
-        say(f"[{i}/{len(specs)}] {spec.workers} worker{'s' if spec.workers > 1 else ''}, "
-            f"{'/'.join(spec.policies)}, global batch {spec.global_batch}"
-            + (f", repeat {spec.repeat + 1}/{cfg.repeats}" if cfg.repeats > 1 else "") + f" ... {_eta(durations, len(specs) - i + 1)}")
-        rec = execute(spec, target, module, cfg, out, goal)
-        durations.append(rec["elapsed_s"])
-        runs.append(rec)
-        if rec["status"] == "ok":
-            acc = rec["final"].get("accuracy")
-            say(f"      done in {rec['elapsed_s']:.0f} s: {rec['samples_per_s'] or 0:,.0f} samples/s"
-                + (f", accuracy {100 * acc:.2f} %" if acc is not None else ""))
-        else:
-            say(f"      FAILED in {rec['elapsed_s']:.0f} s: {rec['error']} (the study goes on)")
-    groups = summarize(runs, cfg.workers, cfg.policies)
-    study = {"schema": 1, "workload": {"name": name, "target": target, "module": module, "args": list(cfg.args)},
+    first = plan_runs(cfg, recipe)
+    say(f"multigpu study: {name}, {len(first)} runs ({', '.join(s.id for s in first)})"
+        + (f", then more rounds until the speedups are within +-{100 * cfg.ci:.0f} % (95 % interval; at most "
+           f"{cfg.max_repeats} rounds, {cfg.budget_s:.0f} s)" if cfg.ci else "")
+        + (f"; {cfg.threads} CPU thread{'s' if cfg.threads > 1 else ''} per worker" if cpu else "") + f" -> {out}")
+    runs: list[dict[str, Any]] = []
+    durations: list[float] = []
+    t_start = time.perf_counter()
+    rounds, specs = cfg.repeats, first
+    while True:
+        for i, spec in enumerate(specs, 1):
+            say(f"[{len(runs) + 1}] {spec.workers} worker{'s' if spec.workers > 1 else ''}, {'/'.join(spec.policies)}, "
+                f"global batch {spec.global_batch}, round {spec.repeat + 1}"
+                + (f" ... {_eta(durations, len(specs) - i + 1)}" if not cfg.ci else ""))
+            rec = execute(spec, target, module, cfg, out, goal)
+            durations.append(rec["elapsed_s"])
+            runs.append(rec)
+            _say_run(rec, say)
+            if rec["status"] != "ok" and rec["exit_code"] == 2:
+                # The workload rejected its arguments: every other run would too.
+                raise UsageError(f"run {spec.id} rejected its arguments ({rec['error']}); the study stopped. Study "
+                                 f"options go before the workload (multigpu study --workers 1,2 {name} [its args])")
+        groups = summarize(runs, cfg.workers, cfg.policies)
+        wide = _too_wide(groups, cfg.ci)
+        round_s = sum(durations[-len(specs):])
+        if not wide or rounds >= cfg.max_repeats or time.perf_counter() - t_start + round_s > cfg.budget_s:
+            break
+        say(f"      speedup interval wider than +-{100 * cfg.ci:.0f} % for {', '.join(wide)}: round {rounds + 1}")
+        specs = plan_runs(cfg, recipe, range(rounds, rounds + 1))
+        rounds += 1
+    study = {"schema": 2, "workload": {"name": name, "target": target, "module": module, "args": list(cfg.args)},
              "config": asdict(cfg) | {"target": cfg.target or (recipe.target if recipe else None)},
+             "rounds": rounds, "elapsed_s": time.perf_counter() - t_start,
              "fingerprint": fp, "headline": headline(groups), "groups": groups, "runs": runs}
     (out / "study.json").write_text(json.dumps(study, indent=1, default=str))
     return out, study
 
 
+def _say_run(rec: dict[str, Any], say: Callable[[str], None]) -> None:
+    if rec["status"] == "ok":
+        acc = rec["final"].get("accuracy")
+        say(f"      done in {rec['elapsed_s']:.0f} s: {rec['samples_per_s'] or 0:,.0f} samples/s"
+            + (f", accuracy {100 * acc:.2f} %" if acc is not None else ""))
+    else:
+        say(f"      FAILED in {rec['elapsed_s']:.0f} s: {rec['error']} (the study goes on)")
+
+
+def _too_wide(groups: list[dict[str, Any]], ci: float | None) -> list[str]:
+    """Groups whose speedup interval is missing or wider than +-ci (none when ci is None)."""
+    if ci is None:
+        return []
+    wide = []
+    for g in groups:
+        sp = g.get("speedup")
+        if g["workers"] > 1 and g["n_ok"]:
+            if sp is None or sp.get("low") is None or sp["high"] / sp["mean"] - 1 > ci or 1 - sp["low"] / sp["mean"] > ci:
+                wide.append(f"{g['workers']} workers {g['policy']}")
+    return wide
