@@ -1,0 +1,91 @@
+"""Do finished multi-rank gloo runs exit 0? Counts aborts at exit over many launches.
+
+The script trains a few DDP steps (2 ranks) or FSDP steps (4 ranks) and returns
+*without* ``destroy_process_group`` (as many torchrun scripts do): the case in
+which a gloo worker thread can drop a finished collective's tensors after the
+interpreter began to finalize, and abort the process ("terminate called
+without an active exception", exit 134). Launched by plain ``torchrun``
+(the hazard) and by ``multigpu run`` (whose worker.py destroys the process
+group while the interpreter is alive), alternating, with the counts printed.
+
+    python benchmarks/clean_exits.py --runs 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from torch import nn
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    if sys.argv[1] == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    else:
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(20):
+        loss = model(torch.randn(32, 64)).pow(2).mean()
+        loss.backward(); opt.step(); opt.zero_grad()
+    print("done", flush=True)  # and no destroy_process_group()
+""")
+
+
+def launch(how: str, n: int, kind: str, script: str, log_dir: str) -> tuple[int, bool]:
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    if how == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", script, kind]
+    else:
+        cmd = [sys.executable, "-m", "multigpu", "run", "-n", str(n), "--cpu", "--log-dir", log_dir, script, kind]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    text = proc.stdout + proc.stderr
+    if how != "torchrun":  # the workers' stderr is in their log files
+        text += "".join(p.read_text(errors="replace") for p in Path(log_dir).rglob("*.stderr.log"))
+    return proc.returncode, "terminate called" in text
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=50, help="launches per (launcher, layout)")
+    ap.add_argument("--launchers", default="torchrun,multigpu")
+    args = ap.parse_args()
+    cases = [(how, n, kind) for n, kind in ((2, "ddp"), (4, "fsdp")) for how in args.launchers.split(",")]
+    bad: dict[tuple, collections.Counter] = {c: collections.Counter() for c in cases}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "train.py")
+        Path(script).write_text(SCRIPT)
+        for i in range(args.runs):
+            for case in cases:  # interleaved: a busy moment hits every case alike
+                with tempfile.TemporaryDirectory(dir=tmp) as logs:
+                    code, terminate = launch(*case, script, logs)
+                bad[case]["runs"] += 1
+                bad[case]["nonzero exit"] += code != 0
+                bad[case]["terminate called"] += terminate
+            print(f"[{i + 1}/{args.runs}] " + "; ".join(
+                f"{h} {n}x{k}: {c['nonzero exit']} bad" for (h, n, k), c in bad.items()), flush=True)
+    for (how, n, kind), c in bad.items():
+        print(f"{how:9s} {n} ranks {kind}: {c['nonzero exit']}/{c['runs']} runs exited non-zero, "
+              f"{c['terminate called']} said 'terminate called'")
+    print(f"({time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
