@@ -30,6 +30,7 @@ FLAGS = {
     "run": ["--all-ranks", "--cpu", "--find-batch", "--log-dir", "--master", "--max-restarts",
             "--memory-budget", "--nnodes", "--node-rank", "--nproc", "--profile", "-m", "-n", "<script>",
             "<script_args>"],
+    "verify": ["--cpu", "--global-batch", "--out", "--rtol", "--steps", "--workers", "-m", "<args>", "<target>"],
     "study": ["--budget", "--ci", "--cpu", "--global-batch", "--max-repeats", "--no-report", "--out", "--policy",
               "--profile", "--repeats", "--steps", "--target", "--threads", "--workers", "<args>", "<workload>"],
 }
@@ -125,7 +126,7 @@ LAYERS = [
     ("loop pieces", ["batch", "data", "precision"]),
     ("parallelism", ["parallel"]),
     ("instruments and state", ["meter", "noise", "checkpoint", "finder"]),
-    ("tools and decisions", ["launch", "planner", "study", "report", "verdict", "doctor", "commbench", "recipes",
+    ("tools and decisions", ["launch", "planner", "study", "report", "verdict", "verify", "doctor", "commbench", "recipes",
                              "testing", "cli", "__main__"]),
 ]
 

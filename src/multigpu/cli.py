@@ -22,7 +22,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import commbench, doctor, launch, planner, report, study
+    from . import commbench, doctor, launch, planner, report, study, verify
     from .checkpoint import tools as ckpt
 
     parser = _Parser(prog="multigpu", description="Scale a PyTorch training script from one GPU to many, and measure it.")
@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("study", "run a workload at several world sizes and batch policies; measure and judge",
          study.add_arguments, study.main),
         ("report", "write the HTML report and Markdown summary of a study's results", report.add_arguments, report.main),
+        ("verify", "run a script on 1 and N ranks with the same global batch; compare losses, samples and parameters",
+         verify.add_arguments, verify.main),
     ]
     for name, help_text, add_arguments, run in verbs:
         verb = sub.add_parser(name, help=help_text)

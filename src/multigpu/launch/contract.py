@@ -9,6 +9,7 @@ file in the run directory::
     MULTIGPU_PROFILE         --profile START:STOP: the steps every StepMeter profiles
     MULTIGPU_FIND_BATCH      "1" under --find-batch: the script should call mg.find_micro_batch
     MULTIGPU_MEMORY_BUDGET   --memory-budget SIZE, in bytes: the search's budget when the call gives none
+    MULTIGPU_VERIFY          "1" under `multigpu verify`: StepMeters log every step and probe (meter/probe.py)
     <run dir>/find_batch.json  the agreed search result (local rank 0 of each node), for the launcher's last line
     <attempt dir>/rank<r>.failure.json  the exception that ended a worker, with the time it was raised
                                         (written by worker.py, read by the failure summary)
@@ -32,6 +33,8 @@ RUN_DIR_ENV = "MULTIGPU_RUN_DIR"
 PROFILE_ENV = "MULTIGPU_PROFILE"
 FIND_BATCH_ENV = "MULTIGPU_FIND_BATCH"
 MEMORY_BUDGET_ENV = "MULTIGPU_MEMORY_BUDGET"
+VERIFY_ENV = "MULTIGPU_VERIFY"  # "1" under `multigpu verify`: every StepMeter probes (meter/probe.py)
+VERIFY_DIR = "verify"  # <run dir>/verify/: the probe's records
 FIND_BATCH_FILE = "find_batch.json"
 RAISED_AT = "_multigpu_raised_at"  # set on an exception by the code that caught it first (mg.init)
 
@@ -81,7 +84,7 @@ def record_failure(err: BaseException) -> None:
 
 # -- launcher side ----------------------------------------------------------------------------
 def worker_env(run_dir: str, *, profile: tuple[int, int] | None = None, find_batch: bool = False,
-               memory_budget: int | None = None) -> dict[str, str]:
+               memory_budget: int | None = None, verify: bool = False) -> dict[str, str]:
     """The ``MULTIGPU_*`` variables for the workers (values already checked by the launcher).
 
     >>> worker_env("runs/x", profile=(10, 15), find_batch=True, memory_budget=2 << 20)
@@ -94,6 +97,8 @@ def worker_env(run_dir: str, *, profile: tuple[int, int] | None = None, find_bat
         env[FIND_BATCH_ENV] = "1"
     if memory_budget is not None:
         env[MEMORY_BUDGET_ENV] = str(memory_budget)
+    if verify:
+        env[VERIFY_ENV] = "1"
     return env
 
 
@@ -116,6 +121,11 @@ def run_dir() -> str | None:
 def profile_window() -> str | None:
     """``"START:STOP"`` from ``multigpu run --profile`` (None without it)."""
     return os.environ.get(PROFILE_ENV) or None
+
+
+def verify_requested() -> bool:
+    """True in a worker started by ``multigpu verify``."""
+    return os.environ.get(VERIFY_ENV) == "1"
 
 
 def find_batch_requested() -> bool:

@@ -22,12 +22,13 @@ import torch.distributed as tdist
 
 from ..errors import UsageError
 from ..fingerprint import fingerprint
-from ..launch.contract import profile_window, run_dir
+from ..launch.contract import profile_window, run_dir, verify_requested
 from ..values import positive_int
 from . import gpumon, sinks as _sinks
 from .flops import FlopCount, dtype_key, peak_flops
 from .interval import Interval
-from .records import interval_record, run_summary
+from .probe import Probe
+from .records import interval_record, run_summary, summary_line
 
 SCHEMA_VERSION = 2  # 2: summary throughput from totals, per-interval spreads under "intervals", pauses
 
@@ -65,6 +66,7 @@ class StepMeter:
         sink_options: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         positive_int(log_every, "log_every", "use e.g. log_every=10")
+        log_every = 1 if verify_requested() else log_every  # `multigpu verify` compares every step's loss
         _sinks.check_sinks(sinks)
         self.rank = getattr(dist, "rank", 0)
         self.world_size = getattr(dist, "world_size", 1)
@@ -104,6 +106,7 @@ class StepMeter:
         os.makedirs(self.log_dir, exist_ok=True)
 
         self._start_instruments(dist, model, gpu_monitor, watchdog, profile)
+        self.probe = Probe(model, self.log_dir, self.rank, self.world_size) if verify_requested() else None
         self._open_sinks(dist, plan, sinks, progress, resume, fingerprint_extra, sink_options, flops_per_sample)
 
     def _start_instruments(self, dist: Any, model: torch.nn.Module | None, gpu_monitor: bool,
@@ -169,10 +172,9 @@ class StepMeter:
 
     # -- collectives used only at construction and at log steps -------------------------
     def _gather_objects(self, obj: Any) -> list[Any]:
-        if not self._distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        tdist.all_gather_object(out, obj)
+        out: list[Any] = [obj] * (1 if not self._distributed else self.world_size)
+        if self._distributed:
+            tdist.all_gather_object(out, obj)
         return out
 
     def _agree_log_dir(self, log_dir: str | None) -> str:
@@ -229,6 +231,8 @@ class StepMeter:
             except StopIteration:
                 return
             self.step_begin(data_wait=time.perf_counter() - t0)
+            if self.probe is not None:
+                self.probe.batch(batch)
             yield self.step, batch
             if self._in_step:
                 self.step_end()
@@ -289,12 +293,10 @@ class StepMeter:
 
     @contextlib.contextmanager
     def pause(self, kind: str = "eval") -> Iterator[None]:
-        """Time spent inside is not training time: throughput leaves it out, the summary reports it by kind.
+        """Time inside is not training time: throughput leaves it out, the summary reports it by kind.
 
-        >>> with meter.pause("eval"):
+        >>> with meter.pause("eval"):   # or "checkpoint" around ckpt.save(step)
         ...     accuracy = evaluate(model, val)
-        >>> with meter.pause("checkpoint"):
-        ...     ckpt.save(step)
         """
         t0 = time.perf_counter()
         try:
@@ -363,6 +365,8 @@ class StepMeter:
         if self._in_step:
             self.step_end()
         self._log_interval()
+        if self.probe is not None:
+            self.probe.finish()
         return self._shutdown(write_summary=True)
 
     def _shutdown(self, write_summary: bool) -> dict[str, Any] | None:
@@ -372,26 +376,17 @@ class StepMeter:
                 if s is not self.console:
                     s.write(summary)
             if self.console is not None:
-                m, f = summary["measured"], summary["fractions"]
-                spread = summary["intervals"]["samples_per_s"]
-                paused = "".join(f"; {k} {v:.1f} s" for k, v in summary["paused_s"].items())
-                self.console.note(
-                    f"multigpu: {summary['steps']} steps, {summary['samples_per_s']:,.0f} samples/s "
-                    f"({m['samples']:,} samples in {m['time_s']:.2f} s, steps {m['from_step']}-{m['to_step']}; "
-                    f"intervals {spread['min']:,.0f}-{spread['max']:,.0f}); time: compute {100 * f['compute']:.0f}%, "
-                    f"data wait {100 * f['data_wait']:.0f}%, other {100 * f['other']:.0f}%{paused}")
+                self.console.note(summary_line(summary))
         for h in self._hooks:
             h.remove()
-        self._hooks = []
-        if self.monitor is not None:
-            self.monitor.stop()
-        if self.watchdog is not None:
-            self.watchdog.stop()
+        for thread in (self.monitor, self.watchdog):
+            if thread is not None:
+                thread.stop()
         if self.profiler is not None:
             self.profiler.stop(gather=write_summary)
         for s in self.sinks:
             s.close()
-        self.sinks = []
+        self._hooks, self.sinks = [], []
         return summary
 
     def __enter__(self) -> "StepMeter":

@@ -137,3 +137,14 @@ def run_summary(records: list[dict[str, Any]], *, steps: int, samples_per_step: 
         out["flops_per_s"] = flops_per_sample * sps
         out["mfu"] = out["flops_per_s"] / (peak_flops * world_size) if peak_flops else None
     return out
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """The console's closing line for a ``summary`` record."""
+    m, f = summary["measured"], summary["fractions"]
+    spread = summary["intervals"]["samples_per_s"]
+    paused = "".join(f"; {k} {v:.1f} s" for k, v in summary["paused_s"].items())
+    return (f"multigpu: {summary['steps']} steps, {summary['samples_per_s']:,.0f} samples/s "
+            f"({m['samples']:,} samples in {m['time_s']:.2f} s, steps {m['from_step']}-{m['to_step']}; "
+            f"intervals {spread['min']:,.0f}-{spread['max']:,.0f}); time: compute {100 * f['compute']:.0f}%, "
+            f"data wait {100 * f['data_wait']:.0f}%, other {100 * f['other']:.0f}%{paused}")

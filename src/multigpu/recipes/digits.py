@@ -73,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=5, help="evaluate every N epochs (and at the end)")
     p.add_argument("--log-every", type=int, default=10, help="step meter: log every N steps")
     p.add_argument("--log-dir", default=None, help="where metrics.jsonl goes (default: the launcher's run folder, or runs/)")
+    p.add_argument("--hidden", type=int, default=256,
+                   help="width of the two hidden layers (256: 85k parameters; 2048: 4.3M, a compute-bound step)")
     p.add_argument("--strategy", default="ddp", help="none | dp | ddp (more in later issues)")
     p.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16")
     p.add_argument("--seed", type=int, default=0)
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_set, test_set = digits_datasets(seed=0)
         plan = mg.BatchPlan(args.global_batch, dist.world_size, micro_batch=args.micro_batch)
         strategy = args.strategy if not (args.strategy == "ddp" and dist.world_size == 1) else "none"
-        net = make_model().to(dist.device)
+        net = make_model(args.hidden).to(dist.device)
         if args.find_batch or mg.find_batch_requested():
             plan = _find_batch(net, plan, dist, args.memory_budget)
         model = mg.wrap(net, strategy)

@@ -58,6 +58,10 @@ RECIPES = {
                      args=("--eval-every", "1"), noise_args=("--noise-every", "5")),
     # Byte-level tiny GPT on Python's docs: held-out loss 4.2 nats/byte (6.1 bits) after ~20 steps at batch 16.
     "gpt": Recipe("multigpu.recipes.gpt", global_batch=16, target="loss<=4.2", args=("--steps", "60", "--eval-every", "10")),
+    # The demo's compute-bound case: DDP (one bucketed all-reduce per step) and micro-batches of 64 sequences at
+    # every world size, so 1 and 2 workers do the same work per forward and only the hardware differs.
+    "gpt-ddp": Recipe("multigpu.recipes.gpt", global_batch=512,
+                      args=("--ddp", "--micro-batch", "64", "--steps", "16", "--log-every", "4", "--eval-every", "16")),
 }
 
 

@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (innermost mesh dimension)")
     p.add_argument("--dp-replicate", type=int, default=1, help="replicas of the sharded model (HSDP's outer dimension)")
     p.add_argument("--dp-shard", type=int, default=None, help="FSDP degree (default: the rest of the world)")
+    p.add_argument("--ddp", action="store_true",
+                   help="plain DDP over every rank instead of FSDP (tp 1 only): one bucketed all-reduce per step, no DTensor")
     p.add_argument("--sequence-parallel", action="store_true", help="split norms and residuals along the sequence (needs --tp)")
     p.add_argument("--loss-parallel", action="store_true", help="cross-entropy on vocabulary-sharded logits (needs --tp)")
     p.add_argument("--activation-checkpointing", action="store_true",
@@ -94,20 +96,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         mesh = mg.parallel.mesh(dist, tp=args.tp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard)
         plan = mesh.plan(args.global_batch, micro_batch=args.micro_batch)
         torch.manual_seed(args.seed)  # the full model, the same on every rank, then spread: weights as one process's
+        if args.ddp and (args.tp > 1 or args.dp_replicate > 1 or args.dp_shard is not None):
+            raise mg.UsageError("--ddp replicates the model over every rank; drop --tp, --dp-replicate and --dp-shard")
         model = parallelize(GPT(cfg).to(dist.device), mesh, sequence_parallel=args.sequence_parallel,
-                            loss_parallel=args.loss_parallel, activation_checkpointing=args.activation_checkpointing)
+                            loss_parallel=args.loss_parallel, activation_checkpointing=args.activation_checkpointing,
+                            fsdp=not args.ddp)
+        if args.ddp:
+            model = mg.wrap(model, "ddp" if dist.world_size > 1 else "none")
         if args.compile:
-            for block in model.blocks.values():
+            for block in mg.unwrap(model).blocks.values():
                 block.compile()  # in place: the block keeps its parameter names (no _orig_mod prefix)
         amp = mg.Precision(args.precision, dist.device)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
         sched = mg.warmup(opt, steps=args.warmup_steps) if args.warmup_steps else None
         train = mg.loader(train_set, plan, dist, shuffle=True, seed=args.seed)
-        mg.print0(plan.summary(layout=repr(mesh), parameters=cfg.parameters, tokens_per_step=plan.global_batch * cfg.block_size))
+        mg.print0(plan.summary(layout="ddp" if args.ddp else repr(mesh), parameters=cfg.parameters, tokens_per_step=plan.global_batch * cfg.block_size))
         meter = mg.StepMeter(dist, plan, log_every=args.log_every, log_dir=args.log_dir, total_steps=args.steps,
                              flops_per_sample=cfg.flops_per_token() * cfg.block_size, tokens_per_sample=cfg.block_size,
                              dtype=amp.name,
-                             fingerprint_extra={"recipe": "gpt", "size": args.size, "layout": repr(mesh)})
+                             fingerprint_extra={"recipe": "gpt", "size": args.size, "layout": "ddp" if args.ddp else repr(mesh)})
         metrics: dict[str, float] = {}
         with meter:
             for step, micro_batches in meter.steps(_forever(train)):

@@ -1,0 +1,87 @@
+"""What ``multigpu verify`` reads from each run, recorded by the StepMeter under ``MULTIGPU_VERIFY=1``.
+
+    <run dir>/verify/initial.pt   the full model state when the meter starts (rank 0; needs model=)
+    <run dir>/verify/final.pt     ... and when it closes
+    <run dir>/verify/probe.json   per step, a digest of the samples all ranks trained on (sum over
+                                  ranks: the same whatever the split), unsynced BatchNorm modules
+
+The losses come from metrics.jsonl (the meter logs every step under verify).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+from ..launch.contract import VERIFY_DIR
+
+
+def digest(batch: Any) -> float:
+    """An order-free checksum of the samples in ``batch`` (tensors, nested in lists, tuples, dicts).
+
+    Per sample, its values weighted by position; summed over samples, so the
+    shares of several ranks add up to the digest of the whole global batch.
+    """
+    if torch.is_tensor(batch):
+        if batch.dim() == 0 or batch.numel() == 0:
+            return 0.0
+        flat = batch.detach().to("cpu", torch.float64).reshape(batch.shape[0], -1)
+        weights = 1.0 + torch.sin(torch.arange(flat.shape[1], dtype=torch.float64))
+        return float((flat @ weights).sum())
+    if isinstance(batch, dict):
+        return sum(digest(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(digest(v) for v in batch)
+    return 0.0
+
+
+def unsynced_batchnorm(model: nn.Module) -> list[str]:
+    from ..parallel.wrap import unwrap
+
+    return [name for name, m in unwrap(model).named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)]
+
+
+class Probe:
+    """Records the run for ``multigpu verify``; every call that gathers is collective."""
+
+    def __init__(self, model: nn.Module | None, log_dir: str, rank: int, world_size: int) -> None:
+        self.model, self.rank, self.world = model, rank, world_size
+        self.dir = os.path.join(log_dir, VERIFY_DIR)
+        self.digests: list[float] = []
+        if rank == 0:
+            os.makedirs(self.dir, exist_ok=True)
+        self._save_model("initial")
+
+    def batch(self, batch: Any) -> None:
+        self.digests.append(digest(batch))
+
+    def finish(self) -> None:
+        self._save_model("final")
+        mine = {"digests": self.digests, "batchnorm": unsynced_batchnorm(self.model) if self.model is not None else []}
+        every = [mine]
+        if self.world > 1 and tdist.is_initialized():
+            every = [None] * self.world
+            tdist.all_gather_object(every, mine)
+        if self.rank == 0:
+            steps = min(len(r["digests"]) for r in every)
+            rec = {"world_size": self.world, "model": self.model is not None,
+                   "digests": [math.fsum(r["digests"][i] for r in every) for i in range(steps)],
+                   "batchnorm": every[0]["batchnorm"] if self.world > 1 else []}
+            with open(os.path.join(self.dir, "probe.json"), "w") as fp:
+                json.dump(rec, fp)
+
+    def _save_model(self, name: str) -> None:
+        if self.model is None:
+            return
+        from ..parallel.wrap import full_state_dict
+
+        state = full_state_dict(self.model)  # collective under FSDP
+        if self.rank == 0:
+            torch.save(state, os.path.join(self.dir, f"{name}.pt"))

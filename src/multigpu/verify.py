@@ -1,0 +1,181 @@
+"""``multigpu verify``: does my script compute the same training on N ranks as on one?
+
+It runs the script (the study's contract: ``mg.StepMeter``, ``--global-batch``,
+``--steps``) through ``multigpu run`` at each world size with the same global
+batch, for a few steps, with ``MULTIGPU_VERIFY=1``: the meter logs every step
+and records, per step, an order-free digest of the samples all ranks trained
+on, plus the full model state at start and end (``meter/probe.py``). Then
+each world size is compared with the first: per-step losses, the samples of
+each step, the initial and final parameters, and the likely causes of a
+difference are named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .errors import UsageError
+from .launch.contract import VERIFY_DIR, VERIFY_ENV
+
+DIGEST_RTOL = 1e-9  # float64 sums of the same samples in another order
+
+
+def _read_run(run_dir: Path) -> dict[str, Any]:
+    import torch
+
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise UsageError(f"{run_dir} has no metrics.jsonl: the script must use mg.StepMeter (see docs/study.md)")
+    recs = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    losses = [r.get("loss") for r in recs if r.get("type") == "step"]
+    probe_dir = run_dir / VERIFY_DIR
+    probe = json.loads((probe_dir / "probe.json").read_text()) if (probe_dir / "probe.json").is_file() else {}
+    states = {name: torch.load(probe_dir / f"{name}.pt", weights_only=True)
+              for name in ("initial", "final") if (probe_dir / f"{name}.pt").is_file()}
+    return {"losses": losses, "digests": probe.get("digests", []), "batchnorm": probe.get("batchnorm", []), **states}
+
+
+def _state_diff(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
+    """Largest |a - b| over every tensor, relative to the largest |a| of that tensor (None: not comparable)."""
+    if a is None or b is None or a.keys() != b.keys():
+        return None
+    worst = 0.0
+    for key, x in a.items():
+        y = b[key]
+        if x.shape != y.shape:
+            return float("inf")
+        if x.numel():
+            scale = max(float(x.double().abs().max()), 1e-12)
+            worst = max(worst, float((x.double() - y.double()).abs().max()) / scale)
+    return worst
+
+
+def compare(ref: dict[str, Any], other: dict[str, Any], rtol: float) -> dict[str, Any]:
+    """How ``other`` differs from ``ref``: the largest differences, the first diverging step, likely causes."""
+    pairs = [(a, b) for a, b in zip(ref["losses"], other["losses"]) if a is not None and b is not None]
+    rel = [abs(a - b) / max(abs(a), 1e-12) for a, b in pairs]
+    first = next((i for i, r in enumerate(rel) if r > rtol), None)
+    data = next((i for i, (a, b) in enumerate(zip(ref["digests"], other["digests"]))
+                 if abs(a - b) > DIGEST_RTOL * max(abs(a), 1.0)), None)
+    init, final = _state_diff(ref.get("initial"), other.get("initial")), _state_diff(ref.get("final"), other.get("final"))
+    causes = []
+    if data is not None:
+        causes.append(f"the samples of step {data} differ: the sampler or loader is not world-size-invariant (each "
+                      f"rank must get its share of the same global batch; mg.loader keys the order on the global batch)")
+    if init is not None and init > rtol:
+        causes.append(f"the initial parameters differ (largest relative difference {init:.1e}): the ranks build the "
+                      f"model from different seeds (seed the same on every rank: mg.init(seed=0))")
+    if other["batchnorm"]:
+        names = ", ".join(other["batchnorm"][:3]) + (" ..." if len(other["batchnorm"]) > 3 else "")
+        causes.append(f"BatchNorm without sync ({names}): each rank normalizes with its share's statistics; "
+                      f"use mg.wrap(model, 'ddp', sync_batchnorm=True)")
+    if first == 0 and not causes:
+        causes.append("the loss of step 0 differs with the same model and samples: it is averaged per rank, not per "
+                      "sample (divide the summed loss by the global count: samples, tokens, weights)")
+    elif first is not None and not causes:
+        causes.append(f"the same start and samples, but step {first} differs: the gradients differ (a loss scaled "
+                      f"per rank, random draws such as dropout that depend on the rank, accumulation that syncs "
+                      f"or scales differently)")
+    same = first is None and (final is None or final <= rtol) and data is None
+    return {"same": same, "steps": len(pairs), "largest_loss_rel": max(rel, default=0.0), "first_diverging_step": first,
+            "first_data_step": data, "initial_rel": init, "final_rel": final, "causes": causes,
+            "losses": [list(p) for p in pairs]}
+
+
+@contextlib.contextmanager
+def _verify_env():
+    old = os.environ.get(VERIFY_ENV)
+    os.environ[VERIFY_ENV] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(VERIFY_ENV, None)
+        else:
+            os.environ[VERIFY_ENV] = old
+
+
+def verify(target: str, args: Sequence[str] = (), *, module: bool = False, workers: Sequence[int] = (1, 2),
+           steps: int = 5, global_batch: int | None = None, cpu: bool = False, rtol: float = 1e-5,
+           out: str | None = None, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run ``target`` at each world size and compare with the first; returns the report (also verify.json).
+
+    >>> report = verify("train.py", workers=(1, 2), steps=5, global_batch=64, cpu=True)
+    >>> report["same"]
+    True
+    """
+    from .launch import run as launch_run
+
+    if len(workers) < 2 or any(w < 1 for w in workers):
+        raise UsageError(f"--workers needs two or more positive world sizes to compare, got {','.join(map(str, workers))}; "
+                         "use e.g. --workers 1,2")
+    if steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {steps}; use e.g. --steps 5")
+    root = Path(out or os.path.join("multigpu_logs", f"verify-{time.strftime('%Y%m%d-%H%M%S')}"))
+    root.mkdir(parents=True, exist_ok=True)
+    extra = list(args) + (["--global-batch", str(global_batch)] if global_batch else []) + ["--steps", str(steps)]
+    runs = {}
+    for w in workers:
+        log_dir = root / f"w{w}"
+        log_dir.mkdir(exist_ok=True)
+        say(f"multigpu verify: {w} worker{'s' if w > 1 else ''}, {steps} steps ...")
+        with open(log_dir / "console.log", "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f), \
+                _verify_env():
+            code = launch_run(target, extra, module=module, nproc=w, cpu=cpu, log_dir=str(log_dir))
+        if code != 0:
+            raise UsageError(f"the run on {w} worker{'s' if w > 1 else ''} failed (exit code {code}; see "
+                             f"{log_dir / 'console.log'}); verify compares finished runs: fix the script first")
+        runs[w] = _read_run(sorted(p for p in log_dir.iterdir() if p.is_dir())[-1])
+    ref = workers[0]
+    report = {"target": target, "args": list(args), "steps": steps, "global_batch": global_batch, "rtol": rtol,
+              "reference": ref, "comparisons": {}}
+    for w in workers[1:]:
+        report["comparisons"][str(w)] = compare(runs[ref], runs[w], rtol)
+    report["same"] = all(c["same"] for c in report["comparisons"].values())
+    (root / "verify.json").write_text(json.dumps(report, indent=1))
+    for w, c in report["comparisons"].items():
+        say(line(int(w), ref, c))
+        for cause in c["causes"]:
+            say(f"    likely cause: {cause}")
+    say(f"multigpu verify: {'the same training' if report['same'] else 'DIFFERENT'}; details in {root / 'verify.json'}")
+    return report
+
+
+def line(w: int, ref: int, c: dict[str, Any]) -> str:
+    final = f"final parameters {c['final_rel']:.1e}" if c["final_rel"] is not None else "parameters not compared (pass model= to StepMeter)"
+    head = f"  {w} workers vs {ref}: "
+    if c["same"]:
+        return head + f"SAME over {c['steps']} steps: largest loss difference {c['largest_loss_rel']:.1e} (relative), {final}"
+    where = f"from step {c['first_diverging_step']}" if c["first_diverging_step"] is not None else "in the parameters"
+    if c["first_diverging_step"] is not None:
+        a, b = c["losses"][c["first_diverging_step"]]
+        where += f" (loss {a:.6g} vs {b:.6g})"
+    return head + f"DIFFERENT {where}; largest loss difference {c['largest_loss_rel']:.1e}, {final}"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--workers", default="1,2", help="world sizes; each is compared with the first (default 1,2)")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run (passed as --steps; default 5)")
+    parser.add_argument("--global-batch", type=int, default=None, help="passed as --global-batch to every run")
+    parser.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance for losses and parameters (default 1e-5, fp32)")
+    parser.add_argument("--cpu", action="store_true", help="CPU workers (gloo) even where GPUs exist")
+    parser.add_argument("--out", default=None, help="where the runs and verify.json go (default multigpu_logs/verify-<time>)")
+    parser.add_argument("-m", dest="module", action="store_true", help="the target is a module (python -m)")
+    parser.add_argument("target", help="the script (or module with -m)")
+    parser.add_argument("args", nargs="...", help="arguments for the script")
+
+
+def main(args) -> int:
+    try:
+        workers = tuple(int(x) for x in args.workers.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"--workers must be a comma-separated list of integers, got {args.workers!r}; use e.g. --workers 1,2") from None
+    report = verify(args.target, args.args, module=args.module, workers=workers, steps=args.steps,
+                    global_batch=args.global_batch, cpu=args.cpu, rtol=args.rtol, out=args.out,
+                    say=lambda s: print(s, flush=True))
+    return 0 if report["same"] else 1

@@ -1,0 +1,53 @@
+"""A training script for `multigpu verify`, correct or with one planted bug (--bug).
+
+    none     correct: mg.loader, the same seed everywhere, a per-sample mean loss
+    seed     seeds with the rank before building the model (FSDP keeps each rank's own shard)
+    sampler  each rank draws global_batch / world samples from the whole set (not its share)
+    bn       BatchNorm without sync under DDP
+    loss     weighted loss normalized by each rank's own weight total instead of the global one
+"""
+
+import argparse
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+import multigpu as mg
+
+p = argparse.ArgumentParser()
+p.add_argument("--global-batch", type=int, default=16)
+p.add_argument("--steps", type=int, default=4)
+p.add_argument("--bug", default="none", choices=["none", "seed", "sampler", "bn", "loss"])
+a = p.parse_args()
+
+with mg.init(seed=0, device="cpu") as dist:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 8, generator=g)
+    data = TensorDataset(x, (x[:, :2].sum(1) > 0).long(), torch.rand(256, generator=g) + 0.5)
+    plan = mg.BatchPlan(a.global_batch, dist.world_size)
+    torch.manual_seed(dist.rank if a.bug == "seed" else 0)
+    layers = [nn.Linear(8, 32)] + ([nn.BatchNorm1d(32)] if a.bug == "bn" else []) + [nn.Tanh(), nn.Linear(32, 2)]
+    strategy = "fsdp" if a.bug == "seed" else "ddp"
+    model = mg.wrap(nn.Sequential(*layers), strategy if dist.world_size > 1 else "none")
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    if a.bug == "sampler":
+        share = DataLoader(data, batch_size=plan.global_batch // dist.world_size,
+                           sampler=RandomSampler(data, generator=torch.Generator().manual_seed(0)))
+        train = ([mb] for mb in share)
+    else:
+        train = mg.loader(data, plan, dist, shuffle=True, seed=0)
+    with mg.StepMeter(dist, plan, log_every=2, progress=False, model=model, watchdog=None) as meter:
+        for step, micro_batches in meter.steps(train):
+            for xb, yb, wb in mg.accumulate(model, micro_batches):
+                per = nn.functional.cross_entropy(model(xb), yb, reduction="none") * wb
+                if a.bug == "loss":
+                    loss = per.sum() / wb.sum()  # this rank's weights only
+                else:
+                    loss = per.mean()  # equal shares: the mean over ranks is the per-sample mean
+                (loss / plan.accum_steps).backward()
+            opt.step()
+            opt.zero_grad()
+            meter.step_end(loss=loss)
+            if step + 1 == a.steps:
+                break
