@@ -112,7 +112,8 @@ def _all_variants(dist):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# 4 ranks only: 2 ranks is the same code with an even split (suite time; 4 covers uneven shards too).
+@pytest.mark.parametrize("world", [4])
 def test_fsdp_and_zero1_match_single_process(world):
     refs = {clip: _reference(clip) for clip in (False, True)}
     results = spawn(_all_variants, world)

@@ -70,7 +70,8 @@ def _ddp_both_ways(dist):
     return [_train(dist, "ddp", micro, count_collectives=True) for micro in (None, 2)]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# 4 ranks only: 2 ranks is the same code with an even split (suite time; 4 covers uneven shards too).
+@pytest.mark.parametrize("world", [4])
 def test_ddp_matches_single_process_with_and_without_accumulation(world):
     ref = _reference_params()
     results = spawn(_ddp_both_ways, world)

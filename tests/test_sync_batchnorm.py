@@ -69,7 +69,8 @@ def _variants(dist):
     }
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# 4 ranks only: 2 ranks is the same code with an even split (suite time; 4 covers uneven shards too).
+@pytest.mark.parametrize("world", [4])
 def test_sync_batchnorm_statistics_equal_one_process_on_the_global_batch(world):
     ref = _reference()
     for rank, res in enumerate(spawn(_variants, world)):
