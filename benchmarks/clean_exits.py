@@ -1,6 +1,7 @@
 """Do finished multi-rank gloo runs exit 0? Counts aborts at exit over many launches.
 
-The script trains a few DDP steps (2 ranks) or FSDP steps (4 ranks) and returns
+The script runs five all-reduces (``bare``, 2 ranks), or trains a few DDP steps
+(2 ranks) or FSDP steps (4 ranks), and returns
 *without* ``destroy_process_group`` (as many torchrun scripts do): the case in
 which a gloo worker thread can drop a finished collective's tensors after the
 interpreter began to finalize, and abort the process ("terminate called
@@ -8,7 +9,7 @@ without an active exception", exit 134). Launched by plain ``torchrun``
 (the hazard) and by ``multigpu run`` (whose worker.py destroys the process
 group while the interpreter is alive), alternating, with the counts printed.
 
-    python benchmarks/clean_exits.py --runs 50
+    python benchmarks/clean_exits.py --runs 50 [--layouts 2:bare,2:ddp,4:fsdp]
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ SCRIPT = textwrap.dedent("""
     from torch import nn
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    if sys.argv[1] == "bare":  # collectives only: the shortest way from the last one to interpreter exit
+        t = torch.ones(1000)
+        for _ in range(5):
+            dist.all_reduce(t)
+        print("done", flush=True)
+        sys.exit(0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
     if sys.argv[1] == "fsdp":
@@ -65,8 +72,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=50, help="launches per (launcher, layout)")
     ap.add_argument("--launchers", default="torchrun,multigpu")
+    ap.add_argument("--layouts", default="2:bare,2:ddp,4:fsdp", help="ranks:kind, comma-separated (kinds: bare, ddp, fsdp)")
     args = ap.parse_args()
-    cases = [(how, n, kind) for n, kind in ((2, "ddp"), (4, "fsdp")) for how in args.launchers.split(",")]
+    layouts = [(int(n), kind) for n, kind in (item.split(":") for item in args.layouts.split(","))]
+    cases = [(how, n, kind) for n, kind in layouts for how in args.launchers.split(",")]
     bad: dict[tuple, collections.Counter] = {c: collections.Counter() for c in cases}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
