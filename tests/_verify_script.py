@@ -8,40 +8,44 @@
 """
 
 import argparse
+import os
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 import multigpu as mg
+from multigpu.launch.contract import run_dir
 
 p = argparse.ArgumentParser()
 p.add_argument("--global-batch", type=int, default=16)
 p.add_argument("--steps", type=int, default=4)
-p.add_argument("--bug", default="none", choices=["none", "seed", "sampler", "bn", "loss"])
+p.add_argument("--bug", default="none", choices=["none", "seed", "sampler", "bn", "loss", "all"],
+               help="all: every kind in one process, each meter logging into <run dir>/<kind>")
 a = p.parse_args()
 
-with mg.init(seed=0, device="cpu") as dist:
+
+def train(dist, bug, log_dir=None):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(256, 8, generator=g)
     data = TensorDataset(x, (x[:, :2].sum(1) > 0).long(), torch.rand(256, generator=g) + 0.5)
     plan = mg.BatchPlan(a.global_batch, dist.world_size)
-    torch.manual_seed(dist.rank if a.bug == "seed" else 0)
-    layers = [nn.Linear(8, 32)] + ([nn.BatchNorm1d(32)] if a.bug == "bn" else []) + [nn.Tanh(), nn.Linear(32, 2)]
-    strategy = "fsdp" if a.bug == "seed" else "ddp"
+    torch.manual_seed(dist.rank if bug == "seed" else 0)
+    layers = [nn.Linear(8, 32)] + ([nn.BatchNorm1d(32)] if bug == "bn" else []) + [nn.Tanh(), nn.Linear(32, 2)]
+    strategy = "fsdp" if bug == "seed" else "ddp"
     model = mg.wrap(nn.Sequential(*layers), strategy if dist.world_size > 1 else "none")
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    if a.bug == "sampler":
+    if bug == "sampler":
         share = DataLoader(data, batch_size=plan.global_batch // dist.world_size,
                            sampler=RandomSampler(data, generator=torch.Generator().manual_seed(0)))
-        train = ([mb] for mb in share)
+        train_data = ([mb] for mb in share)
     else:
-        train = mg.loader(data, plan, dist, shuffle=True, seed=0)
-    with mg.StepMeter(dist, plan, log_every=2, progress=False, model=model, watchdog=None) as meter:
-        for step, micro_batches in meter.steps(train):
+        train_data = mg.loader(data, plan, dist, shuffle=True, seed=0)
+    with mg.StepMeter(dist, plan, log_every=2, progress=False, model=model, watchdog=None, log_dir=log_dir) as meter:
+        for step, micro_batches in meter.steps(train_data):
             for xb, yb, wb in mg.accumulate(model, micro_batches):
                 per = nn.functional.cross_entropy(model(xb), yb, reduction="none") * wb
-                if a.bug == "loss":
+                if bug == "loss":
                     loss = per.sum() / wb.sum()  # this rank's weights only
                 else:
                     loss = per.mean()  # equal shares: the mean over ranks is the per-sample mean
@@ -51,3 +55,11 @@ with mg.init(seed=0, device="cpu") as dist:
             meter.step_end(loss=loss)
             if step + 1 == a.steps:
                 break
+
+
+with mg.init(seed=0, device="cpu") as dist:
+    if a.bug == "all":
+        for kind in ("none", "seed", "sampler", "bn", "loss"):
+            train(dist, kind, os.path.join(run_dir(), kind))
+    else:
+        train(dist, a.bug)

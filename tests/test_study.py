@@ -22,7 +22,7 @@ def test_digits_study_writes_every_file_and_efficiency_is_the_throughput_ratio(t
          "--steps", "60", "--cpu", "--out", str(out), "digits", "--eval-every", "1"],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "[3/3] 2 workers, scale-global, global batch 128" in proc.stdout  # progress, 1 worker shared
+    assert "[3] 2 workers, scale-global, global batch 128, round 1" in proc.stdout  # progress, 1 worker shared
     study = json.loads((out / "study.json").read_text())
     assert (out / "fingerprint.json").is_file() and (out / "report.html").is_file() and (out / "report.md").is_file()
     runs = {r["id"]: r for r in study["runs"]}
@@ -153,7 +153,7 @@ def test_paired_speedup_interval_and_the_inconclusive_verdict():
     assert sp["n"] == 3 and sp["low"] < sp["mean"] < sp["high"] and sp["high"] / sp["low"] < 1.06
     assert sp["mean"] == pytest.approx((1.9 ** 3 * 1.01 * 0.99) ** (1 / 3))
     [_, two] = summarize(steady, (1, 2), ("keep-global",))
-    assert two["verdict"].startswith("compute bound: 95 % efficiency (95 % interval")
+    assert two["verdict"].startswith("compute bound: 95 % efficiency; 95 % interval")
     # The same means with noisy rounds: the interval straddles 80 % efficiency, so no verdict is claimed.
     noisy = [run(1, r, 100) for r in range(3)] + [run(2, r, s) for r, s in enumerate((130, 160, 200))]
     [_, two] = summarize(noisy, (1, 2), ("keep-global",))

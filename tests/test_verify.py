@@ -26,28 +26,27 @@ def test_bad_verify_input_is_one_line(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_a_correct_script_passes_and_each_planted_bug_is_caught_and_named(tmp_path, capsys):
-    # End to end through the CLI: BatchNorm without sync, exit 1, the cause named.
-    code, _ = run_cli(["verify", "--cpu", "--steps", "4", "--out", str(tmp_path / "bn"), SCRIPT, "--bug", "bn"], capsys)
-    assert code == 1
-    report = json.loads((tmp_path / "bn" / "verify.json").read_text())
-    bn = report["comparisons"]["2"]
-    assert not bn["same"] and bn["first_diverging_step"] == 0
-    assert [c.split(" (")[0] for c in bn["causes"]] == ["BatchNorm without sync"] and "(1)" in bn["causes"][0]
-    # The other kinds: the launches of both world sizes at once (verify itself runs them one after the other).
+    # End to end through the CLI: the correct script computes the same on 1 and 2 ranks, exit 0.
+    code, _ = run_cli(["verify", "--cpu", "--steps", "4", "--out", str(tmp_path / "cli"), SCRIPT], capsys)
+    assert code == 0
+    report = json.loads((tmp_path / "cli" / "verify.json").read_text())
+    same = report["comparisons"]["2"]
+    assert report["same"] and same["steps"] == 4 and same["largest_loss_rel"] < 1e-5 and same["final_rel"] < 1e-5
+    # Every kind, with the reference: one launch per world size, each training every kind in turn.
     env = dict(os.environ, MULTIGPU_VERIFY="1")
-    cases = {"ref": (1, "none"), "none": (2, "none"), "seed": (2, "seed"), "sampler": (2, "sampler"), "loss": (2, "loss")}
-    procs = {name: subprocess.Popen([sys.executable, "-m", "multigpu", "run", "-n", str(n), "--cpu", "--log-dir",
-                                     str(tmp_path / name), SCRIPT, "--bug", bug, "--steps", "4"],
-                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for name, (n, bug) in cases.items()}
-    for name, proc in procs.items():
-        assert proc.wait(timeout=240) == 0, (name, proc.stderr.read())
-    runs = {name: _read_run(next(p for p in (tmp_path / name).iterdir() if p.is_dir())) for name in cases}
-    ok = compare(runs["ref"], runs["none"], 1e-5)
+    procs = {n: subprocess.Popen([sys.executable, "-m", "multigpu", "run", "-n", str(n), "--cpu", "--log-dir",
+                                  str(tmp_path / f"w{n}"), SCRIPT, "--bug", "all", "--steps", "4"],
+                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for n in (1, 2)}
+    for n, proc in procs.items():
+        assert proc.wait(timeout=240) == 0, (n, proc.stderr.read())
+    run = {n: next(p for p in (tmp_path / f"w{n}").iterdir() if p.is_dir()) for n in procs}
+    runs = {(n, kind): _read_run(run[n] / kind) for n in procs for kind in ("none", "seed", "sampler", "bn", "loss")}
+    ok = compare(runs[1, "none"], runs[2, "none"], 1e-5)
     assert ok["same"] and ok["steps"] == 4 and ok["causes"] == [] and ok["final_rel"] < 1e-5, ok
     expected = {"seed": "the initial parameters differ", "sampler": "the samples of step 0 differ",
-                "loss": "the loss of step 0 differs with the same model and samples"}
-    for name, cause in expected.items():
-        c = compare(runs["ref"], runs[name], 1e-5)
-        assert not c["same"] and c["first_diverging_step"] == 0, (name, c)
-        assert len(c["causes"]) == 1 and c["causes"][0].startswith(cause), (name, c["causes"])
+                "bn": "BatchNorm without sync", "loss": "the loss of step 0 differs with the same model and samples"}
+    for kind, cause in expected.items():
+        c = compare(runs[1, kind], runs[2, kind], 1e-5)
+        assert not c["same"] and c["first_diverging_step"] == 0, (kind, c)
+        assert len(c["causes"]) == 1 and c["causes"][0].startswith(cause), (kind, c["causes"])

@@ -92,7 +92,7 @@ def findings(group: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> li
         if low is None:
             sure = "; one round: no interval (--repeats 3 or --ci 0.1 gives one)"
         else:
-            sure = f" (95 % interval {_pct(low)}-{_pct(high)}, {efficiency.get('n')} rounds)"
+            sure = f"; 95 % interval {_pct(low)}-{_pct(high)} over {efficiency.get('n')} rounds"
         if low is not None and low < GOOD_EFFICIENCY <= high:
             out.append(StudyFinding("inconclusive", f"inconclusive: {_pct(eff)} efficiency, but the 95 % interval "
                                                     f"{_pct(low)}-{_pct(high)} straddles the {_pct(GOOD_EFFICIENCY)} "
@@ -101,8 +101,8 @@ def findings(group: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> li
             out.append(StudyFinding("compute", f"compute bound: {_pct(eff)} efficiency{sure}"))
         else:
             parts = ", ".join(f"{k.replace('_', ' ')} {_pct(v)}" for k, v in breakdown.items() if v is not None)
-            out.append(StudyFinding("scaling", f"poor scaling: {_pct(eff)} efficiency{sure}"
-                                               + (f" ({parts})" if parts else "")))
+            out.append(StudyFinding("scaling", f"poor scaling: {_pct(eff)} efficiency"
+                                               + (f" ({parts})" if parts else "") + sure))
     return out
 
 
