@@ -523,3 +523,30 @@ def test_the_raising_rank_is_named_in_the_real_race(tmp_path):
         run = _run_dir(err)
         rec = json.loads((run / "attempt_0" / "rank1.failure.json").read_text())
         assert rec["type"] == "ValueError" and rec["message"] == "boom from rank 1"
+
+
+@pytest.mark.parametrize("ending", ["pass", "sys.exit(0)", "sys.exit(3)", "raise ValueError('late')"])
+def test_worker_destroys_a_process_group_the_script_left_alive(ending, tmp_path, monkeypatch, capsys):
+    # The gloo exit abort needs a group alive at interpreter exit (docs/launcher.md): worker.py
+    # must destroy it however the script ends. In process, on a one-rank group.
+    import torch.distributed as tdist
+
+    from multigpu.launch import worker
+
+    script = tmp_path / "s.py"
+    script.write_text("import sys, torch.distributed as d\n"
+                      "d.init_process_group('gloo', store=d.HashStore(), rank=0, world_size=1)\n" + ending + "\n")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "rank0.error.json"))
+    monkeypatch.setenv("RANK", "0")
+    try:
+        code = worker.main(["script", str(script)])
+    except SystemExit as exit_:
+        code = exit_.code
+    assert not tdist.is_initialized()
+    assert code == {"pass": 0, "sys.exit(0)": 0, "sys.exit(3)": 3, "raise ValueError('late')": 1}[ending]
+    failure = tmp_path / "rank0.failure.json"
+    assert failure.exists() == (code != 0)
+    if ending.startswith("raise"):
+        assert json.loads(failure.read_text())["type"] == "ValueError" and "ValueError: late" in capsys.readouterr().err

@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     kind, target, *args = argv
     try:
         _run(kind, target, args)
-    except SystemExit as err:
+    except SystemExit as err:  # sys.exit(0) ends a finished script too: the group must go either way
         if err.code not in (None, 0):
             record_failure(err)
         raise
@@ -65,9 +65,9 @@ def main(argv: list[str]) -> int:
         while tb is not None and tb.tb_frame.f_code.co_filename in _OURS:
             tb = tb.tb_next
         traceback.print_exception(type(err), err, tb)
-        _destroy_process_groups()
         return 1
-    _destroy_process_groups()
+    finally:
+        _destroy_process_groups()
     return 0
 
 
