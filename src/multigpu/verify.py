@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .errors import UsageError
-from .launch.contract import VERIFY_DIR, VERIFY_ENV
+from .launch.contract import VERIFY_DIR, VERIFY_ENV, environ
 
 DIGEST_RTOL = 1e-9  # float64 sums of the same samples in another order
 
@@ -87,19 +87,6 @@ def compare(ref: dict[str, Any], other: dict[str, Any], rtol: float) -> dict[str
             "losses": [list(p) for p in pairs]}
 
 
-@contextlib.contextmanager
-def _verify_env():
-    old = os.environ.get(VERIFY_ENV)
-    os.environ[VERIFY_ENV] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(VERIFY_ENV, None)
-        else:
-            os.environ[VERIFY_ENV] = old
-
-
 def verify(target: str, args: Sequence[str] = (), *, module: bool = False, workers: Sequence[int] = (1, 2),
            steps: int = 5, global_batch: int | None = None, cpu: bool = False, rtol: float = 1e-5,
            out: str | None = None, say: Callable[[str], None] = print) -> dict[str, Any]:
@@ -125,7 +112,7 @@ def verify(target: str, args: Sequence[str] = (), *, module: bool = False, worke
         log_dir.mkdir(exist_ok=True)
         say(f"multigpu verify: {w} worker{'s' if w > 1 else ''}, {steps} steps ...")
         with open(log_dir / "console.log", "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f), \
-                _verify_env():
+                environ(**{VERIFY_ENV: "1"}):
             code = launch_run(target, extra, module=module, nproc=w, cpu=cpu, log_dir=str(log_dir))
         if code != 0:
             raise UsageError(f"the run on {w} worker{'s' if w > 1 else ''} failed (exit code {code}; see "

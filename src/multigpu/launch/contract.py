@@ -22,10 +22,11 @@ recipes read it in every worker, below everything else in ``multigpu.launch``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from ..errors import UsageError
 
@@ -83,6 +84,26 @@ def record_failure(err: BaseException) -> None:
 
 
 # -- launcher side ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def environ(**values: str | None) -> Iterator[None]:
+    """Set (or, with None, leave alone) variables the workers of launches inside will inherit; restore after.
+
+    >>> with environ(OMP_NUM_THREADS="1", MULTIGPU_VERIFY="1"):
+    ...     run("train.py", nproc=2, cpu=True)
+    """
+    values = {k: v for k, v in values.items() if v is not None}
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old
+
+
 def worker_env(run_dir: str, *, profile: tuple[int, int] | None = None, find_batch: bool = False,
                memory_budget: int | None = None, verify: bool = False) -> dict[str, str]:
     """The ``MULTIGPU_*`` variables for the workers (values already checked by the launcher).

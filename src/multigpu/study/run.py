@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 from ..batch import POLICIES, policy_batch, same_samples_steps
 from ..errors import UsageError
+from ..launch.contract import environ
 from .measure import TARGET_OPS, headline, measure_run, summarize
 
 
@@ -217,7 +218,8 @@ def execute(spec: RunSpec, target: str, module: bool, cfg: StudyConfig, out: Pat
                               "steps": spec.steps, "args": list(spec.args)}
     t0 = time.perf_counter()
     try:
-        with open(console, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f), _threads(cfg):
+        with open(console, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f), \
+                environ(OMP_NUM_THREADS=str(cfg.threads) if on_cpu(cfg) else None):
             code = launch_run(target, spec.args, module=module, nproc=spec.workers, cpu=cfg.cpu,
                               log_dir=str(root), profile=cfg.profile)
     except UsageError as err:
@@ -236,23 +238,6 @@ def execute(spec: RunSpec, target: str, module: bool, cfg: StudyConfig, out: Pat
         return record | {"status": "ok", "exit_code": 0} | measure_run(run_dirs[-1], goal)
     except (UsageError, IndexError, KeyError, ValueError) as err:
         return record | {"status": "failed", "exit_code": 0, "error": f"unreadable metrics: {err}"}
-
-
-@contextlib.contextmanager
-def _threads(cfg: StudyConfig):
-    """OMP_NUM_THREADS for the workers of CPU runs (the launcher keeps a value it finds), restored after."""
-    if not on_cpu(cfg):
-        yield
-        return
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
 
 
 def on_cpu(cfg: StudyConfig) -> bool:
