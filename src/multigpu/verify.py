@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 from .errors import UsageError
 from .launch.contract import VERIFY_DIR, VERIFY_ENV, environ
+from .study.measure import read_records
 
 DIGEST_RTOL = 1e-9  # float64 sums of the same samples in another order
 
@@ -31,7 +32,7 @@ def _read_run(run_dir: Path) -> dict[str, Any]:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise UsageError(f"{run_dir} has no metrics.jsonl: the script must use mg.StepMeter (see docs/study.md)")
-    recs = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    recs = read_records(metrics)
     losses = [r.get("loss") for r in recs if r.get("type") == "step"]
     probe_dir = run_dir / VERIFY_DIR
     probe = json.loads((probe_dir / "probe.json").read_text()) if (probe_dir / "probe.json").is_file() else {}

@@ -28,20 +28,12 @@ def _worker_env(changes: dict[str, tuple[str, str]]) -> Iterator[None]:
     """Set variables the workers inherit, logging old -> new; restore them afterwards."""
     from .logs import say
 
-    saved = {name: os.environ.get(name) for name in changes}
     for name, (value, why) in changes.items():
         old = os.environ.get(name)
         if old != value:
             say(f"{name}: {'unset' if old is None else repr(old)} -> {value!r} ({why})")
-            os.environ[name] = value
-    try:
+    with contract.environ(**{name: value for name, (value, _) in changes.items()}):
         yield
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
 
 
 def _run_dir(cfg: RunConfig, place: Placement) -> str:

@@ -14,7 +14,8 @@ from ..verdict import findings, verdict
 TARGET_OPS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b}
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON records of a metrics.jsonl, skipping a last line a crash cut short."""
     out = []
     for line in path.read_text().splitlines():
         line = line.strip()
@@ -42,7 +43,7 @@ def measure_run(run_dir: Path, target: tuple[str, str, float] | None) -> dict[st
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise UsageError(f"{run_dir} has no metrics.jsonl: the workload must use mg.StepMeter (see docs/study.md)")
-    recs = _records(metrics)
+    recs = read_records(metrics)
     steps = [r for r in recs if r.get("type") == "step"]
     evals = [r for r in recs if r.get("type") == "eval"]
     summary = next((r for r in reversed(recs) if r.get("type") == "summary"), None)
