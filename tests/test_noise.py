@@ -10,6 +10,7 @@ Tolerances are 4 standard errors, from the spread of the per-step estimates.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -367,7 +368,7 @@ def _fsdp_worker(dist, steps, strategies=("ddp", "fsdp")):
         model(torch.randn(8, 6)).float().square().mean().backward()
     except mg.UsageError as err:
         out["fp16_error"] = str(err)
-    # FSDP x TP: the reduce-scatter inputs hold tensor-parallel shards: refused at attach, with the way out.
+    # A plan that counts tensor-parallel ranks as data-parallel ones: refused at attach, with the fix.
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel
 
@@ -397,7 +398,8 @@ def test_fsdp_reads_the_same_norms_as_ddp():
         assert fsdp[key] == pytest.approx(ddp[key], rel=1e-5)   # fp32 gradients reduced in another order (seen: 1e-7)
     assert res[1]["fsdp"] == res[0]["fsdp"]
     assert "reduce_dtype='fp32'" in res[0]["fp16_error"] and "\n" not in res[0]["fp16_error"]
-    assert "tensor parallelism" in res[0]["tp_error"] and "noise.observe(local_sq, total_sq)" in res[0]["tp_error"]
+    assert "spread over 2 tensor-parallel ranks, but the job has 1" in res[0]["tp_error"]
+    assert "mesh.plan(...)" in res[0]["tp_error"] and "\n" not in res[0]["tp_error"]
     assert "mg.wrap(model, 'ddp')" in res[0]["replicate_error"]
 
 
@@ -409,3 +411,74 @@ def test_hsdp_counts_each_replicated_shard_once():
     for key in ("noise/grad_sq", "noise/trace_cov"):
         assert hsdp[key] == pytest.approx(ddp[key], rel=1e-5)
     assert all(r["hsdp"] == hsdp for r in res)
+
+
+# ---- tensor parallelism: each rank's part of the norms, by how many ranks hold it ----------
+def _grad_sq(model) -> float:
+    return sum(float(p.grad.double().square().sum()) for p in model.parameters() if p.grad is not None)
+
+
+def _tp_worker(dist, layouts, steps=6, accum=2):
+    """The tiny GPT under each layout, no optimizer step (the weights stay): NoiseScale's numbers
+    against the same estimator fed the exact norms of an unsharded copy on every rank."""
+    import torch.nn.functional as F
+
+    from multigpu.noise.estimates import Estimates
+    from multigpu.recipes.gpt.model import GPT, config
+    from multigpu.recipes.gpt.parallelize import parallelize
+
+    cfg = config("tiny", block_size=16)
+    data = torch.randint(0, 256, (steps * 8, 17), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for layout in layouts:
+        layout = dict(layout)
+        sp = layout.pop("sequence_parallel", False)
+        torch.manual_seed(0)
+        ref = GPT(cfg)
+        model = copy.deepcopy(ref)
+        mesh = mg.parallel.mesh(dist, **layout)
+        parallelize(model, mesh, sequence_parallel=sp)
+        plan = mesh.plan(8, micro_batch=8 // mesh.dp_size // accum)
+        noise = mg.NoiseScale(plan, tau=1e12, sync_every=4).attach(model)
+        exact = Estimates(plan.global_batch, 1e12, 1)
+
+        def loss(net, seqs, n):
+            return F.cross_entropy(net(seqs[:, :-1]).flatten(0, 1), seqs[:, 1:].flatten()) / n
+
+        for k in range(steps):
+            batch = data[8 * k:8 * k + 8]
+            rank_batches = batch.split(plan.rank_batch)
+            micro = rank_batches[mesh.dp_rank].split(plan.micro_batch)
+            for seqs in mg.accumulate(model, list(micro)):
+                loss(model, seqs, accum).backward()
+            model.zero_grad(set_to_none=True)
+            # The small batches: the data-parallel ranks' (several), the micro-batches (one).
+            small = rank_batches if mesh.dp_size > 1 else micro
+            local = []
+            for seqs in small:
+                n = len(seqs) // plan.micro_batch
+                for part in seqs.split(plan.micro_batch):
+                    loss(ref, part, n).backward()
+                local.append(_grad_sq(ref))
+                ref.zero_grad()
+            for part in batch.split(plan.micro_batch):
+                loss(ref, part, len(batch) // plan.micro_batch).backward()
+            total = _grad_sq(ref)
+            ref.zero_grad()
+            exact.add(torch.tensor([sum(local) / len(local)], dtype=torch.float64),
+                      torch.tensor([total], dtype=torch.float64), [None], len(small[0]))
+        noise.flush()
+        out[repr(mesh) + (" sp" if sp else "")] = (noise.metrics(), exact.metrics())
+    return out
+
+
+@pytest.mark.slow
+def test_tensor_parallel_layouts_read_the_norms_of_one_process():
+    layouts = [{"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 4}, {"tp": 4, "sequence_parallel": True}]
+    res = spawn(_tp_worker, 4, layouts, timeout=300)
+    assert len(res[0]) == 4
+    for name, (measured, exact) in res[0].items():
+        assert measured["noise/measured_steps"] == 6, name
+        for key in ("noise/grad_sq", "noise/trace_cov"):
+            assert measured[key] == pytest.approx(exact[key], rel=1e-4), (name, key)
+    assert all(list(r.values()) == list(res[0].values()) for r in res)   # keys name each rank's dp rank

@@ -90,3 +90,21 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
     ``torch.autograd.Variable._execution_engine.queue_callback``: checked on 2.13, 2.14.
     """
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def fsdp_reduce_layout(module: torch.nn.Module) -> list[tuple[torch.nn.Parameter, int, int]]:
+    """What FSDP2's reduce-scatter input holds for ``module``: per parameter, in the input's order,
+    ``(sharded parameter, numel of its column block, data-parallel mesh dims)``.
+
+    The input is ``shards x sum(blocks)`` (``foreach_reduce_scatter_copy_in``'s chunk-cat); the mesh
+    dims past the data-parallel ones (1 for FSDP, 2 for HSDP) are tensor parallelism.
+    ``FSDPModule._get_fsdp_state()._fsdp_param_groups[i].fsdp_params[j]`` with ``sharded_param``,
+    ``padded_sharded_param_size`` and ``mesh_info.mesh``: checked on 2.13, 2.14 (older source has one
+    ``_fsdp_param_group``).
+    """
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [g for g in [state._fsdp_param_group] if g is not None]
+    return [(fp.sharded_param, fp.padded_sharded_param_size.numel(), fp.mesh_info.mesh.ndim)
+            for g in groups for fp in g.fsdp_params]

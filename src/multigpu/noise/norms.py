@@ -32,8 +32,11 @@ import torch.distributed as tdist
 from ..errors import UsageError
 
 
-def norm_parts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def norm_parts(tensors: list[torch.Tensor], weights: list[float] | None = None) -> list[torch.Tensor]:
     """The tensors' L2 norms (fp32 scalars): the sum of their squares is the squared norm of all.
+
+    ``weights``: a factor per norm (the square root of the share of the squared
+    norm this rank counts, layout.py), or None for all 1.
 
     One ``torch._foreach_norm`` call (what ``clip_grad_norm_`` runs; the public
     ``get_total_norm`` wraps it in ~15 µs of Python per call), accumulated in fp32
@@ -43,7 +46,23 @@ def norm_parts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """
     if not tensors:
         return [torch.zeros((), dtype=torch.float32)]
-    return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    parts = list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    if weights is not None:
+        torch._foreach_mul_(parts, weights)
+    return parts
+
+
+def block_norms(flat: torch.Tensor, blocks: list[int] | None, weights: list[float] | None) -> list[torch.Tensor]:
+    """Weighted norms of the column blocks of a reduce-scatter input (``shards x sum(blocks)``, layout.py);
+    the whole input's norm when every block counts alike (``blocks`` None, one weight or none)."""
+    if blocks is None:
+        return norm_parts([flat], weights)
+    width = sum(blocks)
+    if flat.numel() % width:
+        raise UsageError(f"NoiseScale expected FSDP2 reduce-scatter inputs of a multiple of {width} elements, got "
+                         f"{flat.numel()}; this torch lays them out otherwise: leave the model unattached and call "
+                         "noise.observe(...) each step")
+    return norm_parts(list(flat.view(-1, width).split(blocks, dim=1)), weights)
 
 
 def sum_sq(parts: list[list[torch.Tensor]]) -> torch.Tensor:
@@ -69,45 +88,27 @@ def loss_scale(scaler: Any, device: torch.device) -> torch.Tensor | None:
     return torch.tensor(float(scaler.get_scale()), device=device, dtype=torch.float64)
 
 
-def shard_replicas(params: list[torch.Tensor]) -> int:
-    """How many ranks hold each FSDP2 shard: 1 on a 1-D mesh, the replicate degree under HSDP.
-
-    A (replicate, shard) mesh places parameters ``(Replicate(), Shard(0))``. Other 2-D layouts
-    (FSDP x tensor parallel) split what each rank's reduce-scatter input holds between its
-    tensor-parallel peers, replicated parameters in full on each: refused, with the way out.
-    """
-    from torch.distributed.tensor import Replicate, Shard
-
-    replicas = set()
-    for p in params:
-        mesh, placements = p.device_mesh, p.placements
-        if mesh.ndim == 1:
-            replicas.add(1)
-        elif mesh.ndim == 2 and isinstance(placements[0], Replicate) and isinstance(placements[1], Shard):
-            if mesh.size(1) == 1:
-                raise UsageError("NoiseScale reads the rank gradients in FSDP2's reduce-scatter, which FSDP skips "
-                                 "when each shard group has one rank (a replicate x 1 mesh is plain replication); "
-                                 "use mg.wrap(model, 'ddp') for that, or shard over 2+ ranks")
-            replicas.add(mesh.size(0))
-        else:
-            raise UsageError(f"NoiseScale reads FSDP2 and HSDP, but this model's parameters are placed "
-                             f"{tuple(placements)} on a {mesh.ndim}-D mesh (tensor parallelism); leave it unattached "
-                             "and call noise.observe(local_sq, total_sq) each step with the norms of each "
-                             "data-parallel rank's full gradient and of the averaged one")
-    if len(replicas) != 1:
-        raise UsageError(f"NoiseScale found FSDP2 shards replicated {sorted(replicas)} times in one model; "
-                         "shard every module over the same mesh, or call noise.observe(...) each step")
-    return replicas.pop()
-
-
 def local_tensors(grads: Iterator[torch.Tensor | None]) -> list[torch.Tensor]:
-    """The gradients present, as plain tensors (a DTensor shard: its local part)."""
+    """The gradients present, as plain tensors: a DTensor's local part.
+
+    A partial DTensor (the gradient of a norm's weight under sequence parallelism
+    stays ``Partial(sum)`` in ``p.grad``) is summed over its ranks first: its local
+    part is not a piece of the gradient. One small all-reduce each, on every rank
+    alike (the same parameters in the same order).
+    """
     out = []
     for g in grads:
         if g is None:
             continue
-        to_local = getattr(g, "to_local", None)  # DTensor (FSDP2): this rank's shard
-        out.append(to_local() if to_local is not None else g)
+        placements = getattr(g, "placements", None)
+        if placements is None:
+            out.append(g)
+            continue
+        if any(p.is_partial() for p in placements):
+            from torch.distributed.tensor import Replicate
+
+            g = g.redistribute(placements=[Replicate() if p.is_partial() else p for p in placements])
+        out.append(g.to_local())
     return out
 
 
@@ -123,19 +124,21 @@ class ReduceScatterNorms:
 
     The input is the flat, zero-padded concatenation of this rank's unsharded
     gradients of one parameter group: its squared norm is the group's share
-    of ``|g_i|^2``. Duck-typed on FSDP's ``ReduceScatter`` interface
+    of ``|g_i|^2`` (under tensor parallelism, weighted per column block). Duck-typed on FSDP's ``ReduceScatter`` interface
     (``allocate`` + call), whose class lives in a private module; the
     reduction itself is the public ``reduce_scatter_tensor``, as FSDP's default.
     """
 
-    def __init__(self, on_input: Callable[[torch.Tensor, Any], None]) -> None:
+    def __init__(self, on_input: Callable[..., None], blocks: list[int] | None = None,
+                 weights: list[float] | None = None) -> None:
         self.on_input = on_input
+        self.blocks, self.weights = blocks, weights  # this module's layout (layout.py), None without TP
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        self.on_input(input_tensor, op)
+        self.on_input(input_tensor, op, self.blocks, self.weights)
         return _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 

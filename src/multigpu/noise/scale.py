@@ -19,6 +19,7 @@ The loss must be a mean over the examples of the optimizer step (divide by
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from ..errors import UsageError
 from ..parallel import strategy_of
 from ..parallel.fsdp import fsdp_modules
 from ..values import positive_int
-from . import norms
+from . import layout, norms
 from .estimates import Estimates
 
 __all__ = ["NoiseScale"]
@@ -38,9 +39,12 @@ __all__ = ["NoiseScale"]
 class NoiseScale:
     """Measure the gradient noise scale B_simple of a running training job.
 
-    ``attach(model)`` after ``mg.wrap``: DDP (any comm hook) and FSDP2 on
-    several ranks, any model on one process with ``plan.accum_steps >= 2``.
-    Elsewhere (e.g. your own sharding) call ``observe`` with the norms.
+    ``attach(model)`` after ``mg.wrap``: DDP (any comm hook), FSDP2 and HSDP on
+    several ranks, each FSDP layout also over tensor parallelism (the plan is
+    over the data-parallel ranks: ``mesh.plan(...)``), any model on one
+    data-parallel rank (one process, or its tensor-parallel group) with
+    ``plan.accum_steps >= 2``. Elsewhere (e.g. your own sharding) call
+    ``observe`` with the norms.
 
     ``tau``: EMA time constant in training examples (default 100 global
     batches). ``every``: measure one optimizer step in ``every``.
@@ -72,12 +76,12 @@ class NoiseScale:
         self.scaler = scaler
         self.group = group
         self.estimates = Estimates(plan.global_batch, self.tau, every)
-        self._steps: list[tuple] = []  # measured, not yet averaged across ranks: (local, total, scale, sharded)
+        self._steps: list[tuple] = []  # measured, not yet averaged across ranks: (local, total, scale, total share)
         self._inflight: tuple | None = None  # the all-reduce of the last sync: (work, vec, scales)
         self._syncs = 0         # batches of steps processed so far
         self._rounds = 0        # optimizer steps seen, measured or not
         self._kind: str | None = None  # "ddp" | "fsdp" | "micro" (one process, micro-batches)
-        self._replicas = 1      # FSDP: ranks holding each shard (HSDP's replicate degree)
+        self._layout = layout.Layout()  # what each rank's norms count for (layout.py)
         self._params: list[torch.Tensor] = []
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self._handles: list = []
@@ -93,18 +97,22 @@ class NoiseScale:
 
     # ---- wiring ---------------------------------------------------------------
     def attach(self, model: torch.nn.Module) -> "NoiseScale":
-        """Start measuring ``model``: DDP or FSDP2 on several ranks, any model on one process."""
+        """Start measuring ``model``: DDP or FSDP2 on several ranks, any model on one data-parallel rank."""
         world = self.plan.world_size
         actual = tdist.get_world_size(self.group) if tdist.is_available() and tdist.is_initialized() else 1
-        if actual != world:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        tp = actual // world if actual % world == 0 else 0
+        if actual != world and not (tp > 1 and any(layout.tp_split(p, p.device_mesh.ndim - 1)[0] == tp
+                                                   for _, p in named if hasattr(p, "device_mesh"))):
             raise UsageError(f"NoiseScale's plan is for world_size {world} but this job has {actual} processes; "
-                             "build the plan with mg.BatchPlan(..., world_size=dist.world_size)")
+                             "build the plan with mg.BatchPlan(..., world_size=dist.world_size), or over the "
+                             "data-parallel ranks of a tensor-parallel mesh with mesh.plan(...)")
         if self._kind is not None:
             raise UsageError("NoiseScale.attach was already called; use one NoiseScale per model")
         if world > 1:
             strategy = strategy_of(model)
             if strategy == "fsdp":
-                self._attach_fsdp(fsdp_modules(model))
+                self._attach_fsdp(fsdp_modules(model), named, tp)
             elif strategy in ("ddp", "zero1"):
                 if getattr(model, "gradient_as_bucket_view", False):
                     # The rank gradients are read while the last bucket is being reduced: as
@@ -112,23 +120,27 @@ class NoiseScale:
                     raise UsageError("NoiseScale needs DDP's default gradient_as_bucket_view=False, got True; "
                                      "wrap without gradient_as_bucket_view=True")
                 self._kind, self._ddp = "ddp", model
+                self._layout = layout.replicated(world)
                 # With static_graph, DDP's first backward reduces in a callback of its own that
                 # runs before ours: that step's rank gradients are already averaged (seen in tests).
                 self._skip_next = bool(getattr(model, "static_graph", False))
             else:
                 raise UsageError(
-                    f"NoiseScale.attach on {world} ranks needs a DDP or FSDP2 model, got {type(model).__name__}; "
-                    "wrap it first (mg.wrap(model, 'ddp')) or, for other sharding, call noise.observe(...) each step"
+                    f"NoiseScale.attach on {world} data-parallel ranks needs a DDP or FSDP2 model, got "
+                    f"{type(model).__name__}; wrap it first (mg.wrap(model, 'ddp')) or, for other sharding, "
+                    "call noise.observe(...) each step"
                 )
         else:
             if self.plan.accum_steps < 2:
                 raise UsageError(
-                    f"NoiseScale on one process measures with accumulation micro-batches and needs accum_steps >= 2, "
-                    f"got global batch {self.plan.global_batch} in micro-batches of {self.plan.micro_batch}; "
-                    f"use mg.BatchPlan(..., micro_batch={max(1, self.plan.global_batch // 2)}) or run on 2+ ranks"
+                    f"NoiseScale on one data-parallel rank measures with accumulation micro-batches and needs "
+                    f"accum_steps >= 2, got global batch {self.plan.global_batch} in micro-batches of "
+                    f"{self.plan.micro_batch}; use mg.BatchPlan(..., micro_batch={max(1, self.plan.global_batch // 2)}) "
+                    "or run on 2+ data-parallel ranks"
                 )
             self._kind = "micro"
-        self._params = [p for p in model.parameters() if p.requires_grad]
+            self._layout = layout.tensor_parallel(named, tp) if tp > 1 else layout.Layout()
+        self._params = [p for _, p in named]
         if self._kind == "ddp":
             # The first gradient of a backward queues the end-of-backward callback; a
             # parameter's hook runs before DDP's own hook on it, so always before DDP
@@ -137,18 +149,21 @@ class NoiseScale:
         elif self._kind == "micro":
             # A tensor hook sees each micro-batch's gradient before it is accumulated: no copy
             # of the running sum is needed to tell the micro-batches apart.
-            self._handles += [p.register_hook(self._on_micro_grad) for p in self._params]
+            weights = self._layout.local or [None] * len(self._params)
+            self._handles += [p.register_hook(functools.partial(self._on_micro_grad, w))
+                              for p, w in zip(self._params, weights)]
         return self
 
-    def _attach_fsdp(self, modules: list[torch.nn.Module]) -> None:
-        self._replicas = norms.shard_replicas([p for m in modules for p in m.parameters()])
+    def _attach_fsdp(self, modules: list[torch.nn.Module], named: list, tp: int) -> None:
         for m in modules:
             if not hasattr(m, "set_custom_reduce_scatter"):
                 raise UsageError(f"NoiseScale under FSDP2 needs FSDPModule.set_custom_reduce_scatter, which torch "
                                  f"{torch.__version__} lacks; upgrade torch (2.13 has it), or leave the model "
                                  "unattached and call noise.observe(..., sharded=True) each step")
+        self._layout = layout.fsdp(modules, named, tp)
+        for m, (blocks, weights) in zip(modules, self._layout.blocks):
             try:
-                m.set_custom_reduce_scatter(norms.ReduceScatterNorms(self._on_reduce_scatter))
+                m.set_custom_reduce_scatter(norms.ReduceScatterNorms(self._on_reduce_scatter, blocks, weights))
             except ValueError as err:  # several parameter groups per module (per-parameter meshes)
                 raise UsageError(f"NoiseScale cannot read this FSDP2 model's reduce-scatter ({err}); leave the "
                                  "model unattached and call noise.observe(..., sharded=True) each step") from None
@@ -184,7 +199,7 @@ class NoiseScale:
             # One foreach over all gradients: per-parameter norms in the hooks, while each
             # gradient is still in cache, cost the same on CPU (benchmarks/noise_overhead.py)
             # and one kernel launch per parameter on CUDA.
-            self._grad_list = self._grads()
+            self._grad_list = [p.grad for p in self._params if p.grad is not None]
             self._local = norms.norm_parts(self._grad_list)
         self._skip_next = False
         norms.queue_callback(self._after_reduction)
@@ -205,15 +220,15 @@ class NoiseScale:
         if not measuring:
             return
         if self._kind == "fsdp":
-            total = norms.norm_parts(self._grads())
+            total = self._total_parts()
             local, self._parts = self._parts or [torch.zeros_like(total[0])], []
         else:
             # DDP's finalize copied the averaged buckets into the tensors read before it.
             total = norms.norm_parts(self._grad_list)
             local, self._local, self._grad_list = self._local, [], []
-        self._queue_step(local, total, self._scale(total[0].device), sharded=self._kind == "fsdp")
+        self._queue_step(local, total, self._scale(total[0].device), self._layout.total_share)
 
-    def _on_reduce_scatter(self, flat_input: torch.Tensor, op) -> None:
+    def _on_reduce_scatter(self, flat_input: torch.Tensor, op, blocks=None, weights=None) -> None:
         if self._kind != "fsdp":
             return  # detached
         self._reduced = True
@@ -222,13 +237,15 @@ class NoiseScale:
             norms.queue_callback(self._before_reduction)
         if self._measuring():
             self._plain_sum = self._plain_sum or norms.is_plain_sum(op)
-            self._parts += norms.norm_parts([flat_input])
+            self._parts += norms.block_norms(flat_input, blocks, weights)
 
-    def _on_micro_grad(self, grad: torch.Tensor) -> None:
+    def _on_micro_grad(self, weight: float | None, grad: torch.Tensor) -> None:
         if self._measuring():
             # The norm now, while the gradient is in cache; holding the tensor instead would
             # stop autograd from stealing it into p.grad (one more copy per micro-batch).
-            self._micro_parts.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
+            # A tensor-parallel gradient is a DTensor: this rank's part, by its share.
+            norm = torch.linalg.vector_norm(norms.local_tensors([grad])[0], dtype=torch.float32)
+            self._micro_parts.append(norm if weight is None else norm * weight)
         if not self._queued:
             self._queued = True
             norms.queue_callback(self._before_reduction)
@@ -239,15 +256,17 @@ class NoiseScale:
         last = self._micro == self.plan.accum_steps
         if self._measuring() and last:
             local, self._micro_parts = self._micro_parts, []
-            self._queue_step(local, norms.norm_parts(self._grads()), self._scale(local[0].device), sharded=False)
+            self._queue_step(local, self._total_parts(), self._scale(local[0].device), self._layout.total_share)
         if last:
             self._micro = 0
             self._rounds += 1
 
-    def _grads(self) -> list[torch.Tensor]:
-        if self._kind == "fsdp":
-            return norms.local_tensors(p.grad for p in self._params)
-        return [p.grad for p in self._params if p.grad is not None]
+    def _total_parts(self) -> list[torch.Tensor]:
+        """Norms of this rank's part of the summed or averaged gradient (a DTensor's local part), by their shares."""
+        weights = self._layout.total
+        present = [i for i, p in enumerate(self._params) if p.grad is not None]
+        grads = norms.local_tensors(self._params[i].grad for i in present)
+        return norms.norm_parts(grads, None if weights is None else [weights[i] for i in present])
 
     # ---- estimation -----------------------------------------------------------
     def observe(self, local_sq, total_sq, *, sharded: bool = False, scale: float | torch.Tensor = 1.0) -> None:
@@ -271,11 +290,13 @@ class NoiseScale:
         local = torch.as_tensor(local_sq, dtype=torch.float64).reshape(()).sqrt()
         total = torch.as_tensor(total_sq, dtype=torch.float64, device=local.device).reshape(()).sqrt()
         scale = torch.as_tensor(scale, dtype=torch.float64, device=local.device).reshape(())
-        self._queue_step([local], [total], scale, sharded=sharded)
+        self._queue_step([local], [total], scale, 1.0 if sharded else 1.0 / self.plan.world_size)
 
-    def _queue_step(self, local: list[torch.Tensor], total: list[torch.Tensor], scale, *, sharded: bool) -> None:
-        """One measured step's norm parts (sum of squares = squared norm); processed ``sync_every`` at a time."""
-        self._steps.append((local, total, scale, sharded))
+    def _queue_step(self, local: list[torch.Tensor], total: list[torch.Tensor], scale, share: float) -> None:
+        """One measured step's norm parts (sum of squares = squared norm); processed ``sync_every`` at a time.
+
+        ``share``: the factor on the total's squared norm before the sum over ranks (layout.py)."""
+        self._steps.append((local, total, scale, share))
         # Batches of 1, 2, 4, ... up to sync_every: the first estimates appear within a few steps.
         if len(self._steps) >= min(self.sync_every, 2 ** self._syncs):
             self._sync()
@@ -293,16 +314,13 @@ class NoiseScale:
         local_sq = norms.sum_sq([s[0] for s in steps])
         total_sq = norms.sum_sq([s[1] for s in steps]).to(local_sq.device)
         scales = [s[2] for s in steps]
-        if self._kind == "micro":
-            # The loss carries 1/accum_steps: each micro-batch's mean gradient is accum x what it added.
-            self.estimates.add(local_sq * self.plan.accum_steps, total_sq, scales, self.plan.micro_batch)
+        if self._kind == "micro" and self._layout.tp == 1:
+            self._add(local_sq, total_sq, scales)  # one process: nothing to sum
             return
-        world = self.plan.world_size
-        # Summed over ranks: the mean of the rank norms; shard norms add up to the full
-        # norm; a replicated total (the same on every rank) averages to itself.
-        # Under HSDP every shard lives on `replicas` ranks: its norm counts once.
-        per_rank = torch.tensor([1.0 / self._replicas if s[3] else 1.0 / world for s in steps], dtype=torch.float64)
-        vec = torch.cat([local_sq / world, total_sq * per_rank.to(total_sq.device)])
+        # Summed over ranks, each part by its share (layout.py): the sum of the data-parallel
+        # ranks' squared norms (divided here into their mean) and the averaged gradient's.
+        shares = torch.tensor([s[3] for s in steps], dtype=torch.float64)
+        vec = torch.cat([local_sq / self.plan.world_size, total_sq * shares.to(total_sq.device)])
         work = tdist.all_reduce(vec, group=self.group, async_op=True)
         self._inflight = (work, vec, scales)
 
@@ -313,7 +331,14 @@ class NoiseScale:
         (work, vec, scales), self._inflight = self._inflight, None
         work.wait()
         n = len(scales)
-        self.estimates.add(vec[:n], vec[n:], scales, self.plan.rank_batch)
+        self._add(vec[:n], vec[n:], scales)
+
+    def _add(self, local_sq: torch.Tensor, total_sq: torch.Tensor, scales: list) -> None:
+        if self._kind == "micro":
+            # The loss carries 1/accum_steps: each micro-batch's mean gradient is accum x what it added.
+            self.estimates.add(local_sq * self.plan.accum_steps, total_sq, scales, self.plan.micro_batch)
+        else:
+            self.estimates.add(local_sq, total_sq, scales, self.plan.rank_batch)
 
     def flush(self) -> None:
         """Average the measured steps still waiting for their batch (collective: every rank calls it).
@@ -336,8 +361,8 @@ class NoiseScale:
         Measured steps count in batches of ``sync_every`` (on several ranks,
         once averaged across ranks): no collective here.
         """
-        if self._kind == "micro" and self._steps:
-            self._sync()  # one process: nothing to wait for
+        if self._kind == "micro" and self._layout.tp == 1 and self._steps:
+            self._sync()  # one process: nothing to wait for (over tensor parallelism the sum is collective)
         self._land()
         return self.estimates.metrics()
 
