@@ -12,10 +12,23 @@ from multigpu.recipes.gpt.parallelize import parallelize
 GLOBAL_BATCH, BLOCK = 8, 16
 
 
-def tokens(n: int = 64, seed: int = 1) -> TensorDataset:
+def tokens(n: int = 64, seed: int = 1, masked: bool = False) -> TensorDataset:
+    """Random sequences; ``masked``: each sequence ignores (-100) a different number of its targets, 0 to 15."""
     g = torch.Generator().manual_seed(seed)
     seq = torch.randint(0, 256, (n, BLOCK + 1), generator=g)
-    return TensorDataset(seq[:, :-1], seq[:, 1:])
+    y = seq[:, 1:].clone()
+    if masked:
+        keep = torch.arange(BLOCK) >= torch.randint(0, BLOCK, (n, 1), generator=g)  # a masked prefix, like a prompt
+        y[~keep] = -100
+    return TensorDataset(seq[:, :-1], y)
+
+
+def step_loss(model, x, y, plan, micro_batches, masked: bool) -> torch.Tensor:
+    """The mean over micro-batch means, or (masked) the summed loss over the step's global token count."""
+    logits = model(x).flatten(0, 1)
+    if not masked:
+        return F.cross_entropy(logits, y.flatten()) / plan.accum_steps
+    return F.cross_entropy(logits, y.flatten(), reduction="sum") / mg.token_divisor([t for _, t in micro_batches])
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -57,6 +70,7 @@ def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None
     sp, lp = layout.pop("sequence_parallel", False), layout.pop("loss_parallel", False)
     ac = layout.pop("activation_checkpointing", False)
     compiled = layout.pop("compile", False)
+    masked = layout.pop("masked", False)
     torch.manual_seed(0)
     model = GPT(config("tiny", block_size=BLOCK, **layout.pop("model", {})))   # the full model, the same on every rank
     mesh = mg.parallel.mesh(dist, **layout)
@@ -66,7 +80,7 @@ def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None
             block.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     plan = mesh.plan(GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // mesh.dp_size // accum)
-    train_loader = mg.loader(tokens(), plan, dist, seed=0)
+    train_loader = mg.loader(tokens(masked=masked), plan, dist, seed=0)
     start = 0
     if ckpt is not None:
         checkpointer = mg.Checkpointer(ckpt, model=model, optimizer=opt, loader=train_loader)
@@ -76,7 +90,7 @@ def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None
         total = 0.0
         for x, y in mg.accumulate(model, micro_batches):
             with mg.parallel.loss_parallel(lp), saved_bytes(saved):
-                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / plan.accum_steps
+                loss = step_loss(model, x, y, plan, micro_batches, masked)
             with mg.parallel.loss_parallel(lp):
                 loss.backward()
             total += float(full(loss))

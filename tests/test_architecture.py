@@ -123,7 +123,7 @@ def test_src_has_no_import_cycle():
 # The layers, bottom up (docs/architecture.md): a module imports its own layer and the ones below.
 LAYERS = [
     ("runtime", ["errors", "values", "compat", "dist", "fingerprint", "launch.contract"]),
-    ("loop pieces", ["batch", "data", "precision"]),
+    ("loop pieces", ["batch", "data", "loss", "precision"]),
     ("parallelism", ["parallel"]),
     ("instruments and state", ["meter", "noise", "checkpoint", "finder"]),
     ("tools and decisions", ["launch", "planner", "study", "report", "verdict", "verify", "doctor", "commbench", "recipes",

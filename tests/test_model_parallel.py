@@ -25,6 +25,7 @@ TOL = 1e-5  # max absolute parameter difference after 5 steps (fp32)
 
 TWO = [{"tp": 2}, {"tp": 2, "sequence_parallel": True, "loss_parallel": True}, {"tp": 2, "activation_checkpointing": True}]
 FOUR = [{"tp": 2}, {"tp": 2, "sequence_parallel": True, "loss_parallel": True}, {"dp_replicate": 2}, {"tp": 4}]
+MASKED = [{"tp": 2, "masked": True}, {"dp_replicate": 2, "masked": True}]  # 4 ranks: FSDP x TP, HSDP
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +42,8 @@ def two_ranks():
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    out = spawn(layouts.train_layouts, 4, FOUR, timeout=300)
-    return [[rank[i] for rank in out] for i in range(len(FOUR))]
+    out = spawn(layouts.train_layouts, 4, FOUR + MASKED, timeout=300)
+    return [[rank[i] for rank in out] for i in range(len(FOUR + MASKED))]
 
 
 def _max_diff(got, ref):
@@ -67,10 +68,50 @@ def test_tensor_parallel_with_and_without_sequence_and_loss_parallel_equals_one_
 
 @pytest.mark.slow
 def test_fsdp_x_tp_hsdp_and_tp4_equal_one_process(reference, four_ranks):
-    _check(four_ranks, reference, FOUR)
-    assert [r[0]["mesh"].split(";")[0] for r in four_ranks] == [
+    _check(four_ranks[:len(FOUR)], reference, FOUR)
+    assert [r[0]["mesh"].split(";")[0] for r in four_ranks[:len(FOUR)]] == [
         "Mesh(dp_replicate=1, dp_shard=2, tp=2", "Mesh(dp_replicate=1, dp_shard=2, tp=2",
         "Mesh(dp_replicate=2, dp_shard=2, tp=1", "Mesh(dp_replicate=1, dp_shard=1, tp=4"]
+
+
+@pytest.mark.slow
+def test_masked_targets_over_the_global_token_count_equal_one_process(four_ranks):
+    """Sequences ignoring 0-15 of their 16 targets: 2 ranks x 2 micro-batches of 2 train as 1 x 2 of 4."""
+    masked_reference = spawn(layouts.train, 1, {"masked": True})[0]
+    _check(four_ranks[len(FOUR):], masked_reference, MASKED)
+
+
+def test_token_divisor_makes_the_gradient_independent_of_the_split():
+    """One process: 1, 2, 4 and 8 micro-batches of masked sequences give the same gradient over the global
+    token count; the mean of micro-batch means does not (so the multi-rank test above can fail)."""
+    import torch.nn.functional as F
+
+    x, y = layouts.tokens(8, masked=True).tensors
+    torch.manual_seed(0)
+    model = GPT(config("tiny", block_size=layouts.BLOCK))
+
+    def grads(n_micro, exact):
+        model.zero_grad()
+        micro = list(zip(x.chunk(n_micro), y.chunk(n_micro)))
+        for xb, yb in micro:
+            logits = model(xb).flatten(0, 1)
+            if exact:
+                loss = F.cross_entropy(logits, yb.flatten(), reduction="sum") / mg.token_divisor([t for _, t in micro])
+            else:
+                loss = F.cross_entropy(logits, yb.flatten()) / n_micro
+            loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    whole = grads(1, True)
+    for n in (2, 4, 8):
+        assert (grads(n, True) - whole).abs().max() < 1e-6
+    # Counted targets per sequence: 4 5 11 5 | 9 3 8 5 (the halves hold 25 each, by chance).
+    for n in (4, 8):
+        assert (grads(n, False) - whole).abs().max() > 1e-3   # the mean of means weighs tokens unequally
+    assert float(mg.token_divisor([y])) == float((y != -100).sum())
+    assert float(mg.token_divisor([torch.full((2, 3), -100)])) == 1.0   # nothing counted: a zero loss, not 0/0
+    with pytest.raises(mg.UsageError, match=r"pass \[y for _, y in micro_batches\]"):
+        mg.token_divisor([(x, y)])
 
 
 def test_mesh_degrees_are_checked_before_any_group_work():

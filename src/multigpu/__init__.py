@@ -11,6 +11,7 @@ from .dist import Dist, init, print0
 from .errors import UsageError
 from .finder import MicroBatchSearch, find_batch_requested, find_micro_batch
 from .fingerprint import fingerprint
+from .loss import token_divisor
 from .meter import StepMeter, profile
 from .noise import NoiseScale
 from .parallel import accumulate, clip_grad_norm_, full_state_dict, optimizer, unwrap, wrap
@@ -44,6 +45,7 @@ __all__ = [
     "profile",
     "scale_lr",
     "scale_recipe",
+    "token_divisor",
     "unwrap",
     "warmup",
     "wrap",

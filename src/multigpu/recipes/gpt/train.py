@@ -7,9 +7,10 @@ An ordinary training script on the public API:
     multigpu run -n 4 --cpu -m multigpu.recipes.gpt --tp 2 --sequence-parallel --loss-parallel   # FSDP 2 x TP 2
     multigpu run -n 4 --cpu -m multigpu.recipes.gpt --dp-replicate 2       # HSDP 2 x 2
 
-The loss is the mean over the step's tokens (each micro-batch's mean divided
-by the accumulation steps; micro-batches hold equal token counts), so the
-gradient is the same for every layout. Reports tokens/s and MFU through the
+The loss is summed over each micro-batch's targets and divided by the step's
+target count over every data-parallel rank (``mg.token_divisor``), so the
+gradient is the same for every layout and split (masked targets, -100,
+would count out of both). Reports tokens/s and MFU through the
 step meter (6N + 12·L·h·s FLOPs per token), and the held-out loss with bits
 per byte (the built-in text is byte-tokenised, so bits per token are bits per
 byte).
@@ -118,12 +119,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         metrics: dict[str, float] = {}
         with meter:
             for step, micro_batches in meter.steps(_forever(train)):
+                tokens = mg.token_divisor([y for _, y in micro_batches])
+                step_loss = 0.0
                 for x, y in mg.accumulate(model, micro_batches):
                     with mg.parallel.loss_parallel(args.loss_parallel):
                         with amp.autocast():
                             logits = model(x)
-                        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / plan.accum_steps
+                        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum") / tokens
                         amp.scale(loss).backward()
+                    step_loss = step_loss + _full(loss).detach()
                 if args.clip:
                     amp.unscale_(opt)
                     mg.clip_grad_norm_(model, args.clip)
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 if sched is not None:
                     sched.step()
                 done = step + 1 == args.steps
-                meter.step_end(loss=_full(loss).detach() * plan.accum_steps, lr=opt)
+                meter.step_end(loss=step_loss, lr=opt)  # this rank's tokens' loss over the step's mean count
                 if done or (step + 1) % args.eval_every == 0:
                     with meter.pause("eval"):
                         metrics = evaluate(model, val_set, mesh, dist, plan.micro_batch,
