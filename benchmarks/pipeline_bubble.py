@@ -5,10 +5,13 @@
 
 A GPT (``--layers`` x ``--width``, untied embeddings) split into 2 stages
 runs one optimizer step of m micro-batches per ``pipe.step``. Busy time is the
-time a stage spends computing: its ``forward_one_chunk`` and
-``backward_one_chunk`` calls, timed on the stage object; everything else in
-the step (waiting for the neighbour's activations or gradients, the
-transfers themselves) is idle. The idle share of the step is compared with
+time a stage spends computing, its ``forward_one_chunk`` and
+``backward_one_chunk`` calls, as ``pipe.stage_times()`` reports it (the
+numbers the step meter gets); everything else in the step (waiting for the
+neighbour's activations or gradients, the transfers themselves) is idle.
+Activation memory is the peak of the bytes autograd holds for the backward
+during the step (saved tensors other than the weights, counted live: GPipe
+holds all m micro-batches' activations, 1F1B at most p). The idle share of the step is compared with
 GPipe's bubble (p-1)/(m+p-1) (Huang et al. 2018), which 1F1B shares
 (Narayanan et al. 2021; it saves activation memory, not time). Variants are
 timed in interleaved rounds; figures are medians over the timed steps, and
@@ -39,19 +42,34 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def _timed(stage, busy: list[float]) -> None:
-    """Time the stage's compute calls (the schedule's own methods, wrapped on this instance)."""
-    for name in ("forward_one_chunk", "backward_one_chunk"):
-        inner = getattr(stage, name)
+class LiveActivations:
+    """Peak bytes autograd holds for the backward (saved tensors that are not parameters), live:
+    each saved tensor is wrapped, and its bytes leave the count when autograd frees the wrapper."""
 
-        def wrapper(*args, _inner=inner, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return _inner(*args, **kwargs)
-            finally:
-                busy[0] += time.perf_counter() - t0
+    def __init__(self, params) -> None:
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.live = self.peak = 0
 
-        setattr(stage, name, wrapper)
+    def pack(self, t: torch.Tensor):
+        if t.untyped_storage().data_ptr() in self.params:
+            return t  # a weight saved for its gradient: held anyway
+        return _Held(t, self)
+
+    @staticmethod
+    def unpack(h):
+        return h.t if isinstance(h, _Held) else h
+
+
+class _Held:
+    __slots__ = ("t", "n", "owner")
+
+    def __init__(self, t: torch.Tensor, owner: LiveActivations) -> None:
+        self.t, self.n, self.owner = t, t.untyped_storage().nbytes(), owner
+        owner.live += self.n
+        owner.peak = max(owner.peak, owner.live)
+
+    def __del__(self) -> None:
+        self.owner.live -= self.n
 
 
 def _bench(dist, args):
@@ -66,31 +84,33 @@ def _bench(dist, args):
             ids = pp.stage_ids(schedule, mesh.pp_rank, mesh.shape.pp)
             parts = [stage_module(GPT(cfg), i, n_stages) for i in ids]
             pipe = mg.parallel.Pipeline(parts, ids, n_stages, mesh.pp_mesh.get_group(), dist.device, schedule, m, _loss)
-            busy = [0.0]
-            _timed(pipe.stages[0], busy)
+            acts = LiveActivations(pipe.parameters())
             g = torch.Generator().manual_seed(0)
             seq = torch.randint(0, cfg.vocab_size, (m * args.micro_batch, cfg.block_size + 1), generator=g)
             micro_batches = [(x, y) for x, y in zip(seq[:, :-1].chunk(m), seq[:, 1:].chunk(m))]
             opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
-            variants[(schedule, m)] = (pipe, opt, micro_batches, busy, [], [])
-    for pipe, opt, micro_batches, busy, _, _ in variants.values():
+            variants[(schedule, m)] = (pipe, opt, micro_batches, acts, [], [])
+    for pipe, opt, micro_batches, acts, _, _ in variants.values():
         for _ in range(args.warmup):
             pipe.step(micro_batches)
             opt.zero_grad(set_to_none=False)
     for _ in range(args.rounds):
-        for pipe, opt, micro_batches, busy, walls, idle in variants.values():
+        for pipe, opt, micro_batches, acts, walls, idle in variants.values():
             for _ in range(args.steps):
                 torch.distributed.barrier()
-                busy[0] = 0.0
+                pipe.stage_times()  # start the count here
                 t0 = time.perf_counter()
-                pipe.step(micro_batches)
+                with torch.autograd.graph.saved_tensors_hooks(acts.pack, acts.unpack):
+                    pipe.step(micro_batches)
                 wall = time.perf_counter() - t0
+                times = pipe.stage_times()
                 walls.append(wall)
-                idle.append(1.0 - busy[0] / wall)
+                idle.append(times["stage/p2p"] / (times["stage/compute"] + times["stage/p2p"]))
                 opt.step()
                 opt.zero_grad(set_to_none=False)
-    return {f"{s} m={m}": {"wall": walls, "idle": idle, "bytes": state_bytes(pipe.modules[0], opt).as_dict()["total"]}
-            for (s, m), (pipe, opt, _, _, walls, idle) in variants.items()}
+    return {f"{s} m={m}": {"wall": walls, "idle": idle, "bytes": state_bytes(pipe.modules[0], opt).as_dict()["total"],
+                           "activations": acts.peak}
+            for (s, m), (pipe, opt, _, acts, walls, idle) in variants.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,15 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: GPT {args.layers} layers x {args.width}, {args.block} tokens, micro-batch {args.micro_batch} sequences; "
           f"{args.stages} stages on {args.stages} gloo ranks; n = {n} timed steps per variant ({args.rounds} interleaved rounds)")
     head = " | ".join(f"stage {s} idle" for s in range(args.stages))
-    print(f"| schedule, micro-batches | predicted bubble (p-1)/(m+p-1) | {head} | step ms | stage state MB |")
-    print("|---|---:|" + "---:|" * args.stages + "---:|---:|")
+    print(f"| schedule, micro-batches | predicted bubble (p-1)/(m+p-1) | {head} | step ms | stage state MB "
+          "| peak activations MB per stage |")
+    print("|---|---:|" + "---:|" * args.stages + "---:|---:|---:|")
     p_ = args.stages
     for name in results[0]:
         m = int(name.split("m=")[1])
         idle = " | ".join(f"{statistics.median(r[name]['idle']):.3f}" for r in results)
         wall = max(statistics.median(r[name]["wall"]) for r in results)
         mem = " / ".join(f"{r[name]['bytes'] / 2**20:.1f}" for r in results)
-        print(f"| {name} | {(p_ - 1) / (m + p_ - 1):.3f} | {idle} | {wall * 1e3:.0f} | {mem} |")
+        acts = " / ".join(f"{r[name]['activations'] / 2**20:.1f}" for r in results)
+        print(f"| {name} | {(p_ - 1) / (m + p_ - 1):.3f} | {idle} | {wall * 1e3:.0f} | {mem} | {acts} |")
     return 0
 
 

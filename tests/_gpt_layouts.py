@@ -114,8 +114,10 @@ def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def train_pipeline(dist, layout: dict, steps: int = 5, accum: int = 4, clip: float = 0.5) -> dict:
-    """The GPT (``layout["model"]`` overrides) in pipeline stages over ``layout["pp"]`` ranks, by ``layout["schedule"]``."""
+def train_pipeline(dist, layout: dict, steps: int = 5, accum: int = 4, clip: float = 0.5, ckpt: str | None = None,
+                   stop_after: int | None = None) -> dict:
+    """The GPT (``layout["model"]`` overrides) in pipeline stages over ``layout["pp"]`` ranks, by ``layout["schedule"]``;
+    ``ckpt`` and ``stop_after`` as in ``train``."""
     from multigpu.parallel import pp
     from multigpu.recipes.gpt.pipeline import stage_module
 
@@ -131,13 +133,22 @@ def train_pipeline(dist, layout: dict, steps: int = 5, accum: int = 4, clip: flo
     pipe = mg.parallel.Pipeline(parts, ids, n_stages, mesh.pp_mesh.get_group(), dist.device, schedule, accum, loss_fn)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1)
     plan = mesh.plan(GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // mesh.dp_size // accum)
+    train_loader = mg.loader(tokens(), plan, dist, seed=0)
+    start = 0
+    if ckpt is not None:
+        checkpointer = mg.Checkpointer(ckpt, model=pipe.model, optimizer=opt, loader=train_loader)
+        start = checkpointer.resume()
     losses, norms = [], []
-    for _, micro_batches in zip(range(steps), mg.loader(tokens(), plan, dist, seed=0)):
+    for step, micro_batches in zip(range(start, steps), train_loader):
         loss = pipe.step(micro_batches)
         norms.append(float(pipe.clip_grad_norm_(clip)))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(None if loss is None else float(loss))
+        if ckpt is not None:
+            checkpointer.save(step)
+            if step == stop_after:
+                break
     mine = {f"{k}": full(v) for part in parts for k, v in part.state_dict().items()}
     gathered = [None] * dist.world_size
     torch.distributed.all_gather_object(gathered, mine)

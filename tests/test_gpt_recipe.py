@@ -26,10 +26,24 @@ def test_one_process_and_tensor_parallel_reach_the_same_held_out_loss(monkeypatc
     assert one["tokens_per_s"] > 0 and one["mfu"] is None  # no peak FLOP rate for a CPU
 
 
+def test_pipeline_mode_reaches_one_process_loss_and_reports_each_stage(monkeypatch, tmp_path):
+    monkeypatch.delenv("RANK", raising=False)
+    argv = [*ARGS, "--untied", "--micro-batch", "2"]   # 4 micro-batches per step: 1F1B over 2 stages
+    one = train.main([*argv, "--log-dir", str(tmp_path / "one")])
+    pipe = spawn(_run, 2, [*argv, "--pp", "2", "--log-dir", str(tmp_path / "pp")], timeout=240)
+    assert pipe[0]["loss"] == pytest.approx(one["loss"], abs=1e-4) and pipe[0]["loss"] == pipe[1]["loss"]
+    stages = pipe[0]["stages"]
+    assert [(s["rank"], s["stage"]) for s in stages] == [(0, 0), (1, 1)]
+    for s in stages:   # shares of the measured time: each stage computes, and waits for its neighbour
+        assert 0.2 < s["compute"] < 1 and 0 < s["p2p"] < 0.8 and s["compute"] + s["p2p"] + s["other"] == pytest.approx(1)
+    assert one["stages"] is None
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--sequence-parallel"], "sequence_parallel and loss_parallel split work over tensor-parallel ranks but tp is 1"),
     (["--tp", "2"], "world size 1 is not divisible by dp_replicate 1 x tp 2 = 2"),
     (["--block-size", "100000"], "fewer than one window of 100001; use a smaller block_size"),
+    (["--pp", "2"], "world size 1 is not divisible by pp 2 x dp_replicate 1 x tp 1 = 2"),
 ])
 def test_bad_layouts_are_one_line_exit_2(argv, needle, capfd, monkeypatch, tmp_path):
     monkeypatch.delenv("RANK", raising=False)

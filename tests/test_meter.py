@@ -370,6 +370,31 @@ def test_throughput_is_total_samples_over_total_time_not_the_mean_of_interval_ra
     assert s["samples_per_s"] == pytest.approx(1000)
 
 
+def test_pipeline_stage_times_stay_per_rank_into_the_summary():
+    from multigpu.meter.records import FIELDS, interval_record, run_summary, summary_line
+
+    def row(compute, p2p, stage):  # 10 steps of 0.1 s; the stage's compute and p2p seconds over them
+        base = dict.fromkeys(FIELDS, 0.0) | {"n": 10, "wall": 1.0, "compute": 1.0}
+        return [base[f] for f in FIELDS] + [compute, 10.0 * stage, p2p, 5.0]   # sums over the interval's steps
+
+    keys = ["stage/compute", "stage/id", "stage/p2p", "tokens"]
+    kw = dict(n_steps=10, samples_per_step=8, lr=None, world_size=2, tokens_per_sample=None, flops_per_sample=None,
+              peak_flops=None, hosts=["h", "h"], gpu=False, straggler_threshold=0.1, streak={})
+    records = []
+    for i in range(3):   # every interval: 1 s; rank 0 computes 0.6 s and waits 0.3 s, rank 1 0.8 s and 0.1 s
+        rec, _ = interval_record([row(0.6, 0.3, 0), row(0.8, 0.1, 1)], keys, step=10 * i + 9, elapsed=1.0 + i, **kw)
+        records.append(rec)
+    ranks = records[0]["ranks"]   # per rank, per step
+    assert ranks["compute"] == pytest.approx([0.06, 0.08]) and ranks["p2p"] == pytest.approx([0.03, 0.01])
+    assert ranks["id"] == [0.0, 1.0]
+    assert records[0]["tokens"] == pytest.approx(0.5) and "stage/compute" not in records[0]  # others averaged
+    s = run_summary(records, steps=30, samples_per_step=8, wall_time=3.0, flops_per_sample=None, peak_flops=None)
+    (r0, r1) = s["stages"]
+    assert (r0["compute"], r0["p2p"], r0["other"]) == pytest.approx((0.6, 0.3, 0.1))
+    assert (r1["compute"], r1["p2p"], r1["other"]) == pytest.approx((0.8, 0.1, 0.1))
+    assert "rank 0 (stage 0) 60/30/10, rank 1" in summary_line(s)
+
+
 def test_paused_time_is_not_step_time(tmp_path):
     import time as _time
 

@@ -61,6 +61,21 @@ def test_three_d_pipeline_fsdp_tensor_parallel_on_8_ranks_equals_one_process(ref
     assert out[0][0]["mesh"].startswith("Mesh(pp=2, dp_replicate=1, dp_shard=2, tp=2")
 
 
+def test_pipeline_checkpoints_resume_under_other_layouts_and_back(reference, tmp_path):
+    """1F1B on 2 ranks writes steps 0-1, TP 2 continues with step 2, one process with step 3, the
+    interleaved schedule (2 stages per rank) finishes: the weights of one process trained alone."""
+    ckpt = str(tmp_path / "ckpt")
+    spawn(layouts.train_pipeline, 2, {"pp": 2, "schedule": "1f1b", "model": MODEL}, ckpt=ckpt, stop_after=1)
+    spawn(layouts.train, 2, {"tp": 2, "model": MODEL}, accum=4, ckpt=ckpt, stop_after=2)
+    spawn(layouts.train, 1, {"model": MODEL}, accum=4, ckpt=ckpt, stop_after=3)
+    out = spawn(layouts.train_pipeline, 2, {"pp": 2, "schedule": "interleaved_1f1b", "model": MODEL}, ckpt=ckpt)
+    for rank in out:
+        assert len(rank["norms"]) == 1   # step 4 only: the loader went on from the checkpoint
+        assert rank["norms"][0] == pytest.approx(reference["norms"][4], rel=1e-5)
+        diff = max((rank["state"][k] - reference["state"][k]).abs().max().item() for k in reference["state"])
+        assert diff < 1e-5, diff
+
+
 def test_stages_balance_blocks_counting_embeddings_and_head():
     cfg = config("tiny", n_layer=8)
     assert [list(r) for r in stage_blocks(cfg, 4)] == [[0], [1, 2, 3], [4, 5, 6], [7]]

@@ -65,17 +65,24 @@ def _short(items: list[str], n: int = 6) -> str:
     return ", ".join(items[:n]) + more
 
 
-def _check_model_fits(path: Path, model_state: dict[str, Any], metadata) -> None:
-    """Name the mismatching keys and shapes before DCP reports a bare 'Missing key'."""
+def _check_model_fits(path: Path, model_state: dict[str, Any], metadata, group: Group) -> None:
+    """Name the mismatching keys and shapes before DCP reports a bare 'Missing key' (collective).
+
+    Every rank's names are gathered: pipeline stages each hold a part of the model, so a
+    checkpoint entry fits if some rank holds it, and every rank raises the same error.
+    """
     saved = {k[len("model."):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
-    mine = set(model_state)
-    missing = sorted(mine - set(saved))
-    unexpected = sorted(set(saved) - mine)
+    shapes_of = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in model_state.items()}
+    held: dict[str, tuple | None] = {}
+    for ranks_keys in group.gather(shapes_of):
+        held.update(ranks_keys)
+    missing = sorted(set(held) - set(saved))
+    unexpected = sorted(set(saved) - set(held))
     shapes = []
-    for k in sorted(mine & set(saved)):
-        v, md = model_state[k], saved[k]
-        if isinstance(v, torch.Tensor) and isinstance(md, TensorStorageMetadata) and tuple(v.shape) != tuple(md.size):
-            shapes.append(f"{k} checkpoint {tuple(md.size)} vs model {tuple(v.shape)}")
+    for k in sorted(set(held) & set(saved)):
+        shape, md = held[k], saved[k]
+        if shape is not None and isinstance(md, TensorStorageMetadata) and shape != tuple(md.size):
+            shapes.append(f"{k} checkpoint {tuple(md.size)} vs model {shape}")
     parts = []
     if missing:
         parts.append(f"not in checkpoint: {_short(missing)}")
@@ -105,7 +112,7 @@ def load(objects: TrainingObjects, path: Path, manifest: dict[str, Any], group: 
     if fresh:  # saved before the first optimizer step: there is no optimizer state to load
         state["optim"]["state"] = {}
     if "model" in state:
-        _check_model_fits(path, state["model"], storage.read_metadata(path))
+        _check_model_fits(path, state["model"], storage.read_metadata(path), group)
     for key in sorted(saved_keys - want):
         _warn(group, f"{path} also holds {key!r} state, which this Checkpointer was not given; it is not restored")
     try:

@@ -34,6 +34,10 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": n}
 
 
+# Step metrics named "stage/..." (``Pipeline.stage_times()``) stay per rank in the record's "ranks".
+PER_RANK = "stage/"
+
+
 def interval_record(
     rows: list[list[float]], keys: list[str], *, step: int, n_steps: int, samples_per_step: int, elapsed: float,
     lr: float | None, world_size: int, tokens_per_sample: float | None, flops_per_sample: float | None,
@@ -68,7 +72,10 @@ def interval_record(
         rec["flops_per_s"] = flops_per_sample * sps
         rec["mfu"] = rec["flops_per_s"] / (peak_flops * world_size) if peak_flops else None
     for i, key in enumerate(keys):
-        rec[key] = sum(r[b + i] for r in rows) / sum(p["n"] for p in per)
+        if key.startswith(PER_RANK):  # kept per rank (pipeline stages differ by design): mean per step
+            rec.setdefault("ranks", {})[key[len(PER_RANK):]] = [r[b + i] / p["n"] for r, p in zip(rows, per)]
+        else:
+            rec[key] = sum(r[b + i] for r in rows) / sum(p["n"] for p in per)
     g = gpumon.across_ranks([r[b + len(keys):] for r in rows]) if gpu else None
     if g:
         rec["gpu"] = g
@@ -136,6 +143,25 @@ def run_summary(records: list[dict[str, Any]], *, steps: int, samples_per_step: 
     if flops_per_sample:
         out["flops_per_s"] = flops_per_sample * sps
         out["mfu"] = out["flops_per_s"] / (peak_flops * world_size) if peak_flops else None
+    stages = _stage_shares(spans, seconds)
+    if stages:
+        out["stages"] = stages
+    return out
+
+
+def _stage_shares(spans: list, seconds: float) -> list[dict[str, Any]]:
+    """Per rank: its stage and the shares of the measured time in compute, in p2p (send, receive,
+    waiting for the neighbours: the bubble) and the rest (optimizer, clipping, data, log steps)."""
+    if not all("ranks" in r and "compute" in r["ranks"] for _, _, r in spans):
+        return []
+    n_ranks = len(spans[0][2]["ranks"]["compute"])
+    out = []
+    for rank in range(n_ranks):
+        compute = sum(r["ranks"]["compute"][rank] * r["steps"] for _, _, r in spans) / seconds
+        p2p = sum(r["ranks"].get("p2p", [0.0] * n_ranks)[rank] * r["steps"] for _, _, r in spans) / seconds
+        stage = spans[-1][2]["ranks"].get("id", [math.nan] * n_ranks)[rank]
+        out.append({"rank": rank, "stage": None if math.isnan(stage) else int(stage), "compute": compute,
+                    "p2p": p2p, "other": max(0.0, 1.0 - compute - p2p)})
     return out
 
 
@@ -147,4 +173,13 @@ def summary_line(summary: dict[str, Any]) -> str:
     return (f"multigpu: {summary['steps']} steps, {summary['samples_per_s']:,.0f} samples/s "
             f"({m['samples']:,} samples in {m['time_s']:.2f} s, steps {m['from_step']}-{m['to_step']}; "
             f"intervals {spread['min']:,.0f}-{spread['max']:,.0f}); time: compute {100 * f['compute']:.0f}%, "
-            f"data wait {100 * f['data_wait']:.0f}%, other {100 * f['other']:.0f}%{paused}")
+            f"data wait {100 * f['data_wait']:.0f}%, other {100 * f['other']:.0f}%{paused}{_stages_text(summary)}")
+
+
+def _stages_text(summary: dict[str, Any]) -> str:
+    stages = summary.get("stages")
+    if not stages:
+        return ""
+    parts = [f"rank {s['rank']} (stage {s['stage']}) {100 * s['compute']:.0f}/{100 * s['p2p']:.0f}/{100 * s['other']:.0f}"
+             for s in stages]
+    return "; pipeline compute/p2p+bubble/other %: " + ", ".join(parts)

@@ -15,6 +15,9 @@ loss. Schedules by name: single-stage ``gpipe``, ``1f1b``; multi-stage
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import time
 from typing import Any, Callable, Iterable
 
 import torch
@@ -77,10 +80,20 @@ class Pipeline:
         self.schedule = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
         self.microbatches = microbatches
         self.has_first, self.has_last = 0 in ids, n_stages - 1 in ids
+        self.clock = StageClock(device)
+        for stage in self.stages:
+            self.clock.wrap(stage)
 
     def parameters(self) -> Iterable[nn.Parameter]:
         for m in self.modules:
             yield from m.parameters()
+
+    @property
+    def model(self) -> nn.Module:
+        """This rank's stages as one module under one process's parameter names: what a
+        ``Checkpointer`` saves and loads (``model=pipe.model``), so a pipeline checkpoint resumes
+        under any layout and back."""
+        return stage_union(self.modules)
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """Forward and backward of one optimizer step's micro-batches; their mean loss on the last stage's rank."""
@@ -91,8 +104,29 @@ class Pipeline:
         y = torch.cat([mb[1] for mb in micro_batches]) if self.has_last else None
         losses: list[torch.Tensor] = []
         args = (x,) if self.has_first else ()
-        self.schedule.step(*args, target=y, losses=losses if self.has_last else None)
+        with self.clock.step():
+            self.schedule.step(*args, target=y, losses=losses if self.has_last else None)
         return torch.stack([loss.detach() for loss in losses]).mean() if self.has_last else None
+
+    def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """Forward only (the schedule's ``eval``): the mean micro-batch loss on the last stage's rank."""
+        if not hasattr(self.schedule, "eval"):
+            raise UsageError(f"pipeline evaluation needs a torch whose schedules have eval() (2.13 has it), this is "
+                             f"{torch.__version__}; upgrade torch or evaluate a one-process copy of the model")
+        x = torch.cat([mb[0] for mb in micro_batches]) if self.has_first else None
+        y = torch.cat([mb[1] for mb in micro_batches]) if self.has_last else None
+        losses: list[torch.Tensor] = []
+        with torch.no_grad():
+            self.schedule.eval(*((x,) if self.has_first else ()), target=y, losses=losses if self.has_last else None)
+        return torch.stack([loss.detach() for loss in losses]).mean() if self.has_last else None
+
+    def stage_times(self) -> dict[str, float]:
+        """This rank's time in its stages since the last call, for ``meter.step_end(**pipe.stage_times())``:
+        ``stage/compute`` (forward and backward chunks), ``stage/p2p`` (the rest of ``step``: sending,
+        receiving and waiting for the neighbour stages, the bubble), ``stage/id`` (its first stage).
+        The meter keeps them per rank and the summary reports each stage's shares of the step."""
+        compute, total = self.clock.take()
+        return {"stage/compute": compute, "stage/p2p": max(0.0, total - compute), "stage/id": float(self.ids[0])}
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm over every stage: each rank's norm, combined over the pipeline."""
@@ -110,3 +144,96 @@ class Pipeline:
         total = total.float()
         clip_groups(groups, max_norm, total)
         return total
+
+
+def stage_union(parts: list[nn.Module]) -> nn.Module:
+    """The stage modules of one rank as one module with the names one process has.
+
+    A stage is the full model with what it does not run deleted (``recipes.gpt.pipeline``), so
+    the parts' children are disjoint except for block containers, whose entries are merged
+    (an ``nn.ModuleDict`` keeps its names; list indices would shift). The parameters are the
+    parts' own: an optimizer over ``pipe.parameters()`` keys its state by these names.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    union = nn.Module()
+    for part in parts:
+        if next(part.named_parameters(recurse=False), None) is not None:
+            raise UsageError(f"pipeline stage {type(part).__name__} holds parameters directly on its root; keep "
+                             "them in sub-modules so the stages of one rank can be saved under one set of names")
+        for name, child in part.named_children():
+            have = union._modules.get(name)
+            if have is None:
+                union.add_module(name, nn.ModuleDict(child) if isinstance(child, nn.ModuleDict) else child)
+            elif isinstance(have, nn.ModuleDict) and isinstance(child, nn.ModuleDict):
+                clash = sorted(set(have) & set(child))
+                if clash:
+                    raise UsageError(f"two pipeline stages of this rank both hold {name}.{clash[0]}; "
+                                     "give every block to one stage")
+                have.update(child)
+            else:
+                raise UsageError(f"two pipeline stages of this rank both hold {name!r} "
+                                 f"({type(have).__name__}, {type(child).__name__}); keep each module on one stage, "
+                                 "blocks in an nn.ModuleDict")
+    return union
+
+
+class StageClock:
+    """Time a stage's compute calls (``forward_one_chunk``, ``backward_one_chunk``, the zero-bubble
+    schedules' ``backward_weight_one_chunk``) and whole steps: host time on CPU, CUDA events on a GPU
+    (kernels run after the host returns), read at ``take()``."""
+
+    CALLS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.compute = self.total = 0.0
+        self.events: list[tuple[Any, Any, bool]] = []  # (start, end, is_compute), CUDA only
+
+    def wrap(self, stage: Any) -> None:
+        for name in self.CALLS:
+            inner = getattr(stage, name, None)
+            if inner is not None:
+                setattr(stage, name, functools.wraps(inner)(functools.partial(self._timed, inner)))
+
+    def _timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with self._span(compute=True):
+            return fn(*args, **kwargs)
+
+    def step(self) -> contextlib.AbstractContextManager:
+        return self._span(compute=False)
+
+    @contextlib.contextmanager
+    def _span(self, compute: bool):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self.events.append((start, end, compute))
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            if compute:
+                self.compute += dt
+            else:
+                self.total += dt
+
+    def take(self) -> tuple[float, float]:
+        """(compute seconds, step seconds) since the last call."""
+        if self.events:
+            self.events[-1][1].synchronize()
+            for start, end, compute in self.events:
+                dt = start.elapsed_time(end) / 1e3
+                if compute:
+                    self.compute += dt
+                else:
+                    self.total += dt
+            self.events = []
+        out, self.compute, self.total = (self.compute, self.total), 0.0, 0.0
+        return out

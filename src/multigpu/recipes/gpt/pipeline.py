@@ -43,7 +43,7 @@ def stage_module(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
     cfg = model.cfg
     if cfg.tie_embeddings and n_stages > 1:
         raise UsageError("the token table is tied to the head, but a pipeline puts them on different stages; "
-                         "build the model with tie_embeddings=False for pipeline parallelism")
+                         "build the model with tie_embeddings=False for pipeline parallelism (the recipe: --untied)")
     mine = stage_blocks(cfg, n_stages)[stage]
     part = copy.deepcopy(model)
     for name in list(part.blocks):
@@ -54,3 +54,20 @@ def stage_module(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
     if stage != n_stages - 1:
         part.ln_f, part.head = None, None
     return part
+
+
+def build(model: nn.Module, mesh, device, schedule: str, microbatches: int, parallelize_stage):
+    """This rank's stages of ``model`` over ``mesh.pp_mesh``, each parallelized like a whole model, in a
+    ``Pipeline`` whose loss is the mean token cross-entropy of a micro-batch."""
+    import torch.nn.functional as F
+
+    from ...parallel import Pipeline, pp
+
+    n_stages = pp.check(schedule, mesh.shape.pp, microbatches)
+    ids = pp.stage_ids(schedule, mesh.pp_rank, mesh.shape.pp)
+    parts = [parallelize_stage(stage_module(model, i, n_stages)) for i in ids]
+
+    def loss_fn(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    return Pipeline(parts, ids, n_stages, mesh.pp_mesh.get_group(), device, schedule, microbatches, loss_fn)

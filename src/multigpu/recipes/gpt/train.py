@@ -6,6 +6,7 @@ An ordinary training script on the public API:
     multigpu run -n 2 --cpu -m multigpu.recipes.gpt --tp 2                 # tensor parallel
     multigpu run -n 4 --cpu -m multigpu.recipes.gpt --tp 2 --sequence-parallel --loss-parallel   # FSDP 2 x TP 2
     multigpu run -n 4 --cpu -m multigpu.recipes.gpt --dp-replicate 2       # HSDP 2 x 2
+    multigpu run -n 2 --cpu -m multigpu.recipes.gpt --pp 2 --untied --micro-batch 2   # 2 pipeline stages, 1F1B
 
 The loss is summed over each micro-batch's targets and divided by the step's
 target count over every data-parallel rank (``mg.token_divisor``), so the
@@ -19,6 +20,7 @@ byte).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import tempfile
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 
 import multigpu as mg
 
+from . import pipeline
 from .data import TokenWindows, prepare_tokens
 from .model import GPT, SIZES, config
 from .parallelize import parallelize
@@ -47,6 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (innermost mesh dimension)")
     p.add_argument("--dp-replicate", type=int, default=1, help="replicas of the sharded model (HSDP's outer dimension)")
     p.add_argument("--dp-shard", type=int, default=None, help="FSDP degree (default: the rest of the world)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages' ranks (outermost mesh dimension; needs --untied)")
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, "
+                   "interleaved_zero_bubble, zbv (default 1f1b)")
+    p.add_argument("--untied", action="store_true", help="separate token table and head (a pipeline puts them on two stages)")
     p.add_argument("--ddp", action="store_true",
                    help="plain DDP over every rank instead of FSDP (tp 1 only): one bucketed all-reduce per step, no DTensor")
     p.add_argument("--sequence-parallel", action="store_true", help="split norms and residuals along the sequence (needs --tp)")
@@ -89,25 +96,59 @@ def evaluate(model, val_set, mesh, dist, batch_size: int, sequences: int, loss_p
     return {"loss": mean, "bits_per_byte": mean / math.log(2)}
 
 
+def evaluate_pipeline(pipe, val_set, mesh, dist, plan, sequences: int) -> dict[str, float]:
+    """Held-out mean loss per token through the pipeline (forward only), in groups of the schedule's
+    micro-batch count; the last stage's ranks count it, once per tensor-parallel group."""
+    # Whole groups on every data-parallel rank: FSDP's gathers need each rank to run as many forwards.
+    unit = mesh.dp_size * plan.micro_batch * pipe.microbatches
+    n = max(min(sequences, len(val_set)) // unit, 1) * unit
+    subset = torch.utils.data.Subset(val_set, range(n))
+    batches = [(x.to(dist.device), y.to(dist.device)) for x, y in mg.eval_loader(subset, dist, plan.micro_batch, mesh=mesh)]
+    groups = [batches[i:i + pipe.microbatches] for i in range(0, len(batches), pipe.microbatches)]
+    total = tokens = 0.0
+    for group in groups:
+        loss = pipe.evaluate(group)
+        if loss is not None:
+            n = sum(y.numel() for _, y in group)
+            total, tokens = total + float(_full(loss)) * n, tokens + n
+    once = 1.0 if pipe.has_last and mesh.tp_rank == 0 else 0.0
+    sums = mg.all_reduce_sum({"loss": total * once, "tokens": tokens * once})
+    mean = sums["loss"] / max(sums["tokens"], 1.0)
+    return {"loss": mean, "bits_per_byte": mean / math.log(2)}
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     with mg.init(seed=args.seed) as dist:
-        cfg = config(args.size, **({"block_size": args.block_size} if args.block_size else {}))
+        cfg = config(args.size, **({"block_size": args.block_size} if args.block_size else {}),
+                     **({"tie_embeddings": False} if args.untied else {}))
         train_set, val_set = _datasets(args, cfg)
-        mesh = mg.parallel.mesh(dist, tp=args.tp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard)
+        mesh = mg.parallel.mesh(dist, tp=args.tp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, pp=args.pp)
         plan = mesh.plan(args.global_batch, micro_batch=args.micro_batch)
         torch.manual_seed(args.seed)  # the full model, the same on every rank, then spread: weights as one process's
-        if args.ddp and (args.tp > 1 or args.dp_replicate > 1 or args.dp_shard is not None):
-            raise mg.UsageError("--ddp replicates the model over every rank; drop --tp, --dp-replicate and --dp-shard")
-        model = parallelize(GPT(cfg).to(dist.device), mesh, sequence_parallel=args.sequence_parallel,
-                            loss_parallel=args.loss_parallel, activation_checkpointing=args.activation_checkpointing,
-                            fsdp=not args.ddp)
+        if args.ddp and (args.tp > 1 or args.dp_replicate > 1 or args.dp_shard is not None or args.pp > 1):
+            raise mg.UsageError("--ddp replicates the model over every rank; drop --tp, --pp, --dp-replicate and --dp-shard")
+        if args.pp > 1 and args.loss_parallel:
+            raise mg.UsageError("--loss-parallel keeps the logits sharded into the loss, which the pipeline schedule "
+                                "computes on its own; drop --loss-parallel with --pp")
+        spread = functools.partial(parallelize, mesh=mesh, sequence_parallel=args.sequence_parallel,
+                                   loss_parallel=args.loss_parallel, activation_checkpointing=args.activation_checkpointing,
+                                   fsdp=not args.ddp)
+        pipe = None
+        if args.pp > 1:
+            pipe = pipeline.build(GPT(cfg).to(dist.device), mesh, dist.device, args.schedule, plan.accum_steps, spread)
+            model = pipe.model
+        else:
+            model = spread(GPT(cfg).to(dist.device))
         if args.ddp:
             model = mg.wrap(model, "ddp" if dist.world_size > 1 else "none")
         if args.compile:
             for block in mg.unwrap(model).blocks.values():
                 block.compile()  # in place: the block keeps its parameter names (no _orig_mod prefix)
         amp = mg.Precision(args.precision, dist.device)
+        if pipe is not None and amp.name != "fp32":
+            raise mg.UsageError(f"--precision {amp.name} under --pp: the pipeline schedule runs forward and backward "
+                                "itself, outside the loop's autocast; use --precision fp32 with --pp")
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
         sched = mg.warmup(opt, steps=args.warmup_steps) if args.warmup_steps else None
         train = mg.loader(train_set, plan, dist, shuffle=True, seed=args.seed)
@@ -119,6 +160,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         metrics: dict[str, float] = {}
         with meter:
             for step, micro_batches in meter.steps(_forever(train)):
+                if pipe is not None:  # the schedule runs forward and backward: mean micro-batch loss, last stage
+                    step_loss = pipe.step([(x.to(dist.device), y.to(dist.device)) for x, y in micro_batches])
+                    if args.clip:
+                        pipe.clip_grad_norm_(args.clip)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    if sched is not None:
+                        sched.step()
+                    meter.step_end(loss=step_loss, lr=opt, **pipe.stage_times())
+                    done = step + 1 == args.steps
+                    if done or (step + 1) % args.eval_every == 0:
+                        with meter.pause("eval"):
+                            metrics = evaluate_pipeline(pipe, val_set, mesh, dist, plan,
+                                                        args.eval_batches * plan.global_batch)
+                        meter.log_eval(step=step, loss=metrics["loss"], bits_per_byte=metrics["bits_per_byte"])
+                    if done:
+                        break
+                    continue
                 tokens = mg.token_divisor([y for _, y in micro_batches])
                 step_loss = 0.0
                 for x, y in mg.accumulate(model, micro_batches):
@@ -149,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         peak = torch.cuda.max_memory_allocated(dist.device) if dist.device.type == "cuda" else None
         result = dict(metrics, world_size=dist.world_size, steps=args.steps,
                       tokens_per_s=sps * cfg.block_size if sps else None, wall_s=summary.get("wall_time"),
-                      mfu=summary.get("mfu"), peak_memory_bytes=peak)
+                      mfu=summary.get("mfu"), peak_memory_bytes=peak, stages=summary.get("stages"))
         mfu = f", MFU {result['mfu']:.1%}" if result["mfu"] is not None else ""
         mem = f", peak memory {peak / 2**30:.2f} GiB" if peak is not None else ""
         tps = f"{result['tokens_per_s']:,.0f} tokens/s" if result["tokens_per_s"] else "tokens/s n/a"
