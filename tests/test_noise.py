@@ -255,10 +255,9 @@ def _ddp_worker(dist, steps, accum):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ddp_ranks_match_closed_form(world):
-    steps = 900 if world == 2 else 450
-    res = spawn(_ddp_worker, world, steps, 2, timeout=240)
+def test_ddp_ranks_match_closed_form():
+    world = 3   # an odd world: nothing relies on pairs of ranks
+    res = spawn(_ddp_worker, world, 450, 2, timeout=240)
     r0 = res[0]
     assert r0["exact_rel_err"] < 1e-6
     assert r0["exact_counts"] == [3, 2]   # static_graph: the first step is not measured
@@ -403,16 +402,6 @@ def test_fsdp_reads_the_same_norms_as_ddp():
     assert "mg.wrap(model, 'ddp')" in res[0]["replicate_error"]
 
 
-@pytest.mark.slow
-def test_hsdp_counts_each_replicated_shard_once():
-    res = spawn(_fsdp_worker, 4, 24, ("ddp", "hsdp"), timeout=240)
-    ddp, hsdp = res[0]["ddp"], res[0]["hsdp"]
-    assert hsdp["noise/measured_steps"] == ddp["noise/measured_steps"] == 12
-    for key in ("noise/grad_sq", "noise/trace_cov"):
-        assert hsdp[key] == pytest.approx(ddp[key], rel=1e-5)
-    assert all(r["hsdp"] == hsdp for r in res)
-
-
 # ---- tensor parallelism: each rank's part of the norms, by how many ranks hold it ----------
 def _grad_sq(model) -> float:
     return sum(float(p.grad.double().square().sum()) for p in model.parameters() if p.grad is not None)
@@ -473,10 +462,12 @@ def _tp_worker(dist, layouts, steps=6, accum=2):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_layouts_read_the_norms_of_one_process():
-    layouts = [{"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 4}, {"tp": 4, "sequence_parallel": True}]
+def test_hsdp_and_tensor_parallel_layouts_read_the_norms_of_one_process():
+    """HSDP 2 x 2 (each shard on 2 ranks), FSDP 2 x TP 2, TP 4 alone with sequence parallel (micro-batches
+    are the small batch; the norms' gradients stay partial): the norms of an unsharded copy."""
+    layouts = [{"dp_replicate": 2}, {"tp": 2}, {"tp": 4, "sequence_parallel": True}]
     res = spawn(_tp_worker, 4, layouts, timeout=300)
-    assert len(res[0]) == 4
+    assert len(res[0]) == 3
     for name, (measured, exact) in res[0].items():
         assert measured["noise/measured_steps"] == 6, name
         for key in ("noise/grad_sq", "noise/trace_cov"):

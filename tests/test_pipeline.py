@@ -46,8 +46,7 @@ def test_pipeline_schedules_equal_one_process(reference):
 @pytest.mark.slow
 def test_pipeline_with_fsdp_and_tensor_parallel_equals_one_process(reference):
     names = [{"pp": 2, "schedule": "1f1b", "model": MODEL},                      # PP 2 x FSDP 2
-             {"pp": 2, "tp": 2, "schedule": "1f1b", "model": MODEL},             # PP 2 x TP 2
-             {"pp": 2, "tp": 2, "sequence_parallel": True, "schedule": "interleaved_1f1b", "model": MODEL}]
+             {"pp": 2, "tp": 2, "sequence_parallel": True, "schedule": "interleaved_1f1b", "model": MODEL}]  # PP 2 x TP 2
     out = spawn(layouts.train_pipelines, 4, names, timeout=300)
     _check(out, reference, names)
     assert out[0][0]["mesh"].startswith("Mesh(pp=2, dp_replicate=1, dp_shard=2, tp=1")
@@ -61,17 +60,22 @@ def test_three_d_pipeline_fsdp_tensor_parallel_on_8_ranks_equals_one_process(ref
     assert out[0][0]["mesh"].startswith("Mesh(pp=2, dp_replicate=1, dp_shard=2, tp=2")
 
 
-def test_pipeline_checkpoints_resume_under_other_layouts_and_back(reference, tmp_path):
-    """1F1B on 2 ranks writes steps 0-1, TP 2 continues with step 2, one process with step 3, the
-    interleaved schedule (2 stages per rank) finishes: the weights of one process trained alone."""
+@pytest.mark.slow
+def test_checkpoints_resume_across_layouts_pipelines_included(reference, tmp_path):
+    """Each layout trains one step from the last one's checkpoint: 1F1B on 2 ranks, TP 2, FSDP 2 x TP 2 with
+    sequence parallel, one process, the interleaved schedule (2 stages per rank): the weights of one process
+    trained alone for the 5 steps, each run starting where the loader stood."""
     ckpt = str(tmp_path / "ckpt")
-    spawn(layouts.train_pipeline, 2, {"pp": 2, "schedule": "1f1b", "model": MODEL}, ckpt=ckpt, stop_after=1)
-    spawn(layouts.train, 2, {"tp": 2, "model": MODEL}, accum=4, ckpt=ckpt, stop_after=2)
-    spawn(layouts.train, 1, {"model": MODEL}, accum=4, ckpt=ckpt, stop_after=3)
-    out = spawn(layouts.train_pipeline, 2, {"pp": 2, "schedule": "interleaved_1f1b", "model": MODEL}, ckpt=ckpt)
+    runs = [(layouts.train_pipeline, 2, {"pp": 2, "schedule": "1f1b", "model": MODEL}),
+            (layouts.train, 2, {"tp": 2, "model": MODEL}),
+            (layouts.train, 4, {"tp": 2, "sequence_parallel": True, "model": MODEL}),
+            (layouts.train, 1, {"model": MODEL}),
+            (layouts.train_pipeline, 2, {"pp": 2, "schedule": "interleaved_1f1b", "model": MODEL})]
+    for step, (fn, world, layout) in enumerate(runs):
+        out = spawn(fn, world, layout, accum=4, ckpt=ckpt, stop_after=step, timeout=240)
+        for rank in out:   # one step here, the one after the checkpoint's
+            assert rank["norms"] == pytest.approx([reference["norms"][step]], rel=1e-5), (step, layout)
     for rank in out:
-        assert len(rank["norms"]) == 1   # step 4 only: the loader went on from the checkpoint
-        assert rank["norms"][0] == pytest.approx(reference["norms"][4], rel=1e-5)
         diff = max((rank["state"][k] - reference["state"][k]).abs().max().item() for k in reference["state"])
         assert diff < 1e-5, diff
 
