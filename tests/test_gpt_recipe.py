@@ -1,5 +1,6 @@
 """The GPT recipe end to end: one process and TP 2 (sequence and loss parallel) reach the same held-out loss; bad layouts are one line."""
 
+import json
 import math
 
 import pytest
@@ -30,13 +31,17 @@ def test_pipeline_mode_reaches_one_process_loss_and_reports_each_stage(monkeypat
     monkeypatch.delenv("RANK", raising=False)
     argv = [*ARGS, "--untied", "--micro-batch", "2"]   # 4 micro-batches per step: 1F1B over 2 stages
     one = train.main([*argv, "--log-dir", str(tmp_path / "one")])
-    pipe = spawn(_run, 2, [*argv, "--pp", "2", "--log-dir", str(tmp_path / "pp")], timeout=240)
+    pipe = spawn(_run, 2, [*argv, "--pp", "2", "--log-dir", str(tmp_path / "pp"), "--profile", "1:3"], timeout=240)
     assert pipe[0]["loss"] == pytest.approx(one["loss"], abs=1e-4) and pipe[0]["loss"] == pipe[1]["loss"]
     stages = pipe[0]["stages"]
     assert [(s["rank"], s["stage"]) for s in stages] == [(0, 0), (1, 1)]
     for s in stages:   # shares of the measured time: each stage computes, and waits for its neighbour
         assert 0.2 < s["compute"] < 1 and 0 < s["p2p"] < 0.8 and s["compute"] + s["p2p"] + s["other"] == pytest.approx(1)
     assert one["stages"] is None
+    # The profiler on every stage: each rank's time split, the stages' sends and receives as communication.
+    profiled = json.loads((tmp_path / "pp" / "profile" / "summary.json").read_text())
+    assert [p["rank"] for p in profiled] == [0, 1]
+    assert all(p["exposed_comm"] + p["overlapped_comm"] > 0 and p["compute"] > 0 for p in profiled)
 
 
 @pytest.mark.parametrize("argv, needle", [

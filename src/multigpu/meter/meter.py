@@ -32,7 +32,6 @@ from .records import interval_record, run_summary, summary_line
 
 SCHEMA_VERSION = 2  # 2: summary throughput from totals, per-interval spreads under "intervals", pauses
 
-
 class StepMeter:
     """Times data wait and compute per step; logs throughput, MFU, memory, loss, stragglers.
 
@@ -284,8 +283,9 @@ class StepMeter:
             self.watchdog.beat(self.step - 1)
         if self.step % self.log_every == 0:
             self._log_interval()
-        if self.profiler is not None:  # after the log step, so its gather counts in this step's window
-            self.profiler.step()
+        if self.profiler is not None:  # after the log step; its trace export is paused time, not training
+            with self.pause("profile"):
+                self.profiler.step()
 
     def log(self, values: dict[str, Any] | None = None, /, **kw: Any) -> None:
         """Values (already global, e.g. ``noise.metrics()``) added to the next log record as given."""

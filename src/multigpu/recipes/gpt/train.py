@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=8, help="held-out sequences evaluated: this many global batches")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--log-dir", default=None)
+    p.add_argument("--profile", default=None, metavar="START:STOP",
+                   help="torch.profiler over these steps on every rank (a stage each under --pp): traces and the time split")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         mg.print0(plan.summary(layout="ddp" if args.ddp else repr(mesh), parameters=cfg.parameters, tokens_per_step=plan.global_batch * cfg.block_size))
         meter = mg.StepMeter(dist, plan, log_every=args.log_every, log_dir=args.log_dir, total_steps=args.steps,
                              flops_per_sample=cfg.flops_per_token() * cfg.block_size, tokens_per_sample=cfg.block_size,
-                             dtype=amp.name,
+                             dtype=amp.name, profile=args.profile,
                              fingerprint_extra={"recipe": "gpt", "size": args.size, "layout": "ddp" if args.ddp else repr(mesh)})
         metrics: dict[str, float] = {}
         with meter:
