@@ -101,3 +101,20 @@ def test_pipeline_refusals_are_one_line():
     with pytest.raises(mg.UsageError, match="pp 2 x dp_replicate 1 x tp 1 = 2"):
         mg.parallel.factor(3, pp=2)
     assert pp.stage_ids("zbv", 0, 2) == [0, 3] and pp.stage_ids("looped_bfs", 1, 2) == [1, 3]
+
+
+@pytest.mark.gpu
+def test_pipeline_paths_import_and_refuse_cleanly_on_one_gpu(tmp_path):
+    """One GPU holds one stage: the recipe's pipeline mode is refused in one line, exit 2, before any NCCL work."""
+    import subprocess
+    import sys
+
+    import torch.distributed.pipelining  # noqa: F401 - the CUDA build's pipelining imports
+
+    proc = subprocess.run([sys.executable, "-m", "multigpu", "run", "-n", "1", "--log-dir", str(tmp_path), "-m",
+                           "multigpu.recipes.gpt", "--pp", "2", "--untied", "--steps", "2"],
+                          capture_output=True, text=True, timeout=300)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("multigpu: error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert "world size 1 is not divisible by pp 2" in errors[0]
+    assert "Traceback" not in proc.stderr
