@@ -31,7 +31,7 @@ def test_pipeline_mode_reaches_one_process_loss_and_reports_each_stage(monkeypat
     monkeypatch.delenv("RANK", raising=False)
     argv = [*ARGS, "--untied", "--micro-batch", "2"]   # 4 micro-batches per step: 1F1B over 2 stages
     one = train.main([*argv, "--log-dir", str(tmp_path / "one")])
-    pipe = spawn(_run, 2, [*argv, "--pp", "2", "--log-dir", str(tmp_path / "pp"), "--profile", "1:3"], timeout=240)
+    pipe = spawn(_run, 2, [*argv, "--pp", "2", "--pp-splits", "1", "--log-dir", str(tmp_path / "pp"), "--profile", "1:3"], timeout=240)
     assert pipe[0]["loss"] == pytest.approx(one["loss"], abs=1e-4) and pipe[0]["loss"] == pipe[1]["loss"]
     stages = pipe[0]["stages"]
     assert [(s["rank"], s["stage"]) for s in stages] == [(0, 0), (1, 1)]

@@ -86,9 +86,16 @@ def test_stages_balance_blocks_counting_embeddings_and_head():
     assert [list(r) for r in stage_blocks(config("tiny", n_layer=12), 4)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
     part = stage_module(GPT(config("tiny", n_layer=4, tie_embeddings=False)), 1, 2)
     assert sorted(part.blocks) == ["2", "3"] and part.embed is None and part.head is not None
+    # Split points given: where stages 2.. begin.
+    assert [list(r) for r in stage_blocks(cfg, 3, [2, 7])] == [[0, 1], [2, 3, 4, 5, 6], [7]]
+    part = stage_module(GPT(config("tiny", n_layer=4, tie_embeddings=False)), 0, 2, [3])
+    assert sorted(part.blocks) == ["0", "1", "2"] and part.head is None
 
 
 def test_pipeline_refusals_are_one_line():
+    for bad in ([4], [0], [3, 2], [2]):
+        with pytest.raises(mg.UsageError, match=r"split points must be 2 increasing block indices between 1 and 7"):
+            stage_blocks(config("tiny", n_layer=8), 3, bad)
     with pytest.raises(mg.UsageError, match="4 pipeline stages but the model has 2 blocks"):
         stage_blocks(config("tiny"), 4)
     with pytest.raises(mg.UsageError, match="tie_embeddings=False"):

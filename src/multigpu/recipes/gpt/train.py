@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=1, help="pipeline stages' ranks (outermost mesh dimension; needs --untied)")
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, "
                    "interleaved_zero_bubble, zbv (default 1f1b)")
+    p.add_argument("--pp-splits", default=None, metavar="B,B,...",
+                   help="first block of every pipeline stage after the first (default: balanced, the embeddings "
+                   "and the head counted as one block each)")
     p.add_argument("--untied", action="store_true", help="separate token table and head (a pipeline puts them on two stages)")
     p.add_argument("--ddp", action="store_true",
                    help="plain DDP over every rank instead of FSDP (tp 1 only): one bucketed all-reduce per step, no DTensor")
@@ -138,7 +141,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                    fsdp=not args.ddp)
         pipe = None
         if args.pp > 1:
-            pipe = pipeline.build(GPT(cfg).to(dist.device), mesh, dist.device, args.schedule, plan.accum_steps, spread)
+            splits = _int_list(args.pp_splits, "--pp-splits") if args.pp_splits else None
+            pipe = pipeline.build(GPT(cfg).to(dist.device), mesh, dist.device, args.schedule, plan.accum_steps, spread,
+                                  splits)
             model = pipe.model
         else:
             model = spread(GPT(cfg).to(dist.device))
@@ -217,6 +222,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         mg.print0(f"gpt {args.size}: val loss {metrics.get('loss', float('nan')):.4f} "
                   f"({metrics.get('bits_per_byte', float('nan')):.3f} bits/byte); {tps}{mfu}{mem} | {repr(mesh)}")
         return result
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise mg.UsageError(f"{flag} takes comma-separated block indices like 2,4, got {text!r}") from None
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
