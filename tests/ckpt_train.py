@@ -45,7 +45,7 @@ def steps_of(train, start: int, total: int):
 
 
 def train(dist, directory=None, steps=10, every=2, keep=None, dropout=0.0, stop=None, noise=True,
-          kill_rank=None, kill_step=None, hidden=32, strategy="ddp", zero=False):
+          kill_rank=None, kill_step=None, hidden=32, strategy="ddp", zero=False, async_save=False):
     """Train; returns (params, ckpt or None). ``stop`` ends the run after that step, as a crash would."""
     torch.manual_seed(0)
     random.seed(0)
@@ -64,7 +64,7 @@ def train(dist, directory=None, steps=10, every=2, keep=None, dropout=0.0, stop=
     start = 0
     if directory is not None:
         ckpt = mg.Checkpointer(directory, every=every, keep=keep, model=model, optimizer=opt, scheduler=sched,
-                               scaler=mg.Precision("fp32"), loader=loader, last_loss=None)
+                               scaler=mg.Precision("fp32"), loader=loader, last_loss=None, async_save=async_save)
         start = ckpt.resume()
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     for step, micro_batches in steps_of(loader, start, steps):

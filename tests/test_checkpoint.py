@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
 
 import multigpu as mg
 from multigpu.checkpoint import storage
@@ -141,8 +142,9 @@ def test_resharding_continues_the_same_data_order(two_ranks, tmp_path, world):
 
 # --- kill -9 during saves and during training, then automatic restart ---------------------------
 
-def _kill_in_save(dist, directory, where):
-    """Train with dropout and noise like the fixture's reference; SIGKILL rank 0 inside a save."""
+def _kill_in_save(dist, directory, where, async_save=False):
+    """Train with dropout and noise like the fixture's reference; SIGKILL rank 0 inside a save
+    (with ``async_save``, inside the background thread's hashing, the loop already past the save)."""
     _deterministic()
     if where == "hashing-step4" and dist.rank == 0:
         real = storage.hash_files
@@ -162,7 +164,7 @@ def _kill_in_save(dist, directory, where):
             return real_write(path, data)
 
         storage.write_durable = die_before_marker
-    train(dist, directory, steps=STEPS, every=2, dropout=0.2)
+    train(dist, directory, steps=STEPS, every=2, dropout=0.2, async_save=async_save)
 
 
 def test_kills_during_save_and_training_lose_nothing(two_ranks, tmp_path, capfd):
@@ -172,6 +174,10 @@ def test_kills_during_save_and_training_lose_nothing(two_ranks, tmp_path, capfd)
     killed = "exited with code -9|Connection reset|Connection closed"  # the dead rank, or its peer noticing first
     with pytest.raises(RuntimeError, match=killed):
         spawn(_kill_in_save, 2, str(run), "hashing-step4")
+    assert _listing(run) == [".tmp-step-4", "step-0", "step-2"]
+    # The same kill during a background write: step-2 was completed when save(4) began, step-4 never is.
+    with pytest.raises(RuntimeError, match=killed):
+        spawn(_kill_in_save, 2, str(run), "hashing-step4", async_save=True)
     assert _listing(run) == [".tmp-step-4", "step-0", "step-2"]
     capfd.readouterr()
     with pytest.raises(RuntimeError, match=killed):
@@ -202,6 +208,94 @@ def test_kills_during_save_and_training_lose_nothing(two_ranks, tmp_path, capfd)
     for a, b in zip(torch.load(out_file, weights_only=True), ref):
         assert torch.equal(a, b), where
     assert all(storage.verify(run / f"step-{i}")[1] == [] for i in (0, 2, 4, 6, 8))
+
+
+# --- async saves: exact, durable, failures raised at the next save -------------------------------
+
+def _async_runs(dist, root):
+    _deterministic()
+    root = Path(root)
+    out = {}
+    ref, _ = train(dist, steps=STEPS, dropout=0.2)
+    out["after_crash"] = _listing(root / "a")
+    (resumed, ckpt), o, _ = _captured(train, dist, root / "a", steps=STEPS, every=2, dropout=0.2, async_save=True)
+    out["resumed"] = o
+    out["pending_before_finish"] = _listing(root / "a")
+    ckpt.finish()
+    out["exact"] = all(torch.equal(a, b) for a, b in zip(resumed, ref))
+    out["final"] = _listing(root / "a")
+    out["verified"] = [storage.verify(root / "a" / f"step-{i}")[1] for i in (0, 2, 4, 6, 8)]
+    m = storage.read_manifest(root / "a" / "step-8")
+    out["seconds"] = (m["blocking_seconds"], m["save_seconds"])
+    # A background write fails on rank 1 (no space): the next save raises it on every rank, and
+    # the previous checkpoint stays the newest valid one.
+    _, ckpt = train(dist, root / "b", steps=3, every=2, async_save=True)   # step-0, step-2 in flight
+    ckpt.finish()
+    real = dcp.FileSystemWriter.write_data
+
+    def no_space(self, plan, planner):
+        if dist.rank == 1 and Path(self.path).name == ".tmp-step-4":
+            raise OSError(28, "No space left on device")
+        return real(self, plan, planner)
+
+    dcp.FileSystemWriter.write_data = no_space
+    try:
+        ckpt.save(4, force=True)   # staged, the write fails on its thread
+        ckpt.save(6, force=True)
+    except mg.UsageError as err:
+        out["error"] = str(err)
+    finally:
+        dcp.FileSystemWriter.write_data = real
+    out["after_failure"] = _listing(root / "b")
+    # The write is a copy's: parameters changed right after save() (the writer held back 0.3 s) are not in it.
+    _, ckpt = train(dist, root / "c", steps=1, every=1, async_save=True)
+    ckpt.finish()
+    import time as _time
+
+    def slow(self, plan, planner):
+        _time.sleep(0.3)
+        return real(self, plan, planner)
+
+    dcp.FileSystemWriter.write_data = slow
+    try:
+        model = mg.unwrap(ckpt.model)
+        before = [p.detach().clone() for p in model.parameters()]
+        ckpt.save(1, force=True)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        ckpt.finish()
+    finally:
+        dcp.FileSystemWriter.write_data = real
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    ckpt.resume()
+    out["staged_copy"] = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return out
+
+
+def test_async_saves_are_exact_durable_and_report_background_failures(tmp_path):
+    # Rank 0 is SIGKILLed after step 7: step-6 was staged and written in the background, never completed.
+    with pytest.raises(RuntimeError, match="exited with code -9|Connection reset|Connection closed"):
+        spawn(train, 2, str(tmp_path / "a"), steps=STEPS, every=2, dropout=0.2, kill_rank=0, kill_step=7,
+              async_save=True)
+    res = spawn(_async_runs, 2, str(tmp_path), timeout=240)
+    r = res[0]
+    assert r["after_crash"] == [".tmp-step-6", "step-0", "step-2", "step-4"]
+    assert f"resumed from {tmp_path}/a/step-4 (step 4" in r["resumed"]
+    # save(8) completed step-6; step-8 waits for finish() (the stale .tmp-step-6 was replaced).
+    assert r["pending_before_finish"] == [".tmp-step-8", "step-0", "step-2", "step-4", "step-6"]
+    assert r["exact"] and res[1]["exact"]   # bit for bit, though training ran on during every write
+    assert r["final"] == [f"step-{i}" for i in (0, 2, 4, 6, 8)] and r["verified"] == [[]] * 5
+    blocked, total = r["seconds"]
+    assert 0 < blocked <= total
+    for rank in res:
+        err = rank["error"]
+        assert "writing tensors in the background (DCP) failed on rank 1" in err and "No space left" in err
+        assert f"the previous checkpoint {tmp_path}/b/step-2 is intact" in err and "\n" not in err
+    assert r["after_failure"] == ["step-0", "step-2"]
+    assert r["staged_copy"] and res[1]["staged_copy"]
 
 
 # --- disk full and damaged checkpoints, one 2-rank spawn ----------------------------------------

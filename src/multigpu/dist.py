@@ -17,7 +17,7 @@ import random
 import re
 import sys
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -198,6 +198,7 @@ def init(
         raise SystemExit(2) from None
     try:
         yield dist
+        run_teardown()  # still inside: a failure here (a background checkpoint write) is reported like any
     except UsageError as err:
         record_failure(err)
         if created and tdist.is_initialized():
@@ -223,6 +224,22 @@ def init(
         if world > 1:
             tdist.barrier()
         tdist.destroy_process_group()
+
+
+# Work to finish on every rank before ``mg.init`` tears the process group down (a checkpoint
+# written in the background: its completion is collective).
+_TEARDOWN: list[Callable[[], Any]] = []
+
+
+def at_teardown(fn: Callable[[], Any]) -> None:
+    """Run ``fn`` (once) when the ``mg.init`` block ends normally, before the process group goes."""
+    if fn not in _TEARDOWN:
+        _TEARDOWN.append(fn)
+
+
+def run_teardown() -> None:
+    while _TEARDOWN:
+        _TEARDOWN.pop(0)()
 
 
 def get_rank() -> int:

@@ -9,20 +9,24 @@ the loader position, the step and plain extras live in the JSON manifest.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import platform
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
-from ..dist import print0
+from ..dist import at_teardown, print0
 from ..errors import UsageError
 from ..parallel import strategy_of
 from ..parallel.zero import is_zero_optimizer
@@ -39,6 +43,11 @@ class Checkpointer:
     ``keep``: keep the newest ``keep`` complete checkpoints (``None``: all).
     ``scaler`` may be a ``torch.amp.GradScaler`` or an ``mg.Precision``;
     ``optimizer`` may be a ``ZeroRedundancyOptimizer`` (strategy ``zero1``).
+    ``async_save``: ``save`` blocks only while the state is copied to host
+    memory; the files are written and hashed in the background, and the
+    checkpoint is completed (manifest, marker) by the next ``save``,
+    ``resume`` or ``finish()``, or when the ``mg.init`` block ends. At most
+    one save is in flight; a background failure is raised there, on every rank.
     Extra keyword arguments are extras: an object with
     ``state_dict``/``load_state_dict`` is saved through DCP; anything else
     must be a plain JSON value, read back from ``ckpt.extra[name]``.
@@ -55,7 +64,8 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, every: int = 1, keep: int | None = None, *,
                  model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 scheduler: Any = None, scaler: Any = None, loader: Any = None, **extra: Any) -> None:
+                 scheduler: Any = None, scaler: Any = None, loader: Any = None, async_save: bool = False,
+                 **extra: Any) -> None:
         if not is_positive_int(every):
             raise UsageError(f"Checkpointer every= must be a positive integer number of steps, got {every!r}; use e.g. every=100")
         if keep is not None and not is_positive_int(keep):
@@ -82,6 +92,9 @@ class Checkpointer:
                 self._check_plain(name, value)
             self.extra[name] = value
         self.last_saved: Path | None = None
+        self.async_save = bool(async_save)
+        self._pending: _Pending | None = None
+        self._group: Any = None  # the background writes' own gloo group (training keeps the default one)
 
     @staticmethod
     def _check_plain(name: str, value: Any) -> None:
@@ -134,6 +147,7 @@ class Checkpointer:
 
         >>> step = ckpt.resume()
         """
+        self.finish()
         return loading.resume(self.directory, checkpoint, self._objects(), Group(),
                               strategy_of(self.model, self.optimizer))
 
@@ -153,6 +167,7 @@ class Checkpointer:
             raise UsageError(f"Checkpointer.save(step) expects a non-negative integer step, got {step!r}")
         if not force and step % self.every != 0:
             return None
+        self.finish()  # at most one save in flight
         group = Group()
         t0 = time.perf_counter()
         final = storage.step_dir(self.directory, step)
@@ -176,6 +191,8 @@ class Checkpointer:
             if fresh:
                 state["optim"]["state"] = {}
                 self.optimizer.state.clear()
+            if self.async_save:
+                return self._save_in_background(state, step, fresh, group, t0, ctx)
             with storage.single_process_ok():
                 self._agree("writing tensors (DCP)", lambda: dcp.save(
                     state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True),
@@ -203,6 +220,80 @@ class Checkpointer:
         self._agree("removing old checkpoints", lambda: self._prune(final) if group.rank == 0 else None, ctx)
         print0(f"multigpu: saved {final} ({manifest['bytes'] / 1e6:.1f} MB in {time.perf_counter() - t0:.2f} s)")
         return final
+
+    def _save_in_background(self, state: dict[str, Any], step: int, fresh: bool, group: Group, t0: float,
+                            ctx: tuple[Path, Group]) -> Path:
+        """Stage ``state`` in host memory (the only blocking part), then write and hash it on a thread."""
+        final, tmp = ctx[0], storage.tmp_dir(self.directory, step)
+        writer = dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True)
+        # A copy in host memory: training may change the parameters as soon as this returns.
+        staged = self._agree("staging the state in host memory", lambda: writer.stage(state), ctx)
+        self._agree("writing RNG states", lambda: rng.save(tmp / rng.file_name(group.rank), rng.capture()), ctx)
+        manifest = self._manifest(step, group)  # the loader's position and extras now, not at completion
+        manifest["optimizer_fresh"] = fresh
+        if group.on and self._group is None:
+            # DCP's planning collectives run on the writer thread: on the training group they could
+            # interleave with the loop's own collectives (a hang or a wrong reduction).
+            self._group = tdist.new_group(backend="gloo")
+        pending = _Pending(final, tmp, manifest, t0, group.rank, no_dist=not group.on)
+        pending.start(staged, writer, self._group)
+        pending.blocked = time.perf_counter() - t0
+        self._pending = pending
+        at_teardown(self.finish)
+        atexit.register(self._finish_at_exit)
+        print0(f"multigpu: saving {final} in the background (the loop blocked {pending.blocked:.2f} s)")
+        return final
+
+    def finish(self) -> Path | None:
+        """Complete the save in flight (collective): wait for its writes, then manifest, rename, marker.
+
+        Returns the checkpoint, or None when none was in flight. A failure of the background
+        write raises here, on every rank, and the previous checkpoint stays the newest valid one.
+
+        >>> ckpt.finish()                   # e.g. before reading the checkpoint from another program
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        group = Group()
+        ctx = (pending.final, group)
+        try:
+            hashes = self._agree("writing tensors in the background (DCP)", pending.result, ctx, gather=True)
+            manifest = pending.manifest
+            manifest["files"] = {k: v for part in hashes for k, v in part.items()}
+            manifest["bytes"] = sum(v["bytes"] for v in manifest["files"].values())
+            manifest["save_seconds"] = round(time.perf_counter() - pending.t0, 3)
+            manifest["blocking_seconds"] = round(pending.blocked, 3)
+            self._agree("finishing (manifest, rename, marker)",
+                        lambda: storage.finish(pending.tmp, pending.final, manifest) if group.rank == 0 else None, ctx)
+        except BaseException:
+            if group.rank == 0 and pending.tmp.exists():
+                try:
+                    storage.remove_tree(pending.tmp)
+                except OSError:
+                    pass
+            raise
+        self.last_saved = pending.final
+        self._agree("removing old checkpoints", lambda: self._prune(pending.final) if group.rank == 0 else None, ctx)
+        print0(f"multigpu: saved {pending.final} ({manifest['bytes'] / 1e6:.1f} MB; the loop blocked "
+               f"{pending.blocked:.2f} s of {manifest['save_seconds']:.2f} s)")
+        return pending.final
+
+    def _finish_at_exit(self) -> None:
+        """The interpreter is exiting with a save in flight (no ``mg.init`` block ended): complete it if the
+        process group is still there (or there is none), else leave it incomplete and say so."""
+        if self._pending is None:
+            return
+        if Group().on or self._pending.no_dist:  # the group that wrote it, or one process
+            try:
+                self.finish()
+                return
+            except UsageError as err:
+                print(f"multigpu: error: {err}", file=sys.stderr)
+                return
+        print(f"multigpu: warning: the background save of {self._pending.final} was not completed (the process "
+              f"group is gone); the previous checkpoint is the newest valid one; call ckpt.finish() before exit",
+              file=sys.stderr)
 
     def _prune(self, newest: Path) -> None:
         """Delete older complete checkpoints beyond ``keep``, and leftovers of killed saves."""
@@ -250,3 +341,40 @@ class Checkpointer:
         except OSError:
             pass
         return None
+
+
+class _Pending:
+    """One save in flight: DCP's write of the staged copy, then this rank's share of the hashes, on a thread."""
+
+    def __init__(self, final: Path, tmp: Path, manifest: dict[str, Any], t0: float, rank: int, no_dist: bool) -> None:
+        self.final, self.tmp, self.manifest, self.t0, self.rank, self.no_dist = final, tmp, manifest, t0, rank, no_dist
+        self.blocked = 0.0
+        self.hashes: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self, staged: dict[str, Any], writer: Any, group: Any) -> None:
+        # A daemon: a killed or crashing run must not wait for it (the previous checkpoint stays valid).
+        self.thread = threading.Thread(target=self._run, args=(staged, writer, group), daemon=True,
+                                       name=f"multigpu-save-{self.final.name}")
+        self.thread.start()
+
+    def _run(self, staged: dict[str, Any], writer: Any, group: Any) -> None:
+        try:
+            with storage.single_process_ok():
+                dcp.save(staged, storage_writer=writer, process_group=group, no_dist=self.no_dist)
+            self.hashes = storage.hash_files(self.tmp, self._own_files())
+        except BaseException as err:  # noqa: BLE001 - CheckpointException too; raised by result()
+            self.error = err
+
+    def _own_files(self) -> list[str]:
+        """What this rank wrote: its DCP file(s), its RNG state, and (rank 0) DCP's metadata."""
+        mine = f"__{self.rank}_"
+        return [n for n in storage.list_files(self.tmp)
+                if n.startswith(mine) or n == rng.file_name(self.rank) or (self.rank == 0 and n == ".metadata")]
+
+    def result(self) -> dict[str, Any]:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.hashes
