@@ -210,6 +210,21 @@ def test_kills_during_save_and_training_lose_nothing(two_ranks, tmp_path, capfd)
     assert all(storage.verify(run / f"step-{i}")[1] == [] for i in (0, 2, 4, 6, 8))
 
 
+def test_checksums_are_xxh3_and_older_sha256_manifests_still_verify(tmp_path):
+    f = tmp_path / "a.bin"
+    f.write_bytes(b"x" * 100_000)
+    import hashlib
+
+    import xxhash
+
+    assert storage.hash_files(tmp_path, ["a.bin"]) == {"a.bin": {"bytes": 100_000, "xxh3_128": xxhash.xxh3_128(f.read_bytes()).hexdigest()}}
+    old = {"files": {"a.bin": {"bytes": 100_000, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}}}
+    assert storage.check_hashes(tmp_path, old, ["a.bin"]) == []
+    f.write_bytes(b"y" + b"x" * 99_999)
+    assert storage.check_hashes(tmp_path, old, ["a.bin"]) == [f"{f} has changed bytes (sha256 mismatch)"]
+    assert "no checksum" in storage.check_hashes(tmp_path, {"files": {"a.bin": {"bytes": 100_000}}}, ["a.bin"])[0]
+
+
 # --- async saves: exact, durable, failures raised at the next save -------------------------------
 
 def _async_runs(dist, root):
@@ -321,7 +336,7 @@ def _damage(kind, ck: Path):
         else:
             torch.save({"cpu": _Planted(str(ck / "pwned"))}, ck / name)
         manifest = json.loads((ck / storage.MANIFEST).read_text())
-        manifest["files"][name] = dict(zip(("bytes", "sha256"), storage.sha256_file(ck / name)))
+        manifest["files"][name] = dict(zip(("bytes", "xxh3_128"), storage.file_digest(ck / name)))
         storage.write_durable(ck / storage.MANIFEST, (json.dumps(manifest) + "\n").encode())
         import hashlib
 
@@ -396,11 +411,11 @@ def test_disk_full_and_damaged_checkpoints(tmp_path):
         assert f"the previous checkpoint {run}/step-4 is intact" in msg
         assert rep["after_full"] == ["step-0", "step-2", "step-4"] and rep["step4_ok"]
         assert rep["explicit"].startswith(f"checkpoint {tmp_path}/flip/step-4 cannot be loaded: ")
-        assert "changed bytes (sha256 mismatch)" in rep["explicit"]
+        assert "changed bytes (xxh3_128 mismatch)" in rep["explicit"]
         assert rep["all_damaged"].startswith(f"no valid checkpoint in {tmp_path}/truncate: all 3 complete ones are damaged")
     rep = results[0]
     reasons = {
-        "flip": "__0_0.distcp has changed bytes (sha256 mismatch)",
+        "flip": "__0_0.distcp has changed bytes (xxh3_128 mismatch)",
         "truncate": "expected",
         "manifest": "manifest.json does not match the hash in its COMPLETE marker",
         "metadata": ".metadata refers to posix.mkdir, which a DCP checkpoint never contains",

@@ -8,7 +8,7 @@ this module alone. A run directory holds::
         .metadata          DCP's index (read with an allow-list unpickler)
         __0_0.distcp ...   DCP's tensor files (read with torch.load(weights_only=True))
         rng/rank-0.pt ...  per-rank RNG states (plain tensors, weights_only=True)
-        manifest.json      step, world size, versions, sizes, sha256 of every file
+        manifest.json      step, world size, versions, sizes, a checksum of every file (xxh3-128)
         COMPLETE           written last: the sha256 of manifest.json
       .tmp-step-130/       a save that never finished: never loaded
 
@@ -113,15 +113,34 @@ def write_durable(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def sha256_file(path: Path) -> tuple[int, str]:
-    """(size in bytes, sha256 hex) of a file, read in chunks."""
-    h = hashlib.sha256()
+# A file's checksum detects damage (a flipped bit, a torn write), not an attacker (the
+# manifest itself is covered by the marker's sha256): xxh3-128 reads ~10 GB/s where
+# sha256 read 0.5 GB/s here, 2-3.5 s of a 1.2 GB save. Manifests name their algorithm,
+# so checkpoints written with sha256 by earlier versions still verify.
+ALGORITHMS = ("xxh3_128", "sha256")
+
+
+def _hasher(algorithm: str):
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    import xxhash
+
+    return xxhash.xxh3_128()
+
+
+def file_digest(path: Path, algorithm: str = "xxh3_128") -> tuple[int, str]:
+    """(size in bytes, hex digest) of a file, read in chunks."""
+    h = _hasher(algorithm)
     size = 0
     with open(path, "rb") as f:
         while chunk := f.read(_HASH_CHUNK):
             h.update(chunk)
             size += len(chunk)
     return size, h.hexdigest()
+
+
+def sha256_file(path: Path) -> tuple[int, str]:
+    return file_digest(path, "sha256")
 
 
 def list_files(root: Path) -> list[str]:
@@ -136,8 +155,8 @@ def list_files(root: Path) -> list[str]:
 def hash_files(root: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
     out = {}
     for name in names:
-        size, digest = sha256_file(root / name)
-        out[name] = {"bytes": size, "sha256": digest}
+        size, digest = file_digest(root / name)
+        out[name] = {"bytes": size, "xxh3_128": digest}
     return out
 
 
@@ -218,20 +237,24 @@ def check_sizes(path: Path, manifest: dict[str, Any]) -> list[str]:
 
 
 def check_hashes(path: Path, manifest: dict[str, Any], names: Iterable[str]) -> list[str]:
-    """Full check of some of the files: sha256 against the manifest."""
+    """Full check of some of the files: each one's checksum (the algorithm its manifest entry names)."""
     problems = []
     for name in names:
         info = manifest["files"][name]
         f = path / name
+        algorithm = next((a for a in ALGORITHMS if a in info), None)
+        if algorithm is None:
+            problems.append(f"{f} has no checksum in the manifest (expected one of {', '.join(ALGORITHMS)})")
+            continue
         try:
-            size, digest = sha256_file(f)
+            size, digest = file_digest(f, algorithm)
         except OSError as err:
             problems.append(f"{f} cannot be read ({err.strerror or err})")
             continue
         if size != info["bytes"]:
             problems.append(f"{f} has {size} bytes, expected {info['bytes']} (truncated or overwritten)")
-        elif digest != info["sha256"]:
-            problems.append(f"{f} has changed bytes (sha256 mismatch)")
+        elif digest != info[algorithm]:
+            problems.append(f"{f} has changed bytes ({algorithm} mismatch)")
     return problems
 
 

@@ -40,7 +40,7 @@ def table(directory: str | Path, full: bool = False) -> tuple[list[str], int]:
     """Lines describing every checkpoint under ``directory``, and how many are not valid.
 
     ``full=False`` checks the marker, manifest and file sizes; ``full=True``
-    also every file's sha256 (reads all bytes).
+    also every file's checksum (reads all bytes).
 
     >>> lines, bad = table("runs/x")
     """
@@ -135,7 +135,7 @@ def add_arguments(parser) -> None:
     actions.required = True
     ls = actions.add_parser("ls", help="checkpoints with step, world size, size, and valid or why not (sizes only)")
     ls.add_argument("dir", help="run directory (or one checkpoint directory)")
-    verify = actions.add_parser("verify", help="check every file's sha256; exit status 1 if any checkpoint is damaged")
+    verify = actions.add_parser("verify", help="check every file's checksum; exit status 1 if any checkpoint is damaged")
     verify.add_argument("dir", help="run directory (or one checkpoint directory)")
     exp = actions.add_parser("export", help="write one checkpoint's model weights as a plain torch.save file")
     exp.add_argument("checkpoint", help="checkpoint directory, e.g. runs/x/step-120")
