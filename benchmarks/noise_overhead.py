@@ -16,6 +16,10 @@ NoiseScale every step: B_simple as training goes, and the end-of-run summary.
 
     python benchmarks/noise_overhead.py                     # 2 gloo ranks
     python benchmarks/noise_overhead.py --every 1,2,10 --world-size 4 --epochs 0
+    python benchmarks/noise_overhead.py --workload gpt --epochs 0 --blocks 10 --steps 5   # a compute-bound step
+
+``--workload gpt``: the GPT recipe's ``small`` model (6 blocks x 384, 10.8M
+parameters, 128 tokens) on Python's docs as bytes, AdamW; part 1 only.
 """
 
 from __future__ import annotations
@@ -24,8 +28,12 @@ import argparse
 import statistics
 import time
 
+import os
+import tempfile
+
 import torch
 import torch.distributed as tdist
+import torch.nn.functional as F
 from torch import nn
 
 import multigpu as mg
@@ -62,19 +70,36 @@ class _TimedNoiseScale(mg.NoiseScale):
     _after_reduction = _timed("_after_reduction")
 
 
-class _Run:
-    """One model training on digits (DDP; one process: 4 micro-batches); ``block(n)`` times n optimizer steps."""
+def _workload(name: str):
+    """(training set, model factory, loss function, optimizer factory) of ``digits`` or ``gpt``."""
+    if name == "digits":
+        train_set, _ = digits_datasets(seed=0)
+        return (train_set, make_model, nn.CrossEntropyLoss(),
+                lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9))
+    from multigpu.recipes.gpt.data import TokenWindows, prepare_tokens
+    from multigpu.recipes.gpt.model import GPT, config
 
-    def __init__(self, dist, train_set, every: int | None, batch: int, timed: bool = False):  # every None: plain
+    cfg = config("small", block_size=128)
+    directory = prepare_tokens(os.path.join(tempfile.gettempdir(), "multigpu-pydoc-tokens"))
+    train_set = TokenWindows(directory / "train.bin", cfg.block_size, cfg.vocab_size)
+    return (train_set, lambda: GPT(cfg), lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+            lambda params: torch.optim.AdamW(params, lr=3e-4))
+
+
+class _Run:
+    """One model training (DDP; one process: 4 micro-batches); ``block(n)`` times n optimizer steps."""
+
+    def __init__(self, dist, workload, every: int | None, batch: int, timed: bool = False):  # every None: plain
+        train_set, make, loss_fn, make_opt = workload
         one = dist.world_size == 1  # NoiseScale measures with accumulation micro-batches there
         self.plan = mg.BatchPlan(batch, dist.world_size, micro_batch=batch // 4 if one else None)
         self.device = dist.device
         torch.manual_seed(0)
-        self.model = mg.wrap(make_model().to(dist.device), "none" if one else "ddp")
+        self.model = mg.wrap(make().to(dist.device), "none" if one else "ddp")
         cls = _TimedNoiseScale if timed else mg.NoiseScale
         self.noise = cls(self.plan, every=every).attach(self.model) if every else None
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=0.9)
-        self.loss_fn = nn.CrossEntropyLoss()
+        self.opt = make_opt(self.model.parameters())
+        self.loss_fn = loss_fn
         self.batches = _batches(mg.loader(train_set, self.plan, dist, seed=0))
 
     def block(self, steps: int) -> tuple[float, float, float]:
@@ -110,13 +135,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _overhead(dist, blocks: int, steps: int, everies: list[int], batch: int) -> dict:
+def _overhead(dist, blocks: int, steps: int, everies: list[int], batch: int, workload: str = "digits") -> dict:
     """Blocks of ``steps`` steps of each variant in turn (order flipped every block)."""
-    train_set, _ = digits_datasets(seed=0)
-    runs = {"plain": _Run(dist, train_set, None, batch)}
-    runs |= {f"every {e}": _Run(dist, train_set, e, batch) for e in everies}
+    work = _workload(workload)
+    runs = {"plain": _Run(dist, work, None, batch)}
+    runs |= {f"every {e}": _Run(dist, work, e, batch) for e in everies}
     # With stopwatches: their direct cost; their own step times are not compared.
-    runs |= {f"timed {e}": _Run(dist, train_set, e, batch, timed=True) for e in everies}
+    runs |= {f"timed {e}": _Run(dist, work, e, batch, timed=True) for e in everies}
     for run in runs.values():
         run.block(WARMUP_STEPS)
     out = {name: [] for name in runs}
@@ -162,6 +187,8 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=GLOBAL_BATCH, help="global batch of part 1 (recipe default 64)")
     ap.add_argument("--every", default="1,4", help="NoiseScale variants: one measured step in this many (comma-separated)")
     ap.add_argument("--epochs", type=int, default=20, help="epochs of the measurement run (0: skip it)")
+    ap.add_argument("--workload", default="digits", choices=["digits", "gpt"],
+                    help="digits (the recipe's MLP) or gpt (the GPT recipe's small model, compute-bound)")
     args = ap.parse_args()
     w = 1 if args.device == "cuda" else args.world_size
     print("fingerprint:", format_fingerprint(mg.fingerprint(None, world_size=w)), flush=True)
@@ -169,12 +196,13 @@ def main() -> None:
     everies = [int(e) for e in args.every.split(",")]
     if args.device == "cuda":
         with mg.init(backend="nccl", seed=0) as dist:
-            r = _overhead(dist, args.blocks, args.steps, everies, args.global_batch)
+            r = _overhead(dist, args.blocks, args.steps, everies, args.global_batch, args.workload)
         where = f"1 process on {torch.cuda.get_device_name(0)}, 4 micro-batches"
     else:
-        r = spawn(_overhead, w, args.blocks, args.steps, everies, args.global_batch, timeout=3600)[0]
+        r = spawn(_overhead, w, args.blocks, args.steps, everies, args.global_batch, args.workload, timeout=3600)[0]
         where = f"DDP over {w} gloo ranks" if w > 1 else "1 process on CPU, 4 micro-batches"
-    print(f"digits MLP, {where}, global batch {args.global_batch}; {args.blocks} blocks of {args.steps} "
+    what_model = "digits MLP" if args.workload == "digits" else "GPT small (10.8M parameters, 128 tokens)"
+    print(f"{what_model}, {where}, global batch {args.global_batch}; {args.blocks} blocks of {args.steps} "
           f"steps per variant, variants in turn (order flipped every block):")
     for i, what in ((0, "wall time per step (slowest rank)"), (1, "CPU time per step (all ranks, all threads)")):
         plain = [b[i] for b in r["plain"]]
@@ -193,7 +221,7 @@ def main() -> None:
               f"n={len(direct)})")
     print("  target: < 3% of the step when measured every step")
 
-    if args.epochs and args.device == "cpu" and w > 1:
+    if args.epochs and args.device == "cpu" and w > 1 and args.workload == "digits":
         t = spawn(_train, w, args.epochs, timeout=3600)[0]
         print(f"\nnoise scale during a digits run ({args.epochs} epochs x {t['steps_per_epoch']} steps, {w} ranks, "
               f"global batch {GLOBAL_BATCH}):")
