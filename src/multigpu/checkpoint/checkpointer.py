@@ -95,6 +95,7 @@ class Checkpointer:
         self.async_save = bool(async_save)
         self._pending: _Pending | None = None
         self._group: Any = None  # the background writes' own gloo group (training keeps the default one)
+        self._at_exit = False
 
     @staticmethod
     def _check_plain(name: str, value: Any) -> None:
@@ -240,7 +241,9 @@ class Checkpointer:
         pending.blocked = time.perf_counter() - t0
         self._pending = pending
         at_teardown(self.finish)
-        atexit.register(self._finish_at_exit)
+        if not self._at_exit:
+            atexit.register(self._finish_at_exit)
+            self._at_exit = True
         print0(f"multigpu: saving {final} in the background (the loop blocked {pending.blocked:.2f} s)")
         return final
 
