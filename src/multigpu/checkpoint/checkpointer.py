@@ -96,6 +96,7 @@ class Checkpointer:
         self._pending: _Pending | None = None
         self._group: Any = None  # the background writes' own gloo group (training keeps the default one)
         self._at_exit = False
+        self._staged: dict[str, Any] | None = None  # the host copy of the last background save
 
     @staticmethod
     def _check_plain(name: str, value: Any) -> None:
@@ -228,7 +229,7 @@ class Checkpointer:
         final, tmp = ctx[0], storage.tmp_dir(self.directory, step)
         writer = dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True)
         # A copy in host memory: training may change the parameters as soon as this returns.
-        staged = self._agree("staging the state in host memory", lambda: writer.stage(state), ctx)
+        staged = self._agree("staging the state in host memory", lambda: self._stage(writer, state), ctx)
         self._agree("writing RNG states", lambda: rng.save(tmp / rng.file_name(group.rank), rng.capture()), ctx)
         manifest = self._manifest(step, group)  # the loader's position and extras now, not at completion
         manifest["optimizer_fresh"] = fresh
@@ -246,6 +247,16 @@ class Checkpointer:
             self._at_exit = True
         print0(f"multigpu: saving {final} in the background (the loop blocked {pending.blocked:.2f} s)")
         return final
+
+    def _stage(self, writer: Any, state: dict[str, Any]) -> dict[str, Any]:
+        """The host copy: into the last save's buffers when the state has the same layout (the previous
+        write has finished: one save in flight), else a new one from DCP's writer. Fresh buffers cost
+        page faults: 1.2 GB staged in 1.1 s new, REUSE_S reused (benchmarks/checkpoint.py)."""
+        try:
+            self._staged = _copy_into(self._staged, state)
+        except _NewLayout:
+            self._staged = writer.stage(state)
+        return self._staged
 
     def finish(self) -> Path | None:
         """Complete the save in flight (collective): wait for its writes, then manifest, rename, marker.
@@ -344,6 +355,28 @@ class Checkpointer:
         except OSError:
             pass
         return None
+
+
+class _NewLayout(Exception):
+    """The state does not fit the staged buffers (other keys, shapes, dtypes, or DTensors)."""
+
+
+def _copy_into(buffer: Any, value: Any) -> Any:
+    """``value`` with its plain tensors copied into ``buffer``'s, which has the same structure."""
+    if isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor or not isinstance(buffer, torch.Tensor) or buffer.shape != value.shape \
+                or buffer.dtype != value.dtype:
+            raise _NewLayout
+        return buffer.copy_(value)
+    if isinstance(value, dict):
+        if not isinstance(buffer, dict) or buffer.keys() != value.keys():
+            raise _NewLayout
+        return {k: _copy_into(buffer[k], v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        if type(buffer) is not type(value) or len(buffer) != len(value) or hasattr(value, "_fields"):
+            raise _NewLayout
+        return type(value)(_copy_into(b, v) for b, v in zip(buffer, value))
+    return value  # numbers, strings, None: immutable
 
 
 class _Pending:
