@@ -44,6 +44,18 @@ def test_pipeline_mode_reaches_one_process_loss_and_reports_each_stage(monkeypat
     assert all(p["exposed_comm"] + p["overlapped_comm"] > 0 and p["compute"] > 0 for p in profiled)
 
 
+def test_checkpointed_in_the_background_and_resumed_equals_one_run(monkeypatch, tmp_path):
+    monkeypatch.delenv("RANK", raising=False)
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2", "--async-checkpoint"]
+    ref = train.main([*ARGS, "--log-dir", str(tmp_path / "ref")])
+    train.main([*ARGS, "--steps", "3", *ckpt, "--log-dir", str(tmp_path / "a")])   # saves after steps 0, 2
+    resumed = train.main([*ARGS, *ckpt, "--log-dir", str(tmp_path / "b")])     # steps 3-5, saves 4, 5
+    assert resumed["loss"] == pytest.approx(ref["loss"], abs=1e-6)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-4", "step-5"]   # keep=2, all complete
+    summary = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert summary["type"] == "summary" and summary["paused_s"]["checkpoint"] > 0
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--sequence-parallel"], "sequence_parallel and loss_parallel split work over tensor-parallel ranks but tp is 1"),
     (["--tp", "2"], "world size 1 is not divisible by dp_replicate 1 x tp 2 = 2"),

@@ -71,6 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-dir", default=None)
     p.add_argument("--profile", default=None, metavar="START:STOP",
                    help="torch.profiler over these steps on every rank (a stage each under --pp): traces and the time split")
+    p.add_argument("--checkpoint-dir", default=None, help="save here (and resume from here) with mg.Checkpointer")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (and the last one)")
+    p.add_argument("--async-checkpoint", action="store_true",
+                   help="write checkpoints in the background: the loop waits only for the host copy")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -164,52 +168,38 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                              flops_per_sample=cfg.flops_per_token() * cfg.block_size, tokens_per_sample=cfg.block_size,
                              dtype=amp.name, profile=args.profile,
                              fingerprint_extra={"recipe": "gpt", "size": args.size, "layout": "ddp" if args.ddp else repr(mesh)})
+        ckpt, start = None, 0
+        if args.checkpoint_dir:
+            ckpt = mg.Checkpointer(args.checkpoint_dir, every=args.checkpoint_every, keep=2, model=model,
+                                   optimizer=opt, scheduler=sched, scaler=amp, loader=train,
+                                   async_save=args.async_checkpoint)
+            start = ckpt.resume()
         metrics: dict[str, float] = {}
         with meter:
-            for step, micro_batches in meter.steps(_forever(train)):
-                if pipe is not None:  # the schedule runs forward and backward: mean micro-batch loss, last stage
-                    step_loss = pipe.step([(x.to(dist.device), y.to(dist.device)) for x, y in micro_batches])
-                    if args.clip:
-                        pipe.clip_grad_norm_(args.clip)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    if sched is not None:
-                        sched.step()
-                    meter.step_end(loss=step_loss, lr=opt, **pipe.stage_times())
-                    done = step + 1 == args.steps
-                    if done or (step + 1) % args.eval_every == 0:
-                        with meter.pause("eval"):
-                            metrics = evaluate_pipeline(pipe, val_set, mesh, dist, plan,
-                                                        args.eval_batches * plan.global_batch)
-                        meter.log_eval(step=step, loss=metrics["loss"], bits_per_byte=metrics["bits_per_byte"])
-                    if done:
-                        break
-                    continue
-                tokens = mg.token_divisor([y for _, y in micro_batches])
-                step_loss = 0.0
-                for x, y in mg.accumulate(model, micro_batches):
-                    with mg.parallel.loss_parallel(args.loss_parallel):
-                        with amp.autocast():
-                            logits = model(x)
-                        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum") / tokens
-                        amp.scale(loss).backward()
-                    step_loss = step_loss + _full(loss).detach()
-                if args.clip:
-                    amp.unscale_(opt)
-                    mg.clip_grad_norm_(model, args.clip)
-                amp.step(opt)
-                opt.zero_grad(set_to_none=True)
-                if sched is not None:
-                    sched.step()
+            for step, micro_batches in meter.steps(_forever(train), start=start):
+                if step >= args.steps:
+                    break  # resumed from the end
+                if pipe is not None:
+                    step_loss, extra = _pipeline_step(pipe, opt, sched, args, micro_batches, dist.device)
+                else:
+                    step_loss, extra = _model_step(model, opt, sched, amp, args, micro_batches)
+                meter.step_end(loss=step_loss, lr=opt, **extra)
                 done = step + 1 == args.steps
-                meter.step_end(loss=step_loss, lr=opt)  # this rank's tokens' loss over the step's mean count
+                if ckpt is not None:
+                    with meter.pause("checkpoint"):  # with --async-checkpoint, only the host copy
+                        ckpt.save(step, force=done)
                 if done or (step + 1) % args.eval_every == 0:
                     with meter.pause("eval"):
-                        metrics = evaluate(model, val_set, mesh, dist, plan.micro_batch,
-                                           args.eval_batches * plan.global_batch, args.loss_parallel)
+                        if pipe is not None:
+                            metrics = evaluate_pipeline(pipe, val_set, mesh, dist, plan, args.eval_batches * plan.global_batch)
+                        else:
+                            metrics = evaluate(model, val_set, mesh, dist, plan.micro_batch,
+                                               args.eval_batches * plan.global_batch, args.loss_parallel)
                     meter.log_eval(step=step, loss=metrics["loss"], bits_per_byte=metrics["bits_per_byte"])
                 if done:
                     break
+        if ckpt is not None:
+            ckpt.finish()
         summary = meter.summary() or {}
         sps = summary.get("samples_per_s")
         peak = torch.cuda.max_memory_allocated(dist.device) if dist.device.type == "cuda" else None
@@ -222,6 +212,39 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         mg.print0(f"gpt {args.size}: val loss {metrics.get('loss', float('nan')):.4f} "
                   f"({metrics.get('bits_per_byte', float('nan')):.3f} bits/byte); {tps}{mfu}{mem} | {repr(mesh)}")
         return result
+
+
+def _pipeline_step(pipe, opt, sched, args, micro_batches, device):
+    """The schedule runs forward and backward: the mean micro-batch loss (last stage), the stage times."""
+    loss = pipe.step([(x.to(device), y.to(device)) for x, y in micro_batches])
+    if args.clip:
+        pipe.clip_grad_norm_(args.clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if sched is not None:
+        sched.step()
+    return loss, pipe.stage_times()
+
+
+def _model_step(model, opt, sched, amp, args, micro_batches):
+    """Every micro-batch's summed token loss over the step's global count: this rank's share of the loss."""
+    tokens = mg.token_divisor([y for _, y in micro_batches])
+    step_loss = 0.0
+    for x, y in mg.accumulate(model, micro_batches):
+        with mg.parallel.loss_parallel(args.loss_parallel):
+            with amp.autocast():
+                logits = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum") / tokens
+            amp.scale(loss).backward()
+        step_loss = step_loss + _full(loss).detach()
+    if args.clip:
+        amp.unscale_(opt)
+        mg.clip_grad_norm_(model, args.clip)
+    amp.step(opt)
+    opt.zero_grad(set_to_none=True)
+    if sched is not None:
+        sched.step()
+    return step_loss, {}
 
 
 def _int_list(text: str, flag: str) -> list[int]:
