@@ -14,7 +14,6 @@ import datetime
 import json
 import platform
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -32,6 +31,7 @@ from ..parallel import strategy_of
 from ..parallel.zero import is_zero_optimizer
 from ..values import is_positive_int
 from . import loading, rng, storage
+from .background import BackgroundWrite, NewLayout, copy_into
 from .group import Group
 from .state import TrainingObjects, is_stateful
 
@@ -93,7 +93,7 @@ class Checkpointer:
             self.extra[name] = value
         self.last_saved: Path | None = None
         self.async_save = bool(async_save)
-        self._pending: _Pending | None = None
+        self._pending: BackgroundWrite | None = None
         self._group: Any = None  # the background writes' own gloo group (training keeps the default one)
         self._at_exit = False
         self._staged: dict[str, Any] | None = None  # the host copy of the last background save
@@ -237,7 +237,7 @@ class Checkpointer:
             # DCP's planning collectives run on the writer thread: on the training group they could
             # interleave with the loop's own collectives (a hang or a wrong reduction).
             self._group = tdist.new_group(backend="gloo")
-        pending = _Pending(final, tmp, manifest, t0, group.rank, no_dist=not group.on)
+        pending = BackgroundWrite(final, tmp, manifest, t0, group.rank, no_dist=not group.on)
         pending.start(staged, writer, self._group)
         pending.blocked = time.perf_counter() - t0
         self._pending = pending
@@ -253,8 +253,8 @@ class Checkpointer:
         write has finished: one save in flight), else a new one from DCP's writer. Fresh buffers cost
         page faults: 1.2 GB staged in 1.1 s new, 0.23 s reused (benchmarks/checkpoint.py)."""
         try:
-            self._staged = _copy_into(self._staged, state)
-        except _NewLayout:
+            self._staged = copy_into(self._staged, state)
+        except NewLayout:
             self._staged = writer.stage(state)
         return self._staged
 
@@ -355,62 +355,3 @@ class Checkpointer:
         except OSError:
             pass
         return None
-
-
-class _NewLayout(Exception):
-    """The state does not fit the staged buffers (other keys, shapes, dtypes, or DTensors)."""
-
-
-def _copy_into(buffer: Any, value: Any) -> Any:
-    """``value`` with its plain tensors copied into ``buffer``'s, which has the same structure."""
-    if isinstance(value, torch.Tensor):
-        if type(value) is not torch.Tensor or not isinstance(buffer, torch.Tensor) or buffer.shape != value.shape \
-                or buffer.dtype != value.dtype:
-            raise _NewLayout
-        return buffer.copy_(value)
-    if isinstance(value, dict):
-        if not isinstance(buffer, dict) or buffer.keys() != value.keys():
-            raise _NewLayout
-        return {k: _copy_into(buffer[k], v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        if type(buffer) is not type(value) or len(buffer) != len(value) or hasattr(value, "_fields"):
-            raise _NewLayout
-        return type(value)(_copy_into(b, v) for b, v in zip(buffer, value))
-    return value  # numbers, strings, None: immutable
-
-
-class _Pending:
-    """One save in flight: DCP's write of the staged copy, then this rank's share of the hashes, on a thread."""
-
-    def __init__(self, final: Path, tmp: Path, manifest: dict[str, Any], t0: float, rank: int, no_dist: bool) -> None:
-        self.final, self.tmp, self.manifest, self.t0, self.rank, self.no_dist = final, tmp, manifest, t0, rank, no_dist
-        self.blocked = 0.0
-        self.hashes: dict[str, Any] | None = None
-        self.error: BaseException | None = None
-        self.thread: threading.Thread | None = None
-
-    def start(self, staged: dict[str, Any], writer: Any, group: Any) -> None:
-        # A daemon: a killed or crashing run must not wait for it (the previous checkpoint stays valid).
-        self.thread = threading.Thread(target=self._run, args=(staged, writer, group), daemon=True,
-                                       name=f"multigpu-save-{self.final.name}")
-        self.thread.start()
-
-    def _run(self, staged: dict[str, Any], writer: Any, group: Any) -> None:
-        try:
-            with storage.single_process_ok():
-                dcp.save(staged, storage_writer=writer, process_group=group, no_dist=self.no_dist)
-            self.hashes = storage.hash_files(self.tmp, self._own_files())
-        except BaseException as err:  # noqa: BLE001 - CheckpointException too; raised by result()
-            self.error = err
-
-    def _own_files(self) -> list[str]:
-        """What this rank wrote: its DCP file(s), its RNG state, and (rank 0) DCP's metadata."""
-        mine = f"__{self.rank}_"
-        return [n for n in storage.list_files(self.tmp)
-                if n.startswith(mine) or n == rng.file_name(self.rank) or (self.rank == 0 and n == ".metadata")]
-
-    def result(self) -> dict[str, Any]:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.hashes
