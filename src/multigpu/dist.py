@@ -196,10 +196,17 @@ def init(
     except UsageError as err:
         report_usage_error(err)
         raise SystemExit(2) from None
+    clean_exit = None
     try:
-        yield dist
+        try:
+            yield dist
+        except SystemExit as err:
+            if err.code not in (0, None):
+                raise
+            clean_exit = err  # sys.exit(0) inside the block: a normal end
         run_teardown()  # still inside: a failure here (a background checkpoint write) is reported like any
     except UsageError as err:
+        _TEARDOWN.clear()
         record_failure(err)
         if created and tdist.is_initialized():
             tdist.destroy_process_group()
@@ -208,6 +215,7 @@ def init(
         setattr(stop, RAISED_AT, getattr(err, RAISED_AT, None))
         raise stop from None
     except BaseException as err:
+        _TEARDOWN.clear()  # nothing collective after a failure (a later mg.init block must not inherit it)
         # Recorded first (the failure summary orders ranks by it): tearing down closes the
         # connections, and the peers' "Connection reset by peer" must come after.
         record_failure(err)
@@ -224,6 +232,8 @@ def init(
         if world > 1:
             tdist.barrier()
         tdist.destroy_process_group()
+    if clean_exit is not None:
+        raise clean_exit
 
 
 # Work to finish on every rank before ``mg.init`` tears the process group down (a checkpoint

@@ -9,6 +9,8 @@ collective and stays with the Checkpointer.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import threading
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,9 @@ def copy_into(buffer: Any, value: Any) -> Any:
         if type(buffer) is not type(value) or len(buffer) != len(value) or hasattr(value, "_fields"):
             raise NewLayout
         return type(value)(copy_into(b, v) for b, v in zip(buffer, value))
-    return value  # numbers, strings, None: immutable
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return value  # immutable
+    return copy.deepcopy(value)  # anything else a state_dict() holds may change before the write
 
 
 class BackgroundWrite:
@@ -59,7 +63,8 @@ class BackgroundWrite:
 
     def _run(self, staged: dict[str, Any], writer: Any, group: Any) -> None:
         try:
-            with storage.single_process_ok():
+            # The warnings filter is process-wide: touched only where DCP warns (no process group).
+            with storage.single_process_ok() if self.no_dist else contextlib.nullcontext():
                 dcp.save(staged, storage_writer=writer, process_group=group, no_dist=self.no_dist)
             self.hashes = storage.hash_files(self.tmp, self._own_files())
         except BaseException as err:  # noqa: BLE001 - CheckpointException too; raised by result()

@@ -58,6 +58,14 @@ def _share(p: torch.Tensor, dp_ndim: int, tp: int, name: str) -> float:
     return 1.0 if split else 1.0 / tp
 
 
+def _check_tp(degrees: list[int], tp: int, world: str) -> None:
+    """``tp`` is world / data-parallel ranks: some parameter must really be spread over that many."""
+    if tp > 1 and tp not in degrees:
+        raise UsageError(f"NoiseScale's plan has {world} but no parameter is spread over {tp} tensor-parallel ranks "
+                         "(pipeline stages, or a plan over too few ranks?); build the plan over the data-parallel "
+                         f"ranks of a data x tensor-parallel mesh (mesh.plan(...)), or {_OBSERVE}")
+
+
 def _roots(shares: list[float]) -> list[float] | None:
     """Norm factors for these shares; None when every share is 1."""
     return None if all(s == 1.0 for s in shares) else [math.sqrt(s) for s in shares]
@@ -90,6 +98,7 @@ def replicated(world: int) -> Layout:
 
 def tensor_parallel(named: list[tuple[str, torch.Tensor]], tp: int) -> Layout:
     """One data-parallel rank over ``tp`` tensor-parallel ranks (micro-batches give the small batch)."""
+    _check_tp([tp_split(p, 0)[0] for _, p in named], tp, "one data-parallel rank")
     shares = [_share(p, 0, tp, name) for name, p in named]
     total, share = _uniform(shares)
     return Layout(tp=tp, local=_roots(shares), total=total, total_share=share)
@@ -112,6 +121,8 @@ def fsdp(modules: list[torch.nn.Module], named: list[tuple[str, torch.Tensor]], 
                                  "when each shard group has one rank (a replicate x 1 mesh is plain replication); "
                                  "use mg.wrap(model, 'ddp') for that, or shard over 2+ ranks")
             replicas.add(p.device_mesh.size(0) if ndim == 2 else 1)
+            if not p.requires_grad:
+                continue  # frozen: never in the reduce-scatter input
             blocks.append(block)
             shares.append(_share(p, ndim, tp, names.get(id(p), "?")))
         per_module.append(_merge(blocks, shares))
@@ -123,6 +134,7 @@ def fsdp(modules: list[torch.nn.Module], named: list[tuple[str, torch.Tensor]], 
         raise UsageError(f"NoiseScale under FSDP2 needs every trained parameter in a fully_shard module, but "
                          f"{', '.join(outside[:3])} is outside them; shard the root too (mg.wrap(model, 'fsdp')) or {_OBSERVE}")
     rep = replicas.pop()
+    _check_tp([tp_split(p, dp_ndim[id(p)])[0] for _, p in named], tp, "data-parallel ranks of a larger world")
     shares = [_share(p, dp_ndim[id(p)], tp, name) / rep for name, p in named]
     total, share = _uniform(shares)
     return Layout(tp=tp, replicas=rep, total=total, total_share=share, blocks=per_module)

@@ -52,16 +52,18 @@ def norm_parts(tensors: list[torch.Tensor], weights: list[float] | None = None) 
     return parts
 
 
-def block_norms(flat: torch.Tensor, blocks: list[int] | None, weights: list[float] | None) -> list[torch.Tensor]:
+def block_norms(flat: torch.Tensor, blocks: list[int] | None, weights: list[float] | None,
+                shards: int) -> list[torch.Tensor]:
     """Weighted norms of the column blocks of a reduce-scatter input (``shards x sum(blocks)``, layout.py);
     the whole input's norm when every block counts alike (``blocks`` None, one weight or none)."""
     if blocks is None:
         return norm_parts([flat], weights)
     width = sum(blocks)
-    if flat.numel() % width:
-        raise UsageError(f"NoiseScale expected FSDP2 reduce-scatter inputs of a multiple of {width} elements, got "
-                         f"{flat.numel()}; this torch lays them out otherwise: leave the model unattached and call "
-                         "noise.observe(...) each step")
+    if flat.numel() != shards * width:
+        raise UsageError(f"NoiseScale expected an FSDP2 reduce-scatter input of {shards} x {width} elements, got "
+                         f"{flat.numel()}: a parameter of this module had no gradient in this backward (unused this "
+                         "step), so the tensor-parallel shares cannot be placed; use every parameter each step, or "
+                         "leave the model unattached and call noise.observe(...) each step")
     return norm_parts(list(flat.view(-1, width).split(blocks, dim=1)), weights)
 
 
@@ -138,7 +140,7 @@ class ReduceScatterNorms:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        self.on_input(input_tensor, op, self.blocks, self.weights)
+        self.on_input(input_tensor, op, self.blocks, self.weights, group.size())
         return _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 

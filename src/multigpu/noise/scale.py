@@ -102,8 +102,7 @@ class NoiseScale:
         actual = tdist.get_world_size(self.group) if tdist.is_available() and tdist.is_initialized() else 1
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         tp = actual // world if actual % world == 0 else 0
-        if actual != world and not (tp > 1 and any(layout.tp_split(p, p.device_mesh.ndim - 1)[0] == tp
-                                                   for _, p in named if hasattr(p, "device_mesh"))):
+        if actual != world and tp < 2:
             raise UsageError(f"NoiseScale's plan is for world_size {world} but this job has {actual} processes; "
                              "build the plan with mg.BatchPlan(..., world_size=dist.world_size), or over the "
                              "data-parallel ranks of a tensor-parallel mesh with mesh.plan(...)")
@@ -114,6 +113,10 @@ class NoiseScale:
             if strategy == "fsdp":
                 self._attach_fsdp(fsdp_modules(model), named, tp)
             elif strategy in ("ddp", "zero1"):
+                if tp > 1:
+                    raise UsageError(f"NoiseScale's plan is for {world} data-parallel ranks of {actual} processes, but "
+                                     f"this {strategy} model replicates over all of them; build the plan with "
+                                     "world_size=dist.world_size")
                 if getattr(model, "gradient_as_bucket_view", False):
                     # The rank gradients are read while the last bucket is being reduced: as
                     # views of the buckets they would be overwritten under the reader.
@@ -228,7 +231,7 @@ class NoiseScale:
             local, self._local, self._grad_list = self._local, [], []
         self._queue_step(local, total, self._scale(total[0].device), self._layout.total_share)
 
-    def _on_reduce_scatter(self, flat_input: torch.Tensor, op, blocks=None, weights=None) -> None:
+    def _on_reduce_scatter(self, flat_input: torch.Tensor, op, blocks=None, weights=None, shards: int = 1) -> None:
         if self._kind != "fsdp":
             return  # detached
         self._reduced = True
@@ -237,7 +240,7 @@ class NoiseScale:
             norms.queue_callback(self._before_reduction)
         if self._measuring():
             self._plain_sum = self._plain_sum or norms.is_plain_sum(op)
-            self._parts += norms.block_norms(flat_input, blocks, weights)
+            self._parts += norms.block_norms(flat_input, blocks, weights, shards)
 
     def _on_micro_grad(self, weight: float | None, grad: torch.Tensor) -> None:
         if self._measuring():

@@ -116,7 +116,7 @@ class Pipeline:
         x = torch.cat([mb[0] for mb in micro_batches]) if self.has_first else None
         y = torch.cat([mb[1] for mb in micro_batches]) if self.has_last else None
         losses: list[torch.Tensor] = []
-        with torch.no_grad():
+        with torch.no_grad(), self.clock.discard():  # evaluation is not the training steps' compute
             self.schedule.eval(*((x,) if self.has_first else ()), target=y, losses=losses if self.has_last else None)
         return torch.stack([loss.detach() for loss in losses]).mean() if self.has_last else None
 
@@ -204,6 +204,15 @@ class StageClock:
         return self._span(compute=False)
 
     @contextlib.contextmanager
+    def discard(self):
+        """Leave out what is timed inside (forward chunks of an evaluation)."""
+        compute, total, n = self.compute, self.total, len(self.events)
+        try:
+            yield
+        finally:
+            self.compute, self.total, self.events = compute, total, self.events[:n]
+
+    @contextlib.contextmanager
     def _span(self, compute: bool):
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -213,6 +222,8 @@ class StageClock:
             finally:
                 end.record()
                 self.events.append((start, end, compute))
+                if len(self.events) > 4096:  # nobody reads them (no stage_times() calls): fold, bounded
+                    self._fold()
             return
         t0 = time.perf_counter()
         try:
@@ -224,8 +235,8 @@ class StageClock:
             else:
                 self.total += dt
 
-    def take(self) -> tuple[float, float]:
-        """(compute seconds, step seconds) since the last call."""
+    def _fold(self) -> None:
+        """The recorded CUDA events into seconds (waits for the last one)."""
         if self.events:
             self.events[-1][1].synchronize()
             for start, end, compute in self.events:
@@ -235,5 +246,9 @@ class StageClock:
                 else:
                     self.total += dt
             self.events = []
+
+    def take(self) -> tuple[float, float]:
+        """(compute seconds, step seconds) since the last call."""
+        self._fold()
         out, self.compute, self.total = (self.compute, self.total), 0.0, 0.0
         return out

@@ -11,7 +11,9 @@ An ordinary training script on the public API:
 The loss is summed over each micro-batch's targets and divided by the step's
 target count over every data-parallel rank (``mg.token_divisor``), so the
 gradient is the same for every layout and split (masked targets, -100,
-would count out of both). Reports tokens/s and MFU through the
+would count out of both). Under ``--pp`` the schedule's loss is each
+micro-batch's mean (``scale_grads``), exact while micro-batches count the
+same targets, as these windows do. Reports tokens/s and MFU through the
 step meter (6N + 12·L·h·s FLOPs per token), and the held-out loss with bits
 per byte (the built-in text is byte-tokenised, so bits per token are bits per
 byte).
@@ -110,6 +112,10 @@ def evaluate_pipeline(pipe, val_set, mesh, dist, plan, sequences: int) -> dict[s
     micro-batch count; the last stage's ranks count it, once per tensor-parallel group."""
     # Whole groups on every data-parallel rank: FSDP's gathers need each rank to run as many forwards.
     unit = mesh.dp_size * plan.micro_batch * pipe.microbatches
+    if len(val_set) < unit:
+        raise mg.UsageError(f"the held-out set has {len(val_set)} sequences, fewer than one pipeline evaluation "
+                            f"({unit} = {mesh.dp_size} data-parallel ranks x {pipe.microbatches} micro-batches of "
+                            f"{plan.micro_batch}); use a smaller --block-size or --micro-batch, or more held-out data")
     n = max(min(sequences, len(val_set)) // unit, 1) * unit
     subset = torch.utils.data.Subset(val_set, range(n))
     batches = [(x.to(dist.device), y.to(dist.device)) for x, y in mg.eval_loader(subset, dist, plan.micro_batch, mesh=mesh)]
@@ -180,7 +186,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 if step >= args.steps:
                     break  # resumed from the end
                 if pipe is not None:
-                    step_loss, extra = _pipeline_step(pipe, opt, sched, args, micro_batches, dist.device)
+                    step_loss = _pipeline_step(pipe, opt, sched, args, micro_batches, dist.device)
+                    # Read at log steps only (the meter sums a metric over its interval's steps): on a
+                    # GPU each read waits for the device.
+                    extra = pipe.stage_times() if meter.will_log() or step + 1 == args.steps else {}
                 else:
                     step_loss, extra = _model_step(model, opt, sched, amp, args, micro_batches)
                 meter.step_end(loss=step_loss, lr=opt, **extra)
@@ -215,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 def _pipeline_step(pipe, opt, sched, args, micro_batches, device):
-    """The schedule runs forward and backward: the mean micro-batch loss (last stage), the stage times."""
+    """The schedule runs forward and backward: the mean micro-batch loss on the last stage's rank."""
     loss = pipe.step([(x.to(device), y.to(device)) for x, y in micro_batches])
     if args.clip:
         pipe.clip_grad_norm_(args.clip)
@@ -223,7 +232,7 @@ def _pipeline_step(pipe, opt, sched, args, micro_batches, device):
     opt.zero_grad(set_to_none=True)
     if sched is not None:
         sched.step()
-    return loss, pipe.stage_times()
+    return loss
 
 
 def _model_step(model, opt, sched, amp, args, micro_batches):
