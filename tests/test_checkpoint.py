@@ -225,6 +225,20 @@ def test_checksums_are_xxh3_and_older_sha256_manifests_still_verify(tmp_path):
     assert "no checksum" in storage.check_hashes(tmp_path, {"files": {"a.bin": {"bytes": 100_000}}}, ["a.bin"])[0]
 
 
+def test_a_background_save_is_completed_when_the_init_block_ends_even_by_sys_exit_0(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(SystemExit) as exc:
+        with mg.init(seed=0):
+            ckpt = mg.Checkpointer(tmp_path / "run", model=model, async_save=True)
+            ckpt.save(0)
+            assert _listing(tmp_path / "run") == [".tmp-step-0"]
+            sys.exit(0)
+    assert exc.value.code == 0
+    assert _listing(tmp_path / "run") == ["step-0"] and storage.verify(tmp_path / "run" / "step-0")[1] == []
+
+
 # --- async saves: exact, durable, failures raised at the next save -------------------------------
 
 def _async_runs(dist, root):

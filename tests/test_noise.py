@@ -402,6 +402,14 @@ def test_fsdp_reads_the_same_norms_as_ddp():
     assert "mg.wrap(model, 'ddp')" in res[0]["replicate_error"]
 
 
+def test_a_tensor_parallel_degree_no_parameter_has_is_refused():
+    """world / plan.world_size = 2, but nothing is tensor-parallel (pipeline stages, say): one line."""
+    from multigpu.noise import layout
+
+    with pytest.raises(mg.UsageError, match="no parameter is spread over 2 tensor-parallel ranks"):
+        layout.tensor_parallel([("w", torch.nn.Parameter(torch.zeros(2)))], tp=2)
+
+
 # ---- tensor parallelism: each rank's part of the norms, by how many ranks hold it ----------
 def _grad_sq(model) -> float:
     return sum(float(p.grad.double().square().sum()) for p in model.parameters() if p.grad is not None)
