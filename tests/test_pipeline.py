@@ -62,19 +62,18 @@ def test_three_d_pipeline_fsdp_tensor_parallel_on_8_ranks_equals_one_process(ref
 
 @pytest.mark.slow
 def test_checkpoints_resume_across_layouts_pipelines_included(reference, tmp_path):
-    """Each layout trains one step from the last one's checkpoint: 1F1B on 2 ranks, TP 2, FSDP 2 x TP 2 with
-    sequence parallel, one process, the interleaved schedule (2 stages per rank): the weights of one process
-    trained alone for the 5 steps, each run starting where the loader stood."""
+    """Each layout trains from the last one's checkpoint: 1F1B on 2 ranks (steps 0-1), FSDP 2 x TP 2 with
+    sequence parallel (step 2), one process (step 3), the interleaved schedule, 2 stages per rank (step 4):
+    the weights of one process trained alone for the 5 steps, each run starting where the loader stood."""
     ckpt = str(tmp_path / "ckpt")
-    runs = [(layouts.train_pipeline, 2, {"pp": 2, "schedule": "1f1b", "model": MODEL}),
-            (layouts.train, 2, {"tp": 2, "model": MODEL}),
-            (layouts.train, 4, {"tp": 2, "sequence_parallel": True, "model": MODEL}),
-            (layouts.train, 1, {"model": MODEL}),
-            (layouts.train_pipeline, 2, {"pp": 2, "schedule": "interleaved_1f1b", "model": MODEL})]
-    for step, (fn, world, layout) in enumerate(runs):
-        out = spawn(fn, world, layout, accum=4, ckpt=ckpt, stop_after=step, timeout=240)
-        for rank in out:   # one step here, the one after the checkpoint's
-            assert rank["norms"] == pytest.approx([reference["norms"][step]], rel=1e-5), (step, layout)
+    runs = [(layouts.train_pipeline, 2, {"pp": 2, "schedule": "1f1b", "model": MODEL}, [0, 1]),
+            (layouts.train, 4, {"tp": 2, "sequence_parallel": True, "model": MODEL}, [2]),
+            (layouts.train, 1, {"model": MODEL}, [3]),
+            (layouts.train_pipeline, 2, {"pp": 2, "schedule": "interleaved_1f1b", "model": MODEL}, [4])]
+    for fn, world, layout, steps in runs:
+        out = spawn(fn, world, layout, accum=4, ckpt=ckpt, stop_after=steps[-1], timeout=240)
+        for rank in out:   # the steps after the checkpoint's
+            assert rank["norms"] == pytest.approx([reference["norms"][s] for s in steps], rel=1e-5), layout
     for rank in out:
         diff = max((rank["state"][k] - reference["state"][k]).abs().max().item() for k in reference["state"])
         assert diff < 1e-5, diff

@@ -125,8 +125,11 @@ class Pipeline:
         ``stage/compute`` (forward and backward chunks), ``stage/p2p`` (the rest of ``step``: sending,
         receiving and waiting for the neighbour stages, the bubble), ``stage/id`` (its first stage).
         The meter keeps them per rank and the summary reports each stage's shares of the step."""
-        compute, total = self.clock.take()
-        return {"stage/compute": compute, "stage/p2p": max(0.0, total - compute), "stage/id": float(self.ids[0])}
+        compute, total, steps = self.clock.take()
+        # The meter sums a metric over its interval's steps and divides by their number: the id
+        # counts once per step read here, so reading only at log steps still gives the id.
+        return {"stage/compute": compute, "stage/p2p": max(0.0, total - compute),
+                "stage/id": float(self.ids[0] * steps)}
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm over every stage: each rank's norm, combined over the pipeline."""
@@ -188,6 +191,7 @@ class StageClock:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.compute = self.total = 0.0
+        self.steps = 0
         self.events: list[tuple[Any, Any, bool]] = []  # (start, end, is_compute), CUDA only
 
     def wrap(self, stage: Any) -> None:
@@ -201,16 +205,17 @@ class StageClock:
             return fn(*args, **kwargs)
 
     def step(self) -> contextlib.AbstractContextManager:
+        self.steps += 1
         return self._span(compute=False)
 
     @contextlib.contextmanager
     def discard(self):
         """Leave out what is timed inside (forward chunks of an evaluation)."""
-        compute, total, n = self.compute, self.total, len(self.events)
+        compute, total, steps, n = self.compute, self.total, self.steps, len(self.events)
         try:
             yield
         finally:
-            self.compute, self.total, self.events = compute, total, self.events[:n]
+            self.compute, self.total, self.steps, self.events = compute, total, steps, self.events[:n]
 
     @contextlib.contextmanager
     def _span(self, compute: bool):
@@ -247,8 +252,8 @@ class StageClock:
                     self.total += dt
             self.events = []
 
-    def take(self) -> tuple[float, float]:
-        """(compute seconds, step seconds) since the last call."""
+    def take(self) -> tuple[float, float, int]:
+        """(compute seconds, step seconds, steps) since the last call."""
         self._fold()
-        out, self.compute, self.total = (self.compute, self.total), 0.0, 0.0
+        out, self.compute, self.total, self.steps = (self.compute, self.total, self.steps), 0.0, 0.0, 0
         return out

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     step_loss = _pipeline_step(pipe, opt, sched, args, micro_batches, dist.device)
                     # Read at log steps only (the meter sums a metric over its interval's steps): on a
                     # GPU each read waits for the device.
-                    extra = pipe.stage_times() if meter.will_log() or step + 1 == args.steps else {}
+                    extra = pipe.stage_times() if meter.will_log or step + 1 == args.steps else {}
                 else:
                     step_loss, extra = _model_step(model, opt, sched, amp, args, micro_batches)
                 meter.step_end(loss=step_loss, lr=opt, **extra)
