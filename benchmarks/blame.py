@@ -50,7 +50,7 @@ def main() -> None:
                 _, err = proc.communicate(timeout=180)
                 counts[kind][blamed(err)] += 1
             print(f"[{i + 1}/{args.runs}] " + "; ".join(f"{k}: {dict(c)}" for k, c in counts.items()), flush=True)
-    print(f"rank 1 named: " + ", ".join(f"{k} {c['1']}/{args.runs}" for k, c in counts.items())
+    print("rank 1 named: " + ", ".join(f"{k} {c['1']}/{args.runs}" for k, c in counts.items())
           + f" ({time.perf_counter() - t0:.0f} s)")
 
 
