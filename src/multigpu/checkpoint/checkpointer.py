@@ -212,11 +212,7 @@ class Checkpointer:
             self._agree("finishing (manifest, rename, marker)",
                         lambda: storage.finish(tmp, final, manifest) if group.rank == 0 else None, ctx)
         except BaseException:
-            if group.rank == 0 and tmp.exists():
-                try:
-                    storage.remove_tree(tmp)
-                except OSError:
-                    pass
+            _discard(tmp, group)
             raise
         self.last_saved = final
         self._agree("removing old checkpoints", lambda: self._prune(final) if group.rank == 0 else None, ctx)
@@ -287,11 +283,7 @@ class Checkpointer:
             self._agree("finishing (manifest, rename, marker)",
                         lambda: storage.finish(pending.tmp, pending.final, manifest) if group.rank == 0 else None, ctx)
         except BaseException:
-            if group.rank == 0 and pending.tmp.exists():
-                try:
-                    storage.remove_tree(pending.tmp)
-                except OSError:
-                    pass
+            _discard(pending.tmp, group)
             raise
         self.last_saved = pending.final
         self._agree("removing old checkpoints", lambda: self._prune(pending.final) if group.rank == 0 else None, ctx)
@@ -361,3 +353,12 @@ class Checkpointer:
         except OSError:
             pass
         return None
+
+
+def _discard(tmp: Path, group: Group) -> None:
+    """Remove a save's unfinished directory after a failure (rank 0; the error that follows says why)."""
+    if group.rank == 0 and tmp.exists():
+        try:
+            storage.remove_tree(tmp)
+        except OSError:
+            pass

@@ -100,24 +100,24 @@ class Pipeline:
         if len(micro_batches) != self.microbatches:
             raise UsageError(f"the pipeline was built for {self.microbatches} micro-batches per step but got "
                              f"{len(micro_batches)}; build it with the plan's accum_steps")
-        x = torch.cat([mb[0] for mb in micro_batches]) if self.has_first else None
-        y = torch.cat([mb[1] for mb in micro_batches]) if self.has_last else None
-        losses: list[torch.Tensor] = []
-        args = (x,) if self.has_first else ()
         with self.clock.step():
-            self.schedule.step(*args, target=y, losses=losses if self.has_last else None)
-        return torch.stack([loss.detach() for loss in losses]).mean() if self.has_last else None
+            return self._run(self.schedule.step, micro_batches)
 
     def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """Forward only (the schedule's ``eval``): the mean micro-batch loss on the last stage's rank."""
         if not hasattr(self.schedule, "eval"):
             raise UsageError(f"pipeline evaluation needs a torch whose schedules have eval() (2.13 has it), this is "
                              f"{torch.__version__}; upgrade torch or evaluate a one-process copy of the model")
+        with torch.no_grad(), self.clock.discard():  # evaluation is not the training steps' compute
+            return self._run(self.schedule.eval, micro_batches)
+
+    def _run(self, call: Callable[..., Any], micro_batches: list) -> torch.Tensor | None:
+        """``call`` (the schedule's step or eval) on the inputs this rank's stages need: the first stage the
+        inputs, the last the targets; their mean micro-batch loss there, None elsewhere."""
         x = torch.cat([mb[0] for mb in micro_batches]) if self.has_first else None
         y = torch.cat([mb[1] for mb in micro_batches]) if self.has_last else None
         losses: list[torch.Tensor] = []
-        with torch.no_grad(), self.clock.discard():  # evaluation is not the training steps' compute
-            self.schedule.eval(*((x,) if self.has_first else ()), target=y, losses=losses if self.has_last else None)
+        call(*((x,) if self.has_first else ()), target=y, losses=losses if self.has_last else None)
         return torch.stack([loss.detach() for loss in losses]).mean() if self.has_last else None
 
     def stage_times(self) -> dict[str, float]:

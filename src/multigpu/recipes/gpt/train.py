@@ -100,11 +100,8 @@ def evaluate(model, val_set, mesh, dist, batch_size: int, sequences: int, loss_p
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")
             total += float(_full(loss))
             tokens += y.numel()
-    once = 1.0 if mesh.tp_rank == 0 else 0.0  # TP peers hold the same numbers
-    sums = mg.all_reduce_sum({"loss": total * once, "tokens": tokens * once})
     model.train()
-    mean = sums["loss"] / max(sums["tokens"], 1.0)
-    return {"loss": mean, "bits_per_byte": mean / math.log(2)}
+    return _held_out(total, tokens, counts=mesh.tp_rank == 0)  # TP peers hold the same numbers
 
 
 def evaluate_pipeline(pipe, val_set, mesh, dist, plan, sequences: int) -> dict[str, float]:
@@ -126,7 +123,12 @@ def evaluate_pipeline(pipe, val_set, mesh, dist, plan, sequences: int) -> dict[s
         if loss is not None:
             n = sum(y.numel() for _, y in group)
             total, tokens = total + float(_full(loss)) * n, tokens + n
-    once = 1.0 if pipe.has_last and mesh.tp_rank == 0 else 0.0
+    return _held_out(total, tokens, counts=pipe.has_last and mesh.tp_rank == 0)
+
+
+def _held_out(total: float, tokens: float, counts: bool) -> dict[str, float]:
+    """The mean loss per token over every rank whose numbers ``counts`` (collective), and bits per byte."""
+    once = 1.0 if counts else 0.0
     sums = mg.all_reduce_sum({"loss": total * once, "tokens": tokens * once})
     mean = sums["loss"] / max(sums["tokens"], 1.0)
     return {"loss": mean, "bits_per_byte": mean / math.log(2)}
