@@ -147,7 +147,7 @@ def _free_port() -> int:
         (["--nnodes", "2", "--master", "node0:99999", "{script}"], "port in 1..65535, got 'node0:99999'"),
         (["--nnodes", "2", "--master", "node0:http", "{script}"], "--master must be HOST:PORT"),
         (["--max-restarts", "-1", "{script}"], "--max-restarts must be 0 or more, got -1"),
-        (["--nnodes", "0", "{script}"], "--nnodes must be at least 1, got 0"),
+        (["--nnodes", "0", "{script}"], "--nnodes needs at least 1 node, got '0'"),
         (["--log-dir", "{script}", "{script}"], "cannot create the log directory"),
         (["--find-batch", "{script}"], "--find-batch on CPU workers (--cpu) needs --memory-budget SIZE"),
         (["--memory-budget", "1GiB", "{script}"], "got it without --find-batch; add --find-batch or drop --memory-budget 1GiB"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import time
@@ -71,38 +70,29 @@ def test_worker_env_carries_run_dir_profile_and_flight_recorder():
         worker_env("/runs/x", profile="ten")
 
 
-def test_real_hang_under_multigpu_run_gives_the_verdict_and_the_profile(tmp_path):
-    """`multigpu run -n 3 --cpu --profile 1:3`: rank 1 stops in step 3, the others wait in all_reduce."""
+def test_real_hang_under_multigpu_run_gives_the_verdict_and_the_profile_and_hang_timeout_ends_it(tmp_path):
+    """`multigpu run -n 3 --cpu --profile 1:3 --hang-timeout 2`: rank 1 stops in step 3, the others wait in
+    all_reduce; the verdict stops the workers and, with no restart left, is the summary (exit 124)."""
     err_path = tmp_path / "launcher.stderr"
     out_path = tmp_path / "launcher.stdout"
     t_start = time.time()
-    launcher = subprocess.Popen(
+    launcher = subprocess.run(
         [sys.executable, "-m", "multigpu", "run", "-n", "3", "--cpu", "--log-dir", str(tmp_path / "logs"),
-         "--profile", "1:3", os.path.join(HERE, "_hang_worker.py"), "1", "3"],
-        cwd=tmp_path, stdout=out_path.open("w"), stderr=err_path.open("w"))
-    verdict = None
-    try:
-        deadline = time.monotonic() + 120
-        while verdict is None and time.monotonic() < deadline and launcher.poll() is None:
-            time.sleep(0.2)
-            verdict = next((ln for ln in err_path.read_text().splitlines() if ln.startswith("multigpu run: hang: ")), None)
-        t_verdict = time.time()
-    finally:
-        launcher.send_signal(signal.SIGTERM)  # the launcher stops its workers
-        try:
-            launcher.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            launcher.kill()
-            launcher.wait()
+         "--profile", "1:3", "--hang-timeout", "2", os.path.join(HERE, "_hang_worker.py"), "1", "3"],
+        cwd=tmp_path, stdout=out_path.open("w"), stderr=err_path.open("w"), timeout=180)
+    t_verdict = time.time()
     err = err_path.read_text()
-    assert verdict, f"no verdict; launcher stderr:\n{err}"
+    verdict = next((ln for ln in err.splitlines() if ln.startswith("multigpu run: hang: ")), None)
+    assert verdict and launcher.returncode == 124, err
+    assert err.splitlines()[-1] == f"{verdict}; stopped after --hang-timeout 2 s"
+    assert "multigpu run: --hang-timeout 2 s: stopped this node's 3 workers" in err
     line = next(i for i, l in enumerate(open(os.path.join(HERE, "_hang_worker.py")), 1) if "time.sleep(600)" in l)
     run_dir = next(ln for ln in err.splitlines() if "; logs: " in ln).rsplit("; logs: ", 1)[1].strip()
-    status = read_status(run_dir)
+    status = read_status(os.path.join(run_dir, "watchdog", "hang1"))  # set aside when the workers were stopped
     assert verdict.startswith(f"multigpu run: hang: rank 1 (host {status[1]['host']}) has been in slow_step "
                               f"(_hang_worker.py:{line}) for "), verdict
     assert "after step 2; ranks 0,2 are waiting in all_reduce after step 2" in verdict
-    assert "slow_step" in open(os.path.join(run_dir, "watchdog", "rank1.stacks.txt")).read()
+    assert "slow_step" in open(os.path.join(run_dir, "watchdog", "hang1", "rank1.stacks.txt")).read()
     assert f"MULTIGPU_RUN_DIR: unset -> '{run_dir}'" in err  # the channel to the workers is logged
     # --profile reached every worker's meter: steps 1..2 profiled before the hang, table on rank 0's console.
     summaries = json.loads(open(os.path.join(run_dir, "profile", "summary.json")).read())
@@ -110,7 +100,7 @@ def test_real_hang_under_multigpu_run_gives_the_verdict_and_the_profile(tmp_path
     assert "profile of steps 1..2" in out_path.read_text()
     assert json.loads(open(os.path.join(run_dir, "metrics.jsonl")).readline())["fingerprint"]["world_size"] == 3
     hang_start = min(s["time"] - s["stalled_s"] for s in status.values())
-    print(f"\nverdict {t_verdict - hang_start:.1f} s after the hang began (watchdog 2 s), "
+    print(f"\njob ended {t_verdict - hang_start:.1f} s after the hang began (--hang-timeout 2 s), "
           f"{t_verdict - t_start:.1f} s after launch: {verdict}")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import math
 import os
 import socket
 import sys
@@ -35,11 +36,13 @@ class RunConfig:
     """Worker processes on this node (default: visible GPUs, or 2 on CPU)."""
     cpu: bool = False
     """Hide GPUs from the workers (CUDA_VISIBLE_DEVICES=""): CPU tensors, gloo."""
-    nnodes: int | None = None
+    nnodes: int | str | None = None
+    """Nodes: N, or MIN:MAX for an elastic job that goes on with fewer nodes (down to MIN) and grows up to MAX."""
     node_rank: int | None = None
     master: str | None = None
     """HOST:PORT of node 0, where the rendezvous store listens."""
-    max_restarts: int = 0
+    max_restarts: int | None = None
+    """Restarts after failures (a lost node is one); None: 0, or 3 for an elastic --nnodes MIN:MAX."""
     all_ranks: bool = False
     log_dir: str | None = None
     profile: str | None = None
@@ -48,6 +51,20 @@ class RunConfig:
     """Ask the workers' ``mg.find_micro_batch`` for the largest micro-batch that fits; report it."""
     memory_budget: str | int | None = None
     """--find-batch's memory budget per rank: bytes, or a size like ``512MB``, ``8GiB`` (required on CPU)."""
+    hang_timeout: float | None = None
+    """Seconds without a completed step (StepMeter's heartbeat) after which the hung workers are stopped."""
+    rdzv_timeout: float = 600.0
+    """How long the rendezvous waits for the minimum number of nodes (at the start and after a loss)."""
+    rdzv_last_call: float = 30.0
+    """Once the minimum has joined, how long it waits for more nodes (up to MAX) before training goes on."""
+    node_timeout: float = 15.0
+    """A node whose launcher sent no heartbeat for this long is lost: the rendezvous goes on without it."""
+
+    @property
+    def keep_alive(self) -> tuple[int, int]:
+        """c10d's (keep_alive_interval s, keep_alive_max_attempt) for ``node_timeout`` (torch's default 5 s x 3)."""
+        interval = 5 if self.node_timeout >= 15 else 1
+        return interval, max(1, math.ceil(self.node_timeout / interval))
 
     @property
     def memory_budget_bytes(self) -> int | None:
@@ -60,12 +77,23 @@ class Placement:
     """The resolved layout: how many workers here, how many nodes, where node 0 listens."""
 
     nproc: int
-    nnodes: int
+    nnodes: int  # the most nodes (MAX of MIN:MAX)
     node_rank: int
     master_addr: str | None
     master_port: int | None
     source: str  # "standalone" | "flags" | "slurm"
     run_id: str = ""  # the rendezvous id, the same on every node
+    min_nodes: int = 0  # fewest nodes training goes on with; 0: nnodes (not elastic)
+    max_restarts: int = 0
+
+    @property
+    def elastic(self) -> bool:
+        return 0 < self.min_nodes < self.nnodes
+
+    @property
+    def nodes_text(self) -> str:
+        """``--nnodes`` as torchrun takes it: N, or MIN:MAX."""
+        return f"{self.min_nodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
 
 
 def _parse_master(master: str) -> tuple[str, int]:
@@ -74,6 +102,26 @@ def _parse_master(master: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"--master must be HOST:PORT with a port in 1..65535, got {master!r}; use e.g. --master node0:29500")
     return host, int(port)
+
+
+def parse_nnodes(value: int | str | None) -> tuple[int, int] | None:
+    """(MIN, MAX) from ``--nnodes`` N or MIN:MAX (None: not given); one-line errors otherwise.
+
+    >>> parse_nnodes("1:3"), parse_nnodes(2)
+    ((1, 3), (2, 2))
+    """
+    if value is None:
+        return None
+    text = str(value).strip()
+    low, sep, high = text.partition(":")
+    if not low.strip().lstrip("-").isdigit() or (sep and not high.strip().lstrip("-").isdigit()):
+        raise UsageError(f"--nnodes takes N or MIN:MAX (e.g. 2, or 1:3 for an elastic job), got {text!r}")
+    lo, hi = int(low), int(high) if sep else int(low)
+    if lo < 1:
+        raise UsageError(f"--nnodes needs at least 1 node, got {text!r}; use e.g. --nnodes {max(hi, 1)} or --nnodes 1:{max(hi, 2)}")
+    if lo > hi:
+        raise UsageError(f"--nnodes MIN:MAX needs MIN <= MAX, got {text!r}; use --nnodes {hi}:{lo}")
+    return lo, hi
 
 
 def _slurm_nodes(environ) -> tuple[int, int, str, int, str] | None:
@@ -124,30 +172,37 @@ def resolve(cfg: RunConfig, environ=os.environ, gpu_count=visible_gpus) -> Place
     """
     if cfg.nproc is not None and cfg.nproc < 1:
         raise UsageError(f"-n/--nproc must be at least 1, got {cfg.nproc}; use e.g. -n 2")
-    if cfg.max_restarts < 0:
+    if cfg.max_restarts is not None and cfg.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more, got {cfg.max_restarts}")
-    if cfg.nnodes is not None and cfg.nnodes < 1:
-        raise UsageError(f"--nnodes must be at least 1, got {cfg.nnodes}")
+    nodes = parse_nnodes(cfg.nnodes)
+    elastic = nodes is not None and nodes[0] < nodes[1]
+    for flag, value in (("--hang-timeout", cfg.hang_timeout), ("--rdzv-timeout", cfg.rdzv_timeout),
+                        ("--rdzv-last-call", cfg.rdzv_last_call), ("--node-timeout", cfg.node_timeout)):
+        if value is not None and not (value > 0 or (flag == "--rdzv-last-call" and value == 0)):
+            raise UsageError(f"{flag} takes seconds, more than 0, got {value}; use e.g. {flag} 60")
     if cfg.memory_budget is not None and not cfg.find_batch:
         raise UsageError(f"--memory-budget is the budget of --find-batch's search, got it without --find-batch; "
                          f"add --find-batch or drop --memory-budget {cfg.memory_budget}")
     budget = cfg.memory_budget_bytes  # a bad size fails here, before anything starts
     _check_target(cfg)
 
-    slurm = _slurm_nodes(environ) if cfg.nnodes is None and cfg.master is None else None
-    if slurm is not None and slurm[0] > 1:  # one SLURM node: a standalone run like any other
+    # Inside srun, SLURM says where node 0 is; it also gives the node count unless --nnodes MIN:MAX does.
+    slurm = _slurm_nodes(environ) if cfg.master is None and (nodes is None or elastic) else None
+    if slurm is not None and (slurm[0] > 1 or elastic):  # one SLURM node: a standalone run like any other
         nnodes, node_rank, addr, port, run_id = slurm
+        min_nodes, nnodes = nodes if elastic else (nnodes, nnodes)
         source = "slurm"
     else:
-        nnodes = cfg.nnodes or 1
+        min_nodes, nnodes = nodes or (1, 1)
         node_rank = cfg.node_rank if cfg.node_rank is not None else 0
         addr, port = _parse_master(cfg.master) if cfg.master is not None else (None, None)
         source = "flags" if addr is not None else "standalone"
         run_id = f"multigpu-{addr}-{port}" if addr is not None else ""
         if nnodes > 1 and addr is None:
-            raise UsageError(f"--nnodes {nnodes} needs --master HOST:PORT (node 0's address and a free port), or run inside srun")
+            raise UsageError(f"--nnodes {cfg.nnodes} needs --master HOST:PORT (node 0's address and a free port, where "
+                             "the rendezvous is hosted), or run inside srun")
     if cfg.node_rank is not None and source != "slurm" and not 0 <= cfg.node_rank < nnodes:
-        raise UsageError(f"--node-rank must be in [0, {nnodes}) for --nnodes {nnodes}, got {cfg.node_rank}")
+        raise UsageError(f"--node-rank must be in [0, {nnodes}) for --nnodes {cfg.nnodes}, got {cfg.node_rank}")
 
     gpus = 0 if cfg.cpu else gpu_count()
     if gpus and cfg.nproc is not None and cfg.nproc > gpus:
@@ -164,8 +219,12 @@ def resolve(cfg: RunConfig, environ=os.environ, gpu_count=visible_gpus) -> Place
                          f"({CPU_WORKERS_PER_CPU * cpu_count()}); each is a full Python process: use -n {min(cpu_count(), 8)} or a few more")
     if source == "flags":
         _check_resolves(addr, port)
-    return Placement(nproc, nnodes, node_rank, addr, port, source, run_id)
+    # An elastic job is kept going by restarts: a lost node fails the survivors' workers, who restart smaller.
+    restarts = cfg.max_restarts if cfg.max_restarts is not None else (ELASTIC_RESTARTS if elastic else 0)
+    return Placement(nproc, nnodes, node_rank, addr, port, source, run_id, min_nodes, restarts)
 
+
+ELASTIC_RESTARTS = 3  # --max-restarts' default under --nnodes MIN:MAX
 
 # More CPU workers than this per core only time-slice: a typo such as -n 99999 must not start forking.
 CPU_WORKERS_PER_CPU = 8
@@ -201,8 +260,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu", action="store_true", help="workers use CPU and gloo even where GPUs exist (hides them)")
     parser.add_argument("--all-ranks", action="store_true", help="show every rank's output on the console, prefixed [rank<r>] (default: rank 0 only)")
     parser.add_argument("--log-dir", metavar="DIR", help=f"where each run's per-rank logs go (default: ./{DEFAULT_LOG_DIR})")
-    parser.add_argument("--max-restarts", type=int, default=0, metavar="R", help="restart the whole worker group up to R times after a failure (torchrun's elastic restarts)")
-    parser.add_argument("--nnodes", type=int, metavar="N", help="number of nodes (default: 1, or SLURM's inside srun)")
+    parser.add_argument("--max-restarts", type=int, default=None, metavar="R", help=f"restart the whole worker group up to R times after a failure, a lost node included (default 0, or {ELASTIC_RESTARTS} with --nnodes MIN:MAX)")
+    parser.add_argument("--hang-timeout", type=float, metavar="S", help="stop the workers when a rank completes no step for S seconds (scripts using mg.StepMeter; 3*S before the first step): the hang verdict is the summary, exit 124, and --max-restarts restarts it")
+    parser.add_argument("--nnodes", metavar="N|MIN:MAX", help="number of nodes (default: 1, or SLURM's inside srun); MIN:MAX: elastic, training goes on with MIN..MAX nodes from the newest checkpoint")
+    parser.add_argument("--rdzv-timeout", type=float, default=600.0, metavar="S", help="how long the nodes wait for MIN of them to join, at the start and after a loss (default 600)")
+    parser.add_argument("--rdzv-last-call", type=float, default=30.0, metavar="S", help="once MIN nodes have joined, how long to wait for more (up to MAX) before training (re)starts (default 30)")
+    parser.add_argument("--node-timeout", type=float, default=15.0, metavar="S", help="a node whose launcher sent no heartbeat for S seconds is lost, and the rendezvous goes on without it (default 15)")
     parser.add_argument("--node-rank", type=int, metavar="R", help="this node's rank in [0, N): node 0 hosts the rendezvous at --master (global ranks are numbered by the rendezvous)")
     parser.add_argument("--master", metavar="HOST:PORT", help="node 0's address and a free port, for --nnodes > 1")
     parser.add_argument("--profile", metavar="START:STOP", help="profile steps START..STOP-1 on every rank (e.g. 10:15; scripts using mg.StepMeter): traces and a summary table in the run's log directory")
@@ -223,4 +286,4 @@ def from_args(args: argparse.Namespace) -> RunConfig:
         target, rest, module = args.script or "", args.script_args, False
     return RunConfig(target, tuple(str(a) for a in rest), module, args.nproc, args.cpu, args.nnodes, args.node_rank,
                      args.master, args.max_restarts, args.all_ranks, args.log_dir, args.profile, args.find_batch,
-                     args.memory_budget)
+                     args.memory_budget, args.hang_timeout, args.rdzv_timeout, args.rdzv_last_call, args.node_timeout)

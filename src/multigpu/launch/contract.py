@@ -10,12 +10,14 @@ file in the run directory::
     MULTIGPU_FIND_BATCH      "1" under --find-batch: the script should call mg.find_micro_batch
     MULTIGPU_MEMORY_BUDGET   --memory-budget SIZE, in bytes: the search's budget when the call gives none
     MULTIGPU_VERIFY          "1" under `multigpu verify`: StepMeters log every step and probe (meter/probe.py)
+    MULTIGPU_ATTEMPT         always: 0, 1, ... for each start of the workers (restarts, and nodes joining)
+    MULTIGPU_HANG_TIMEOUT    --hang-timeout S: every StepMeter's watchdog reports a stall after S seconds at most
     <run dir>/find_batch.json  the agreed search result (local rank 0 of each node), for the launcher's last line
     <attempt dir>/rank<r>.failure.json  the exception that ended a worker, with the time it was raised
                                         (written by worker.py, read by the failure summary)
 
 Launcher side: ``worker_env`` and ``read_find_batch``. Worker side: ``run_dir``,
-``profile_window``, ``find_batch_requested``, ``memory_budget`` and
+``attempt``, ``profile_window``, ``find_batch_requested``, ``memory_budget``, ``hang_timeout`` and
 ``write_find_batch``; ``failure_path`` for both. The standard library and ``errors`` only: meter/, the finder and the
 recipes read it in every worker, below everything else in ``multigpu.launch``.
 """
@@ -35,6 +37,8 @@ PROFILE_ENV = "MULTIGPU_PROFILE"
 FIND_BATCH_ENV = "MULTIGPU_FIND_BATCH"
 MEMORY_BUDGET_ENV = "MULTIGPU_MEMORY_BUDGET"
 VERIFY_ENV = "MULTIGPU_VERIFY"  # "1" under `multigpu verify`: every StepMeter probes (meter/probe.py)
+HANG_TIMEOUT_ENV = "MULTIGPU_HANG_TIMEOUT"
+ATTEMPT_ENV = "MULTIGPU_ATTEMPT"  # set per attempt by launch/logs.py (torch's restart count misses joins)
 VERIFY_DIR = "verify"  # <run dir>/verify/: the probe's records
 FIND_BATCH_FILE = "find_batch.json"
 RAISED_AT = "_multigpu_raised_at"  # set on an exception by the code that caught it first (mg.init)
@@ -105,7 +109,8 @@ def environ(**values: str | None) -> Iterator[None]:
 
 
 def worker_env(run_dir: str, *, profile: tuple[int, int] | None = None, find_batch: bool = False,
-               memory_budget: int | None = None, verify: bool = False) -> dict[str, str]:
+               memory_budget: int | None = None, verify: bool = False,
+               hang_timeout: float | None = None) -> dict[str, str]:
     """The ``MULTIGPU_*`` variables for the workers (values already checked by the launcher).
 
     >>> worker_env("runs/x", profile=(10, 15), find_batch=True, memory_budget=2 << 20)
@@ -120,6 +125,8 @@ def worker_env(run_dir: str, *, profile: tuple[int, int] | None = None, find_bat
         env[MEMORY_BUDGET_ENV] = str(memory_budget)
     if verify:
         env[VERIFY_ENV] = "1"
+    if hang_timeout is not None:
+        env[HANG_TIMEOUT_ENV] = f"{hang_timeout:g}"
     return env
 
 
@@ -139,6 +146,12 @@ def run_dir() -> str | None:
     return os.environ.get(RUN_DIR_ENV)
 
 
+def attempt() -> int:
+    """Which start of the workers this is under ``multigpu run`` (0 outside it, and for the first)."""
+    text = os.environ.get(ATTEMPT_ENV, "0")
+    return int(text) if text.isdigit() else 0
+
+
 def profile_window() -> str | None:
     """``"START:STOP"`` from ``multigpu run --profile`` (None without it)."""
     return os.environ.get(PROFILE_ENV) or None
@@ -147,6 +160,19 @@ def profile_window() -> str | None:
 def verify_requested() -> bool:
     """True in a worker started by ``multigpu verify``."""
     return os.environ.get(VERIFY_ENV) == "1"
+
+
+def hang_timeout() -> float | None:
+    """Seconds from ``multigpu run --hang-timeout`` (None without it): the longest a watchdog may wait to report."""
+    text = os.environ.get(HANG_TIMEOUT_ENV)
+    try:
+        value = float(text) if text else None
+    except ValueError:
+        value = -1.0
+    if value is not None and not value > 0:
+        raise UsageError(f"{HANG_TIMEOUT_ENV} must be a positive number of seconds (`multigpu run --hang-timeout` "
+                         f"sets it), got {text!r}; unset it")
+    return value
 
 
 def find_batch_requested() -> bool:

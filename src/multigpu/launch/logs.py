@@ -32,6 +32,7 @@ from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
+from . import contract
 from .contract import read_failure
 
 _TORCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
@@ -94,6 +95,20 @@ class RankLogsSpecs(LogsSpecs):
         self.stderr_paths: dict[int, str] = {}
         self.global_ranks: dict[int, int] = {}  # local rank -> global rank, last attempt
         self.watch = FailureWatch()
+        self.hang: str | None = None  # the verdict, when --hang-timeout stopped the last attempt's workers
+        self._sizes: tuple[int, int] | None = None  # (nodes, world size) of the last attempt
+        self._attempts = self._restarts = 0
+
+    def _say_membership(self, env: dict[str, str], attempt_dir: str) -> None:
+        """One line when an attempt has other nodes than the last: a node left, or joined (elastic --nnodes)."""
+        with contextlib.suppress(KeyError, ValueError):
+            sizes = int(env["GROUP_WORLD_SIZE"]), int(env["WORLD_SIZE"])
+            if self._sizes is not None and sizes != self._sizes:
+                (n0, w0), (n1, w1) = self._sizes, sizes
+                change = f"{abs(n1 - n0)} node{'s' if abs(n1 - n0) != 1 else ''} {'joined' if n1 > n0 else 'left'}" if n1 != n0 else "membership changed"
+                say(f"{change}: {n0} -> {n1} node{'s' if n1 != 1 else ''}, world size {w0} -> {w1}; "
+                    f"the workers start again (a script with mg.Checkpointer resumes from its newest checkpoint), logs in {attempt_dir}")
+            self._sizes = sizes
 
     @property
     def root_log_dir(self) -> str:
@@ -102,17 +117,24 @@ class RankLogsSpecs(LogsSpecs):
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         # Called once per attempt, after the previous attempt's workers were stopped.
         self.stop_console()
-        attempt = int(next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0"))
+        env0 = next(iter(envs.values()), {})
+        restart = int(env0.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        # A node joining restarts the workers without counting a restart: number the attempts ourselves.
+        attempt, self._attempts = self._attempts, self._attempts + 1
         attempt_dir = os.path.join(self.run_dir, f"attempt_{attempt}")
         os.makedirs(attempt_dir, exist_ok=True)
-        if attempt > 0:
+        if restart > self._restarts:
+            self._restarts = restart
             max_restarts = next(iter(envs.values())).get("TORCHELASTIC_MAX_RESTARTS", "?")
             what = "a worker failed"
-            if self.watch.last is not None and self.watch.last[1] in self.global_ranks:
+            if self.hang:
+                what, self.hang = "the workers were stopped for a hang (--hang-timeout)", None
+            elif self.watch.last is not None and self.watch.last[1] in self.global_ranks:
                 code, local_rank = self.watch.last
                 what = f"rank {self.global_ranks[local_rank]} failed ({_how_short(code)})"
             self.watch.last = None
-            say(f"{what}; restart {attempt} of {max_restarts}, logs in {attempt_dir}")
+            say(f"{what}; restart {restart} of {max_restarts}, logs in {attempt_dir}")
+        self._say_membership(env0, attempt_dir)
         stdouts, stderrs, errors = {}, {}, {}
         out_tail, err_tail, prefixes = {}, {}, {}
         self.stderr_paths, self.global_ranks = {}, {}
@@ -122,6 +144,7 @@ class RankLogsSpecs(LogsSpecs):
             stdouts[local_rank], stderrs[local_rank] = f"{base}.stdout.log", f"{base}.stderr.log"
             errors[local_rank] = f"{base}.error.json"
             env["TORCHELASTIC_ERROR_FILE"] = errors[local_rank]
+            env[contract.ATTEMPT_ENV] = str(attempt)
             self.stderr_paths[rank] = stderrs[local_rank]
             self.global_ranks[local_rank] = rank
             if self._console_ranks is None or rank in self._console_ranks:

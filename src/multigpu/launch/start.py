@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import glob
 import os
 import secrets
+import signal
 import time
 import uuid
 from typing import Iterator, Sequence
@@ -20,6 +23,7 @@ from ..errors import UsageError
 from . import contract
 from .config import DEFAULT_LOG_DIR, Placement, RunConfig, cpu_count, from_args, resolve, visible_gpus
 
+HANG_EXIT = 124  # a job ended by --hang-timeout, as timeout(1) ends a command
 SHUTDOWN_GRACE_S = 10  # SIGTERM -> SIGKILL for the surviving workers (torch's default is 30 s)
 
 
@@ -49,13 +53,16 @@ def _run_dir(cfg: RunConfig, place: Placement) -> str:
 
 
 def _torchrun_argv(cfg: RunConfig, place: Placement) -> list[str]:
-    argv = [f"--nproc-per-node={place.nproc}", f"--max-restarts={cfg.max_restarts}", "--monitor-interval=0.1"]
+    argv = [f"--nproc-per-node={place.nproc}", f"--max-restarts={place.max_restarts}", "--monitor-interval=0.1"]
     # DefaultLogsSpecs (built by config_from_args, replaced by ours) would otherwise mkdtemp in /tmp.
     argv.append(f"--log-dir={os.devnull}")
     if place.master_addr is not None:
         host = f"[{place.master_addr}]" if ":" in place.master_addr else place.master_addr
-        argv += [f"--nnodes={place.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{place.master_port}"]
-        argv += [f"--rdzv-id={place.run_id}", f"--rdzv-conf=is_host={'true' if place.node_rank == 0 else 'false'}"]
+        argv += [f"--nnodes={place.nodes_text}", "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{place.master_port}"]
+        interval, attempts = cfg.keep_alive
+        conf = f"is_host={'true' if place.node_rank == 0 else 'false'},join_timeout={cfg.rdzv_timeout:g}," \
+               f"last_call_timeout={cfg.rdzv_last_call:g},keep_alive_interval={interval},keep_alive_max_attempt={attempts}"
+        argv += [f"--rdzv-id={place.run_id}", f"--rdzv-conf={conf}"]
     # Every worker starts in worker.py, which runs the target (failure records, a clean exit).
     return argv + ["--module", "multigpu.launch.worker", "module" if cfg.module else "script", cfg.target, *cfg.args]
 
@@ -79,7 +86,7 @@ def _worker_variables(cfg: RunConfig, place: Placement, run_dir: str, steps: tup
     if "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, cpu_count() // place.nproc)
         env["OMP_NUM_THREADS"] = (str(threads), f"{cpu_count()} CPUs // {place.nproc} workers")
-    if cfg.max_restarts and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+    if place.max_restarts and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
         # By default the workers of every attempt use the agent's one store, where the previous
         # attempt's keys are still set: the next attempt's gloo connects to dead ports and fails
         # or hangs (seen with torch 2.13, torchrun too). Opting out gives each attempt a fresh store.
@@ -90,14 +97,38 @@ def _worker_variables(cfg: RunConfig, place: Placement, run_dir: str, steps: tup
     # searches under --find-batch. These are ours to set, whatever the environment holds.
     why = {contract.RUN_DIR_ENV: "the workers' metrics and hang reports", contract.PROFILE_ENV: "--profile",
            contract.FIND_BATCH_ENV: "--find-batch: the workers' mg.find_micro_batch searches and reports",
-           contract.MEMORY_BUDGET_ENV: f"--memory-budget {cfg.memory_budget} in bytes"}
-    ours = contract.worker_env(run_dir, profile=steps, find_batch=cfg.find_batch, memory_budget=cfg.memory_budget_bytes)
+           contract.MEMORY_BUDGET_ENV: f"--memory-budget {cfg.memory_budget} in bytes",
+           contract.HANG_TIMEOUT_ENV: "--hang-timeout: the workers' watchdogs report a stall by then"}
+    ours = contract.worker_env(run_dir, profile=steps, find_batch=cfg.find_batch, memory_budget=cfg.memory_budget_bytes,
+                               hang_timeout=cfg.hang_timeout)
     env.update((name, (value, why[name])) for name, value in ours.items())
     # On GPU, NCCL's flight recorder keeps the last collectives for the hang report (user settings win).
     for name, value in (flight_recorder_env(run_dir) if gpus else {}).items():
         if name not in os.environ:
             env[name] = (value, "NCCL flight recorder for hang reports")
     return env
+
+
+def _children() -> list[int]:
+    """This process's child processes: the workers torch's agent started (Linux's /proc; [] elsewhere)."""
+    pids: list[int] = []
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        with contextlib.suppress(OSError, ValueError):
+            pids += [int(p) for p in open(path).read().split()]
+    return pids
+
+
+def _stop_workers(specs, timeout: float, verdict: str) -> None:
+    """--hang-timeout: SIGKILL every worker (each leads its own process group, loader workers included);
+    the agent sees them fail and restarts them (--max-restarts) or ends the job, whose summary is the verdict."""
+    from . import logs
+
+    specs.hang = verdict
+    pids = _children()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+    logs.say(f"--hang-timeout {timeout:g} s: stopped this node's {len(pids)} worker{'s' if len(pids) != 1 else ''}")
 
 
 def _launcher_failure(err: Exception, run_dir: str) -> str:
@@ -156,13 +187,18 @@ def launch(cfg: RunConfig) -> int:
     env = _worker_variables(cfg, place, run_dir, steps, gpus)
     device = f"{gpus} GPU{'s' if gpus > 1 else ''}" if gpus else "CPU"
     world = place.nproc * place.nnodes
-    where = f"node {place.node_rank} of {place.nnodes} ({place.source}, master {place.master_addr}:{place.master_port})" if place.nnodes > 1 else "1 node"
-    logs.say(f"{place.nproc} worker{'s' if place.nproc > 1 else ''} on {device}, {where}, world size {world}; logs: {run_dir}")
+    where = f"node {place.node_rank} of {place.nodes_text} ({place.source}, master {place.master_addr}:{place.master_port})" if place.nnodes > 1 else "1 node"
+    size = f"{place.nproc * place.min_nodes}..{world} (elastic, --max-restarts {place.max_restarts})" if place.elastic else str(world)
+    logs.say(f"{place.nproc} worker{'s' if place.nproc > 1 else ''} on {device}, {where}, world size {size}; logs: {run_dir}")
 
     specs = logs.RankLogsSpecs(run_dir, console_ranks=None if cfg.all_ranks else {0}, prefixed=cfg.all_ranks)
+    end_hang = functools.partial(_stop_workers, specs, cfg.hang_timeout) if cfg.hang_timeout else None
+    settle = min(30.0, cfg.hang_timeout or 30.0)  # a rank that cannot report (stuck holding the GIL) delays the verdict so long
     with _worker_env(env), logs.torch_logs_to(os.path.join(run_dir, "launcher.log"), specs.watch), logs.restored_signal_handlers(), \
-            hang_monitor(run_dir, world if place.nnodes == 1 else None, expect=place.nproc):
+            hang_monitor(run_dir, world if place.nnodes == 1 else None, expect=place.nproc, end_hang=end_hang, settle=settle):
         code, summary = _supervise(torchrun_args, specs)
+    if code != 0 and specs.hang:  # the last attempt was stopped for a hang: that is the story, not SIGKILL
+        code, summary = HANG_EXIT, f"hang: {specs.hang}; stopped after --hang-timeout {cfg.hang_timeout:g} s"
     if cfg.find_batch:
         found = find_batch_line(run_dir, cfg.target if cfg.module else os.path.basename(cfg.target), code)
         if found:
@@ -214,12 +250,16 @@ def run(
     nnodes: int | None = None,
     node_rank: int | None = None,
     master: str | None = None,
-    max_restarts: int = 0,
+    max_restarts: int | None = None,
     all_ranks: bool = False,
     log_dir: str | None = None,
     profile: str | None = None,
     find_batch: bool = False,
     memory_budget: str | int | None = None,
+    hang_timeout: float | None = None,
+    rdzv_timeout: float = 600.0,
+    rdzv_last_call: float = 30.0,
+    node_timeout: float = 15.0,
 ) -> int:
     """Run ``target`` on ``nproc`` processes per node via torch's elastic launcher; return the exit code.
 
@@ -229,9 +269,10 @@ def run(
     >>> code = run("train.py", ["--epochs", "2"], nproc=2, cpu=True)
     >>> code = run("pkg.train", module=True, nnodes=2, node_rank=0, master="node0:29500")
     >>> code = run("train.py", nproc=2, cpu=True, find_batch=True, memory_budget="2GiB")
+    >>> code = run("train.py", nnodes="1:3", node_rank=0, master="node0:29500", hang_timeout=600)
     """
     cfg = RunConfig(target, tuple(str(a) for a in args), module, nproc, cpu, nnodes, node_rank, master, max_restarts, all_ranks, log_dir,
-                    profile, find_batch, memory_budget)
+                    profile, find_batch, memory_budget, hang_timeout, rdzv_timeout, rdzv_last_call, node_timeout)
     return launch(cfg)
 
 

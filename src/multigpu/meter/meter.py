@@ -22,7 +22,7 @@ import torch.distributed as tdist
 
 from ..errors import UsageError
 from ..fingerprint import fingerprint
-from ..launch.contract import profile_window, run_dir, verify_requested
+from ..launch.contract import attempt, profile_window, run_dir, verify_requested
 from ..values import positive_int
 from . import gpumon, sinks as _sinks
 from .flops import FlopCount, dtype_key, peak_flops
@@ -131,10 +131,9 @@ class StepMeter:
         elif gpu_monitor:
             self._notes.append("GPU monitor off: this run is on the CPU")
 
-        from .watchdog import Watchdog
+        from .watchdog import start_watchdog
 
-        self.watchdog = Watchdog(os.path.join(self.log_dir, "watchdog"), self.rank, self.hosts[self.rank], watchdog).start() \
-            if watchdog else None
+        self.watchdog = start_watchdog(os.path.join(self.log_dir, "watchdog"), self.rank, self.hosts[self.rank], watchdog)
 
         profile = profile if profile is not None else profile_window()
         self.profiler = None
@@ -179,7 +178,7 @@ class StepMeter:
     def _agree_log_dir(self, log_dir: str | None) -> str:
         if log_dir is None:
             log_dir = run_dir()  # `multigpu run`'s
-            if log_dir is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+            if log_dir is not None and attempt() > 0:
                 self._resume = True  # a restart of the same run: append after a new header line
         if log_dir is None:
             stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

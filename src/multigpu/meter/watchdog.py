@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -83,6 +83,17 @@ def where(frame) -> dict[str, Any]:
         "collective": collective,
         "in_backward": any(f.name == "_engine_run_backward" for f in stack),
     }
+
+
+def start_watchdog(out_dir: str, rank: int, host: str, timeout: float | None) -> "Watchdog | None":
+    """This rank's running watchdog (None: off); under ``multigpu run --hang-timeout S`` it reports
+    after S seconds at the latest, even if the script turned it off, so the launcher can end the hang."""
+    from ..launch.contract import hang_timeout
+
+    limit = hang_timeout()
+    if limit is not None:
+        timeout = min(timeout or limit, limit)
+    return Watchdog(out_dir, rank, host, timeout).start() if timeout else None
 
 
 class Watchdog:
@@ -224,6 +235,8 @@ def read_status(run_dir: str) -> dict[int, dict[str, Any]]:
             out[int(s["rank"])] = s
         except (OSError, ValueError, KeyError):
             continue
+        if s.get("stacks"):  # next to the status file, wherever the reports were moved since
+            s["stacks"] = os.path.join(os.path.dirname(path), os.path.basename(s["stacks"]))
     return out
 
 
@@ -294,14 +307,22 @@ class HangMonitor:
     A verdict is drawn when every rank has reported (or ``settle`` seconds after
     the first report) and the reports stayed unchanged for ``confirm`` seconds;
     a rank whose stall ends withdraws its report, so a slow step is no verdict.
+
+    With ``end_hang`` (``multigpu run --hang-timeout``) the verdict also ends the
+    hang: ``end_hang(verdict)`` stops the workers, the reports move to
+    ``watchdog/hang<k>/`` (the verdict names the stacks there), and the monitor
+    goes on watching the next attempt (``--max-restarts``).
     """
 
     def __init__(self, run_dir: str, world_size: int | None, settle: float = 30.0, confirm: float = 3.0,
-                 poll: float = 1.0, stream=None, expect: int | None = None) -> None:
+                 poll: float = 1.0, stream=None, expect: int | None = None,
+                 end_hang: Callable[[str], None] | None = None) -> None:
         self.run_dir, self.world_size, self.settle, self.confirm, self.poll = run_dir, world_size, settle, confirm, poll
         self.expect = expect or world_size or 1  # reports to wait for (this node's ranks)
         self.stream = stream or sys.stderr
+        self.end_hang = end_hang
         self.verdict: str | None = None
+        self.hangs = 0  # hangs ended (with end_hang)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="multigpu-hang-monitor", daemon=True)
 
@@ -323,10 +344,29 @@ class HangMonitor:
                 key, stable = new_key, now
             first = first or now
             if (len(status) >= self.expect or now - first >= self.settle) and now - stable >= self.confirm:
-                self.verdict = hang_verdict(self.run_dir, self.world_size)
-                if self.verdict:
-                    print(f"multigpu run: hang: {self.verdict}", file=self.stream, flush=True)
-                return
+                if self.end_hang is None:
+                    self.verdict = hang_verdict(self.run_dir, self.world_size)
+                    if self.verdict:
+                        print(f"multigpu run: hang: {self.verdict}", file=self.stream, flush=True)
+                    return
+                self._end()
+                first = stable = key = None
+
+    def _end(self) -> None:
+        """Stop the hung workers and set their reports aside, so the next attempt starts with none."""
+        self.hangs += 1
+        kept = os.path.join(self.run_dir, "watchdog", f"hang{self.hangs}")
+        self._set_aside(kept)
+        self.verdict = hang_verdict(kept, self.world_size) or "no rank's report could be read"
+        print(f"multigpu run: hang: {self.verdict}", file=self.stream, flush=True)
+        self.end_hang(self.verdict)
+        self._set_aside(kept)  # a report written while the workers were being stopped
+
+    def _set_aside(self, kept: str) -> None:
+        base = os.path.join(self.run_dir, "watchdog")
+        os.makedirs(kept, exist_ok=True)
+        for path in glob.glob(os.path.join(base, "rank*")):
+            os.replace(path, os.path.join(kept, os.path.basename(path)))
 
     def stop(self) -> None:
         self._stop.set()

@@ -78,6 +78,20 @@ class Estimates:
         out["noise/noise_dominated"] = float(g <= 0)
         return out
 
+    def state_dict(self, rounds: int) -> dict[str, torch.Tensor]:
+        """The EMAs and counters as one float64 tensor (DCP stores tensors, no pickles); fold first."""
+        self.fold()
+        g, t = self._ema_g, self._ema_t
+        return {"estimates": torch.tensor([g.sum, g.weight, t.sum, t.weight, self.measured, self.skipped, rounds],
+                                          dtype=torch.float64)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> int:
+        """Restore ``state_dict``'s values; returns the optimizer steps seen (NoiseScale's ``every`` count)."""
+        v = [float(x) for x in state["estimates"].tolist()]
+        self._ema_g.sum, self._ema_g.weight, self._ema_t.sum, self._ema_t.weight = v[:4]
+        self.measured, self.skipped, self.pending = int(v[4]), int(v[5]), []
+        return int(v[6])
+
     def summary(self, batch: int, world: int) -> str:
         """See ``NoiseScale.summary``."""
         m = self.metrics()

@@ -355,6 +355,15 @@ class NoiseScale:
             self._sync()
         self._land()
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The estimates, for ``mg.Checkpointer(noise=noise)``: they hold for any world size at the same
+        global batch, so an elastic restart keeps them. Flushes first (collective: every rank saves)."""
+        self.flush()
+        return self.estimates.state_dict(self._rounds)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._rounds = self.estimates.load_state_dict(state)
+
     # ---- reporting ------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         """Current estimates for the step logger (empty before the first measured step).
