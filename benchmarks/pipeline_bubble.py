@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import multigpu as mg
 from multigpu.fingerprint import format_fingerprint
 from multigpu.parallel import pp
-from multigpu.parallel.footprint import state_bytes
+from multigpu.parallel.footprint import LiveActivations, state_bytes
 from multigpu.recipes.gpt.model import GPT, config
 from multigpu.recipes.gpt.pipeline import stage_module
 from multigpu.testing import spawn
@@ -40,36 +40,6 @@ from multigpu.testing import spawn
 
 def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
-
-
-class LiveActivations:
-    """Peak bytes autograd holds for the backward (saved tensors that are not parameters), live:
-    each saved tensor is wrapped, and its bytes leave the count when autograd frees the wrapper."""
-
-    def __init__(self, params) -> None:
-        self.params = {p.untyped_storage().data_ptr() for p in params}
-        self.live = self.peak = 0
-
-    def pack(self, t: torch.Tensor):
-        if t.untyped_storage().data_ptr() in self.params:
-            return t  # a weight saved for its gradient: held anyway
-        return _Held(t, self)
-
-    @staticmethod
-    def unpack(h):
-        return h.t if isinstance(h, _Held) else h
-
-
-class _Held:
-    __slots__ = ("t", "n", "owner")
-
-    def __init__(self, t: torch.Tensor, owner: LiveActivations) -> None:
-        self.t, self.n, self.owner = t, t.untyped_storage().nbytes(), owner
-        owner.live += self.n
-        owner.peak = max(owner.peak, owner.live)
-
-    def __del__(self) -> None:
-        self.owner.live -= self.n
 
 
 def _bench(dist, args):

@@ -31,6 +31,8 @@ FLAGS = {
             "--memory-budget", "--nnodes", "--node-rank", "--node-timeout", "--nproc", "--profile", "--rdzv-last-call", "--rdzv-timeout",
             "-m", "-n", "<script>",
             "<script_args>"],
+    "tune": ["--cpu", "--memory-budget", "--micro-batches", "--nproc", "--out", "--repeats", "--steps", "--threads",
+             "--top", "-n", "<args>", "<workload>"],
     "verify": ["--cpu", "--global-batch", "--out", "--rtol", "--steps", "--workers", "-m", "<args>", "<target>"],
     "study": ["--budget", "--ci", "--cpu", "--global-batch", "--max-repeats", "--no-report", "--out", "--policy",
               "--profile", "--repeats", "--steps", "--target", "--threads", "--workers", "<args>", "<workload>"],
@@ -127,7 +129,7 @@ LAYERS = [
     ("loop pieces", ["batch", "data", "loss", "precision"]),
     ("parallelism", ["parallel"]),
     ("instruments and state", ["meter", "noise", "checkpoint", "finder"]),
-    ("tools and decisions", ["launch", "planner", "study", "report", "verdict", "verify", "doctor", "commbench", "recipes",
+    ("tools and decisions", ["launch", "planner", "study", "report", "verdict", "verify", "doctor", "commbench", "recipes", "tune",
                              "testing", "cli", "__main__"]),
 ]
 

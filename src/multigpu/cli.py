@@ -22,7 +22,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import commbench, doctor, launch, planner, report, study, verify
+    from . import commbench, doctor, launch, planner, report, study, tune, verify
     from .checkpoint import tools as ckpt
 
     parser = _Parser(prog="multigpu", description="Scale a PyTorch training script from one GPU to many, and measure it.")
@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("report", "write the HTML report and Markdown summary of a study's results", report.add_arguments, report.main),
         ("verify", "run a script on 1 and N ranks with the same global batch; compare losses, samples and parameters",
          verify.add_arguments, verify.main),
+        ("tune", "find the fastest layout of the GPT recipe that fits N devices: predicted, then measured",
+         tune.add_arguments, tune.main),
     ]
     for name, help_text, add_arguments, run in verbs:
         verb = sub.add_parser(name, help=help_text)

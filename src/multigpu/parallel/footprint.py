@@ -7,6 +7,10 @@ the state of the parameters this rank steps. Buffers the strategies keep
 besides these (DDP's gradient buckets, FSDP's transient all-gather buffers)
 are not included: they are transient or implementation-defined, and the
 CUDA allocator (``mg`` meters) sees them.
+
+``LiveActivations`` counts the other half of training memory on any device:
+the peak bytes autograd holds for the backward (``multigpu tune`` compares
+its prediction with it on CPU, where no allocator keeps a peak).
 """
 
 from __future__ import annotations
@@ -66,3 +70,37 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         inner = getattr(optimizer, "optim", optimizer)
         o = _storage_bytes([v for s in inner.state.values() for v in s.values()], seen)
     return StateBytes(p, g, o)
+
+
+class LiveActivations:
+    """Peak bytes autograd holds for the backward (saved tensors that are not parameters), live:
+    each saved tensor is wrapped, and its bytes leave the count when autograd frees the wrapper."""
+
+    def __init__(self, params) -> None:
+        self.params = {_local(p).untyped_storage().data_ptr() for p in params}
+        self.live = self.peak = 0
+
+    def hooks(self):
+        """The context inside which autograd's saved tensors are counted."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor):
+        if _local(t).untyped_storage().data_ptr() in self.params:
+            return t  # a weight saved for its gradient: held anyway
+        return _Held(t, self)
+
+    @staticmethod
+    def unpack(h):
+        return h.t if isinstance(h, _Held) else h
+
+
+class _Held:
+    __slots__ = ("t", "n", "owner")
+
+    def __init__(self, t: torch.Tensor, owner: LiveActivations) -> None:
+        self.t, self.n, self.owner = t, _local(t).untyped_storage().nbytes(), owner
+        owner.live += self.n
+        owner.peak = max(owner.peak, owner.live)
+
+    def __del__(self) -> None:
+        self.owner.live -= self.n

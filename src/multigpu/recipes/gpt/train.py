@@ -22,7 +22,9 @@ byte).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import json
 import math
 import os
 import tempfile
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 import multigpu as mg
 
 from . import pipeline
+from ...parallel.footprint import LiveActivations, state_bytes
 from .data import TokenWindows, prepare_tokens
 from .model import GPT, SIZES, config
 from .parallelize import parallelize
@@ -78,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--async-checkpoint", action="store_true",
                    help="write checkpoints in the background: the loop waits only for the host copy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-json", default=None, metavar="PATH",
+                   help="write the result, with each rank's training-state and peak activation bytes (max over ranks), "
+                        "to PATH (rank 0; `multigpu tune` reads it)")
     return p.parse_args(argv)
 
 
@@ -183,17 +189,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                    async_save=args.async_checkpoint)
             start = ckpt.resume()
         metrics: dict[str, float] = {}
+        # Saved tensors are counted in the first step only (a warm-up step, outside the throughput).
+        acts = LiveActivations(model.parameters()) if args.result_json else None
         with meter:
             for step, micro_batches in meter.steps(_forever(train), start=start):
                 if step >= args.steps:
                     break  # resumed from the end
-                if pipe is not None:
-                    step_loss = _pipeline_step(pipe, opt, sched, args, micro_batches, dist.device)
-                    # Read at log steps only (the meter sums a metric over its interval's steps): on a
-                    # GPU each read waits for the device.
-                    extra = pipe.stage_times() if meter.will_log or step + 1 == args.steps else {}
-                else:
-                    step_loss, extra = _model_step(model, opt, sched, amp, args, micro_batches)
+                with acts.hooks() if acts is not None and step == start else contextlib.nullcontext():
+                    if pipe is not None:
+                        step_loss = _pipeline_step(pipe, opt, sched, args, micro_batches, dist.device)
+                        # Read at log steps only (the meter sums a metric over its interval's steps): on a
+                        # GPU each read waits for the device.
+                        extra = pipe.stage_times() if meter.will_log or step + 1 == args.steps else {}
+                    else:
+                        step_loss, extra = _model_step(model, opt, sched, amp, args, micro_batches)
                 meter.step_end(loss=step_loss, lr=opt, **extra)
                 done = step + 1 == args.steps
                 if ckpt is not None:
@@ -220,6 +229,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         mfu = f", MFU {result['mfu']:.1%}" if result["mfu"] is not None else ""
         mem = f", peak memory {peak / 2**30:.2f} GiB" if peak is not None else ""
         tps = f"{result['tokens_per_s']:,.0f} tokens/s" if result["tokens_per_s"] else "tokens/s n/a"
+        if acts is not None:
+            _write_result(args.result_json, result, state_bytes(model, opt).total, acts.peak, dist.is_main)
         mg.print0(f"gpt {args.size}: val loss {metrics.get('loss', float('nan')):.4f} "
                   f"({metrics.get('bits_per_byte', float('nan')):.3f} bits/byte); {tps}{mfu}{mem} | {repr(mesh)}")
         return result
@@ -256,6 +267,19 @@ def _model_step(model, opt, sched, amp, args, micro_batches):
     if sched is not None:
         sched.step()
     return step_loss, {}
+
+
+def _write_result(path: str, result: dict, state: int, activations: int, main: bool) -> None:
+    """Rank 0 writes ``result`` with the largest rank's memory (collective: every rank calls it)."""
+    peak = [float(state), float(activations), float(state + activations)]
+    if torch.distributed.is_initialized():
+        t = torch.tensor(peak, dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        peak = t.tolist()
+    if main:
+        with open(path, "w") as fp:
+            json.dump(dict(result, memory={"state_bytes": peak[0], "activation_bytes": peak[1], "total_bytes": peak[2]}),
+                      fp, indent=1, default=str)
 
 
 def _int_list(text: str, flag: str) -> list[int]:

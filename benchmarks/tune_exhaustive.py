@@ -1,0 +1,81 @@
+"""Is `multigpu tune`'s choice the fastest layout? Ground truth from measuring every candidate.
+
+1. the exhaustive search: ``run_tune(top=all)``, every candidate that fits
+   measured in ``--repeats`` interleaved rounds;
+2. tune as a user runs it (``--top K``), timed end to end.
+
+Printed: the true fastest (exhaustive median), tune's choice and how far its
+measured step time is from the fastest (goal: within 5 %), where the true
+fastest stood in the prediction's ranking, the cost model's median and worst
+error for step time and memory over every measured candidate, both wall
+times, and the environment fingerprint.
+
+    python benchmarks/tune_exhaustive.py                               # 4 CPU ranks, GPT tiny, global batch 16
+    python benchmarks/tune_exhaustive.py -n 2 --micro-batches 4,8 --repeats 1 --global-batch 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import multigpu as mg
+from multigpu.fingerprint import format_fingerprint
+from multigpu.tune import TuneConfig, run_tune
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-n", type=int, default=4)
+    ap.add_argument("--size", default="tiny")
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--micro-batches", default="2,4,8")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--top", type=int, default=3)
+    ap.add_argument("--out", default="studies/tune-exhaustive")
+    a = ap.parse_args()
+    micro = tuple(int(v) for v in a.micro_batches.split(","))
+    common = dict(args=("--size", a.size, "--global-batch", str(a.global_batch)), nproc=a.n, cpu=True,
+                  repeats=a.repeats, steps=a.steps, micro_batches=micro)
+    t0 = time.perf_counter()
+    _, full = run_tune(TuneConfig("gpt", top=0, out=f"{a.out}/all-{time.strftime('%H%M%S')}", **common))
+    exhaustive_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _, tuned = run_tune(TuneConfig("gpt", top=a.top, out=f"{a.out}/top{a.top}-{time.strftime('%H%M%S')}", **common))
+    tune_s = time.perf_counter() - t0
+
+    measured = [c for c in full["candidates"] if c.get("result")]
+    best = min(measured, key=lambda c: c["result"]["step_time_s"])
+    truth = {c["candidate"]: c["result"]["step_time_s"] for c in measured}
+    rank = [c["candidate"] for c in full["candidates"]].index(best["candidate"]) + 1
+    print(f"\n{len(measured)} candidates measured ({a.repeats} rounds of {a.steps} steps) on {a.n} CPU ranks, gpt {a.size}, "
+          f"global batch {a.global_batch}")
+    print(f"true fastest: {best['candidate']}: {truth[best['candidate']] * 1e3:.1f} ms/step "
+          f"(rank {rank} of {len(full['candidates'])} in the prediction)")
+    chosen = tuned["winner"]
+    if chosen in truth:
+        gap = truth[chosen] / truth[best["candidate"]] - 1
+        print(f"tune --top {a.top} chose: {chosen}: {truth[chosen] * 1e3:.1f} ms/step in the exhaustive run, "
+              f"{gap:+.1%} from the fastest (goal: within 5 %)")
+    else:
+        print(f"tune --top {a.top} chose: {chosen} (not measured in the exhaustive run)")
+    # The top-K selection of the exhaustive run's own predictions, judged by its own measurements.
+    top = full["candidates"][:a.top]
+    pick = min((c for c in top if c.get("result")), key=lambda c: c["result"]["step_time_s"])
+    print(f"the same selection over the exhaustive run's data: {pick['candidate']}, "
+          f"{truth[pick['candidate']] / truth[best['candidate']] - 1:+.1%} from the fastest")
+    errs_t = [abs(c["error"]["step_time"]) for c in measured]
+    errs_m = [abs(c["error"]["memory"]) for c in measured]
+    print(f"prediction error, step time: median {statistics.median(errs_t):.0%}, worst {max(errs_t):.0%}; "
+          f"memory: median {statistics.median(errs_m):.0%}, worst {max(errs_m):.0%}")
+    order = sorted(measured, key=lambda c: c["result"]["step_time_s"])
+    pred_rank = {c["candidate"]: i for i, c in enumerate(full["candidates"])}
+    print("measured order (predicted rank):", ", ".join(f"{c['candidate']} ({pred_rank[c['candidate']] + 1})" for c in order[:8]))
+    print(f"wall: exhaustive {exhaustive_s:.0f} s, tune --top {a.top} {tune_s:.0f} s ({tune_s / exhaustive_s:.0%})")
+    print("env:", format_fingerprint(mg.fingerprint(None, world_size=a.n, backend="gloo")))
+
+
+if __name__ == "__main__":
+    main()

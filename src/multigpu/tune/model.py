@@ -1,0 +1,165 @@
+"""The cost model: memory per rank and step time of a layout, from a few measured parts.
+
+Measured once (``probe.py``): the time of one micro-batch's forward and
+backward on one process, and the bytes autograd saves for it, for each
+micro-batch size with activation checkpointing off and on; and the links'
+time for each collective at a few sizes on 2 and N ranks (``multigpu
+bench``'s measurement). Everything else is counting:
+
+- state per rank: 16 bytes per held parameter (fp32 weight, gradient and
+  AdamW's two moments); TP holds 1/t of each sharded weight (the plan of
+  ``recipes/gpt/parallelize.py``), FSDP 1/d of what TP left, a pipeline
+  stage its blocks (the largest stage counts);
+- activations: the measured bytes x the stage's share of the blocks / t,
+  times the micro-batches in flight (1 without a pipeline, min(p, m) under
+  1F1B, m under GPipe);
+- compute: m micro-batches x the measured time / t; a pipeline runs
+  (m + p - 1) slots of a stage's share (the bubble); plus clipping and the
+  optimizer step over the parameters the rank holds;
+- communication, with no overlap assumed (an upper bound; on CPU gloo's
+  all-reduce competes with the backward for the cores anyway): DDP one
+  all-reduce of the gradients; FSDP two all-gathers of the weights per
+  micro-batch and one reduce-scatter; HSDP adds an all-reduce over the
+  replicas; TP 4 all-reduces of a micro-batch's activations per block and
+  micro-batch; a pipeline 2 sends of activations per micro-batch and stage
+  boundary.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+from .space import Candidate
+
+_COL_BIASES = ("attn.q.bias", "attn.k.bias", "attn.v.bias", "mlp.up.bias")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Parameter counts of the GPT recipe's model, split the way the layouts shard them."""
+
+    n_layer: int
+    n_embd: int
+    block_size: int
+    block_sharded: int    # per block: what TP shards (2-D weights, column-wise biases)
+    block_replicated: int  # per block: norms, row-wise biases
+    embed_sharded: int     # token table (row-wise under TP)
+    embed_replicated: int  # position table
+    head: int              # untied head (0 when tied), column-wise under TP
+    final_norm: int
+
+    @classmethod
+    def of(cls, cfg) -> "Shape":
+        import torch
+
+        from ..recipes.gpt.model import GPT
+
+        with torch.device("meta"):
+            model = GPT(cfg)
+        counts = {"bs": 0, "br": 0, "es": 0, "er": 0, "head": 0, "norm": 0}
+        for name, p in model.named_parameters():
+            n = p.numel()
+            if name.startswith("blocks.0."):
+                sharded = p.dim() == 2 or name.endswith(_COL_BIASES)
+                counts["bs" if sharded else "br"] += n
+            elif name.startswith("blocks."):
+                continue
+            elif name.startswith("embed.wte"):
+                counts["es"] += n
+            elif name.startswith("embed."):
+                counts["er"] += n
+            elif name.startswith("head"):
+                counts["head"] += n
+            else:
+                counts["norm"] += n
+        return cls(cfg.n_layer, cfg.n_embd, cfg.block_size, counts["bs"], counts["br"], counts["es"], counts["er"],
+                   counts["head"], counts["norm"])
+
+    @property
+    def parameters(self) -> int:
+        return (self.n_layer * (self.block_sharded + self.block_replicated) + self.embed_sharded + self.embed_replicated
+                + self.head + self.final_norm)
+
+    def stage_params(self, c: Candidate) -> tuple[float, float]:
+        """(parameters this rank holds, share of the blocks it runs) on the largest stage."""
+        from ..recipes.gpt.pipeline import stage_blocks
+
+        t = c.tp
+        block = self.block_sharded / t + self.block_replicated
+        first = self.embed_sharded / t + self.embed_replicated
+        last = self.head / t + self.final_norm
+        if c.pp == 1:
+            held = self.n_layer * block + first + last
+            return held, 1.0
+        stages = stage_blocks(_Cfg(self.n_layer), c.pp)
+        sizes = [len(r) * block + (first if i == 0 else 0) + (last if i == c.pp - 1 else 0) for i, r in enumerate(stages)]
+        i = max(range(c.pp), key=lambda k: sizes[k])
+        return sizes[i], max(len(r) for r in stages) / self.n_layer
+
+
+@dataclass(frozen=True)
+class _Cfg:  # what stage_blocks reads of a config
+    n_layer: int
+
+
+class Links:
+    """Seconds of a collective of ``nbytes`` on ``n`` ranks, interpolated from measured points (log-log)."""
+
+    def __init__(self, points: dict[tuple[str, int], list[tuple[int, float]]]) -> None:
+        self.points = {k: sorted(v) for k, v in points.items()}
+
+    def time(self, op: str, n: int, nbytes: float) -> float:
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        pts = self.points.get((op, n))
+        if not pts:
+            raise KeyError(f"no measurement of {op} on {n} ranks")
+        sizes = [s for s, _ in pts]
+        i = bisect.bisect_left(sizes, nbytes)
+        if i == 0:
+            return pts[0][1]  # latency-bound below the smallest size
+        if i == len(pts):
+            (s0, t0), (s1, t1) = pts[-2], pts[-1]
+            return t1 + (nbytes - s1) * (t1 - t0) / (s1 - s0)  # the largest sizes' bandwidth
+        (s0, t0), (s1, t1) = pts[i - 1], pts[i]
+        w = (math.log(nbytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
+        return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
+
+
+def predict(c: Candidate, shape: Shape, global_batch: int, compute: dict, links: Links) -> dict:
+    """Memory per rank (bytes) and step time (s) of ``c``, with their parts.
+
+    ``compute[(micro_batch, ac)]`` = {"time_s": one micro-batch's forward+backward on one process,
+    "activation_bytes": what autograd saved for it}.
+    """
+    held, share = shape.stage_params(c)
+    if c.dp != "ddp":
+        held /= c.dp_shard
+    measured = compute[(c.micro_batch, c.activation_checkpointing)]
+    m = c.accum(global_batch)
+    in_flight = 1 if c.pp == 1 else (min(c.pp, m) if c.schedule == "1f1b" else m)
+    state = 16.0 * held
+    activations = measured["activation_bytes"] * share / c.tp * in_flight
+    t_micro = measured["time_s"] / c.tp
+    compute_s = m * t_micro if c.pp == 1 else (m + c.pp - 1) * t_micro * share
+    compute_s += measured["optimizer_s"] * held / shape.parameters  # each rank clips and steps what it holds
+    grad_bytes = 4.0 * held * (c.dp_shard if c.dp != "ddp" else 1)  # this rank's gradients before sharding
+    comm = {}
+    if c.dp == "ddp":
+        comm["all_reduce (gradients)"] = links.time("all_reduce", c.dp_size, grad_bytes)
+    else:
+        comm["all_gather (weights)"] = 2 * m * links.time("all_gather", c.dp_shard, grad_bytes)
+        comm["reduce_scatter (gradients)"] = links.time("reduce_scatter", c.dp_shard, grad_bytes)
+        if c.dp_replicate > 1:
+            comm["all_reduce (replicas)"] = links.time("all_reduce", c.dp_replicate, grad_bytes / c.dp_shard)
+    act = 4.0 * c.micro_batch * shape.block_size * shape.n_embd
+    if c.tp > 1:
+        blocks = shape.n_layer * share
+        comm["all_reduce (tensor parallel)"] = 4 * blocks * m * links.time("all_reduce", c.tp, act)
+    if c.pp > 1:
+        comm["send/recv (pipeline)"] = 2 * m * links.time("broadcast", 2, act)
+    comm_s = sum(comm.values())
+    return {"memory_bytes": state + activations, "state_bytes": state, "activation_bytes": activations,
+            "step_time_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s, "comm": comm}
