@@ -7,7 +7,9 @@
 4. the GPT recipe at GPT-2 124M on one GPU, bf16 and torch.compile per block: tokens/s, MFU
    (against the GPU's dense bf16 peak) and peak memory, without and with activation checkpointing;
    the first run also saves an async checkpoint every 20 steps (the loop's blocking time per save
-   in its "saving ... in the background" lines, the total in "saved ...").
+   in its "saving ... in the background" lines, the total in "saved ...");
+5. `multigpu tune` of GPT-2 124M on the one GPU (micro-batch 4/8/16, activation checkpointing):
+   predicted against measured step time and memory.
 Prints each step's exit status and a one-line summary; exits non-zero if any failed.
 """
 
@@ -37,6 +39,10 @@ STEPS = [
       for name, extra in ((", async checkpoint every 20 steps", ["--checkpoint-dir", CKPT, "--checkpoint-every", "20",
                                                                    "--async-checkpoint"]),
                           (", activation checkpointing", ["--activation-checkpointing"]))],
+    # One GPU: tune chooses micro-batch and activation checkpointing (fp32: the recipe's default precision).
+    ("tune gpt2 124M on one GPU", [sys.executable, "-m", "multigpu", "tune", "-n", "1", "--top", "3", "--repeats", "2",
+                                   "--steps", "10", "--micro-batches", "4,8,16", "gpt", "--size", "gpt2",
+                                   "--global-batch", "32", "--warmup-steps", "2"]),
     ("meter + profiler example", [sys.executable, "-m", "multigpu", "run", "-n", "1", "examples/observe.py",
                                   "--steps", "40", "--profile", "10:15", "--log-every", "10"]),
 ]

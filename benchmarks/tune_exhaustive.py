@@ -12,17 +12,48 @@ times, and the environment fingerprint.
 
     python benchmarks/tune_exhaustive.py                               # 4 CPU ranks, GPT tiny, global batch 16
     python benchmarks/tune_exhaustive.py -n 2 --micro-batches 4,8 --repeats 1 --global-batch 16
+    python benchmarks/tune_exhaustive.py --measured studies/tune-exhaustive/all-HHMMSS   # re-predict, no re-measuring
+
+``--measured DIR``: an earlier exhaustive run's measurements, predicted again by
+the current cost model from a fresh probe and the cached links (the model
+changed, the machine did not), then tune --top K as usual.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import multigpu as mg
 from multigpu.fingerprint import format_fingerprint
 from multigpu.tune import TuneConfig, run_tune
+
+
+def repredict(report: dict, a) -> dict:
+    """``report``'s candidates predicted again by the current model (same probe, cached links), re-sorted."""
+    from multigpu.launch.config import cpu_count
+    from multigpu.recipes.gpt.model import config
+    from multigpu.tune import probe
+    from multigpu.tune.model import Shape, predict
+    from multigpu.tune.space import candidates
+
+    cfg = config(a.size)
+    found, _ = candidates(a.n, cfg, a.global_batch, micro_batches=[int(v) for v in a.micro_batches.split(",")])
+    by_name = {c.name: c for c in found}
+    keys = sorted({(c.micro_batch, c.activation_checkpointing) for c in found})
+    parts = probe.compute(cfg, keys, 1)  # measured again: the probe is part of the model under test
+    links, _ = probe.links({int(n) for n in report["probe"]["links"]}, "cpu", 1)
+    slowdown = max(1.0, a.n / cpu_count())
+    for r in report["candidates"]:
+        r["predicted"] = predict(by_name[r["candidate"]], Shape.of(cfg), a.global_batch, parts, links, slowdown)
+        if r.get("result"):
+            r["error"] = {"step_time": r["predicted"]["step_time_s"] / r["result"]["step_time_s"] - 1,
+                          "memory": r["predicted"]["memory_bytes"] / r["result"]["memory_bytes"] - 1}
+    report["candidates"].sort(key=lambda r: r["predicted"]["step_time_s"])
+    return report
 
 
 def main() -> None:
@@ -35,13 +66,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--top", type=int, default=3)
     ap.add_argument("--out", default="studies/tune-exhaustive")
+    ap.add_argument("--measured", default=None, metavar="DIR", help="an exhaustive run to re-predict instead of measuring")
     a = ap.parse_args()
     micro = tuple(int(v) for v in a.micro_batches.split(","))
     common = dict(args=("--size", a.size, "--global-batch", str(a.global_batch)), nproc=a.n, cpu=True,
                   repeats=a.repeats, steps=a.steps, micro_batches=micro)
     t0 = time.perf_counter()
-    _, full = run_tune(TuneConfig("gpt", top=0, out=f"{a.out}/all-{time.strftime('%H%M%S')}", **common))
-    exhaustive_s = time.perf_counter() - t0
+    if a.measured:
+        full = repredict(json.loads((Path(a.measured) / "tune.json").read_text()), a)
+        exhaustive_s = full["wall_s"]
+    else:
+        _, full = run_tune(TuneConfig("gpt", top=0, out=f"{a.out}/all-{time.strftime('%H%M%S')}", **common))
+        exhaustive_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     _, tuned = run_tune(TuneConfig("gpt", top=a.top, out=f"{a.out}/top{a.top}-{time.strftime('%H%M%S')}", **common))
     tune_s = time.perf_counter() - t0

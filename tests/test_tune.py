@@ -48,7 +48,15 @@ def test_the_cost_model_counts_sharding_bubbles_and_communication():
     assert ddp["compute_s"] == pytest.approx(2 * 0.010 + 0.002)  # 2 micro-batches of 2 per rank, one optimizer step
     grads = 4 * shape.parameters
     assert ddp["comm"]["all_reduce (gradients)"] == pytest.approx(links.time("all_reduce", 4, grads))
-    assert fsdp["comm"]["all_gather (weights)"] == pytest.approx(2 * 2 * links.time("all_gather", 4, grads))
+    # FSDP per micro-batch (2 here): each of the 2 blocks gathered twice (forward, backward), the root once.
+    block = 4 * (shape.block_sharded + shape.block_replicated)
+    root = grads - 2 * block
+    assert fsdp["comm"]["all_gather (weights)"] == pytest.approx(
+        2 * (4 * links.time("all_gather", 4, block) + links.time("all_gather", 4, root)))
+    assert fsdp["comm"]["reduce_scatter (gradients)"] == pytest.approx(
+        2 * links.time("reduce_scatter", 4, block) + links.time("reduce_scatter", 4, root))
+    slow = predict(Candidate("ddp", 4, 1, 1, 1, 2, False), shape, 16, compute, links, slowdown=2.0)
+    assert slow["compute_s"] == pytest.approx(2 * ddp["compute_s"])  # 4 one-thread workers on 2 cores
     pipe = predict(Candidate("fsdp", 1, 2, 1, 2, 2, False, "1f1b"), shape, 16, compute, links)
     gpipe = predict(Candidate("fsdp", 1, 2, 1, 2, 2, False, "gpipe"), shape, 16, compute, links)
     assert pipe["compute_s"] > 0.5 * (4 * 0.010)  # (m + p - 1) slots of half the model: the bubble

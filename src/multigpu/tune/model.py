@@ -16,13 +16,17 @@ bench``'s measurement). Everything else is counting:
 - compute: m micro-batches x the measured time / t; a pipeline runs
   (m + p - 1) slots of a stage's share (the bubble); plus clipping and the
   optimizer step over the parameters the rank holds;
+- on CPU, N workers of T threads on C cores compute max(1, N T / C) times
+  slower than the probe's one process;
 - communication, with no overlap assumed (an upper bound; on CPU gloo's
-  all-reduce competes with the backward for the cores anyway): DDP one
-  all-reduce of the gradients; FSDP two all-gathers of the weights per
-  micro-batch and one reduce-scatter; HSDP adds an all-reduce over the
-  replicas; TP 4 all-reduces of a micro-batch's activations per block and
-  micro-batch; a pipeline 2 sends of activations per micro-batch and stage
-  boundary.
+  all-reduce competes with the backward for the cores anyway), one
+  collective per unit as the strategies issue them: DDP an all-reduce per
+  25 MiB bucket; FSDP per block an all-gather in the forward and one in the
+  backward of every micro-batch, the root's once, and a reduce-scatter per
+  unit per step (a pipeline stage gathers once per step); HSDP also an
+  all-reduce per unit over the replicas; TP per micro-batch 4 all-reduces of
+  the activations per block, 2 for the table and head, and the logits'
+  all-gather; a pipeline 2 sends per micro-batch and stage boundary.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class Shape:
     embed_replicated: int  # position table
     head: int              # untied head (0 when tied), column-wise under TP
     final_norm: int
+    vocab_size: int = 0
 
     @classmethod
     def of(cls, cfg) -> "Shape":
@@ -75,7 +80,7 @@ class Shape:
             else:
                 counts["norm"] += n
         return cls(cfg.n_layer, cfg.n_embd, cfg.block_size, counts["bs"], counts["br"], counts["es"], counts["er"],
-                   counts["head"], counts["norm"])
+                   counts["head"], counts["norm"], cfg.vocab_size)
 
     @property
     def parameters(self) -> int:
@@ -128,11 +133,16 @@ class Links:
         return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
 
 
-def predict(c: Candidate, shape: Shape, global_batch: int, compute: dict, links: Links) -> dict:
+DDP_BUCKET = 25 * 2**20  # DDP's default bucket_cap_mb
+
+
+def predict(c: Candidate, shape: Shape, global_batch: int, compute: dict, links: Links, slowdown: float = 1.0) -> dict:
     """Memory per rank (bytes) and step time (s) of ``c``, with their parts.
 
     ``compute[(micro_batch, ac)]`` = {"time_s": one micro-batch's forward+backward on one process,
-    "activation_bytes": what autograd saved for it}.
+    "optimizer_s": clipping and AdamW over the whole model, "activation_bytes": what autograd saved}.
+    ``slowdown``: how much slower each rank computes than the probe did (on CPU, more worker threads
+    than cores share them: N x threads / cores).
     """
     held, share = shape.stage_params(c)
     if c.dp != "ddp":
@@ -142,22 +152,39 @@ def predict(c: Candidate, shape: Shape, global_batch: int, compute: dict, links:
     in_flight = 1 if c.pp == 1 else (min(c.pp, m) if c.schedule == "1f1b" else m)
     state = 16.0 * held
     activations = measured["activation_bytes"] * share / c.tp * in_flight
-    t_micro = measured["time_s"] / c.tp
+    t_micro = measured["time_s"] / c.tp * slowdown
     compute_s = m * t_micro if c.pp == 1 else (m + c.pp - 1) * t_micro * share
-    compute_s += measured["optimizer_s"] * held / shape.parameters  # each rank clips and steps what it holds
-    grad_bytes = 4.0 * held * (c.dp_shard if c.dp != "ddp" else 1)  # this rank's gradients before sharding
+    compute_s += measured["optimizer_s"] * slowdown * held / shape.parameters  # each rank steps what it holds
+    blocks = round(shape.n_layer * share)
+    block_bytes = 4.0 * (shape.block_sharded / c.tp + shape.block_replicated)
+    root_bytes = 4.0 * (held * (c.dp_shard if c.dp != "ddp" else 1)) - blocks * block_bytes  # tables, head, norm
     comm = {}
     if c.dp == "ddp":
-        comm["all_reduce (gradients)"] = links.time("all_reduce", c.dp_size, grad_bytes)
+        grads = 4.0 * held
+        buckets = max(1, math.ceil(grads / DDP_BUCKET))
+        comm["all_reduce (gradients)"] = buckets * links.time("all_reduce", c.dp_size, grads / buckets)
     else:
-        comm["all_gather (weights)"] = 2 * m * links.time("all_gather", c.dp_shard, grad_bytes)
-        comm["reduce_scatter (gradients)"] = links.time("reduce_scatter", c.dp_shard, grad_bytes)
+        # FSDP units: every block and the root. Without a pipeline each block is gathered in the forward and
+        # again in the backward of every micro-batch (resharded after the forward), the root once per
+        # micro-batch; a pipeline stage keeps its weights gathered for the step. Gradients are
+        # reduce-scattered once per step (no sync before the last micro-batch).
+        gathers = m if c.pp == 1 else 1
+        ag = links.time("all_gather", c.dp_shard, block_bytes) * blocks * (2 if c.pp == 1 else 1) \
+            + links.time("all_gather", c.dp_shard, max(root_bytes, 0.0))
+        comm["all_gather (weights)"] = gathers * ag
+        comm["reduce_scatter (gradients)"] = blocks * links.time("reduce_scatter", c.dp_shard, block_bytes) \
+            + links.time("reduce_scatter", c.dp_shard, max(root_bytes, 0.0))
         if c.dp_replicate > 1:
-            comm["all_reduce (replicas)"] = links.time("all_reduce", c.dp_replicate, grad_bytes / c.dp_shard)
+            comm["all_reduce (replicas)"] = blocks * links.time("all_reduce", c.dp_replicate, block_bytes / c.dp_shard) \
+                + links.time("all_reduce", c.dp_replicate, max(root_bytes, 0.0) / c.dp_shard)
     act = 4.0 * c.micro_batch * shape.block_size * shape.n_embd
     if c.tp > 1:
-        blocks = shape.n_layer * share
-        comm["all_reduce (tensor parallel)"] = 4 * blocks * m * links.time("all_reduce", c.tp, act)
+        # Per micro-batch: 2 all-reduces per block forward (attention out, MLP down) and 2 backward (their
+        # column-parallel inputs), the token table's forward, the head's backward, and the head's logits
+        # gathered (the recipe's replicated logits).
+        logits = 4.0 * c.micro_batch * shape.block_size * shape.vocab_size
+        per_micro = (4 * blocks + 2) * links.time("all_reduce", c.tp, act) + links.time("all_gather", c.tp, logits)
+        comm["all_reduce (tensor parallel)"] = m * per_micro
     if c.pp > 1:
         comm["send/recv (pipeline)"] = 2 * m * links.time("broadcast", 2, act)
     comm_s = sum(comm.values())

@@ -26,9 +26,11 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 SIZES = tuple(4096 * 4 ** k for k in range(7))  # 4 KiB .. 16 MiB
 
 
-def compute(cfg, micro_batch: int, activation_checkpointing: bool, threads: int, reps: int = 3) -> dict:
-    """{"time_s": median forward+backward of one micro-batch, "optimizer_s": clipping and AdamW's step of the
-    whole model, "activation_bytes": saved for its backward}."""
+def compute(cfg, keys, threads: int, rounds: int = 7) -> dict:
+    """For each (micro_batch, activation_checkpointing) in ``keys``: {"time_s": median forward+backward of
+    one micro-batch, "optimizer_s": clipping and AdamW's step of the whole model, "activation_bytes": saved
+    for its backward}. The keys are timed in turn (A B C A B C ...), ``rounds`` times, after a warm-up
+    each, so machine noise falls on all alike."""
     from ..recipes.gpt.model import GPT
 
     before = torch.get_num_threads()
@@ -36,31 +38,37 @@ def compute(cfg, micro_batch: int, activation_checkpointing: bool, threads: int,
     try:
         torch.manual_seed(0)
         model = GPT(cfg)
-        for block in model.blocks.values():
-            block.checkpointed = activation_checkpointing
-        x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.block_size + 1))
-        inp, target = x[:, :-1], x[:, 1:]
-        acts = LiveActivations(model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        x = torch.randint(0, cfg.vocab_size, (max(m for m, _ in keys), cfg.block_size + 1))
+        out: dict = {}
+        times: dict = {key: [] for key in keys}
+        opt_times = []
 
-        def step():
-            loss = F.cross_entropy(model(inp).flatten(0, 1), target.flatten())
+        def step(m: int, ac: bool) -> None:
+            for block in model.blocks.values():
+                block.checkpointed = ac
+            loss = F.cross_entropy(model(x[:m, :-1]).flatten(0, 1), x[:m, 1:].flatten())
             loss.backward()
 
-        with acts.hooks():
-            step()  # warm-up, and the count of saved bytes
-        times, opt_times = [], []
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        for _ in range(reps):
+        for m, ac in keys:
+            acts = LiveActivations(model.parameters())
+            with acts.hooks():
+                step(m, ac)  # warm-up, and the count of saved bytes
+            out[(m, ac)] = {"activation_bytes": acts.peak}
+        for _ in range(rounds):
+            for key in keys:
+                t0 = time.perf_counter()
+                step(*key)
+                times[key].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            step()
-            t1 = time.perf_counter()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=False)
-            times.append(t1 - t0)
-            opt_times.append(time.perf_counter() - t1)
-        return {"time_s": statistics.median(times), "optimizer_s": statistics.median(opt_times),
-                "activation_bytes": acts.peak, "reps": reps}
+            opt_times.append(time.perf_counter() - t0)
+        for key in keys:
+            out[key] |= {"time_s": statistics.median(times[key]), "optimizer_s": statistics.median(opt_times),
+                         "rounds": rounds}
+        return out
     finally:
         torch.set_num_threads(before)
 

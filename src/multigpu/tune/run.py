@@ -83,6 +83,12 @@ def _budget(cfg: TuneConfig, device: str) -> tuple[int | None, str]:
     return None, "none (CPU: pass --memory-budget to prune by memory)"
 
 
+def _cpu_slowdown(cfg: TuneConfig) -> float:
+    from ..launch.config import cpu_count
+
+    return max(1.0, cfg.nproc * cfg.threads / cpu_count())
+
+
 def _measure(c: Candidate, cfg: TuneConfig, root: Path, round_: int) -> dict:
     from ..launch import run as launch_run
     from ..launch.contract import environ
@@ -133,15 +139,15 @@ def run_tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> tuple[Path,
         f"{args.global_batch}: {len(found)} candidates ({len(left_out)} layouts left out) -> {out}")
     shape = cost.Shape.of(model_cfg)
     t0 = time.perf_counter()
-    parts = {key: probe.compute(model_cfg, *key, threads=cfg.threads)
-             for key in sorted({(c.micro_batch, c.activation_checkpointing) for c in found})}
+    parts = probe.compute(model_cfg, sorted({(c.micro_batch, c.activation_checkpointing) for c in found}), cfg.threads)
     probe_s = time.perf_counter() - t0
     groups = {n for c in found for n in (c.dp_size, c.dp_shard, c.dp_replicate, c.tp)} | ({2} if any(c.pp > 1 for c in found) else set())
     links, sources = probe.links(groups, device, cfg.threads, say=say)
     budget, budget_text = _budget(cfg, device)
     rows = []
+    slowdown = _cpu_slowdown(cfg) if device == "cpu" else 1.0
     for c in found:
-        p = cost.predict(c, shape, args.global_batch, parts, links)
+        p = cost.predict(c, shape, args.global_batch, parts, links, slowdown)
         fits = budget is None or p["memory_bytes"] <= budget
         rows.append({"candidate": c.name, "args": c.args(), "predicted": p, "fits": fits, "measured": [],
                      "pruned": None if fits else f"predicted {p['memory_bytes'] / 2**20:,.1f} MiB > budget {budget / 2**20:,.1f} MiB",
