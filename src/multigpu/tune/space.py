@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UsageError
+from ..values import divisors
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,6 @@ class Candidate:
         return out
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def candidates(world: int, cfg, global_batch: int, *, micro_batches: list[int] | None = None,
                schedules: tuple[str, ...] = ("1f1b", "gpipe")) -> tuple[list[Candidate], list[dict]]:
     """(the candidates, the combinations left out with their reason) for ``world`` ranks."""
@@ -69,15 +66,15 @@ def candidates(world: int, cfg, global_batch: int, *, micro_batches: list[int] |
         raise UsageError(f"tune needs at least 1 rank, got {world}")
     found: list[Candidate] = []
     out: list[dict] = []
-    for pp in _divisors(world):
-        for tp in _divisors(world // pp):
+    for pp in divisors(world):
+        for tp in divisors(world // pp):
             dp = world // (pp * tp)
             why = _why_not(cfg, tp, pp, dp, global_batch)
             if why:
                 out.append({"layout": f"DP {dp} x TP {tp} x PP {pp}", "reason": why})
                 continue
             shapes = [("ddp", dp, 1)] if tp == 1 and pp == 1 else []
-            shapes += [("fsdp", 1, dp)] + [("hsdp", r, dp // r) for r in _divisors(dp) if 1 < r < dp]
+            shapes += [("fsdp", 1, dp)] + [("hsdp", r, dp // r) for r in divisors(dp) if 1 < r < dp]
             per_rank = global_batch // dp
             sizes = [m for m in (micro_batches or _powers_of_two(per_rank)) if per_rank % m == 0]
             for dp_kind, rep, shard in shapes:
