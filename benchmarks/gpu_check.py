@@ -40,7 +40,7 @@ STEPS = [
                                                                    "--async-checkpoint"]),
                           (", activation checkpointing", ["--activation-checkpointing"]))],
     # One GPU: tune chooses micro-batch and activation checkpointing (fp32: the recipe's default precision).
-    ("tune gpt2 124M on one GPU", [sys.executable, "-m", "multigpu", "tune", "-n", "1", "--top", "3", "--repeats", "2",
+    ("tune gpt2 124M on one GPU", [sys.executable, "-m", "multigpu", "tune", "-n", "1", "--top", "3", "--repeats", "1",
                                    "--steps", "10", "--micro-batches", "4,8,16", "gpt", "--size", "gpt2",
                                    "--global-batch", "32", "--warmup-steps", "2"]),
     ("meter + profiler example", [sys.executable, "-m", "multigpu", "run", "-n", "1", "examples/observe.py",
