@@ -90,13 +90,13 @@ def test_a_hang_is_stopped_by_the_hang_timeout_and_the_restart_finishes_the_same
 
 
 def _node(tmp_path, port, node_rank, *args, env=None):
-    log = open(tmp_path / f"node{node_rank}.stderr", "w")
-    return subprocess.Popen(
-        [sys.executable, "-m", "multigpu", "run", "-n", "1", "--cpu", "--nnodes", "1:2", "--node-rank", str(node_rank),
-         "--master", f"127.0.0.1:{port}", "--rdzv-last-call", "1", "--node-timeout", "3", "--log-dir", str(tmp_path / "logs"), SCRIPT,
-         "--dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "params.pt"), "--record", str(tmp_path / "record.jsonl"),
-         "--step-time", "0.1", *args],
-        stdout=open(tmp_path / f"node{node_rank}.stdout", "w"), stderr=log, env={**os.environ, **(env or {})})
+    with open(tmp_path / f"node{node_rank}.stderr", "w") as log, open(tmp_path / f"node{node_rank}.stdout", "w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "multigpu", "run", "-n", "1", "--cpu", "--nnodes", "1:2", "--node-rank", str(node_rank),
+             "--master", f"127.0.0.1:{port}", "--rdzv-last-call", "1", "--node-timeout", "3", "--log-dir",
+             str(tmp_path / "logs"), SCRIPT, "--dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "params.pt"),
+             "--record", str(tmp_path / "record.jsonl"), "--step-time", "0.1", *args],
+            stdout=out, stderr=log, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.slow
@@ -110,6 +110,7 @@ def test_an_elastic_job_grows_then_loses_a_node_in_a_save_and_trains_what_one_pr
         deadline = time.monotonic() + 90
         while not record.exists() and time.monotonic() < deadline and host.poll() is None:
             time.sleep(0.1)  # node 0 trains alone before node 1 starts
+        assert record.exists(), (tmp_path / "node0.stderr").read_text()[-3000:]
         t_join = time.monotonic()
         joiner = _node(tmp_path, port, 1, env={"ELASTIC_DIE_IN_SAVE": "2"})
         host.wait(timeout=180)

@@ -62,13 +62,17 @@ class _CallerStdio:
 def _use_stdio(fds) -> None:
     for handle, target in zip(fds, (1, 2)):
         fd = handle.detach() if hasattr(handle, "detach") else handle
-        os.dup2(fd, target)
-        os.close(fd)
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
 
 
-def _worker(fn, rank, world_size, port, seed, env, args, kwargs, out, stdio=None) -> None:
+def _worker(fn, rank, world_size, port, seed, env, args, kwargs, out, stdio=None, environ=None) -> None:
     if stdio is not None:
         _use_stdio(stdio)
+    if environ is not None:  # the caller's environment now, not the forkserver's from when it started
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
@@ -106,11 +110,12 @@ def spawn(
     [0, 10]
     """
     ctx = _context()
+    forked = (_CallerStdio(), dict(os.environ)) if ctx.get_start_method() == "forkserver" else ()
     out = ctx.Queue()
     port = free_port()
     base_env = {"OMP_NUM_THREADS": "1"} | (env or {})
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, seed, base_env, args, kwargs, out, _CallerStdio()),
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, seed, base_env, args, kwargs, out, *forked),
                     daemon=True)
         for r in range(world_size)
     ]

@@ -178,7 +178,7 @@ def resolve(cfg: RunConfig, environ=os.environ, gpu_count=visible_gpus) -> Place
     elastic = nodes is not None and nodes[0] < nodes[1]
     for flag, value in (("--hang-timeout", cfg.hang_timeout), ("--rdzv-timeout", cfg.rdzv_timeout),
                         ("--rdzv-last-call", cfg.rdzv_last_call), ("--node-timeout", cfg.node_timeout)):
-        if value is not None and not (value > 0 or (flag == "--rdzv-last-call" and value == 0)):
+        if value is not None and not 0 < value < 10**7:
             raise UsageError(f"{flag} takes seconds, more than 0, got {value}; use e.g. {flag} 60")
     if cfg.memory_budget is not None and not cfg.find_batch:
         raise UsageError(f"--memory-budget is the budget of --find-batch's search, got it without --find-batch; "

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import functools
 import glob
+import math
 import os
 import secrets
 import signal
@@ -60,8 +61,10 @@ def _torchrun_argv(cfg: RunConfig, place: Placement) -> list[str]:
         host = f"[{place.master_addr}]" if ":" in place.master_addr else place.master_addr
         argv += [f"--nnodes={place.nodes_text}", "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{place.master_port}"]
         interval, attempts = cfg.keep_alive
-        conf = f"is_host={'true' if place.node_rank == 0 else 'false'},join_timeout={cfg.rdzv_timeout:g}," \
-               f"last_call_timeout={cfg.rdzv_last_call:g},keep_alive_interval={interval},keep_alive_max_attempt={attempts}"
+        # torch reads whole seconds (int()) and wants them positive: round up.
+        join, last_call = (max(1, math.ceil(v)) for v in (cfg.rdzv_timeout, cfg.rdzv_last_call))
+        conf = f"is_host={'true' if place.node_rank == 0 else 'false'},join_timeout={join}," \
+               f"last_call_timeout={last_call},keep_alive_interval={interval},keep_alive_max_attempt={attempts}"
         argv += [f"--rdzv-id={place.run_id}", f"--rdzv-conf={conf}"]
     # Every worker starts in worker.py, which runs the target (failure records, a clean exit).
     return argv + ["--module", "multigpu.launch.worker", "module" if cfg.module else "script", cfg.target, *cfg.args]
@@ -86,10 +89,11 @@ def _worker_variables(cfg: RunConfig, place: Placement, run_dir: str, steps: tup
     if "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, cpu_count() // place.nproc)
         env["OMP_NUM_THREADS"] = (str(threads), f"{cpu_count()} CPUs // {place.nproc} workers")
-    if place.max_restarts and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+    if (place.max_restarts or place.elastic) and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
         # By default the workers of every attempt use the agent's one store, where the previous
         # attempt's keys are still set: the next attempt's gloo connects to dead ports and fails
         # or hangs (seen with torch 2.13, torchrun too). Opting out gives each attempt a fresh store.
+        # A node joining an elastic job restarts the workers too, restarts or not.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = ("1", "--max-restarts: a fresh store per attempt")
     if cfg.cpu:
         env["CUDA_VISIBLE_DEVICES"] = ("", "--cpu: workers see no GPU and use gloo")
@@ -109,26 +113,40 @@ def _worker_variables(cfg: RunConfig, place: Placement, run_dir: str, steps: tup
     return env
 
 
-def _children() -> list[int]:
-    """This process's child processes: the workers torch's agent started (Linux's /proc; [] elsewhere)."""
-    pids: list[int] = []
+def _worker_pids(reported: list[int]) -> list[int]:
+    """The workers torch's agent started: children of this process that lead their own process group (as
+    the agent starts them; Linux's /proc), else the pids the watchdogs reported."""
+    pids: set[int] = set()
     for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
         with contextlib.suppress(OSError, ValueError):
-            pids += [int(p) for p in open(path).read().split()]
-    return pids
+            pids |= {int(p) for p in open(path).read().split()}
+    leaders = [p for p in pids if _pgid(p) == p]
+    return sorted(leaders or reported)
 
 
-def _stop_workers(specs, timeout: float, verdict: str) -> None:
-    """--hang-timeout: SIGKILL every worker (each leads its own process group, loader workers included);
-    the agent sees them fail and restarts them (--max-restarts) or ends the job, whose summary is the verdict."""
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _stop_workers(specs, timeout: float, verdict: str, reported: list[int]) -> bool:
+    """--hang-timeout: SIGKILL every worker's process group (loader workers included); the agent sees them
+    fail and restarts them (--max-restarts) or ends the job, whose summary is the verdict. False: none found."""
     from . import logs
 
-    specs.hang = verdict
-    pids = _children()
-    for pid in pids:
+    stopped = 0
+    for pid in _worker_pids(reported):
         with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGKILL)
-    logs.say(f"--hang-timeout {timeout:g} s: stopped this node's {len(pids)} worker{'s' if len(pids) != 1 else ''}")
+            os.killpg(pid, signal.SIGKILL) if _pgid(pid) == pid else os.kill(pid, signal.SIGKILL)
+            stopped += 1
+    if not stopped:
+        logs.say(f"--hang-timeout {timeout:g} s: found no worker process to stop; the job stays hung")
+        return False
+    specs.hang = verdict
+    logs.say(f"--hang-timeout {timeout:g} s: stopped this node's {stopped} worker{'s' if stopped != 1 else ''}")
+    return True
 
 
 def _launcher_failure(err: Exception, run_dir: str) -> str:

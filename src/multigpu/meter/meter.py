@@ -133,7 +133,7 @@ class StepMeter:
 
         from .watchdog import start_watchdog
 
-        self.watchdog = start_watchdog(os.path.join(self.log_dir, "watchdog"), self.rank, self.hosts[self.rank], watchdog)
+        self.watchdog = start_watchdog(os.path.join(run_dir() or self.log_dir, "watchdog"), self.rank, self.hosts[self.rank], watchdog)
 
         profile = profile if profile is not None else profile_window()
         self.profiler = None

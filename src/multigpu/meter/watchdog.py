@@ -309,14 +309,15 @@ class HangMonitor:
     a rank whose stall ends withdraws its report, so a slow step is no verdict.
 
     With ``end_hang`` (``multigpu run --hang-timeout``) the verdict also ends the
-    hang: ``end_hang(verdict)`` stops the workers, the reports move to
-    ``watchdog/hang<k>/`` (the verdict names the stacks there), and the monitor
-    goes on watching the next attempt (``--max-restarts``).
+    hang: ``end_hang(verdict, reported pids)`` stops the workers, the reports move
+    to ``watchdog/hang<k>/`` (the verdict names the stacks there), and the monitor
+    goes on watching the next attempt (``--max-restarts``). If no worker could be
+    stopped the reports stay where they are and the monitor stops.
     """
 
     def __init__(self, run_dir: str, world_size: int | None, settle: float = 30.0, confirm: float = 3.0,
                  poll: float = 1.0, stream=None, expect: int | None = None,
-                 end_hang: Callable[[str], None] | None = None) -> None:
+                 end_hang: Callable[[str, list[int]], bool] | None = None) -> None:
         self.run_dir, self.world_size, self.settle, self.confirm, self.poll = run_dir, world_size, settle, confirm, poll
         self.expect = expect or world_size or 1  # reports to wait for (this node's ranks)
         self.stream = stream or sys.stderr
@@ -349,18 +350,22 @@ class HangMonitor:
                     if self.verdict:
                         print(f"multigpu run: hang: {self.verdict}", file=self.stream, flush=True)
                     return
-                self._end()
+                if not self._end(status):
+                    return
                 first = stable = key = None
 
-    def _end(self) -> None:
+    def _end(self, status: dict[int, dict[str, Any]]) -> bool:
         """Stop the hung workers and set their reports aside, so the next attempt starts with none."""
-        self.hangs += 1
-        kept = os.path.join(self.run_dir, "watchdog", f"hang{self.hangs}")
-        self._set_aside(kept)
-        self.verdict = hang_verdict(kept, self.world_size) or "no rank's report could be read"
+        kept = os.path.join(self.run_dir, "watchdog", f"hang{self.hangs + 1}")
+        verdict = hang_verdict(self.run_dir, self.world_size) or "no rank's report could be read"
+        # The reports move once the workers are stopped: the verdict names where their stacks will be.
+        self.verdict = verdict.replace(os.path.join(self.run_dir, "watchdog") + os.sep, kept + os.sep)
         print(f"multigpu run: hang: {self.verdict}", file=self.stream, flush=True)
-        self.end_hang(self.verdict)
-        self._set_aside(kept)  # a report written while the workers were being stopped
+        if not self.end_hang(self.verdict, [s["pid"] for s in status.values() if isinstance(s.get("pid"), int)]):
+            return False
+        self.hangs += 1
+        self._set_aside(kept)
+        return True
 
     def _set_aside(self, kept: str) -> None:
         base = os.path.join(self.run_dir, "watchdog")

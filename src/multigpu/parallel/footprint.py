@@ -9,8 +9,10 @@ are not included: they are transient or implementation-defined, and the
 CUDA allocator (``mg`` meters) sees them.
 
 ``LiveActivations`` counts the other half of training memory on any device:
-the peak bytes autograd holds for the backward (``multigpu tune`` compares
-its prediction with it on CPU, where no allocator keeps a peak).
+the peak storage bytes of the tensors autograd saves for the backward
+(``multigpu tune`` compares its prediction with it on CPU, where no allocator
+keeps a peak). A storage counts once per saved tensor that refers to it, so
+an input saved by several ops counts several times: an upper bound.
 """
 
 from __future__ import annotations

@@ -111,8 +111,11 @@ def _measure(c: Candidate, cfg: TuneConfig, root: Path, round_: int) -> dict:
     if code != 0 or not result.is_file() or not run_dirs:
         tail = (where / "console.log").read_text().strip().splitlines()[-1:] or ["no output"]
         return {"status": "failed", "exit_code": code, "error": tail[0][:300], "wall_s": wall}
-    step = measure_run(run_dirs[-1], None)["step_time_s"]
-    mem = json.loads(result.read_text())["memory"]
+    try:
+        step = measure_run(run_dirs[-1], None)["step_time_s"]
+        mem = json.loads(result.read_text())["memory"]
+    except (UsageError, KeyError, ValueError) as err:
+        return {"status": "failed", "exit_code": 0, "error": f"unreadable results: {err}", "wall_s": wall}
     return {"status": "ok", "step_time_s": step, "memory_bytes": mem["total_bytes"], "wall_s": wall}
 
 
@@ -129,6 +132,9 @@ def run_tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> tuple[Path,
     t_start = time.perf_counter()
     args, model_cfg = _recipe_args(cfg)
     device = "cpu" if cfg.cpu or not torch.cuda.is_available() else "cuda"
+    if device == "cuda" and cfg.nproc > torch.cuda.device_count():
+        raise UsageError(f"-n {cfg.nproc} is more than the {torch.cuda.device_count()} visible GPUs; use -n "
+                         f"{torch.cuda.device_count()} or fewer, or --cpu")
     if device == "cpu" and not cfg.cpu:
         cfg = replace(cfg, cpu=True)
     found, left_out = candidates(cfg.nproc, model_cfg, args.global_batch,
@@ -163,7 +169,8 @@ def run_tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> tuple[Path,
             r["measured"].append(m)
             shown = f"{m['step_time_s'] * 1e3:,.1f} ms/step, {m['memory_bytes'] / 2**20:,.1f} MiB" if m["status"] == "ok" else f"failed: {m['error']}"
             say(f"[{round_ + 1}.{i + 1}] {r['candidate']}: predicted {r['predicted']['step_time_s'] * 1e3:,.1f} ms -> {shown}")
-    report = _report(cfg, args, rows, chosen, left_out, budget_text, parts, sources, probe_s, time.perf_counter() - t_start)
+    report = _report(cfg, args, rows, chosen, left_out, budget, budget_text, parts, sources, probe_s,
+                     time.perf_counter() - t_start)
     (out / "tune.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (out / "report.md").write_text(markdown(report))
     (out / "report.html").write_text(to_html(report))
@@ -181,14 +188,14 @@ def _summary(ms: list[dict]) -> dict | None:
             "memory_bytes": max(m["memory_bytes"] for m in ok)}
 
 
-def _report(cfg, args, rows, chosen, left_out, budget_text, parts, sources, probe_s, wall_s) -> dict:
+def _report(cfg, args, rows, chosen, left_out, budget, budget_text, parts, sources, probe_s, wall_s) -> dict:
     for r in rows:
         r["result"] = _summary(r["measured"])
         r.pop("_c", None)
         if r["result"]:
             r["error"] = {"step_time": r["predicted"]["step_time_s"] / r["result"]["step_time_s"] - 1,
                           "memory": r["predicted"]["memory_bytes"] / r["result"]["memory_bytes"] - 1}
-    done = [r for r in chosen if r.get("result")]
+    done = [r for r in chosen if r.get("result") and (budget is None or r["result"]["memory_bytes"] <= budget)]
     winner = min(done, key=lambda r: r["result"]["step_time_s"]) if done else None
     base = f"multigpu run -n {cfg.nproc}{' --cpu' if cfg.cpu else ''} -m {RECIPE} {' '.join(cfg.args)}".rstrip()
     if winner:

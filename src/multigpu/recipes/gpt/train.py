@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         mem = f", peak memory {peak / 2**30:.2f} GiB" if peak is not None else ""
         tps = f"{result['tokens_per_s']:,.0f} tokens/s" if result["tokens_per_s"] else "tokens/s n/a"
         if acts is not None:
-            _write_result(args.result_json, result, state_bytes(model, opt).total, acts.peak, dist.is_main)
+            _write_result(args.result_json, result, state_bytes(model, opt).total, acts.peak, dist)
         mg.print0(f"gpt {args.size}: val loss {metrics.get('loss', float('nan')):.4f} "
                   f"({metrics.get('bits_per_byte', float('nan')):.3f} bits/byte); {tps}{mfu}{mem} | {repr(mesh)}")
         return result
@@ -269,14 +269,14 @@ def _model_step(model, opt, sched, amp, args, micro_batches):
     return step_loss, {}
 
 
-def _write_result(path: str, result: dict, state: int, activations: int, main: bool) -> None:
+def _write_result(path: str, result: dict, state: int, activations: int, dist) -> None:
     """Rank 0 writes ``result`` with the largest rank's memory (collective: every rank calls it)."""
     peak = [float(state), float(activations), float(state + activations)]
     if torch.distributed.is_initialized():
-        t = torch.tensor(peak, dtype=torch.float64)
+        t = torch.tensor(peak, dtype=torch.float64, device=dist.device)  # NCCL reduces device tensors only
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        peak = t.tolist()
-    if main:
+        peak = t.cpu().tolist()
+    if dist.is_main:
         with open(path, "w") as fp:
             json.dump(dict(result, memory={"state_bytes": peak[0], "activation_bytes": peak[1], "total_bytes": peak[2]}),
                       fp, indent=1, default=str)
