@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,7 +55,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def launch(how: str, n: int, kind: str, script: str, log_dir: str) -> tuple[int, bool]:
+def launch(how: str, n: int, kind: str, script: str, log_dir: str) -> tuple[int, bool, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     if how == "torchrun":
@@ -65,7 +66,7 @@ def launch(how: str, n: int, kind: str, script: str, log_dir: str) -> tuple[int,
     text = proc.stdout + proc.stderr
     if how != "torchrun":  # the workers' stderr is in their log files
         text += "".join(p.read_text(errors="replace") for p in Path(log_dir).rglob("*.stderr.log"))
-    return proc.returncode, "terminate called" in text
+    return proc.returncode, "terminate called" in text, text
 
 
 def main() -> None:
@@ -73,6 +74,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=50, help="launches per (launcher, layout)")
     ap.add_argument("--launchers", default="torchrun,multigpu")
     ap.add_argument("--layouts", default="2:bare,2:ddp,4:fsdp", help="ranks:kind, comma-separated (kinds: bare, ddp, fsdp)")
+    ap.add_argument("--keep", default="clean-exits-failures", help="where the logs and output of a run that exited non-zero are kept")
     args = ap.parse_args()
     layouts = [(int(n), kind) for n, kind in (item.split(":") for item in args.layouts.split(","))]
     cases = [(how, n, kind) for n, kind in layouts for how in args.launchers.split(",")]
@@ -84,7 +86,12 @@ def main() -> None:
         for i in range(args.runs):
             for case in cases:  # interleaved: a busy moment hits every case alike
                 with tempfile.TemporaryDirectory(dir=tmp) as logs:
-                    code, terminate = launch(*case, script, logs)
+                    code, terminate, text = launch(*case, script, logs)
+                    if code != 0:  # keep what it said, for the diagnosis
+                        kept = Path(args.keep) / f"{case[0]}-{case[1]}x{case[2]}-round{i + 1}-exit{code}"
+                        shutil.copytree(logs, kept)
+                        (kept / "output.txt").write_text(text)
+                        print(f"    {case[0]} {case[1]}x{case[2]} exited {code}: kept in {kept}", flush=True)
                 bad[case]["runs"] += 1
                 bad[case]["nonzero exit"] += code != 0
                 bad[case]["terminate called"] += terminate
