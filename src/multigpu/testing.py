@@ -43,7 +43,7 @@ def _context():
 
 
 class _CallerStdio:
-    """Pickles as the caller's current stdout/stderr descriptors; ``use()`` in the child writes there.
+    """Pickles as the caller's current stdout/stderr descriptors; ``_use_stdio`` puts them in place in the child.
 
     A forked-from-server child would otherwise write to the server's descriptors,
     fixed when the server started (pytest's capture of some earlier test).
@@ -52,11 +52,7 @@ class _CallerStdio:
     def __reduce__(self):
         from multiprocessing import reduction
 
-        return (_CallerStdio._received, (reduction.DupFd(1), reduction.DupFd(2)))
-
-    @staticmethod
-    def _received(out_fd, err_fd) -> "tuple":
-        return (out_fd, err_fd)
+        return (tuple, ([reduction.DupFd(1), reduction.DupFd(2)],))
 
 
 def _use_stdio(fds) -> None:

@@ -265,7 +265,7 @@ def run(
     module: bool = False,
     nproc: int | None = None,
     cpu: bool = False,
-    nnodes: int | None = None,
+    nnodes: int | str | None = None,
     node_rank: int | None = None,
     master: str | None = None,
     max_restarts: int | None = None,
