@@ -18,6 +18,7 @@ import argparse
 import collections
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -55,18 +56,30 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def launch(how: str, n: int, kind: str, script: str, log_dir: str) -> tuple[int, bool, str]:
+HUNG = -999  # the exit code recorded for a launch that did not end within --timeout
+
+
+def launch(how: str, n: int, kind: str, script: str, log_dir: str, timeout: float) -> tuple[int, bool, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     if how == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", script, kind]
     else:
         cmd = [sys.executable, "-m", "multigpu", "run", "-n", str(n), "--cpu", "--log-dir", log_dir, script, kind]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    text = proc.stdout + proc.stderr
+    # its own session, so a hung launch can be stopped with all its workers and counted, not end the series
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        text += f"\n[clean_exits] no exit after {timeout:.0f} s: stopped (SIGKILL to the launch's session)\n"
+        code = HUNG
     if how != "torchrun":  # the workers' stderr is in their log files
         text += "".join(p.read_text(errors="replace") for p in Path(log_dir).rglob("*.stderr.log"))
-    return proc.returncode, "terminate called" in text, text
+    return code, "terminate called" in text, text
 
 
 def main() -> None:
@@ -74,6 +87,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=50, help="launches per (launcher, layout)")
     ap.add_argument("--launchers", default="torchrun,multigpu")
     ap.add_argument("--layouts", default="2:bare,2:ddp,4:fsdp", help="ranks:kind, comma-separated (kinds: bare, ddp, fsdp)")
+    ap.add_argument("--timeout", type=float, default=180, help="seconds before a launch counts as hung (a normal one takes 5-25 s)")
     ap.add_argument("--keep", default="clean-exits-failures", help="where the logs and output of a run that exited non-zero are kept")
     args = ap.parse_args()
     layouts = [(int(n), kind) for n, kind in (item.split(":") for item in args.layouts.split(","))]
@@ -86,7 +100,7 @@ def main() -> None:
         for i in range(args.runs):
             for case in cases:  # interleaved: a busy moment hits every case alike
                 with tempfile.TemporaryDirectory(dir=tmp) as logs:
-                    code, terminate, text = launch(*case, script, logs)
+                    code, terminate, text = launch(*case, script, logs, args.timeout)
                     if code != 0:  # keep what it said, for the diagnosis
                         kept = Path(args.keep) / f"{case[0]}-{case[1]}x{case[2]}-round{i + 1}-exit{code}"
                         shutil.copytree(logs, kept)
@@ -95,11 +109,13 @@ def main() -> None:
                 bad[case]["runs"] += 1
                 bad[case]["nonzero exit"] += code != 0
                 bad[case]["terminate called"] += terminate
+                bad[case]["hung"] += code == HUNG
             print(f"[{i + 1}/{args.runs}] " + "; ".join(
-                f"{h} {n}x{k}: {c['nonzero exit']} bad" for (h, n, k), c in bad.items()), flush=True)
+                f"{h} {n}x{k}: {c['nonzero exit']} bad ({c['terminate called']} terminate, {c['hung']} hung)"
+                for (h, n, k), c in bad.items()), flush=True)
     for (how, n, kind), c in bad.items():
         print(f"{how:9s} {n} ranks {kind}: {c['nonzero exit']}/{c['runs']} runs exited non-zero, "
-              f"{c['terminate called']} said 'terminate called'")
+              f"{c['terminate called']} said 'terminate called', {c['hung']} hung")
     print(f"({time.perf_counter() - t0:.0f} s)")
 
 
