@@ -20,6 +20,21 @@ def test_all_is_the_deliberate_list_and_every_name_resolves():
 
 
 def test_import_has_no_side_effects():
+    # Also: `multigpu run`'s parser imports only its own verb (ckpt's torch.distributed.checkpoint costs 1.8 s).
     code = ("import os, sys; env = dict(os.environ); import multigpu, torch.distributed as d; "
-            "assert not d.is_initialized(); assert dict(os.environ) == env; print('ok')")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout.strip() == "ok"
+            "assert not d.is_initialized(); assert dict(os.environ) == env; "
+            "from multigpu.cli import build_parser; build_parser(['run', '-n', '2', 'x.py']).parse_args(['run', 'x.py']); "
+            "heavy = sorted(m for m in ('torch.distributed.checkpoint', 'multigpu.checkpoint', 'multigpu.tune') if m in sys.modules); "
+            "print(heavy or 'ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+def test_the_console_script_exits_with_the_verbs_code_and_flushed_output(tmp_path):
+    # `multigpu` ends with os._exit (no interpreter teardown): the code and every line must still arrive.
+    cases = [(["plan", "--lr", "0.1", "--batch", "128", "--steps", "100", "--optimizer", "sgd", "--gpus", "2"], 0, "(12,800 samples)\n"),
+             (["run", "-n", "0", "x.py"], 2, "-n/--nproc must be at least 1"),
+             (["--help"], 0, "usage: multigpu")]
+    for argv, code, text in cases:
+        proc = subprocess.run([sys.executable, "-m", "multigpu", *argv], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == code and text in proc.stdout + proc.stderr, (argv, proc.returncode, proc.stdout, proc.stderr)

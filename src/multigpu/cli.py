@@ -7,8 +7,12 @@ a ``UsageError`` becomes one line on stderr with exit status 2.
 from __future__ import annotations
 
 import argparse
+import atexit
+import importlib
+import os
 import re
 import sys
+import threading
 
 from .errors import UsageError, report_usage_error
 
@@ -21,33 +25,38 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from . import commbench, doctor, launch, planner, report, study, tune, verify
-    from .checkpoint import tools as ckpt
+# (verb, help, module with add_arguments(parser) and main(args)). Only the chosen verb's module is
+# imported: `ckpt` alone pulls in torch.distributed.checkpoint (and DTensor, sympy), 1.8 s that every
+# `multigpu run` paid before it started a worker.
+VERBS = [
+    ("run", "start N worker processes of a script through torchrun's launcher", "multigpu.launch"),
+    ("doctor", "check versions, GPUs, topology, NCCL variables and the host; run a live all-reduce", "multigpu.doctor"),
+    ("bench", "time collectives with nccl-tests' algbw/busbw columns, and check their results", "multigpu.commbench"),
+    ("plan", "translate a 1-GPU recipe (LR, batch, schedule) for N GPUs", "multigpu.planner"),
+    ("ckpt", "list, verify and export checkpoints written by mg.Checkpointer", "multigpu.checkpoint.tools"),
+    ("study", "run a workload at several world sizes and batch policies; measure and judge", "multigpu.study"),
+    ("report", "write the HTML report and Markdown summary of a study's results", "multigpu.report"),
+    ("verify", "run a script on 1 and N ranks with the same global batch; compare losses, samples and parameters",
+     "multigpu.verify"),
+    ("tune", "find the fastest layout of the GPT recipe that fits N devices: predicted, then measured", "multigpu.tune"),
+]
 
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``argv``, only the verb it names gets its arguments (and its module imported).
+
+    The top-level parser has no options but ``-h``, so the verb is argv's first word without a dash.
+    """
+    chosen = None if argv is None else next((a for a in argv if not a.startswith("-")), "")
     parser = _Parser(prog="multigpu", description="Scale a PyTorch training script from one GPU to many, and measure it.")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
     sub.required = True
-    verbs = [
-        ("run", "start N worker processes of a script through torchrun's launcher", launch.add_arguments, launch.main),
-        ("doctor", "check versions, GPUs, topology, NCCL variables and the host; run a live all-reduce",
-         doctor.add_arguments, doctor.main),
-        ("bench", "time collectives with nccl-tests' algbw/busbw columns, and check their results",
-         commbench.add_arguments, commbench.main),
-        ("plan", "translate a 1-GPU recipe (LR, batch, schedule) for N GPUs", planner.add_arguments, planner.main),
-        ("ckpt", "list, verify and export checkpoints written by mg.Checkpointer", ckpt.add_arguments, ckpt.main),
-        ("study", "run a workload at several world sizes and batch policies; measure and judge",
-         study.add_arguments, study.main),
-        ("report", "write the HTML report and Markdown summary of a study's results", report.add_arguments, report.main),
-        ("verify", "run a script on 1 and N ranks with the same global batch; compare losses, samples and parameters",
-         verify.add_arguments, verify.main),
-        ("tune", "find the fastest layout of the GPT recipe that fits N devices: predicted, then measured",
-         tune.add_arguments, tune.main),
-    ]
-    for name, help_text, add_arguments, run in verbs:
+    for name, help_text, module in VERBS:
         verb = sub.add_parser(name, help=help_text)
-        add_arguments(verb)
-        verb.set_defaults(func=run, verb_parser=verb)
+        if chosen is None or name == chosen:
+            mod = importlib.import_module(module)
+            mod.add_arguments(verb)
+            verb.set_defaults(func=mod.main, verb_parser=verb)
     return parser
 
 
@@ -65,8 +74,8 @@ def in_flags(message: str, parser: argparse.ArgumentParser) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except UsageError as err:
@@ -77,5 +86,35 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def command() -> None:
+    """The ``multigpu`` console script: ``main()``, then an exit without the interpreter's teardown.
+
+    With torch imported, CPython's finalization spends about a second of CPU clearing
+    module objects (0.9-1.2 s on a 2-core VM, no system call in it), after the work
+    is done: every ``multigpu run`` ended that much later than its workers. What the
+    teardown would do for us is done first: other threads joined, atexit handlers
+    run (logging's flush among them), stdout and stderr flushed. Tests and the Python
+    API call ``main()``, which returns.
+    """
+    try:
+        code = main()
+    except SystemExit as stop:  # argparse's usage errors and --help
+        code = stop.code
+    if not isinstance(code, int):
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # noqa: SLF001 - CPython's own, what finalization would run
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can reach it
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()
