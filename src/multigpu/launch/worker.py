@@ -66,9 +66,13 @@ def _main_module(kind: str, target: str) -> tuple[types.ModuleType, types.CodeTy
     module = types.ModuleType("__main__")
     if kind == "module":  # what runpy does for `python -m` (its own function for it is private)
         spec = importlib.util.find_spec(target)
-        if spec.submodule_search_locations is not None:  # a package runs its __main__
+        if spec is not None and spec.submodule_search_locations is not None:  # a package runs its __main__
             spec = importlib.util.find_spec(f"{target}.__main__")
-        code = spec.loader.get_code(spec.name)
+            if spec is None:
+                raise ImportError(f"no module named {target}.__main__; '{target}' is a package and cannot be run directly")
+        code = spec.loader.get_code(spec.name) if spec is not None and spec.loader is not None else None
+        if code is None:  # the launcher checked that it exists: an extension module or a namespace package
+            raise ImportError(f"no code object available for {target}; -m needs a Python module")
         module.__spec__, module.__loader__, module.__package__ = spec, spec.loader, spec.parent
         module.__file__, module.__cached__ = spec.origin, spec.cached
         sys.argv[0] = spec.origin
