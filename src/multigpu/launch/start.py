@@ -94,7 +94,8 @@ def _worker_variables(cfg: RunConfig, place: Placement, run_dir: str, steps: tup
         # attempt's keys are still set: the next attempt's gloo connects to dead ports and fails
         # or hangs (seen with torch 2.13, torchrun too). Opting out gives each attempt a fresh store.
         # A node joining an elastic job restarts the workers too, restarts or not.
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = ("1", "--max-restarts: a fresh store per attempt")
+        why = "--max-restarts" if place.max_restarts else "--nnodes MIN:MAX"
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = ("1", f"{why}: a fresh store per attempt")
     if cfg.cpu:
         env["CUDA_VISIBLE_DEVICES"] = ("", "--cpu: workers see no GPU and use gloo")
     # The workers' StepMeters log into the run directory and profile --profile's steps; the finder
