@@ -7,7 +7,9 @@ tiny, micro-batches of 64 sequences, AdamW, one thread per process):
 
 - ``alone``: one process, ``2 * accum`` micro-batches per step (the study's 1 worker);
 - ``pair``: two independent processes at once, ``accum`` micro-batches each, no
-  communication at all: the ceiling of any data-parallel scheme on these cores;
+  communication at all: the ceiling of any data-parallel scheme on these cores.
+  From their per-step times: what lockstep alone would cost them (each step
+  as long as the slower process's, sum of maxima over sum of means);
 - ``sync``: two gloo ranks, ``accum`` micro-batches each, then a timed barrier
   (the wait for the slower rank), a timed all-reduce of the flat gradient and
   the step: data parallelism's costs, each measured.
@@ -52,7 +54,7 @@ def child(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, cfg.vocab_size, (args.micro_batch, cfg.block_size))
     y = torch.randint(0, cfg.vocab_size, (args.micro_batch, cfg.block_size))
-    timed = {"wait": 0.0, "allreduce": 0.0}
+    timed = {"wait": 0.0, "allreduce": 0.0, "steps": []}
 
     def step(record: bool) -> None:
         for _ in range(args.accum):
@@ -78,7 +80,9 @@ def child(args: argparse.Namespace) -> None:
     sys.stdin.readline()  # the parent's go
     start = time.monotonic()
     for _ in range(args.steps):
+        t0 = time.perf_counter()
         step(True)
+        timed["steps"].append(time.perf_counter() - t0)
     end = time.monotonic()
     print(json.dumps({"start": start, "end": end, "samples": args.steps * args.accum * args.micro_batch, **timed}),
           flush=True)
@@ -109,6 +113,9 @@ def launch(variant: str, args: argparse.Namespace) -> dict:
     wall = max(g["end"] for g in got) - min(g["start"] for g in got)
     out = {"rate": sum(g["samples"] for g in got) / wall, "wall_s": wall,
            "per_process": [g["samples"] / (g["end"] - g["start"]) for g in got]}
+    if variant == "pair":  # had the two stepped in lockstep, each step would last as long as the slower one's
+        pairs = list(zip(got[0]["steps"], got[1]["steps"]))
+        out["lockstep_cost"] = sum(max(p) for p in pairs) / sum(statistics.fmean(p) for p in pairs) - 1
     if variant == "sync":
         out["wait_frac"] = statistics.fmean(g["wait"] for g in got) / wall
         out["allreduce_frac"] = statistics.fmean(g["allreduce"] for g in got) / wall
@@ -147,7 +154,7 @@ def main() -> None:
         rows.append(row)
         print(f"round {k}: " + ", ".join(
             f"{v} {row[v]['rate']:.0f} samples/s" + (f" (x{row[v]['rate'] / row['alone']['rate']:.2f})" if v != "alone" else "")
-            for v in variants) + f"; sync waits {100 * row['sync']['wait_frac']:.1f} % for the slower rank, "
+            for v in variants) + f"; lockstep would cost the pair {100 * row['pair']['lockstep_cost']:.1f} %; sync waits {100 * row['sync']['wait_frac']:.1f} % for the slower rank, "
             f"all-reduce {100 * row['sync']['allreduce_frac']:.1f} %", flush=True)
     for v in ("pair", "sync"):
         mean, low, high = interval([r[v]["rate"] / r["alone"]["rate"] for r in rows])
@@ -156,6 +163,9 @@ def main() -> None:
     each = [x for r in rows for x in r["pair"]["per_process"]]
     print(f"one process alone: {min(alone):.0f}-{max(alone):.0f} samples/s; each process of a pair: "
           f"{min(each):.0f}-{max(each):.0f}")
+    costs = [100 * r["pair"]["lockstep_cost"] for r in rows]
+    print(f"pair: each step's time varies independently per core; stepping in lockstep (each step as long as the "
+          f"slower process's) would cost {min(costs):.1f}-{max(costs):.1f} %")
     waits = [100 * r["sync"]["wait_frac"] for r in rows]
     print(f"sync: waiting for the slower rank {min(waits):.1f}-{max(waits):.1f} % of the time; all-reduce "
           f"{statistics.fmean(100 * r['sync']['allreduce_frac'] for r in rows):.1f} %")
