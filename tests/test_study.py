@@ -1,9 +1,11 @@
 """The scaling study end to end on real launcher runs (digits, 1 and 2 gloo workers), and its bad input."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -123,7 +125,10 @@ def test_policies_that_coincide_share_a_run():
      "pass --global-batch as a multiple of 2, e.g. 6 or 8"),
     (["--global-batch", "10", "--workers", "1,2,4", "digits"], "multiple of 4, e.g. 8 or 12"),
     (["digits", "--workers", "1,2"], "--workers comes after the workload 'digits', so it would go to the workload; "
-                                     "study options go before it: multigpu study --workers ... digits"),
+                                     "study options go before it (multigpu study --workers ... digits), or put -- "
+                                     "after the workload to hand it to the workload (multigpu study digits -- --workers ...)"),
+    (["digits", "--epochs", "3", "--work=1,2"], "--work=1,2 comes after the workload 'digits'"),  # argparse's abbreviation
+    ([], "study needs a workload"),
     (["--ci", "1.5", "digits"], "--ci is the relative half-width"),
     (["--threads", "0", "digits"], "--threads must be >= 1"),
 ])
@@ -137,6 +142,58 @@ def test_bad_study_input_is_one_line_exit_2(argv, fragment, tmp_path, monkeypatc
     assert err.count("\n") == 1 and "Traceback" not in err
     assert fragment in err
     assert not (tmp_path / "studies").exists()
+
+
+def test_a_double_dash_hands_study_spelled_options_to_the_workload():
+    from multigpu.study.cli import split_command
+
+    flags = frozenset({"--workers", "--out", "--steps"})
+    assert split_command(["digits", "--", "--out", "x", "--", "y"], flags) == ("digits", ["--out", "x", "--", "y"])
+    assert split_command(["--", "train.py", "--lr", "1"], flags) == ("train.py", ["--lr", "1"])
+    assert split_command(["train.py", "--ou"], frozenset({"--out", "--outer"})) == ("train.py", ["--ou"])  # ambiguous: not argparse's either
+
+
+def _fake_launcher(monkeypatch, two_worker_ratios):
+    """Replaces the launcher under the study's real loop: each run writes a summary with a chosen rate."""
+    import multigpu.launch
+
+    calls, ratios = [], iter(two_worker_ratios)
+
+    def run(target, args, *, module, nproc, cpu, log_dir, profile):
+        calls.append((nproc, os.environ.get("OMP_NUM_THREADS")))
+        rate = 100.0 * (next(ratios) if nproc == 2 else 1.0)
+        run_dir = Path(log_dir) / "run"
+        run_dir.mkdir()
+        summary = {"type": "summary", "samples_per_s": rate, "step_time": 64 / rate, "wall_time": 1.0,
+                   "samples_seen": 64, "fractions": {"compute": 1.0}}
+        (run_dir / "metrics.jsonl").write_text(json.dumps(summary) + "\n")
+        return 0
+
+    monkeypatch.setattr(multigpu.launch, "run", run)
+    return calls
+
+
+@pytest.mark.parametrize("ratios, options, rounds", [
+    # The interval narrows as steady rounds come in: +-16 % after 3 rounds, +-8 % after 4, so 4 rounds.
+    ([1.6, 1.8] + [1.7] * 8, {"ci": 0.1}, 4),
+    ([1.4, 2.0] * 5, {"ci": 0.05, "max_repeats": 3}, 3),  # never within +-5 %: --max-repeats ends it
+    ([1.4, 2.0] * 5, {"ci": 0.05, "budget_s": 0.0}, 2),  # no round starts once the budget has gone
+    ([1.7] * 12, {"repeats": 12}, 12),  # without --ci, --max-repeats (10) does not cap --repeats
+])
+def test_rounds_interleave_and_stop_at_the_interval_the_max_repeats_or_the_budget(ratios, options, rounds,
+                                                                                    tmp_path, monkeypatch):
+    calls = _fake_launcher(monkeypatch, ratios)
+    cfg = StudyConfig("digits", workers=(1, 2), cpu=True, threads=3, out=str(tmp_path / "s"),
+                      **{"repeats": 2, **options})
+    _, study = run_study(cfg, say=lambda s: None)
+    assert study["rounds"] == rounds
+    assert calls == [(1, "3"), (2, "3")] * rounds  # interleaved, every run with the same threads per worker
+    assert json.loads((tmp_path / "s" / "fingerprint.json").read_text())["threads_per_worker"] == 3
+    [_, two] = study["groups"]
+    assert two["speedup"]["ratios"] == pytest.approx(ratios[:rounds])
+    if "ci" in options and rounds == 4:
+        _, md = write_report(tmp_path / "s")
+        assert "- threads_per_worker: 3" in md.read_text()
 
 
 def test_paired_speedup_interval_and_the_inconclusive_verdict():

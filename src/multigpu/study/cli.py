@@ -46,21 +46,48 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cpu", action="store_true", help="run on CPU processes (gloo) even where GPUs exist")
     parser.add_argument("--profile", default="20:25", help="profiled steps for the time breakdown, or 'off'")
     parser.add_argument("--no-report", action="store_true", help="skip writing report.html / report.md")
-    parser.add_argument("workload", help=f"a recipe ({', '.join(RECIPES)}), a script path or a module")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the workload")
+    # One positional for the workload and its arguments: argparse would drop a `--` right after a
+    # positional of its own (Python 3.10-3.13 alike), and that `--` is how a workload gets an option
+    # spelled like a study option.
+    parser.usage = "%(prog)s [options] workload [args ...]  |  %(prog)s [options] workload -- [args ...]"
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="workload",
+                        help=f"a recipe ({', '.join(RECIPES)}), a script path or a module, then its arguments "
+                             "(after -- where one is spelled like a study option)")
     flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
     parser.set_defaults(study_flags=frozenset(flags))
 
 
+def split_command(command: list[str], study_flags: frozenset[str]) -> tuple[str, list[str]]:
+    """(workload, its arguments); a study option after the workload is refused unless a ``--`` precedes them.
+
+    argparse hands everything after the workload to it: `study digits --workers 1,2` would run the
+    recipe with --workers, fail in every run, and the study would still try them all. An
+    abbreviation (`--work`) is caught too, since before the workload argparse would take it as
+    --workers.
+    """
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise UsageError(f"study needs a workload: a recipe ({', '.join(RECIPES)}), a script path or a module; "
+                         "e.g. multigpu study --workers 1,2 digits")
+    workload, rest = command[0], command[1:]
+    if rest[:1] == ["--"]:
+        return workload, rest[1:]
+    for arg in rest:
+        name = arg.split("=", 1)[0]
+        hits = sorted(f for f in study_flags if f.startswith(name)) if name.startswith("--") and len(name) > 2 else []
+        if name in study_flags or len(hits) == 1:
+            flag = name if name in study_flags else hits[0]
+            raise UsageError(f"{arg} comes after the workload {workload!r}, so it would go to the workload; study "
+                             f"options go before it (multigpu study {flag} ... {workload}), or put -- after the "
+                             f"workload to hand it to the workload (multigpu study {workload} -- {arg} ...)")
+    return workload, rest
+
+
 def main(args) -> int:
-    misplaced = [a for a in args.args if a.split("=", 1)[0] in args.study_flags]
-    if misplaced:
-        # argparse hands everything after the workload to it: `study digits --workers 1,2` would run the
-        # recipe with --workers, fail in every run, and the study would still try them all.
-        raise UsageError(f"{misplaced[0]} comes after the workload {args.workload!r}, so it would go to the workload; "
-                         f"study options go before it: multigpu study {misplaced[0]} ... {args.workload}")
+    workload, workload_args = split_command(args.command, args.study_flags)
     cfg = StudyConfig(
-        workload=args.workload, args=tuple(args.args), workers=_ints(args.workers or default_workers()),
+        workload=workload, args=tuple(workload_args), workers=_ints(args.workers or default_workers()),
         policies=tuple(p.strip() for p in args.policy.split(",") if p.strip()), repeats=args.repeats,
         steps=args.steps, global_batch=args.global_batch, target=args.target, out=args.out, cpu=args.cpu,
         profile=None if args.profile in ("off", "none", "") else args.profile,

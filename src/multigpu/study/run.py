@@ -145,7 +145,7 @@ def check(cfg: StudyConfig) -> None:
         raise UsageError(f"--ci is the relative half-width of the speedup's interval, in (0, 1), got {cfg.ci}; use e.g. --ci 0.1")
     if cfg.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {cfg.threads}; use --threads 1 for one core per worker")
-    if cfg.max_repeats < max(cfg.repeats, 1):
+    if cfg.ci is not None and cfg.max_repeats < max(cfg.repeats, 1):  # it bounds only --ci's extra rounds
         raise UsageError(f"--max-repeats {cfg.max_repeats} is below --repeats {cfg.repeats}; raise it or lower --repeats")
     parse_target(cfg.target)
 
