@@ -403,36 +403,69 @@ def test_two_nodes_on_loopback(tmp_path):
 # --------------------------------------------------------------------------- summary rules, in process
 
 
-def test_summary_names_the_first_real_failure(tmp_path):
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-
-    from multigpu.launch.logs import RankLogsSpecs, failure_summary
+def _rank_logs(tmp_path, lines):
+    from multigpu.launch.logs import RankLogsSpecs
 
     specs = RankLogsSpecs(str(tmp_path))
-    lines = {0: "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:2948",
-             1: "ValueError: boom", 2: "", 3: ""}
     for rank, text in lines.items():
         specs.stderr_paths[rank] = str(tmp_path / f"rank{rank}.stderr.log")
         (tmp_path / f"rank{rank}.stderr.log").write_text(f"Traceback (most recent call last):\n{text}\n" if text else "")
+    return specs
 
-    def failed(**codes):  # rank -> exit code, all seen in the same second, in this order
-        failures = {}
-        for key, code in codes.items():
-            f = ProcessFailure(local_rank=int(key[1:]), pid=100 + int(key[1:]), exitcode=code, error_file="/nonexistent")
-            f.timestamp = 1_000
-            failures[int(key[1:])] = f
-        return ChildFailedError("worker.py", failures)
 
+def _failed(**codes):
+    """torch's record of a failed group: rank -> exit code, all seen in the same second, in this order."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failures = {}
+    for key, code in codes.items():
+        f = ProcessFailure(local_rank=int(key[1:]), pid=100 + int(key[1:]), exitcode=code, error_file="/nonexistent")
+        f.timestamp = 1_000
+        failures[int(key[1:])] = f
+    return ChildFailedError("worker.py", failures)
+
+
+LOST_PEER = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:2948"
+
+
+def test_summary_names_the_first_real_failure(tmp_path):
+    from multigpu.launch.logs import failure_summary
+
+    specs = _rank_logs(tmp_path, {0: LOST_PEER, 1: "ValueError: boom", 2: "", 3: ""})
     # A lost-peer report listed first is a symptom; the agent's own SIGTERM victims are not failures.
-    code, line = failure_summary(failed(r0=1, r1=1, r3=-signal.SIGTERM), specs)
+    code, line = failure_summary(_failed(r0=1, r1=1, r3=-signal.SIGTERM), specs)
     assert code == 1
     assert line.startswith("rank 1 failed with exit code 1 on host ") and "(pid 101)" in line
     assert line.endswith(f"log: {tmp_path / 'rank1.stderr.log'}; last line: ValueError: boom; also failed: rank 0 (exit code 1)")
-    code, line = failure_summary(failed(r3=-signal.SIGTERM, r2=-signal.SIGKILL), specs)
+    code, line = failure_summary(_failed(r3=-signal.SIGTERM, r2=-signal.SIGKILL), specs)
     assert (code, line.split(" on host")[0]) == (137, "rank 2 was killed by SIGKILL")
     assert "last line" not in line  # its stderr is empty
-    code, line = failure_summary(failed(r2=2), specs)
+    code, line = failure_summary(_failed(r2=2), specs)
     assert (code, line.split(" on host")[0]) == (2, "rank 2 failed with exit code 2")
+
+
+def test_summary_takes_the_workers_records_over_the_agents_view(tmp_path, monkeypatch):
+    # The real race, frozen: rank 1 raised first, rank 0's lost-peer error then ended rank 0, and the agent
+    # stopped rank 1 (SIGTERM) while it was still exiting. torch's view alone names rank 0.
+    from multigpu.launch.contract import failure_path, record_failure
+    from multigpu.launch.logs import failure_summary
+
+    specs = _rank_logs(tmp_path, {0: LOST_PEER, 1: "ValueError: boom", 2: "KeyError: 'later'"})
+    without = failure_summary(_failed(r0=1, r1=-signal.SIGTERM), specs)[1]
+    assert without.startswith("rank 0 failed with exit code 1")  # the fallback: no records to go by
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))  # where worker.py's records go
+    for rank, err in ((1, ValueError("boom")), (0, RuntimeError(LOST_PEER)), (2, KeyError("later"))):
+        monkeypatch.setenv("RANK", str(rank))
+        record_failure(err)  # what worker.py calls where the exception is caught, stamped with the time
+        time.sleep(0.01)
+    assert all(os.path.isfile(failure_path(str(tmp_path), r)) for r in (0, 1, 2))
+    code, line = failure_summary(_failed(r0=1, r1=-signal.SIGTERM), specs)
+    assert code == 1 and line.startswith("rank 1 failed (ValueError; the launcher stopped it while it was exiting) "
+                                          "on host "), line
+    assert line.endswith("also failed: rank 0 (exit code 1)")
+    # Two real errors: the one raised first names the rank, whichever ended first.
+    code, line = failure_summary(_failed(r2=1, r1=1), specs)
+    assert (code, line.split(" on host")[0]) == (1, "rank 1 failed with exit code 1")
 
 
 def test_launcher_failure_is_one_line(tmp_path, monkeypatch, capsys):

@@ -65,8 +65,11 @@ def fabricated_study():
             "noise": {"samples": samples[::4], "b_simple": [50.0 + 10 * i for i in range(5)]},
         })
         groups.append(_group(workers=w, samples_per_s={"mean": sps, "std": 20.0},
-                             speedup=None if w == 1 else {"mean": sps / 1000, "std": 0.02},
-                             efficiency=None if w == 1 else {"mean": eff, "std": 0.01},
+                             # 2 workers: 3 rounds, an interval; 4 workers: 1 round, none
+                             speedup=None if w == 1 else {"mean": sps / 1000, "std": 0.02}
+                             | ({"low": 1.4, "high": 1.61} if w == 2 else {"low": None, "high": None}),
+                             efficiency=None if w == 1 else {"mean": eff, "std": 0.01}
+                             | ({"low": 0.7, "high": 0.805} if w == 2 else {"low": None, "high": None}),
                              breakdown={"compute": 0.7, "comm_exposed": 0.2 if w > 1 else 0.0, "data_wait": 0.05,
                                         "idle": 0.05},
                              accuracy={"mean": 0.97, "std": 0.003}, noise_scale=90.0,
@@ -81,7 +84,8 @@ def test_report_writes_html_and_markdown(tmp_path):
     (tmp_path / "study.json").write_text(json.dumps(fabricated_study()))
     html_path, md_path = write_report(tmp_path)
     md = md_path.read_text()
-    assert "| 2 | keep-global | 64 | 1500 ± 20 | 1.50 ± 0.02x | 75 ± 1 % |" in md
+    assert "| 2 | keep-global | 64 | 1500 ± 20 | 1.50x (1.40-1.61x) | 75 % (70-80 %) |" in md
+    assert "| 4 | keep-global | 64 | 2400 ± 20 | 2.40x | 60 % |" in md
     assert "w8-keep-global-r0: rank 5 was killed by SIGKILL" in md
     page = html_path.read_text()
     assert page.count("data:image/png;base64,") == 4  # throughput, loss, breakdown, noise

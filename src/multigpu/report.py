@@ -127,13 +127,23 @@ def _fmt(stat: dict[str, float] | None, scale: float = 1.0, digits: int = 1, uni
     return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std else "") + unit
 
 
+def _ratio(stat: dict[str, float] | None, scale: float = 1.0, digits: int = 2, unit: str = "") -> str:
+    """A speedup or efficiency: the paired mean with its 95 % interval where there is one (2+ rounds)."""
+    if not stat or stat.get("mean") is None:
+        return "–"
+    text = f"{stat['mean'] * scale:.{digits}f}{unit}"
+    if stat.get("low") is not None:
+        text += f" ({stat['low'] * scale:.{digits}f}-{stat['high'] * scale:.{digits}f}{unit})"
+    return text
+
+
 def _rows(study: dict[str, Any]) -> list[list[str]]:
     rows = []
     for g in sorted(study["groups"], key=lambda g: (g["policy"], g["workers"])):
         rows.append([
             str(g["workers"]), g["policy"], str(g.get("global_batch", "–")),
-            _fmt(g.get("samples_per_s"), digits=0), _fmt(g.get("speedup"), digits=2, unit="x"),
-            _fmt(g.get("efficiency"), 100, 0, " %"), _fmt(g.get("accuracy"), 100, 2, " %"),
+            _fmt(g.get("samples_per_s"), digits=0), _ratio(g.get("speedup"), unit="x"),
+            _ratio(g.get("efficiency"), 100, 0, " %"), _fmt(g.get("accuracy"), 100, 2, " %"),
             _fmt(g.get("to_target_s"), digits=1, unit=" s"),
             f"{g['noise_scale']:.0f}" if g.get("noise_scale") else "–",
             g.get("verdict", ""),
@@ -141,7 +151,9 @@ def _rows(study: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-HEADER = ["workers", "policy", "global batch", "samples/s", "speedup", "efficiency", "accuracy",
+# samples/s, accuracy, time to target: mean ± standard deviation over rounds; speedup and efficiency: the
+# mean of each round's ratio (geometric) with its 95 % interval, as the headline and the verdict give them.
+HEADER = ["workers", "policy", "global batch", "samples/s", "speedup (95 % interval)", "efficiency (95 % interval)", "accuracy",
           "time to target", "noise scale", "verdict"]
 
 
