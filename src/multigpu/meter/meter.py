@@ -95,7 +95,7 @@ class StepMeter:
         self._extra: dict[str, Any] = {}
         self._lr: float | None = None
         self._flop_count: FlopCount | None = None
-        self._t_start_wall = time.time()
+        self._t_start = time.perf_counter()  # elapsed times: a clock no NTP step moves
         self._iv = Interval()
         self._paused: dict[str, float] = {}
 
@@ -309,7 +309,7 @@ class StepMeter:
         """Write an ``eval`` record now (rank 0; pass values that are already global)."""
         if self.is_main:
             rec = {"type": "eval", "step": self.step - 1 if step is None else step,
-                   "time": time.time() - self._t_start_wall, "samples_seen": self.step * self.samples_per_step}
+                   "time": time.perf_counter() - self._t_start, "samples_seen": self.step * self.samples_per_step}
             rec.update({k: (v.item() if torch.is_tensor(v) else v) for k, v in metrics.items()})
             for s in self.sinks:
                 s.write(rec)
@@ -336,7 +336,7 @@ class StepMeter:
     def _write_record(self, rows: list[list[float]], keys: list[str], n_steps: int) -> None:
         rec, self._streak = interval_record(
             rows, keys, step=self.step - 1, n_steps=n_steps, samples_per_step=self.samples_per_step,
-            elapsed=time.time() - self._t_start_wall, lr=self._lr, world_size=self.world_size,
+            elapsed=time.perf_counter() - self._t_start, lr=self._lr, world_size=self.world_size,
             tokens_per_sample=self.tokens_per_sample, flops_per_sample=self.flops_per_sample,
             peak_flops=self.peak_flops, hosts=self.hosts, gpu=self._cuda,
             straggler_threshold=self.straggler_threshold, streak=self._streak)
@@ -356,7 +356,7 @@ class StepMeter:
         The first interval (warm-up, FLOP counting) and profiled ones are left out when there are others.
         """
         return run_summary(self._records, steps=self.step, samples_per_step=self.samples_per_step,
-                           wall_time=time.time() - self._t_start_wall, flops_per_sample=self.flops_per_sample,
+                           wall_time=time.perf_counter() - self._t_start, flops_per_sample=self.flops_per_sample,
                            peak_flops=self.peak_flops, world_size=self.world_size, paused=self._paused)
 
     def close(self) -> dict[str, Any] | None:
