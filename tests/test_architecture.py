@@ -35,7 +35,7 @@ FLAGS = {
              "--top", "-n", "<args>", "<workload>"],
     "verify": ["--cpu", "--global-batch", "--out", "--rtol", "--steps", "--workers", "-m", "<args>", "<target>"],
     "study": ["--budget", "--ci", "--cpu", "--global-batch", "--max-repeats", "--no-report", "--out", "--policy",
-              "--profile", "--repeats", "--steps", "--target", "--threads", "--workers", "<args>", "<workload>"],
+              "--profile", "--repeats", "--steps", "--target", "--threads", "--workers", "<workload>"],
 }
 
 

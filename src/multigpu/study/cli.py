@@ -50,7 +50,7 @@ def add_arguments(parser) -> None:
     # positional of its own (Python 3.10-3.13 alike), and that `--` is how a workload gets an option
     # spelled like a study option.
     parser.usage = "%(prog)s [options] workload [args ...]  |  %(prog)s [options] workload -- [args ...]"
-    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="workload",
+    parser.add_argument("workload", nargs=argparse.REMAINDER,
                         help=f"a recipe ({', '.join(RECIPES)}), a script path or a module, then its arguments "
                              "(after -- where one is spelled like a study option)")
     flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
@@ -85,7 +85,7 @@ def split_command(command: list[str], study_flags: frozenset[str]) -> tuple[str,
 
 
 def main(args) -> int:
-    workload, workload_args = split_command(args.command, args.study_flags)
+    workload, workload_args = split_command(args.workload, args.study_flags)
     cfg = StudyConfig(
         workload=workload, args=tuple(workload_args), workers=_ints(args.workers or default_workers()),
         policies=tuple(p.strip() for p in args.policy.split(",") if p.strip()), repeats=args.repeats,
