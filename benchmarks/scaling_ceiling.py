@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -122,15 +121,6 @@ def launch(variant: str, args: argparse.Namespace) -> dict:
     return out
 
 
-def interval(ratios: list[float]) -> tuple[float, float, float]:
-    from scipy.stats import t
-
-    logs = [math.log(r) for r in ratios]
-    mean = statistics.fmean(logs)
-    half = t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
@@ -143,6 +133,8 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         return child(args)
+    if min(args.rounds, args.steps, args.accum, args.micro_batch) < 1:
+        p.error("--rounds, --steps, --accum and --micro-batch must be >= 1")
     from multigpu.fingerprint import fingerprint
 
     print(json.dumps(fingerprint(benchmark="scaling_ceiling", threads_per_process=1)))
@@ -156,9 +148,12 @@ def main() -> None:
             f"{v} {row[v]['rate']:.0f} samples/s" + (f" (x{row[v]['rate'] / row['alone']['rate']:.2f})" if v != "alone" else "")
             for v in variants) + f"; lockstep would cost the pair {100 * row['pair']['lockstep_cost']:.1f} %; sync waits {100 * row['sync']['wait_frac']:.1f} % for the slower rank, "
             f"all-reduce {100 * row['sync']['allreduce_frac']:.1f} %", flush=True)
+    from multigpu.study.measure import ratio_interval
+
     for v in ("pair", "sync"):
-        mean, low, high = interval([r[v]["rate"] / r["alone"]["rate"] for r in rows])
-        print(f"{v} / alone: {mean:.2f}x (95 % interval {low:.2f}-{high:.2f}x, {len(rows)} rounds)")
+        mean, low, high = ratio_interval([r[v]["rate"] / r["alone"]["rate"] for r in rows])
+        spread = f"95 % interval {low:.2f}-{high:.2f}x, " if low is not None else ""
+        print(f"{v} / alone: {mean:.2f}x ({spread}{len(rows)} round{'s' if len(rows) > 1 else ''})")
     alone = [r["alone"]["rate"] for r in rows]
     each = [x for r in rows for x in r["pair"]["per_process"]]
     print(f"one process alone: {min(alone):.0f}-{max(alone):.0f} samples/s; each process of a pair: "

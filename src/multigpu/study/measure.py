@@ -149,16 +149,21 @@ def paired_speedup(runs: list[dict[str, Any]], workers: int, policy: str) -> dic
     ratios = [many[k] / one[k] for k in sorted(one.keys() & many.keys())]
     if not ratios:
         return None
+    mean, low, high = ratio_interval(ratios)
+    return {"mean": mean, "low": low, "high": high, "n": len(ratios),
+            "std": statistics.stdev(ratios) if len(ratios) > 1 else 0.0, "ratios": ratios}
+
+
+def ratio_interval(ratios: list[float]) -> tuple[float, float | None, float | None]:
+    """(geometric mean, low, high): Student's t 95 % interval on the log ratios; no interval for one ratio."""
     logs = [math.log(x) for x in ratios]
     mean = math.exp(statistics.fmean(logs))
-    out = {"mean": mean, "low": None, "high": None, "n": len(ratios),
-           "std": statistics.stdev(ratios) if len(ratios) > 1 else 0.0, "ratios": ratios}
-    if len(ratios) > 1:
-        from scipy.stats import t
+    if len(logs) < 2:
+        return mean, None, None
+    from scipy.stats import t
 
-        half = t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
-        out["low"], out["high"] = mean * math.exp(-half), mean * math.exp(half)
-    return out
+    half = t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return mean, mean * math.exp(-half), mean * math.exp(half)
 
 
 def headline(groups: list[dict[str, Any]]) -> str:
