@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import time
 from typing import Any, Callable, Iterable
 
@@ -59,8 +60,84 @@ def check(schedule: str, pp_size: int, microbatches: int) -> int:
     return n_stages
 
 
+def _ranks(values: list[Any], ranks: list[int] | None = None) -> str:
+    """``pp rank 0 [0], pp rank 1 [1]``: each value after its pp rank (``ranks``: which ones, default all)."""
+    ranks = list(range(len(values))) if ranks is None else ranks
+    return ", ".join(f"pp rank {r} {values[r]}" for r in ranks)
+
+
+def check_stages(modules: Any, ids: Any, n_stages: Any, group: Any, schedule: str, microbatches: int) -> None:
+    """Refuse stages the schedule cannot run, the same one line on every pipeline rank.
+
+    Every rank's schedule, ``n_stages``, stage ids and module count are gathered over ``group``
+    first, so each rank judges the same facts and all raise together (none is left waiting in a
+    collective): the ids over the group are 0..n_stages-1 once each, where the schedule places them
+    (``stage_ids``), ``n_stages`` is the schedule's count, and each rank passes one module per id.
+    """
+    try:
+        mine_ids: Any = [operator.index(i) for i in ids]
+    except TypeError:
+        mine_ids = f"{ids!r} ({type(ids).__name__})"
+    n_modules = len(modules) if isinstance(modules, (list, tuple)) else f"a {type(modules).__name__}"
+    mine = {"schedule": schedule, "n_stages": n_stages, "ids": mine_ids, "modules": n_modules}
+    size = tdist.get_world_size(group)
+    got: list[Any] = [None] * size
+    tdist.all_gather_object(got, mine, group=group)
+    for key in ("schedule", "n_stages"):
+        if len({repr(g[key]) for g in got}) > 1:
+            raise UsageError(f"pipeline ranks were given different {key} ({_ranks([repr(g[key]) for g in got])}); "
+                             f"pass the same {key} on every pp rank")
+    check(schedule, size, microbatches)  # an unknown schedule, too few micro-batches
+    per_rank = stages_per_rank(schedule)
+    want = [stage_ids(schedule, r, size) for r in range(size)]
+    fix = f"pass ids=pp.stage_ids({schedule!r}, pp_rank, pp_size) ({_ranks(want)})"
+    for r, g in enumerate(got):
+        if isinstance(g["ids"], str):
+            raise UsageError(f"pipeline stage ids must be a list of ints, got {g['ids']} on pp rank {r}; {fix}")
+        if isinstance(g["modules"], str):
+            raise UsageError(f"pipeline stages must be a list of modules, got {g['modules']} on pp rank {r}; "
+                             f"pass [module] for one stage per rank")
+        if g["modules"] != len(g["ids"]):
+            raise UsageError(f"pipeline pp rank {r} passed {g['modules']} modules for {len(g['ids'])} stage ids "
+                             f"{g['ids']}; pass one module per stage id, in the same order")
+    counts = [len(g["ids"]) for g in got]
+    if any(c != per_rank for c in counts):
+        other = ("a multi-stage schedule (interleaved_1f1b, looped_bfs, interleaved_zero_bubble, zbv)" if per_rank == 1
+                 else "a single-stage schedule (gpipe, 1f1b)")
+        raise UsageError(f"pipeline schedule {schedule!r} runs {per_rank} stage{'s' if per_rank > 1 else ''} per rank, "
+                         f"got {_ranks([g['ids'] for g in got])}; {fix}, or use {other}")
+    expected = size * per_rank
+    if n_stages != expected:
+        raise UsageError(f"pipeline schedule {schedule!r} on {size} pp ranks runs {expected} stages ({per_rank} per "
+                         f"rank), got n_stages={n_stages!r}; "
+                         f"pass n_stages=pp.check({schedule!r}, pp_size, microbatches)")
+    held: dict[int, list[int]] = {}
+    for r, g in enumerate(got):
+        for i in g["ids"]:
+            held.setdefault(i, []).append(r)
+    problems = [f"{i} {'twice' if len(rs) == 2 else f'{len(rs)} times'} (pp ranks {', '.join(map(str, rs))})"
+                for i, rs in sorted(held.items()) if len(rs) > 1]
+    missing = [i for i in range(expected) if i not in held]
+    if missing:
+        problems.append(f"missing {', '.join(map(str, missing))}")
+    outside = sorted(i for i in held if not 0 <= i < expected)
+    if outside:
+        problems.append(f"out of range {', '.join(map(str, outside))}")
+    if problems:
+        raise UsageError(f"pipeline stage ids over the {size} pp ranks must cover 0..{expected - 1} once each, got "
+                         f"{_ranks([g['ids'] for g in got])}: {'; '.join(problems)}; {fix}")
+    wrong = [r for r, g in enumerate(got) if sorted(g["ids"]) != sorted(want[r])]
+    if wrong:
+        raise UsageError(f"pipeline schedule {schedule!r} places stages {_ranks(want, wrong)}, got "
+                         f"{_ranks([g['ids'] for g in got], wrong)} (the stages would exchange with the wrong ranks); "
+                         f"{fix}")
+
+
 class Pipeline:
     """This rank's pipeline stages and their schedule.
+
+    Built on every rank of ``group`` at once: ``check_stages`` refuses, the same line on every rank,
+    stage ids, ``n_stages`` or module counts the schedule cannot run (see ``stage_ids``, ``check``).
 
     >>> pipe = mg.parallel.Pipeline(parts, ids, n_stages, mesh.pp_mesh.get_group(), dist.device,
     ...                             "1f1b", plan.accum_steps, loss_fn)
@@ -72,7 +149,7 @@ class Pipeline:
                  schedule: str, microbatches: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         from torch.distributed.pipelining import PipelineStage, schedules
 
-        check(schedule, tdist.get_world_size(group), microbatches)
+        check_stages(modules, ids, n_stages, group, schedule, microbatches)
         self.modules, self.ids, self.n_stages, self.group = modules, ids, n_stages, group
         self.stages = [PipelineStage(m, i, n_stages, device, group=group) for m, i in zip(modules, ids)]
         cls = getattr(schedules, SCHEDULES[schedule])
@@ -136,7 +213,8 @@ class Pipeline:
         from .clip import clip_groups, group_norm, grouped
 
         groups = grouped(self.parameters())
-        mine = (group_norm(groups, norm_type) if groups else torch.tensor(0.0)).double()
+        own = group_norm(groups, norm_type) if groups else torch.tensor(0.0)
+        mine = own.double()
         if norm_type == float("inf"):
             tdist.all_reduce(mine, op=tdist.ReduceOp.MAX, group=self.group)
             total = mine
@@ -144,7 +222,9 @@ class Pipeline:
             power = mine ** norm_type
             tdist.all_reduce(power, group=self.group)
             total = power ** (1.0 / norm_type)
-        total = total.float()
+        # Back to the dtype the norm was computed in, as clip_grad_norm_ returns it (a fixed
+        # float32 here moved float64 pipelines 8e-10 off one process).
+        total = total.to(own.dtype)
         clip_groups(groups, max_norm, total)
         return total
 
