@@ -1,4 +1,12 @@
-"""Worker for tests/test_model_parallel.py: the tiny GPT trained under one layout, its full weights returned."""
+"""Worker for tests/test_model_parallel.py and test_pipeline.py: the tiny GPT trained under one layout, its full
+weights returned.
+
+The model trains in float64 unless a layout says ``"dtype": torch.float32``. Layout equivalence is then a
+property of the arithmetic, not of the CPU: in fp32, AdamW divides by the root of the second moment, so a
+1e-7 change in a tiny gradient (another summation order, another SIMD kernel) moves a weight by up to lr,
+and a correct layout missed 1e-5 on an AVX-512 machine. In float64 the same orders differ by ~1e-15 and a
+tolerance of 1e-9 leaves nothing for a bug to hide under.
+"""
 
 import torch
 import torch.nn.functional as F
@@ -67,12 +75,13 @@ def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None
     stop after step ``stop_after`` (a run that a later one, perhaps under another layout, continues).
     """
     layout = dict(layout)
+    dtype = layout.pop("dtype", torch.float64)
     sp, lp = layout.pop("sequence_parallel", False), layout.pop("loss_parallel", False)
     ac = layout.pop("activation_checkpointing", False)
     compiled = layout.pop("compile", False)
     masked = layout.pop("masked", False)
     torch.manual_seed(0)
-    model = GPT(config("tiny", block_size=BLOCK, **layout.pop("model", {})))   # the full model, the same on every rank
+    model = GPT(config("tiny", block_size=BLOCK, **layout.pop("model", {}))).to(dtype)  # the full model, on every rank
     mesh = mg.parallel.mesh(dist, **layout)
     parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp, activation_checkpointing=ac)
     if compiled:
@@ -123,9 +132,9 @@ def train_pipeline(dist, layout: dict, steps: int = 5, accum: int = 4, clip: flo
 
     layout = dict(layout)
     schedule, overrides = layout.pop("schedule"), layout.pop("model", {})
-    sp = layout.pop("sequence_parallel", False)
+    sp, dtype = layout.pop("sequence_parallel", False), layout.pop("dtype", torch.float64)
     torch.manual_seed(0)
-    model = GPT(config("tiny", block_size=BLOCK, **overrides))
+    model = GPT(config("tiny", block_size=BLOCK, **overrides)).to(dtype)
     mesh = mg.parallel.mesh(dist, **layout)
     n_stages = pp.check(schedule, mesh.shape.pp, accum)
     ids = pp.stage_ids(schedule, mesh.pp_rank, mesh.shape.pp)

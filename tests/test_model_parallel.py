@@ -1,11 +1,15 @@
 """Model parallelism computes the same training as one process: TP, TP + SP + loss parallel, FSDP x TP, HSDP.
 
-Each layout trains the tiny GPT (tied embeddings) for 5 AdamW steps with
-gradient accumulation 2 and clipping at 0.5 (below the gradient norm, so it
-acts) on gloo CPU ranks; its full weights after training must equal one
-process's to fp32 tolerance. The data-parallel ranks read disjoint shares of
-each global batch, tensor-parallel peers the same samples (the mesh's
-data-parallel rank keys the loader).
+Each layout trains the tiny GPT (tied embeddings) in float64 for 5 AdamW steps
+with gradient accumulation 2 and clipping at 0.5 (below the gradient norm, so
+it acts) on gloo CPU ranks; its full weights after training must equal one
+process's within 1e-9. In float64 another summation order moves them ~1e-14
+(measured: 5.6e-15 for TP 2), while a planted bug (a per-rank clip, a missing
+all-reduce, a wrong accumulation divisor) moves them 1e-4 or more: in fp32 the
+two overlap (a correct TP 2 missed 1e-5 by a hair on an AVX-512 CPU, because
+AdamW divides by the root of a tiny gradient's second moment). The
+data-parallel ranks read disjoint shares of each global batch, tensor-parallel
+peers the same samples (the mesh's data-parallel rank keys the loader).
 """
 
 
@@ -20,7 +24,8 @@ from multigpu.testing import spawn
 
 import _gpt_layouts as layouts
 
-TOL = 1e-5  # max absolute parameter difference after 5 steps (fp32)
+TOL = 1e-9  # max absolute parameter difference after 5 float64 steps (see the module's docstring)
+NORM_RTOL = 1e-9  # the gradient norms before clipping, relative
 
 
 TWO = [{"tp": 2}, {"tp": 2, "sequence_parallel": True, "loss_parallel": True}, {"tp": 2, "activation_checkpointing": True}]
@@ -48,14 +53,14 @@ def four_ranks():
 
 def _max_diff(got, ref):
     assert sorted(got["state"]) == sorted(ref["state"])
-    return max((got["state"][k] - ref["state"][k]).abs().max().item() for k in ref["state"])
+    return max((got["state"][k].double() - ref["state"][k]).abs().max().item() for k in ref["state"])
 
 
 def _check(results, ref, names):
     for name, per_rank in zip(names, results):
         for r in per_rank:  # every rank ends with the same full weights
             assert _max_diff(r, ref) < TOL, f"{name}: max parameter difference {_max_diff(r, ref):.3g}"
-            assert r["norms"] == pytest.approx(ref["norms"], rel=1e-5), name
+            assert r["norms"] == pytest.approx(ref["norms"], rel=NORM_RTOL), name
             assert r["tied"], f"{name}: the embedding and the head no longer share their weight"
 
 
@@ -176,7 +181,7 @@ def test_token_files_and_windows(tmp_path):
 
 
 def _expected_param_bytes(tp: int, dp_shard: int) -> float:
-    """fp32 parameter bytes per rank by the reference's formula: TP divides what it shards, FSDP divides the rest.
+    """float64 parameter bytes per rank by the reference's formula: TP divides what it shards, FSDP divides the rest.
 
     Sharded by TP: q, k, v (weights and biases), attention out and MLP down weights, MLP up, and the
     (tied) token table; replicated: the biases after a row-wise layer, the norms, the position table.
@@ -185,7 +190,7 @@ def _expected_param_bytes(tp: int, dp_shard: int) -> float:
     h, L = cfg.n_embd, cfg.n_layer
     sharded = L * (12 * h * h + 7 * h) + cfg.vocab_size * h
     replicated = L * 6 * h + cfg.block_size * h + 2 * h
-    return 4 * (sharded / tp + replicated) / dp_shard
+    return 8 * (sharded / tp + replicated) / dp_shard
 
 
 @pytest.mark.slow
@@ -213,10 +218,21 @@ def test_activation_checkpointing_computes_the_same_and_saves_less(reference, tw
 
 @pytest.mark.slow
 def test_compiled_blocks_compute_the_same(reference):
-    """torch.compile per block (in place: parameter names unchanged) on one process: the eager weights."""
-    compiled = spawn(layouts.train, 1, {"compile": True}, timeout=280)[0]
+    """torch.compile per block (in place: parameter names unchanged) on one process, in fp32 (Inductor's
+    CPU kernels are what a user runs): as close to the float64 weights as eager fp32 is.
+
+    The tolerance is what fp32 can hold on this very training, measured, not guessed: eager fp32's
+    distance from float64 (1.2e-5 here; AdamW turns a 1e-7 change in a tiny gradient into up to lr).
+    Fused kernels round differently, so the compiled weights may sit anywhere in that band, not at
+    eager's point in it; 3x the band still refuses a real change of the math (a dropped term or a
+    wrong scale moves weights by 1e-3 after 5 steps of lr 1e-3).
+    """
+    fp32 = {"dtype": torch.float32}
+    eager, compiled = spawn(layouts.train_layouts, 1, [fp32, {**fp32, "compile": True}], timeout=280)[0]
     assert sorted(compiled["state"]) == sorted(reference["state"])
-    assert _max_diff(compiled, reference) < TOL
+    band = _max_diff(eager, reference)
+    assert 1e-8 < band < 1e-4, band  # fp32 rounding, neither absent nor a bug of its own
+    assert _max_diff(compiled, reference) < 3 * band, (_max_diff(compiled, reference), band)
 
 
 def test_shard_blocks_refuses_block_classes_like_wrap_does():
