@@ -11,13 +11,15 @@ file in the run directory::
     MULTIGPU_MEMORY_BUDGET   --memory-budget SIZE, in bytes: the search's budget when the call gives none
     MULTIGPU_VERIFY          "1" under `multigpu verify`: StepMeters log every step and probe (meter/probe.py)
     MULTIGPU_ATTEMPT         always: 0, 1, ... for each start of the workers (restarts, and nodes joining)
+    MULTIGPU_LAUNCH_ID       always: a fresh id per `multigpu run` (per node), the same in all its attempts
+                             (a StepMeter appends to a metrics.jsonl only after an earlier attempt of it: sinks.py)
     MULTIGPU_HANG_TIMEOUT    --hang-timeout S: every StepMeter's watchdog reports a stall after S seconds at most
     <run dir>/find_batch.json  the agreed search result (local rank 0 of each node), for the launcher's last line
     <attempt dir>/rank<r>.failure.json  the exception that ended a worker, with the time it was raised
                                         (written by worker.py, read by the failure summary)
 
 Launcher side: ``worker_env`` and ``read_find_batch``. Worker side: ``run_dir``,
-``attempt``, ``profile_window``, ``find_batch_requested``, ``memory_budget``, ``hang_timeout`` and
+``attempt``, ``launch_id``, ``profile_window``, ``find_batch_requested``, ``memory_budget``, ``hang_timeout`` and
 ``write_find_batch``; ``failure_path`` for both. The standard library and ``errors`` only: meter/, the finder and the
 recipes read it in every worker, below everything else in ``multigpu.launch``.
 """
@@ -39,6 +41,7 @@ MEMORY_BUDGET_ENV = "MULTIGPU_MEMORY_BUDGET"
 VERIFY_ENV = "MULTIGPU_VERIFY"  # "1" under `multigpu verify`: every StepMeter probes (meter/probe.py)
 HANG_TIMEOUT_ENV = "MULTIGPU_HANG_TIMEOUT"
 ATTEMPT_ENV = "MULTIGPU_ATTEMPT"  # set per attempt by launch/logs.py (torch's restart count misses joins)
+LAUNCH_ID_ENV = "MULTIGPU_LAUNCH_ID"  # set with it: which launch the attempt belongs to
 VERIFY_DIR = "verify"  # <run dir>/verify/: the probe's records
 FIND_BATCH_FILE = "find_batch.json"
 RAISED_AT = "_multigpu_raised_at"  # set on an exception by the code that caught it first (mg.init)
@@ -150,6 +153,11 @@ def attempt() -> int:
     """Which start of the workers this is under ``multigpu run`` (0 outside it, and for the first)."""
     text = os.environ.get(ATTEMPT_ENV, "0")
     return int(text) if text.isdigit() else 0
+
+
+def launch_id() -> str | None:
+    """The id of the ``multigpu run`` that started this worker, the same in each of its attempts (None outside it)."""
+    return os.environ.get(LAUNCH_ID_ENV) or None
 
 
 def profile_window() -> str | None:

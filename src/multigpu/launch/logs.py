@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 import sys
@@ -98,6 +99,7 @@ class RankLogsSpecs(LogsSpecs):
         self.hang: str | None = None  # the verdict, when --hang-timeout stopped the last attempt's workers
         self._sizes: tuple[int, int] | None = None  # (nodes, world size) of the last attempt
         self._attempts = self._restarts = 0
+        self.launch_id = secrets.token_hex(8)  # this launch's, in every attempt (contract.LAUNCH_ID_ENV)
 
     def _say_membership(self, env: dict[str, str], attempt_dir: str) -> None:
         """One line when an attempt has other nodes than the last: a node left, or joined (elastic --nnodes)."""
@@ -145,6 +147,7 @@ class RankLogsSpecs(LogsSpecs):
             errors[local_rank] = f"{base}.error.json"
             env["TORCHELASTIC_ERROR_FILE"] = errors[local_rank]
             env[contract.ATTEMPT_ENV] = str(attempt)
+            env[contract.LAUNCH_ID_ENV] = self.launch_id
             self.stderr_paths[rank] = stderrs[local_rank]
             self.global_ranks[local_rank] = rank
             if self._console_ranks is None or rank in self._console_ranks:

@@ -22,7 +22,7 @@ import torch.distributed as tdist
 
 from ..errors import UsageError
 from ..fingerprint import fingerprint
-from ..launch.contract import attempt, profile_window, run_dir, verify_requested
+from ..launch.contract import attempt, launch_id, profile_window, run_dir, verify_requested
 from ..values import positive_int
 from . import gpumon, sinks as _sinks
 from .flops import FlopCount, dtype_key, peak_flops
@@ -99,8 +99,10 @@ class StepMeter:
         self._iv = Interval()
         self._paused: dict[str, float] = {}
 
-        self._resume = False
-        self.hosts = self._gather_objects(socket.gethostname())
+        # Every rank's host, and its launcher's id and attempt (one launcher per node): the header's "launch".
+        ranks = self._gather_objects((socket.gethostname(), launch_id(), attempt()))
+        self.hosts = [host for host, _, _ in ranks]
+        self._launch = {lid: n for _, lid, n in ranks if lid} or None
         self.log_dir = self._agree_log_dir(log_dir)
         os.makedirs(self.log_dir, exist_ok=True)
 
@@ -150,15 +152,14 @@ class StepMeter:
         self.console = None
         if self.is_main:
             self.header = {
-                "type": "header", "schema": SCHEMA_VERSION,
+                "type": "header", "schema": SCHEMA_VERSION, "launch": self._launch,
                 "fingerprint": fingerprint(dist, **(fingerprint_extra or {})),
                 "plan": {k: getattr(plan, k) for k in ("global_batch", "world_size", "micro_batch", "accum_steps")} if plan else None,
                 "meter": {"log_every": self.log_every, "samples_per_step": self.samples_per_step, "dtype": self._dtype,
                           "peak_flops": self.peak_flops, "flops_per_sample": flops_per_sample, "hosts": self.hosts},
             }
             try:
-                self.sinks = _sinks.make_sinks(sinks, self.log_dir, self.header, resume or self._resume,
-                                               sink_options or {})
+                self.sinks = _sinks.make_sinks(sinks, self.log_dir, self.header, resume, sink_options or {})
             except BaseException:
                 self._shutdown(write_summary=False)  # no threads or hooks left behind
                 raise
@@ -176,10 +177,8 @@ class StepMeter:
         return out
 
     def _agree_log_dir(self, log_dir: str | None) -> str:
-        if log_dir is None:
-            log_dir = run_dir()  # `multigpu run`'s
-            if log_dir is not None and attempt() > 0:
-                self._resume = True  # a restart of the same run: append after a new header line
+        # `multigpu run`'s, else a fresh one; a restart appends to its metrics.jsonl (sinks.continues_launch)
+        log_dir = log_dir if log_dir is not None else run_dir()
         if log_dir is None:
             stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
             log_dir = os.path.join("runs", stamp)

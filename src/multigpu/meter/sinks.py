@@ -48,17 +48,62 @@ def _no_nan(obj: Any) -> Any:
     return obj
 
 
+def last_header(path: str, block: int = 1 << 16) -> dict[str, Any] | None:
+    """The last ``header`` record of a metrics.jsonl, read from its end (None: it has none)."""
+    with open(path, "rb") as fp:
+        pos, rest = fp.seek(0, os.SEEK_END), b""
+        while pos > 0:
+            size = min(block, pos)
+            pos -= size
+            fp.seek(pos)
+            lines = (fp.read(size) + rest).split(b"\n")
+            rest = lines.pop(0) if pos > 0 else b""  # maybe the end of a line that starts further up
+            for line in reversed(lines):
+                if line.startswith(b'{"type":"header"'):
+                    try:
+                        return json.loads(line)
+                    except ValueError:
+                        continue  # cut short by a crash
+    return None
+
+
+def continues_launch(previous: dict[str, Any] | None, launch: dict[str, int] | None) -> bool:
+    """True when ``launch`` is a later attempt of a launch that wrote the header ``previous``.
+
+    A header's ``launch`` maps each ``multigpu run`` launcher of its world (one per node, a fresh
+    id per launch) to its attempt number. A restart shares a launcher and has a higher number;
+    a separate run, any launch's attempt 0, a second meter in the same attempt, or a file written
+    outside ``multigpu run`` do not.
+
+    >>> continues_launch({"launch": {"9f0c": 0}}, {"9f0c": 1}), continues_launch({"launch": {"9f0c": 0}}, {"a1b2": 1})
+    (True, False)
+    """
+    before = (previous or {}).get("launch") or {}
+    return any(isinstance(before.get(lid), int) and attempt > before[lid] for lid, attempt in (launch or {}).items())
+
+
 class JsonlSink:
-    """One JSON object per line: a ``header`` line, ``step``/``eval`` lines, a ``summary`` line."""
+    """One JSON object per line: a ``header`` line, ``step``/``eval`` lines, a ``summary`` line.
+
+    An existing file is refused unless ``resume`` is true or it is a restart's (``continues_launch``):
+    then the records are appended after a new header line.
+    """
 
     name = "jsonl"
 
     def __init__(self, path: str, header: dict[str, Any], resume: bool = False) -> None:
         if os.path.exists(path) and not resume:
-            raise UsageError(f"{path} already exists; give the run a fresh log_dir, or pass resume=True to append to it")
+            resume = continues_launch(last_header(path), header.get("launch"))
+            if not resume:
+                raise UsageError(f"{path} already exists; give the run a fresh log_dir, or pass resume=True to append to it")
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.path = path
         self._f = open(path, "a" if resume else "x", encoding="utf-8")
+        if resume and self._f.tell() > 0:
+            with open(path, "rb") as fp:
+                fp.seek(-1, os.SEEK_END)
+                if fp.read(1) != b"\n":  # a record a crash cut short: the header starts a line of its own
+                    self._f.write("\n")
         self.write(header)
 
     def write(self, record: dict[str, Any]) -> None:
