@@ -143,6 +143,9 @@ def check(cfg: StudyConfig) -> None:
         raise UsageError(f"--global-batch must be >= 1, got {cfg.global_batch}; use e.g. --global-batch 64")
     if cfg.ci is not None and not 0 < cfg.ci < 1:
         raise UsageError(f"--ci is the relative half-width of the speedup's interval, in (0, 1), got {cfg.ci}; use e.g. --ci 0.1")
+    if not cfg.budget_s >= 0:  # NaN too; 0: the --repeats rounds, none added
+        raise UsageError(f"--budget is the seconds after which no round starts, 0 or more, got {cfg.budget_s:g}; "
+                         "use e.g. --budget 600")
     if cfg.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {cfg.threads}; use --threads 1 for one core per worker")
     if cfg.ci is not None and cfg.max_repeats < max(cfg.repeats, 1):  # it bounds only --ci's extra rounds

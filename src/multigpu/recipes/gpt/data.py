@@ -49,19 +49,38 @@ def prepare_tokens(directory: str | os.PathLike) -> Path:
     return out
 
 
+def check_token_file(path: str | os.PathLike, block_size: int) -> int:
+    """The number of tokens in ``path``; ``UsageError`` unless it holds at least one window of ``block_size + 1``.
+
+    Reads the file's size only (no mapping: ``np.memmap`` cannot map an empty file), so a
+    script can refuse a bad ``--data`` before it starts any work.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"token file {path} does not exist; pass a directory with train.bin/val.bin "
+                         "(nanoGPT's layout, uint16) or omit --data for the built-in text")
+    size = path.stat().st_size
+    if size % 2:
+        raise UsageError(f"token file {path} has {size} bytes, not a whole number of uint16 tokens (2 bytes each); "
+                         "write token ids as uint16 (nanoGPT's layout) or omit --data for the built-in text")
+    if size == 0:
+        raise UsageError(f"token file {path} is empty (0 bytes); write its token ids as uint16 (nanoGPT's layout) "
+                         "or omit --data for the built-in text")
+    tokens = size // 2
+    if tokens < block_size + 1:
+        raise UsageError(f"token file {path} has {tokens} tokens, fewer than one window of "
+                         f"{block_size + 1}; use a smaller block_size or a longer file")
+    return tokens
+
+
 class TokenWindows(Dataset):
     """Sample ``i``: tokens ``[i*T, (i+1)*T)`` as input and the same shifted by one as target (``T = block_size``)."""
 
     def __init__(self, path: str | os.PathLike, block_size: int, vocab_size: int | None = None) -> None:
         path = Path(path)
-        if not path.is_file():
-            raise UsageError(f"token file {path} does not exist; pass a directory with train.bin/val.bin "
-                             "(nanoGPT's layout, uint16) or omit --data for the built-in text")
+        check_token_file(path, block_size)
         self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
         self.block_size = block_size
-        if len(self) < 1:
-            raise UsageError(f"token file {path} has {len(self.tokens)} tokens, fewer than one window of "
-                             f"{block_size + 1}; use a smaller block_size or a longer file")
         if vocab_size is not None:
             top = int(self.tokens.max())
             if top >= vocab_size:

@@ -35,15 +35,26 @@ import torch.nn.functional as F
 import multigpu as mg
 
 from . import pipeline
+from ...errors import UsageError, report_usage_error
 from ...parallel.footprint import LiveActivations, state_bytes
-from .data import TokenWindows, prepare_tokens
+from ...values import positive_int
+from .data import TokenWindows, check_token_file, prepare_tokens
 from .model import GPT, SIZES, config
 from .parallelize import parallelize
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a mistake is a ``UsageError`` (one line, exit 2) instead of the whole usage text."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m multigpu.recipes.gpt", description=__doc__.split("\n")[0])
-    p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model size (default tiny, < 1M parameters)")
+    """The recipe's flags, checked (``check_args``): a value that cannot work is a ``UsageError`` here."""
+    p = _Parser(prog="python -m multigpu.recipes.gpt", description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="tiny", metavar="SIZE",
+                   help=f"model size: {', '.join(SIZES)} (default tiny, < 1M parameters)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per sequence (default: the size's)")
     p.add_argument("--data", default=None, help="directory with train.bin/val.bin (uint16); default: Python's docs as bytes")
     p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step, over all data-parallel ranks")
@@ -56,10 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dp-replicate", type=int, default=1, help="replicas of the sharded model (HSDP's outer dimension)")
     p.add_argument("--dp-shard", type=int, default=None, help="FSDP degree (default: the rest of the world)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages' ranks (outermost mesh dimension; needs --untied)")
-    p.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, "
-                   "interleaved_zero_bubble, zbv (default 1f1b)")
+    p.add_argument("--schedule", default=None, help="pipeline schedule (with --pp): gpipe, 1f1b, interleaved_1f1b, "
+                   "looped_bfs, interleaved_zero_bubble, zbv (default 1f1b)")
     p.add_argument("--pp-splits", default=None, metavar="B,B,...",
-                   help="first block of every pipeline stage after the first (default: balanced, the embeddings "
+                   help="with --pp: first block of every pipeline stage after the first (default: balanced, the embeddings "
                    "and the head counted as one block each)")
     p.add_argument("--untied", action="store_true", help="separate token table and head (a pipeline puts them on two stages)")
     p.add_argument("--ddp", action="store_true",
@@ -84,7 +95,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--result-json", default=None, metavar="PATH",
                    help="write the result, with each rank's training-state and peak activation bytes (max over ranks), "
                         "to PATH (rank 0; `multigpu tune` reads it)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse, before any work, every value that cannot work (one ``UsageError`` each)."""
+    if args.size not in SIZES:
+        raise UsageError(f"--size must be one of {', '.join(SIZES)}, got {args.size!r}; use e.g. --size tiny")
+    positive_int(args.steps, "--steps", "use e.g. --steps 50")
+    positive_int(args.global_batch, "--global-batch", "use e.g. --global-batch 16")
+    if args.micro_batch is not None:
+        positive_int(args.micro_batch, "--micro-batch", "omit it for a rank's whole share")
+    if args.block_size is not None:
+        positive_int(args.block_size, "--block-size",
+                     f"omit it for the size's own ({args.size}: {SIZES[args.size].block_size})")
+    positive_int(args.eval_every, "--eval-every", "use e.g. --eval-every 25 (the end is always evaluated)")
+    positive_int(args.eval_batches, "--eval-batches", "use e.g. --eval-batches 8")
+    positive_int(args.log_every, "--log-every", "use e.g. --log-every 10")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise UsageError(f"--lr must be a positive number, got {args.lr:g}; use e.g. --lr 1e-3")
+    if not (math.isfinite(args.clip) and args.clip >= 0):
+        raise UsageError(f"--clip is the largest global gradient norm, 0 or more (0: off), got {args.clip:g}; "
+                         "use e.g. --clip 1.0")
+    if args.warmup_steps < 0:
+        raise UsageError(f"--warmup-steps must be 0 or more (0: off), got {args.warmup_steps}; use e.g. --warmup-steps 10")
+    pipeline_only = [f for f, v in (("--schedule", args.schedule), ("--pp-splits", args.pp_splits)) if v is not None]
+    if pipeline_only and args.pp <= 1:
+        raise UsageError(f"{' and '.join(pipeline_only)} {'set' if len(pipeline_only) > 1 else 'sets'} the pipeline "
+                         f"but --pp is {args.pp} (no pipeline); add --pp 2 or more (with --untied), or drop "
+                         f"{' and '.join(pipeline_only)}")
+    if args.pp_splits is not None:
+        _int_list(args.pp_splits, "--pp-splits")
+    if args.data is not None:
+        block = args.block_size or SIZES[args.size].block_size
+        for name in ("train.bin", "val.bin"):
+            check_token_file(os.path.join(args.data, name), block)
 
 
 def _datasets(args, cfg):
@@ -141,7 +188,11 @@ def _held_out(total: float, tokens: float, counts: bool) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except UsageError as err:  # before mg.init, which would turn it into this line itself
+        report_usage_error(err)
+        raise SystemExit(2) from None
     with mg.init(seed=args.seed) as dist:
         cfg = config(args.size, **({"block_size": args.block_size} if args.block_size else {}),
                      **({"tie_embeddings": False} if args.untied else {}))
@@ -160,7 +211,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         pipe = None
         if args.pp > 1:
             splits = _int_list(args.pp_splits, "--pp-splits") if args.pp_splits else None
-            pipe = pipeline.build(GPT(cfg).to(dist.device), mesh, dist.device, args.schedule, plan.accum_steps, spread,
+            pipe = pipeline.build(GPT(cfg).to(dist.device), mesh, dist.device, args.schedule or "1f1b",
+                                  plan.accum_steps, spread,
                                   splits)
             model = pipe.model
         else:
