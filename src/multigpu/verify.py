@@ -24,6 +24,13 @@ from .launch.contract import VERIFY_DIR, VERIFY_ENV, environ
 from .study.measure import read_records
 
 DIGEST_RTOL = 1e-9  # float64 sums of the same samples in another order
+# Final parameters are judged by |theta_N - theta_1| / |theta_1 - theta_initial| over the whole model: the
+# share of the training's update that differs. Element-wise they cannot be: AdamW divides by the root of
+# each gradient's second moment, so where a gradient cancels to ~1e-9 (a conv bias before BatchNorm)
+# fp32 rounding decides an update of up to lr. Measured (examples/verify_convnet.py, AdamW, 5 steps):
+# correct 2.8e-7, correct with such a bias 1.1e-3; planted bugs (tests/_verify_script.py) 4.3e-2 (loss
+# normalized per rank), 6.5e-2 (BatchNorm without sync), 0.59 (sampler), 8.4 (seed).
+PARAM_TOL = 1e-2
 
 
 def _read_run(run_dir: Path) -> dict[str, Any]:
@@ -38,7 +45,8 @@ def _read_run(run_dir: Path) -> dict[str, Any]:
     probe = json.loads((probe_dir / "probe.json").read_text()) if (probe_dir / "probe.json").is_file() else {}
     states = {name: torch.load(probe_dir / f"{name}.pt", weights_only=True)
               for name in ("initial", "final") if (probe_dir / f"{name}.pt").is_file()}
-    return {"losses": losses, "digests": probe.get("digests", []), "batchnorm": probe.get("batchnorm", []), **states}
+    return {"losses": losses, "digests": probe.get("digests", []), "batchnorm": probe.get("batchnorm", []),
+            "rank_starts": probe.get("rank_starts", []), **states}
 
 
 def _state_diff(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
@@ -56,6 +64,21 @@ def _state_diff(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | N
     return worst
 
 
+def _update_diff(ref: dict[str, Any], other: dict[str, Any]) -> float | None:
+    """|final_other - final_ref| / |final_ref - initial_ref| over every floating tensor (None: not comparable)."""
+    a, b, start = ref.get("final"), other.get("final"), ref.get("initial")
+    if a is None or b is None or start is None or a.keys() != b.keys() or a.keys() != start.keys():
+        return None
+    diff = update = 0.0
+    for key, x in a.items():
+        if x.shape != b[key].shape:
+            return float("inf")
+        if x.is_floating_point():
+            diff += float((x.double() - b[key].double()).square().sum())
+            update += float((x.double() - start[key].double()).square().sum())
+    return (diff / update) ** 0.5 if update > 0 else (0.0 if diff == 0 else float("inf"))
+
+
 def compare(ref: dict[str, Any], other: dict[str, Any], rtol: float) -> dict[str, Any]:
     """How ``other`` differs from ``ref``: the largest differences, the first diverging step, likely causes."""
     pairs = [(a, b) for a, b in zip(ref["losses"], other["losses"]) if a is not None and b is not None]
@@ -63,7 +86,17 @@ def compare(ref: dict[str, Any], other: dict[str, Any], rtol: float) -> dict[str
     first = next((i for i, r in enumerate(rel) if r > rtol), None)
     data = next((i for i, (a, b) in enumerate(zip(ref["digests"], other["digests"]))
                  if abs(a - b) > DIGEST_RTOL * max(abs(a), 1.0)), None)
-    init, final = _state_diff(ref.get("initial"), other.get("initial")), _state_diff(ref.get("final"), other.get("final"))
+    init, final = _state_diff(ref.get("initial"), other.get("initial")), _update_diff(ref, other)
+    same = first is None and (final is None or final <= PARAM_TOL) and data is None
+    causes = [] if same else _causes(ref, other, rtol, first, data, init)
+    return {"same": same, "steps": len(pairs), "largest_loss_rel": max(rel, default=0.0), "first_diverging_step": first,
+            "first_data_step": data, "initial_rel": init, "final_rel": final, "param_tol": PARAM_TOL, "causes": causes,
+            "losses": [list(p) for p in pairs]}
+
+
+def _causes(ref: dict[str, Any], other: dict[str, Any], rtol: float, first: int | None, data: int | None,
+            init: float | None) -> list[str]:
+    """The likely causes of a difference, most specific first."""
     causes = []
     if data is not None:
         causes.append(f"the samples of step {data} differ: the sampler or loader is not world-size-invariant (each "
@@ -71,6 +104,11 @@ def compare(ref: dict[str, Any], other: dict[str, Any], rtol: float) -> dict[str
     if init is not None and init > rtol:
         causes.append(f"the initial parameters differ (largest relative difference {init:.1e}): the ranks build the "
                       f"model from different seeds (seed the same on every rank: mg.init(seed=0))")
+    elif other.get("rank_starts"):
+        ranks = ", ".join(map(str, other["rank_starts"][:4]))
+        causes.append(f"the initial parameters differ between the ranks (rank {ranks} vs rank 0): the ranks build the "
+                      f"model from different seeds and nothing syncs them (seed the same on every rank: "
+                      f"mg.init(seed=0), or let DDP broadcast rank 0's)")
     if other["batchnorm"]:
         names = ", ".join(other["batchnorm"][:3]) + (" ..." if len(other["batchnorm"]) > 3 else "")
         causes.append(f"BatchNorm without sync ({names}): each rank normalizes with its share's statistics; "
@@ -82,10 +120,7 @@ def compare(ref: dict[str, Any], other: dict[str, Any], rtol: float) -> dict[str
         causes.append(f"the same start and samples, but step {first} differs: the gradients differ (a loss scaled "
                       f"per rank, random draws such as dropout that depend on the rank, accumulation that syncs "
                       f"or scales differently)")
-    same = first is None and (final is None or final <= rtol) and data is None
-    return {"same": same, "steps": len(pairs), "largest_loss_rel": max(rel, default=0.0), "first_diverging_step": first,
-            "first_data_step": data, "initial_rel": init, "final_rel": final, "causes": causes,
-            "losses": [list(p) for p in pairs]}
+    return causes
 
 
 def verify(target: str, args: Sequence[str] = (), *, module: bool = False, workers: Sequence[int] = (1, 2),
@@ -98,12 +133,24 @@ def verify(target: str, args: Sequence[str] = (), *, module: bool = False, worke
     True
     """
     from .launch import run as launch_run
+    from .launch.logs import last_line
 
     if len(workers) < 2 or any(w < 1 for w in workers):
         raise UsageError(f"--workers needs two or more positive world sizes to compare, got {','.join(map(str, workers))}; "
                          "use e.g. --workers 1,2")
     if steps < 1:
         raise UsageError(f"--steps must be >= 1, got {steps}; use e.g. --steps 5")
+    if not rtol > 0:
+        raise UsageError(f"--rtol must be a positive number, got {rtol}; use e.g. --rtol 1e-5 (fp32 losses)")
+    if global_batch is not None:
+        if global_batch < 1:
+            raise UsageError(f"--global-batch must be a positive integer, got {global_batch}; use e.g. --global-batch 64")
+        uneven = [w for w in workers if global_batch % w]
+        if uneven:
+            fits = [b for b in range(global_batch, global_batch * 64 + 1) if all(b % w == 0 for w in workers)][0]
+            raise UsageError(f"--global-batch {global_batch} is not divisible by {uneven[0]} workers (--workers "
+                             f"{','.join(map(str, workers))}); every world size must split it evenly: use "
+                             f"--global-batch {fits}")
     root = Path(out or os.path.join("multigpu_logs", f"verify-{time.strftime('%Y%m%d-%H%M%S')}"))
     root.mkdir(parents=True, exist_ok=True)
     extra = list(args) + (["--global-batch", str(global_batch)] if global_batch else []) + ["--steps", str(steps)]
@@ -116,8 +163,12 @@ def verify(target: str, args: Sequence[str] = (), *, module: bool = False, worke
                 environ(**{VERIFY_ENV: "1"}):
             code = launch_run(target, extra, module=module, nproc=w, cpu=cpu, log_dir=str(log_dir))
         if code != 0:
-            raise UsageError(f"the run on {w} worker{'s' if w > 1 else ''} failed (exit code {code}; see "
-                             f"{log_dir / 'console.log'}); verify compares finished runs: fix the script first")
+            # The launcher's summary (the failing rank's exception) says more than the exit code.
+            why = last_line(str(log_dir / "console.log"), limit=None, tail=None,
+                            prefer=lambda ln: ln.startswith("multigpu run:") or "error:" in ln.lower())
+            raise UsageError(f"the run on {w} worker{'s' if w > 1 else ''} failed (exit code {code}"
+                             f"{': ' + why.strip() if why else ''}; see {log_dir / 'console.log'}); verify compares "
+                             f"finished runs: fix the script first")
         runs[w] = _read_run(sorted(p for p in log_dir.iterdir() if p.is_dir())[-1])
     ref = workers[0]
     report = {"target": target, "args": list(args), "steps": steps, "global_batch": global_batch, "rtol": rtol,
@@ -135,7 +186,9 @@ def verify(target: str, args: Sequence[str] = (), *, module: bool = False, worke
 
 
 def line(w: int, ref: int, c: dict[str, Any]) -> str:
-    final = f"final parameters {c['final_rel']:.1e}" if c["final_rel"] is not None else "parameters not compared (pass model= to StepMeter)"
+    final = (f"final parameters {c['final_rel']:.1e} of the update (tolerance {c['param_tol']:.0e}: fp32 rounding "
+             f"that AdamW amplifies where a gradient cancels to ~0 reaches ~1e-3, a bug moves the update)"
+             if c["final_rel"] is not None else "parameters not compared (pass model= to StepMeter)")
     head = f"  {w} workers vs {ref}: "
     if c["same"]:
         return head + f"SAME over {c['steps']} steps: largest loss difference {c['largest_loss_rel']:.1e} (relative), {final}"
@@ -150,7 +203,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--workers", default="1,2", help="world sizes; each is compared with the first (default 1,2)")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run (passed as --steps; default 5)")
     parser.add_argument("--global-batch", type=int, default=None, help="passed as --global-batch to every run")
-    parser.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance for losses and parameters (default 1e-5, fp32)")
+    parser.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance for the losses (default 1e-5, fp32); parameters are judged by the share of the update that differs")
     parser.add_argument("--cpu", action="store_true", help="CPU workers (gloo) even where GPUs exist")
     parser.add_argument("--out", default=None, help="where the runs and verify.json go (default multigpu_logs/verify-<time>)")
     parser.add_argument("-m", dest="module", action="store_true", help="the target is a module (python -m)")

@@ -3,7 +3,8 @@
     <run dir>/verify/initial.pt   the full model state when the meter starts (rank 0; needs model=)
     <run dir>/verify/final.pt     ... and when it closes
     <run dir>/verify/probe.json   per step, a digest of the samples all ranks trained on (sum over
-                                  ranks: the same whatever the split), unsynced BatchNorm modules
+                                  ranks: the same whatever the split), unsynced BatchNorm modules, the
+                                  ranks whose plain parameters started elsewhere than rank 0's
 
 The losses come from metrics.jsonl (the meter logs every step under verify).
 """
@@ -42,10 +43,22 @@ def digest(batch: Any) -> float:
 
 
 def unsynced_batchnorm(model: nn.Module) -> list[str]:
+    from ..parallel.batchnorm import GlooSyncBatchNorm  # sync_batchnorm=True's layer on CPU
     from ..parallel.wrap import unwrap
 
     return [name for name, m in unwrap(model).named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)]
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, (nn.SyncBatchNorm, GlooSyncBatchNorm))]
+
+
+def plain_state_digest(model: nn.Module) -> list[float]:
+    """Per plain (not sharded) floating tensor of the model's state, a digest; the ranks' lists are equal
+    when they start from the same parameters (sharded DTensors differ by design and are left out)."""
+    from torch.distributed.tensor import DTensor
+
+    from ..parallel.wrap import unwrap
+
+    return [digest(t.reshape(1, -1)) for t in unwrap(model).state_dict().values()
+            if torch.is_tensor(t) and not isinstance(t, DTensor) and t.is_floating_point()]
 
 
 class Probe:
@@ -58,13 +71,15 @@ class Probe:
         if rank == 0:
             os.makedirs(self.dir, exist_ok=True)
         self._save_model("initial")
+        self.start = plain_state_digest(model) if model is not None else []
 
     def batch(self, batch: Any) -> None:
         self.digests.append(digest(batch))
 
     def finish(self) -> None:
         self._save_model("final")
-        mine = {"digests": self.digests, "batchnorm": unsynced_batchnorm(self.model) if self.model is not None else []}
+        mine = {"digests": self.digests, "batchnorm": unsynced_batchnorm(self.model) if self.model is not None else [],
+                "start": self.start}
         every = [mine]
         if self.world > 1 and tdist.is_initialized():
             every = [None] * self.world
@@ -73,7 +88,10 @@ class Probe:
             steps = min(len(r["digests"]) for r in every)
             rec = {"world_size": self.world, "model": self.model is not None,
                    "digests": [math.fsum(r["digests"][i] for r in every) for i in range(steps)],
-                   "batchnorm": every[0]["batchnorm"] if self.world > 1 else []}
+                   "batchnorm": every[0]["batchnorm"] if self.world > 1 else [],
+                   # Ranks whose unsynced parameters started elsewhere than rank 0's (a per-rank seed that
+                   # no wrapper broadcast over): rank 0's initial.pt alone would not show it.
+                   "rank_starts": [r for r in range(1, len(every)) if every[r]["start"] != every[0]["start"]]}
             with open(os.path.join(self.dir, "probe.json"), "w") as fp:
                 json.dump(rec, fp)
 
