@@ -19,9 +19,12 @@ def test_bad_verify_input_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for argv, fragment in ((["--workers", "2", SCRIPT], "--workers needs two or more positive world sizes"),
                            (["--workers", "1,x", SCRIPT], "comma-separated list of integers"),
-                           (["--steps", "0", SCRIPT], "--steps must be >= 1")):
+                           (["--steps", "0", SCRIPT], "--steps must be >= 1"),
+                           (["--rtol", "-1", SCRIPT], "--rtol must be a positive number, got -1.0"),
+                           (["--global-batch", "0", SCRIPT], "--global-batch must be a positive integer, got 0"),
+                           (["--global-batch", "3", SCRIPT], "--global-batch 3 is not divisible by 2 workers")):
         code, err = run_cli(["verify", *argv], capsys)
-        assert code == 2 and err.count("\n") == 1 and fragment in err, err
+        assert code == 2 and err.count("\n") == 1 and fragment in err and "Traceback" not in err, err
 
 
 @pytest.mark.slow
