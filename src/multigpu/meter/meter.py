@@ -342,6 +342,8 @@ class StepMeter:
         if self.profiler is not None and self.step - n_steps < self.profiler.stop_step and \
                 self.step > self.profiler.start_step - 1:
             rec["profiled"] = True  # the profiler slowed these steps: left out of the summary
+        if not self._records:
+            rec["warmup"] = True  # this meter's first interval (first steps, FLOP counting): left out likewise
         rec.update(self._extra)
         self._extra = {}
         self._records.append(rec)
@@ -352,7 +354,8 @@ class StepMeter:
     def summary(self) -> dict[str, Any] | None:
         """Throughput (samples / time over the measured steps), its per-interval spread, the time breakdown (rank 0).
 
-        The first interval (warm-up, FLOP counting) and profiled ones are left out when there are others.
+        The first interval (warm-up, FLOP counting; its record says ``warmup``) and profiled ones are
+        left out when there are others; ``rate_steps`` and ``measured.left_out`` name the steps.
         """
         return run_summary(self._records, steps=self.step, samples_per_step=self.samples_per_step,
                            wall_time=time.perf_counter() - self._t_start, flops_per_sample=self.flops_per_sample,

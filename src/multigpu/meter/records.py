@@ -109,10 +109,39 @@ def measured(records: list[dict[str, Any]]) -> list[tuple[int, float, dict[str, 
     return [s for s in spans if s[1] > 0]
 
 
+def first_step(record: dict[str, Any]) -> int:
+    """The first step of a ``step`` record's interval (``step`` is its last)."""
+    return record["step"] - record["steps"] + 1
+
+
+def left_out(records: list[dict[str, Any]], spans: list[tuple[int, float, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The step records ``measured`` did not count, as ``{"steps": [first, last], "why": ...}``.
+
+    Consecutive records left out for the same reason are one entry; ``why`` is
+    ``warm-up`` (the meter's first interval), ``profiled`` or ``no time``.
+    """
+    counted = {id(r) for _, _, r in spans}
+    out: list[dict[str, Any]] = []
+    for i, r in enumerate(records):
+        if id(r) in counted:
+            continue
+        why = "warm-up" if i == 0 else "profiled" if r.get("profiled") else "no time"
+        if out and out[-1]["why"] == why and out[-1]["steps"][1] == first_step(r) - 1:
+            out[-1]["steps"][1] = r["step"]
+        else:
+            out.append({"steps": [first_step(r), r["step"]], "why": why})
+    return out
+
+
 def run_summary(records: list[dict[str, Any]], *, steps: int, samples_per_step: int, wall_time: float,
                 flops_per_sample: float | None, peak_flops: float | None, world_size: int = 1,
                 paused: dict[str, float] | None = None) -> dict[str, Any] | None:
     """The ``summary`` record: throughput as total samples / total time over the measured intervals.
+
+    ``rate_steps`` names the steps the rate covers, first and last; inside
+    ``measured``, ``left_out`` names the step records it did not count (the
+    warm-up interval, profiled ones) and ``paused_s`` the ``meter.pause()``
+    time it took out of them, so the records alone give the same figure.
 
     The per-interval rates are kept as a spread (``intervals``), never as the
     value: their mean overstates a run whose intervals differ (a slow one
@@ -127,11 +156,15 @@ def run_summary(records: list[dict[str, Any]], *, steps: int, samples_per_step: 
     dw = sum(r["data_wait"] * r["steps"] for _, _, r in spans)
     cp = sum(r["compute"] * r["steps"] for _, _, r in spans)
     sps = samples / seconds
+    rate_steps = [first_step(spans[0][2]), spans[-1][2]["step"]]
     out = {
         "type": "summary", "steps": steps, "samples_seen": steps * samples_per_step, "wall_time": wall_time,
-        "samples_per_s": sps, "step_time": seconds / n_steps,
+        "samples_per_s": sps, "step_time": seconds / n_steps, "rate_steps": rate_steps,
         "measured": {"steps": n_steps, "samples": samples, "time_s": seconds, "intervals": len(spans),
-                     "from_step": spans[0][2]["step"] - spans[0][2]["steps"] + 1, "to_step": spans[-1][2]["step"]},
+                     "from_step": rate_steps[0], "to_step": rate_steps[1],
+                     "paused_s": sum(r.get("paused_s", 0.0) for _, _, r in spans),
+                     "warmup_steps": [first_step(records[0]), records[0]["step"]],
+                     "left_out": left_out(records, spans)},
         "intervals": {"samples_per_s": spread([s / t for s, t, _ in spans]),
                       "step_time": spread([t / r["steps"] for _, t, r in spans])},
         "paused_s": dict(paused or {}),
@@ -170,8 +203,10 @@ def summary_line(summary: dict[str, Any]) -> str:
     m, f = summary["measured"], summary["fractions"]
     spread = summary["intervals"]["samples_per_s"]
     paused = "".join(f"; {k} {v:.1f} s" for k, v in summary["paused_s"].items())
+    out = ", ".join(f"{o['why']} {o['steps'][0]}-{o['steps'][1]}" for o in m.get("left_out", ()))
     return (f"multigpu: {summary['steps']} steps, {summary['samples_per_s']:,.0f} samples/s "
-            f"({m['samples']:,} samples in {m['time_s']:.2f} s, steps {m['from_step']}-{m['to_step']}; "
+            f"({m['samples']:,} samples in {m['time_s']:.2f} s, steps {m['from_step']}-{m['to_step']}"
+            f"{f' ({out} left out)' if out else ''}; "
             f"intervals {spread['min']:,.0f}-{spread['max']:,.0f}); time: compute {100 * f['compute']:.0f}%, "
             f"data wait {100 * f['data_wait']:.0f}%, other {100 * f['other']:.0f}%{paused}{_stages_text(summary)}")
 
