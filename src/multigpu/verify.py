@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -28,8 +29,9 @@ DIGEST_RTOL = 1e-9  # float64 sums of the same samples in another order
 # share of the training's update that differs. Element-wise they cannot be: AdamW divides by the root of
 # each gradient's second moment, so where a gradient cancels to ~1e-9 (a conv bias before BatchNorm)
 # fp32 rounding decides an update of up to lr. Measured (examples/verify_convnet.py, AdamW, 5 steps):
-# correct 2.8e-7, correct with such a bias (and the BatchNorm running mean it feeds) 3.8e-3; planted bugs (tests/_verify_script.py) 4.3e-2 (loss
-# normalized per rank), 6.5e-2 (BatchNorm without sync), 0.59 (sampler), 8.4 (seed).
+# correct 2.8e-7, correct with such a bias (and the BatchNorm running mean it feeds) 3.8e-3; planted bugs
+# (tests/_verify_script.py) 4.3e-2 (loss normalized per rank), 6.5e-2 (BatchNorm without sync), 0.59
+# (sampler), 8.4 (seed).
 PARAM_TOL = 1e-2
 
 
@@ -133,7 +135,7 @@ def verify(target: str, args: Sequence[str] = (), *, module: bool = False, worke
     True
     """
     from .launch import run as launch_run
-    from .launch.logs import last_line
+    from .launch.logs import failure_line
 
     if len(workers) < 2 or any(w < 1 for w in workers):
         raise UsageError(f"--workers needs two or more positive world sizes to compare, got {','.join(map(str, workers))}; "
@@ -147,7 +149,8 @@ def verify(target: str, args: Sequence[str] = (), *, module: bool = False, worke
             raise UsageError(f"--global-batch must be a positive integer, got {global_batch}; use e.g. --global-batch 64")
         uneven = [w for w in workers if global_batch % w]
         if uneven:
-            fits = [b for b in range(global_batch, global_batch * 64 + 1) if all(b % w == 0 for w in workers)][0]
+            step = math.lcm(*workers)
+            fits = -(-global_batch // step) * step  # the next global batch every world size splits
             raise UsageError(f"--global-batch {global_batch} is not divisible by {uneven[0]} workers (--workers "
                              f"{','.join(map(str, workers))}); every world size must split it evenly: use "
                              f"--global-batch {fits}")
@@ -163,9 +166,7 @@ def verify(target: str, args: Sequence[str] = (), *, module: bool = False, worke
                 environ(**{VERIFY_ENV: "1"}):
             code = launch_run(target, extra, module=module, nproc=w, cpu=cpu, log_dir=str(log_dir))
         if code != 0:
-            # The launcher's summary (the failing rank's exception) says more than the exit code.
-            why = last_line(str(log_dir / "console.log"), limit=None, tail=None,
-                            prefer=lambda ln: ln.startswith("multigpu run:") or "error:" in ln.lower())
+            why = failure_line(str(log_dir / "console.log"))  # the failing rank's exception, not just the code
             raise UsageError(f"the run on {w} worker{'s' if w > 1 else ''} failed (exit code {code}"
                              f"{': ' + why.strip() if why else ''}; see {log_dir / 'console.log'}); verify compares "
                              f"finished runs: fix the script first")

@@ -200,6 +200,13 @@ def last_line(path: str, limit: int | None = 300, *, tail: int | None = 8192,
     return last if limit is None or len(last) <= limit else last[: limit - 3] + "..."
 
 
+def failure_line(console: str) -> str:
+    """Why a launch whose console went to ``console`` failed: the launcher's summary (the failing rank's
+    exception) or an error line, else the last line; "" for an empty or unreadable file."""
+    return last_line(console, limit=None, tail=None,
+                     prefer=lambda ln: ln.startswith("multigpu run:") or "error:" in ln)
+
+
 # Last lines that say "another rank died first": gloo's and NCCL's reports of a lost peer, store timeouts.
 _SECONDARY = re.compile(
     r"connection closed by peer|connection reset by peer|remote worker|remote process|broken pipe"

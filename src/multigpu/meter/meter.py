@@ -354,9 +354,8 @@ class StepMeter:
     def summary(self) -> dict[str, Any] | None:
         """Throughput (samples / time over the measured steps), its per-interval spread, the time breakdown (rank 0).
 
-        The first interval (warm-up, FLOP counting; its record says ``warmup``) and profiled ones are
-        left out when there are others; ``rate_steps`` and ``measured.left_out`` name the steps.
-        """
+        The first interval (``warmup``: FLOP counting) and profiled ones are left out when there are
+        others; ``rate_steps`` and ``measured.left_out`` name the steps."""
         return run_summary(self._records, steps=self.step, samples_per_step=self.samples_per_step,
                            wall_time=time.perf_counter() - self._t_start, flops_per_sample=self.flops_per_sample,
                            peak_flops=self.peak_flops, world_size=self.world_size, paused=self._paused)

@@ -211,7 +211,7 @@ def execute(spec: RunSpec, target: str, module: bool, cfg: StudyConfig, out: Pat
             goal: tuple[str, str, float] | None) -> dict[str, Any]:
     """Run one spec through the launcher, with its console output captured in a file."""
     from ..launch import run as launch_run
-    from ..launch.logs import last_line
+    from ..launch.logs import failure_line
 
     root = out / "runs" / spec.id
     root.mkdir(parents=True, exist_ok=True)
@@ -229,8 +229,7 @@ def execute(spec: RunSpec, target: str, module: bool, cfg: StudyConfig, out: Pat
         code, message = 2, str(err)
     else:
         # The launcher's summary (or an error line) says more than whatever the workers printed last.
-        message = last_line(str(console), limit=None, tail=None,
-                            prefer=lambda ln: ln.startswith("multigpu run:") or "error:" in ln)
+        message = failure_line(str(console))
     record["elapsed_s"] = time.perf_counter() - t0
     run_dirs = sorted(p for p in root.iterdir() if p.is_dir())
     record["run_dir"] = str(run_dirs[-1]) if run_dirs else None
