@@ -5,6 +5,7 @@
     sampler  each rank draws global_batch / world samples from the whole set (not its share)
     bn       BatchNorm without sync under DDP
     loss     weighted loss normalized by each rank's own weight total instead of the global one
+    handavg  seeds with the rank, no wrapper: gradients averaged by hand, so nothing broadcasts rank 0's start
 """
 
 import argparse
@@ -20,7 +21,7 @@ from multigpu.launch.contract import run_dir
 p = argparse.ArgumentParser()
 p.add_argument("--global-batch", type=int, default=16)
 p.add_argument("--steps", type=int, default=4)
-p.add_argument("--bug", default="none", choices=["none", "seed", "sampler", "bn", "loss", "all"],
+p.add_argument("--bug", default="none", choices=["none", "seed", "sampler", "bn", "loss", "handavg", "all"],
                help="all: every kind in one process, each meter logging into <run dir>/<kind>")
 a = p.parse_args()
 
@@ -30,10 +31,10 @@ def train(dist, bug, log_dir=None):
     x = torch.randn(256, 8, generator=g)
     data = TensorDataset(x, (x[:, :2].sum(1) > 0).long(), torch.rand(256, generator=g) + 0.5)
     plan = mg.BatchPlan(a.global_batch, dist.world_size)
-    torch.manual_seed(dist.rank if bug == "seed" else 0)
+    torch.manual_seed(dist.rank if bug in ("seed", "handavg") else 0)
     layers = [nn.Linear(8, 32)] + ([nn.BatchNorm1d(32)] if bug == "bn" else []) + [nn.Tanh(), nn.Linear(32, 2)]
     strategy = "fsdp" if bug == "seed" else "ddp"
-    model = mg.wrap(nn.Sequential(*layers), strategy if dist.world_size > 1 else "none")
+    model = mg.wrap(nn.Sequential(*layers), strategy if dist.world_size > 1 and bug != "handavg" else "none")
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     if bug == "sampler":
         share = DataLoader(data, batch_size=plan.global_batch // dist.world_size,
@@ -50,6 +51,10 @@ def train(dist, bug, log_dir=None):
                 else:
                     loss = per.mean()  # equal shares: the mean over ranks is the per-sample mean
                 (loss / plan.accum_steps).backward()
+            if bug == "handavg" and dist.world_size > 1:
+                for p in model.parameters():
+                    torch.distributed.all_reduce(p.grad)
+                    p.grad /= dist.world_size
             opt.step()
             opt.zero_grad()
             meter.step_end(loss=loss)
@@ -59,7 +64,7 @@ def train(dist, bug, log_dir=None):
 
 with mg.init(seed=0, device="cpu") as dist:
     if a.bug == "all":
-        for kind in ("none", "seed", "sampler", "bn", "loss"):
+        for kind in ("none", "seed", "sampler", "bn", "loss", "handavg"):
             train(dist, kind, os.path.join(run_dir(), kind))
     else:
         train(dist, a.bug)
