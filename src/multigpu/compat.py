@@ -108,3 +108,50 @@ def fsdp_reduce_layout(module: torch.nn.Module) -> list[tuple[torch.nn.Parameter
         groups = [g for g in [state._fsdp_param_group] if g is not None]
     return [(fp.sharded_param, fp.padded_sharded_param_size.numel(), fp.mesh_info.mesh.ndim)
             for g in groups for fp in g.fsdp_params]
+
+
+def foreach_norms(tensors: list[torch.Tensor], weights: list[float] | None = None) -> list[torch.Tensor]:
+    """Each tensor's L2 norm as an fp32 scalar (accumulated in fp32 whatever the dtype), times its
+    weight when ``weights`` is given; one fused kernel for the lot.
+
+    ``torch._foreach_norm(tensors, 2, dtype=torch.float32)`` and ``torch._foreach_mul_(tensors, scalars)``
+    (what ``clip_grad_norm_`` runs; the public ``get_total_norm`` adds ~15 µs of Python per call):
+    checked on 2.13. A torch without them (or without the ``dtype`` argument) gets the same numbers
+    from public ops, one kernel per tensor.
+    """
+    try:
+        parts = list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+        if weights is not None:
+            torch._foreach_mul_(parts, weights)
+        return parts
+    except (AttributeError, TypeError):  # pragma: no cover - a torch that renamed or dropped them
+        parts = [torch.linalg.vector_norm(t, 2, dtype=torch.float32) for t in tensors]
+        return parts if weights is None else [p * w for p, w in zip(parts, weights)]
+
+
+def batchnorm_base() -> type:
+    """The base class of ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` (a class, for subclassing and
+    ``isinstance``; ``nn.modules.batchnorm`` is imported with ``torch.nn``).
+
+    ``torch.nn.modules.batchnorm._BatchNorm``: checked on 2.13; torch has no public name for it.
+    """
+    return torch.nn.modules.batchnorm._BatchNorm
+
+
+def compiled_original(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module ``torch.compile`` wrapped, or None when ``model`` is not a compiled wrapper.
+
+    ``OptimizedModule._orig_mod``: checked on 2.13. Read as an attribute, not by the class
+    (``torch._dynamo.eval_frame.OptimizedModule``), so asking does not import dynamo.
+    """
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
+def direct_child(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    """``module``'s registered child ``name``, or None: children only (``getattr`` would also find
+    a parameter, a buffer or a plain attribute such as ``training``).
+
+    ``nn.Module._modules``: checked on 2.13 (the dict every ``add_module`` writes to).
+    """
+    return module._modules.get(name)

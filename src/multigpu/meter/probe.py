@@ -43,11 +43,12 @@ def digest(batch: Any) -> float:
 
 
 def unsynced_batchnorm(model: nn.Module) -> list[str]:
+    from ..compat import batchnorm_base
     from ..parallel.batchnorm import GlooSyncBatchNorm  # sync_batchnorm=True's layer on CPU
     from ..parallel.wrap import unwrap
 
     return [name for name, m in unwrap(model).named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, (nn.SyncBatchNorm, GlooSyncBatchNorm))]
+            if isinstance(m, batchnorm_base()) and not isinstance(m, (nn.SyncBatchNorm, GlooSyncBatchNorm))]
 
 
 def plain_state_digest(model: nn.Module) -> list[float]:

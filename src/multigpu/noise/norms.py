@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as tdist
 
+from ..compat import foreach_norms
 from ..errors import UsageError
 
 
@@ -38,18 +39,15 @@ def norm_parts(tensors: list[torch.Tensor], weights: list[float] | None = None) 
     ``weights``: a factor per norm (the square root of the share of the squared
     norm this rank counts, layout.py), or None for all 1.
 
-    One ``torch._foreach_norm`` call (what ``clip_grad_norm_`` runs; the public
-    ``get_total_norm`` wraps it in ~15 µs of Python per call), accumulated in fp32
+    One fused norm call (``compat.foreach_norms``: what ``clip_grad_norm_`` runs; the
+    public ``get_total_norm`` wraps it in ~15 µs of Python per call), accumulated in fp32
     whatever the dtype (fp16 norms overflow). Stacking, squaring and summing
     wait for ``sum_sq``, which does it for many steps in one go: every tensor
     op costs host time, measured against steps of a few milliseconds.
     """
     if not tensors:
         return [torch.zeros((), dtype=torch.float32)]
-    parts = list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
-    if weights is not None:
-        torch._foreach_mul_(parts, weights)
-    return parts
+    return foreach_norms(tensors, weights)
 
 
 def block_norms(flat: torch.Tensor, blocks: list[int] | None, weights: list[float] | None,

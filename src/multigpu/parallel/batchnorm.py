@@ -21,7 +21,10 @@ import warnings
 import torch
 import torch.distributed as tdist
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..compat import batchnorm_base
+
+_BatchNorm = batchnorm_base()
 
 # Below this many samples per rank, per-rank BatchNorm statistics are noisy
 # enough to change training (Goyal et al. 2017, sec. 5.3 use 32 per worker;

@@ -31,12 +31,9 @@ from .batchnorm import prepare_batchnorm
 def _fsdp2() -> Any:
     """FSDP2's module, imported on first use: it pulls in DTensor and device
     meshes, seconds of import time that `import multigpu` should not pay."""
-    try:  # torch >= 2.6 exports FSDP2 publicly; 2.4-2.5 had it under _composable.
-        import torch.distributed.fsdp as fsdp2
+    # Public since torch 2.6; pyproject requires >= 2.7, so no fallback to the old _composable path.
+    import torch.distributed.fsdp as fsdp2
 
-        fsdp2.fully_shard  # noqa: B018 - probe the public name
-    except (ImportError, AttributeError):  # pragma: no cover - older torch
-        import torch.distributed._composable.fsdp as fsdp2
     return fsdp2
 
 # A block smaller than this is not worth its own all-gather: it joins its
@@ -118,7 +115,7 @@ def _matched_blocks(model: nn.Module, block_classes: Iterable[type] | None, min_
 def _fsdp_imported() -> bool:
     import sys
 
-    return "torch.distributed.fsdp" in sys.modules or "torch.distributed._composable.fsdp" in sys.modules
+    return "torch.distributed.fsdp" in sys.modules
 
 
 def wrap_fsdp(

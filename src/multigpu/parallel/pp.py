@@ -25,6 +25,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from ..compat import direct_child
 from ..errors import UsageError
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -245,7 +246,7 @@ def stage_union(parts: list[nn.Module]) -> nn.Module:
             raise UsageError(f"pipeline stage {type(part).__name__} holds parameters directly on its root; keep "
                              "them in sub-modules so the stages of one rank can be saved under one set of names")
         for name, child in part.named_children():
-            have = union._modules.get(name)
+            have = direct_child(union, name)
             if have is None:
                 union.add_module(name, nn.ModuleDict(child) if isinstance(child, nn.ModuleDict) else child)
             elif isinstance(have, nn.ModuleDict) and isinstance(child, nn.ModuleDict):

@@ -19,6 +19,7 @@ import torch.distributed as tdist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..compat import compiled_original
 from ..errors import UsageError
 from .ddp import wrap_ddp
 from .dp import wrap_dp
@@ -99,8 +100,8 @@ def unwrap(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, (DistributedDataParallel, nn.DataParallel)):
             model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
+        elif (inner := compiled_original(model)) is not None:
+            model = inner
         else:
             return model
 
