@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import types
 
@@ -89,8 +90,20 @@ def test_gpu_monitor_summarises_samples_and_names_the_rank():
     g = gpumon.across_ranks([gpumon.as_vector(s), gpumon.as_vector(other), gpumon.as_vector(None)])
     assert g["util_pct"]["min"] == 10 and g["util_pct"]["min_rank"] == 0
     assert g["util_pct"]["max"] == 95 and g["util_pct"]["max_rank"] == 1
-    # The thread really samples.
-    mon.start(); time.sleep(0.2); mon.stop()
+    # The thread really samples: wait for a reading from a thread other than this one
+    # (start() reads once itself); stop() joins, so that sample is in the summary.
+    sampled, test_thread = threading.Event(), threading.current_thread()
+    read = mon._nvml.nvmlDeviceGetUtilizationRates
+
+    def read_and_tell(h):
+        if threading.current_thread() is not test_thread:
+            sampled.set()
+        return read(h)
+
+    mon._nvml.nvmlDeviceGetUtilizationRates = read_and_tell
+    mon.start()
+    assert sampled.wait(timeout=30), "the monitor thread never sampled"
+    mon.stop()
     assert mon.take()["util_pct"]["min"] == 50
     off = gpumon.GpuMonitor(0, nvml=types.SimpleNamespace())  # no API at all -> off, with a reason
     assert not off.enabled and "NVML unavailable" in off.reason
