@@ -91,3 +91,19 @@ def positive_int(value: Any, what: str, fix: str = "") -> int:
     if not is_positive_int(value):
         raise UsageError(f"{what} must be a positive integer, got {value!r}" + (f"; {fix}" if fix else ""))
     return value
+
+
+def int_list(text: str, expected: str, fix: str = "", skip_empty: bool = False) -> tuple[int, ...]:
+    """The integers of a comma-separated flag value (``"1,2,4"``; spaces around each are fine);
+    ``UsageError`` ``"{expected}, got {text!r}; {fix}"`` when an item is not one.
+
+    ``skip_empty`` drops empty items (``"1,2,"`` is 1, 2) instead of refusing them. Ranges
+    (at least 1, increasing, ...) are the caller's: each flag says its own.
+
+    >>> int_list("1, 2,4", "--workers must be a comma-separated list of integers")
+    (1, 2, 4)
+    """
+    try:
+        return tuple(int(v) for v in text.split(",") if not skip_empty or v.strip())
+    except ValueError:
+        raise UsageError(f"{expected}, got {text!r}" + (f"; {fix}" if fix else "")) from None

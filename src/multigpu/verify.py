@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 from .errors import UsageError
 from .launch.contract import VERIFY_DIR, VERIFY_ENV, environ
 from .study.measure import read_records
+from .values import int_list
 
 DIGEST_RTOL = 1e-9  # float64 sums of the same samples in another order
 # Final parameters are judged by |theta_N - theta_1| / |theta_1 - theta_initial| over the whole model: the
@@ -213,10 +214,8 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    try:
-        workers = tuple(int(x) for x in args.workers.split(",") if x.strip())
-    except ValueError:
-        raise UsageError(f"--workers must be a comma-separated list of integers, got {args.workers!r}; use e.g. --workers 1,2") from None
+    workers = int_list(args.workers, "--workers must be a comma-separated list of integers", "use e.g. --workers 1,2",
+                       skip_empty=True)
     report = verify(args.target, args.args, module=args.module, workers=workers, steps=args.steps,
                     global_batch=args.global_batch, cpu=args.cpu, rtol=args.rtol, out=args.out,
                     say=lambda s: print(s, flush=True))

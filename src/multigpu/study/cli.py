@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 
 from ..errors import UsageError
+from ..values import int_list
 from .run import RECIPES, StudyConfig, run_study
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise UsageError(f"--workers must be a comma-separated list of integers, got {text!r}; use e.g. --workers 1,2,4") from None
+    return int_list(text, "--workers must be a comma-separated list of integers", "use e.g. --workers 1,2,4",
+                    skip_empty=True)
 
 
 def default_workers() -> str:

@@ -31,13 +31,10 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     from ..errors import UsageError
-    from ..values import parse_size
+    from ..values import int_list, parse_size
 
     def ints(text, flag):
-        try:
-            values = tuple(int(v) for v in text.split(","))
-        except ValueError:
-            raise UsageError(f"{flag} takes comma-separated integers like 2,4, got {text!r}") from None
+        values = int_list(text, f"{flag} takes comma-separated integers like 2,4")
         if any(v < 1 for v in values):
             raise UsageError(f"{flag} values must be at least 1, got {text!r}")
         return values

@@ -37,7 +37,7 @@ import multigpu as mg
 from . import pipeline
 from ...errors import UsageError, report_usage_error
 from ...parallel.footprint import LiveActivations, state_bytes
-from ...values import positive_int
+from ...values import int_list, positive_int
 from .data import TokenWindows, check_token_file, prepare_tokens
 from .model import GPT, SIZES, config
 from .parallelize import parallelize
@@ -335,10 +335,7 @@ def _write_result(path: str, result: dict, state: int, activations: int, dist) -
 
 
 def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",")]
-    except ValueError:
-        raise mg.UsageError(f"{flag} takes comma-separated block indices like 2,4, got {text!r}") from None
+    return list(int_list(text, f"{flag} takes comma-separated block indices like 2,4"))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
