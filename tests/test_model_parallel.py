@@ -217,7 +217,7 @@ def test_activation_checkpointing_computes_the_same_and_saves_less(reference, tw
 
 
 @pytest.mark.slow
-def test_compiled_blocks_compute_the_same(reference):
+def test_compiled_blocks_compute_the_same(reference, tmp_path, monkeypatch):
     """torch.compile per block (in place: parameter names unchanged) on one process, in fp32 (Inductor's
     CPU kernels are what a user runs): as close to the float64 weights as eager fp32 is.
 
@@ -227,6 +227,9 @@ def test_compiled_blocks_compute_the_same(reference):
     eager's point in it; 3x the band still refuses a real change of the math (a dropped term or a
     wrong scale moves weights by 1e-3 after 5 steps of lr 1e-3).
     """
+    # A cache of its own: Inductor's cache key leaves out ATEN_CPU_CAPABILITY, so kernels generated under
+    # avx2 were reused under "default" and failed to build ("'at::vec' has not been declared"; torch 2.13).
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     fp32 = {"dtype": torch.float32}
     eager, compiled = spawn(layouts.train_layouts, 1, [fp32, {**fp32, "compile": True}], timeout=280)[0]
     assert sorted(compiled["state"]) == sorted(reference["state"])
