@@ -6,7 +6,7 @@ measurements. Importing this package has no side effects.
 """
 
 from .batch import BatchPlan, scale_lr, warmup
-from .data import all_reduce_sum, eval_loader, loader
+from .data import TokenShards, all_reduce_sum, eval_loader, loader, stream_eval_loader, stream_loader
 from .dist import Dist, init, print0
 from .errors import UsageError
 from .finder import MicroBatchSearch, find_batch_requested, find_micro_batch
@@ -29,6 +29,7 @@ __all__ = [
     "Precision",
     "ScaledRecipe",
     "StepMeter",
+    "TokenShards",
     "UsageError",
     "accumulate",
     "all_reduce_sum",
@@ -45,6 +46,8 @@ __all__ = [
     "profile",
     "scale_lr",
     "scale_recipe",
+    "stream_eval_loader",
+    "stream_loader",
     "token_divisor",
     "unwrap",
     "warmup",

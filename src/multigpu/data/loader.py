@@ -1,4 +1,4 @@
-"""World-size-invariant data loading.
+"""World-size-invariant loading of map-style datasets (``mg.loader``, ``mg.eval_loader``).
 
 The sequence of global batches is a function of (dataset size, seed, global
 batch, epoch) only. Rank ``r`` of ``W`` takes the contiguous slice
@@ -6,20 +6,24 @@ batch, epoch) only. Rank ``r`` of ``W`` takes the contiguous slice
 ``accum_steps`` micro-batches. So N ranks x micro-batch b x accumulation a see
 exactly the samples one process sees with batch N*a*b, a checkpoint taken on
 4 ranks resumes on 2 with the same data order, and evaluation shards without
-padding duplicates.
+padding duplicates. Datasets that say what they are (``TokenShards``, a
+Hugging Face ``Dataset``) put that in the position, so a resume over other
+data is refused rather than silently reshuffled.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as tdist
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
-from .batch import BatchPlan
-from .dist import Dist
-from .errors import UsageError
+from ..batch import BatchPlan
+from ..dist import Dist
+from ..errors import UsageError
+from .hf import hf_batched, hf_fingerprint, is_hf_dataset
 
 
 def global_order(dataset_size: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
@@ -74,6 +78,83 @@ class _BatchedTensors(Dataset):
         return tuple(t[idx] for t in self.tensors)
 
 
+class _ReadBatch(Dataset):
+    """A dataset with ``read_batch(indices)`` (``TokenShards``) read one micro-batch per call, already stacked."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]):
+        return self.dataset.read_batch(indices)
+
+
+def batched_view(dataset, kwargs: dict[str, Any]):
+    """The dataset and DataLoader arguments that read a micro-batch in one call where the dataset allows it.
+
+    A user's ``collate_fn`` keeps the per-sample path: it expects samples.
+    """
+    if "collate_fn" in kwargs:
+        return dataset, kwargs
+    if type(dataset) is TensorDataset:
+        return _BatchedTensors(dataset), dict(kwargs, collate_fn=_as_batch)
+    if callable(getattr(dataset, "read_batch", None)):
+        return _ReadBatch(dataset), dict(kwargs, collate_fn=_as_batch)
+    if is_hf_dataset(dataset):  # one Arrow take per micro-batch, columns as tensors
+        return hf_batched(dataset), dict(kwargs, collate_fn=_as_batch)
+    return dataset, kwargs
+
+
+def source_fingerprint(dataset) -> Any:
+    """What identifies the data behind a loader (files and sizes, an Arrow fingerprint), or None: JSON types only."""
+    fp = getattr(dataset, "fingerprint", None)
+    if isinstance(fp, (dict, list, str)):
+        return _json(fp)
+    if is_hf_dataset(dataset):
+        return hf_fingerprint(dataset)
+    return None
+
+
+def _json(value):
+    """``value`` as a JSON round trip gives it back (tuples become lists), so a saved and a fresh one compare equal."""
+    return json.loads(json.dumps(value))
+
+
+def refuse_changed_source(saved: Any, mine: Any) -> None:
+    """``UsageError`` naming the first difference when a saved position's source is not this loader's."""
+    if saved is None or mine is None or _json(saved) == _json(mine):
+        return
+    raise UsageError(
+        f"the saved loader position is for other data ({_first_difference(_json(saved), _json(mine))}); "
+        "resuming would silently reshuffle a different source: resume with the same shards (names, sizes, "
+        "dtype, block size), or start without the checkpoint"
+    )
+
+
+def _first_difference(a: Any, b: Any, where: str = "source") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in list(a) + [k for k in b if k not in a]:
+            if a.get(key) != b.get(key):
+                return _first_difference(a.get(key), b.get(key), f"{where}.{key}")
+    if isinstance(a, list) and isinstance(b, list):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return _first_difference(x, y, f"{where}[{i}]")
+        if len(a) != len(b):
+            return f"{where} has {len(a)} entries saved, {len(b)} now"
+    return f"{where} was {_short(a)}, is {_short(b)}"
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _as_batch(batch):
     return batch
 
@@ -118,6 +199,7 @@ class DistributedLoader:
         self.epoch = 0
         self.batch_index = 0
         self._kwargs = loader_kwargs
+        self.source = source_fingerprint(dataset)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -130,9 +212,7 @@ class DistributedLoader:
         # Worker seeds differ per data-parallel rank and epoch and are reproducible: the
         # DataLoader draws its workers' base seed from this generator.
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 4099 + self.dp_rank)
-        dataset, kwargs = self.dataset, self._kwargs
-        if type(dataset) is TensorDataset and "collate_fn" not in kwargs:
-            dataset, kwargs = _BatchedTensors(dataset), dict(kwargs, collate_fn=_as_batch)
+        dataset, kwargs = batched_view(self.dataset, self._kwargs)
         return DataLoader(dataset, batch_sampler=_MicroBatchSampler(self), generator=gen, **kwargs)
 
     def __iter__(self) -> Iterator[list[Any]]:
@@ -148,9 +228,13 @@ class DistributedLoader:
                 group = []
         self.epoch, self.batch_index = self.epoch + 1, 0
 
-    def state_dict(self) -> dict[str, int | bool]:
-        """The position: resuming from it continues the same global batch sequence."""
-        return {
+    def state_dict(self) -> dict[str, Any]:
+        """The position: resuming from it continues the same global batch sequence.
+
+        ``source`` (when the dataset has one: ``TokenShards``, a Hugging Face
+        ``Dataset``) identifies the data, so a resume over other data is refused.
+        """
+        state = {
             "epoch": self.epoch,
             "batch_index": self.batch_index,
             "seed": self.seed,
@@ -158,6 +242,9 @@ class DistributedLoader:
             "dataset_size": self.dataset_size,
             "shuffle": self.shuffle,
         }
+        if self.source is not None:
+            state["source"] = self.source
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         mine = self.state_dict()
@@ -167,6 +254,7 @@ class DistributedLoader:
                     f"the saved loader position has {key}={state[key]} but this loader has {key}={mine[key]}; "
                     f"resume with the same {key.replace('_', ' ')} to continue the same data order"
                 )
+        refuse_changed_source(state.get("source"), self.source)
         self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
 
 
