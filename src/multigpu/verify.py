@@ -12,7 +12,6 @@ difference are named.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -21,8 +20,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .errors import UsageError
-from .launch.contract import VERIFY_DIR, VERIFY_ENV, environ
-from .study.measure import read_records
+from .launch.contract import VERIFY_DIR, VERIFY_ENV
+from .meter.records import read_records
 from .values import int_list
 
 DIGEST_RTOL = 1e-9  # float64 sums of the same samples in another order
@@ -135,8 +134,7 @@ def verify(target: str, args: Sequence[str] = (), *, module: bool = False, worke
     >>> report["same"]
     True
     """
-    from .launch import run as launch_run
-    from .launch.logs import failure_line
+    from .launch.once import run_once
 
     if len(workers) < 2 or any(w < 1 for w in workers):
         raise UsageError(f"--workers needs two or more positive world sizes to compare, got {','.join(map(str, workers))}; "
@@ -160,18 +158,16 @@ def verify(target: str, args: Sequence[str] = (), *, module: bool = False, worke
     extra = list(args) + (["--global-batch", str(global_batch)] if global_batch else []) + ["--steps", str(steps)]
     runs = {}
     for w in workers:
-        log_dir = root / f"w{w}"
-        log_dir.mkdir(exist_ok=True)
         say(f"multigpu verify: {w} worker{'s' if w > 1 else ''}, {steps} steps ...")
-        with open(log_dir / "console.log", "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f), \
-                environ(**{VERIFY_ENV: "1"}):
-            code = launch_run(target, extra, module=module, nproc=w, cpu=cpu, log_dir=str(log_dir))
-        if code != 0:
-            why = failure_line(str(log_dir / "console.log"))  # the failing rank's exception, not just the code
-            raise UsageError(f"the run on {w} worker{'s' if w > 1 else ''} failed (exit code {code}"
-                             f"{': ' + why.strip() if why else ''}; see {log_dir / 'console.log'}); verify compares "
+        done = run_once(target, extra, module=module, log_dir=root / f"w{w}", nproc=w, cpu=cpu, env={VERIFY_ENV: "1"})
+        if done.refusal is not None:
+            raise done.refusal
+        if done.exit_code != 0 or done.run_dir is None:
+            why = done.failure()  # the failing rank's exception, not just the code
+            raise UsageError(f"the run on {w} worker{'s' if w > 1 else ''} failed (exit code {done.exit_code}"
+                             f"{': ' + why.strip() if why else ''}; see {done.console}); verify compares "
                              f"finished runs: fix the script first")
-        runs[w] = _read_run(sorted(p for p in log_dir.iterdir() if p.is_dir())[-1])
+        runs[w] = _read_run(done.run_dir)
     ref = workers[0]
     report = {"target": target, "args": list(args), "steps": steps, "global_batch": global_batch, "rtol": rtol,
               "reference": ref, "comparisons": {}}

@@ -5,8 +5,10 @@ The JSONL schema these records follow is documented in docs/observability.md.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
+from pathlib import Path
 from typing import Any
 
 from . import gpumon
@@ -218,3 +220,16 @@ def _stages_text(summary: dict[str, Any]) -> str:
     parts = [f"rank {s['rank']} (stage {s['stage']}) {100 * s['compute']:.0f}/{100 * s['p2p']:.0f}/{100 * s['other']:.0f}"
              for s in stages]
     return "; pipeline compute/p2p+bubble/other %: " + ", ".join(parts)
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON records of a metrics.jsonl, skipping a last line a crash cut short."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash; the rest still counts
+    return out

@@ -9,22 +9,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..errors import UsageError
+from ..meter.records import read_records
 from ..verdict import findings, verdict
 
 TARGET_OPS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b}
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The JSON records of a metrics.jsonl, skipping a last line a crash cut short."""
-    out = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut short by a crash; the rest still counts
-    return out
 
 
 def _reached(evals: list[dict], steps: list[dict], target: tuple[str, str, float] | None) -> dict | None:

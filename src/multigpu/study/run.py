@@ -26,7 +26,6 @@ study, ``--steps N``; it logs evaluation metrics with ``meter.log_eval(...)``
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import math
@@ -39,7 +38,6 @@ from typing import Any, Callable
 
 from ..batch import POLICIES, policy_batch, same_samples_steps
 from ..errors import UsageError
-from ..launch.contract import environ
 from .measure import TARGET_OPS, headline, measure_run, summarize
 
 
@@ -210,34 +208,24 @@ def _out_dir(cfg: StudyConfig, name: str) -> Path:
 def execute(spec: RunSpec, target: str, module: bool, cfg: StudyConfig, out: Path,
             goal: tuple[str, str, float] | None) -> dict[str, Any]:
     """Run one spec through the launcher, with its console output captured in a file."""
-    from ..launch import run as launch_run
-    from ..launch.logs import failure_line
+    from ..launch.once import run_once
 
-    root = out / "runs" / spec.id
-    root.mkdir(parents=True, exist_ok=True)
-    console = root / "console.log"
     record: dict[str, Any] = {"id": spec.id, "workers": spec.workers, "policies": list(spec.policies),
                               "policy": spec.policies[0], "repeat": spec.repeat, "global_batch": spec.global_batch,
                               "steps": spec.steps, "args": list(spec.args)}
-    t0 = time.perf_counter()
-    try:
-        with open(console, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f), \
-                environ(OMP_NUM_THREADS=str(cfg.threads) if on_cpu(cfg) else None):
-            code = launch_run(target, spec.args, module=module, nproc=spec.workers, cpu=cfg.cpu,
-                              log_dir=str(root), profile=cfg.profile)
-    except UsageError as err:
-        code, message = 2, str(err)
-    else:
+    done = run_once(target, spec.args, module=module, log_dir=out / "runs" / spec.id, nproc=spec.workers,
+                    cpu=cfg.cpu, profile=cfg.profile,
+                    env={"OMP_NUM_THREADS": str(cfg.threads) if on_cpu(cfg) else None})
+    record["elapsed_s"] = done.elapsed_s
+    record["run_dir"] = str(done.run_dir) if done.run_dir else None
+    if done.exit_code != 0:
         # The launcher's summary (or an error line) says more than whatever the workers printed last.
-        message = failure_line(str(console))
-    record["elapsed_s"] = time.perf_counter() - t0
-    run_dirs = sorted(p for p in root.iterdir() if p.is_dir())
-    record["run_dir"] = str(run_dirs[-1]) if run_dirs else None
-    if code != 0:
-        return record | {"status": "failed", "exit_code": code,
-                         "error": message or f"exit code {code}; see {console}"}
+        return record | {"status": "failed", "exit_code": done.exit_code,
+                         "error": done.failure() or f"exit code {done.exit_code}; see {done.console}"}
+    if done.run_dir is None:
+        return record | {"status": "failed", "exit_code": 0, "error": f"unreadable metrics: no run directory in {done.console.parent}"}
     try:
-        return record | {"status": "ok", "exit_code": 0} | measure_run(run_dirs[-1], goal)
+        return record | {"status": "ok", "exit_code": 0} | measure_run(done.run_dir, goal)
     except (UsageError, IndexError, KeyError, ValueError) as err:
         return record | {"status": "failed", "exit_code": 0, "error": f"unreadable metrics: {err}"}
 

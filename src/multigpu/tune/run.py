@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import html
 import json
 import statistics
@@ -90,29 +89,23 @@ def _cpu_slowdown(cfg: TuneConfig) -> float:
 
 
 def _measure(c: Candidate, cfg: TuneConfig, root: Path, round_: int) -> dict:
-    from ..launch import run as launch_run
-    from ..launch.contract import environ
+    from ..launch.once import run_once
     from ..study.measure import measure_run
 
     where = root / "runs" / f"{_slug(c)}-r{round_}"
-    where.mkdir(parents=True, exist_ok=True)
     result = where / "result.json"
     argv = [*cfg.args, *c.args(), "--steps", str(cfg.steps), "--log-every", "2", "--eval-every", str(10 * cfg.steps),
             "--eval-batches", "1", "--result-json", str(result)]
-    t0 = time.perf_counter()
-    try:
-        with open(where / "console.log", "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f), \
-                environ(OMP_NUM_THREADS=str(cfg.threads) if cfg.cpu else None):
-            code = launch_run(RECIPE, argv, module=True, nproc=cfg.nproc, cpu=cfg.cpu, log_dir=str(where))
-    except UsageError as err:
-        return {"status": "failed", "error": str(err)}
-    wall = time.perf_counter() - t0
-    run_dirs = sorted(p for p in where.iterdir() if p.is_dir())
-    if code != 0 or not result.is_file() or not run_dirs:
-        tail = (where / "console.log").read_text().strip().splitlines()[-1:] or ["no output"]
+    done = run_once(RECIPE, argv, module=True, log_dir=where, nproc=cfg.nproc, cpu=cfg.cpu,
+                    env={"OMP_NUM_THREADS": str(cfg.threads) if cfg.cpu else None})
+    if done.refusal is not None:
+        return {"status": "failed", "error": str(done.refusal)}
+    code, wall = done.exit_code, done.elapsed_s
+    if code != 0 or not result.is_file() or done.run_dir is None:
+        tail = done.console.read_text().strip().splitlines()[-1:] or ["no output"]
         return {"status": "failed", "exit_code": code, "error": tail[0][:300], "wall_s": wall}
     try:
-        step = measure_run(run_dirs[-1], None)["step_time_s"]
+        step = measure_run(done.run_dir, None)["step_time_s"]
         mem = json.loads(result.read_text())["memory"]
     except (UsageError, KeyError, ValueError) as err:
         return {"status": "failed", "exit_code": 0, "error": f"unreadable results: {err}", "wall_s": wall}
