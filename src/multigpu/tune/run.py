@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import html
 import json
 import statistics
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import UsageError
+from ..report.page import Heading, Items, Page, Table, Text, write
 from . import model as cost
 from .space import Candidate, candidates
 
@@ -165,8 +165,7 @@ def run_tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> tuple[Path,
     report = _report(cfg, args, rows, chosen, left_out, budget, budget_text, parts, sources, probe_s,
                      time.perf_counter() - t_start)
     (out / "tune.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    (out / "report.md").write_text(markdown(report))
-    (out / "report.html").write_text(to_html(report))
+    write(tune_page(report), out / "report.md", out / "report.html")
     say(report["verdict"])
     say(f"multigpu tune: report {out / 'report.html'} (and report.md); data {out / 'tune.json'}")
     return out, report
@@ -233,27 +232,14 @@ def _error_line(report: dict) -> str:
             f"{e['step_time_worst']:.0%}; memory median {e['memory_median']:.0%}, worst {e['memory_worst']:.0%}.")
 
 
-def markdown(report: dict) -> str:
-    lines = [f"# multigpu tune: {report['workload']} on {report['world_size']} ranks ({report['device']})", "",
-             report["verdict"].removeprefix("multigpu tune: ") + ".", "",
-             f"Global batch {report['global_batch']}; memory budget: {report['budget']}; {report['steps']} steps per "
-             f"run, {report['repeats']} round(s). {_error_line(report)} Tune took {report['wall_s']:.0f} s.", "",
-             "| " + " | ".join(HEAD) + " |", "|" + " --- |" * len(HEAD)]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in report["candidates"]]
+def tune_page(report: dict) -> Page:
+    """The report: the verdict, the budget and the prediction error, every candidate, the layouts left out."""
+    blocks: list = [Text(report["verdict"].removeprefix("multigpu tune: ") + ".", lead=True),
+                    Text(f"Global batch {report['global_batch']}; memory budget: {report['budget']}; {report['steps']} "
+                         f"steps per run, {report['repeats']} round(s). {_error_line(report)} Tune took "
+                         f"{report['wall_s']:.0f} s."),
+                    Table(HEAD, [_cells(r) for r in report["candidates"]])]
     if report["left_out"]:
-        lines += ["", "Left out:", ""] + [f"- {o['layout']}: {o['reason']}" for o in report["left_out"]]
-    lines += ["", "The model: docs/tune.md (no overlap of communication and compute is assumed)."]
-    return "\n".join(lines) + "\n"
-
-
-def to_html(report: dict) -> str:
-    esc = html.escape
-    rows = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in _cells(r)) + "</tr>" for r in report["candidates"])
-    left = "".join(f"<li>{esc(o['layout'])}: {esc(o['reason'])}</li>" for o in report["left_out"])
-    return (f"<!doctype html><meta charset=utf-8><title>multigpu tune</title>"
-            f"<style>body{{font:14px sans-serif;margin:2em}}td,th{{padding:2px 8px;border-bottom:1px solid #ddd;text-align:left}}</style>"
-            f"<h1>multigpu tune: {esc(report['workload'])} on {report['world_size']} ranks</h1>"
-            f"<p>{esc(report['verdict'].removeprefix('multigpu tune: '))}</p><p>{esc(_error_line(report))} "
-            f"Memory budget: {esc(report['budget'])}.</p>"
-            f"<table><tr>{''.join(f'<th>{esc(h)}</th>' for h in HEAD)}</tr>{rows}</table>"
-            + (f"<h2>Left out</h2><ul>{left}</ul>" if left else "") + "\n")
+        blocks += [Heading("Left out"), Items([f"{o['layout']}: {o['reason']}" for o in report["left_out"]])]
+    blocks.append(Text("The model: docs/tune.md (no overlap of communication and compute is assumed)."))
+    return Page(f"multigpu tune: {report['workload']} on {report['world_size']} ranks ({report['device']})", blocks)

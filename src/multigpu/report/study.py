@@ -1,20 +1,19 @@
 """Turn a study's ``study.json`` into a self-contained HTML report and a Markdown summary.
 
-Plots are drawn with matplotlib (Agg, no display) and embedded in the HTML as
-base64 PNGs, so the page needs no network and no other file. The same PNGs
-are written next to ``report.md`` for Markdown viewers.
+Plots are drawn with matplotlib (Agg, no display); ``page.py`` embeds them in the
+HTML as base64 PNGs, so the page needs no network and no other file, and writes
+the same PNGs next to ``report.md`` for Markdown viewers.
 """
 
 from __future__ import annotations
 
-import base64
-import html
 import io
 import json
 from pathlib import Path
 from typing import Any
 
-from .errors import UsageError
+from ..errors import UsageError
+from .page import Figures, Heading, Items, Page, Pairs, Table, Text, write
 
 BREAKDOWN = ("compute", "comm_exposed", "data_wait", "idle")
 
@@ -157,49 +156,15 @@ HEADER = ["workers", "policy", "global batch", "samples/s", "speedup (95 % inter
           "time to target", "noise scale", "verdict"]
 
 
-def _markdown(study: dict[str, Any], images: list[str]) -> str:
-    lines = [f"# Scaling study: {study['workload']['name']}", "", study.get("headline", ""), ""]
-    lines += ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(r) + " |" for r in _rows(study)]
+def study_page(study: dict[str, Any], pngs: dict[str, bytes]) -> Page:
+    """The study's report: headline, the table of results and verdicts, failed runs, plots, environment."""
+    blocks: list = [Text(study.get("headline", ""), lead=True), Heading("Results and verdicts"),
+                    Table(HEADER, _rows(study))]
     failed = [r for r in study["runs"] if r.get("status") != "ok"]
     if failed:
-        lines += ["", "## Failed runs", ""] + [f"- {r['id']}: {r.get('error', '?')}" for r in failed]
-    lines += ["", "## Plots", ""] + [f"![{name}]({name}.png)" for name in images]
-    lines += ["", "## Environment", ""] + [f"- {k}: {v}" for k, v in study.get("fingerprint", {}).items()]
-    return "\n".join(lines) + "\n"
-
-
-def _html(study: dict[str, Any], pngs: dict[str, bytes]) -> str:
-    esc = html.escape
-    table = "<table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in HEADER) + "</tr>"
-    table += "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in _rows(study))
-    table += "</table>"
-    figs = "".join(
-        f'<figure><img alt="{esc(name)}" src="data:image/png;base64,{base64.b64encode(data).decode()}">'
-        f"<figcaption>{esc(name)}</figcaption></figure>"
-        for name, data in pngs.items()
-    )
-    failed = [r for r in study["runs"] if r.get("status") != "ok"]
-    failed_html = ("<h2>Failed runs</h2><ul>" + "".join(f"<li>{esc(r['id'])}: {esc(str(r.get('error', '?')))}</li>"
-                                                        for r in failed) + "</ul>") if failed else ""
-    fp = "".join(f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>" for k, v in study.get("fingerprint", {}).items())
-    title = f"Scaling study: {study['workload']['name']}"
-    return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>
-<style>
-body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }}
-table {{ border-collapse: collapse; margin: 1em 0; font-size: 14px; }}
-th, td {{ border: 1px solid #ccc; padding: 4px 8px; text-align: left; }}
-figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; }}
-.headline {{ font-size: 18px; background: #f3f6fa; padding: .6em 1em; border-left: 4px solid #3a6ea5; }}
-</style></head><body>
-<h1>{esc(title)}</h1>
-<p class="headline">{esc(study.get('headline', ''))}</p>
-<h2>Results and verdicts</h2>{table}{failed_html}
-<h2>Plots</h2>{figs}
-<h2>Environment</h2><table>{fp}</table>
-</body></html>
-"""
+        blocks += [Heading("Failed runs"), Items([f"{r['id']}: {r.get('error', '?')}" for r in failed])]
+    blocks += [Heading("Plots"), Figures(pngs), Heading("Environment"), Pairs(study.get("fingerprint", {}))]
+    return Page(f"Scaling study: {study['workload']['name']}", blocks)
 
 
 def write_report(results_dir: str | Path, output: str | Path | None = None) -> tuple[Path, Path]:
@@ -213,25 +178,9 @@ def write_report(results_dir: str | Path, output: str | Path | None = None) -> t
     if html_path.suffix.lower() not in (".html", ".htm"):
         raise UsageError(f"report output must end in .html, got {html_path}; e.g. -o report.html")
     pngs = {name: _png(fig) for name, fig in _figures(study).items()}
+    md_path = results_dir / "report.md"
     try:
-        html_path.parent.mkdir(parents=True, exist_ok=True)
-        for name, data in pngs.items():
-            (results_dir / f"{name}.png").write_bytes(data)
-        md_path = results_dir / "report.md"
-        md_path.write_text(_markdown(study, list(pngs)))
-        html_path.write_text(_html(study, pngs))
+        write(study_page(study, pngs), md_path, html_path)
     except OSError as err:
         raise UsageError(f"cannot write the report to {html_path.parent} ({err.strerror}); pass -o to a writable path") from None
     return html_path, md_path
-
-
-def add_arguments(parser) -> None:
-    """`multigpu report RESULTS [-o report.html]` arguments."""
-    parser.add_argument("results", help="the results directory `multigpu study` wrote")
-    parser.add_argument("-o", "--output", default=None, help="HTML file to write (default: RESULTS/report.html)")
-
-
-def main(args) -> int:
-    html_path, md_path = write_report(args.results, args.output)
-    print(f"multigpu report: {html_path} (self-contained) and {md_path}")
-    return 0
