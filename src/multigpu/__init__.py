@@ -14,7 +14,7 @@ from .fingerprint import fingerprint
 from .loss import token_divisor
 from .meter import StepMeter, profile
 from .noise import NoiseScale
-from .parallel import accumulate, clip_grad_norm_, full_state_dict, optimizer, unwrap, wrap
+from .parallel import accumulate, clip_grad_norm_, full_state_dict, optimizer, parallelize, unwrap, wrap
 from .planner import ScaledRecipe, scale_recipe
 from .precision import Precision
 
@@ -42,6 +42,7 @@ __all__ = [
     "init",
     "loader",
     "optimizer",
+    "parallelize",
     "print0",
     "profile",
     "scale_lr",

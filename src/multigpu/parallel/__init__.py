@@ -7,16 +7,20 @@ sit beside them (``comm_hooks.py``, ``batchnorm.py``, ``clip.py``,
 ``footprint.py``). Model parallelism: ``mesh.py`` (the device mesh and the
 data-parallel rank), ``tp.py`` (tensor-parallel plans), ``fsdp.shard_blocks``
 (FSDP over a mesh's data-parallel dimensions), ``pp.py`` (pipeline stages and
-their schedule).
+their schedule). ``layout.py`` (the one ``Layout``), ``auto.py`` (blocks and plans a model declares or
+that are found in it) and ``spread.py`` (``mg.parallelize``: TP, then FSDP/HSDP or DDP).
 """
 
 from .clip import clip_grad_norm_
 from .fsdp import shard_blocks
+from .layout import Layout
 from .mesh import Mesh, MeshShape, factor, mesh
+from .spread import parallelize
 from .pp import Pipeline
 from .tp import apply_tp, loss_parallel
 from .wrap import STRATEGIES, accumulate, full_state_dict, no_sync, optimizer, strategy_of, unwrap, wrap
 
-__all__ = ["STRATEGIES", "Mesh", "MeshShape", "Pipeline", "accumulate", "apply_tp", "clip_grad_norm_", "factor",
-           "full_state_dict", "loss_parallel", "mesh", "no_sync", "optimizer", "shard_blocks", "strategy_of",
-           "unwrap", "wrap"]
+# The names the top-level package exports (wrap, accumulate, parallelize...) are left out here: one public
+# name, one place (they stay importable from this package).
+__all__ = ["STRATEGIES", "Layout", "Mesh", "MeshShape", "Pipeline", "apply_tp", "factor", "loss_parallel", "mesh",
+           "no_sync", "shard_blocks", "strategy_of"]

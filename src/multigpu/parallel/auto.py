@@ -1,0 +1,219 @@
+"""What a model says about itself, or what can be found in it: its repeated blocks and its tensor-parallel plan.
+
+Blocks: the classes a transformers model declares (``_no_split_modules``,
+what Accelerate's and HF Trainer's auto-wrap read), else the class repeated
+in the model's largest container of one class (``layers``, ``h``,
+``blocks``; a ResNet's stages). Plans: the user's, else the one the model
+declares (``model.tp_plan``, ``base_model_tp_plan``), else one found from the
+module pattern (q/k/v column-wise and o row-wise, gate/up column-wise and
+down row-wise, inside the repeated blocks). Plans may use ``*`` for one
+name component (``model.layers.*.mlp.down_proj``) and transformers' style
+names (``"colwise"``, ``"rowwise"``...), translated here to PyTorch's
+``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel``. Every
+entry must name a module the model has, and every module a style shards
+must be one the style can shard, or the plan is refused naming it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from torch import nn
+
+from ..errors import UsageError
+
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+# transformers' style names -> (torch style, its keyword layouts). Both 4.x names (colwise_rep, rowwise_rep)
+# and 5.x names (colwise_gather_output, embedding_rowwise, rowwise_split_input); "replicate" means
+# nothing to shard (the parameter stays a plain tensor, equal on every TP rank since its inputs are).
+HF_STYLES = {
+    "colwise": ("ColwiseParallel", {}),
+    "rowwise": ("RowwiseParallel", {}),
+    "colwise_rep": ("ColwiseParallel", {"output_layouts": "Replicate"}),
+    "colwise_gather_output": ("ColwiseParallel", {"output_layouts": "Replicate"}),
+    "rowwise_rep": ("RowwiseParallel", {"input_layouts": "Replicate"}),
+    "rowwise_split_input": ("RowwiseParallel", {"input_layouts": "Replicate"}),
+    "embedding_rowwise": ("RowwiseParallel", {"input_layouts": "Replicate"}),
+    "sequence_parallel": ("SequenceParallel", {}),
+    "replicate": (None, {}),
+    "replicated_with_grad_allreduce": (None, {}),
+}
+
+# The names the pattern search knows: a column-wise set followed by one row-wise projection in the same
+# parent (attention: q, k, v then o; MLP: gate, up then down).
+COLWISE_NAMES = {"q_proj", "k_proj", "v_proj", "q", "k", "v", "query", "key", "value", "wq", "wk", "wv",
+                 "gate_proj", "up_proj", "up", "w1", "w3", "fc1", "fc_in"}
+ROWWISE_NAMES = {"o_proj", "out_proj", "out", "o", "wo", "down_proj", "down", "w2", "fc2", "fc_out"}
+FUSED_NAMES = {"c_attn", "qkv", "qkv_proj", "Wqkv", "query_key_value", "gate_up_proj", "c_fc", "in_proj"}
+
+
+def _first_name(model: nn.Module, cls_name: str) -> str:
+    return next((n for n, m in model.named_modules() if type(m).__name__ == cls_name), "?")
+
+
+def declared_blocks(model: nn.Module) -> list[type]:
+    """The classes of ``model``'s modules named in its ``_no_split_modules`` (transformers' declaration)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return sorted({type(m) for m in model.modules() if type(m).__name__ in names}, key=lambda c: c.__name__)
+
+
+def found_blocks(model: nn.Module) -> list[type]:
+    """The class repeated in the containers of ``model`` (ModuleList, Sequential, ModuleDict with 2 or more
+    children all of one class), the one whose instances there hold the most parameters."""
+    weight: dict[type, int] = {}
+    for m in model.modules():
+        if isinstance(m, CONTAINERS) and len(m) >= 2:
+            kinds = {type(c) for c in m.children()}
+            if len(kinds) == 1:
+                cls = kinds.pop()
+                if not issubclass(cls, CONTAINERS) and any(True for _ in next(iter(m.children())).parameters()):
+                    weight[cls] = weight.get(cls, 0) + sum(p.numel() for p in m.parameters())
+    if not weight:
+        return []
+    return [max(weight, key=lambda c: weight[c])]
+
+
+def blocks_of(model: nn.Module, block_classes: Any = None) -> tuple[list[type], str]:
+    """The block classes to spread by, and where they came from (for the one-line report)."""
+    if block_classes is not None:
+        return list(block_classes), "given"
+    declared = declared_blocks(model)
+    if declared:
+        return declared, "declared _no_split_modules"
+    found = found_blocks(model)
+    return found, "found repeated" if found else "none found"
+
+
+def block_modules(model: nn.Module, classes: list[type]) -> list[tuple[str, nn.Module]]:
+    classes_t = tuple(classes)
+    return [(n, m) for n, m in model.named_modules() if classes_t and isinstance(m, classes_t)]
+
+
+def declared_plan(model: nn.Module) -> dict[str, Any] | None:
+    """The plan a transformers model declares, with names from the model's root; None if it declares none."""
+    plan = getattr(model, "tp_plan", None)
+    if not isinstance(plan, dict):
+        plan = getattr(model, "_tp_plan", None)
+    if isinstance(plan, dict) and plan:
+        return dict(plan)
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None)
+    if isinstance(base, dict) and base:
+        prefix = getattr(model, "base_model_prefix", "")
+        owner = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+        return {(f"{owner}.{k}" if owner else k): v for k, v in base.items()}
+    return None
+
+
+def _fused_or_conv(module: nn.Module, name: str) -> str | None:
+    leaf = name.rpartition(".")[2]
+    if type(module).__name__ == "Conv1D":
+        return "a Conv1D (a Linear stored transposed)"
+    if leaf in FUSED_NAMES:
+        return "a fused projection (several projections in one weight)"
+    return None
+
+
+def found_plan(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[str, Any]:
+    """A plan from the module pattern inside the blocks: in each parent, the known column-wise Linears
+    followed by one known row-wise Linear. Refuses a block whose projections are Conv1D or fused."""
+    plan: dict[str, Any] = {}
+    for block_name, block in blocks:
+        for parent_name, parent in block.named_modules(prefix=block_name):
+            children = dict(parent.named_children())
+            for child_name, child in children.items():
+                why = _fused_or_conv(child, child_name) if (child_name in FUSED_NAMES or
+                                                            type(child).__name__ == "Conv1D") else None
+                if why:
+                    raise UsageError(
+                        f"tensor parallelism found {parent_name}.{child_name} in {type(model).__name__}, {why}: "
+                        f"PyTorch's TP styles shard nn.Linear and nn.Embedding only; use tp=1 for this model "
+                        "(DDP, FSDP, HSDP and pipelines apply), or a model with separate q/k/v Linears (Llama, Qwen)")
+            col = [n for n, c in children.items() if isinstance(c, nn.Linear) and n in COLWISE_NAMES]
+            row = [n for n, c in children.items() if isinstance(c, nn.Linear) and n in ROWWISE_NAMES]
+            if col and len(row) == 1:
+                plan |= {f"{parent_name}.{n}": "colwise" for n in col}
+                plan[f"{parent_name}.{row[0]}"] = "rowwise"
+    return plan
+
+
+def _pattern(key: str) -> re.Pattern:
+    return re.compile("^" + r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in key.split(".")) + "$")
+
+
+def expand(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan with ``*`` entries expanded to the module names they match; an entry matching nothing is refused."""
+    names = [n for n, _ in model.named_modules() if n]
+    out: dict[str, Any] = {}
+    missing = []
+    for key, style in plan.items():
+        matched = [n for n in names if _pattern(key).match(n)] if "*" in key else ([key] if key in names else [])
+        if not matched:
+            missing.append(key)
+        for n in matched:
+            out[n] = style
+    if missing:
+        example = next((n for n, m in model.named_modules() if isinstance(m, nn.Linear)), names[0] if names else "")
+        raise UsageError(f"tensor-parallel plan names modules {type(model).__name__} does not have: "
+                         f"{', '.join(missing[:4])}; use names from model.named_modules() (wildcard * for one "
+                         f"component), e.g. {example}")
+    return out
+
+
+def translate(style: Any, name: str) -> Any:
+    """A torch ParallelStyle for ``style`` (one already, or a transformers style name); None: leave replicated."""
+    if not isinstance(style, str):
+        return style
+    if style not in HF_STYLES:
+        raise UsageError(f"tensor-parallel plan gives {name} the style {style!r}, which multigpu does not translate; "
+                         f"use one of {', '.join(HF_STYLES)}, or a torch ParallelStyle object")
+    import torch.distributed.tensor as dtensor
+    import torch.distributed.tensor.parallel as tp
+
+    cls, layouts = HF_STYLES[style]
+    if cls is None:
+        return None
+    return getattr(tp, cls)(**{k: getattr(dtensor, v)() for k, v in layouts.items()})
+
+
+def check_shardable(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
+    """Refuse a style on a module it cannot shard, or a sharded size ``tp`` does not divide, naming the module."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    for name, style in plan.items():
+        module = model.get_submodule(name)
+        if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            continue
+        kind = "column-wise" if isinstance(style, ColwiseParallel) else "row-wise"
+        why = _fused_or_conv(module, name)
+        if why or not isinstance(module, (nn.Linear, nn.Embedding)):
+            raise UsageError(f"tensor-parallel plan shards {name} {kind}, but it is {why or 'a ' + type(module).__name__}: "
+                             "PyTorch's TP styles shard nn.Linear and nn.Embedding only; drop it from the plan "
+                             "(it stays replicated) or use tp=1 for this model")
+        if isinstance(module, nn.Linear):
+            size, what = (module.out_features, "output features") if kind == "column-wise" else (module.in_features, "input features")
+        else:
+            size, what = (module.embedding_dim, "embedding dim") if kind == "column-wise" else (module.num_embeddings, "vocabulary")
+        if size % tp:
+            raise UsageError(f"tensor-parallel degree {tp} does not divide {name}'s {what} {size} ({kind}); "
+                             f"use a tp that divides {size}, or drop {name} from the plan")
+
+
+HEAD_ATTRS = {"num_heads": "attention heads", "n_head": "attention heads", "n_heads": "attention heads",
+              "num_attention_heads": "attention heads", "num_key_value_heads": "KV heads",
+              "n_kv_heads": "KV heads", "num_kv_heads": "KV heads"}
+
+
+def head_counts(model: nn.Module) -> dict[str, int]:
+    """Attention and KV head counts the model states (its config, or attributes of its modules)."""
+    out: dict[str, int] = {}
+    config = getattr(model, "config", None)
+    sources = ([config] if config is not None else []) + list(model.modules())
+    for src in sources:
+        for attr, what in HEAD_ATTRS.items():
+            value = getattr(src, attr, None) if attr in getattr(src, "__dict__", {}) or src is config else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0 and what not in out:
+                out[what] = value
+    return out

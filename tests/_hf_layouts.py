@@ -1,0 +1,214 @@
+"""Worker for tests/test_hf_parallelize.py: a model people bring (a transformers Llama with grouped-query
+attention, GPT-2 with its tied head, a plain nn.Module of blocks), trained under a ``Layout`` by
+``mg.parallelize`` in float64, its full weights returned.
+
+The one-process script and the parallel one differ only in the lines marked ``# +layout``: the layout,
+``mg.parallelize`` and the batch plan the layout builds (what the issue allows: at most 5 lines).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import multigpu as mg
+
+GLOBAL_BATCH, SEQ, VOCAB = 8, 16, 256
+
+
+def tokens(n: int = 64, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    return TensorDataset(seq[:, :-1], seq[:, 1:])
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block with the usual names (q/k/v/o, up/down) and heads left to ``view(-1)``."""
+
+    def __init__(self, dim: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head, self.head_dim = n_head, dim // n_head
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.Module()
+        self.attn.q, self.attn.k, self.attn.v, self.attn.o = (nn.Linear(dim, dim) for _ in range(4))
+        self.mlp = nn.Module()
+        self.mlp.up, self.mlp.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        q, k, v = (p(h).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.attn.q, self.attn.k, self.attn.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        x = x + self.attn.o(a)
+        return x + self.mlp.down(F.gelu(self.mlp.up(self.ln2(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, dim: int = 32, n_head: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(Block(dim, n_head) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def build(kind: str, **overrides):
+    """A tiny model from a config (no download), in float64, the same on every rank (seed 0)."""
+    torch.manual_seed(0)
+    if kind == "own":
+        return TinyLM(**overrides).double()
+    import transformers
+
+    if kind == "llama":
+        cfg = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                   bos_token_id=0, eos_token_id=1, pad_token_id=None, tie_word_embeddings=False)
+        config = transformers.LlamaConfig(**(cfg | overrides))
+        cls = transformers.LlamaForCausalLM
+    elif kind == "gpt2":
+        cfg = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                   embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)
+        config = transformers.GPT2Config(**(cfg | overrides))
+        cls = transformers.GPT2LMHeadModel
+    else:
+        raise ValueError(kind)
+    # Eager attention: plain matmuls and softmax, the same arithmetic on any layout (SDPA picks kernels by shape).
+    config._attn_implementation = "eager"
+    return cls(config).double()
+
+
+def logits_of(model, x: torch.Tensor) -> torch.Tensor:
+    out = model(x) if not hasattr(mg.unwrap(model), "config") else model(input_ids=x, use_cache=False)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def train(dist, kind: str, layout: dict, steps: int = 5, accum: int = 2, clip: float = 0.5,
+          ckpt: str | None = None, stop_after: int | None = None) -> dict:
+    """``layout``: the ``Layout``'s fields; every rank returns the same full weights after ``steps`` steps."""
+    model = build(kind)
+    micro = GLOBAL_BATCH // accum // mg.parallel.Layout(**layout).shape(dist.world_size).dp
+    layout = mg.parallel.Layout(**layout, micro_batch=micro)              # +layout
+    model = mg.parallelize(model, layout)                                  # +layout
+    plan = layout.plan(GLOBAL_BATCH, dist)                                 # +layout (was mg.BatchPlan(...))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    train_loader = mg.loader(tokens(), plan, dist, seed=0)
+    start = 0
+    if ckpt is not None:
+        checkpointer = mg.Checkpointer(ckpt, model=model, optimizer=opt, loader=train_loader)
+        start = checkpointer.resume()
+    losses, norms = [], []
+    for step, micro_batches in zip(range(start, steps), train_loader):
+        total = 0.0
+        for x, y in mg.accumulate(model, micro_batches):
+            loss = F.cross_entropy(logits_of(model, x).flatten(0, 1), y.flatten()) / plan.accum_steps
+            loss.backward()
+            total += float(loss.detach())
+        norms.append(float(mg.clip_grad_norm_(model, clip)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+        if ckpt is not None:
+            checkpointer.save(step)
+            if step == stop_after:
+                break
+    state = {k: full(v) for k, v in mg.unwrap(model).state_dict().items()}
+    return {"state": state, "losses": losses, "norms": norms, "strategy": mg.parallel.strategy_of(model)}
+
+
+def train_layouts(dist, jobs: list[tuple[str, dict]]) -> list[dict]:
+    """Several (model, layout) runs, one after another, in the same processes (one start-up for all)."""
+    return [train(dist, kind, layout) for kind, layout in jobs]
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(ch, ch, 3, padding=1), nn.Conv2d(ch, ch, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv2(F.relu(self.conv1(x)))
+
+
+class ConvNet(nn.Module):
+    """A small ResNet-like net: a stage of repeated residual conv blocks (what TP cannot shard)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.stage = nn.Sequential(ConvBlock(8), ConvBlock(8))
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.fc(self.stage(self.stem(x)).mean((2, 3)))
+
+
+def refusal(dist, kind: str, layout: dict, overrides: dict | None = None, **kwargs) -> str:
+    """The one line ``mg.parallelize`` refuses with (every rank must refuse alike)."""
+    model = ConvNet().double() if kind == "conv" else build(kind, **(overrides or {}))
+    try:
+        mg.parallelize(model, mg.parallel.Layout(**layout), **kwargs)
+    except mg.UsageError as e:
+        return str(e)
+    return "accepted"
+
+
+def refusals(dist, cases: list[dict]) -> list[str]:
+    return [refusal(dist, **case) for case in cases]
+
+
+def torchvision_problem() -> str | None:
+    """Why torchvision cannot be used here (None if it can): PyPI's wheel is a CUDA build whose operators
+    do not load beside the CPU torch ("operator torchvision::nms does not exist")."""
+    try:
+        import torchvision
+
+        torchvision.ops.nms(torch.zeros(1, 4), torch.zeros(1), 0.5)
+    except Exception as e:  # ImportError, or RuntimeError from the operator registry
+        return f"torchvision unusable here: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return None
+
+
+def images(n: int = 32, seed: int = 2) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 3, 16, 16, generator=g, dtype=torch.float64), torch.randint(0, 10, (n,), generator=g))
+
+
+def train_images(dist, kind: str, layout: dict, steps: int = 4) -> dict:
+    """A conv net (torchvision's resnet18, or ConvNet) on generated images under ``layout``, one micro-batch
+    per step (BatchNorm's statistics then span the same samples as one process's, with sync_batchnorm)."""
+    torch.manual_seed(0)
+    if kind == "resnet18":
+        import torchvision
+
+        model = torchvision.models.resnet18(num_classes=10).double()
+    else:
+        model = ConvNet().double()
+    layout = mg.parallel.Layout(**layout)                                  # +layout
+    model = mg.parallelize(model, layout, sync_batchnorm=True)             # +layout
+    plan = layout.plan(GLOBAL_BATCH, dist)                                 # +layout
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    for _, micro_batches in zip(range(steps), mg.loader(images(), plan, dist, seed=0)):
+        for x, y in mg.accumulate(model, micro_batches):
+            (F.cross_entropy(model(x), y) / plan.accum_steps).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    state = {k: full(v) for k, v in mg.unwrap(model).state_dict().items()}
+    return {"state": state, "strategy": mg.parallel.strategy_of(model)}
+
+
+def train_image_layouts(dist, jobs: list[tuple[str, dict]]) -> list[dict]:
+    return [train_images(dist, kind, layout) for kind, layout in jobs]

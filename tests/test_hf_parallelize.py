@@ -1,0 +1,199 @@
+"""Models people bring, spread by ``mg.parallelize``, train as one process does.
+
+A transformers Llama (grouped-query attention: 4 heads, 2 KV heads), GPT-2 (its head tied to the token
+table) and a plain nn.Module of blocks, all built from configs (no download), train 5 AdamW steps in
+float64 with accumulation 2 and clipping at 0.5 on gloo ranks; their full weights must equal one
+process's within 1e-9 (float64: another summation order moves them ~1e-15, a bug 1e-4 or more; see
+tests/_gpt_layouts.py). The user's code differs from the one-process script by 3 lines (the layout,
+``mg.parallelize``, the layout's batch plan; ``# +layout`` in tests/_hf_layouts.py).
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import multigpu as mg
+from multigpu.parallel import auto
+from multigpu.testing import spawn
+
+import _hf_layouts as hf
+
+TOL = 1e-9
+
+transformers = pytest.importorskip("transformers", reason="the hf extra is not installed (pip install multigpu[hf])")
+
+TWO = [("llama", {"tp": 2}), ("llama", {}), ("llama", {"dp_replicate": 2}), ("gpt2", {}), ("gpt2", {"dp_replicate": 2}),
+       ("own", {"tp": 2}), ("own", {})]
+FOUR = [("llama", {"tp": 2}), ("llama", {"dp_replicate": 2}), ("gpt2", {"dp_replicate": 2}), ("own", {"tp": 2})]
+STRATEGY = {(): "fsdp", ("tp",): "none", ("dp_replicate",): "ddp"}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    kinds = ["llama", "gpt2", "own"]
+    return dict(zip(kinds, spawn(hf.train_layouts, 1, [(k, {}) for k in kinds], timeout=240)[0]))
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    out = spawn(hf.train_layouts, 2, TWO, timeout=300)
+    return [[rank[i] for rank in out] for i in range(len(TWO))]
+
+
+def _max_diff(got, ref):
+    assert sorted(got["state"]) == sorted(ref["state"])
+    return max((got["state"][k].double() - ref["state"][k]).abs().max().item() for k in ref["state"])
+
+
+def _check(jobs, results, reference, measured):
+    for (kind, layout), per_rank in zip(jobs, results):
+        name = f"{kind} {layout or 'fsdp'}"
+        for r in per_rank:
+            diff = _max_diff(r, reference[kind])
+            measured[name] = max(diff, measured.get(name, 0.0))
+            assert diff < TOL, f"{name}: max parameter difference {diff:.3g}"
+            assert r["norms"] == pytest.approx(reference[kind]["norms"], rel=1e-9), name
+    print("max parameter difference per layout:", {k: f"{v:.1e}" for k, v in measured.items()})
+
+
+def test_llama_gpt2_and_own_model_under_tp_fsdp_and_ddp_on_two_ranks_equal_one_process(reference, two_ranks):
+    _check(TWO, two_ranks, reference, {})
+    assert [r[0]["strategy"] for r in two_ranks] == ["none", "fsdp", "ddp", "fsdp", "ddp", "none", "fsdp"]
+    assert min(reference["llama"]["norms"]) > 0.5  # clipping acted
+
+
+@pytest.mark.slow
+def test_fsdp_x_tp_and_hsdp_on_four_ranks_equal_one_process(reference):
+    out = spawn(hf.train_layouts, 4, FOUR, timeout=400)
+    results = [[rank[i] for rank in out] for i in range(len(FOUR))]
+    _check(FOUR, results, reference, {})
+    assert [r[0]["strategy"] for r in results] == ["fsdp", "fsdp", "fsdp", "fsdp"]
+
+
+def test_bad_input_is_refused_in_one_line_with_the_fix():
+    cases = [
+        dict(kind="llama", layout={"tp": 2}, tp_plan={"model.layers.*.mlp.dwn_proj": "rowwise"}),
+        dict(kind="llama", layout={"tp": 2}, overrides={"num_key_value_heads": 1}),
+        dict(kind="llama", layout={"tp": 2}, overrides={"hidden_size": 48, "num_attention_heads": 3,
+                                                      "num_key_value_heads": 3}),
+        dict(kind="conv", layout={"tp": 2}),
+        dict(kind="gpt2", layout={"tp": 2}),
+        dict(kind="llama", layout={"tp": 2}, tp_plan={}),
+        dict(kind="llama", layout={"tp": 2}, tp_plan={"model.norm": "colwise"}),
+        dict(kind="llama", layout={"tp": 2, "dp_shard": 2}),
+        dict(kind="llama", layout={"tp": 2}, tp_plan={"lm_head": "local_packed_rowwise"}),
+    ]
+    got = spawn(hf.refusals, 2, cases, timeout=240)
+    assert got[0] == got[1]  # every rank refuses alike
+    lines = got[0]
+    assert all("\n" not in line for line in lines), lines
+    expect = [
+        r"plan names modules LlamaForCausalLM does not have: model.layers.\*.mlp.dwn_proj; use names from "
+        r"model.named_modules\(\).*e.g. model.layers.0.self_attn.q_proj",
+        r"tensor-parallel degree 2 does not divide KV heads 1 of LlamaForCausalLM; use tp=1",
+        r"tensor-parallel degree 2 does not divide attention heads 3, KV heads 3 of LlamaForCausalLM; use tp=1",
+        r"found no plan for ConvNet: it declares none and its blocks hold Conv2d, no q/k/v/o or gate/up/down "
+        r"Linears; use tp=1 \(DDP or FSDP shard any model\)",
+        r"found transformer.h.0.attn.c_attn in GPT2LMHeadModel, a Conv1D .*use tp=1 for this model",
+        r"the tensor-parallel plan for LlamaForCausalLM is empty \(given\)",
+        r"shards model.norm column-wise, but it is a LlamaRMSNorm: .*drop it from the plan",
+        r"dp_shard 2 x tp 2 = 4 processes, but this job has 2; run on 4 processes",
+        r"gives lm_head the style 'local_packed_rowwise', which multigpu does not translate; use one of colwise",
+    ]
+    import re
+
+    for line, pattern in zip(lines, expect):
+        assert re.search(pattern, line), (pattern, line)
+
+
+def test_a_layout_for_more_ranks_than_the_job_has_and_pp_are_refused_before_any_group_work(monkeypatch):
+    with pytest.raises(mg.UsageError, match=r"world size 1 is not divisible by dp_replicate 1 x tp 2 = 2"):
+        mg.parallelize(hf.build("own"), mg.parallel.Layout(tp=2))
+    # pp changes the loop (the schedule runs forward and backward): mg.parallelize names the call that does it.
+    monkeypatch.setattr("multigpu.parallel.spread._world", lambda: 2)
+    with pytest.raises(mg.UsageError, match=r"pp=2 splits TinyLM into pipeline stages.*mg.parallel.pipeline"):
+        mg.parallelize(hf.build("own"), mg.parallel.Layout(pp=2))
+
+
+def test_blocks_and_plans_are_read_from_what_the_model_declares_or_found_in_it():
+    llama, gpt2, own = hf.build("llama"), hf.build("gpt2"), hf.build("own")
+    assert auto.blocks_of(llama) == ([type(llama.model.layers[0])], "declared _no_split_modules")
+    assert auto.blocks_of(gpt2)[0] == [type(gpt2.transformer.h[0])]
+    assert auto.blocks_of(own) == ([hf.Block], "found repeated")
+    assert auto.blocks_of(hf.ConvNet()) == ([hf.ConvBlock], "found repeated")
+    assert auto.blocks_of(nn.Linear(2, 2)) == ([], "none found")
+    plan = auto.declared_plan(llama)
+    assert plan["model.layers.*.mlp.down_proj"] == "rowwise" and plan["lm_head"] == "colwise_gather_output"
+    assert auto.declared_plan(gpt2) is None  # GPT-2 declares no plan: found or refused, never silently empty
+    expanded = auto.expand(llama, plan)
+    assert {k for k in expanded if k.endswith("down_proj")} == {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"}
+    found = auto.found_plan(own, auto.block_modules(own, [hf.Block]))
+    assert found["blocks.1.attn.o"] == "rowwise" and found["blocks.0.mlp.up"] == "colwise" and len(found) == 12
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    head = auto.translate("colwise_gather_output", "lm_head")
+    assert isinstance(head, ColwiseParallel) and head.output_layouts == (Replicate(),)
+    assert isinstance(auto.translate("embedding_rowwise", "e"), RowwiseParallel)
+    assert auto.translate("replicate", "x") is None
+    assert auto.head_counts(llama) == {"attention heads": 4, "KV heads": 2}
+    assert auto.head_counts(own) == {"attention heads": 4}
+
+
+def test_the_layout_owns_its_rules():
+    L = mg.parallel.Layout
+    assert L().strategy(1) == "none" and L().strategy(4) == "fsdp" and L(dp_replicate=4).strategy(4) == "ddp"
+    assert L(dp_replicate=2).strategy(4) == "hsdp" and L(dp_replicate=2, tp=2).strategy(4) == "hsdp"
+    assert L(tp=2).strategy(4) == "fsdp" and L(tp=2).strategy(2) == "none"
+    assert L(tp=2).shape(8) == mg.parallel.MeshShape(1, 4, 2)
+    # The data-parallel rank is the mesh's (replicate, shard) coordinate: TP peers share it.
+    assert [L(tp=2).dp_rank(r, 4) for r in range(4)] == [0, 0, 1, 1]
+    assert [L(dp_replicate=2, tp=2).dp_rank(r, 8) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [L(pp=2).dp_rank(r, 4) for r in range(4)] == [0, 1, 0, 1]
+    L(tp=2).check_sizes(heads=4, kv_heads=2, hidden=64, vocab=256)
+    with pytest.raises(mg.UsageError, match="does not divide sequence length 15.*use tp=1"):
+        L(tp=2, sequence_parallel=True).check_sizes(heads=4, seq=15)
+    with pytest.raises(mg.UsageError, match=r"4 pipeline stages \(pp 2 x 2 per rank, schedule 'interleaved_1f1b'\) "
+                                            r"but the model has 3 blocks; use pp <= 1"):
+        L(pp=2, schedule="interleaved_1f1b").check_sizes(blocks=3)
+    with pytest.raises(mg.UsageError, match="sequence_parallel .* but tp is 1"):
+        L(sequence_parallel=True)
+    with pytest.raises(mg.UsageError, match="layout tp must be a positive integer"):
+        L(tp=0)
+    with pytest.raises(mg.UsageError, match="unknown pipeline schedule 'fast'"):
+        L(schedule="fast")
+    plan = L(tp=2, micro_batch=2).plan(16, _Dist(rank=3, world_size=4))
+    assert (plan.world_size, plan.dp_rank, plan.accum_steps) == (2, 1, 4)
+
+
+class _Dist:
+    def __init__(self, rank, world_size):
+        self.rank, self.world_size = rank, world_size
+
+
+def test_transformers_imports_beside_the_pinned_torch_and_builds_a_tiny_llama():
+    model = hf.build("llama")
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped-query attention
+    logits = model(input_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=False).logits
+    assert logits.shape == (1, 4, hf.VOCAB)
+
+
+def test_conv_net_under_ddp_and_fsdp_equals_one_process():
+    ref = spawn(hf.train_image_layouts, 1, [("conv", {})])[0][0]
+    out = spawn(hf.train_image_layouts, 2, [("conv", {"dp_replicate": 2}), ("conv", {})], timeout=240)
+    for i, strategy in enumerate(["ddp", "fsdp"]):
+        for rank in out:
+            assert rank[i]["strategy"] == strategy
+            assert _max_diff(rank[i], ref) < TOL, strategy
+
+
+@pytest.mark.slow
+def test_resnet18_under_ddp_and_fsdp_equals_one_process():
+    problem = hf.torchvision_problem()
+    if problem:
+        pytest.skip(problem)
+    ref = spawn(hf.train_image_layouts, 1, [("resnet18", {})])[0][0]
+    out = spawn(hf.train_image_layouts, 2, [("resnet18", {"dp_replicate": 2}), ("resnet18", {})], timeout=300)
+    for i in range(2):
+        for rank in out:
+            assert _max_diff(rank[i], ref) < TOL
