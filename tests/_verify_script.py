@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 import multigpu as mg
-from multigpu.launch.contract import run_dir
+from multigpu.runtime.contract import run_dir
 
 p = argparse.ArgumentParser()
 p.add_argument("--global-batch", type=int, default=16)

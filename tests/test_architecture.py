@@ -125,7 +125,7 @@ def test_src_has_no_import_cycle():
 
 # The layers, bottom up (docs/architecture.md): a module imports its own layer and the ones below.
 LAYERS = [
-    ("runtime", ["errors", "values", "compat", "dist", "fingerprint", "launch.contract"]),
+    ("runtime", ["errors", "values", "compat", "dist", "fingerprint", "runtime"]),
     ("loop pieces", ["batch", "data", "loss", "precision"]),
     ("parallelism", ["parallel"]),
     ("instruments and state", ["meter", "noise", "checkpoint", "finder"]),
@@ -159,7 +159,7 @@ def test_imports_go_down_the_layers():
 
 
 def test_the_layer_of_a_module_is_its_longest_prefix():
-    assert _layer("multigpu.launch.contract") == 0 and _layer("multigpu.launch.start") == 4
+    assert _layer("multigpu.runtime.contract") == 0 and _layer("multigpu.launch.start") == 4
     assert _layer("multigpu.parallel.fsdp") == 2 and _layer("multigpu.checkpoint") == 3
 
 

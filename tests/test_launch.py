@@ -447,7 +447,7 @@ def test_summary_names_the_first_real_failure(tmp_path):
 def test_summary_takes_the_workers_records_over_the_agents_view(tmp_path, monkeypatch):
     # The real race, frozen: rank 1 raised first, rank 0's lost-peer error then ended rank 0, and the agent
     # stopped rank 1 (SIGTERM) while it was still exiting. torch's view alone names rank 0.
-    from multigpu.launch.contract import failure_path, record_failure
+    from multigpu.runtime.contract import failure_path, record_failure
     from multigpu.launch.logs import failure_summary
 
     specs = _rank_logs(tmp_path, {0: LOST_PEER, 1: "ValueError: boom", 2: "KeyError: 'later'"})

@@ -83,9 +83,10 @@ def test_profile_summary_adds_up_to_the_measured_step_time(tmp_path, capsys):
 
 
 def test_launcher_profile_variable_reaches_the_meter(tmp_path, monkeypatch, capsys):
-    from multigpu.meter.launcher import worker_env
+    from multigpu.meter.profile import parse_steps
+    from multigpu.runtime.contract import worker_env
 
-    for k, v in worker_env(str(tmp_path), profile="2:4", cuda=False).items():
+    for k, v in worker_env(str(tmp_path), profile=parse_steps("2:4")).items():
         monkeypatch.setenv(k, v)
     with StepMeter(None, samples_per_step=4, log_every=2, watchdog=None, flops_per_sample=None) as meter:
         for _ in meter.steps(range(6)):

@@ -11,8 +11,10 @@ import time
 
 import pytest
 
-from multigpu.meter.launcher import worker_env
-from multigpu.meter.watchdog import flight_recorder_env, hang_verdict, last_collective, read_status
+from multigpu.launch.hang import hang_verdict, last_collective
+from multigpu.meter.profile import parse_steps
+from multigpu.meter.watchdog import flight_recorder_env, read_status
+from multigpu.runtime.contract import worker_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -64,10 +66,10 @@ def test_worker_env_carries_run_dir_profile_and_flight_recorder():
     env = flight_recorder_env("/runs/x")
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_FR_BUFFER_SIZE"]) > 0
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == "/runs/x/watchdog/nccl_trace_rank_"
-    assert worker_env("/runs/x", profile="10:15", cuda=False) == {"MULTIGPU_RUN_DIR": "/runs/x", "MULTIGPU_PROFILE": "10:15"}
-    assert worker_env("/runs/x", cuda=True)["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    # The launcher's two halves (launch/start.py): the contract's variables, the recorder's on GPU.
+    assert worker_env("/runs/x", profile=parse_steps("10:15")) == {"MULTIGPU_RUN_DIR": "/runs/x", "MULTIGPU_PROFILE": "10:15"}
     with pytest.raises(Exception, match="START:STOP"):
-        worker_env("/runs/x", profile="ten")
+        parse_steps("ten")  # a bad --profile fails in the launcher, before any worker starts
 
 
 def test_real_hang_under_multigpu_run_gives_the_verdict_and_the_profile_and_hang_timeout_ends_it(tmp_path):

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as tdist
 
 from .errors import UsageError, report_usage_error
-from .launch.contract import RAISED_AT, record_failure
+from .runtime.contract import RAISED_AT, record_failure
 
 BACKENDS = ("nccl", "gloo", "mpi")
 

@@ -17,7 +17,7 @@ answer. The global batch is kept by raising accumulation (``BatchPlan``).
 
 Under ``multigpu run --find-batch [--memory-budget SIZE]`` the launcher asks
 through the variables of its contract with the workers
-(``multigpu.launch.contract``): ``find_batch_requested()`` tells the script,
+(``multigpu.runtime.contract``): ``find_batch_requested()`` tells the script,
 the search takes the budget when the caller gave none, and local rank 0 of
 each node writes the result to ``<run dir>/find_batch.json``, which the
 launcher reads for its closing line.
@@ -40,8 +40,8 @@ import torch.distributed as tdist
 from .batch import BatchPlan
 from .errors import UsageError
 from .values import positive_int
-from .launch.contract import find_batch_requested, write_find_batch
-from .launch.contract import memory_budget as _launcher_budget, run_dir as _run_dir
+from .runtime.contract import find_batch_requested, write_find_batch
+from .runtime.contract import memory_budget as _launcher_budget, run_dir as _run_dir
 
 __all__ = ["MicroBatchSearch", "find_batch_requested", "find_micro_batch"]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .errors import UsageError
-from .launch.contract import VERIFY_DIR, VERIFY_ENV
+from .runtime.contract import VERIFY_DIR, VERIFY_ENV
 from .meter.records import read_records
 from .values import int_list
 

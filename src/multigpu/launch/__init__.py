@@ -3,9 +3,9 @@
 We add what torchrun leaves to the user: sensible defaults (one worker per GPU,
 2 on CPU), argument checks that fail in one line, per-rank log files named by
 global rank, rank 0 on the console, SLURM, and one summary line when a worker
-fails. The modules, from the bottom up:
+fails. The launcher -> worker contract (MULTIGPU_* variables, find_batch.json) is
+``multigpu.runtime.contract``, below the workers' code. The modules, from the bottom up:
 
-    contract.py  the launcher -> worker contract: MULTIGPU_* variables, find_batch.json (stdlib only)
     config.py    RunConfig, its checks and the layout (resolve), the command line (add_arguments)
     start.py     torchrun's elastic_launch in this process: worker variables, supervision, closing lines
     logs.py      per-rank log files, the console view, the failure summary (imports torch; loaded late)

@@ -33,8 +33,8 @@ from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
-from . import contract
-from .contract import read_failure
+from ..runtime import contract
+from ..runtime.contract import read_failure
 
 _TORCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
 

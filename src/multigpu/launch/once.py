@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import UsageError
-from .contract import environ
+from ..runtime.contract import environ
 
 
 @dataclass(frozen=True)

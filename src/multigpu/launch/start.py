@@ -21,7 +21,7 @@ import uuid
 from typing import Iterator, Sequence
 
 from ..errors import UsageError
-from . import contract
+from ..runtime import contract
 from .config import DEFAULT_LOG_DIR, Placement, RunConfig, cpu_count, from_args, resolve, visible_gpus
 
 HANG_EXIT = 124  # a job ended by --hang-timeout, as timeout(1) ends a command
@@ -192,7 +192,7 @@ def _supervise(torchrun_args: argparse.Namespace, specs) -> tuple[int, str]:
 
 def launch(cfg: RunConfig) -> int:
     """Run ``cfg`` to completion and return the exit code (0, the failed worker's, or 128+signal)."""
-    from ..meter.launcher import hang_monitor
+    from .hang import hang_monitor
     from ..meter.profile import parse_steps
 
     steps = parse_steps(cfg.profile) if cfg.profile else None  # a bad --profile fails here, before anything starts

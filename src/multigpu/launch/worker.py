@@ -34,7 +34,7 @@ import sys
 import traceback
 import types
 
-from .contract import record_failure
+from ..runtime.contract import record_failure
 
 
 _OURS = {__file__}

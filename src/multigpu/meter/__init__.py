@@ -8,9 +8,9 @@ from .flops import count_flops, peak_flops
 from .meter import StepMeter
 from .profile import Profile, profile, summarize
 from .stragglers import Straggler, find_stragglers
-from .watchdog import HangMonitor, Watchdog, flight_recorder_env, hang_verdict
+from .watchdog import Watchdog, flight_recorder_env, read_status
 
 __all__ = [
-    "HangMonitor", "Profile", "StepMeter", "Straggler", "Watchdog", "count_flops", "find_stragglers",
-    "flight_recorder_env", "hang_verdict", "peak_flops", "profile", "summarize",
+    "Profile", "StepMeter", "Straggler", "Watchdog", "count_flops", "find_stragglers",
+    "flight_recorder_env", "peak_flops", "profile", "read_status", "summarize",
 ]

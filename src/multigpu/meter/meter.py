@@ -22,7 +22,7 @@ import torch.distributed as tdist
 
 from ..errors import UsageError
 from ..fingerprint import fingerprint
-from ..launch.contract import attempt, launch_id, profile_window, run_dir, verify_requested
+from ..runtime.contract import attempt, launch_id, profile_window, run_dir, verify_requested
 from ..values import positive_int
 from . import gpumon, sinks as _sinks
 from .flops import FlopCount, dtype_key, peak_flops

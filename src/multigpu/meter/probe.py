@@ -20,7 +20,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from ..launch.contract import VERIFY_DIR
+from ..runtime.contract import VERIFY_DIR
 
 
 def digest(batch: Any) -> float:

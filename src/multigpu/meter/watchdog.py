@@ -1,14 +1,12 @@
-"""Hang reports: a per-rank watchdog that writes where it is stuck, and one verdict line.
+"""Hang reports, the worker's side: a per-rank watchdog that writes where it is stuck.
 
 Each rank's watchdog thread notices when no step has completed for
 ``timeout`` seconds. It then writes, next to the run's logs,
 ``watchdog/rank<R>.stacks.txt`` (every thread's Python stack, by
 faulthandler) and ``watchdog/rank<R>.json`` (host, last completed step, the
-main thread's frame, the collective it is in, if any). ``hang_verdict()``
-reads those files and names the rank the others are waiting for:
-
-    rank 1 (host a) has been in slow_step (train.py:31) for 300 s, after step 1580;
-    ranks 0,2,3 are waiting in all_reduce after step 1580
+main thread's frame, the collective it is in, if any); ``read_status`` reads
+them back. The launcher's side, which turns the reports into one verdict line
+and ends the hang, is ``multigpu.launch.hang``.
 """
 
 from __future__ import annotations
@@ -17,12 +15,11 @@ import faulthandler
 import glob
 import json
 import os
-import pickle
 import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -88,7 +85,7 @@ def where(frame) -> dict[str, Any]:
 def start_watchdog(out_dir: str, rank: int, host: str, timeout: float | None) -> "Watchdog | None":
     """This rank's running watchdog (None: off); under ``multigpu run --hang-timeout S`` it reports
     after S seconds at the latest, even if the script turned it off, so the launcher can end the hang."""
-    from ..launch.contract import hang_timeout
+    from ..runtime.contract import hang_timeout
 
     limit = hang_timeout()
     if limit is not None:
@@ -185,7 +182,7 @@ class Watchdog:
                 self._withdraw()  # the stall ended while we wrote: no stale report
                 return path
             self._reported = True
-        print(f"multigpu: rank {self.rank}: no step completed for {stalled:.0f} s; in {_waits_for_peers(status) or status['function']} "
+        print(f"multigpu: rank {self.rank}: no step completed for {stalled:.0f} s; in {waits_for_peers(status) or status['function']} "
               f"({status['file']}:{status['line']}); stacks in {stacks}", file=sys.stderr, flush=True)
         return path
 
@@ -211,19 +208,6 @@ def _dump_flight_recorder(out_dir: str, rank: int) -> str | None:
     return path
 
 
-def last_collective(trace_path: str) -> str | None:
-    """``"nccl:all_reduce #1581 (started)"`` from a flight recorder dump, or None."""
-    try:
-        with open(trace_path, "rb") as f:
-            entries = pickle.load(f).get("entries") or []
-    except Exception:  # noqa: BLE001 - unreadable or foreign format
-        return None
-    if not entries:
-        return None
-    e = entries[-1]
-    return f"{e.get('profiling_name', '?')} #{e.get('collective_seq_id', '?')} ({e.get('state', '?')})"
-
-
 def read_status(run_dir: str) -> dict[int, dict[str, Any]]:
     """The watchdog status files under ``run_dir`` (or ``run_dir/watchdog``), by rank."""
     base = os.path.join(run_dir, "watchdog") if os.path.isdir(os.path.join(run_dir, "watchdog")) else run_dir
@@ -240,139 +224,10 @@ def read_status(run_dir: str) -> dict[int, dict[str, Any]]:
     return out
 
 
-def _waits_for_peers(s: dict[str, Any]) -> str | None:
+def waits_for_peers(s: dict[str, Any]) -> str | None:
     """The collective a rank waits in; DDP waits for gradients inside backward, in C++."""
     if s.get("collective"):
         return s["collective"]
     if s.get("in_backward"):
         return "backward (gradient all-reduce)"
     return None
-
-
-def _ranks(rs: list[int]) -> str:
-    return ",".join(map(str, sorted(rs)))
-
-
-def hang_verdict(run_dir: str, world_size: int | None = None) -> str | None:
-    """One line naming the rank(s) the others wait for; None when no rank reported a stall.
-
-    A rank that is not inside a collective (nor in backward's gradient wait) is
-    where the job is stuck; if every rank is in a collective, the one behind in
-    steps is. Ranks without a status file are listed as silent.
-
-    >>> hang_verdict("runs/x")
-    'rank 1 (host a) has been in DataLoader.__next__ (train.py:40) for 300 s, after step 1579; ranks 0,2,3 are waiting in all_reduce after step 1580'
-    """
-    status = read_status(run_dir)
-    if not status:
-        return None
-    waiting = {r: s for r, s in status.items() if _waits_for_peers(s)}
-    stuck = {r: s for r, s in status.items() if r not in waiting}
-    if not stuck:
-        # Everyone is in a collective: the one that is behind (fewest steps) is the odd one out.
-        least = min((s.get("last_step") if s.get("last_step") is not None else -1) for s in status.values())
-        behind = {r: s for r, s in status.items() if (s.get("last_step") if s.get("last_step") is not None else -1) == least}
-        if len(behind) < len(status):
-            stuck, waiting = behind, {r: s for r, s in status.items() if r not in behind}
-    parts = []
-    for r, s in sorted(stuck.items()):
-        step = s.get("last_step")
-        where_ = _waits_for_peers(s) or s.get("function")
-        parts.append(f"rank {r} (host {s.get('host')}) has been in {where_} ({os.path.basename(s.get('file', '?'))}:"
-                     f"{s.get('line')}) for {s.get('stalled_s', 0):.0f} s, "
-                     + (f"after step {step}" if step is not None else "before its first step"))
-    by_coll: dict[tuple, list[int]] = {}
-    for r, s in waiting.items():
-        by_coll.setdefault((_waits_for_peers(s) or s.get("function"), s.get("last_step")), []).append(r)
-    for (coll, step), rs in sorted(by_coll.items(), key=lambda kv: min(kv[1])):
-        after = f"after step {step}" if step is not None else "before the first step"
-        parts.append(f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)} {'are' if len(rs) > 1 else 'is'} waiting in {coll} {after}")
-    if world_size:
-        silent = [r for r in range(world_size) if r not in status]
-        if silent:
-            parts.append(f"rank{'s' if len(silent) > 1 else ''} {_ranks(silent)} wrote no report (exited, or not stalled)")
-    traces = [(r, s["nccl_trace"]) for r, s in sorted(status.items()) if s.get("nccl_trace")]
-    if traces:
-        last = last_collective(traces[0][1])
-        parts.append(f"NCCL flight recorder dumps: {os.path.dirname(traces[0][1])}/nccl_trace_rank_*"
-                     + (f" (rank {traces[0][0]} last: {last})" if last else ""))
-    first = min(stuck) if stuck else min(status)
-    parts.append(f"stacks: {status[first]['stacks']}")
-    return "; ".join(parts)
-
-
-class HangMonitor:
-    """For the launcher: polls ``run_dir`` and prints ``hang_verdict`` once, when ranks report a stall.
-
-    A verdict is drawn when every rank has reported (or ``settle`` seconds after
-    the first report) and the reports stayed unchanged for ``confirm`` seconds;
-    a rank whose stall ends withdraws its report, so a slow step is no verdict.
-
-    With ``end_hang`` (``multigpu run --hang-timeout``) the verdict also ends the
-    hang: ``end_hang(verdict, reported pids)`` stops the workers, the reports move
-    to ``watchdog/hang<k>/`` (the verdict names the stacks there), and the monitor
-    goes on watching the next attempt (``--max-restarts``). If no worker could be
-    stopped the reports stay where they are and the monitor stops.
-    """
-
-    def __init__(self, run_dir: str, world_size: int | None, settle: float = 30.0, confirm: float = 3.0,
-                 poll: float = 1.0, stream=None, expect: int | None = None,
-                 end_hang: Callable[[str, list[int]], bool] | None = None) -> None:
-        self.run_dir, self.world_size, self.settle, self.confirm, self.poll = run_dir, world_size, settle, confirm, poll
-        self.expect = expect or world_size or 1  # reports to wait for (this node's ranks)
-        self.stream = stream or sys.stderr
-        self.end_hang = end_hang
-        self.verdict: str | None = None
-        self.hangs = 0  # hangs ended (with end_hang)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="multigpu-hang-monitor", daemon=True)
-
-    def start(self) -> "HangMonitor":
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        first = stable = None
-        key = None
-        while not self._stop.wait(self.poll):
-            status = read_status(self.run_dir)
-            now = time.monotonic()
-            if not status:
-                first = stable = key = None
-                continue
-            new_key = sorted((r, s.get("time")) for r, s in status.items())
-            if new_key != key:
-                key, stable = new_key, now
-            first = first or now
-            if (len(status) >= self.expect or now - first >= self.settle) and now - stable >= self.confirm:
-                if self.end_hang is None:
-                    self.verdict = hang_verdict(self.run_dir, self.world_size)
-                    if self.verdict:
-                        print(f"multigpu run: hang: {self.verdict}", file=self.stream, flush=True)
-                    return
-                if not self._end(status):
-                    return
-                first = stable = key = None
-
-    def _end(self, status: dict[int, dict[str, Any]]) -> bool:
-        """Stop the hung workers and set their reports aside, so the next attempt starts with none."""
-        kept = os.path.join(self.run_dir, "watchdog", f"hang{self.hangs + 1}")
-        verdict = hang_verdict(self.run_dir, self.world_size) or "no rank's report could be read"
-        # The reports move once the workers are stopped: the verdict names where their stacks will be.
-        self.verdict = verdict.replace(os.path.join(self.run_dir, "watchdog") + os.sep, kept + os.sep)
-        print(f"multigpu run: hang: {self.verdict}", file=self.stream, flush=True)
-        if not self.end_hang(self.verdict, [s["pid"] for s in status.values() if isinstance(s.get("pid"), int)]):
-            return False
-        self.hangs += 1
-        self._set_aside(kept)
-        return True
-
-    def _set_aside(self, kept: str) -> None:
-        base = os.path.join(self.run_dir, "watchdog")
-        os.makedirs(kept, exist_ok=True)
-        for path in glob.glob(os.path.join(base, "rank*")):
-            os.replace(path, os.path.join(kept, os.path.basename(path)))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self.poll + 1)

@@ -82,7 +82,7 @@ def links(group_sizes: set[int], device: str, threads: int, say=print) -> tuple[
     """The links' measured points for every group size (cached); (Links, where each came from)."""
     from ..commbench.run import run_bench
     from ..commbench.spec import BenchConfig
-    from ..launch.contract import environ
+    from ..runtime.contract import environ
 
     points: dict[tuple[str, int], list[tuple[int, float]]] = {}
     sources = {}

@@ -21,7 +21,7 @@ file in the run directory::
 Launcher side: ``worker_env`` and ``read_find_batch``. Worker side: ``run_dir``,
 ``attempt``, ``launch_id``, ``profile_window``, ``find_batch_requested``, ``memory_budget``, ``hang_timeout`` and
 ``write_find_batch``; ``failure_path`` for both. The standard library and ``errors`` only: meter/, the finder and the
-recipes read it in every worker, below everything else in ``multigpu.launch``.
+recipes read it in every worker, so it sits in the runtime, below the launcher (``multigpu.launch``) that writes it.
 """
 
 from __future__ import annotations
