@@ -100,9 +100,14 @@ def spawn(
     seed: int = 0,
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
+    children: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(dist, *args, **kwargs)`` on ``world_size`` gloo ranks; results by rank.
+
+    ``children=True`` lets a rank start processes of its own (DataLoader
+    workers): its process is then not daemonic, which ``multiprocessing``
+    requires; it is still joined or killed before ``spawn`` returns.
 
     >>> def step(dist, x):
     ...     return dist.rank * x
@@ -116,7 +121,7 @@ def spawn(
     base_env = {"OMP_NUM_THREADS": "1"} | (env or {})
     procs = [
         ctx.Process(target=_worker, args=(fn, r, world_size, port, seed, base_env, args, kwargs, out, *forked),
-                    daemon=True)
+                    daemon=not children)
         for r in range(world_size)
     ]
     for p in procs:

@@ -89,8 +89,13 @@ def token_chunks(ds, column: str) -> list[np.ndarray]:
     return chunks
 
 
-def _hf_shard(ds, shards: int, index: int):
-    return iter(ds.shard(num_shards=shards, index=index))
+def _hf_shard(ds, shards: int, index: int, batch: int = 256):
+    # Through .iter() in batches, not iter(ds): inside a DataLoader worker, iter(ds) splits the
+    # shards over the workers itself, and every worker here must read the whole stream.
+    for columns in ds.shard(num_shards=shards, index=index).iter(batch_size=batch):
+        names = list(columns)
+        for row in range(len(columns[names[0]]) if names else 0):
+            yield {name: columns[name][row] for name in names}
 
 
 def hf_iterable_shards(ds) -> tuple[list[Callable[[], Any]], dict[str, Any]]:

@@ -100,12 +100,13 @@ class _Pass(IterableDataset):
                 nxt = next(upcoming)
             for _, first in queue:
                 for p in range(max(first, lo), min(first + m, pos)):
-                    kept[p] = self.transform(buf[perm[p - lo]] if perm is not None else buf[p - lo])
+                    kept[p] = buf[perm[p - lo]] if perm is not None else buf[p - lo]
             del buf
-            # A micro-batch leaves once its whole global batch exists: the stream may end before it does.
+            # A micro-batch leaves once its whole global batch exists (the stream may end before it does);
+            # only then is it transformed, so a dropped remainder costs no transform.
             while queue and (queue[0][0] + 1) * G <= pos:
                 _, first = queue.popleft()
-                yield self.collate([kept.pop(p) for p in range(first, first + m)])
+                yield self.collate([self.transform(kept.pop(p)) for p in range(first, first + m)])
             if pos - lo < B:
                 break
             window += 1

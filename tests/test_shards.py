@@ -1,0 +1,187 @@
+"""Token shards and Hugging Face datasets through mg.loader: formats, the world-size-invariant order, refusals."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import multigpu as mg
+from multigpu.data.loader import source_fingerprint
+
+import _data_sources as src
+
+
+def _dist(rank, world):
+    return mg.Dist(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
+                   device=torch.device("cpu"), backend="gloo")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return src.write_sources(tmp_path_factory.mktemp("sources"))
+
+
+def _header(count, magic=20240520, version=1):
+    h = np.zeros(256, np.int32)
+    h[:3] = (magic, version, count)
+    return h.tobytes()
+
+
+def test_raw_headered_and_npy_shards_give_windows_that_never_cross_a_shard(root):
+    ts = mg.TokenShards(root / "tokens", block_size=8)
+    raw = np.fromfile(root / "tokens" / "a_train.bin", dtype=np.uint16)
+    headered = np.fromfile(root / "tokens" / "b_train.bin", dtype=np.uint16, offset=1024)
+    npy = np.load(root / "tokens" / "c_train.npy")
+    assert [s.count for s in ts.shards] == [400, 300, 250] and ts.dtype == "uint16"
+    assert len(ts) == 399 // 8 + 299 // 8 + 249 // 8
+    for i, (tokens, first) in enumerate(((raw, 0), (headered, 399 // 8), (npy, 399 // 8 + 299 // 8))):
+        x, y = ts[first]
+        assert x.tolist() == tokens[:8].tolist() and y.tolist() == tokens[1:9].tolist() and x.dtype == torch.int64
+        assert ts.locate(first) == (i, 0)
+    x, y = ts[399 // 8 - 1]  # the last window of the first shard ends inside it
+    assert y.tolist() == raw[49 * 8 - 7: 49 * 8 + 1].tolist()
+    xs, ys = ts.read_batch([0, 49, len(ts) - 1])
+    assert xs.shape == (3, 8) and torch.equal(xs[1], ts[49][0]) and torch.equal(ys[2], ts[len(ts) - 1][1])
+    # The pickle (what a DataLoader worker receives) holds names and counts, not tokens or mappings.
+    ts[0]
+    assert len(pickle.dumps(ts)) < 2000
+
+
+def test_uint32_and_llama3_headers_and_a_glob(tmp_path):
+    big = np.arange(70000, 70000 + 100, dtype=np.uint32)
+    big.tofile(tmp_path / "p_0.bin")
+    (tmp_path / "p_1.bin").write_bytes(_header(50, magic=20240801, version=7) + big[:50].tobytes())
+    ts = mg.TokenShards(str(tmp_path / "p_*.bin"), block_size=4, dtype="uint32")
+    assert ts.dtype == "uint32" and ts[0][0].tolist() == [70000, 70001, 70002, 70003]
+    assert len(ts) == 99 // 4 + 49 // 4
+
+
+def test_token_shards_order_equals_on_1_2_4_ranks_with_0_and_2_workers_in_process(root):
+    ts = mg.TokenShards(root / "tokens", block_size=8)
+
+    def batches(world, workers):
+        plan = mg.BatchPlan(12, world)
+        per = [src.rank_steps("tokens", mg.loader(ts, plan, _dist(r, world), seed=2, num_workers=workers))
+               for r in range(world)]
+        return [sum((p[s] for p in per), []) for s in range(len(per[0]))]
+
+    reference = batches(1, 0)
+    assert len(reference) == len(ts) // 12 and len({w for b in reference for w in b}) == 12 * len(reference)
+    assert batches(2, 2) == reference and batches(4, 0) == reference
+
+
+def _bad(tmp_path, name, data):
+    d = tmp_path / name
+    d.mkdir()
+    np.arange(100, dtype=np.uint16).tofile(d / "ok.bin")
+    (d / "bad.bin" if not name.endswith("npy") else d / "bad.npy").write_bytes(data)
+    return d
+
+
+@pytest.mark.parametrize("case, line", [
+    ("truncated", "bad.bin is truncated: its header promises 100 tokens (1,224 bytes) but it has 1,124 bytes"),
+    ("ragged", "bad.bin has 301 bytes, not a whole number of uint16 tokens (2 bytes each); it is truncated"),
+    ("mixed", "token shards mix dtypes (uint16, uint32): ok.bin holds uint16 but bad.bin holds uint32"),
+    ("empty", "bad.bin is empty (0 bytes)"),
+    ("short_npy", "bad.npy is truncated or not a .npy array"),
+    ("version", "has llm.c's magic but version 3 (expected 1, uint16)"),
+])
+def test_bad_shards_are_refused_in_one_line(tmp_path, case, line):
+    data = {"truncated": _header(100) + b"\0" * 100, "ragged": b"\0" * 301,
+            "mixed": _header(10, magic=20240801, version=7) + b"\0" * 40, "empty": b"",
+            "short_npy": np.lib.format.magic(1, 0) + b"{'descr': '<u2', 'fortran_order': False, 'shape': (50,), }"
+                         + b" " * 60 + b"\n" + b"\0" * 10,
+            "version": _header(10, version=3) + b"\0" * 20}[case]
+    with pytest.raises(mg.UsageError) as err:
+        mg.TokenShards(_bad(tmp_path, case + ("_npy" if case.endswith("npy") else ""), data), block_size=8)
+    assert line in str(err.value) and "\n" not in str(err.value)
+
+
+def test_empty_sources_and_a_global_batch_larger_than_the_data_are_refused(tmp_path):
+    (tmp_path / "none").mkdir()
+    with pytest.raises(mg.UsageError, match="holds no .bin or .npy token shards"):
+        mg.TokenShards(tmp_path / "none", 8)
+    with pytest.raises(mg.UsageError, match="no file matches"):
+        mg.TokenShards(str(tmp_path / "x_*.bin"), 8)
+    np.arange(5, dtype=np.uint16).tofile(tmp_path / "tiny.bin")
+    with pytest.raises(mg.UsageError, match=r"hold no window of 9 tokens \(the longest of 1 has 5\)"):
+        mg.TokenShards(tmp_path / "tiny.bin", 8)
+    np.arange(90, dtype=np.uint16).tofile(tmp_path / "small.bin")
+    with pytest.raises(mg.UsageError, match="the dataset has 11 samples but one global batch is 16"):
+        mg.loader(mg.TokenShards(tmp_path / "small.bin", 8), mg.BatchPlan(16, 1), _dist(0, 1))
+    with pytest.raises(mg.UsageError, match="holds uint16 tokens but dtype=uint32 was asked for"):
+        (tmp_path / "h.bin").write_bytes(_header(20) + b"\0" * 40)
+        mg.TokenShards(tmp_path / "h.bin", 8, dtype="uint32")
+    with pytest.raises(mg.UsageError, match="holds token id 89 but the model's vocabulary is 50"):
+        mg.TokenShards(tmp_path / "small.bin", 8, vocab_size=50)
+
+
+def test_a_resume_over_changed_shards_is_refused_in_one_line(tmp_path):
+    for name in ("s0.bin", "s1.bin"):
+        np.arange(200, dtype=np.uint16).tofile(tmp_path / name)
+    train = mg.loader(mg.TokenShards(tmp_path, 8), mg.BatchPlan(4, 1), _dist(0, 1))
+    next(iter(train))
+    state = train.state_dict()
+    assert state["source"]["shards"] == [["s0.bin", 400], ["s1.bin", 400]]
+    mg.loader(mg.TokenShards(tmp_path, 8), mg.BatchPlan(4, 2), _dist(1, 2)).load_state_dict(state)  # same data
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "s1.bin")  # same count of windows? no: fewer tokens
+    np.arange(200, dtype=np.uint16).tofile(tmp_path / "s2.bin")
+    changed = mg.loader(mg.TokenShards(tmp_path, 8), mg.BatchPlan(4, 1), _dist(0, 1))
+    with pytest.raises(mg.UsageError) as err:
+        changed.load_state_dict(state)
+    assert str(err.value).startswith("the saved loader position has dataset_size=48")
+    # Same window count, different files: the fingerprint tells them apart.
+    (tmp_path / "s2.bin").unlink()
+    np.arange(200, dtype=np.uint16).tofile(tmp_path / "s1.bin")
+    (tmp_path / "s1.bin").rename(tmp_path / "t1.bin")
+    moved = mg.loader(mg.TokenShards(tmp_path, 8), mg.BatchPlan(4, 1), _dist(0, 1))
+    with pytest.raises(mg.UsageError) as err:
+        moved.load_state_dict(state)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith('the saved loader position is for other data (source.shards[1][0] '
+                                              'was "s1.bin", is "t1.bin")'), msg
+
+
+hf = pytest.mark.skipif(src.datasets is None, reason="datasets (multigpu[hf]) is not installed")
+
+
+@hf
+def test_a_hugging_face_dataset_is_read_per_micro_batch_without_a_copy(root):
+    ds = src.datasets.load_from_disk(str(root / "hf"))
+    assert len(pickle.dumps(ds)) < 4000  # the Arrow file's name, not its rows: workers get it cheaply
+    plan = mg.BatchPlan(12, 1)
+    micro = next(iter(mg.loader(ds, plan, _dist(0, 1), seed=1)))[0]
+    assert micro["x"].shape == (12, 3) and micro["id"].dtype == torch.int64
+    assert torch.equal(micro["x"][:, 0], micro["id"].float())
+    assert source_fingerprint(ds) == {"kind": "hf", "fingerprint": ds._fingerprint, "rows": 90, "columns": ["id", "x"]}
+
+    def batches(world, workers):
+        per = [src.rank_steps("hf", mg.loader(ds, mg.BatchPlan(12, world), _dist(r, world), seed=1,
+                                              num_workers=workers)) for r in range(world)]
+        return [sum((p[s] for p in per), []) for s in range(len(per[0]))]
+
+    assert batches(2, 2) == batches(1, 0) == batches(4, 0)
+    other = src.datasets.Dataset.from_dict({"id": list(range(90)), "x": [[0.0] * 3] * 90})
+    with pytest.raises(mg.UsageError, match=r"position is for other data \(source.fingerprint was"):
+        mg.loader(other, plan, _dist(0, 1)).load_state_dict(mg.loader(ds, plan, _dist(0, 1)).state_dict())
+
+
+@hf
+def test_a_token_column_packs_into_windows_per_arrow_chunk(tmp_path):
+    rows = [list(range(i, i + 10 + i % 4)) for i in range(40)]
+    src.datasets.Dataset.from_dict({"input_ids": rows, "n": list(range(40))}).save_to_disk(str(tmp_path / "tok"))
+    ds = src.datasets.load_from_disk(str(tmp_path / "tok"))
+    ts = mg.TokenShards.from_hf(ds, block_size=6)
+    flat = [t for r in rows for t in r]
+    assert ts.tokens == len(flat) and ts.dtype in ("int32", "int64")  # the Arrow type datasets chose
+    assert ts[1][0].tolist() == flat[6:12] and ts[1][1].tolist() == flat[7:13]
+    assert len(pickle.dumps(ts)) < 4000
+    loader = mg.loader(ts, mg.BatchPlan(8, 1), _dist(0, 1), num_workers=2)
+    assert len(list(loader)) == len(ts) // 8
+    with pytest.raises(mg.UsageError, match=r"has columns \['n'\] but no token-id column"):
+        mg.TokenShards.from_hf(ds.remove_columns("input_ids"), 6)
+    with pytest.raises(mg.UsageError, match="column 'n' holds int64, not lists of integer token ids"):
+        mg.TokenShards.from_hf(ds, 6, column="n")
+    with pytest.raises(mg.UsageError, match="call ds.flatten_indices"):
+        mg.TokenShards.from_hf(ds.shuffle(seed=0), 6)
