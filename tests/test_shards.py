@@ -143,7 +143,7 @@ def test_a_resume_over_changed_shards_is_refused_in_one_line(tmp_path):
                                               'was "s1.bin", is "t1.bin")'), msg
 
 
-hf = pytest.mark.skipif(src.datasets is None, reason="datasets (multigpu[hf]) is not installed")
+hf = pytest.mark.skipif(src.datasets is None, reason="datasets (multigpu[datasets]) is not installed")
 
 
 @hf
@@ -185,3 +185,83 @@ def test_a_token_column_packs_into_windows_per_arrow_chunk(tmp_path):
         mg.TokenShards.from_hf(ds, 6, column="n")
     with pytest.raises(mg.UsageError, match="call ds.flatten_indices"):
         mg.TokenShards.from_hf(ds.shuffle(seed=0), 6)
+
+
+# --- the GPT recipe's --data: train.bin/val.bin, a directory of shards, a datasets folder ------------------
+
+def _recipe_shards(directory):
+    """The built-in text as modded-nanogpt's layout: headered uint16 shards named *train* and *val*."""
+    from multigpu.recipes.gpt.data import builtin_text
+
+    directory.mkdir()
+    tokens = np.frombuffer(builtin_text().encode("utf-8"), dtype=np.uint8).astype(np.uint16)[:60000]
+    for name, part in (("pydoc_train_000000.bin", tokens[:25000]), ("pydoc_train_000001.bin", tokens[25000:50000]),
+                       ("pydoc_val_000000.bin", tokens[50000:])):
+        (directory / name).write_bytes(_header(len(part)) + part.tobytes())
+    return directory, tokens
+
+
+def test_the_gpt_recipe_reads_a_shard_directory_and_a_datasets_folder(tmp_path, monkeypatch):
+    from multigpu.recipes.gpt import train
+    from multigpu.recipes.gpt.data import token_sets
+
+    monkeypatch.delenv("RANK", raising=False)
+    shards, tokens = _recipe_shards(tmp_path / "shards")
+    tr, va = token_sets(shards, 32, vocab_size=256)
+    assert [s.name for s in tr.shards] == ["pydoc_train_000000.bin", "pydoc_train_000001.bin"] and len(va) == 9999 // 32
+    assert tr[0][0].tolist() == tokens[:32].tolist()
+    args = ["--steps", "2", "--block-size", "32", "--global-batch", "8", "--eval-batches", "1", "--warmup-steps", "1"]
+    result = train.main([*args, "--data", str(shards), "--log-dir", str(tmp_path / "log-shards")])
+    assert 0 < result["loss"] < 6
+    if src.datasets is None:
+        pytest.skip("datasets (multigpu[datasets]) is not installed")
+    rows = lambda t: {"input_ids": [t[i:i + 500].tolist() for i in range(0, len(t), 500)]}  # noqa: E731
+    src.datasets.DatasetDict(train=src.datasets.Dataset.from_dict(rows(tokens[:50000])),
+                             validation=src.datasets.Dataset.from_dict(rows(tokens[50000:]))).save_to_disk(str(tmp_path / "hf"))
+    tr, va = token_sets(tmp_path / "hf", 32, vocab_size=256)
+    assert tr[0][0].tolist() == tokens[:32].tolist() and va.tokens == 10000
+    result = train.main([*args, "--data", str(tmp_path / "hf"), "--log-dir", str(tmp_path / "log-hf")])
+    assert 0 < result["loss"] < 6
+
+
+def _no_init(*args, **kwargs):
+    raise AssertionError("mg.init was reached: the refusal came after work had started")
+
+
+def _layouts(tmp_path):
+    (tmp_path / "only_train").mkdir()
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "only_train" / "x_train_0.bin")
+    cut = tmp_path / "cut"
+    _recipe_shards(cut)
+    with open(cut / "pydoc_train_000001.bin", "r+b") as f:
+        f.truncate(5000)
+    out = {"{only_train}": str(tmp_path / "only_train"), "{cut}": str(cut)}
+    if src.datasets is not None:
+        one = src.datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]] * 40, "n": list(range(40))})
+        one.save_to_disk(str(tmp_path / "one_split"))
+        src.datasets.DatasetDict(train=one, extra=one).save_to_disk(str(tmp_path / "no_val"))
+        src.datasets.DatasetDict(train=one.remove_columns("input_ids"),
+                                 validation=one.remove_columns("input_ids")).save_to_disk(str(tmp_path / "no_ids"))
+        out |= {k: str(tmp_path / k.strip("{}")) for k in ("{one_split}", "{no_val}", "{no_ids}")}
+    return out
+
+
+@pytest.mark.parametrize("data, line", [
+    ("{only_train}", "only_train has train shards but no *val* shard; add one (e.g. fineweb_val_000000.bin)"),
+    ("{cut}", "pydoc_train_000001.bin is truncated: its header promises 25,000 tokens (51,024 bytes) but it has "
+              "5,000 bytes"),
+    pytest.param("{one_split}", "one_split holds one split; save a DatasetDict with a train and a validation split",
+                 marks=hf),
+    pytest.param("{no_val}", "no_val has splits ['extra', 'train']; it needs train and one of validation, val, test",
+                 marks=hf),
+    pytest.param("{no_ids}", "has columns ['n'] but no token-id column", marks=hf),
+])
+def test_the_gpt_recipe_refuses_a_bad_data_layout_in_one_line_before_init(data, line, tmp_path, monkeypatch, capsys):
+    from multigpu.recipes.gpt import train
+
+    monkeypatch.setattr(mg, "init", _no_init)
+    with pytest.raises(SystemExit) as stop:
+        train.main(["--data", _layouts(tmp_path)[data]])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert line in err

@@ -1,4 +1,4 @@
-"""Hugging Face ``datasets`` as loader sources, without importing ``datasets`` (an optional extra: ``multigpu[hf]``).
+"""Hugging Face ``datasets`` as loader sources, never imported by the core (the optional extra ``multigpu[datasets]``).
 
 A ``datasets.Dataset`` is map-style and memory-mapped Arrow: ``mg.loader``
 reads one micro-batch per Arrow take (``ds[indices]``, columns as tensors)

@@ -38,7 +38,7 @@ from . import pipeline
 from ...errors import UsageError, report_usage_error
 from ...parallel.footprint import LiveActivations, state_bytes
 from ...values import int_list, positive_int
-from .data import TokenWindows, check_token_file, prepare_tokens
+from .data import prepare_tokens, token_sets
 from .model import GPT, SIZES, config
 from .parallelize import parallelize
 
@@ -56,7 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", default="tiny", metavar="SIZE",
                    help=f"model size: {', '.join(SIZES)} (default tiny, < 1M parameters)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per sequence (default: the size's)")
-    p.add_argument("--data", default=None, help="directory with train.bin/val.bin (uint16); default: Python's docs as bytes")
+    p.add_argument("--data", default=None, help="directory with train.bin/val.bin (uint16), a directory of *train*/*val* "
+                   "token shards (.bin, .npy), or a datasets save_to_disk folder with a token-id column; default: "
+                   "Python's docs as bytes")
     p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step, over all data-parallel ranks")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per data-parallel rank per forward")
     p.add_argument("--steps", type=int, default=50)
@@ -128,17 +130,13 @@ def check_args(args: argparse.Namespace) -> None:
                          f"{' and '.join(pipeline_only)}")
     if args.pp_splits is not None:
         _int_list(args.pp_splits, "--pp-splits")
-    if args.data is not None:
-        block = args.block_size or SIZES[args.size].block_size
-        for name in ("train.bin", "val.bin"):
-            check_token_file(os.path.join(args.data, name), block)
+    if args.data is not None:  # headers and sizes only: every layout's refusal comes before any work
+        token_sets(args.data, args.block_size or SIZES[args.size].block_size)
 
 
 def _datasets(args, cfg):
-    data = args.data or os.path.join(tempfile.gettempdir(), "multigpu-pydoc-tokens")
-    directory = prepare_tokens(data) if args.data is None else data
-    return (TokenWindows(os.path.join(directory, "train.bin"), cfg.block_size, cfg.vocab_size),
-            TokenWindows(os.path.join(directory, "val.bin"), cfg.block_size, cfg.vocab_size))
+    data = args.data or prepare_tokens(os.path.join(tempfile.gettempdir(), "multigpu-pydoc-tokens"))
+    return token_sets(data, cfg.block_size, cfg.vocab_size)
 
 
 def evaluate(model, val_set, mesh, dist, batch_size: int, sequences: int, loss_parallel: bool) -> dict[str, float]:
