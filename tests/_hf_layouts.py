@@ -131,7 +131,7 @@ def train(dist, kind: str, layout: dict, steps: int = 5, accum: int = 2, clip: f
 
 def train_layouts(dist, jobs: list[tuple[str, dict]]) -> list[dict]:
     """Several (model, layout) runs, one after another, in the same processes (one start-up for all)."""
-    return [train(dist, kind, layout) for kind, layout in jobs]
+    return [(train_pipeline if layout.get("pp", 1) > 1 else train)(dist, kind, layout) for kind, layout in jobs]
 
 
 class ConvBlock(nn.Module):
@@ -156,8 +156,21 @@ class ConvNet(nn.Module):
         return self.fc(self.stage(self.stem(x)).mean((2, 3)))
 
 
-def refusal(dist, kind: str, layout: dict, overrides: dict | None = None, **kwargs) -> str:
-    """The one line ``mg.parallelize`` refuses with (every rank must refuse alike)."""
+class Flat(nn.Module):
+    """No repeated blocks: nothing to cut into pipeline stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x))
+
+
+def refusal(dist, kind: str, layout: dict, overrides: dict | None = None, pipeline: bool = False, **kwargs) -> str:
+    """The one line ``mg.parallelize`` (or ``mg.parallel.pipeline``) refuses with (every rank must refuse alike)."""
+    if pipeline:
+        return pipeline_refusal(dist, kind, layout, overrides)
     model = ConvNet().double() if kind == "conv" else build(kind, **(overrides or {}))
     try:
         mg.parallelize(model, mg.parallel.Layout(**layout), **kwargs)
@@ -212,3 +225,40 @@ def train_images(dist, kind: str, layout: dict, steps: int = 4) -> dict:
 
 def train_image_layouts(dist, jobs: list[tuple[str, dict]]) -> list[dict]:
     return [train_images(dist, kind, layout) for kind, layout in jobs]
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def train_pipeline(dist, kind: str, layout: dict, steps: int = 5, accum: int = 4, clip: float = 0.5) -> dict:
+    """``kind`` cut into stages by ``mg.parallel.pipeline``; the full weights gathered from the stages."""
+    model = build(kind)
+    micro = GLOBAL_BATCH // accum // mg.parallel.Layout(**layout).shape(dist.world_size).dp
+    layout = mg.parallel.Layout(**layout, micro_batch=micro)                # +layout
+    plan = layout.plan(GLOBAL_BATCH, dist)                                   # +layout
+    pipe = mg.parallel.pipeline(model, layout, loss_fn, plan)                # +layout (replaces the model's loop)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1)
+    losses, norms = [], []
+    for _, micro_batches in zip(range(steps), mg.loader(tokens(), plan, dist, seed=0)):
+        loss = pipe.step(micro_batches)
+        norms.append(float(pipe.clip_grad_norm_(clip)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(None if loss is None else float(loss))
+    return {"state": mg.full_state_dict(pipe), "losses": losses, "norms": norms, "stages": pipe.ids}
+
+
+def train_pipelines(dist, jobs: list[tuple[str, dict]]) -> list[dict]:
+    return [train_pipeline(dist, kind, layout) for kind, layout in jobs]
+
+
+def pipeline_refusal(dist, kind: str, layout: dict, overrides: dict | None = None) -> str:
+    model = Flat().double() if kind == "flat" else build(kind, **(overrides or {}))
+    layout = mg.parallel.Layout(**layout)
+    try:
+        mg.parallel.pipeline(model, layout, loss_fn, layout.plan(GLOBAL_BATCH, dist))
+    except mg.UsageError as e:
+        return str(e)
+    return "accepted"
+

@@ -20,12 +20,12 @@ import _hf_layouts as hf
 
 TOL = 1e-9
 
-transformers = pytest.importorskip("transformers", reason="the hf extra is not installed (pip install multigpu[hf])")
+transformers = pytest.importorskip("transformers", reason="the hf extra is not installed (pip install multigpu[datasets])")
 
 TWO = [("llama", {"tp": 2}), ("llama", {}), ("llama", {"dp_replicate": 2}), ("gpt2", {}), ("gpt2", {"dp_replicate": 2}),
-       ("own", {"tp": 2}), ("own", {})]
-FOUR = [("llama", {"tp": 2}), ("llama", {"dp_replicate": 2}), ("gpt2", {"dp_replicate": 2}), ("own", {"tp": 2})]
-STRATEGY = {(): "fsdp", ("tp",): "none", ("dp_replicate",): "ddp"}
+       ("own", {"tp": 2}), ("own", {}), ("llama", {"pp": 2})]
+FOUR = [("llama", {"tp": 2}), ("llama", {"dp_replicate": 2}), ("gpt2", {"dp_replicate": 2}), ("own", {"tp": 2}),
+        ("llama", {"pp": 2})]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,8 @@ def _check(jobs, results, reference, measured):
 
 def test_llama_gpt2_and_own_model_under_tp_fsdp_and_ddp_on_two_ranks_equal_one_process(reference, two_ranks):
     _check(TWO, two_ranks, reference, {})
-    assert [r[0]["strategy"] for r in two_ranks] == ["none", "fsdp", "ddp", "fsdp", "ddp", "none", "fsdp"]
+    assert [r[0].get("strategy") for r in two_ranks] == ["none", "fsdp", "ddp", "fsdp", "ddp", "none", "fsdp", None]
+    assert [r[-1]["stages"] for r in two_ranks[-1:]] == [[1]]  # 1F1B over 2 stages: rank 1 runs the last
     assert min(reference["llama"]["norms"]) > 0.5  # clipping acted
 
 
@@ -67,7 +68,7 @@ def test_fsdp_x_tp_and_hsdp_on_four_ranks_equal_one_process(reference):
     out = spawn(hf.train_layouts, 4, FOUR, timeout=400)
     results = [[rank[i] for rank in out] for i in range(len(FOUR))]
     _check(FOUR, results, reference, {})
-    assert [r[0]["strategy"] for r in results] == ["fsdp", "fsdp", "fsdp", "fsdp"]
+    assert [r[0].get("strategy") for r in results] == ["fsdp", "fsdp", "fsdp", "fsdp", None]  # then PP 2 x FSDP 2
 
 
 def test_bad_input_is_refused_in_one_line_with_the_fix():
@@ -82,6 +83,10 @@ def test_bad_input_is_refused_in_one_line_with_the_fix():
         dict(kind="llama", layout={"tp": 2}, tp_plan={"model.norm": "colwise"}),
         dict(kind="llama", layout={"tp": 2, "dp_shard": 2}),
         dict(kind="llama", layout={"tp": 2}, tp_plan={"lm_head": "local_packed_rowwise"}),
+        dict(kind="flat", layout={"pp": 2, "micro_batch": 1}, pipeline=True),
+        dict(kind="gpt2", layout={"pp": 2, "micro_batch": 1}, pipeline=True),
+        dict(kind="llama", layout={"pp": 2, "micro_batch": 1}, overrides={"num_hidden_layers": 1}, pipeline=True),
+        dict(kind="llama", layout={"pp": 2, "micro_batch": 8}, pipeline=True),
     ]
     got = spawn(hf.refusals, 2, cases, timeout=240)
     assert got[0] == got[1]  # every rank refuses alike
@@ -99,9 +104,14 @@ def test_bad_input_is_refused_in_one_line_with_the_fix():
         r"shards model.norm column-wise, but it is a LlamaRMSNorm: .*drop it from the plan",
         r"dp_shard 2 x tp 2 = 4 processes, but this job has 2; run on 4 processes",
         r"gives lm_head the style 'local_packed_rowwise', which multigpu does not translate; use one of colwise",
+        r"a pipeline cuts a model into stages of blocks, but Flat has no repeated blocks; give an nn.Sequential",
+        r"GPT2LMHeadModel ties transformer.wte.weight to lm_head.weight.*config.tie_word_embeddings=False",
+        r"2 pipeline stages \(pp 2 x 1 per rank, schedule '1f1b'\) but LlamaForCausalLM has 1 blocks; use pp <= 1",
+        r"schedule '1f1b' needs at least as many micro-batches as stages, got 1 micro-batches for 2 stages",
     ]
     import re
 
+    assert len(lines) == len(expect)
     for line, pattern in zip(lines, expect):
         assert re.search(pattern, line), (pattern, line)
 

@@ -16,6 +16,7 @@ from .fsdp import shard_blocks
 from .layout import Layout
 from .mesh import Mesh, MeshShape, factor, mesh
 from .spread import parallelize
+from .stages import pipeline
 from .pp import Pipeline
 from .tp import apply_tp, loss_parallel
 from .wrap import STRATEGIES, accumulate, full_state_dict, no_sync, optimizer, strategy_of, unwrap, wrap
@@ -23,4 +24,4 @@ from .wrap import STRATEGIES, accumulate, full_state_dict, no_sync, optimizer, s
 # The names the top-level package exports (wrap, accumulate, parallelize...) are left out here: one public
 # name, one place (they stay importable from this package).
 __all__ = ["STRATEGIES", "Layout", "Mesh", "MeshShape", "Pipeline", "apply_tp", "factor", "loss_parallel", "mesh",
-           "no_sync", "shard_blocks", "strategy_of"]
+           "no_sync", "pipeline", "shard_blocks", "strategy_of"]

@@ -144,10 +144,19 @@ def full_state_dict(model: nn.Module, cpu: bool = True) -> dict[str, torch.Tenso
     tensors are gathered to CPU and only rank 0 receives them (other ranks
     get ``{}``), so GPU memory never holds a second full copy.
 
+    A ``Pipeline`` (``mg.parallel.pipeline``) gives every stage's weights under one process's names, on
+    every rank.
+
     >>> state = mg.full_state_dict(model)
     >>> if dist.is_main:
     ...     torch.save(state, "model.pt")   # loads into the plain, unwrapped model
     """
+    from .pp import Pipeline
+
+    if isinstance(model, Pipeline):  # every stage's weights, gathered from the ranks that hold them
+        from .stages import gathered_state_dict
+
+        return gathered_state_dict(model)
     if not (tdist.is_available() and tdist.is_initialized()):
         return {k: v.cpu() if cpu else v for k, v in unwrap(model).state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
