@@ -22,7 +22,6 @@ import dataclasses
 import logging
 import os
 import re
-import secrets
 import signal
 import socket
 import sys
@@ -33,8 +32,8 @@ from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
-from ..runtime import contract
 from ..runtime.contract import read_failure
+from .attempts import Attempts, how_short
 
 _TORCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
 
@@ -60,33 +59,14 @@ class _Flushing:
         self._stream.flush()
 
 
-class FailureWatch(logging.Handler):
-    """Remembers the failure torch's process context reports before a restart.
-
-    torch logs ``"failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"``
-    with the values as arguments; reading ``record.args`` (not the text) lets the
-    restart line name the rank. If a torch version words it otherwise, the line
-    just says "a worker failed".
-    """
-
-    def __init__(self):
-        super().__init__(logging.ERROR)
-        self.last: tuple[int, int] | None = None  # (exit code, local rank)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        args = record.args if isinstance(record.args, tuple) else ()
-        if str(record.msg).startswith("failed (exitcode") and len(args) >= 2:
-            with contextlib.suppress(TypeError, ValueError):
-                self.last = (int(args[0]), int(args[1]))
-
-
 class RankLogsSpecs(LogsSpecs):
     """Every worker's stdout/stderr into ``attempt_<k>/rank<r>.{stdout,stderr}.log``; chosen ranks tailed to the console.
 
     >>> specs = RankLogsSpecs("multigpu_logs/train-1", console_ranks=None)  # None: every rank, prefixed
     """
 
-    def __init__(self, run_dir: str, console_ranks: set[int] | None = frozenset({0}), prefixed: bool = False):
+    def __init__(self, run_dir: str, console_ranks: set[int] | None = frozenset({0}), prefixed: bool = False,
+                 attempts: Attempts | None = None):
         super().__init__(log_dir=run_dir)
         self.run_dir = run_dir
         self._console_ranks = console_ranks
@@ -94,23 +74,7 @@ class RankLogsSpecs(LogsSpecs):
         self._tails: list[TailLog] = []
         # global rank -> stderr path, for the attempt that ran last (the failure summary reads it).
         self.stderr_paths: dict[int, str] = {}
-        self.global_ranks: dict[int, int] = {}  # local rank -> global rank, last attempt
-        self.watch = FailureWatch()
-        self.hang: str | None = None  # the verdict, when --hang-timeout stopped the last attempt's workers
-        self._sizes: tuple[int, int] | None = None  # (nodes, world size) of the last attempt
-        self._attempts = self._restarts = 0
-        self.launch_id = secrets.token_hex(8)  # this launch's, in every attempt (contract.LAUNCH_ID_ENV)
-
-    def _say_membership(self, env: dict[str, str], attempt_dir: str) -> None:
-        """One line when an attempt has other nodes than the last: a node left, or joined (elastic --nnodes)."""
-        with contextlib.suppress(KeyError, ValueError):
-            sizes = int(env["GROUP_WORLD_SIZE"]), int(env["WORLD_SIZE"])
-            if self._sizes is not None and sizes != self._sizes:
-                (n0, w0), (n1, w1) = self._sizes, sizes
-                change = f"{abs(n1 - n0)} node{'s' if abs(n1 - n0) != 1 else ''} {'joined' if n1 > n0 else 'left'}" if n1 != n0 else "membership changed"
-                say(f"{change}: {n0} -> {n1} node{'s' if n1 != 1 else ''}, world size {w0} -> {w1}; "
-                    f"the workers start again (a script with mg.Checkpointer resumes from its newest checkpoint), logs in {attempt_dir}")
-            self._sizes = sizes
+        self.attempts = attempts or Attempts(say)  # numbers the attempts and says why each started
 
     @property
     def root_log_dir(self) -> str:
@@ -119,37 +83,17 @@ class RankLogsSpecs(LogsSpecs):
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         # Called once per attempt, after the previous attempt's workers were stopped.
         self.stop_console()
-        env0 = next(iter(envs.values()), {})
-        restart = int(env0.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        # A node joining restarts the workers without counting a restart: number the attempts ourselves.
-        attempt, self._attempts = self._attempts, self._attempts + 1
-        attempt_dir = os.path.join(self.run_dir, f"attempt_{attempt}")
-        os.makedirs(attempt_dir, exist_ok=True)
-        if restart > self._restarts:
-            self._restarts = restart
-            max_restarts = next(iter(envs.values())).get("TORCHELASTIC_MAX_RESTARTS", "?")
-            what = "a worker failed"
-            if self.hang:
-                what, self.hang = "the workers were stopped for a hang (--hang-timeout)", None
-            elif self.watch.last is not None and self.watch.last[1] in self.global_ranks:
-                code, local_rank = self.watch.last
-                what = f"rank {self.global_ranks[local_rank]} failed ({_how_short(code)})"
-            self.watch.last = None
-            say(f"{what}; restart {restart} of {max_restarts}, logs in {attempt_dir}")
-        self._say_membership(env0, attempt_dir)
+        _, attempt_dir = self.attempts.begin(envs, self.run_dir)
         stdouts, stderrs, errors = {}, {}, {}
         out_tail, err_tail, prefixes = {}, {}, {}
-        self.stderr_paths, self.global_ranks = {}, {}
+        self.stderr_paths = {}
         for local_rank, env in envs.items():
             rank = int(env["RANK"])
             base = os.path.join(attempt_dir, f"rank{rank}")
             stdouts[local_rank], stderrs[local_rank] = f"{base}.stdout.log", f"{base}.stderr.log"
             errors[local_rank] = f"{base}.error.json"
             env["TORCHELASTIC_ERROR_FILE"] = errors[local_rank]
-            env[contract.ATTEMPT_ENV] = str(attempt)
-            env[contract.LAUNCH_ID_ENV] = self.launch_id
             self.stderr_paths[rank] = stderrs[local_rank]
-            self.global_ranks[local_rank] = rank
             if self._console_ranks is None or rank in self._console_ranks:
                 out_tail[local_rank], err_tail[local_rank] = stdouts[local_rank], stderrs[local_rank]
                 prefixes[local_rank] = f"[rank{rank}] " if self._prefixed else ""
@@ -258,19 +202,10 @@ def failure_summary(err: ChildFailedError, specs: RankLogsSpecs) -> tuple[int, s
     line = f"rank {rank} {how} on host {socket.gethostname()} (pid {failure.pid}); log: {log}"
     if lasts[rank]:
         line += f"; last line: {lasts[rank]}"
-    others = [f"{r} ({_how_short(f.exitcode)})" for r, f in ordered[1:] if f.exitcode != -signal.SIGTERM]
+    others = [f"{r} ({how_short(f.exitcode)})" for r, f in ordered[1:] if f.exitcode != -signal.SIGTERM]
     if others:
         line += f"; also failed: rank {', '.join(others)}"
     return code, line
-
-
-def _how_short(exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            return signal.Signals(-exitcode).name
-        except ValueError:
-            return f"signal {-exitcode}"
-    return f"exit code {exitcode}"
 
 
 @contextlib.contextmanager

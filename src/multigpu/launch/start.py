@@ -145,7 +145,7 @@ def _stop_workers(specs, timeout: float, verdict: str, reported: list[int]) -> b
     if not stopped:
         logs.say(f"--hang-timeout {timeout:g} s: found no worker process to stop; the job stays hung")
         return False
-    specs.hang = verdict
+    specs.attempts.hang = verdict
     logs.say(f"--hang-timeout {timeout:g} s: stopped this node's {stopped} worker{'s' if stopped != 1 else ''}")
     return True
 
@@ -213,11 +213,11 @@ def launch(cfg: RunConfig) -> int:
     specs = logs.RankLogsSpecs(run_dir, console_ranks=None if cfg.all_ranks else {0}, prefixed=cfg.all_ranks)
     end_hang = functools.partial(_stop_workers, specs, cfg.hang_timeout) if cfg.hang_timeout else None
     settle = min(30.0, cfg.hang_timeout or 30.0)  # a rank that cannot report (stuck holding the GIL) delays the verdict so long
-    with _worker_env(env), logs.torch_logs_to(os.path.join(run_dir, "launcher.log"), specs.watch), logs.restored_signal_handlers(), \
+    with _worker_env(env), logs.torch_logs_to(os.path.join(run_dir, "launcher.log"), specs.attempts.watch), logs.restored_signal_handlers(), \
             hang_monitor(run_dir, world if place.nnodes == 1 else None, expect=place.nproc, end_hang=end_hang, settle=settle):
         code, summary = _supervise(torchrun_args, specs)
-    if code != 0 and specs.hang:  # the last attempt was stopped for a hang: that is the story, not SIGKILL
-        code, summary = HANG_EXIT, f"hang: {specs.hang}; stopped after --hang-timeout {cfg.hang_timeout:g} s"
+    if code != 0 and specs.attempts.hang:  # the last attempt was stopped for a hang: that is the story, not SIGKILL
+        code, summary = HANG_EXIT, f"hang: {specs.attempts.hang}; stopped after --hang-timeout {cfg.hang_timeout:g} s"
     if cfg.find_batch:
         found = find_batch_line(run_dir, cfg.target if cfg.module else os.path.basename(cfg.target), code)
         if found:
