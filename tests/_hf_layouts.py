@@ -126,7 +126,7 @@ def train(dist, kind: str, layout: dict, steps: int = 5, accum: int = 2, clip: f
             if step == stop_after:
                 break
     state = {k: full(v) for k, v in mg.unwrap(model).state_dict().items()}
-    return {"state": state, "losses": losses, "norms": norms, "strategy": mg.parallel.strategy_of(model)}
+    return {"state": state, "losses": losses, "norms": norms, "strategy": mg.parallel.strategy_of(model), "start": start}
 
 
 def train_layouts(dist, jobs: list[tuple[str, dict]]) -> list[dict]:
@@ -262,3 +262,9 @@ def pipeline_refusal(dist, kind: str, layout: dict, overrides: dict | None = Non
         return str(e)
     return "accepted"
 
+
+
+def train_in_two_layouts(dist, kind: str, first: dict, then: dict, ckpt: str) -> dict:
+    """Steps 0-2 under ``first``, saved by the Checkpointer (DCP), then resumed under ``then`` to step 5."""
+    train(dist, kind, first, ckpt=ckpt, stop_after=2)
+    return train(dist, kind, then, ckpt=ckpt)

@@ -207,3 +207,13 @@ def test_resnet18_under_ddp_and_fsdp_equals_one_process():
     for i in range(2):
         for rank in out:
             assert _max_diff(rank[i], ref) < TOL
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_under_one_layout_resumes_under_another(reference, tmp_path):
+    """Llama: 3 steps under TP 2, saved (DCP), resumed under FSDP 2 for the last 2: one process's weights."""
+    out = spawn(hf.train_in_two_layouts, 2, "llama", {"tp": 2}, {}, str(tmp_path / "ckpt"), timeout=300)
+    for r in out:
+        assert (r["strategy"], r["start"], len(r["losses"])) == ("fsdp", 3, 2)  # resumed, not trained anew
+        assert r["norms"] == pytest.approx(reference["llama"]["norms"][3:], rel=1e-9)  # (losses are per rank's share)
+        assert _max_diff(r, reference["llama"]) < TOL, _max_diff(r, reference["llama"])
