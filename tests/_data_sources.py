@@ -19,7 +19,7 @@ import torch
 import multigpu as mg
 
 try:
-    import datasets  # the optional extra, multigpu[hf]
+    import datasets  # the optional extra, multigpu[datasets]
 
     datasets.disable_progress_bars()
 except ImportError:  # pragma: no cover - the hf sources are skipped
@@ -70,10 +70,10 @@ def decode(record: dict) -> dict:
 
 
 def _tar_records(files: list[str]):
-    from multigpu.data.sources import read_tar
+    from multigpu.data.sources import materialize, read_tar
 
     for f in files:
-        yield from read_tar(f)
+        yield from map(materialize, read_tar(f))
 
 
 def hf_iterable(root: Path):

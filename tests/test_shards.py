@@ -216,8 +216,9 @@ def test_the_gpt_recipe_reads_a_shard_directory_and_a_datasets_folder(tmp_path, 
     if src.datasets is None:
         pytest.skip("datasets (multigpu[datasets]) is not installed")
     rows = lambda t: {"input_ids": [t[i:i + 500].tolist() for i in range(0, len(t), 500)]}  # noqa: E731
-    src.datasets.DatasetDict(train=src.datasets.Dataset.from_dict(rows(tokens[:50000])),
-                             validation=src.datasets.Dataset.from_dict(rows(tokens[50000:]))).save_to_disk(str(tmp_path / "hf"))
+    splits = {"train": rows(tokens[:50000]), "validation": rows(tokens[50000:])}
+    src.datasets.DatasetDict({k: src.datasets.Dataset.from_dict(v) for k, v in splits.items()}).save_to_disk(
+        str(tmp_path / "hf"))
     tr, va = token_sets(tmp_path / "hf", 32, vocab_size=256)
     assert tr[0][0].tolist() == tokens[:32].tolist() and va.tokens == 10000
     result = train.main([*args, "--data", str(tmp_path / "hf"), "--log-dir", str(tmp_path / "log-hf")])

@@ -204,7 +204,8 @@ def _launch(n, root, out, steps, kill_at=None):
 
 
 def _logged(out, world):
-    logs = [[json.loads(line) for line in (out / f"log-{world}-{r}.jsonl").read_text().splitlines()] for r in range(world)]
+    logs = [[json.loads(line) for line in (out / f"log-{world}-{r}.jsonl").read_text().splitlines()]
+            for r in range(world)]
     steps = [rec["step"] for rec in logs[0]]
     return steps, [{k: sum((logs[r][i]["ids"][k] for r in range(world)), []) for k in _stream_train.KINDS}
                    for i in range(len(steps))]

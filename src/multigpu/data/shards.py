@@ -93,7 +93,8 @@ def inspect_file(path: Path, dtype: Any = None) -> Shard:
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
             raise UsageError(f"token shard {path} holds a {arr.dtype} array of shape {arr.shape}; "
                              "save token ids as one flat integer array")
-        return _checked(Shard(path.name, str(path), int(arr.offset), int(arr.shape[0]), arr.dtype.name, size), dtype, path)
+        shard = Shard(path.name, str(path), int(arr.offset), int(arr.shape[0]), arr.dtype.name, size)
+        return _checked(shard, dtype, path)
     head = np.fromfile(path, dtype="<i4", count=256) if size >= HEADER_BYTES else np.zeros(1, "<i4")
     if int(head[0]) in MAGIC:
         dt = MAGIC[int(head[0])]

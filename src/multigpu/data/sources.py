@@ -37,23 +37,71 @@ class StreamShard:
     records: Any = None  # a sized sequence: random access for a resume's skip
 
 
-def read_tar(path: str) -> Iterator[dict[str, Any]]:
-    """A WebDataset-style tar's samples: consecutive members sharing a key (the path before the name's first dot)."""
-    sample: dict[str, Any] = {}
-    with tarfile.open(path, "r|*") as tar:  # a stream: one pass, compressed or not
-        for member in tar:
-            if not member.isfile():
-                continue
-            folder, name = os.path.split(member.name)
-            stem, _, ext = name.partition(".")
-            key = os.path.join(folder, stem)
-            if sample and sample["__key__"] != key:
-                yield sample
-                sample = {}
-            sample.setdefault("__key__", key)
-            sample[ext] = tar.extractfile(member).read()
-    if sample:
-        yield sample
+class TarRef:
+    """A tar sample not read yet: its key and where each member's bytes lie; ``load()`` reads them.
+
+    Every reader walks every record of the stream, but only keeps its share:
+    for an uncompressed tar the walk reads the 512-byte headers and leaves
+    the members' bytes on disk until the record is kept.
+    """
+
+    __slots__ = ("path", "key", "members")
+
+    def __init__(self, path: str, key: str) -> None:
+        self.path, self.key, self.members = path, key, {}
+
+    def load(self) -> dict[str, Any]:
+        sample: dict[str, Any] = {"__key__": self.key}
+        with open(self.path, "rb") as fp:
+            for ext, (offset, size) in self.members.items():
+                fp.seek(offset)
+                sample[ext] = fp.read(size)
+        return sample
+
+
+def materialize(record: Any) -> Any:
+    """The record a transform sees: a ``TarRef`` read into its dict, anything else as it is."""
+    return record.load() if type(record) is TarRef else record
+
+
+def _samples(members, key_of, value_of):
+    current = None
+    for member in members:
+        if not member.isfile():
+            continue
+        key, ext = key_of(member.name)
+        if current is not None and current[0] != key:
+            yield current
+            current = None
+        if current is None:
+            current = (key, {})
+        current[1][ext] = value_of(member)
+    if current is not None:
+        yield current
+
+
+def _key(name: str) -> tuple[str, str]:
+    folder, base = os.path.split(name)
+    stem, _, ext = base.partition(".")
+    return os.path.join(folder, stem), ext
+
+
+def read_tar(path: str) -> Iterator[Any]:
+    """A WebDataset-style tar's samples: consecutive members sharing a key (the path before the name's first dot).
+
+    Uncompressed: ``TarRef`` records (headers only; bytes read for kept records).
+    Compressed: dicts of bytes, read in one streaming pass.
+    """
+    if path.endswith(".tar"):
+        with tarfile.open(path, "r:") as tar:  # random access: iterating reads headers, seeks over data
+            for key, members in _samples(tar, _key, lambda m: (m.offset_data, m.size)):
+                ref = TarRef(path, key)
+                ref.members = members
+                yield ref
+        return
+    with tarfile.open(path, "r|*") as tar:
+        for key, members in _samples(tar, _key, lambda m: tar.extractfile(m).read()):
+            yield {"__key__": key, **members}
 
 
 def read_jsonl(path: str) -> Iterator[Any]:

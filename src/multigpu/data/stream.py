@@ -35,7 +35,7 @@ from ..dist import Dist
 from ..errors import UsageError
 from ..values import positive_int
 from .loader import _as_batch, global_order, refuse_changed_source, to_device
-from .sources import RawStream, stream_shards
+from .sources import RawStream, materialize, stream_shards
 
 OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
 
@@ -106,7 +106,7 @@ class _Pass(IterableDataset):
             # only then is it transformed, so a dropped remainder costs no transform.
             while queue and (queue[0][0] + 1) * G <= pos:
                 _, first = queue.popleft()
-                yield self.collate([self.transform(kept.pop(p)) for p in range(first, first + m)])
+                yield self.collate([self.transform(materialize(kept.pop(p))) for p in range(first, first + m)])
             if pos - lo < B:
                 break
             window += 1
@@ -260,7 +260,7 @@ class _EvalPass(IterableDataset):
             j = p // self.ranks  # this rank's j-th record, in batch j // batch_size
             if (j // self.batch_size) % workers != worker:
                 continue
-            batch.append(self.transform(record))
+            batch.append(self.transform(materialize(record)))
             if len(batch) == self.batch_size:
                 yield self.collate(batch)
                 batch = []
