@@ -1,0 +1,72 @@
+"""A Hugging Face Llama (built from a config, no download) trained on the GPT recipe's token file, spread by a Layout.
+
+    python examples/hf_model.py                                    # one process
+    multigpu run -n 2 --cpu examples/hf_model.py --tp 2            # tensor parallel (the plan the model declares)
+    multigpu run -n 4 --cpu examples/hf_model.py --tp 2            # FSDP 2 x TP 2
+    multigpu run -n 4 --cpu examples/hf_model.py --dp-replicate 2  # HSDP 2 x 2
+    multigpu run -n 2 --cpu examples/hf_model.py --pp 2            # two pipeline stages, 1F1B
+
+Needs ``pip install multigpu[hf]``. The lines marked ``# +layout`` are all that differ from one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+import multigpu as mg
+from multigpu.recipes.gpt.data import TokenWindows, prepare_tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--dp-replicate", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    args = ap.parse_args()
+
+    with mg.init(seed=0) as dist:
+        data = TokenWindows(prepare_tokens("data/pydoc") / "train.bin", block_size=64, vocab_size=256)
+        config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+        torch.manual_seed(0)  # the same full model on every rank; mg.parallelize distributes it
+        model = transformers.LlamaForCausalLM(config).to(dist.device)
+        layout = mg.parallel.Layout(tp=args.tp, pp=args.pp, dp_replicate=args.dp_replicate,   # +layout
+                                    micro_batch=args.micro_batch)
+        plan = layout.plan(args.global_batch, dist)                                            # +layout
+
+        def loss_fn(logits, y):
+            return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+        if args.pp > 1:  # the schedule runs forward and backward: the loop calls it
+            pipe = mg.parallel.pipeline(model, layout, loss_fn, plan)                          # +layout
+            opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+        else:
+            model = mg.parallelize(model, layout)                                              # +layout
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step, micro_batches in zip(range(args.steps), mg.loader(data, plan, dist, seed=0)):
+            if args.pp > 1:
+                loss = pipe.step(micro_batches)
+                pipe.clip_grad_norm_(1.0)
+            else:
+                loss = 0.0
+                for x, y in mg.accumulate(model, micro_batches):
+                    part = loss_fn(model(input_ids=x, use_cache=False).logits, y) / plan.accum_steps
+                    part.backward()
+                    loss += float(part.detach())
+                mg.clip_grad_norm_(model, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step % 5 == 0 and loss is not None:
+                print(f"step {step} loss {float(loss):.3f} (rank {dist.rank})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
