@@ -263,9 +263,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=None, metavar="R", help=f"restart the whole worker group up to R times after a failure, a lost node included (default 0, or {ELASTIC_RESTARTS} with --nnodes MIN:MAX)")
     parser.add_argument("--hang-timeout", type=float, metavar="S", help="stop the workers when a rank completes no step for S seconds (scripts using mg.StepMeter; 3*S before the first step): the hang verdict is the summary, exit 124, and --max-restarts restarts it")
     parser.add_argument("--nnodes", metavar="N|MIN:MAX", help="number of nodes (default: 1, or SLURM's inside srun); MIN:MAX: elastic, training goes on with MIN..MAX nodes from the newest checkpoint")
-    parser.add_argument("--rdzv-timeout", type=float, default=600.0, metavar="S", help="how long the nodes wait for MIN of them to join, at the start and after a loss (default 600)")
-    parser.add_argument("--rdzv-last-call", type=float, default=30.0, metavar="S", help="once MIN nodes have joined, how long to wait for more (up to MAX) before training (re)starts (default 30)")
-    parser.add_argument("--node-timeout", type=float, default=15.0, metavar="S", help="a node whose launcher sent no heartbeat for S seconds is lost, and the rendezvous goes on without it (default 15)")
+    parser.add_argument("--rdzv-timeout", type=float, default=RunConfig.rdzv_timeout, metavar="S", help=f"how long the nodes wait for MIN of them to join, at the start and after a loss (default {RunConfig.rdzv_timeout:g})")
+    parser.add_argument("--rdzv-last-call", type=float, default=RunConfig.rdzv_last_call, metavar="S", help=f"once MIN nodes have joined, how long to wait for more (up to MAX) before training (re)starts (default {RunConfig.rdzv_last_call:g})")
+    parser.add_argument("--node-timeout", type=float, default=RunConfig.node_timeout, metavar="S", help=f"a node whose launcher sent no heartbeat for S seconds is lost, and the rendezvous goes on without it (default {RunConfig.node_timeout:g})")
     parser.add_argument("--node-rank", type=int, metavar="R", help="this node's rank in [0, N): node 0 hosts the rendezvous at --master (global ranks are numbered by the rendezvous)")
     parser.add_argument("--master", metavar="HOST:PORT", help="node 0's address and a free port, for --nnodes > 1")
     parser.add_argument("--profile", metavar="START:STOP", help="profile steps START..STOP-1 on every rank (e.g. 10:15; scripts using mg.StepMeter): traces and a summary table in the run's log directory")
@@ -284,6 +284,8 @@ def from_args(args: argparse.Namespace) -> RunConfig:
         target, rest, module = args.module[0], args.module[1:], True
     else:
         target, rest, module = args.script or "", args.script_args, False
-    return RunConfig(target, tuple(str(a) for a in rest), module, args.nproc, args.cpu, args.nnodes, args.node_rank,
-                     args.master, args.max_restarts, args.all_ranks, args.log_dir, args.profile, args.find_batch,
-                     args.memory_budget, args.hang_timeout, args.rdzv_timeout, args.rdzv_last_call, args.node_timeout)
+    return RunConfig(target=target, args=tuple(str(a) for a in rest), module=module, nproc=args.nproc, cpu=args.cpu,
+                     nnodes=args.nnodes, node_rank=args.node_rank, master=args.master, max_restarts=args.max_restarts,
+                     all_ranks=args.all_ranks, log_dir=args.log_dir, profile=args.profile, find_batch=args.find_batch,
+                     memory_budget=args.memory_budget, hang_timeout=args.hang_timeout, rdzv_timeout=args.rdzv_timeout,
+                     rdzv_last_call=args.rdzv_last_call, node_timeout=args.node_timeout)

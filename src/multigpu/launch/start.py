@@ -276,9 +276,9 @@ def run(
     find_batch: bool = False,
     memory_budget: str | int | None = None,
     hang_timeout: float | None = None,
-    rdzv_timeout: float = 600.0,
-    rdzv_last_call: float = 30.0,
-    node_timeout: float = 15.0,
+    rdzv_timeout: float = RunConfig.rdzv_timeout,
+    rdzv_last_call: float = RunConfig.rdzv_last_call,
+    node_timeout: float = RunConfig.node_timeout,
 ) -> int:
     """Run ``target`` on ``nproc`` processes per node via torch's elastic launcher; return the exit code.
 
@@ -290,8 +290,10 @@ def run(
     >>> code = run("train.py", nproc=2, cpu=True, find_batch=True, memory_budget="2GiB")
     >>> code = run("train.py", nnodes="1:3", node_rank=0, master="node0:29500", hang_timeout=600)
     """
-    cfg = RunConfig(target, tuple(str(a) for a in args), module, nproc, cpu, nnodes, node_rank, master, max_restarts, all_ranks, log_dir,
-                    profile, find_batch, memory_budget, hang_timeout, rdzv_timeout, rdzv_last_call, node_timeout)
+    cfg = RunConfig(target=target, args=tuple(str(a) for a in args), module=module, nproc=nproc, cpu=cpu, nnodes=nnodes,
+                    node_rank=node_rank, master=master, max_restarts=max_restarts, all_ranks=all_ranks, log_dir=log_dir,
+                    profile=profile, find_batch=find_batch, memory_budget=memory_budget, hang_timeout=hang_timeout,
+                    rdzv_timeout=rdzv_timeout, rdzv_last_call=rdzv_last_call, node_timeout=node_timeout)
     return launch(cfg)
 
 

@@ -52,9 +52,10 @@ def main(args) -> int:
         nproc = torch.cuda.device_count() if torch.cuda.is_available() and not args.cpu else 2
     if nproc < 1:
         raise UsageError(f"-n must be at least 1, got {nproc}")
-    cfg = TuneConfig(args.workload, tuple(args.args), nproc, args.cpu,
-                     parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None,
-                     0 if args.top == "all" else int(args.top), args.repeats, args.steps, args.out, args.threads,
-                     ints(args.micro_batches, "--micro-batches") if args.micro_batches else None)
+    cfg = TuneConfig(workload=args.workload, args=tuple(args.args), nproc=nproc, cpu=args.cpu,
+                     memory_budget=parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None,
+                     top=0 if args.top == "all" else int(args.top), repeats=args.repeats, steps=args.steps,
+                     out=args.out, threads=args.threads,
+                     micro_batches=ints(args.micro_batches, "--micro-batches") if args.micro_batches else None)
     _, report = run_tune(cfg)
     return 0 if report["winner"] else 1
