@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
 from ..errors import UsageError
+from ..runtime.fields import add_field
 from ..values import int_list
 from .run import RECIPES, StudyConfig, run_study
 
@@ -29,21 +31,20 @@ def default_workers() -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--workers", default=None, help="world sizes to run, e.g. 1,2,4 (default: 1,2,4.. up to the GPUs; 1,2 on CPU)")
-    parser.add_argument("--policy", default="keep-global", help="batch policies, comma-separated: keep-global, scale-global")
-    parser.add_argument("--repeats", type=int, default=1, help="rounds of interleaved runs (1, 2, 1, 2, ...); 2 or more give a 95 %% interval")
-    parser.add_argument("--ci", type=float, default=None, metavar="FRAC",
-                        help="keep adding rounds until every speedup's 95 %% interval is within +-FRAC (e.g. 0.1)")
-    parser.add_argument("--budget", type=float, default=600.0, metavar="S", help="with --ci: start no round after S seconds (default 600)")
-    parser.add_argument("--max-repeats", type=int, default=10, help="with --ci: at most this many rounds (default 10)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads per worker on CPU runs, the same at every world size (default 1: a worker stands for a device)")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (passed as --steps; default: the workload's own)")
-    parser.add_argument("--global-batch", type=int, default=None, help="global batch at 1 worker (passed as --global-batch)")
-    parser.add_argument("--target", default=None, help="e.g. accuracy>=0.95 or loss<=0.1: time and samples to reach it")
-    parser.add_argument("--out", default=None, help="results directory (default: studies/<workload>-<time>)")
-    parser.add_argument("--cpu", action="store_true", help="run on CPU processes (gloo) even where GPUs exist")
-    parser.add_argument("--profile", default="20:25", help="profiled steps for the time breakdown, or 'off'")
+    study = functools.partial(add_field, parser, config=StudyConfig)
+    study("--workers", field="workers", default=None)  # None: default_workers(), which looks at the GPUs
+    study("--policy", field="policies", default=",".join(StudyConfig.policies))
+    study("--repeats", field="repeats", type=int)
+    study("--ci", field="ci", type=float, metavar="FRAC")
+    study("--budget", field="budget_s", dest="budget", type=float, metavar="S")
+    study("--max-repeats", field="max_repeats", type=int)
+    study("--threads", field="threads", type=int)
+    study("--steps", field="steps", type=int)
+    study("--global-batch", field="global_batch", type=int)
+    study("--target", field="target")
+    study("--out", field="out")
+    study("--cpu", field="cpu", action="store_true")
+    study("--profile", field="profile")
     parser.add_argument("--no-report", action="store_true", help="skip writing report.html / report.md")
     # One positional for the workload and its arguments: argparse would drop a `--` right after a
     # positional of its own (Python 3.10-3.13 alike), and that `--` is how a workload gets an option

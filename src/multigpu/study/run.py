@@ -66,23 +66,36 @@ RECIPES = {
 
 @dataclass(frozen=True)
 class StudyConfig:
-    """What to run. Field comments are the CLI's help."""
+    """What to run. Each field's docstring is its flag's help in `multigpu study --help` (study/cli.py)."""
 
     workload: str
     args: tuple[str, ...] = ()
     workers: tuple[int, ...] = (1, 2)
+    """world sizes to run, e.g. 1,2,4 (default: 1,2,4.. up to the GPUs; 1,2 on CPU)"""
     policies: tuple[str, ...] = ("keep-global",)
+    """batch policies, comma-separated: keep-global, scale-global"""
     repeats: int = 1
+    """rounds of interleaved runs (1, 2, 1, 2, ...); 2 or more give a 95 % interval"""
     steps: int | None = None
+    """optimizer steps per run (passed as --steps; default: the workload's own)"""
     global_batch: int | None = None
+    """global batch at 1 worker (passed as --global-batch)"""
     target: str | None = None
+    """e.g. accuracy>=0.95 or loss<=0.1: time and samples to reach it"""
     out: str | None = None
+    """results directory (default: studies/<workload>-<time>)"""
     cpu: bool = False
+    """run on CPU processes (gloo) even where GPUs exist"""
     profile: str | None = "20:25"
-    ci: float | None = None  # repeat until every speedup's 95 % interval is within +-ci (relative), e.g. 0.10
-    budget_s: float = 600.0  # with ci: no new round of runs once this much time has gone
-    max_repeats: int = 10  # with ci: at most this many rounds
-    threads: int = 1  # CPU threads per worker on CPU runs, the same at every world size (a worker stands for a device)
+    """profiled steps for the time breakdown, or 'off'"""
+    ci: float | None = None
+    """keep adding rounds until every speedup's 95 % interval is within +-FRAC (e.g. 0.1)"""
+    budget_s: float = 600.0
+    """with --ci: start no round after S seconds (default 600)"""
+    max_repeats: int = 10
+    """with --ci: at most this many rounds (default 10)"""
+    threads: int = 1
+    """CPU threads per worker on CPU runs, the same at every world size (default 1: a worker stands for a device)"""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,46 @@
+"""A frozen config dataclass as a command line: each field's docstring is its flag's ``--help``
+and its default the flag's default, so neither is written twice (torchtitan's job config does
+the same). The docstring is the string right after the field, as Sphinx reads attribute docs.
+
+    @dataclass(frozen=True)
+    class StudyConfig:
+        repeats: int = 1
+        \"\"\"rounds of interleaved runs\"\"\"
+
+    add_field(parser, "--repeats", config=StudyConfig, field="repeats", type=int)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+from typing import Any
+
+_MISSING: Any = object()
+
+
+@functools.cache
+def field_docs(config: type) -> dict[str, str]:
+    """``{field name: its docstring, on one line}`` for the fields of ``config`` that have one."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(config))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def add_field(parser: argparse.ArgumentParser, *flags: str, config: type, field: str, default: Any = _MISSING,
+              **kwargs: Any) -> argparse.Action:
+    """``parser.add_argument(*flags, **kwargs)`` with the help and the default of ``config.<field>``;
+    ``default`` for a flag whose spelling differs from the field's value (``"1,2"`` for ``(1, 2)``)."""
+    spec = {f.name: f for f in dataclasses.fields(config)}[field]
+    if default is _MISSING:
+        default = spec.default
+    # argparse formats help with %: a literal one (95 %) is written %% there.
+    return parser.add_argument(*flags, default=default, help=field_docs(config)[field].replace("%", "%%"), **kwargs)
