@@ -130,6 +130,14 @@ def check_args(args: argparse.Namespace) -> None:
                          f"{' and '.join(pipeline_only)}")
     if args.pp_splits is not None:
         _int_list(args.pp_splits, "--pp-splits")
+    if args.ddp and (args.tp > 1 or args.dp_replicate > 1 or args.dp_shard is not None or args.pp > 1):
+        raise UsageError("--ddp replicates the model over every rank; drop --tp, --pp, --dp-replicate and --dp-shard")
+    if args.pp > 1 and args.loss_parallel:
+        raise UsageError("--loss-parallel keeps the logits sharded into the loss, which the pipeline schedule "
+                         "computes on its own; drop --loss-parallel with --pp")
+    if args.pp > 1 and args.precision != "fp32":
+        raise UsageError(f"--precision {args.precision} under --pp: the pipeline schedule runs forward and backward "
+                         "itself, outside the loop's autocast; use --precision fp32 with --pp")
     if args.data is not None:  # headers and sizes only: every layout's refusal comes before any work
         token_sets(args.data, args.block_size or SIZES[args.size].block_size)
 
@@ -187,7 +195,7 @@ def _held_out(total: float, tokens: float, counts: bool) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     try:
-        args = parse_args(argv)
+        args = parse_args(argv)  # every flag refusal happens here, before mg.init starts any work
     except UsageError as err:  # before mg.init, which would turn it into this line itself
         report_usage_error(err)
         raise SystemExit(2) from None
@@ -197,41 +205,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_set, val_set = _datasets(args, cfg)
         mesh = mg.parallel.mesh(dist, tp=args.tp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, pp=args.pp)
         plan = mesh.plan(args.global_batch, micro_batch=args.micro_batch)
-        torch.manual_seed(args.seed)  # the full model, the same on every rank, then spread: weights as one process's
-        if args.ddp and (args.tp > 1 or args.dp_replicate > 1 or args.dp_shard is not None or args.pp > 1):
-            raise mg.UsageError("--ddp replicates the model over every rank; drop --tp, --pp, --dp-replicate and --dp-shard")
-        if args.pp > 1 and args.loss_parallel:
-            raise mg.UsageError("--loss-parallel keeps the logits sharded into the loss, which the pipeline schedule "
-                                "computes on its own; drop --loss-parallel with --pp")
-        spread = functools.partial(parallelize, mesh=mesh, sequence_parallel=args.sequence_parallel,
-                                   loss_parallel=args.loss_parallel, activation_checkpointing=args.activation_checkpointing,
-                                   fsdp=not args.ddp)
-        pipe = None
-        if args.pp > 1:
-            splits = _int_list(args.pp_splits, "--pp-splits") if args.pp_splits else None
-            pipe = pipeline.build(GPT(cfg).to(dist.device), mesh, dist.device, args.schedule or "1f1b",
-                                  plan.accum_steps, spread,
-                                  splits)
-            model = pipe.model
-        else:
-            model = spread(GPT(cfg).to(dist.device))
-        if args.ddp:
-            model = mg.wrap(model, "ddp" if dist.world_size > 1 else "none")
-        if args.compile:
-            for block in mg.unwrap(model).blocks.values():
-                block.compile()  # in place: the block keeps its parameter names (no _orig_mod prefix)
+        model, pipe = _build(args, cfg, mesh, plan, dist)
         amp = mg.Precision(args.precision, dist.device)
-        if pipe is not None and amp.name != "fp32":
-            raise mg.UsageError(f"--precision {amp.name} under --pp: the pipeline schedule runs forward and backward "
-                                "itself, outside the loop's autocast; use --precision fp32 with --pp")
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
         sched = mg.warmup(opt, steps=args.warmup_steps) if args.warmup_steps else None
         train = mg.loader(train_set, plan, dist, shuffle=True, seed=args.seed)
-        mg.print0(plan.summary(layout="ddp" if args.ddp else repr(mesh), parameters=cfg.parameters, tokens_per_step=plan.global_batch * cfg.block_size))
+        layout = "ddp" if args.ddp else repr(mesh)
+        mg.print0(plan.summary(layout=layout, parameters=cfg.parameters, tokens_per_step=plan.global_batch * cfg.block_size))
         meter = mg.StepMeter(dist, plan, log_every=args.log_every, log_dir=args.log_dir, total_steps=args.steps,
                              flops_per_sample=cfg.flops_per_token() * cfg.block_size, tokens_per_sample=cfg.block_size,
                              dtype=amp.name, profile=args.profile,
-                             fingerprint_extra={"recipe": "gpt", "size": args.size, "layout": "ddp" if args.ddp else repr(mesh)})
+                             fingerprint_extra={"recipe": "gpt", "size": args.size, "layout": layout})
         ckpt, start = None, 0
         if args.checkpoint_dir:
             ckpt = mg.Checkpointer(args.checkpoint_dir, every=args.checkpoint_every, keep=2, model=model,
@@ -245,49 +229,80 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             for step, micro_batches in meter.steps(_forever(train), start=start):
                 if step >= args.steps:
                     break  # resumed from the end
+                done = step + 1 == args.steps
                 with acts.hooks() if acts is not None and step == start else contextlib.nullcontext():
                     if pipe is not None:
-                        step_loss = _pipeline_step(pipe, opt, sched, args, micro_batches, dist.device)
-                        # Read at log steps only (the meter sums a metric over its interval's steps): on a
-                        # GPU each read waits for the device.
-                        extra = pipe.stage_times() if meter.will_log or step + 1 == args.steps else {}
+                        # Stage times at log steps only (the meter sums a metric over its interval's steps):
+                        # on a GPU each read waits for the device.
+                        step_loss, extra = _pipeline_step(pipe, opt, sched, args, micro_batches, dist.device,
+                                                          stage_times=meter.will_log or done)
                     else:
                         step_loss, extra = _model_step(model, opt, sched, amp, args, micro_batches)
                 meter.step_end(loss=step_loss, lr=opt, **extra)
-                done = step + 1 == args.steps
                 if ckpt is not None:
                     with meter.pause("checkpoint"):  # with --async-checkpoint, only the host copy
                         ckpt.save(step, force=done)
                 if done or (step + 1) % args.eval_every == 0:
                     with meter.pause("eval"):
-                        if pipe is not None:
-                            metrics = evaluate_pipeline(pipe, val_set, mesh, dist, plan, args.eval_batches * plan.global_batch)
-                        else:
-                            metrics = evaluate(model, val_set, mesh, dist, plan.micro_batch,
-                                               args.eval_batches * plan.global_batch, args.loss_parallel)
+                        metrics = _evaluate(model, pipe, val_set, mesh, dist, plan, args)
                     meter.log_eval(step=step, loss=metrics["loss"], bits_per_byte=metrics["bits_per_byte"])
                 if done:
                     break
         if ckpt is not None:
             ckpt.finish()
-        summary = meter.summary() or {}
-        sps = summary.get("samples_per_s")
-        peak = torch.cuda.max_memory_allocated(dist.device) if dist.device.type == "cuda" else None
-        result = dict(metrics, world_size=dist.world_size, steps=args.steps,
-                      tokens_per_s=sps * cfg.block_size if sps else None, wall_s=summary.get("wall_time"),
-                      mfu=summary.get("mfu"), peak_memory_bytes=peak, stages=summary.get("stages"))
-        mfu = f", MFU {result['mfu']:.1%}" if result["mfu"] is not None else ""
-        mem = f", peak memory {peak / 2**30:.2f} GiB" if peak is not None else ""
-        tps = f"{result['tokens_per_s']:,.0f} tokens/s" if result["tokens_per_s"] else "tokens/s n/a"
-        if acts is not None:
-            _write_result(args.result_json, result, state_bytes(model, opt).total, acts.peak, dist)
-        mg.print0(f"gpt {args.size}: val loss {metrics.get('loss', float('nan')):.4f} "
-                  f"({metrics.get('bits_per_byte', float('nan')):.3f} bits/byte); {tps}{mfu}{mem} | {repr(mesh)}")
-        return result
+        return _finish(args, cfg, dist, mesh, meter, metrics, acts, model, opt)
 
 
-def _pipeline_step(pipe, opt, sched, args, micro_batches, device):
-    """The schedule runs forward and backward: the mean micro-batch loss on the last stage's rank."""
+def _build(args, cfg, mesh, plan, dist):
+    """(model, pipeline or None): the full model, the same on every rank, then spread over the mesh."""
+    torch.manual_seed(args.seed)  # weights as one process's
+    spread = functools.partial(parallelize, mesh=mesh, sequence_parallel=args.sequence_parallel,
+                               loss_parallel=args.loss_parallel, activation_checkpointing=args.activation_checkpointing,
+                               fsdp=not args.ddp)
+    pipe = None
+    if args.pp > 1:
+        splits = _int_list(args.pp_splits, "--pp-splits") if args.pp_splits else None
+        pipe = pipeline.build(GPT(cfg).to(dist.device), mesh, dist.device, args.schedule or "1f1b",
+                              plan.accum_steps, spread, splits)
+        model = pipe.model
+    else:
+        model = spread(GPT(cfg).to(dist.device))
+    if args.ddp:
+        model = mg.wrap(model, "ddp" if dist.world_size > 1 else "none")
+    if args.compile:
+        for block in mg.unwrap(model).blocks.values():
+            block.compile()  # in place: the block keeps its parameter names (no _orig_mod prefix)
+    return model, pipe
+
+
+def _evaluate(model, pipe, val_set, mesh, dist, plan, args) -> dict[str, float]:
+    sequences = args.eval_batches * plan.global_batch
+    if pipe is not None:
+        return evaluate_pipeline(pipe, val_set, mesh, dist, plan, sequences)
+    return evaluate(model, val_set, mesh, dist, plan.micro_batch, sequences, args.loss_parallel)
+
+
+def _finish(args, cfg, dist, mesh, meter, metrics, acts, model, opt) -> dict[str, float]:
+    """The run's result (and --result-json's file, collective), and its closing line."""
+    summary = meter.summary() or {}
+    sps = summary.get("samples_per_s")
+    peak = torch.cuda.max_memory_allocated(dist.device) if dist.device.type == "cuda" else None
+    result = dict(metrics, world_size=dist.world_size, steps=args.steps,
+                  tokens_per_s=sps * cfg.block_size if sps else None, wall_s=summary.get("wall_time"),
+                  mfu=summary.get("mfu"), peak_memory_bytes=peak, stages=summary.get("stages"))
+    mfu = f", MFU {result['mfu']:.1%}" if result["mfu"] is not None else ""
+    mem = f", peak memory {peak / 2**30:.2f} GiB" if peak is not None else ""
+    tps = f"{result['tokens_per_s']:,.0f} tokens/s" if result["tokens_per_s"] else "tokens/s n/a"
+    if acts is not None:
+        _write_result(args.result_json, result, state_bytes(model, opt).total, acts.peak, dist)
+    mg.print0(f"gpt {args.size}: val loss {metrics.get('loss', float('nan')):.4f} "
+              f"({metrics.get('bits_per_byte', float('nan')):.3f} bits/byte); {tps}{mfu}{mem} | {repr(mesh)}")
+    return result
+
+
+def _pipeline_step(pipe, opt, sched, args, micro_batches, device, stage_times: bool):
+    """The schedule runs forward and backward: the mean micro-batch loss on the last stage's rank
+    (and, with ``stage_times``, each stage's time)."""
     loss = pipe.step([(x.to(device), y.to(device)) for x, y in micro_batches])
     if args.clip:
         pipe.clip_grad_norm_(args.clip)
@@ -295,7 +310,7 @@ def _pipeline_step(pipe, opt, sched, args, micro_batches, device):
     opt.zero_grad(set_to_none=True)
     if sched is not None:
         sched.step()
-    return loss
+    return loss, pipe.stage_times() if stage_times else {}
 
 
 def _model_step(model, opt, sched, amp, args, micro_batches):
