@@ -129,7 +129,7 @@ LAYERS = [
     ("loop pieces", ["batch", "data", "loss", "precision"]),
     ("parallelism", ["parallel"]),
     ("instruments and state", ["meter", "noise", "checkpoint", "finder"]),
-    ("tools and decisions", ["launch", "planner", "study", "report", "verdict", "verify", "doctor", "commbench", "recipes", "tune",
+    ("tools and decisions", ["launch", "planner", "study", "report", "verify", "doctor", "commbench", "recipes", "tune",
                              "testing", "cli", "__main__"]),
 ]
 

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from multigpu import verdict as V
+from multigpu.study import verdict as V
 from multigpu.report import write_report
 
 

@@ -10,7 +10,7 @@ from typing import Any, Iterable
 
 from ..errors import UsageError
 from ..meter.records import read_records
-from ..verdict import findings, verdict
+from .verdict import findings, verdict
 
 TARGET_OPS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b}
 
