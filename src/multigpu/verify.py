@@ -12,16 +12,19 @@ difference are named.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .errors import UsageError
-from .runtime.contract import VERIFY_DIR, VERIFY_ENV
 from .meter.records import read_records
+from .runtime.contract import VERIFY_DIR, VERIFY_ENV
+from .runtime.fields import add_field
 from .values import int_list
 
 DIGEST_RTOL = 1e-9  # float64 sums of the same samples in another order
@@ -33,6 +36,25 @@ DIGEST_RTOL = 1e-9  # float64 sums of the same samples in another order
 # (tests/_verify_script.py) 4.3e-2 (loss normalized per rank), 6.5e-2 (BatchNorm without sync), 0.59
 # (sampler), 8.4 (seed).
 PARAM_TOL = 1e-2
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """How to verify. Each field's docstring is its flag's help in `multigpu verify --help`; the
+    defaults are ``verify()``'s."""
+
+    workers: tuple[int, ...] = (1, 2)
+    """world sizes; each is compared with the first (default 1,2)"""
+    steps: int = 5
+    """optimizer steps per run (passed as --steps; default 5)"""
+    global_batch: int | None = None
+    """passed as --global-batch to every run"""
+    rtol: float = 1e-5
+    """relative tolerance for the losses (default 1e-5, fp32); parameters are judged by the share of the update that differs"""
+    cpu: bool = False
+    """CPU workers (gloo) even where GPUs exist"""
+    out: str | None = None
+    """where the runs and verify.json go (default multigpu_logs/verify-<time>)"""
 
 
 def _read_run(run_dir: Path) -> dict[str, Any]:
@@ -125,9 +147,11 @@ def _causes(ref: dict[str, Any], other: dict[str, Any], rtol: float, first: int 
     return causes
 
 
-def verify(target: str, args: Sequence[str] = (), *, module: bool = False, workers: Sequence[int] = (1, 2),
-           steps: int = 5, global_batch: int | None = None, cpu: bool = False, rtol: float = 1e-5,
-           out: str | None = None, say: Callable[[str], None] = print) -> dict[str, Any]:
+def verify(target: str, args: Sequence[str] = (), *, module: bool = False,
+           workers: Sequence[int] = VerifyConfig.workers, steps: int = VerifyConfig.steps,
+           global_batch: int | None = VerifyConfig.global_batch, cpu: bool = VerifyConfig.cpu,
+           rtol: float = VerifyConfig.rtol, out: str | None = VerifyConfig.out,
+           say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run ``target`` at each world size and compare with the first; returns the report (also verify.json).
 
     >>> report = verify("train.py", workers=(1, 2), steps=5, global_batch=64, cpu=True)
@@ -198,12 +222,13 @@ def line(w: int, ref: int, c: dict[str, Any]) -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--workers", default="1,2", help="world sizes; each is compared with the first (default 1,2)")
-    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run (passed as --steps; default 5)")
-    parser.add_argument("--global-batch", type=int, default=None, help="passed as --global-batch to every run")
-    parser.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance for the losses (default 1e-5, fp32); parameters are judged by the share of the update that differs")
-    parser.add_argument("--cpu", action="store_true", help="CPU workers (gloo) even where GPUs exist")
-    parser.add_argument("--out", default=None, help="where the runs and verify.json go (default multigpu_logs/verify-<time>)")
+    field = functools.partial(add_field, parser, config=VerifyConfig)
+    field("--workers", field="workers", default=",".join(map(str, VerifyConfig.workers)))
+    field("--steps", field="steps", type=int)
+    field("--global-batch", field="global_batch", type=int)
+    field("--rtol", field="rtol", type=float)
+    field("--cpu", field="cpu", action="store_true")
+    field("--out", field="out")
     parser.add_argument("-m", dest="module", action="store_true", help="the target is a module (python -m)")
     parser.add_argument("target", help="the script (or module with -m)")
     parser.add_argument("args", nargs="...", help="arguments for the script")
@@ -212,7 +237,7 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     workers = int_list(args.workers, "--workers must be a comma-separated list of integers", "use e.g. --workers 1,2",
                        skip_empty=True)
-    report = verify(args.target, args.args, module=args.module, workers=workers, steps=args.steps,
-                    global_batch=args.global_batch, cpu=args.cpu, rtol=args.rtol, out=args.out,
-                    say=lambda s: print(s, flush=True))
+    cfg = VerifyConfig(workers=workers, steps=args.steps, global_batch=args.global_batch, rtol=args.rtol,
+                       cpu=args.cpu, out=args.out)
+    report = verify(args.target, args.args, module=args.module, say=lambda s: print(s, flush=True), **asdict(cfg))
     return 0 if report["same"] else 1

@@ -9,22 +9,25 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
+from ..runtime.fields import add_field
 from .run import TuneConfig, check_args, run_tune
 
 __all__ = ["TuneConfig", "add_arguments", "main", "run_tune"]
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("-n", "--nproc", type=int, default=None, help="ranks to tune for (default: the visible GPUs, or 2 on CPU)")
-    parser.add_argument("--cpu", action="store_true", help="CPU workers (gloo) even where GPUs exist")
-    parser.add_argument("--memory-budget", default=None, metavar="SIZE", help="the most memory a rank may use, e.g. 2GiB (default: 90 %% of the GPU's; none on CPU)")
-    parser.add_argument("--top", default="3", metavar="K", help="measure the K fastest predicted candidates that fit (default 3; 'all': every one)")
-    parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds of measurement (default 2)")
-    parser.add_argument("--steps", type=int, default=8, help="steps per measured run (default 8; the first 2 are warm-up)")
-    parser.add_argument("--micro-batches", default=None, metavar="M,M,...", help="micro-batch sizes to consider (default: powers of 2 that divide a rank's share)")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads per worker on CPU (default 1: a worker stands for a device)")
-    parser.add_argument("--out", default=None, help="results directory (default: studies/tune-<time>)")
+    tune = functools.partial(add_field, parser, config=TuneConfig)
+    tune("-n", "--nproc", field="nproc", type=int, default=None)  # None: the visible GPUs, chosen in main
+    tune("--cpu", field="cpu", action="store_true")
+    tune("--memory-budget", field="memory_budget", metavar="SIZE")  # a size (2GiB), parsed in main
+    tune("--top", field="top", default=str(TuneConfig.top), metavar="K")  # a number or 'all'
+    tune("--repeats", field="repeats", type=int)
+    tune("--steps", field="steps", type=int)
+    tune("--micro-batches", field="micro_batches", metavar="M,M,...")
+    tune("--threads", field="threads", type=int)
+    tune("--out", field="out")
     parser.add_argument("workload", help="gpt (the GPT recipe, multigpu.recipes.gpt)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the recipe's model and batch flags (--size, --global-batch, --untied, ...)")
 

@@ -36,17 +36,28 @@ LAYOUT_FLAGS = ("--tp", "--pp", "--dp-replicate", "--dp-shard", "--ddp", "--micr
 
 @dataclass(frozen=True)
 class TuneConfig:
+    """What to tune. Each field's docstring is its flag's help in `multigpu tune --help` (tune/__init__.py)."""
+
     workload: str = "gpt"
     args: tuple[str, ...] = ()
     nproc: int = 2
+    """ranks to tune for (default: the visible GPUs, or 2 on CPU)"""
     cpu: bool = False
+    """CPU workers (gloo) even where GPUs exist"""
     memory_budget: int | None = None
-    top: int = 3  # 0: measure every candidate that fits (the exhaustive search)
+    """the most memory a rank may use, e.g. 2GiB (default: 90 % of the GPU's; none on CPU)"""
+    top: int = 3
+    """measure the K fastest predicted candidates that fit (default 3; 'all': every one)"""
     repeats: int = 2
+    """interleaved rounds of measurement (default 2)"""
     steps: int = 8
+    """steps per measured run (default 8; the first 2 are warm-up)"""
     out: str | None = None
-    threads: int = 1  # CPU threads per worker (and in the probe): a worker stands for a device
+    """results directory (default: studies/tune-<time>)"""
+    threads: int = 1
+    """CPU threads per worker on CPU (default 1: a worker stands for a device)"""
     micro_batches: tuple[int, ...] | None = None
+    """micro-batch sizes to consider (default: powers of 2 that divide a rank's share)"""
 
 
 def check_args(cfg: TuneConfig) -> None:
