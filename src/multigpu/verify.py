@@ -44,9 +44,9 @@ class VerifyConfig:
     defaults are ``verify()``'s."""
 
     workers: tuple[int, ...] = (1, 2)
-    """world sizes; each is compared with the first (default 1,2)"""
+    """world sizes; each is compared with the first (default %(default)s)"""
     steps: int = 5
-    """optimizer steps per run (passed as --steps; default 5)"""
+    """optimizer steps per run (passed as --steps; default %(default)s)"""
     global_batch: int | None = None
     """passed as --global-batch to every run"""
     rtol: float = 1e-5

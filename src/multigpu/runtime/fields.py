@@ -1,6 +1,7 @@
 """A frozen config dataclass as a command line: each field's docstring is its flag's ``--help``
 and its default the flag's default, so neither is written twice (torchtitan's job config does
-the same). The docstring is the string right after the field, as Sphinx reads attribute docs.
+the same). The docstring is the string right after the field, as Sphinx reads attribute docs;
+it names the default as argparse does, ``%(default)s``, rather than restating the number.
 
     @dataclass(frozen=True)
     class StudyConfig:
@@ -17,6 +18,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import re
 import textwrap
 from typing import Any
 
@@ -42,5 +44,6 @@ def add_field(parser: argparse.ArgumentParser, *flags: str, config: type, field:
     spec = {f.name: f for f in dataclasses.fields(config)}[field]
     if default is _MISSING:
         default = spec.default
-    # argparse formats help with %: a literal one (95 %) is written %% there.
-    return parser.add_argument(*flags, default=default, help=field_docs(config)[field].replace("%", "%%"), **kwargs)
+    # argparse formats help with %: a literal one (95 %) is written %% there; %(default)s stays argparse's.
+    text = re.sub(r"%(?!\()", "%%", field_docs(config)[field])
+    return parser.add_argument(*flags, default=default, help=text, **kwargs)

@@ -91,11 +91,11 @@ class StudyConfig:
     ci: float | None = None
     """keep adding rounds until every speedup's 95 % interval is within +-FRAC (e.g. 0.1)"""
     budget_s: float = 600.0
-    """with --ci: start no round after S seconds (default 600)"""
+    """with --ci: start no round after S seconds (default %(default)g)"""
     max_repeats: int = 10
-    """with --ci: at most this many rounds (default 10)"""
+    """with --ci: at most this many rounds (default %(default)s)"""
     threads: int = 1
-    """CPU threads per worker on CPU runs, the same at every world size (default 1: a worker stands for a device)"""
+    """CPU threads per worker on CPU runs, the same at every world size (default %(default)s: a worker stands for a device)"""
 
 
 @dataclass(frozen=True)

@@ -47,15 +47,15 @@ class TuneConfig:
     memory_budget: int | None = None
     """the most memory a rank may use, e.g. 2GiB (default: 90 % of the GPU's; none on CPU)"""
     top: int = 3
-    """measure the K fastest predicted candidates that fit (default 3; 'all': every one)"""
+    """measure the K fastest predicted candidates that fit (default %(default)s; 'all': every one)"""
     repeats: int = 2
-    """interleaved rounds of measurement (default 2)"""
+    """interleaved rounds of measurement (default %(default)s)"""
     steps: int = 8
-    """steps per measured run (default 8; the first 2 are warm-up)"""
+    """steps per measured run (default %(default)s; the first 2 are warm-up)"""
     out: str | None = None
     """results directory (default: studies/tune-<time>)"""
     threads: int = 1
-    """CPU threads per worker on CPU (default 1: a worker stands for a device)"""
+    """CPU threads per worker on CPU (default %(default)s: a worker stands for a device)"""
     micro_batches: tuple[int, ...] | None = None
     """micro-batch sizes to consider (default: powers of 2 that divide a rank's share)"""
 
