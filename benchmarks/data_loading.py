@@ -10,8 +10,9 @@
    split, which is neither world-size invariant nor resumable).
    Samples/s = samples / seconds over the measured steps after a warm-up,
    interleaved A B A B, ``--repeats`` times: the median and the range.
-3. Memory: the private (not file-backed) resident memory of the reading
-   processes (main + workers, psutil) at two buffer sizes, against the data size.
+3. Memory: the unique resident memory (USS: pages no other process shares)
+   of the reading processes (main + workers, psutil) at two buffer sizes,
+   against the data size.
 4. The GPT recipe's data-wait share of a step (the step meter's data_wait_frac
    in metrics.jsonl) over token shards.
 """
@@ -100,12 +101,12 @@ class TarShuffle(IterableDataset):
 
 
 def _memory(proc: psutil.Process) -> int:
-    """Private resident bytes of ``proc`` and its children (file-backed pages of memory maps are shared)."""
+    """Unique resident bytes (USS) of ``proc`` and its children: no page shared with another process counts
+    (the memory-mapped shards in the page cache, torch's pages a forked worker shares with its parent)."""
     total = 0
     for p in [proc, *proc.children(recursive=True)]:
         try:
-            m = p.memory_info()
-            total += m.rss - m.shared
+            total += p.memory_full_info().uss
         except psutil.Error:
             pass
     return total
@@ -115,7 +116,8 @@ def timed(batches, steps: int, warmup: int, samples_per_step: int, watch_memory=
     it = iter(batches)
     for _ in range(warmup):
         next(it)
-    me, peak = psutil.Process(), 0
+    me = psutil.Process()
+    peak = _memory(me) if watch_memory else 0
     t0 = time.perf_counter()
     for i in range(steps):
         next(it)
@@ -195,14 +197,14 @@ def main() -> None:
                                                  num_workers=WORKERS, multiprocessing_context="fork")),
                         50, 5, GLOBAL, watch_memory=True)
         mem[f"stream_buffer_{buf}_private_bytes"] = peak
-        print(f"stream_loader, buffer {buf}: private memory of main + {WORKERS} workers {peak / 2**20:.0f} MiB "
+        print(f"stream_loader, buffer {buf}: unique memory (USS) of main + {WORKERS} workers {peak / 2**20:.0f} MiB "
               f"(data {data_bytes / 2**20:.0f} MiB)",
               flush=True)
     _, peak = timed(forever(mg.loader(shards, plan, dist1(), num_workers=WORKERS, multiprocessing_context="fork")),
                     100, 5, GLOBAL, watch_memory=True)
     mem["token_shards_private_bytes"] = peak
     mem["token_shards_bytes"] = sum(s.nbytes for s in shards.shards)
-    print(f"loader over token shards: private memory {peak / 2**20:.0f} MiB for "
+    print(f"loader over token shards: unique memory (USS) {peak / 2**20:.0f} MiB for "
           f"{mem['token_shards_bytes'] / 2**20:.0f} "
           f"MiB of shards (the permutation: {8 * len(shards) / 2**20:.1f} MiB)", flush=True)
     result["memory"] = mem
