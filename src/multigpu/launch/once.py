@@ -12,7 +12,7 @@ import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from ..errors import UsageError
 from ..runtime.contract import environ
@@ -33,14 +33,6 @@ class Launched:
         from .logs import failure_line
 
         return str(self.refusal) if self.refusal is not None else failure_line(str(self.console))
-
-    def records(self) -> list[dict[str, Any]]:
-        """The run's metrics.jsonl records (the workload's StepMeter); FileNotFoundError without them."""
-        from ..meter.records import read_records
-
-        if self.run_dir is None:
-            raise FileNotFoundError(f"{self.console.parent} holds no run directory")
-        return read_records(self.run_dir / "metrics.jsonl")
 
 
 def run_once(target: str, args: Sequence[str], *, module: bool, log_dir: Path, nproc: int, cpu: bool,
