@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import math
 import os
@@ -19,46 +20,61 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from ..errors import UsageError
+from ..runtime.fields import add_field
 from ..values import parse_size
 
 DEFAULT_LOG_DIR = "multigpu_logs"  # in the working directory, next to the project (and in .gitignore)
+ELASTIC_RESTARTS = 3  # --max-restarts' default under --nnodes MIN:MAX
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """What ``multigpu run`` was asked to do; ``None`` means "choose for me"."""
+    """What ``multigpu run`` was asked to do; ``None`` means "choose for me". Each field's docstring
+    is its flag's help in `multigpu run --help` (``add_arguments``)."""
 
     target: str
     """Script path, or module name when ``module`` is true."""
     args: tuple[str, ...] = ()
     module: bool = False
     nproc: int | None = None
-    """Worker processes on this node (default: visible GPUs, or 2 on CPU)."""
+    """worker processes on this node (default: visible GPUs, or 2 without GPUs or with --cpu)"""
     cpu: bool = False
-    """Hide GPUs from the workers (CUDA_VISIBLE_DEVICES=""): CPU tensors, gloo."""
+    """workers use CPU and gloo even where GPUs exist (hides them)"""
     nnodes: int | str | None = None
-    """Nodes: N, or MIN:MAX for an elastic job that goes on with fewer nodes (down to MIN) and grows up to MAX."""
+    """number of nodes (default: 1, or SLURM's inside srun); MIN:MAX: elastic, training goes on with MIN..MAX nodes
+    from the newest checkpoint"""
     node_rank: int | None = None
+    """this node's rank in [0, N): node 0 hosts the rendezvous at --master (global ranks are numbered by the
+    rendezvous)"""
     master: str | None = None
-    """HOST:PORT of node 0, where the rendezvous store listens."""
+    """node 0's address and a free port, for --nnodes > 1"""
     max_restarts: int | None = None
-    """Restarts after failures (a lost node is one); None: 0, or 3 for an elastic --nnodes MIN:MAX."""
+    """restart the whole worker group up to R times after a failure, a lost node included (default 0, or
+    {ELASTIC_RESTARTS} with --nnodes MIN:MAX)"""
     all_ranks: bool = False
+    """show every rank's output on the console, prefixed [rank<r>] (default: rank 0 only)"""
     log_dir: str | None = None
+    """where each run's per-rank logs go (default: ./{DEFAULT_LOG_DIR})"""
     profile: str | None = None
-    """START:STOP: torch.profiler over those steps in every worker's StepMeter."""
+    """profile steps START..STOP-1 on every rank (e.g. 10:15; scripts using mg.StepMeter): traces and a summary
+    table in the run's log directory"""
     find_batch: bool = False
-    """Ask the workers' ``mg.find_micro_batch`` for the largest micro-batch that fits; report it."""
+    """the script's mg.find_micro_batch searches the largest per-rank micro-batch that fits, keeping the global
+    batch (scripts that check mg.find_batch_requested()); the launcher prints the result"""
     memory_budget: str | int | None = None
-    """--find-batch's memory budget per rank: bytes, or a size like ``512MB``, ``8GiB`` (required on CPU)."""
+    """--find-batch's memory limit per rank, e.g. 512MB (10^6), 8GiB (2^30) or bytes; required on CPU, optional on
+    GPU (out-of-memory decides there)"""
     hang_timeout: float | None = None
-    """Seconds without a completed step (StepMeter's heartbeat) after which the hung workers are stopped."""
+    """stop the workers when a rank completes no step for S seconds (scripts using mg.StepMeter; 3*S before the
+    first step): the hang verdict is the summary, exit 124, and --max-restarts restarts it"""
     rdzv_timeout: float = 600.0
-    """How long the rendezvous waits for the minimum number of nodes (at the start and after a loss)."""
+    """how long the nodes wait for MIN of them to join, at the start and after a loss (default %(default)g)"""
     rdzv_last_call: float = 30.0
-    """Once the minimum has joined, how long it waits for more nodes (up to MAX) before training goes on."""
+    """once MIN nodes have joined, how long to wait for more (up to MAX) before training (re)starts (default
+    %(default)g)"""
     node_timeout: float = 15.0
-    """A node whose launcher sent no heartbeat for this long is lost: the rendezvous goes on without it."""
+    """a node whose launcher sent no heartbeat for S seconds is lost, and the rendezvous goes on without it
+    (default %(default)g)"""
 
     @property
     def keep_alive(self) -> tuple[int, int]:
@@ -224,8 +240,6 @@ def resolve(cfg: RunConfig, environ=os.environ, gpu_count=visible_gpus) -> Place
     return Placement(nproc, nnodes, node_rank, addr, port, source, run_id, min_nodes, restarts)
 
 
-ELASTIC_RESTARTS = 3  # --max-restarts' default under --nnodes MIN:MAX
-
 # More CPU workers than this per core only time-slice: a typo such as -n 99999 must not start forking.
 CPU_WORKERS_PER_CPU = 8
 
@@ -256,21 +270,24 @@ def _cwd_on_path() -> Iterator[None]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.usage = "multigpu run [options] script.py [args ...]  |  multigpu run [options] -m module [args ...]"
-    parser.add_argument("-n", "--nproc", type=int, metavar="N", help="worker processes on this node (default: visible GPUs, or 2 without GPUs or with --cpu)")
-    parser.add_argument("--cpu", action="store_true", help="workers use CPU and gloo even where GPUs exist (hides them)")
-    parser.add_argument("--all-ranks", action="store_true", help="show every rank's output on the console, prefixed [rank<r>] (default: rank 0 only)")
-    parser.add_argument("--log-dir", metavar="DIR", help=f"where each run's per-rank logs go (default: ./{DEFAULT_LOG_DIR})")
-    parser.add_argument("--max-restarts", type=int, default=None, metavar="R", help=f"restart the whole worker group up to R times after a failure, a lost node included (default 0, or {ELASTIC_RESTARTS} with --nnodes MIN:MAX)")
-    parser.add_argument("--hang-timeout", type=float, metavar="S", help="stop the workers when a rank completes no step for S seconds (scripts using mg.StepMeter; 3*S before the first step): the hang verdict is the summary, exit 124, and --max-restarts restarts it")
-    parser.add_argument("--nnodes", metavar="N|MIN:MAX", help="number of nodes (default: 1, or SLURM's inside srun); MIN:MAX: elastic, training goes on with MIN..MAX nodes from the newest checkpoint")
-    parser.add_argument("--rdzv-timeout", type=float, default=RunConfig.rdzv_timeout, metavar="S", help=f"how long the nodes wait for MIN of them to join, at the start and after a loss (default {RunConfig.rdzv_timeout:g})")
-    parser.add_argument("--rdzv-last-call", type=float, default=RunConfig.rdzv_last_call, metavar="S", help=f"once MIN nodes have joined, how long to wait for more (up to MAX) before training (re)starts (default {RunConfig.rdzv_last_call:g})")
-    parser.add_argument("--node-timeout", type=float, default=RunConfig.node_timeout, metavar="S", help=f"a node whose launcher sent no heartbeat for S seconds is lost, and the rendezvous goes on without it (default {RunConfig.node_timeout:g})")
-    parser.add_argument("--node-rank", type=int, metavar="R", help="this node's rank in [0, N): node 0 hosts the rendezvous at --master (global ranks are numbered by the rendezvous)")
-    parser.add_argument("--master", metavar="HOST:PORT", help="node 0's address and a free port, for --nnodes > 1")
-    parser.add_argument("--profile", metavar="START:STOP", help="profile steps START..STOP-1 on every rank (e.g. 10:15; scripts using mg.StepMeter): traces and a summary table in the run's log directory")
-    parser.add_argument("--find-batch", action="store_true", help="the script's mg.find_micro_batch searches the largest per-rank micro-batch that fits, keeping the global batch (scripts that check mg.find_batch_requested()); the launcher prints the result")
-    parser.add_argument("--memory-budget", metavar="SIZE", help="--find-batch's memory limit per rank, e.g. 512MB (10^6), 8GiB (2^30) or bytes; required on CPU, optional on GPU (out-of-memory decides there)")
+    # The named values are the ones the help quotes from constants written once (``{DEFAULT_LOG_DIR}``).
+    run = functools.partial(add_field, parser, config=RunConfig,
+                            values={"DEFAULT_LOG_DIR": DEFAULT_LOG_DIR, "ELASTIC_RESTARTS": ELASTIC_RESTARTS})
+    run("-n", "--nproc", field="nproc", type=int, metavar="N")
+    run("--cpu", field="cpu", action="store_true")
+    run("--all-ranks", field="all_ranks", action="store_true")
+    run("--log-dir", field="log_dir", metavar="DIR")
+    run("--max-restarts", field="max_restarts", type=int, metavar="R")
+    run("--hang-timeout", field="hang_timeout", type=float, metavar="S")
+    run("--nnodes", field="nnodes", metavar="N|MIN:MAX")
+    run("--rdzv-timeout", field="rdzv_timeout", type=float, metavar="S")
+    run("--rdzv-last-call", field="rdzv_last_call", type=float, metavar="S")
+    run("--node-timeout", field="node_timeout", type=float, metavar="S")
+    run("--node-rank", field="node_rank", type=int, metavar="R")
+    run("--master", field="master", metavar="HOST:PORT")
+    run("--profile", field="profile", metavar="START:STOP")
+    run("--find-batch", field="find_batch", action="store_true")
+    run("--memory-budget", field="memory_budget", metavar="SIZE")
     parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE", help="run a module like `python -m` (the rest of the line is its arguments)")
     parser.add_argument("script", nargs="?", help="the training script (the rest of the line is its arguments)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

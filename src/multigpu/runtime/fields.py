@@ -38,12 +38,16 @@ def field_docs(config: type) -> dict[str, str]:
 
 
 def add_field(parser: argparse.ArgumentParser, *flags: str, config: type, field: str, default: Any = _MISSING,
-              **kwargs: Any) -> argparse.Action:
+              values: dict[str, Any] | None = None, **kwargs: Any) -> argparse.Action:
     """``parser.add_argument(*flags, **kwargs)`` with the help and the default of ``config.<field>``;
-    ``default`` for a flag whose spelling differs from the field's value (``"1,2"`` for ``(1, 2)``)."""
+    ``default`` for a flag whose spelling differs from the field's value (``"1,2"`` for ``(1, 2)``);
+    ``values`` fills ``{name}`` in the docstring, for a constant the help quotes (a default directory)."""
     spec = {f.name: f for f in dataclasses.fields(config)}[field]
     if default is _MISSING:
         default = spec.default
+    text = field_docs(config)[field]
+    if values:
+        text = text.format_map(values)
     # argparse formats help with %: a literal one (95 %) is written %% there; %(default)s stays argparse's.
-    text = re.sub(r"%(?!\()", "%%", field_docs(config)[field])
+    text = re.sub(r"%(?!\()", "%%", text)
     return parser.add_argument(*flags, default=default, help=text, **kwargs)
