@@ -168,28 +168,8 @@ def init(
         if device is not None and torch.device(device).type == "cpu":
             backend = backend or "gloo"
         backend = pick_backend(backend)
-        if device is None:
-            device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-        device = torch.device(device)
-        if device.type == "cuda":
-            if device.index is None:
-                device = torch.device("cuda", local_rank)
-            if device.index >= torch.cuda.device_count():
-                raise UsageError(
-                    f"local rank {local_rank} needs GPU {device.index} but {torch.cuda.device_count()} are visible; "
-                    f"start at most {torch.cuda.device_count()} processes per node (-n {torch.cuda.device_count()})"
-                )
-            torch.cuda.set_device(device)
-        created = False
-        if not tdist.is_initialized():
-            kwargs = {"timeout": _timeout(timeout)} if timeout is not None else {}
-            if world == 1 and "MASTER_ADDR" not in os.environ:
-                # One process: an in-memory store, no port, nothing to collide with.
-                tdist.init_process_group(backend, store=tdist.HashStore(), rank=0, world_size=1, **kwargs)
-            else:
-                _rendezvous_env(world)
-                tdist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, **kwargs)
-            created = True
+        device = _device(device, backend, local_rank)
+        created = _start_group(backend, rank, world, timeout)
         if seed is not None:
             seed_everything(seed)
         dist = Dist(rank, local_rank, world, local_world, device, backend)
@@ -206,23 +186,13 @@ def init(
             clean_exit = err  # sys.exit(0) inside the block: a normal end
         run_teardown()  # still inside: a failure here (a background checkpoint write) is reported like any
     except UsageError as err:
-        _TEARDOWN.clear()
-        record_failure(err)
-        if created and tdist.is_initialized():
-            tdist.destroy_process_group()
+        _abandon(err, created)
         report_usage_error(err)
         stop = SystemExit(2)
         setattr(stop, RAISED_AT, getattr(err, RAISED_AT, None))
         raise stop from None
     except BaseException as err:
-        _TEARDOWN.clear()  # nothing collective after a failure (a later mg.init block must not inherit it)
-        # Recorded first (the failure summary orders ranks by it): tearing down closes the
-        # connections, and the peers' "Connection reset by peer" must come after.
-        record_failure(err)
-        # No barrier here: the other ranks may be inside a collective, and
-        # waiting for them would turn a crash into a hang (torchtitan #1342).
-        if created and tdist.is_initialized():
-            tdist.destroy_process_group()
+        _abandon(err, created)
         raise
     if created and tdist.is_initialized():
         # Leave together: a rank that tears down its gloo pairs while a peer is
@@ -234,6 +204,49 @@ def init(
         tdist.destroy_process_group()
     if clean_exit is not None:
         raise clean_exit
+
+
+def _device(device: str | torch.device | None, backend: str, local_rank: int) -> torch.device:
+    """This rank's device (a GPU by local rank under nccl), made current on CUDA."""
+    if device is None:
+        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+        if device.index >= torch.cuda.device_count():
+            raise UsageError(
+                f"local rank {local_rank} needs GPU {device.index} but {torch.cuda.device_count()} are visible; "
+                f"start at most {torch.cuda.device_count()} processes per node (-n {torch.cuda.device_count()})"
+            )
+        torch.cuda.set_device(device)
+    return device
+
+
+def _start_group(backend: str, rank: int, world: int, timeout: float | datetime.timedelta | None) -> bool:
+    """Create the default process group unless one exists; True when this call created it (and so ends it)."""
+    if tdist.is_initialized():
+        return False
+    kwargs = {"timeout": _timeout(timeout)} if timeout is not None else {}
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        # One process: an in-memory store, no port, nothing to collide with.
+        tdist.init_process_group(backend, store=tdist.HashStore(), rank=0, world_size=1, **kwargs)
+    else:
+        _rendezvous_env(world)
+        tdist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, **kwargs)
+    return True
+
+
+def _abandon(err: BaseException, created: bool) -> None:
+    """After a failure in the block: record it, then drop the process group without waiting for anyone."""
+    _TEARDOWN.clear()  # nothing collective after a failure (a later mg.init block must not inherit it)
+    # Recorded first (the failure summary orders ranks by it): tearing down closes the
+    # connections, and the peers' "Connection reset by peer" must come after.
+    record_failure(err)
+    # No barrier here: the other ranks may be inside a collective, and
+    # waiting for them would turn a crash into a hang (torchtitan #1342).
+    if created and tdist.is_initialized():
+        tdist.destroy_process_group()
 
 
 # Work to finish on every rank before ``mg.init`` tears the process group down (a checkpoint
