@@ -5,8 +5,14 @@
     multigpu run -n 4 --cpu examples/hf_model.py --tp 2            # FSDP 2 x TP 2
     multigpu run -n 4 --cpu examples/hf_model.py --dp-replicate 2  # HSDP 2 x 2
     multigpu run -n 2 --cpu examples/hf_model.py --pp 2            # two pipeline stages, 1F1B
+    multigpu verify --cpu --layouts "tp=2;dp_shard=2;pp=2" examples/hf_model.py   # each the same as one process?
+    multigpu tune -n 4 --cpu examples/hf_model.py                  # which layout is fastest here?
 
-Needs ``pip install multigpu[hf]``. The lines marked ``# +layout`` are all that differ from one process.
+It follows the layout contract (docs/your-model.md): its layout comes from ``mg.layout_from_args()``
+(--tp --pp --dp-replicate --dp-shard --micro-batch --activation-checkpointing --schedule --compile), it
+takes --steps and --global-batch, and it measures its steps with mg.StepMeter, so tune, verify and
+study can run it in any layout. Needs ``pip install multigpu[hf]``. The lines marked ``# +layout`` are
+all that differ from one process.
 """
 
 from __future__ import annotations
@@ -22,51 +28,45 @@ from multigpu.recipes.gpt.data import TokenWindows, prepare_tokens
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--dp-replicate", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--global-batch", type=int, default=16)
-    ap.add_argument("--micro-batch", type=int, default=2)
-    args = ap.parse_args()
-
     with mg.init(seed=0) as dist:
+        layout, rest = mg.layout_from_args(default=mg.parallel.Layout(micro_batch=2))           # +layout
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--steps", type=int, default=20)
+        ap.add_argument("--global-batch", type=int, default=16)
+        args = ap.parse_args(rest)
         data = TokenWindows(prepare_tokens("data/pydoc") / "train.bin", block_size=64, vocab_size=256)
         config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                           bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
         torch.manual_seed(0)  # the same full model on every rank; mg.parallelize distributes it
         model = transformers.LlamaForCausalLM(config).to(dist.device)
-        layout = mg.parallel.Layout(tp=args.tp, pp=args.pp, dp_replicate=args.dp_replicate,   # +layout
-                                    micro_batch=args.micro_batch)
         plan = layout.plan(args.global_batch, dist)                                            # +layout
 
         def loss_fn(logits, y):
             return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
-        if args.pp > 1:  # the schedule runs forward and backward: the loop calls it
-            pipe = mg.parallel.pipeline(model, layout, loss_fn, plan)                          # +layout
-            opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+        if layout.pp > 1:  # the schedule runs forward and backward: the loop calls it
+            model = mg.parallel.pipeline(model, layout, loss_fn, plan)                         # +layout
         else:
             model = mg.parallelize(model, layout)                                              # +layout
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for step, micro_batches in zip(range(args.steps), mg.loader(data, plan, dist, seed=0)):
-            if args.pp > 1:
-                loss = pipe.step(micro_batches)
-                pipe.clip_grad_norm_(1.0)
-            else:
-                loss = 0.0
-                for x, y in mg.accumulate(model, micro_batches):
-                    part = loss_fn(model(input_ids=x, use_cache=False).logits, y) / plan.accum_steps
-                    part.backward()
-                    loss += float(part.detach())
-                mg.clip_grad_norm_(model, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if step % 5 == 0 and loss is not None:
-                print(f"step {step} loss {float(loss):.3f} (rank {dist.rank})", flush=True)
-
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with mg.StepMeter(dist, plan, log_every=5, model=model, progress=False) as meter:
+            for step, micro_batches in meter.steps(mg.loader(data, plan, dist, seed=0)):
+                if layout.pp > 1:
+                    loss = model.step(micro_batches)
+                    model.clip_grad_norm_(1.0)
+                else:
+                    loss = 0.0
+                    for x, y in mg.accumulate(model, micro_batches):
+                        part = loss_fn(model(input_ids=x, use_cache=False).logits, y) / plan.accum_steps
+                        part.backward()
+                        loss += float(part.detach())
+                    mg.clip_grad_norm_(model, 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                meter.step_end(loss=loss)  # None on the pipeline's ranks without the last stage
+                if step + 1 == args.steps:
+                    break
 
 if __name__ == "__main__":
     main()

@@ -15,6 +15,7 @@ from .loss import token_divisor
 from .meter import StepMeter, profile
 from .noise import NoiseScale
 from .parallel import accumulate, clip_grad_norm_, full_state_dict, optimizer, parallelize, unwrap, wrap
+from .parallel.flags import layout_from_args
 from .planner import ScaledRecipe, scale_recipe
 from .precision import Precision
 
@@ -40,6 +41,7 @@ __all__ = [
     "fingerprint",
     "full_state_dict",
     "init",
+    "layout_from_args",
     "loader",
     "optimizer",
     "parallelize",
