@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import multigpu as mg
 from multigpu.parallel.flags import describe, layout_flags, parse_layouts, world_of
+
+from _cli import run_cli
 
 
 def test_layout_from_args_reads_every_flag_and_leaves_the_rest():
@@ -54,3 +58,49 @@ def test_bad_layouts_are_one_line(text, fragment):
     with pytest.raises(mg.UsageError) as err:
         parse_layouts(text)
     assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+SCRIPT = str(Path(__file__).with_name("_layout_script.py"))
+
+
+def test_bad_verify_layouts_are_one_line(tmp_path, capsys, monkeypatch):
+    from multigpu import verify
+
+    monkeypatch.chdir(tmp_path)
+    for argv, fragment in ((["--layouts", "tp=x", SCRIPT], "--layouts tp takes a positive integer, got 'x'"),
+                           (["--layouts", "tp=2", "--workers", "1,4", SCRIPT], "pass one"),
+                           (["--layouts", "tp=2;tp=2", SCRIPT], "names a layout twice"),
+                           (["--layouts", "dp_shard=2", "--global-batch", "3", SCRIPT],
+                            "--global-batch 3 does not split over the 2 data-parallel ranks of layout dp_shard=2; use --global-batch 4")):
+        code, err = run_cli(["verify", "--cpu", *argv], capsys)
+        assert code == 2 and err.count("\n") == 1 and fragment in err and "Traceback" not in err, err
+    # a layout for more ranks than the job has: refused before anything starts on GPUs ...
+    monkeypatch.setattr(verify, "_visible_gpus", lambda cpu: 2)
+    code, err = run_cli(["verify", "--layouts", "dp_shard=2,tp=2", SCRIPT], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "layout dp_shard=2,tp=2 spans 4 processes but 2 GPUs are visible; give a layout of at most 2 or use --cpu" in err
+
+
+def test_a_layout_for_more_ranks_than_the_job_is_refused_in_one_line_by_the_script(tmp_path):
+    # ... and by the script itself (the contract's Layout), as verify and tune report a failed run
+    from multigpu.launch.once import run_once
+
+    done = run_once(SCRIPT, ["--tp", "2", "--dp-shard", "2", "--steps", "1"], module=False, log_dir=tmp_path, nproc=1,
+                    cpu=True)
+    assert done.exit_code == 2, done.console.read_text()
+    assert "mesh dp_replicate 1 x dp_shard 2 x tp 2 = 4 processes, but this job has 1; run on 4 processes" in done.failure()
+
+
+@pytest.mark.slow
+def test_verify_layouts_compares_each_layout_of_the_users_script_with_one_process(tmp_path):
+    from multigpu.verify import verify
+
+    said: list[str] = []
+    report = verify(SCRIPT, layouts="tp=2;dp_shard=2;pp=2,micro_batch=2", steps=3, cpu=True, out=str(tmp_path),
+                    say=said.append)
+    assert report["same"] and report["reference"] == "one process" and list(report["comparisons"]) == [
+        "tp=2", "dp_shard=2", "pp=2,micro_batch=2"], said
+    for c in report["comparisons"].values():
+        # float64: the loss as the meter logs it (fp32) and the parameters to rounding
+        assert c["steps"] == 3 and c["largest_loss_rel"] < 1e-6 and c["final_rel"] < 1e-9 and c["first_data_step"] is None, c
+    assert any(s.startswith("  layout tp=2 (2 processes) vs one process: SAME over 3 steps") for s in said), said

@@ -8,6 +8,11 @@ on, plus the full model state at start and end (``meter/probe.py``). Then
 each world size is compared with the first: per-step losses, the samples of
 each step, the initial and final parameters, and the likely causes of a
 difference are named.
+
+With ``--layouts "tp=2;dp_shard=2"`` a script that reads its layout with
+``mg.layout_from_args()`` (docs/your-model.md) runs once on one process and
+once per layout, on as many processes as the layout's degrees multiply to,
+with the layout's flags; each is compared with the one process.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class VerifyConfig:
     """CPU workers (gloo) even where GPUs exist"""
     out: str | None = None
     """where the runs and verify.json go (default multigpu_logs/verify-<time>)"""
+    layouts: str | None = None
+    """layouts to compare with one process instead of --workers, e.g. "tp=2;dp_shard=2,tp=2" (the script reads them with mg.layout_from_args)"""
 
 
 def _read_run(run_dir: Path) -> dict[str, Any]:
@@ -151,6 +158,7 @@ def verify(target: str, args: Sequence[str] = (), *, module: bool = False,
            workers: Sequence[int] = VerifyConfig.workers, steps: int = VerifyConfig.steps,
            global_batch: int | None = VerifyConfig.global_batch, cpu: bool = VerifyConfig.cpu,
            rtol: float = VerifyConfig.rtol, out: str | None = VerifyConfig.out,
+           layouts: str | Sequence[Any] | None = VerifyConfig.layouts,
            say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run ``target`` at each world size and compare with the first; returns the report (also verify.json).
 
@@ -160,6 +168,9 @@ def verify(target: str, args: Sequence[str] = (), *, module: bool = False,
     """
     from .launch.once import run_once
 
+    if layouts is not None:
+        return _verify_layouts(target, args, module=module, layouts=layouts, steps=steps, global_batch=global_batch,
+                               cpu=cpu, rtol=rtol, out=out, say=say)
     if len(workers) < 2 or any(w < 1 for w in workers):
         raise UsageError(f"--workers needs two or more positive world sizes to compare, got {','.join(map(str, workers))}; "
                          "use e.g. --workers 1,2")
@@ -177,41 +188,93 @@ def verify(target: str, args: Sequence[str] = (), *, module: bool = False,
             raise UsageError(f"--global-batch {global_batch} is not divisible by {uneven[0]} workers (--workers "
                              f"{','.join(map(str, workers))}); every world size must split it evenly: use "
                              f"--global-batch {fits}")
+    runs = [(str(w), f"{w} worker{'s' if w > 1 else ''}", w, [], f"w{w}") for w in workers]
+    return _run_and_compare(target, args, runs, module=module, steps=steps, global_batch=global_batch, cpu=cpu,
+                            rtol=rtol, out=out, say=say, names={str(w): f"{w} workers" for w in workers} | {
+                                str(workers[0]): str(workers[0])})
+
+
+def _verify_layouts(target: str, args: Sequence[str], *, module: bool, layouts: str | Sequence[Any], steps: int,
+                    global_batch: int | None, cpu: bool, rtol: float, out: str | None,
+                    say: Callable[[str], None]) -> dict[str, Any]:
+    """One process, then each layout on the processes its degrees multiply to, each compared with the one."""
+    from .parallel.flags import describe, layout_flags, parse_layouts, world_of
+
+    chosen = parse_layouts(layouts) if isinstance(layouts, str) else list(layouts)
+    if steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {steps}; use e.g. --steps 5")
+    if not rtol > 0:
+        raise UsageError(f"--rtol must be a positive number, got {rtol}; use e.g. --rtol 1e-5 (fp32 losses)")
+    devices = _visible_gpus(cpu)
+    for layout in chosen:
+        world, dp = world_of(layout), layout.dp_replicate * (layout.dp_shard or 1)
+        if devices is not None and world > devices:
+            raise UsageError(f"layout {describe(layout)} spans {world} processes but {devices} GPU"
+                             f"{'s are' if devices != 1 else ' is'} visible; give a layout of at most {devices} or "
+                             f"use --cpu")
+        if global_batch is not None and global_batch % dp:
+            raise UsageError(f"--global-batch {global_batch} does not split over the {dp} data-parallel ranks of "
+                             f"layout {describe(layout)}; use --global-batch {-(-global_batch // dp) * dp}")
+    runs = [("one process", "one process", 1, [], "one")]
+    for i, layout in enumerate(chosen):
+        name = describe(layout)
+        runs.append((name, f"layout {name} ({world_of(layout)} processes)", world_of(layout), layout_flags(layout),
+                     f"l{i}-" + "".join(ch if ch.isalnum() else "-" for ch in name)))
+    if len({r[0] for r in runs}) != len(runs):
+        raise UsageError(f"--layouts names a layout twice or one process itself ({layouts!r}); list each once")
+    return _run_and_compare(target, args, runs, module=module, steps=steps, global_batch=global_batch, cpu=cpu,
+                            rtol=rtol, out=out, say=say, names={r[0]: r[1] for r in runs})
+
+
+def _visible_gpus(cpu: bool) -> int | None:
+    """The GPUs a run would use (None: CPU workers, any number)."""
+    import torch
+
+    return torch.cuda.device_count() if not cpu and torch.cuda.is_available() else None
+
+
+def _run_and_compare(target: str, args: Sequence[str], runs: list[tuple[str, str, int, list[str], str]], *,
+                     module: bool, steps: int, global_batch: int | None, cpu: bool, rtol: float, out: str | None,
+                     say: Callable[[str], None], names: dict[str, str]) -> dict[str, Any]:
+    """Run each (key, label, processes, extra flags, directory), compare every one with the first, report."""
+    from .launch.once import run_once
+
     root = Path(out or os.path.join("multigpu_logs", f"verify-{time.strftime('%Y%m%d-%H%M%S')}"))
     root.mkdir(parents=True, exist_ok=True)
     extra = list(args) + (["--global-batch", str(global_batch)] if global_batch else []) + ["--steps", str(steps)]
-    runs = {}
-    for w in workers:
-        say(f"multigpu verify: {w} worker{'s' if w > 1 else ''}, {steps} steps ...")
-        done = run_once(target, extra, module=module, log_dir=root / f"w{w}", nproc=w, cpu=cpu, env={VERIFY_ENV: "1"})
+    results = {}
+    for key, label, nproc, flags, where in runs:
+        say(f"multigpu verify: {label}, {steps} steps ...")
+        done = run_once(target, extra + flags, module=module, log_dir=root / where, nproc=nproc, cpu=cpu,
+                        env={VERIFY_ENV: "1"})
         if done.refusal is not None:
             raise done.refusal
         if done.exit_code != 0 or done.run_dir is None:
             why = done.failure()  # the failing rank's exception, not just the code
-            raise UsageError(f"the run on {w} worker{'s' if w > 1 else ''} failed (exit code {done.exit_code}"
+            raise UsageError(f"the run on {label} failed (exit code {done.exit_code}"
                              f"{': ' + why.strip() if why else ''}; see {done.console}); verify compares "
                              f"finished runs: fix the script first")
-        runs[w] = _read_run(done.run_dir)
-    ref = workers[0]
+        results[key] = _read_run(done.run_dir)
+    ref = runs[0][0]
     report = {"target": target, "args": list(args), "steps": steps, "global_batch": global_batch, "rtol": rtol,
-              "reference": ref, "comparisons": {}}
-    for w in workers[1:]:
-        report["comparisons"][str(w)] = compare(runs[ref], runs[w], rtol)
+              "reference": int(ref) if ref.isdigit() else ref, "comparisons": {}}
+    for key, *_ in runs[1:]:
+        report["comparisons"][key] = compare(results[ref], results[key], rtol)
     report["same"] = all(c["same"] for c in report["comparisons"].values())
     (root / "verify.json").write_text(json.dumps(report, indent=1))
-    for w, c in report["comparisons"].items():
-        say(line(int(w), ref, c))
+    for key, c in report["comparisons"].items():
+        say(line(names[key], names[ref], c))
         for cause in c["causes"]:
             say(f"    likely cause: {cause}")
     say(f"multigpu verify: {'the same training' if report['same'] else 'DIFFERENT'}; details in {root / 'verify.json'}")
     return report
 
 
-def line(w: int, ref: int, c: dict[str, Any]) -> str:
+def line(w: int | str, ref: int | str, c: dict[str, Any]) -> str:
     final = (f"final parameters {c['final_rel']:.1e} of the update (tolerance {c['param_tol']:.0e}: fp32 rounding "
              f"that AdamW amplifies where a gradient cancels to ~0 reached 4e-3, a bug moves the update)"
              if c["final_rel"] is not None else "parameters not compared (pass model= to StepMeter)")
-    head = f"  {w} workers vs {ref}: "
+    head = f"  {w if isinstance(w, str) else f'{w} workers'} vs {ref}: "
     if c["same"]:
         return head + f"SAME over {c['steps']} steps: largest loss difference {c['largest_loss_rel']:.1e} (relative), {final}"
     where = f"from step {c['first_diverging_step']}" if c["first_diverging_step"] is not None else "in the parameters"
@@ -229,15 +292,18 @@ def add_arguments(parser) -> None:
     field("--rtol", field="rtol", type=float)
     field("--cpu", field="cpu", action="store_true")
     field("--out", field="out")
+    field("--layouts", field="layouts", metavar='"tp=2;dp_shard=2,tp=2"')
     parser.add_argument("-m", dest="module", action="store_true", help="the target is a module (python -m)")
     parser.add_argument("target", help="the script (or module with -m)")
     parser.add_argument("args", nargs="...", help="arguments for the script")
 
 
 def main(args) -> int:
+    if args.layouts is not None and args.workers != ",".join(map(str, VerifyConfig.workers)):
+        raise UsageError("--layouts compares each layout with one process; --workers compares world sizes: pass one")
     workers = int_list(args.workers, "--workers must be a comma-separated list of integers", "use e.g. --workers 1,2",
                        skip_empty=True)
     cfg = VerifyConfig(workers=workers, steps=args.steps, global_batch=args.global_batch, rtol=args.rtol,
-                       cpu=args.cpu, out=args.out)
+                       cpu=args.cpu, out=args.out, layouts=args.layouts)
     report = verify(args.target, args.args, module=args.module, say=lambda s: print(s, flush=True), **asdict(cfg))
     return 0 if report["same"] else 1

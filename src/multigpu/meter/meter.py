@@ -27,7 +27,7 @@ from ..values import positive_int
 from . import gpumon, sinks as _sinks
 from .flops import FlopCount, dtype_key, peak_flops
 from .interval import Interval
-from .probe import Probe
+from .probe import Probe, dp_rank, is_pipeline
 from .records import interval_record, run_summary, summary_line
 
 SCHEMA_VERSION = 2  # 2: summary throughput from totals, per-interval spreads under "intervals", pauses
@@ -81,7 +81,7 @@ class StepMeter:
             samples_per_step = plan.global_batch
         self.samples_per_step = int(samples_per_step)
         self.tokens_per_sample = tokens_per_sample
-        self._flops_auto = flops_per_sample == "auto"
+        self._flops_auto = flops_per_sample == "auto" and not is_pipeline(model)
         self.flops_per_sample = None if flops_per_sample in (None, "auto") else float(flops_per_sample)
         self._dtype = dtype_key(dtype)
         name = torch.cuda.get_device_name(self.device) if self._cuda else "cpu"
@@ -107,7 +107,7 @@ class StepMeter:
         os.makedirs(self.log_dir, exist_ok=True)
 
         self._start_instruments(dist, model, gpu_monitor, watchdog, profile)
-        self.probe = Probe(model, self.log_dir, self.rank, self.world_size) if verify_requested() else None
+        self.probe = Probe(model, self.log_dir, self.rank, self.world_size, dp_rank(plan, dist)) if verify_requested() else None
         self._open_sinks(dist, plan, sinks, progress, resume, fingerprint_extra, sink_options, flops_per_sample)
 
     def _start_instruments(self, dist: Any, model: torch.nn.Module | None, gpu_monitor: bool,
@@ -116,7 +116,7 @@ class StepMeter:
         self._ready_ev = None
         self._ready_t: float | None = None
         self._hooks = []
-        if model is not None:
+        if model is not None and not is_pipeline(model):
             # The time until this rank's own gradients are ready, before it can wait for
             # anybody in the all-reduce: the fair basis for naming a compute straggler.
             for p in model.parameters():

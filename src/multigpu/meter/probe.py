@@ -20,6 +20,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from ..errors import UsageError
 from ..runtime.contract import VERIFY_DIR
 
 
@@ -62,37 +63,63 @@ def plain_state_digest(model: nn.Module) -> list[float]:
             if torch.is_tensor(t) and not isinstance(t, DTensor) and t.is_floating_point()]
 
 
+def is_pipeline(model: Any) -> bool:
+    """A ``mg.parallel.pipeline``: its schedule's backward runs autograd.grad per stage, which refuses hooks
+    on the graph (the meter's gradient-ready hooks, the module tracker of the FLOP count's FlopCounterMode),
+    and its ranks hold different stages (so no comparison of their starts)."""
+    from ..parallel.pp import Pipeline
+
+    return isinstance(model, Pipeline)
+
+
+def dp_rank(plan: Any, dist: Any) -> int | None:
+    """The plan's data-parallel rank of this process (None: the plan does not say; the probe takes the rank)."""
+    if plan is None or dist is None or not hasattr(plan, "dp_rank_of"):
+        return None
+    try:
+        return plan.dp_rank_of(dist)
+    except UsageError:  # a plan for another world: the meter's own checks report it
+        return None
+
+
 class Probe:
     """Records the run for ``multigpu verify``; every call that gathers is collective."""
 
-    def __init__(self, model: nn.Module | None, log_dir: str, rank: int, world_size: int) -> None:
+    def __init__(self, model: Any, log_dir: str, rank: int, world_size: int, dp_rank: int | None = None) -> None:
         self.model, self.rank, self.world = model, rank, world_size
+        # Tensor-parallel peers and pipeline stages of one data-parallel rank train on the same samples:
+        # only the first rank of each data-parallel rank adds them to the step's digest.
+        self.dp_rank = rank if dp_rank is None else dp_rank
         self.dir = os.path.join(log_dir, VERIFY_DIR)
         self.digests: list[float] = []
         if rank == 0:
             os.makedirs(self.dir, exist_ok=True)
         self._save_model("initial")
-        self.start = plain_state_digest(model) if model is not None else []
+        # A pipeline's ranks hold different stages by design: their starts are not comparable.
+        self.module = None if is_pipeline(model) else model
+        self.start = plain_state_digest(self.module) if self.module is not None else []
 
     def batch(self, batch: Any) -> None:
         self.digests.append(digest(batch))
 
     def finish(self) -> None:
         self._save_model("final")
-        mine = {"digests": self.digests, "batchnorm": unsynced_batchnorm(self.model) if self.model is not None else [],
-                "start": self.start}
+        mine = {"digests": self.digests, "batchnorm": unsynced_batchnorm(self.module) if self.module is not None else [],
+                "start": self.start, "dp_rank": self.dp_rank}
         every = [mine]
         if self.world > 1 and tdist.is_initialized():
             every = [None] * self.world
             tdist.all_gather_object(every, mine)
         if self.rank == 0:
             steps = min(len(r["digests"]) for r in every)
+            firsts = list({r["dp_rank"]: r for r in reversed(every)}.values())  # the lowest rank of each dp rank
             rec = {"world_size": self.world, "model": self.model is not None,
-                   "digests": [math.fsum(r["digests"][i] for r in every) for i in range(steps)],
+                   "digests": [math.fsum(r["digests"][i] for r in firsts) for i in range(steps)],
                    "batchnorm": every[0]["batchnorm"] if self.world > 1 else [],
                    # Ranks whose unsynced parameters started elsewhere than rank 0's (a per-rank seed that
                    # no wrapper broadcast over): rank 0's initial.pt alone would not show it.
-                   "rank_starts": [r for r in range(1, len(every)) if every[r]["start"] != every[0]["start"]]}
+                   "rank_starts": [r for r in range(1, len(every))
+                                   if self.module is not None and every[r]["start"] != every[0]["start"]]}
             with open(os.path.join(self.dir, "probe.json"), "w") as fp:
                 json.dump(rec, fp)
 
