@@ -59,13 +59,15 @@ SCRIPT = textwrap.dedent("""
 HUNG = -999  # the exit code recorded for a launch that did not end within --timeout
 
 
-def launch(how: str, n: int, kind: str, script: str, log_dir: str, timeout: float) -> tuple[int, bool, str]:
+def launch(how: str, n: int, kind: str, script: str, log_dir: str, timeout: float,
+           run_args: list[str] = ()) -> tuple[int, bool, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     if how == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", script, kind]
     else:
-        cmd = [sys.executable, "-m", "multigpu", "run", "-n", str(n), "--cpu", "--log-dir", log_dir, script, kind]
+        cmd = [sys.executable, "-m", "multigpu", "run", "-n", str(n), "--cpu", "--log-dir", log_dir, *run_args,
+               script, kind]
     # its own session, so a hung launch can be stopped with all its workers and counted, not end the series
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
@@ -88,6 +90,8 @@ def main() -> None:
     ap.add_argument("--launchers", default="torchrun,multigpu")
     ap.add_argument("--layouts", default="2:bare,2:ddp,4:fsdp", help="ranks:kind, comma-separated (kinds: bare, ddp, fsdp)")
     ap.add_argument("--timeout", type=float, default=180, help="seconds before a launch counts as hung (a normal one takes 5-25 s)")
+    ap.add_argument("--run-args", default="", help="more multigpu run flags, e.g. '--max-restarts 1' (then each "
+                    "attempt gets a store of its own, hosted by rank 0: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)")
     ap.add_argument("--keep", default="clean-exits-failures", help="where the logs and output of a run that exited non-zero are kept")
     args = ap.parse_args()
     layouts = [(int(n), kind) for n, kind in (item.split(":") for item in args.layouts.split(","))]
@@ -100,7 +104,7 @@ def main() -> None:
         for i in range(args.runs):
             for case in cases:  # interleaved: a busy moment hits every case alike
                 with tempfile.TemporaryDirectory(dir=tmp) as logs:
-                    code, terminate, text = launch(*case, script, logs, args.timeout)
+                    code, terminate, text = launch(*case, script, logs, args.timeout, args.run_args.split())
                     if code != 0:  # keep what it said, for the diagnosis
                         kept = Path(args.keep) / f"{case[0]}-{case[1]}x{case[2]}-round{i + 1}-exit{code}"
                         shutil.copytree(logs, kept)
