@@ -19,6 +19,9 @@ This runs TARGET as ``python TARGET`` / ``python -m TARGET`` would (its module i
   called without an active exception", exit 134, seen with plain torchrun
   too; backtrace in docs/launcher.md). A script that returns without
   ``destroy_process_group`` gets it here, while the interpreter is alive.
+- **A stack at an abort.** ``faulthandler`` is on, so an abort (SIGABRT from
+  ``std::terminate``) or a crash leaves every thread's Python stack in the
+  rank's stderr log: which thread was inside C++ when the process died.
 - **A quicker exit.** The collector is frozen before the interpreter's teardown,
   which otherwise spends about 0.9 s of CPU per worker (see ``_prepare_exit``).
 """
@@ -26,6 +29,7 @@ This runs TARGET as ``python TARGET`` / ``python -m TARGET`` would (its module i
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import gc
 import importlib.util
 import io
@@ -137,6 +141,8 @@ def main(argv: list[str], keep_main: bool = False) -> int:
 
 
 if __name__ == "__main__":
+    if not faulthandler.is_enabled():  # the script's own choice (python -X faulthandler, a file) stays
+        faulthandler.enable(all_threads=True)
     try:
         code = main(sys.argv[1:], keep_main=True)
     finally:  # sys.exit(n) from the script passes through too
