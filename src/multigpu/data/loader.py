@@ -125,6 +125,17 @@ def _json(value):
     return json.loads(json.dumps(value))
 
 
+def refuse_other_order(state: Mapping[str, Any], mine: Mapping[str, Any], keys: tuple[str, ...], what: str) -> None:
+    """``UsageError`` unless a saved position continues this loader's order: the same ``keys`` and source."""
+    for key in keys:
+        if key in state and state[key] != mine[key]:
+            raise UsageError(
+                f"the saved {what} position has {key}={state[key]} but this loader has {key}={mine[key]}; "
+                f"resume with the same {key.replace('_', ' ')} to continue the same data order"
+            )
+    refuse_changed_source(state.get("source"), mine.get("source"))
+
+
 def refuse_changed_source(saved: Any, mine: Any) -> None:
     """``UsageError`` naming the first difference when a saved position's source is not this loader's."""
     if saved is None or mine is None or _json(saved) == _json(mine):
@@ -247,14 +258,7 @@ class DistributedLoader:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        mine = self.state_dict()
-        for key in ("seed", "global_batch", "dataset_size", "shuffle"):
-            if key in state and state[key] != mine[key]:
-                raise UsageError(
-                    f"the saved loader position has {key}={state[key]} but this loader has {key}={mine[key]}; "
-                    f"resume with the same {key.replace('_', ' ')} to continue the same data order"
-                )
-        refuse_changed_source(state.get("source"), self.source)
+        refuse_other_order(state, self.state_dict(), ("seed", "global_batch", "dataset_size", "shuffle"), "loader")
         self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
 
 

@@ -23,7 +23,6 @@ plus the page cache the kernel shares between ranks.
 
 from __future__ import annotations
 
-import glob
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..errors import UsageError
+from .sources import listed_files
 
 HEADER_BYTES = 256 * 4
 MAGIC = {20240520: np.dtype("<u2"), 20240801: np.dtype("<u4")}  # llm.c's GPT-2 and LLaMA 3 token files
@@ -58,17 +58,9 @@ def shard_files(source: str | os.PathLike | Sequence[str | os.PathLike]) -> list
     """The files of ``source``: a directory (its ``.bin`` and ``.npy`` files, sorted), a glob, a file or a list."""
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
-        if os.path.isdir(text):
-            files = sorted(p for p in Path(text).iterdir()
-                           if p.suffix in (".bin", ".npy") and p.is_file() and not p.name.startswith("."))
-            if not files:
-                raise UsageError(f"{text} holds no .bin or .npy token shards; pass a directory of shards, "
-                                 "a glob like 'data/*train*.bin' or a list of files")
-            return files
-        if any(c in text for c in "*?["):
-            files = sorted(Path(p) for p in glob.glob(text) if os.path.isfile(p))
-            if not files:
-                raise UsageError(f"no file matches {text}; check the pattern (e.g. 'data/fineweb_train_*.bin')")
+        files = listed_files(text, (".bin", ".npy"), ".bin or .npy token shards; pass a directory of shards, a glob "
+                             "like 'data/*train*.bin' or a list of files", "data/fineweb_train_*.bin")
+        if files is not None:
             return files
         source = [text]
     files = [Path(p) for p in source]

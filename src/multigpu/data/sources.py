@@ -127,16 +127,27 @@ def _path_shard(path: Path, root: str) -> StreamShard:
     return StreamShard(functools.partial(reader, str(path)), [name, path.stat().st_size])
 
 
-def _paths(text: str) -> list[Path]:
+def listed_files(text: str, suffixes: tuple[str, ...], none_there: str, example: str) -> list[Path] | None:
+    """A directory's files ending in ``suffixes`` (sorted, hidden ones left out) or a glob's matches; ``None``
+    when ``text`` is neither. ``none_there``: the refusal's end for a directory without any, after "holds no"."""
     if os.path.isdir(text):
-        files = sorted(p for p in Path(text).iterdir() if p.is_file() and p.name.endswith(SUFFIXES))
+        files = sorted(p for p in Path(text).iterdir()
+                       if p.is_file() and p.name.endswith(suffixes) and not p.name.startswith("."))
         if not files:
-            raise UsageError(f"{text} holds no .tar or .jsonl shards; pass a directory of them, a glob or a list")
+            raise UsageError(f"{text} holds no {none_there}")
         return files
     if any(c in text for c in "*?["):
         files = sorted(Path(p) for p in glob.glob(text) if os.path.isfile(p))
         if not files:
-            raise UsageError(f"no file matches {text}; check the pattern (e.g. 'data/train-*.tar')")
+            raise UsageError(f"no file matches {text}; check the pattern (e.g. '{example}')")
+        return files
+    return None
+
+
+def _paths(text: str) -> list[Path]:
+    files = listed_files(text, SUFFIXES, ".tar or .jsonl shards; pass a directory of them, a glob or a list",
+                         "data/train-*.tar")
+    if files is not None:
         return files
     if not os.path.isfile(text):
         raise UsageError(f"stream shard {text} does not exist; pass existing .tar / .jsonl files or their directory")

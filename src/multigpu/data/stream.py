@@ -34,7 +34,7 @@ from ..batch import BatchPlan
 from ..dist import Dist
 from ..errors import UsageError
 from ..values import positive_int
-from .loader import _as_batch, global_order, refuse_changed_source, to_device
+from .loader import _as_batch, global_order, refuse_changed_source, refuse_other_order, to_device
 from .sources import RawStream, materialize, stream_shards
 
 OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
@@ -192,14 +192,7 @@ class StreamLoader:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        mine = self.state_dict()
-        for key in ("seed", "global_batch", "buffer", "shuffle"):
-            if key in state and state[key] != mine[key]:
-                raise UsageError(
-                    f"the saved stream position has {key}={state[key]} but this loader has {key}={mine[key]}; "
-                    f"resume with the same {key.replace('_', ' ')} to continue the same data order"
-                )
-        refuse_changed_source(state.get("source"), self.source)
+        refuse_other_order(state, self.state_dict(), ("seed", "global_batch", "buffer", "shuffle"), "stream")
         saved = state.get("records")
         if saved is not None and self.records is not None and saved != self.records:
             refuse_changed_source({"records": saved}, {"records": self.records})
