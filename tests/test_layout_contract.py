@@ -104,3 +104,44 @@ def test_verify_layouts_compares_each_layout_of_the_users_script_with_one_proces
         # float64: the loss as the meter logs it (fp32) and the parameters to rounding
         assert c["steps"] == 3 and c["largest_loss_rel"] < 1e-6 and c["final_rel"] < 1e-9 and c["first_data_step"] is None, c
     assert any(s.startswith("  layout tp=2 (2 processes) vs one process: SAME over 3 steps") for s in said), said
+
+
+def test_bad_tune_input_for_a_script_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for argv, fragment in ((["missing.py"], "tune knows the layouts of the GPT recipe"),
+                           ([SCRIPT, "--tp", "2"], "tune chooses --tp itself; drop them"),
+                           ([SCRIPT, "--steps=3"], "tune chooses --steps itself"),
+                           (["--memory-budget", "1GiB", SCRIPT], "drop --memory-budget")):
+        code, err = run_cli(["tune", "--cpu", *argv], capsys)
+        assert code == 2 and err.count("\n") == 1 and fragment in err and "Traceback" not in err, err
+    assert not list(tmp_path.iterdir())  # nothing started, nothing written
+
+
+def test_tune_enumerates_every_layout_through_the_mesh_factoring():
+    from multigpu.tune.space import layouts
+
+    found = layouts(4, micro_batches=[2, 4])
+    shapes = {(l.pp, l.dp_replicate, l.dp_shard, l.tp) for l in found}
+    assert len(shapes) == 10 and all(a * b * c * d == 4 for a, b, c, d in shapes)  # ordered factorings of 4
+    assert len(found) == 20 and {l.micro_batch for l in found} == {2, 4}
+    assert [describe(l) for l in layouts(2)] == ["dp_shard=2", "tp=2", "dp_replicate=2", "pp=2"]
+
+
+@pytest.mark.slow
+def test_tune_measures_every_layout_of_the_users_script_and_picks_the_fastest(tmp_path):
+    import json
+
+    from multigpu.tune import TuneConfig, run_tune
+
+    said: list[str] = []
+    out, report = run_tune(TuneConfig(SCRIPT, ("--global-batch", "16"), nproc=2, cpu=True, top=2, repeats=2, steps=6,
+                                      out=str(tmp_path / "tune")), say=said.append)
+    saved = json.loads((out / "tune.json").read_text())
+    assert (out / "report.md").is_file() and saved["winner"] == report["winner"]
+    rows = saved["candidates"]
+    assert sorted(r["candidate"] for r in rows) == ["dp_replicate=2", "dp_shard=2", "pp=2", "tp=2"]
+    assert all(r["result"] for r in rows) and saved["left_out"] == []
+    assert sorted(len(r["measured"]) for r in rows) == [1, 1, 2, 2]  # every layout once, the 2 fastest again
+    assert rows == sorted(rows, key=lambda r: r["result"]["step_time_s"]) and saved["winner"] == rows[0]["candidate"]
+    assert saved["command"].startswith(f"multigpu run -n 2 --cpu {SCRIPT} --global-batch 16")
+    assert saved["command"].endswith(" ".join(rows[0]["args"])) and report["verdict"] in said

@@ -292,7 +292,7 @@ def add_arguments(parser) -> None:
     field("--rtol", field="rtol", type=float)
     field("--cpu", field="cpu", action="store_true")
     field("--out", field="out")
-    field("--layouts", field="layouts", metavar='"tp=2;dp_shard=2,tp=2"')
+    field("--layouts", field="layouts", metavar="LAYOUTS")
     parser.add_argument("-m", dest="module", action="store_true", help="the target is a module (python -m)")
     parser.add_argument("target", help="the script (or module with -m)")
     parser.add_argument("args", nargs="...", help="arguments for the script")

@@ -1,4 +1,5 @@
-"""`multigpu tune`: which layout of the GPT recipe is fastest on these N devices and fits, predicted and measured.
+"""`multigpu tune`: which layout of the GPT recipe is fastest on these N devices and fits, predicted and measured;
+or of a script that reads its layout with ``mg.layout_from_args()``, measured (``script.py``).
 
     space.py   the candidates: DDP / FSDP / HSDP x TP x PP, micro-batch, activation checkpointing, schedule
     probe.py   the measured parts: one micro-batch on one process, the links (cached)
@@ -28,8 +29,10 @@ def add_arguments(parser) -> None:
     tune("--micro-batches", field="micro_batches", metavar="M,M,...")
     tune("--threads", field="threads", type=int)
     tune("--out", field="out")
-    parser.add_argument("workload", help="gpt (the GPT recipe, multigpu.recipes.gpt)")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="the recipe's model and batch flags (--size, --global-batch, --untied, ...)")
+    parser.add_argument("workload", help="gpt (the GPT recipe, multigpu.recipes.gpt), or a script.py that reads its "
+                                         "layout with mg.layout_from_args() and measures with mg.StepMeter")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the recipe's model and batch flags (--size, --global-batch, "
+                                                               "--untied, ...), or the script's own")
 
 
 def main(args) -> int:
@@ -47,7 +50,8 @@ def main(args) -> int:
     for flag, value in (("--repeats", args.repeats), ("--steps", args.steps), ("--threads", args.threads)):
         if value < 1 or (flag == "--steps" and value < 4):
             raise UsageError(f"{flag} must be at least {4 if flag == '--steps' else 1}, got {value}")
-    check_args(TuneConfig(args.workload, tuple(args.args)))
+    check_args(TuneConfig(args.workload, tuple(args.args),
+                          memory_budget=parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None))
     nproc = args.nproc
     if nproc is None:
         import torch

@@ -62,6 +62,10 @@ class TuneConfig:
 
 def check_args(cfg: TuneConfig) -> None:
     """The refusals that need no torch (a typo fails at once)."""
+    from .script import check_script_args, is_script
+
+    if is_script(cfg.workload):  # a script of the user's that follows the layout contract
+        return check_script_args(cfg)
     if cfg.workload not in ("gpt", RECIPE):
         raise UsageError(f"tune knows the layouts of the GPT recipe (`multigpu tune gpt [its flags]`), got {cfg.workload!r}; "
                          "a script of your own cannot be re-laid-out from outside: port its model to the recipe's flags")
@@ -133,6 +137,10 @@ def run_tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> tuple[Path,
 
     from . import probe
 
+    from .script import is_script, run_script_tune
+
+    if is_script(cfg.workload):
+        return run_script_tune(cfg, say)
     t_start = time.perf_counter()
     args, model_cfg = _recipe_args(cfg)
     device = "cpu" if cfg.cpu or not torch.cuda.is_available() else "cuda"

@@ -111,3 +111,26 @@ def _why_not(cfg, tp: int, pp: int, dp: int, global_batch: int) -> str | None:
         if pp > cfg.n_layer:
             return f"{pp} stages for {cfg.n_layer} blocks"
     return None
+
+
+def layouts(world: int, *, micro_batches: list[int] | None = None,
+            schedules: tuple[str, ...] = ("1f1b",)) -> list:
+    """Every ``Layout`` of ``world`` ranks, for a script that reads its layout from its command line: each
+    factoring of the world into (pp, dp_replicate, dp_shard, tp) that the mesh itself accepts, times the
+    micro-batch sizes (None: the script's own) and, with a pipeline, the schedules. The script refuses
+    those its model or batch cannot take (heads tp does not divide, a batch that does not split)."""
+    from ..parallel.layout import Layout
+    from ..parallel.mesh import factor
+
+    if world < 1:
+        raise UsageError(f"tune needs at least 1 rank, got {world}")
+    found = []
+    for pp in divisors(world):
+        for rep in divisors(world // pp):
+            for tp in divisors(world // (pp * rep)):
+                shape = factor(world, tp=tp, dp_replicate=rep, pp=pp)  # dp_shard takes the rest
+                for m in micro_batches or [None]:
+                    for schedule in (schedules if pp > 1 else ("1f1b",)):
+                        found.append(Layout(dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard, tp=shape.tp,
+                                            pp=shape.pp, micro_batch=m, schedule=schedule))
+    return found
