@@ -14,6 +14,12 @@ times, and the environment fingerprint.
     python benchmarks/tune_exhaustive.py -n 2 --micro-batches 4,8 --repeats 1 --global-batch 16
     python benchmarks/tune_exhaustive.py --measured studies/tune-exhaustive/all-HHMMSS   # re-predict, no re-measuring
 
+    python benchmarks/tune_exhaustive.py --script examples/hf_model.py --micro-batches ''   # a script's layouts
+
+``--script PATH``: a script that follows the layout contract (docs/your-model.md) instead of the recipe;
+tune measures its layouts (no prediction), so the comparison is of tune's choice (every layout once,
+the top K again) against every layout measured in every round. ``--micro-batches ''``: the script's own.
+
 ``--measured DIR``: an earlier exhaustive run's measurements, predicted again by
 the current cost model from a fresh probe and the cached links (the model
 changed, the machine did not), then tune --top K as usual.
@@ -67,24 +73,28 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=3)
     ap.add_argument("--out", default="studies/tune-exhaustive")
     ap.add_argument("--measured", default=None, metavar="DIR", help="an exhaustive run to re-predict instead of measuring")
+    ap.add_argument("--script", default=None, metavar="PATH", help="a script of the layout contract instead of the recipe")
     a = ap.parse_args()
-    micro = tuple(int(v) for v in a.micro_batches.split(","))
-    common = dict(args=("--size", a.size, "--global-batch", str(a.global_batch)), nproc=a.n, cpu=True,
-                  repeats=a.repeats, steps=a.steps, micro_batches=micro)
+    micro = tuple(int(v) for v in a.micro_batches.split(",") if v) or None
+    workload = a.script or "gpt"
+    common = dict(args=(() if a.script else ("--size", a.size)) + ("--global-batch", str(a.global_batch)), nproc=a.n,
+                  cpu=True, repeats=a.repeats, steps=a.steps, micro_batches=micro)
     t0 = time.perf_counter()
     if a.measured:
         full = repredict(json.loads((Path(a.measured) / "tune.json").read_text()), a)
         exhaustive_s = full["wall_s"]
     else:
-        _, full = run_tune(TuneConfig("gpt", top=0, out=f"{a.out}/all-{time.strftime('%H%M%S')}", **common))
+        _, full = run_tune(TuneConfig(workload, top=0, out=f"{a.out}/all-{time.strftime('%H%M%S')}", **common))
         exhaustive_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    _, tuned = run_tune(TuneConfig("gpt", top=a.top, out=f"{a.out}/top{a.top}-{time.strftime('%H%M%S')}", **common))
+    _, tuned = run_tune(TuneConfig(workload, top=a.top, out=f"{a.out}/top{a.top}-{time.strftime('%H%M%S')}", **common))
     tune_s = time.perf_counter() - t0
 
     measured = [c for c in full["candidates"] if c.get("result")]
     best = min(measured, key=lambda c: c["result"]["step_time_s"])
     truth = {c["candidate"]: c["result"]["step_time_s"] for c in measured}
+    if a.script:  # measured, not predicted: the choice against the exhaustive run, and the walls
+        return _script_verdict(a, full, tuned, best, truth, exhaustive_s, tune_s)
     rank = [c["candidate"] for c in full["candidates"]].index(best["candidate"]) + 1
     print(f"\n{len(measured)} candidates measured ({a.repeats} rounds of {a.steps} steps) on {a.n} CPU ranks, gpt {a.size}, "
           f"global batch {a.global_batch}")
@@ -109,6 +119,20 @@ def main() -> None:
     order = sorted(measured, key=lambda c: c["result"]["step_time_s"])
     pred_rank = {c["candidate"]: i for i, c in enumerate(full["candidates"])}
     print("measured order (predicted rank):", ", ".join(f"{c['candidate']} ({pred_rank[c['candidate']] + 1})" for c in order[:8]))
+    print(f"wall: exhaustive {exhaustive_s:.0f} s, tune --top {a.top} {tune_s:.0f} s ({tune_s / exhaustive_s:.0%})")
+    print("env:", format_fingerprint(mg.fingerprint(None, world_size=a.n, backend="gloo")))
+
+
+def _script_verdict(a, full: dict, tuned: dict, best: dict, truth: dict, exhaustive_s: float, tune_s: float) -> None:
+    print(f"\n{len(truth)} layouts measured ({a.repeats} rounds of {a.steps} steps) on {a.n} CPU ranks, {a.script}, "
+          f"global batch {a.global_batch}; left out: " + "; ".join(f"{o['layout']}: {o['reason']}" for o in full["left_out"]))
+    print(f"true fastest: {best['candidate']}: {truth[best['candidate']] * 1e3:.1f} ms/step")
+    chosen = tuned["winner"]
+    gap = f"{truth[chosen] * 1e3:.1f} ms/step in the exhaustive run, {truth[chosen] / truth[best['candidate']] - 1:+.1%} " \
+          "from the fastest (goal: within 5 %)" if chosen in truth else "not measured in the exhaustive run"
+    print(f"tune --top {a.top} chose: {chosen}: {gap}")
+    order = sorted(truth, key=truth.get)
+    print("measured order:", ", ".join(f"{c} {truth[c] * 1e3:.1f}" for c in order))
     print(f"wall: exhaustive {exhaustive_s:.0f} s, tune --top {a.top} {tune_s:.0f} s ({tune_s / exhaustive_s:.0%})")
     print("env:", format_fingerprint(mg.fingerprint(None, world_size=a.n, backend="gloo")))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import time
 from dataclasses import replace
@@ -57,7 +58,10 @@ def _measure(layout, cfg, root: Path, round_: int) -> dict:
     if done.refusal is not None:
         return {"status": "failed", "error": str(done.refusal)}
     if done.exit_code != 0 or done.run_dir is None:
-        return {"status": "failed", "exit_code": done.exit_code, "error": (done.failure() or "no output")[:400],
+        why = done.failure() or "no output"
+        # The script's own refusal (its UsageError line) is the reason; the launcher's frame around it is not.
+        refused = re.search(r"multigpu: error: (.*?);? *(?:; also failed:.*)?$", why)
+        return {"status": "failed", "exit_code": done.exit_code, "error": (refused.group(1) if refused else why)[:400],
                 "wall_s": done.elapsed_s}
     try:
         step = measure_run(done.run_dir, None)["step_time_s"]
@@ -98,7 +102,8 @@ def run_script_tune(cfg, say: Callable[[str], None] = print) -> tuple[Path, dict
     out = Path(cfg.out or f"studies/tune-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     say(f"multigpu tune: {cfg.workload} on {cfg.nproc} {'CPU workers' if cpu else 'GPUs'}: {len(found)} layouts, each "
-        f"measured for {cfg.steps} steps, then the {cfg.top or 'all'} fastest in {cfg.repeats - 1} more round(s) -> {out}")
+        f"measured for {cfg.steps} steps, then {f'the {cfg.top} fastest' if cfg.top else 'every one'} in "
+        f"{cfg.repeats - 1} more round(s) -> {out}")
     rows = [{"candidate": describe(layout), "args": layout_flags(layout), "measured": [], "_l": layout}
             for layout in found]
     for round_ in range(cfg.repeats):
