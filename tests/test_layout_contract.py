@@ -145,3 +145,22 @@ def test_tune_measures_every_layout_of_the_users_script_and_picks_the_fastest(tm
     assert rows == sorted(rows, key=lambda r: r["result"]["step_time_s"]) and saved["winner"] == rows[0]["candidate"]
     assert saved["command"].startswith(f"multigpu run -n 2 --cpu {SCRIPT} --global-batch 16")
     assert saved["command"].endswith(" ".join(rows[0]["args"])) and report["verdict"] in said
+
+
+def test_noise_scale_reads_the_layout_instead_of_inferring_tp():
+    from torch import nn
+
+    from multigpu.noise.layout import tp_degree
+
+    assert tp_degree(None, 4, 2) == 2  # the old guess: world / the plan's ranks
+    assert tp_degree(mg.parallel.Layout(), 1, 1) == 1
+    # the guess would read 2 pipeline stages as TP 2; the layout says what they are
+    with pytest.raises(mg.UsageError, match=r"NoiseScale does not measure pipeline stages \(pp 2\)"):
+        tp_degree(mg.parallel.Layout(pp=2), 4, 2)
+    assert tp_degree(mg.parallel.Layout(tp=2), 4, 2) == 2
+    with pytest.raises(mg.UsageError, match="the layout has 2 .* build the plan with layout.plan"):
+        tp_degree(mg.parallel.Layout(tp=2), 4, 4)
+    with pytest.raises(mg.UsageError, match=r"attach\(mesh=\) takes the mg.parallel.Mesh or Layout"):
+        mg.NoiseScale(mg.BatchPlan(64, 1, micro_batch=8)).attach(nn.Linear(2, 2), mesh="tp=2")
+    noise = mg.NoiseScale(mg.BatchPlan(64, 1, micro_batch=8)).attach(nn.Linear(2, 2), mesh=mg.parallel.Layout())
+    assert noise._kind == "micro"

@@ -39,6 +39,27 @@ class Layout:
     blocks: list[tuple[list[int] | None, list[float] | None]] = field(default_factory=list)  # FSDP, per module
 
 
+def tp_degree(mesh, actual: int, world: int) -> int:
+    """The tensor-parallel ranks per data-parallel rank: the ``Mesh``'s or ``Layout``'s own degree when given;
+    else world / the plan's ranks (0 when they do not divide), a guess that reads pipeline stages as TP."""
+    if mesh is None:
+        return actual // world if actual % world == 0 else 0
+    from ..parallel.layout import Layout
+    from ..parallel.mesh import Mesh
+
+    if not isinstance(mesh, (Mesh, Layout)):
+        raise UsageError(f"NoiseScale.attach(mesh=) takes the mg.parallel.Mesh or Layout the model was spread by, "
+                         f"got {type(mesh).__name__}")
+    shape = mesh.shape if isinstance(mesh, Mesh) else mesh.shape(actual)
+    if shape.pp > 1:
+        raise UsageError(f"NoiseScale does not measure pipeline stages (pp {shape.pp}): each stage's ranks hold a part "
+                         f"of the model's gradient; {_OBSERVE}")
+    if shape.dp != world:
+        raise UsageError(f"NoiseScale's plan is for {world} data-parallel ranks but the layout has {shape.dp} "
+                         f"({shape.dp_replicate} x {shape.dp_shard}); build the plan with layout.plan(...) or mesh.plan(...)")
+    return shape.tp
+
+
 def tp_split(p: torch.Tensor, dp_ndim: int) -> tuple[int, bool]:
     """(tensor-parallel degree, whether ``p`` is split over it) for a parameter whose first ``dp_ndim``
     mesh dimensions are data parallel; a plain tensor is (1, False)."""

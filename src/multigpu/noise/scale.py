@@ -96,12 +96,12 @@ class NoiseScale:
         self._skip_next = False  # DDP static_graph: its first backward cannot be measured
 
     # ---- wiring ---------------------------------------------------------------
-    def attach(self, model: torch.nn.Module) -> "NoiseScale":
-        """Start measuring ``model``: DDP or FSDP2 on several ranks, any model on one data-parallel rank."""
+    def attach(self, model: torch.nn.Module, mesh: Any = None) -> "NoiseScale":
+        """Measure ``model`` (DDP, FSDP2 on several ranks; any on one); ``mesh``: its Mesh or Layout, read not inferred."""
         world = self.plan.world_size
         actual = tdist.get_world_size(self.group) if tdist.is_available() and tdist.is_initialized() else 1
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        tp = actual // world if actual % world == 0 else 0
+        tp = layout.tp_degree(mesh, actual, world)
         if actual != world and tp < 2:
             raise UsageError(f"NoiseScale's plan is for world_size {world} but this job has {actual} processes; "
                              "build the plan with mg.BatchPlan(..., world_size=dist.world_size), or over the "
