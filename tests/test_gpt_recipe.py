@@ -35,8 +35,11 @@ def test_pipeline_mode_reaches_one_process_loss_and_reports_each_stage(monkeypat
     assert pipe[0]["loss"] == pytest.approx(one["loss"], abs=1e-4) and pipe[0]["loss"] == pipe[1]["loss"]
     stages = pipe[0]["stages"]
     assert [(s["rank"], s["stage"]) for s in stages] == [(0, 0), (1, 1)]
-    for s in stages:   # shares of the measured time: each stage computes, and waits for its neighbour
-        assert 0.2 < s["compute"] < 1 and 0 < s["p2p"] < 0.8 and s["compute"] + s["p2p"] + s["other"] == pytest.approx(1)
+    # Shares of the measured time: each stage computes, and waits for its neighbour. How large each share is
+    # depends on the machine's load, not on the code (compute 0.14 with 2 ranks on 2 loaded cores, above 0.2 on
+    # idle ones): a timing figure belongs in benchmarks/pipeline_bubble.py, not in a bound here.
+    for s in stages:
+        assert 0 < s["compute"] < 1 and 0 < s["p2p"] < 1 and s["compute"] + s["p2p"] + s["other"] == pytest.approx(1)
     assert one["stages"] is None
     # The profiler on every stage: each rank's time split, the stages' sends and receives as communication.
     profiled = json.loads((tmp_path / "pp" / "profile" / "summary.json").read_text())
