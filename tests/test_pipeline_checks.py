@@ -71,7 +71,7 @@ def test_pipeline_refuses_bad_stage_layouts_on_every_rank_in_one_line():
     assert msg["two_stages_one_stage_schedule"].endswith("or use a multi-stage schedule (interleaved_1f1b, looped_bfs, "
                                                          "interleaved_zero_bubble, zbv)")
     assert msg["n_stages"] == ("pipeline schedule '1f1b' on 2 pp ranks runs 2 stages (1 per rank), got n_stages=4; "
-                               "pass n_stages=pp.check('1f1b', pp_size, microbatches)")
+                               "pass n_stages=pp.check('1f1b', pp_size, accum_steps)")
     assert msg["n_stages_differ"] == ("pipeline ranks were given different n_stages (pp rank 0 2, pp rank 1 3); "
                                       "pass the same n_stages on every pp rank")
     assert msg["modules"] == ("pipeline pp rank 1 passed 2 modules for 1 stage ids [1]; "

@@ -51,12 +51,12 @@ def stage_ids(schedule: str, pp_rank: int, pp_size: int) -> list[int]:
     return [pp_rank, pp_rank + pp_size]
 
 
-def check(schedule: str, pp_size: int, microbatches: int) -> int:
+def check(schedule: str, pp_size: int, accum_steps: int) -> int:
     """Refuse what the schedule cannot run, before any process-group work; return the number of stages."""
     n_stages = pp_size * stages_per_rank(schedule)
-    if schedule in NEED_MICROBATCHES and microbatches < n_stages:
+    if schedule in NEED_MICROBATCHES and accum_steps < n_stages:
         raise UsageError(f"pipeline schedule {schedule!r} needs at least as many micro-batches as stages, got "
-                         f"{microbatches} micro-batches for {n_stages} stages; raise the accumulation "
+                         f"{accum_steps} micro-batches for {n_stages} stages; raise the accumulation "
                          f"(micro_batch=global_batch/dp/{n_stages} or smaller) or use schedule 'gpipe'")
     return n_stages
 
@@ -67,7 +67,7 @@ def _ranks(values: list[Any], ranks: list[int] | None = None) -> str:
     return ", ".join(f"pp rank {r} {values[r]}" for r in ranks)
 
 
-def check_stages(modules: Any, ids: Any, n_stages: Any, group: Any, schedule: str, microbatches: int) -> None:
+def check_stages(modules: Any, ids: Any, n_stages: Any, group: Any, schedule: str, accum_steps: int) -> None:
     """Refuse stages the schedule cannot run, the same one line on every pipeline rank.
 
     Every rank's schedule, ``n_stages``, stage ids and module count are gathered over ``group``
@@ -88,7 +88,7 @@ def check_stages(modules: Any, ids: Any, n_stages: Any, group: Any, schedule: st
         if len({repr(g[key]) for g in got}) > 1:
             raise UsageError(f"pipeline ranks were given different {key} ({_ranks([repr(g[key]) for g in got])}); "
                              f"pass the same {key} on every pp rank")
-    check(schedule, size, microbatches)  # an unknown schedule, too few micro-batches
+    check(schedule, size, accum_steps)  # an unknown schedule, too few micro-batches
     per_rank = stages_per_rank(schedule)
     want = [stage_ids(schedule, r, size) for r in range(size)]
     fix = f"pass ids=pp.stage_ids({schedule!r}, pp_rank, pp_size) ({_ranks(want)})"
@@ -111,7 +111,7 @@ def check_stages(modules: Any, ids: Any, n_stages: Any, group: Any, schedule: st
     if n_stages != expected:
         raise UsageError(f"pipeline schedule {schedule!r} on {size} pp ranks runs {expected} stages ({per_rank} per "
                          f"rank), got n_stages={n_stages!r}; "
-                         f"pass n_stages=pp.check({schedule!r}, pp_size, microbatches)")
+                         f"pass n_stages=pp.check({schedule!r}, pp_size, accum_steps)")
     held: dict[int, list[int]] = {}
     for r, g in enumerate(got):
         for i in g["ids"]:
@@ -147,16 +147,16 @@ class Pipeline:
     """
 
     def __init__(self, modules: list[nn.Module], ids: list[int], n_stages: int, group: Any, device: torch.device,
-                 schedule: str, microbatches: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+                 schedule: str, accum_steps: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         from torch.distributed.pipelining import PipelineStage, schedules
 
-        check_stages(modules, ids, n_stages, group, schedule, microbatches)
+        check_stages(modules, ids, n_stages, group, schedule, accum_steps)
         self.modules, self.ids, self.n_stages, self.group = modules, ids, n_stages, group
         self.stages = [PipelineStage(m, i, n_stages, device, group=group) for m, i in zip(modules, ids)]
         cls = getattr(schedules, SCHEDULES[schedule])
         stages = self.stages[0] if schedule in SINGLE_STAGE else self.stages
-        self.schedule = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
-        self.microbatches = microbatches
+        self.schedule = cls(stages, n_microbatches=accum_steps, loss_fn=loss_fn, scale_grads=True)
+        self.accum_steps = accum_steps
         self.has_first, self.has_last = 0 in ids, n_stages - 1 in ids
         self.clock = StageClock(device)
         for stage in self.stages:
@@ -175,8 +175,8 @@ class Pipeline:
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """Forward and backward of one optimizer step's micro-batches; their mean loss on the last stage's rank."""
-        if len(micro_batches) != self.microbatches:
-            raise UsageError(f"the pipeline was built for {self.microbatches} micro-batches per step but got "
+        if len(micro_batches) != self.accum_steps:
+            raise UsageError(f"the pipeline was built for {self.accum_steps} micro-batches per step but got "
                              f"{len(micro_batches)}; build it with the plan's accum_steps")
         with self.clock.step():
             return self._run(self.schedule.step, micro_batches)

@@ -178,10 +178,10 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
     if shape.tp > 1:
         raise UsageError("mg.parallel.pipeline does not apply tensor parallelism inside stages yet; use tp=1 with "
                          "pp, or build the stages yourself (parallelize each) and pass them to mg.parallel.Pipeline")
-    microbatches = plan.accum_steps
+    accum_steps = plan.accum_steps
     # The model's own problems first (they need another model, not another flag), then the schedule's.
     make, n_blocks, how = split(model, layout, shape.pp * pp.stages_per_rank(layout.schedule))
-    n_stages = pp.check(layout.schedule, shape.pp, microbatches)
+    n_stages = pp.check(layout.schedule, shape.pp, accum_steps)
     params = list(model.parameters())
     device = params[0].device
     mesh = layout.mesh(world, device.type)
@@ -197,9 +197,9 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
     if verbose:
         print0(f"mg.parallel.pipeline: {n_stages} stages of {name} by {how}, blocks per stage "
                f"{[len(r) for r in balance(n_blocks, n_stages)] if how.startswith('declared') else 'even'}, "
-               f"schedule {layout.schedule}, {microbatches} micro-batches"
+               f"schedule {layout.schedule}, {accum_steps} micro-batches"
                + (f", each stage FSDP over {shape.dp} ranks" if mesh.dp_mesh is not None else ""))
-    return pp.Pipeline(parts, ids, n_stages, mesh.pp_mesh.get_group(), device, layout.schedule, microbatches, loss_fn)
+    return pp.Pipeline(parts, ids, n_stages, mesh.pp_mesh.get_group(), device, layout.schedule, accum_steps, loss_fn)
 
 
 def gathered_state_dict(pipe: Any) -> dict:

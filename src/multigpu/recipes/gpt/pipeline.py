@@ -65,7 +65,7 @@ def stage_module(model: nn.Module, stage: int, n_stages: int, splits: list[int] 
     return part
 
 
-def build(model: nn.Module, mesh, device, schedule: str, microbatches: int, parallelize_stage,
+def build(model: nn.Module, mesh, device, schedule: str, accum_steps: int, parallelize_stage,
           splits: list[int] | None = None):
     """This rank's stages of ``model`` over ``mesh.pp_mesh``, each parallelized like a whole model, in a
     ``Pipeline`` whose loss is the mean token cross-entropy of a micro-batch."""
@@ -73,7 +73,7 @@ def build(model: nn.Module, mesh, device, schedule: str, microbatches: int, para
 
     from ...parallel import Pipeline, pp
 
-    n_stages = pp.check(schedule, mesh.shape.pp, microbatches)
+    n_stages = pp.check(schedule, mesh.shape.pp, accum_steps)
     ids = pp.stage_ids(schedule, mesh.pp_rank, mesh.shape.pp)
     stage_blocks(model.cfg, n_stages, splits)  # refused here, before any stage is built
     parts = [parallelize_stage(stage_module(model, i, n_stages, splits)) for i in ids]
@@ -81,4 +81,4 @@ def build(model: nn.Module, mesh, device, schedule: str, microbatches: int, para
     def loss_fn(logits, y):
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
-    return Pipeline(parts, ids, n_stages, mesh.pp_mesh.get_group(), device, schedule, microbatches, loss_fn)
+    return Pipeline(parts, ids, n_stages, mesh.pp_mesh.get_group(), device, schedule, accum_steps, loss_fn)

@@ -167,15 +167,15 @@ def evaluate_pipeline(pipe, val_set, mesh, dist, plan, sequences: int) -> dict[s
     """Held-out mean loss per token through the pipeline (forward only), in groups of the schedule's
     micro-batch count; the last stage's ranks count it, once per tensor-parallel group."""
     # Whole groups on every data-parallel rank: FSDP's gathers need each rank to run as many forwards.
-    unit = mesh.dp_size * plan.micro_batch * pipe.microbatches
+    unit = mesh.dp_size * plan.micro_batch * pipe.accum_steps
     if len(val_set) < unit:
         raise mg.UsageError(f"the held-out set has {len(val_set)} sequences, fewer than one pipeline evaluation "
-                            f"({unit} = {mesh.dp_size} data-parallel ranks x {pipe.microbatches} micro-batches of "
+                            f"({unit} = {mesh.dp_size} data-parallel ranks x {pipe.accum_steps} micro-batches of "
                             f"{plan.micro_batch}); use a smaller --block-size or --micro-batch, or more held-out data")
     n = max(min(sequences, len(val_set)) // unit, 1) * unit
     subset = torch.utils.data.Subset(val_set, range(n))
     batches = [(x.to(dist.device), y.to(dist.device)) for x, y in mg.eval_loader(subset, dist, plan.micro_batch, mesh=mesh)]
-    groups = [batches[i:i + pipe.microbatches] for i in range(0, len(batches), pipe.microbatches)]
+    groups = [batches[i:i + pipe.accum_steps] for i in range(0, len(batches), pipe.accum_steps)]
     total = tokens = 0.0
     for group in groups:
         loss = pipe.evaluate(group)
