@@ -4,7 +4,9 @@ A ``Candidate`` is a data-parallel strategy (DDP, FSDP, HSDP) times tensor-
 and pipeline-parallel degrees, a micro-batch size, activation checkpointing on
 or off and, with a pipeline, a schedule. ``candidates`` lists those that compute
 the same training (same model, same global batch) and says why each other
-combination is out; ``Candidate.args`` is the recipe's command line for it.
+combination is out; ``Candidate.args`` is the recipe's command line for it. The
+degrees are the mesh's own factorings (``layouts``, which a script's tune runs as they
+are), checked by the ``Layout``'s size rules; the accumulation is the ``BatchPlan``'s.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ class Candidate:
         return " x ".join(parts) + f", micro-batch {self.micro_batch}" + (", AC" if self.activation_checkpointing else "")
 
     def accum(self, global_batch: int) -> int:
-        return global_batch // (self.dp_size * self.micro_batch)
+        from ..batch import BatchPlan
+
+        return BatchPlan(global_batch, self.dp_size, micro_batch=self.micro_batch).accum_steps
 
     def args(self) -> list[str]:
         """The GPT recipe's flags for this layout (added to the user's own)."""
@@ -61,32 +65,33 @@ class Candidate:
 
 def candidates(world: int, cfg, global_batch: int, *, micro_batches: list[int] | None = None,
                schedules: tuple[str, ...] = ("1f1b", "gpipe")) -> tuple[list[Candidate], list[dict]]:
-    """(the candidates, the combinations left out with their reason) for ``world`` ranks."""
-    if world < 1:
-        raise UsageError(f"tune needs at least 1 rank, got {world}")
+    """(the candidates, the combinations left out with their reason) for ``world`` ranks: the mesh's own
+    factorings (``layouts``), the Layout's size rules, the BatchPlan's accumulation."""
+    from ..batch import BatchPlan
+
     found: list[Candidate] = []
     out: list[dict] = []
-    for pp in divisors(world):
-        for tp in divisors(world // pp):
-            dp = world // (pp * tp)
-            why = _why_not(cfg, tp, pp, dp, global_batch)
-            if why:
-                out.append({"layout": f"DP {dp} x TP {tp} x PP {pp}", "reason": why})
+    for layout in layouts(world):
+        s = layout.shape(world)
+        why = _why_not(cfg, s, global_batch)
+        if why:
+            entry = {"layout": f"DP {s.dp} x TP {s.tp} x PP {s.pp}", "reason": why}
+            out += [entry] if entry not in out else []  # one line per degrees, not per data-parallel split
+            continue
+        kind = layout.strategy(world)
+        if kind == "hsdp" and s.dp_shard == 1:
+            continue  # replication alone beside TP or PP: the recipe's data parallelism there is FSDP's (sharded)
+        kind = "fsdp" if kind == "none" else kind  # one data-parallel rank: the recipe's FSDP over nobody
+        per_rank = global_batch // s.dp
+        for m in [m for m in (micro_batches or _powers_of_two(per_rank)) if per_rank % m == 0]:
+            accum = BatchPlan(global_batch, s.dp, micro_batch=m).accum_steps
+            if s.pp > 1 and accum < s.pp:
+                out.append({"layout": f"PP {s.pp}, micro-batch {m}",
+                            "reason": f"{accum} micro-batches per step, fewer than {s.pp} stages"})
                 continue
-            shapes = [("ddp", dp, 1)] if tp == 1 and pp == 1 else []
-            shapes += [("fsdp", 1, dp)] + [("hsdp", r, dp // r) for r in divisors(dp) if 1 < r < dp]
-            per_rank = global_batch // dp
-            sizes = [m for m in (micro_batches or _powers_of_two(per_rank)) if per_rank % m == 0]
-            for dp_kind, rep, shard in shapes:
-                for m in sizes:
-                    micro = per_rank // m
-                    if pp > 1 and micro < pp:
-                        out.append({"layout": f"PP {pp}, micro-batch {m}",
-                                    "reason": f"{micro} micro-batches per step, fewer than {pp} stages"})
-                        continue
-                    for ac in (False, True):
-                        for schedule in (schedules if pp > 1 else (None,)):
-                            found.append(Candidate(dp_kind, rep, shard, tp, pp, m, ac, schedule))
+            for ac in (False, True):
+                for schedule in (schedules if s.pp > 1 else (None,)):
+                    found.append(Candidate(kind, s.dp_replicate, s.dp_shard, s.tp, s.pp, m, ac, schedule))
     if not found:
         raise UsageError(f"no layout of {world} ranks fits this model and global batch {global_batch}: "
                          + "; ".join(f"{o['layout']}: {o['reason']}" for o in out[:4]))
@@ -97,19 +102,18 @@ def _powers_of_two(n: int) -> list[int]:
     return [1 << k for k in range(n.bit_length()) if (1 << k) <= n]
 
 
-def _why_not(cfg, tp: int, pp: int, dp: int, global_batch: int) -> str | None:
-    if global_batch % dp:
-        return f"global batch {global_batch} does not split over {dp} data-parallel ranks"
-    if tp > 1:
-        bad = [f"{name} {n}" for name, n in (("n_head", cfg.n_head), ("4 x n_embd", 4 * cfg.n_embd),
-                                             ("vocab_size", cfg.vocab_size)) if n % tp]
-        if bad:
-            return f"TP {tp} does not divide {', '.join(bad)}"
-    if pp > 1:
-        if cfg.tie_embeddings:
+def _why_not(cfg, s, global_batch: int) -> str | None:
+    from ..parallel.layout import Layout
+
+    if global_batch % s.dp:
+        return f"global batch {global_batch} does not split over {s.dp} data-parallel ranks"
+    try:  # the Layout's own rules: TP divides the heads, the MLP width and the vocabulary; stages <= blocks
+        Layout(tp=s.tp).check_sizes(heads=cfg.n_head, hidden=4 * cfg.n_embd, vocab=cfg.vocab_size, model="the model")
+        if s.pp > 1 and cfg.tie_embeddings:
             return "a pipeline puts the token table and the head on two stages: the model must be untied (--untied)"
-        if pp > cfg.n_layer:
-            return f"{pp} stages for {cfg.n_layer} blocks"
+        Layout(pp=s.pp).check_sizes(blocks=cfg.n_layer, model="the model")
+    except UsageError as err:
+        return str(err)
     return None
 
 
