@@ -70,6 +70,7 @@ def test_bad_verify_layouts_are_one_line(tmp_path, capsys, monkeypatch):
     for argv, fragment in ((["--layouts", "tp=x", SCRIPT], "--layouts tp takes a positive integer, got 'x'"),
                            (["--layouts", "tp=2", "--workers", "1,4", SCRIPT], "pass one"),
                            (["--layouts", "tp=2;tp=2", SCRIPT], "names a layout twice"),
+                           (["--layouts", "tp=2", SCRIPT, "--tp", "2"], "--layouts sets --tp itself; drop it"),
                            (["--layouts", "dp_shard=2", "--global-batch", "3", SCRIPT],
                             "--global-batch 3 does not split over the 2 data-parallel ranks of layout dp_shard=2; use --global-batch 4")):
         code, err = run_cli(["verify", "--cpu", *argv], capsys)

@@ -198,9 +198,13 @@ def _verify_layouts(target: str, args: Sequence[str], *, module: bool, layouts: 
                     global_batch: int | None, cpu: bool, rtol: float, out: str | None,
                     say: Callable[[str], None]) -> dict[str, Any]:
     """One process, then each layout on the processes its degrees multiply to, each compared with the one."""
-    from .parallel.flags import describe, layout_flags, parse_layouts, world_of
+    from .parallel.flags import FLAGS, describe, layout_flags, parse_layouts, world_of
 
     chosen = parse_layouts(layouts) if isinstance(layouts, str) else list(layouts)
+    fixed = sorted({a.split("=")[0] for a in args if a.split("=")[0] in FLAGS})
+    if fixed:  # the script would read the last of two: the layout's, silently over the user's
+        raise UsageError(f"--layouts sets {', '.join(fixed)} itself; drop {'them' if len(fixed) > 1 else 'it'} from the "
+                         "script's arguments (or put it in the layouts)")
     if steps < 1:
         raise UsageError(f"--steps must be >= 1, got {steps}; use e.g. --steps 5")
     if not rtol > 0:
