@@ -50,7 +50,7 @@ def main() -> None:
         else:
             model = mg.parallelize(model, layout)                                              # +layout
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        with mg.StepMeter(dist, plan, log_every=5, model=model, progress=False) as meter:
+        with mg.StepMeter(dist, plan, log_every=5, model=model) as meter:
             for step, micro_batches in meter.steps(mg.loader(data, plan, dist, seed=0)):
                 if layout.pp > 1:
                     loss = model.step(micro_batches)
