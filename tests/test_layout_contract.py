@@ -165,3 +165,14 @@ def test_noise_scale_reads_the_layout_instead_of_inferring_tp():
         mg.NoiseScale(mg.BatchPlan(64, 1, micro_batch=8)).attach(nn.Linear(2, 2), mesh="tp=2")
     noise = mg.NoiseScale(mg.BatchPlan(64, 1, micro_batch=8)).attach(nn.Linear(2, 2), mesh=mg.parallel.Layout())
     assert noise._kind == "micro"
+    # mg.parallelize leaves its layout on the model, and NoiseScale reads it without being told
+    from multigpu.parallel.layout import LAYOUT_ATTR
+
+    spread = mg.parallelize(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), mg.parallel.Layout(micro_batch=8),
+                            verbose=False)
+    assert getattr(spread, LAYOUT_ATTR) == mg.parallel.Layout(micro_batch=8)
+    assert mg.NoiseScale(mg.BatchPlan(64, 1, micro_batch=8)).attach(spread)._kind == "micro"
+    piped = nn.Linear(2, 2)
+    setattr(piped, LAYOUT_ATTR, mg.parallel.Layout(pp=2))
+    with pytest.raises(mg.UsageError, match=r"does not measure pipeline stages \(pp 2\)"):
+        tp_degree(None, 4, 2, piped)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,13 +40,16 @@ class Layout:
     blocks: list[tuple[list[int] | None, list[float] | None]] = field(default_factory=list)  # FSDP, per module
 
 
-def tp_degree(mesh, actual: int, world: int) -> int:
-    """The tensor-parallel ranks per data-parallel rank: the ``Mesh``'s or ``Layout``'s own degree when given;
-    else world / the plan's ranks (0 when they do not divide), a guess that reads pipeline stages as TP."""
+def tp_degree(mesh, actual: int, world: int, model: Any = None) -> int:
+    """The tensor-parallel ranks per data-parallel rank: the ``Mesh``'s or ``Layout``'s own degree, given or
+    left on the model by ``mg.parallelize``; else world / the plan's ranks (0 when they do not divide), a
+    guess that reads pipeline stages as TP."""
+    from ..parallel.layout import LAYOUT_ATTR, Layout
+    from ..parallel.mesh import Mesh
+
+    mesh = getattr(model, LAYOUT_ATTR, None) if mesh is None else mesh
     if mesh is None:
         return actual // world if actual % world == 0 else 0
-    from ..parallel.layout import Layout
-    from ..parallel.mesh import Mesh
 
     if not isinstance(mesh, (Mesh, Layout)):
         raise UsageError(f"NoiseScale.attach(mesh=) takes the mg.parallel.Mesh or Layout the model was spread by, "

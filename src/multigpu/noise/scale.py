@@ -101,7 +101,7 @@ class NoiseScale:
         world = self.plan.world_size
         actual = tdist.get_world_size(self.group) if tdist.is_available() and tdist.is_initialized() else 1
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        tp = layout.tp_degree(mesh, actual, world)
+        tp = layout.tp_degree(mesh, actual, world, model if self.group is None else None)  # a subgroup: not the job's
         if actual != world and tp < 2:
             raise UsageError(f"NoiseScale's plan is for world_size {world} but this job has {actual} processes; "
                              "build the plan with mg.BatchPlan(..., world_size=dist.world_size), or over the "

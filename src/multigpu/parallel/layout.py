@@ -26,6 +26,11 @@ from .mesh import DIMS, Mesh, MeshShape, factor
 from .pp import SCHEDULES, stages_per_rank
 
 
+# mg.parallelize leaves the Layout on the model it returns, so what measures the model later (NoiseScale)
+# reads its degrees instead of inferring them from the world and the plan.
+LAYOUT_ATTR = "_multigpu_layout"
+
+
 @dataclass(frozen=True)
 class Layout:
     """Mesh degrees (outer to inner: pp, dp_replicate, dp_shard, tp), the micro-batch, activation

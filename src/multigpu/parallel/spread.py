@@ -23,7 +23,7 @@ from ..errors import UsageError
 from . import auto
 from .batchnorm import prepare_batchnorm
 from .fsdp import DEFAULT_MIN_BLOCK_PARAMS, pick_blocks, shard_blocks
-from .layout import Layout
+from .layout import LAYOUT_ATTR, Layout
 from .mesh import Mesh
 
 
@@ -48,6 +48,12 @@ def _checkpointed(block: nn.Module) -> None:
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     block.forward = forward
+
+
+def _stamped(model: nn.Module, layout: Layout) -> nn.Module:
+    """``model`` with its layout left on it (``LAYOUT_ATTR``): NoiseScale.attach reads the degrees from it."""
+    object.__setattr__(model, LAYOUT_ATTR, layout)  # a plain attribute, never a submodule or a parameter
+    return model
 
 
 def tensor_parallel_plan(model: nn.Module, layout: Layout, blocks: list[tuple[str, nn.Module]],
@@ -154,7 +160,7 @@ def parallelize(model: nn.Module, layout: Layout | Mesh | None = None, *, tp_pla
 
         say(f"mg.parallelize: DDP over {shape.dp_replicate} ranks (replicate only): one unit, the whole "
             f"{name}{extras}")
-        return wrap_ddp(model, sync_batchnorm=sync_batchnorm)
+        return _stamped(wrap_ddp(model, sync_batchnorm=sync_batchnorm), layout)
     if strategy in ("fsdp", "hsdp"):
         options: dict[str, Any] = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
         if reshard_after_forward is not None:
@@ -165,9 +171,9 @@ def parallelize(model: nn.Module, layout: Layout | Mesh | None = None, *, tp_pla
                 else f"FSDP over dp_shard {shape.dp_shard}")
         rule = f"{block_names} ({block_source})" if classes else f"blocks of >= {DEFAULT_MIN_BLOCK_PARAMS:,} parameters (no repeated blocks)"
         say(f"mg.parallelize: {over}: {len(units)} units of {rule} + the root{extras}")
-        return shard_blocks(model, mesh.dp_mesh, block_classes=classes or None, **options)
+        return _stamped(shard_blocks(model, mesh.dp_mesh, block_classes=classes or None, **options), layout)
     if shape.tp == 1:
         say(f"mg.parallelize: one process, nothing to spread (blocks: {block_names}){extras}")
     elif extras:
         say(f"mg.parallelize: blocks {block_names} ({block_source}){extras}")
-    return model
+    return _stamped(model, layout)
