@@ -17,18 +17,49 @@ Rules (see docs/batch-size.md and the references there):
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import pathlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from .batch import POLICIES, BatchPlan, policy_batch, same_samples_steps, scale_lr
 from .errors import UsageError
 from .noise import efficiency, gain
+from .runtime.fields import add_field
 from .values import divisors, is_positive_int
 
 OPTIMIZER_RULES = {"sgd": "linear", "adam": "sqrt", "adamw": "sqrt"}
 FAR_BEYOND = 2.0  # warn when the global batch exceeds this multiple of the noise scale
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """The 1-GPU recipe to translate. Each field's docstring is its flag's help in `multigpu plan --help`
+    (``add_arguments``); the defaults are ``scale_recipe()``'s."""
+
+    lr: float
+    """learning rate of the 1-GPU recipe"""
+    batch: int
+    """batch size of the 1-GPU recipe"""
+    gpus: int
+    """number of GPUs to plan for"""
+    optimizer: str
+    """one of {OPTIMIZERS} (chooses the LR rule)"""
+    policy: str = "scale-global"
+    """scale-global (default: each GPU keeps a full batch) or keep-global"""
+    per_gpu_batch: int | None = None
+    """micro-batch one GPU takes per forward (what fits its memory)"""
+    steps: int | None = None
+    """total optimizer steps of the 1-GPU recipe"""
+    warmup_steps: int | None = None
+    """warmup steps of the 1-GPU recipe"""
+    eval_every: int | None = None
+    """evaluation interval (steps) of the 1-GPU recipe"""
+    checkpoint_every: int | None = None
+    """checkpoint interval (steps) of the 1-GPU recipe"""
+    noise_scale: str | None = None
+    """measured gradient noise scale, or a metrics log holding noise/b_simple"""
 
 
 @dataclass(frozen=True)
@@ -143,13 +174,13 @@ def scale_recipe(
     gpus: int,
     optimizer: str,
     *,
-    policy: str = "scale-global",
-    per_gpu_batch: int | None = None,
-    steps: int | None = None,
-    warmup_steps: int | None = None,
-    eval_every: int | None = None,
-    checkpoint_every: int | None = None,
-    noise_scale: float | None = None,
+    policy: str = PlanConfig.policy,
+    per_gpu_batch: int | None = PlanConfig.per_gpu_batch,
+    steps: int | None = PlanConfig.steps,
+    warmup_steps: int | None = PlanConfig.warmup_steps,
+    eval_every: int | None = PlanConfig.eval_every,
+    checkpoint_every: int | None = PlanConfig.checkpoint_every,
+    noise_scale: float | None = PlanConfig.noise_scale,
 ) -> ScaledRecipe:
     """Translate a one-GPU recipe (``lr`` at ``batch``) to ``gpus`` GPUs.
 
@@ -246,26 +277,28 @@ def read_noise_scale(source: str) -> float:
 
 def main(args) -> int:
     """``multigpu plan``: print the translated recipe."""
-    noise = read_noise_scale(args.noise_scale) if args.noise_scale is not None else None
-    recipe = scale_recipe(
-        args.lr, args.batch, args.gpus, args.optimizer, policy=args.policy, per_gpu_batch=args.per_gpu_batch,
-        steps=args.steps, warmup_steps=args.warmup_steps, eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every, noise_scale=noise,
-    )
+    cfg = PlanConfig(lr=args.lr, batch=args.batch, gpus=args.gpus, optimizer=args.optimizer, policy=args.policy,
+                     per_gpu_batch=args.per_gpu_batch, steps=args.steps, warmup_steps=args.warmup_steps,
+                     eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
+                     noise_scale=args.noise_scale)
+    # --noise-scale is a number or a metrics log; scale_recipe takes the number.
+    noise = read_noise_scale(cfg.noise_scale) if cfg.noise_scale is not None else None
+    recipe = scale_recipe(**{**asdict(cfg), "noise_scale": noise})
     print(recipe.text(), flush=True)
     return 0
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--lr", type=float, required=True, help="learning rate of the 1-GPU recipe")
-    p.add_argument("--batch", type=int, required=True, help="batch size of the 1-GPU recipe")
-    p.add_argument("--gpus", type=int, required=True, help="number of GPUs to plan for")
-    p.add_argument("--optimizer", required=True, help=f"one of {', '.join(OPTIMIZER_RULES)} (chooses the LR rule)")
-    p.add_argument("--policy", default="scale-global", help="scale-global (default: each GPU keeps a full batch) or keep-global")
-    p.add_argument("--per-gpu-batch", type=int, default=None, help="micro-batch one GPU takes per forward (what fits its memory)")
-    p.add_argument("--steps", type=int, default=None, help="total optimizer steps of the 1-GPU recipe")
-    p.add_argument("--warmup-steps", type=int, default=None, help="warmup steps of the 1-GPU recipe")
-    p.add_argument("--eval-every", type=int, default=None, help="evaluation interval (steps) of the 1-GPU recipe")
-    p.add_argument("--checkpoint-every", type=int, default=None, help="checkpoint interval (steps) of the 1-GPU recipe")
-    p.add_argument("--noise-scale", default=None, metavar="N|FILE.jsonl",
-                   help="measured gradient noise scale, or a metrics log holding noise/b_simple")
+    # OPTIMIZERS: the help quotes the optimizers the LR rules know, from the table written once.
+    plan = functools.partial(add_field, p, config=PlanConfig, values={"OPTIMIZERS": ", ".join(OPTIMIZER_RULES)})
+    plan("--lr", field="lr", type=float)
+    plan("--batch", field="batch", type=int)
+    plan("--gpus", field="gpus", type=int)
+    plan("--optimizer", field="optimizer")
+    plan("--policy", field="policy")
+    plan("--per-gpu-batch", field="per_gpu_batch", type=int)
+    plan("--steps", field="steps", type=int)
+    plan("--warmup-steps", field="warmup_steps", type=int)
+    plan("--eval-every", field="eval_every", type=int)
+    plan("--checkpoint-every", field="checkpoint_every", type=int)
+    plan("--noise-scale", field="noise_scale", metavar="N|FILE.jsonl")

@@ -41,10 +41,15 @@ def add_field(parser: argparse.ArgumentParser, *flags: str, config: type, field:
               values: dict[str, Any] | None = None, **kwargs: Any) -> argparse.Action:
     """``parser.add_argument(*flags, **kwargs)`` with the help and the default of ``config.<field>``;
     ``default`` for a flag whose spelling differs from the field's value (``"1,2"`` for ``(1, 2)``);
-    ``values`` fills ``{name}`` in the docstring, for a constant the help quotes (a default directory)."""
+    ``values`` fills ``{name}`` in the docstring, for a constant the help quotes (a default directory).
+    A field without a default is a required flag (``PlanConfig.lr``: ``--lr`` must be given)."""
     spec = {f.name: f for f in dataclasses.fields(config)}[field]
     if default is _MISSING:
-        default = spec.default
+        if spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
+            default = None  # argparse's own for a flag not given; required, it never shows
+            kwargs.setdefault("required", True)
+        else:
+            default = spec.default
     text = field_docs(config)[field]
     if values:
         text = text.format_map(values)
