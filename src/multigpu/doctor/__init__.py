@@ -14,16 +14,39 @@ here only feed them.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 
 from ..errors import UsageError
+from ..runtime.fields import add_field
 from .findings import OK, PROBLEM, WARNING, Finding, redact, worst
 from .rules import Facts, lint_env, merge_env
 
-__all__ = ["Facts", "Finding", "add_arguments", "format_findings", "lint_env", "main", "redact", "run_doctor", "worst"]
+__all__ = ["DoctorConfig", "Facts", "Finding", "add_arguments", "format_findings", "lint_env", "main", "redact",
+           "run_doctor", "worst"]
+
+
+@dataclass(frozen=True)
+class DoctorConfig:
+    """What ``multigpu doctor`` was asked to check. Each field's docstring is its flag's help in
+    `multigpu doctor --help` (``add_arguments``); ``timeout``'s default is ``run_doctor()``'s."""
+
+    nproc: int | None = None
+    """ranks for the live smoke test (default: GPUs visible, else 2)"""
+    port: int | None = None
+    """rendezvous port to check (default: $MASTER_PORT or 29500)"""
+    backend: str | None = None
+    """smoke-test backend (default: nccl with GPUs)"""
+    timeout: float = 60.0
+    """smoke-test timeout in seconds (default %(default)g)"""
+    no_smoke: bool = False
+    """skip the live smoke test"""
+    json: bool = False
+    """print JSON for scripts instead of the table"""
 
 
 def conf_files(environ) -> list[tuple[str, str]]:
@@ -50,8 +73,9 @@ def _guarded(check: str, fn, *args, default=None):
                                  check)]
 
 
-def run_doctor(nproc: int = 2, port: int | None = None, smoke: bool = True, backend: str | None = None,
-               timeout: float = 60.0, environ=None) -> list[Finding]:
+def run_doctor(nproc: int = 2, port: int | None = DoctorConfig.port, smoke: bool = True,
+               backend: str | None = DoctorConfig.backend, timeout: float = DoctorConfig.timeout,
+               environ=None) -> list[Finding]:
     """Run every check on this machine; the findings in report order.
 
     ``environ`` replaces ``os.environ`` for the lint (the smoke test's ranks
@@ -145,28 +169,31 @@ def _print_rich(findings: list[Finding]) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--nproc", type=int, default=None, help="ranks for the live smoke test (default: GPUs visible, else 2)")
-    parser.add_argument("--port", type=int, default=None, help="rendezvous port to check (default: $MASTER_PORT or 29500)")
-    parser.add_argument("--backend", choices=("nccl", "gloo", "mpi"), default=None, help="smoke-test backend (default: nccl with GPUs)")
-    parser.add_argument("--timeout", type=float, default=60.0, help="smoke-test timeout in seconds (default 60)")
-    parser.add_argument("--no-smoke", action="store_true", help="skip the live smoke test")
-    parser.add_argument("--json", action="store_true", help="print JSON for scripts instead of the table")
+    doctor = functools.partial(add_field, parser, config=DoctorConfig)
+    doctor("-n", "--nproc", field="nproc", type=int)  # None: the visible GPUs, else 2, chosen in main
+    doctor("--port", field="port", type=int)
+    doctor("--backend", field="backend", choices=("nccl", "gloo", "mpi"))
+    doctor("--timeout", field="timeout", type=float)
+    doctor("--no-smoke", field="no_smoke", action="store_true")
+    doctor("--json", field="json", action="store_true")
 
 
 def main(args: argparse.Namespace) -> int:
     """Entry of ``multigpu doctor``: exit 0 without problems, 1 with at least one."""
     import torch
 
-    nproc = args.nproc if args.nproc is not None else (torch.cuda.device_count() if torch.cuda.is_available() else 0) or 2
+    cfg = DoctorConfig(nproc=args.nproc, port=args.port, backend=args.backend, timeout=args.timeout,
+                       no_smoke=args.no_smoke, json=args.json)
+    nproc = cfg.nproc if cfg.nproc is not None else (torch.cuda.device_count() if torch.cuda.is_available() else 0) or 2
     if nproc < 1:
         raise UsageError(f"-n must be at least 1, got {nproc}; e.g. -n 2")
-    if args.port is not None and not 0 < args.port < 65536:
-        raise UsageError(f"--port must be 1..65535, got {args.port}; e.g. --port 29500")
-    if args.timeout <= 0:
-        raise UsageError(f"--timeout must be positive seconds, got {args.timeout}; e.g. --timeout 60")
-    findings = run_doctor(nproc=nproc, port=args.port, smoke=not args.no_smoke, backend=args.backend, timeout=args.timeout)
+    if cfg.port is not None and not 0 < cfg.port < 65536:
+        raise UsageError(f"--port must be 1..65535, got {cfg.port}; e.g. --port 29500")
+    if cfg.timeout <= 0:
+        raise UsageError(f"--timeout must be positive seconds, got {cfg.timeout}; e.g. --timeout 60")
+    findings = run_doctor(nproc=nproc, port=cfg.port, smoke=not cfg.no_smoke, backend=cfg.backend, timeout=cfg.timeout)
     status = 1 if worst(findings) == PROBLEM else 0
-    if args.json:
+    if cfg.json:
         print(json.dumps({"status": worst(findings), "exit_status": status, "findings": [f.to_dict() for f in findings]}, indent=1))
     elif not _print_rich(findings):
         print(format_findings(findings))
