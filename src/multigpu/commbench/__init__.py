@@ -12,14 +12,16 @@ job in place, across nodes too; otherwise it starts ``nproc`` local ranks.
 from __future__ import annotations
 
 import argparse
+import functools
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
-__all__ = ["BenchConfig", "DdpConfig", "LaunchError", "add_arguments", "algbw", "bus_factor", "format_table",
-           "launch_local", "main", "parse_sizes", "run_bench"]
+__all__ = ["BenchCommand", "BenchConfig", "DdpConfig", "LaunchError", "add_arguments", "algbw", "bus_factor",
+           "format_table", "launch_local", "main", "parse_sizes", "run_bench"]
 
-_LAZY = {"BenchConfig": "spec", "algbw": "spec", "bus_factor": "spec", "parse_sizes": "spec", "DdpConfig": "ddp",
-         "LaunchError": "launch", "launch_local": "launch", "format_table": "run", "run_bench": "run"}
+_LAZY = {"BenchCommand": "spec", "BenchConfig": "spec", "algbw": "spec", "bus_factor": "spec",
+         "parse_sizes": "spec", "DdpConfig": "ddp", "LaunchError": "launch", "launch_local": "launch",
+         "format_table": "run", "run_bench": "run"}
 
 
 def __getattr__(name: str):
@@ -31,20 +33,24 @@ def __getattr__(name: str):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--nproc", type=int, default=None, help="ranks to start (default: GPUs visible, else 2)")
-    parser.add_argument("--ops", nargs="+", default=None, metavar="OP", help=f"collectives (default all): {', '.join(OPS)}")
-    parser.add_argument("--sizes", default=None, help="MIN:MAX swept by factor 2, or a comma list; K, M, G "
-                        "and KiB, MiB, GiB binary, KB, MB, GB decimal (default 8:256M on GPU, 8:4M on CPU)")
-    parser.add_argument("--dtype", default="float32", help="float32 (default), float16, bfloat16, float64, int8, uint8, int32, int64")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed iterations per size (default 5)")
-    parser.add_argument("--iters", type=int, default=20, help="timed iterations per size (default 20, as nccl-tests)")
-    parser.add_argument("--backend", choices=("nccl", "gloo", "mpi"), default=None, help="default: nccl with GPUs, else gloo")
-    parser.add_argument("--no-check", action="store_true", help="skip the correctness check (#wrong shows N/A)")
-    parser.add_argument("--ddp", metavar="MODEL", default=None, help="also time a DDP step's gradient all-reduce for MODEL: "
-                        "gpt2-small, gpt2-medium, gpt2-tiny or package.module:factory")
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size for --ddp (default 25)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck rendezvous/collective fails")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    from ..runtime.fields import add_field
+    from .spec import CPU_SIZES, GPU_SIZES, BenchCommand
+
+    # The named values are the ones the help quotes from constants written once (the ops, the size sweeps).
+    bench = functools.partial(add_field, parser, config=BenchCommand,
+                              values={"OPS": ", ".join(OPS), "GPU_SIZES": GPU_SIZES, "CPU_SIZES": CPU_SIZES})
+    bench("-n", "--nproc", field="nproc", type=int)  # None: the visible GPUs, else 2, chosen in main
+    bench("--ops", field="ops", nargs="+", metavar="OP")
+    bench("--sizes", field="sizes")
+    bench("--dtype", field="dtype")
+    bench("--warmup", field="warmup", type=int)
+    bench("--iters", field="iters", type=int)
+    bench("--backend", field="backend", choices=("nccl", "gloo", "mpi"))
+    bench("--no-check", field="no_check", action="store_true")
+    bench("--ddp", field="ddp", metavar="MODEL")
+    bench("--bucket-cap-mb", field="bucket_cap_mb", type=float)
+    bench("--timeout", field="timeout", type=float)
+    bench("--json", field="json", action="store_true")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from torch import nn
 
 from .. import compat
 from ..errors import UsageError
-from .spec import algbw, bus_factor
+from .spec import BenchCommand, algbw, bus_factor
 
 
 class _GPT(nn.Module):
@@ -83,7 +83,7 @@ def bucket_sizes(model: nn.Module, bucket_cap_mb: float = 25.0) -> list[int]:
 @dataclass(frozen=True)
 class DdpConfig:
     model: str = "gpt2-small"
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = BenchCommand.bucket_cap_mb  # DDP's own 25 MiB, written once as --bucket-cap-mb's default
     warmup: int = 2
     iters: int = 10
 

@@ -13,7 +13,8 @@ from ..errors import UsageError
 from ..fingerprint import fingerprint
 from .ddp import DdpConfig
 from .launch import LaunchError, launch_local
-from .spec import BenchConfig, bus_factor, parse_dtype, parse_ops, parse_sizes
+from .spec import (CPU_SIZES, GPU_SIZES, BenchCommand, BenchConfig, bus_factor, parse_dtype, parse_ops,
+                   parse_sizes)
 
 
 @record
@@ -40,7 +41,8 @@ def _launched() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def run_bench(cfg: BenchConfig, nproc: int = 2, ddp: DdpConfig | None = None, timeout: float = 600.0) -> dict | None:
+def run_bench(cfg: BenchConfig, nproc: int = 2, ddp: DdpConfig | None = None,
+              timeout: float = BenchCommand.timeout) -> dict | None:
     """Measure ``cfg`` on ``nproc`` local ranks (or on the launched job); the result on rank 0, None elsewhere."""
     import torch
 
@@ -118,27 +120,31 @@ def main(args: argparse.Namespace) -> int:
     """Entry of ``multigpu bench``: 0 when every check passed, 1 on wrong results or a failed rank."""
     import torch
 
-    gpu = torch.cuda.is_available() and args.backend != "gloo"
-    nproc = args.nproc if args.nproc is not None else (torch.cuda.device_count() if gpu else 2)
+    cmd = BenchCommand(nproc=args.nproc, ops=None if args.ops is None else tuple(args.ops), sizes=args.sizes,
+                       dtype=args.dtype, warmup=args.warmup, iters=args.iters, backend=args.backend,
+                       no_check=args.no_check, ddp=args.ddp, bucket_cap_mb=args.bucket_cap_mb, timeout=args.timeout,
+                       json=args.json)
+    gpu = torch.cuda.is_available() and cmd.backend != "gloo"
+    nproc = cmd.nproc if cmd.nproc is not None else (torch.cuda.device_count() if gpu else 2)
     if nproc < 1:
         raise UsageError(f"-n must be at least 1, got {nproc}; e.g. -n 2")
-    sizes = parse_sizes(args.sizes or ("8:256M" if gpu else "8:4M"))
-    if args.bucket_cap_mb <= 0:
-        raise UsageError(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb}; DDP's default is 25")
-    cfg = BenchConfig(ops=parse_ops(args.ops), sizes=tuple(sizes), dtype=parse_dtype(args.dtype), warmup=args.warmup,
-                      iters=args.iters, check=not args.no_check, backend=args.backend)
+    sizes = parse_sizes(cmd.sizes or (GPU_SIZES if gpu else CPU_SIZES))
+    if cmd.bucket_cap_mb <= 0:
+        raise UsageError(f"--bucket-cap-mb must be positive, got {cmd.bucket_cap_mb}; DDP's default is 25")
+    cfg = BenchConfig(ops=parse_ops(cmd.ops), sizes=tuple(sizes), dtype=parse_dtype(cmd.dtype), warmup=cmd.warmup,
+                      iters=cmd.iters, check=not cmd.no_check, backend=cmd.backend)
     ddp = None
-    if args.ddp:
+    if cmd.ddp:
         from .ddp import build_meta_model
 
-        build_meta_model(args.ddp)  # a bad model spec is a usage error here, not a failed rank later
-        ddp = DdpConfig(model=args.ddp, bucket_cap_mb=args.bucket_cap_mb)
+        build_meta_model(cmd.ddp)  # a bad model spec is a usage error here, not a failed rank later
+        ddp = DdpConfig(model=cmd.ddp, bucket_cap_mb=cmd.bucket_cap_mb)
     try:
-        result = run_bench(cfg, nproc, ddp, timeout=args.timeout)
+        result = run_bench(cfg, nproc, ddp, timeout=cmd.timeout)
     except LaunchError as err:
         print(f"multigpu bench: {err}", file=sys.stderr)
         return 1
     if result is None:  # a non-zero rank of a launched job
         return 0
-    print(json.dumps(result, indent=1) if args.json else format_table(result), flush=True)
+    print(json.dumps(result, indent=1) if cmd.json else format_table(result), flush=True)
     return 1 if result["wrong"] else 0

@@ -24,6 +24,9 @@ PLACES = {"all_reduce": ("in",), "broadcast": ("in",), "all_gather": ("out", "in
 REDOP = {"all_reduce": "sum", "reduce_scatter": "sum"}
 ROOT = {"broadcast": 0}
 
+# --sizes' default where none is given: nccl-tests' usual sweep on GPUs, a shorter one for gloo's copies on CPU.
+GPU_SIZES, CPU_SIZES = "8:256M", "8:4M"
+
 # nccl-tests' name of each type, for its "type" column (the dtypes themselves: values.DTYPES).
 NCCL_TYPE = {"fp32": "float", "fp16": "half", "bf16": "bfloat16", "fp64": "double", "int8": "int8", "uint8": "uint8",
              "int32": "int32", "int64": "int64"}
@@ -97,7 +100,7 @@ class BenchConfig:
     """
 
     ops: tuple[str, ...] = OPS
-    sizes: tuple[int, ...] = field(default_factory=lambda: tuple(parse_sizes("8:4M")))
+    sizes: tuple[int, ...] = field(default_factory=lambda: tuple(parse_sizes(CPU_SIZES)))
     dtype: str = "float32"
     warmup: int = 5
     iters: int = 20
@@ -115,3 +118,37 @@ class BenchConfig:
             raise UsageError(f"iters must be >= 1 and warmup >= 0, got iters={self.iters} warmup={self.warmup}")
         if not self.sizes:
             raise UsageError("no sizes to measure; use e.g. --sizes 8:256M")
+
+
+@dataclass(frozen=True)
+class BenchCommand:
+    """What ``multigpu bench`` was asked: a ``BenchConfig`` as flags spell it, and how to launch and print it.
+    Each field's docstring is its flag's help in `multigpu bench --help` (commbench/__init__.py); ``None``
+    means "choose for this machine" (run.py's main)."""
+
+    nproc: int | None = None
+    """ranks to start (default: GPUs visible, else 2)"""
+    ops: tuple[str, ...] | None = None
+    """collectives (default all): {OPS}"""
+    sizes: str | None = None
+    """MIN:MAX swept by factor 2, or a comma list; K, M, G and KiB, MiB, GiB binary, KB, MB, GB decimal (default
+    {GPU_SIZES} on GPU, {CPU_SIZES} on CPU)"""
+    dtype: str = BenchConfig.dtype
+    """float32 (default), float16, bfloat16, float64, int8, uint8, int32, int64"""
+    warmup: int = BenchConfig.warmup
+    """untimed iterations per size (default %(default)s)"""
+    iters: int = BenchConfig.iters
+    """timed iterations per size (default %(default)s, as nccl-tests)"""
+    backend: str | None = BenchConfig.backend
+    """default: nccl with GPUs, else gloo"""
+    no_check: bool = False
+    """skip the correctness check (#wrong shows N/A)"""
+    ddp: str | None = None
+    """also time a DDP step's gradient all-reduce for MODEL: gpt2-small, gpt2-medium, gpt2-tiny or
+    package.module:factory"""
+    bucket_cap_mb: float = 25.0
+    """DDP bucket size for --ddp (default %(default)g)"""
+    timeout: float = 600.0
+    """seconds before a stuck rendezvous/collective fails"""
+    json: bool = False
+    """print JSON instead of the table"""
