@@ -3,13 +3,31 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .. import compat
 from ..errors import UsageError
+from ..runtime.fields import add_field
 from . import storage
+
+
+@dataclass(frozen=True)
+class CkptConfig:
+    """What ``multigpu ckpt`` was asked: the action and its paths (``dir`` for ls and verify, ``checkpoint`` and
+    ``out`` for export). Each path's docstring is its argument's help in `multigpu ckpt ACTION --help`
+    (``add_arguments``)."""
+
+    action: str
+    """ls, verify or export"""
+    dir: str | None = None
+    """run directory (or one checkpoint directory)"""
+    checkpoint: str | None = None
+    """checkpoint directory, e.g. runs/x/step-120"""
+    out: str | None = None
+    """output file, e.g. model.pt"""
 
 
 def _run_dir(directory: str | Path) -> Path:
@@ -110,19 +128,22 @@ def export(checkpoint: str | Path, out: str | Path) -> dict[str, int]:
 
 def main(args) -> int:
     """`multigpu ckpt ls | verify | export`: print the table or export; exit 1 when verify finds damage."""
-    if args.action == "export":
-        info = export(args.checkpoint, args.out)
-        print(f"exported {args.checkpoint} (step {info['step']}) -> {args.out}: {info['tensors']} tensors, "
+    # Each action's parser has only its own paths: the others are absent from args, None here.
+    given = vars(args)
+    cfg = CkptConfig(action=args.action, dir=given.get("dir"), checkpoint=given.get("checkpoint"), out=given.get("out"))
+    if cfg.action == "export":
+        info = export(cfg.checkpoint, cfg.out)
+        print(f"exported {cfg.checkpoint} (step {info['step']}) -> {cfg.out}: {info['tensors']} tensors, "
               f"{info['parameters']:,} parameters, {info['bytes']:,} bytes; "
               "load with model.load_state_dict(torch.load(path, weights_only=True))")
         return 0
-    if args.action == "verify" and not _targets(_run_dir(args.dir)):
+    if cfg.action == "verify" and not _targets(_run_dir(cfg.dir)):
         # Nothing checked is not "all valid": a wrong directory must not pass a CI step.
-        raise UsageError(f"no checkpoints in {_run_dir(args.dir)} to verify; expected step-N folders written by "
+        raise UsageError(f"no checkpoints in {_run_dir(cfg.dir)} to verify; expected step-N folders written by "
                          f"mg.Checkpointer: pass the directory given to Checkpointer(...)")
-    lines, bad = table(args.dir, full=args.action == "verify")
+    lines, bad = table(cfg.dir, full=cfg.action == "verify")
     print("\n".join(lines))
-    if args.action == "verify":
+    if cfg.action == "verify":
         print(f"{bad} of {len(lines) - 1} checkpoints not valid" if bad else "all checkpoints valid")
         return 1 if bad else 0
     return 0
@@ -134,9 +155,9 @@ def add_arguments(parser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", parser_class=type(parser))
     actions.required = True
     ls = actions.add_parser("ls", help="checkpoints with step, world size, size, and valid or why not (sizes only)")
-    ls.add_argument("dir", help="run directory (or one checkpoint directory)")
+    add_field(ls, "dir", config=CkptConfig, field="dir")
     verify = actions.add_parser("verify", help="check every file's checksum; exit status 1 if any checkpoint is damaged")
-    verify.add_argument("dir", help="run directory (or one checkpoint directory)")
+    add_field(verify, "dir", config=CkptConfig, field="dir")
     exp = actions.add_parser("export", help="write one checkpoint's model weights as a plain torch.save file")
-    exp.add_argument("checkpoint", help="checkpoint directory, e.g. runs/x/step-120")
-    exp.add_argument("out", help="output file, e.g. model.pt")
+    add_field(exp, "checkpoint", config=CkptConfig, field="checkpoint")
+    add_field(exp, "out", config=CkptConfig, field="out")
