@@ -3,18 +3,33 @@ and `multigpu tune`, and the study's report (``study.py``), which `multigpu repo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from ..runtime.fields import add_field
 from .study import load_study, write_report
 
-__all__ = ["add_arguments", "load_study", "main", "write_report"]
+__all__ = ["ReportConfig", "add_arguments", "load_study", "main", "write_report"]
+
+
+@dataclass(frozen=True)
+class ReportConfig:
+    """What ``multigpu report`` was asked to write. Each field's docstring is its argument's help in
+    `multigpu report --help` (``add_arguments``)."""
+
+    results: str
+    """the results directory `multigpu study` wrote"""
+    output: str | None = None
+    """HTML file to write (default: RESULTS/report.html)"""
 
 
 def add_arguments(parser) -> None:
     """`multigpu report RESULTS [-o report.html]` arguments."""
-    parser.add_argument("results", help="the results directory `multigpu study` wrote")
-    parser.add_argument("-o", "--output", default=None, help="HTML file to write (default: RESULTS/report.html)")
+    add_field(parser, "results", config=ReportConfig, field="results")
+    add_field(parser, "-o", "--output", config=ReportConfig, field="output")
 
 
 def main(args) -> int:
-    html_path, md_path = write_report(args.results, args.output)
+    cfg = ReportConfig(results=args.results, output=args.output)
+    html_path, md_path = write_report(cfg.results, cfg.output)
     print(f"multigpu report: {html_path} (self-contained) and {md_path}")
     return 0

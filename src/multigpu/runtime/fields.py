@@ -42,12 +42,14 @@ def add_field(parser: argparse.ArgumentParser, *flags: str, config: type, field:
     """``parser.add_argument(*flags, **kwargs)`` with the help and the default of ``config.<field>``;
     ``default`` for a flag whose spelling differs from the field's value (``"1,2"`` for ``(1, 2)``);
     ``values`` fills ``{name}`` in the docstring, for a constant the help quotes (a default directory).
-    A field without a default is a required flag (``PlanConfig.lr``: ``--lr`` must be given)."""
+    A field without a default is a required flag (``PlanConfig.lr``: ``--lr`` must be given), or a positional
+    (``ReportConfig.results``), which argparse requires by itself."""
     spec = {f.name: f for f in dataclasses.fields(config)}[field]
     if default is _MISSING:
         if spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
-            default = None  # argparse's own for a flag not given; required, it never shows
-            kwargs.setdefault("required", True)
+            default = None  # argparse's own for an argument not given; required, it never shows
+            if all(flag.startswith("-") for flag in flags):  # argparse refuses required= on a positional
+                kwargs.setdefault("required", True)
         else:
             default = spec.default
     text = field_docs(config)[field]
