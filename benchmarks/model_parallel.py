@@ -28,7 +28,7 @@ import multigpu as mg
 from multigpu.fingerprint import format_fingerprint
 from multigpu.parallel.footprint import state_bytes
 from multigpu.recipes.gpt.model import GPT, config
-from multigpu.recipes.gpt.parallelize import parallelize
+from multigpu.recipes.gpt.parallelize import spread
 from multigpu.testing import spawn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +55,7 @@ def _build(dist, args, layout):
         layout = dict(layout)
         sp = layout.pop("sequence_parallel", False)
         mesh = mg.parallel.mesh(dist, **layout)
-        model, dp_size, dp_rank = parallelize(model, mesh, sequence_parallel=sp), mesh.dp_size, mesh.dp_rank
+        model, dp_size, dp_rank = spread(model, mesh, sequence_parallel=sp), mesh.dp_size, mesh.dp_rank
     g = torch.Generator().manual_seed(dp_rank)  # tensor-parallel peers read the same sequences
     per_rank = args.batch // dp_size
     seq = torch.randint(0, cfg.vocab_size, (per_rank, cfg.block_size + 1), generator=g)

@@ -15,7 +15,7 @@ from torch.utils.data import TensorDataset
 import multigpu as mg
 from multigpu.parallel.footprint import state_bytes
 from multigpu.recipes.gpt.model import GPT, config
-from multigpu.recipes.gpt.parallelize import parallelize
+from multigpu.recipes.gpt.parallelize import spread
 
 GLOBAL_BATCH, BLOCK = 8, 16
 
@@ -83,10 +83,7 @@ def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None
     torch.manual_seed(0)
     model = GPT(config("tiny", block_size=BLOCK, **layout.pop("model", {}))).to(dtype)  # the full model, on every rank
     mesh = mg.parallel.mesh(dist, **layout)
-    parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp, activation_checkpointing=ac)
-    if compiled:
-        for block in model.blocks.values():
-            block.compile()
+    model = spread(model, mesh, sequence_parallel=sp, loss_parallel=lp, activation_checkpointing=ac, compile=compiled)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     plan = mesh.plan(GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // mesh.dp_size // accum)
     train_loader = mg.loader(tokens(masked=masked), plan, dist, seed=0)
@@ -113,8 +110,9 @@ def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None
             checkpointer.save(step)
             if step == stop_after:
                 break
-    state = {k: full(v) for k, v in model.state_dict().items()}
-    tied = model.head.weight is model.embed.wte.weight
+    net = mg.unwrap(model)  # a layout that only replicates is DDP, whose wrapper prefixes the names
+    state = {k: full(v) for k, v in net.state_dict().items()}
+    tied = net.head.weight is net.embed.wte.weight
     return {"state": state, "losses": losses, "norms": norms, "mesh": repr(mesh), "tied": tied, "bytes": held,
             "saved": saved[0]}
 
@@ -138,7 +136,7 @@ def train_pipeline(dist, layout: dict, steps: int = 5, accum: int = 4, clip: flo
     mesh = mg.parallel.mesh(dist, **layout)
     n_stages = pp.check(schedule, mesh.shape.pp, accum)
     ids = pp.stage_ids(schedule, mesh.pp_rank, mesh.shape.pp)
-    parts = [parallelize(stage_module(model, i, n_stages), mesh, sequence_parallel=sp) for i in ids]
+    parts = [spread(stage_module(model, i, n_stages), mesh, sequence_parallel=sp, pipeline_stage=True) for i in ids]
     pipe = mg.parallel.Pipeline(parts, ids, n_stages, mesh.pp_mesh.get_group(), dist.device, schedule, accum, loss_fn)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1)
     plan = mesh.plan(GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // mesh.dp_size // accum)

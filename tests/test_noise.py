@@ -422,7 +422,7 @@ def _tp_worker(dist, layouts, steps=6, accum=2):
 
     from multigpu.noise.estimates import Estimates
     from multigpu.recipes.gpt.model import GPT, config
-    from multigpu.recipes.gpt.parallelize import parallelize
+    from multigpu.recipes.gpt.parallelize import spread
 
     cfg = config("tiny", block_size=16)
     data = torch.randint(0, 256, (steps * 8, 17), generator=torch.Generator().manual_seed(1))
@@ -434,7 +434,7 @@ def _tp_worker(dist, layouts, steps=6, accum=2):
         ref = GPT(cfg)
         model = copy.deepcopy(ref)
         mesh = mg.parallel.mesh(dist, **layout)
-        parallelize(model, mesh, sequence_parallel=sp)
+        model = spread(model, mesh, sequence_parallel=sp, verbose=False)
         plan = mesh.plan(8, micro_batch=8 // mesh.dp_size // accum)
         noise = mg.NoiseScale(plan, tau=1e12, sync_every=4).attach(model)
         exact = Estimates(plan.global_batch, 1e12, 1)

@@ -5,14 +5,15 @@
 (``ddp.py``, ``dp.py``, ``zero.py``, ``fsdp.py``) and the pieces they share
 sit beside them (``comm_hooks.py``, ``batchnorm.py``, ``clip.py``,
 ``footprint.py``). Model parallelism: ``mesh.py`` (the device mesh and the
-data-parallel rank), ``tp.py`` (tensor-parallel plans), ``fsdp.shard_blocks``
-(FSDP over a mesh's data-parallel dimensions), ``pp.py`` (pipeline stages and
+data-parallel rank), ``tp.py`` (tensor-parallel plans), ``pp.py`` (pipeline stages and
 their schedule). ``layout.py`` (the one ``Layout``), ``auto.py`` (blocks and plans a model declares or
-that are found in it) and ``spread.py`` (``mg.parallelize``: TP, then FSDP/HSDP or DDP).
+that are found in it) and ``spread.py`` (``mg.parallelize``: TP, then FSDP/HSDP or DDP, for a whole
+model or a pipeline stage): the one way to spread a model over a mesh. ``fsdp.shard_blocks`` is the
+FSDP it applies, not a second way in.
 """
 
 from .clip import clip_grad_norm_
-from .fsdp import shard_blocks
+from .fsdp import shard_blocks  # importable for code written against it; mg.parallelize is the way in
 from .layout import Layout
 from .mesh import Mesh, MeshShape, factor, mesh
 from .spread import parallelize
@@ -24,4 +25,4 @@ from .wrap import STRATEGIES, accumulate, full_state_dict, no_sync, optimizer, s
 # The names the top-level package exports (wrap, accumulate, parallelize...) are left out here: one public
 # name, one place (they stay importable from this package).
 __all__ = ["STRATEGIES", "Layout", "Mesh", "MeshShape", "Pipeline", "apply_tp", "factor", "loss_parallel", "mesh",
-           "no_sync", "pipeline", "shard_blocks", "strategy_of"]
+           "no_sync", "pipeline", "strategy_of"]

@@ -12,6 +12,7 @@ one line for the plan and one for the units, on rank 0.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -93,11 +94,18 @@ def parallelize(model: nn.Module, layout: Layout | Mesh | None = None, *, tp_pla
                 block_classes: list[type] | None = None, activation_checkpointing: bool | None = None,
                 compile: bool | None = None, reshard_after_forward: bool | None = None,
                 param_dtype: Any = None, reduce_dtype: Any = None, sync_batchnorm: bool = False,
+                sequence_parallel: bool | None = None, pipeline_stage: bool = False,
                 verbose: bool = True) -> nn.Module:
     """Spread ``model`` (the full model, built with the same seed on every rank, on ``dist.device``) by
     ``layout``: TP, then activation checkpointing and compile per block, then FSDP/HSDP, or DDP when
     only replicating (``sync_batchnorm``: BatchNorm statistics over the ranks). Returns the model to
     train (the DDP wrapper under DDP, the module itself otherwise).
+
+    ``sequence_parallel`` (like ``activation_checkpointing`` and ``compile``) overrides the layout's, so
+    a mesh (whose layout has none of them) can carry it; it needs ``tp_plan`` with SequenceParallel
+    styles. ``pipeline_stage``: ``model`` is one stage of a pipeline over ``layout``, a ``Mesh`` with
+    pp > 1 (what ``mg.parallel.Pipeline`` takes): TP and FSDP apply inside the stage, and FSDP keeps
+    the parameters gathered between a step's micro-batches unless ``reshard_after_forward`` says so.
 
     >>> model = mg.parallelize(LlamaForCausalLM(cfg).to(dist.device), mg.parallel.Layout(tp=2))
     >>> model = mg.parallelize(net, mg.parallel.Layout(dp_replicate=dist.world_size))   # DDP
@@ -109,10 +117,15 @@ def parallelize(model: nn.Module, layout: Layout | Mesh | None = None, *, tp_pla
     if not isinstance(layout, Layout):
         raise UsageError(f"mg.parallelize takes a mg.parallel.Layout or a mesh, got {type(layout).__name__}; "
                          "e.g. mg.parallelize(model, mg.parallel.Layout(tp=2))")
+    if sequence_parallel is not None:  # Layout refuses it with tp 1, in its own line
+        layout = dataclasses.replace(layout, sequence_parallel=sequence_parallel)
     world = _world()
     shape = layout.shape(world)  # a layout for another number of processes is refused here
     name = type(model).__name__
-    if shape.pp > 1:
+    if pipeline_stage and mesh is None:
+        raise UsageError(f"a pipeline stage of {name} is spread over the pipeline's own mesh (its stages must share "
+                         "it); pass that mg.parallel.Mesh, not a Layout")
+    if shape.pp > 1 and not pipeline_stage:
         raise UsageError(f"pp={shape.pp} splits {name} into pipeline stages, which changes the loop; use "
                          "pipe = mg.parallel.pipeline(model, layout, loss_fn) and loss = pipe.step(micro_batches)")
     params = list(model.parameters())
@@ -163,6 +176,9 @@ def parallelize(model: nn.Module, layout: Layout | Mesh | None = None, *, tp_pla
         return _stamped(wrap_ddp(model, sync_batchnorm=sync_batchnorm), layout)
     if strategy in ("fsdp", "hsdp"):
         options: dict[str, Any] = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
+        if pipeline_stage and reshard_after_forward is None:
+            # Resharding after each micro-batch's forward would gather the stage's parameters again for the next.
+            reshard_after_forward = False
         if reshard_after_forward is not None:
             options["reshard_after_forward"] = reshard_after_forward
         model = prepare_batchnorm(model, strategy, sync_batchnorm, params[0].device)
@@ -172,7 +188,7 @@ def parallelize(model: nn.Module, layout: Layout | Mesh | None = None, *, tp_pla
         rule = f"{block_names} ({block_source})" if classes else f"blocks of >= {DEFAULT_MIN_BLOCK_PARAMS:,} parameters (no repeated blocks)"
         say(f"mg.parallelize: {over}: {len(units)} units of {rule} + the root{extras}")
         return _stamped(shard_blocks(model, mesh.dp_mesh, block_classes=classes or None, **options), layout)
-    if shape.tp == 1:
+    if shape.tp == 1 and shape.pp == 1:
         say(f"mg.parallelize: one process, nothing to spread (blocks: {block_names}){extras}")
     elif extras:
         say(f"mg.parallelize: blocks {block_names} ({block_source}){extras}")

@@ -167,7 +167,7 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
 
     from ..dist import print0
     from . import pp
-    from .fsdp import shard_blocks
+    from .spread import parallelize
 
     world = tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
     shape = layout.shape(world)
@@ -191,8 +191,9 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
         from .auto import blocks_of
 
         classes, _ = blocks_of(model)
-        # Kept gathered between a step's micro-batches: resharding would gather them again for each one.
-        parts = [shard_blocks(p, mesh.dp_mesh, block_classes=classes or None, reshard_after_forward=False)
+        # mg.parallelize's FSDP, the one way in; as a pipeline stage it keeps the parameters gathered between
+        # a step's micro-batches. This function prints its own line for all the stages.
+        parts = [parallelize(p, mesh, block_classes=classes or None, pipeline_stage=True, verbose=False)
                  for p in parts]
     if verbose:
         print0(f"mg.parallel.pipeline: {n_stages} stages of {name} by {how}, blocks per stage "

@@ -139,6 +139,10 @@ class Embeddings(nn.Module):
 class GPT(nn.Module):
     """``GPT(cfg)(idx)`` -> logits ``(batch, time, vocab)``; built with the caller's seed, weights as GPT-2's."""
 
+    # Its blocks, declared as transformers models declare theirs: mg.parallelize shards, checkpoints and
+    # compiles per Block by this, also in a pipeline stage that kept one block (nothing repeated to find).
+    _no_split_modules = ["Block"]
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg

@@ -1,4 +1,4 @@
-"""How the GPT recipe spreads over a mesh: its tensor-parallel plan, then FSDP over the data-parallel ranks.
+"""The GPT's tensor-parallel plan, the one thing ``mg.parallelize`` cannot find in it by itself.
 
 Column-wise q, k, v and MLP up (each rank computes its heads and its share
 of the hidden units), row-wise attention out and MLP down (one all-reduce,
@@ -7,6 +7,11 @@ table and the head sharded by vocabulary rows (Megatron-LM's layout;
 torchtitan's llama plan). With ``sequence_parallel`` the norms and the
 residual stream between sub-layers are split along the sequence. With
 ``loss_parallel`` the logits stay sharded by vocabulary into the loss.
+The plan is the user's (``tp_plan=``) to ``mg.parallelize`` rather than one
+the GPT declares: it depends on those two choices and on which modules a
+pipeline stage kept, which a fixed declaration cannot say.
+
+>>> mg.parallelize(model, mesh, tp_plan=tp_plan(model, sequence_parallel=True), sequence_parallel=True)
 """
 
 from __future__ import annotations
@@ -30,23 +35,27 @@ def check_tp(cfg: GPTConfig, tp: int) -> None:
                          f"use tp={max(fits)} or a model whose sizes it divides")
 
 
-def tp_plan(cfg: GPTConfig, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, Any]:
-    """The plan ``parallel.apply_tp`` takes for a ``GPT(cfg)``."""
+def tp_plan(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, Any]:
+    """The plan for ``model``, a ``GPT`` or a pipeline stage of one (``pipeline.stage_module``): only the
+    modules it has (``mg.parallelize`` refuses a plan naming a module the model lacks)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                    RowwiseParallel, SequenceParallel)
 
     seq = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, Any] = {
-        "embed.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                use_local_output=not loss_parallel),
-    }
-    if sequence_parallel:
+    plan: dict[str, Any] = {}
+    first, last = model.embed is not None, model.head is not None
+    if first:
+        plan["embed.wte"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if last:
+        plan["head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                       use_local_output=not loss_parallel)
+    if sequence_parallel and first:
         # The embeddings' sum (token + position, both full) is split along the sequence here.
         plan["embed"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+    if sequence_parallel and last:
         plan["ln_f"] = SequenceParallel()
-    for i in range(cfg.n_layer):
+    for i in model.blocks:
         b = f"blocks.{i}"
         plan |= {f"{b}.attn.q": ColwiseParallel(), f"{b}.attn.k": ColwiseParallel(), f"{b}.attn.v": ColwiseParallel(),
                  f"{b}.attn.out": RowwiseParallel(output_layouts=seq), f"{b}.mlp.up": ColwiseParallel(),
@@ -58,31 +67,15 @@ def tp_plan(cfg: GPTConfig, *, sequence_parallel: bool = False, loss_parallel: b
     return plan
 
 
-def parallelize(model: nn.Module, mesh: Any, *, sequence_parallel: bool = False, loss_parallel: bool = False,
-                activation_checkpointing: bool = False, fsdp: bool = True, **fsdp_options: Any) -> nn.Module:
-    """TP over ``mesh.tp_mesh`` (when tp > 1), activation checkpointing per block if asked, then FSDP
-    per block and on the root over ``mesh.dp_mesh`` (torchtitan's order: FSDP outermost).
+def spread(model: nn.Module, mesh: Any, *, sequence_parallel: bool = False, loss_parallel: bool = False,
+           **options: Any) -> nn.Module:
+    """``mg.parallelize`` with the GPT's plan (``options``: its other keywords, e.g. ``pipeline_stage``)."""
+    from ...parallel.spread import parallelize
 
-    ``model`` may be a pipeline stage (``pipeline.stage_module``): the plan keeps the modules it has,
-    and FSDP keeps its parameters gathered between the micro-batches of a step (each would gather
-    them again otherwise).
-    """
-    from ...parallel import apply_tp, shard_blocks
-    from .model import Block
-
-    cfg = model.cfg
     if mesh.shape.tp > 1:
-        check_tp(cfg, mesh.shape.tp)
-        plan = tp_plan(cfg, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-        present = dict(model.named_modules())
-        apply_tp(model, mesh.tp_mesh, {name: style for name, style in plan.items() if name in present})
+        check_tp(model.cfg, mesh.shape.tp)
+        options["tp_plan"] = tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     elif sequence_parallel or loss_parallel:
         raise UsageError("sequence_parallel and loss_parallel split work over tensor-parallel ranks but tp is 1; "
                          "use mg.parallel.mesh(dist, tp=2) or drop them")
-    for block in model.blocks.values():
-        block.checkpointed = activation_checkpointing
-    if fsdp and mesh.dp_mesh is not None:
-        if mesh.shape.pp > 1:
-            fsdp_options.setdefault("reshard_after_forward", False)
-        shard_blocks(model, mesh.dp_mesh, block_classes=[Block], **fsdp_options)
-    return model
+    return parallelize(model, mesh, sequence_parallel=sequence_parallel, **options)

@@ -40,7 +40,7 @@ from ...parallel.footprint import LiveActivations, state_bytes
 from ...values import int_list, positive_int
 from .data import prepare_tokens, token_sets
 from .model import GPT, SIZES, config
-from .parallelize import parallelize
+from .parallelize import spread
 
 
 class _Parser(argparse.ArgumentParser):
@@ -76,7 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "and the head counted as one block each)")
     p.add_argument("--untied", action="store_true", help="separate token table and head (a pipeline puts them on two stages)")
     p.add_argument("--ddp", action="store_true",
-                   help="plain DDP over every rank instead of FSDP (tp 1 only): one bucketed all-reduce per step, no DTensor")
+                   help="plain DDP over every rank instead of FSDP (tp 1 only): one bucketed all-reduce per step, no "
+                   "DTensor; the same as --dp-replicate WORLD (a layout that only replicates is DDP)")
     p.add_argument("--sequence-parallel", action="store_true", help="split norms and residuals along the sequence (needs --tp)")
     p.add_argument("--loss-parallel", action="store_true", help="cross-entropy on vocabulary-sharded logits (needs --tp)")
     p.add_argument("--activation-checkpointing", action="store_true",
@@ -203,7 +204,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         cfg = config(args.size, **({"block_size": args.block_size} if args.block_size else {}),
                      **({"tie_embeddings": False} if args.untied else {}))
         train_set, val_set = _datasets(args, cfg)
-        mesh = mg.parallel.mesh(dist, tp=args.tp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, pp=args.pp)
+        # --ddp is the layout that only replicates, which mg.parallelize spreads by DDP.
+        replicas = dist.world_size if args.ddp else args.dp_replicate
+        mesh = mg.parallel.mesh(dist, tp=args.tp, dp_replicate=replicas, dp_shard=args.dp_shard, pp=args.pp)
         plan = mesh.plan(args.global_batch, micro_batch=args.micro_batch)
         model, pipe = _build(args, cfg, mesh, plan, dist)
         amp = mg.Precision(args.precision, dist.device)
@@ -256,22 +259,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 def _build(args, cfg, mesh, plan, dist):
     """(model, pipeline or None): the full model, the same on every rank, then spread over the mesh."""
     torch.manual_seed(args.seed)  # weights as one process's
-    spread = functools.partial(parallelize, mesh=mesh, sequence_parallel=args.sequence_parallel,
-                               loss_parallel=args.loss_parallel, activation_checkpointing=args.activation_checkpointing,
-                               fsdp=not args.ddp)
+    # mg.parallelize with the GPT's plan: TP, checkpointing and compile per block, then FSDP/HSDP, or DDP
+    # when the mesh only replicates (--ddp); each pipeline stage the same way, inside the stage.
+    spread_gpt = functools.partial(spread, mesh=mesh, sequence_parallel=args.sequence_parallel,
+                                   loss_parallel=args.loss_parallel,
+                                   activation_checkpointing=args.activation_checkpointing, compile=args.compile)
     pipe = None
     if args.pp > 1:
         splits = _int_list(args.pp_splits, "--pp-splits") if args.pp_splits else None
         pipe = pipeline.build(GPT(cfg).to(dist.device), mesh, dist.device, args.schedule or "1f1b",
-                              plan.accum_steps, spread, splits)
+                              plan.accum_steps, functools.partial(spread_gpt, pipeline_stage=True), splits)
         model = pipe.model
     else:
-        model = spread(GPT(cfg).to(dist.device))
-    if args.ddp:
-        model = mg.wrap(model, "ddp" if dist.world_size > 1 else "none")
-    if args.compile:
-        for block in mg.unwrap(model).blocks.values():
-            block.compile()  # in place: the block keeps its parameter names (no _orig_mod prefix)
+        model = spread_gpt(GPT(cfg).to(dist.device))
     return model, pipe
 
 
