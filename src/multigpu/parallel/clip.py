@@ -93,16 +93,23 @@ def norm_of_shards(grads: list, norm_type: float = 2.0, error_if_nonfinite: bool
     is not part of ``to_local()``), so the p-th powers of the local norms add
     up to the p-th power of the global norm (the maxima, for p = inf).
     """
-    import torch.distributed as tdist
-
     mesh = grads[0].device_mesh
     local = torch.nn.utils.get_total_norm([g.to_local() for g in grads], norm_type, error_if_nonfinite, foreach)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    return reduce_norm(local, norm_type, mesh.get_group(), device)
+
+
+def reduce_norm(local: torch.Tensor, norm_type: float, group, device: torch.device | None = None) -> torch.Tensor:
+    """The norm over ``group``'s ranks from each rank's norm of elements no other rank holds (FSDP's shards,
+    a pipeline's stages): the p-th powers add up (the maxima, for p = inf). Reduced in float64 on
+    ``device`` (the group's, where it differs from the norm's), returned in ``local``'s dtype and device."""
+    import torch.distributed as tdist
+
+    total = local.to(device or local.device, torch.float64)
     if norm_type == float("inf"):
-        total = local.to(device)
-        tdist.all_reduce(total, op=tdist.ReduceOp.MAX, group=mesh.get_group())
+        tdist.all_reduce(total, op=tdist.ReduceOp.MAX, group=group)
     else:
-        total = local.to(device, torch.float64) ** norm_type
-        tdist.all_reduce(total, group=mesh.get_group())
+        total = total ** norm_type
+        tdist.all_reduce(total, group=group)
         total = total ** (1.0 / norm_type)
     return total.to(local.device, local.dtype)

@@ -211,21 +211,14 @@ class Pipeline:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm over every stage: each rank's norm, combined over the pipeline."""
-        from .clip import clip_groups, group_norm, grouped
+        from .clip import clip_groups, group_norm, grouped, reduce_norm
 
         groups = grouped(self.parameters())
         own = group_norm(groups, norm_type) if groups else torch.tensor(0.0)
-        mine = own.double()
-        if norm_type == float("inf"):
-            tdist.all_reduce(mine, op=tdist.ReduceOp.MAX, group=self.group)
-            total = mine
-        else:
-            power = mine ** norm_type
-            tdist.all_reduce(power, group=self.group)
-            total = power ** (1.0 / norm_type)
-        # Back to the dtype the norm was computed in, as clip_grad_norm_ returns it (a fixed
-        # float32 here moved float64 pipelines 8e-10 off one process).
-        total = total.to(own.dtype)
+        # Stages hold disjoint parameters, so their norms combine as FSDP's shards do; returned in the
+        # dtype the norm was computed in, as clip_grad_norm_ returns it (a fixed float32 here moved
+        # float64 pipelines 8e-10 off one process).
+        total = reduce_norm(own, norm_type, self.group)
         clip_groups(groups, max_norm, total)
         return total
 
