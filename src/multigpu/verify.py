@@ -174,10 +174,7 @@ def verify(target: str, args: Sequence[str] = (), *, module: bool = False,
     if len(workers) < 2 or any(w < 1 for w in workers):
         raise UsageError(f"--workers needs two or more positive world sizes to compare, got {','.join(map(str, workers))}; "
                          "use e.g. --workers 1,2")
-    if steps < 1:
-        raise UsageError(f"--steps must be >= 1, got {steps}; use e.g. --steps 5")
-    if not rtol > 0:
-        raise UsageError(f"--rtol must be a positive number, got {rtol}; use e.g. --rtol 1e-5 (fp32 losses)")
+    _check_steps_and_rtol(steps, rtol)
     if global_batch is not None:
         if global_batch < 1:
             raise UsageError(f"--global-batch must be a positive integer, got {global_batch}; use e.g. --global-batch 64")
@@ -194,6 +191,13 @@ def verify(target: str, args: Sequence[str] = (), *, module: bool = False,
                                 str(workers[0]): str(workers[0])})
 
 
+def _check_steps_and_rtol(steps: int, rtol: float) -> None:
+    if steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {steps}; use e.g. --steps 5")
+    if not rtol > 0:
+        raise UsageError(f"--rtol must be a positive number, got {rtol}; use e.g. --rtol 1e-5 (fp32 losses)")
+
+
 def _verify_layouts(target: str, args: Sequence[str], *, module: bool, layouts: str | Sequence[Any], steps: int,
                     global_batch: int | None, cpu: bool, rtol: float, out: str | None,
                     say: Callable[[str], None]) -> dict[str, Any]:
@@ -205,10 +209,7 @@ def _verify_layouts(target: str, args: Sequence[str], *, module: bool, layouts: 
     if fixed:  # the script would read the last of two: the layout's, silently over the user's
         raise UsageError(f"--layouts sets {', '.join(fixed)} itself; drop {'them' if len(fixed) > 1 else 'it'} from the "
                          "script's arguments (or put it in the layouts)")
-    if steps < 1:
-        raise UsageError(f"--steps must be >= 1, got {steps}; use e.g. --steps 5")
-    if not rtol > 0:
-        raise UsageError(f"--rtol must be a positive number, got {rtol}; use e.g. --rtol 1e-5 (fp32 losses)")
+    _check_steps_and_rtol(steps, rtol)
     devices = _visible_gpus(cpu)
     for layout in chosen:
         world, dp = world_of(layout), layout.dp_replicate * (layout.dp_shard or 1)
