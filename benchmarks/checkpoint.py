@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import multigpu as mg
-from multigpu.fingerprint import format_fingerprint
+from multigpu.runtime.fingerprint import format_fingerprint
 from multigpu.checkpoint import storage
 from multigpu.testing import spawn
 

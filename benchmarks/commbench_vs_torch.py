@@ -65,7 +65,7 @@ def compare_rank(sizes: list[int], warmup: int, iters: int, repeats: int, backen
 def main() -> int:
     sys.path.insert(0, "src")
     from multigpu.commbench.launch import launch_local
-    from multigpu.fingerprint import fingerprint
+    from multigpu.runtime.fingerprint import fingerprint
     from multigpu.commbench.spec import parse_sizes
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 import multigpu as mg
-from multigpu.fingerprint import fingerprint, format_fingerprint
+from multigpu.runtime.fingerprint import fingerprint, format_fingerprint
 from multigpu.meter import StepMeter
 from multigpu.testing import spawn
 

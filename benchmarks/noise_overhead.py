@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import multigpu as mg
-from multigpu.fingerprint import format_fingerprint
+from multigpu.runtime.fingerprint import format_fingerprint
 from multigpu.recipes.digits import digits_datasets, evaluate, make_model
 from multigpu.testing import spawn
 

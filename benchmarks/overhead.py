@@ -119,7 +119,7 @@ def main() -> None:
     else:
         r0 = spawn(_bench, args.world_size, args.trials, args.steps, False, timeout=3600)[0]
         world = args.world_size
-    from multigpu.fingerprint import fingerprint
+    from multigpu.runtime.fingerprint import fingerprint
 
     print("fingerprint:", ", ".join(f"{k}={v}" for k, v in fingerprint(world_size=world).items()))
     print(f"mean step time over {args.steps} steps after {WARMUP} warm-up steps, rank 0, global batch {GLOBAL_BATCH}:")

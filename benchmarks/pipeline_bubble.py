@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import multigpu as mg
-from multigpu.fingerprint import format_fingerprint
+from multigpu.runtime.fingerprint import format_fingerprint
 from multigpu.parallel import pp
 from multigpu.parallel.footprint import LiveActivations, state_bytes
 from multigpu.recipes.gpt.model import GPT, config

@@ -135,7 +135,7 @@ def main() -> None:
         return child(args)
     if min(args.rounds, args.steps, args.accum, args.micro_batch) < 1:
         p.error("--rounds, --steps, --accum and --micro-batch must be >= 1")
-    from multigpu.fingerprint import fingerprint
+    from multigpu.runtime.fingerprint import fingerprint
 
     print(json.dumps(fingerprint(benchmark="scaling_ceiling", threads_per_process=1)))
     variants = ["alone", "pair", "sync"]

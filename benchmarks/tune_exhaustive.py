@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import multigpu as mg
-from multigpu.fingerprint import format_fingerprint
+from multigpu.runtime.fingerprint import format_fingerprint
 from multigpu.tune import TuneConfig, run_tune
 
 

@@ -15,7 +15,7 @@ from multigpu.commbench import BenchConfig, DdpConfig, algbw, bus_factor, format
 from multigpu.commbench.ddp import bucket_sizes, build_meta_model
 from multigpu.commbench.measure import _Case, counts_for, pattern
 from multigpu.commbench.spec import OPS, PLACES, parse_ops
-from multigpu.values import parse_size
+from multigpu.runtime.values import parse_size
 
 from _cli import run_cli
 

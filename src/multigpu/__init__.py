@@ -10,7 +10,7 @@ from .data import TokenShards, all_reduce_sum, eval_loader, loader, stream_eval_
 from .dist import Dist, init, print0
 from .errors import UsageError
 from .finder import MicroBatchSearch, find_batch_requested, find_micro_batch
-from .fingerprint import fingerprint
+from .runtime.fingerprint import fingerprint
 from .loss import token_divisor
 from .meter import StepMeter, profile
 from .noise import NoiseScale

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .errors import UsageError
-from .values import divisors, is_positive_int, positive_int
+from .runtime.values import divisors, is_positive_int, positive_int
 
 LR_RULES = ("linear", "sqrt", "none")
 

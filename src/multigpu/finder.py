@@ -39,7 +39,7 @@ import torch.distributed as tdist
 
 from .batch import BatchPlan
 from .errors import UsageError
-from .values import positive_int
+from .runtime.values import positive_int
 from .runtime.contract import find_batch_requested, write_find_batch
 from .runtime.contract import memory_budget as _launcher_budget, run_dir as _run_dir
 

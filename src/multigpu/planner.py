@@ -27,7 +27,7 @@ from .batch import POLICIES, BatchPlan, policy_batch, same_samples_steps, scale_
 from .errors import UsageError
 from .noise import efficiency, gain
 from .runtime.fields import add_field
-from .values import divisors, is_positive_int
+from .runtime.values import divisors, is_positive_int
 
 OPTIMIZER_RULES = {"sgd": "linear", "adam": "sqrt", "adamw": "sqrt"}
 FAR_BEYOND = 2.0  # warn when the global batch exceeds this multiple of the noise scale

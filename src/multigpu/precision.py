@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 
 from .errors import UsageError
-from .values import DTYPES, TRAINING_DTYPES
+from .runtime.values import DTYPES, TRAINING_DTYPES
 
 
 class Precision:

@@ -30,7 +30,7 @@ from .errors import UsageError
 from .meter.records import read_records
 from .runtime.contract import VERIFY_DIR, VERIFY_ENV
 from .runtime.fields import add_field
-from .values import int_list
+from .runtime.values import int_list
 
 DIGEST_RTOL = 1e-9  # float64 sums of the same samples in another order
 # Final parameters are judged by |theta_N - theta_1| / |theta_1 - theta_initial| over the whole model: the

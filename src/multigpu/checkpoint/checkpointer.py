@@ -29,7 +29,7 @@ from ..dist import at_teardown, print0
 from ..errors import UsageError
 from ..parallel import strategy_of
 from ..parallel.zero import is_zero_optimizer
-from ..values import is_positive_int
+from ..runtime.values import is_positive_int
 from . import loading, rng, storage
 from .background import BackgroundWrite, NewLayout, copy_into
 from .group import Group

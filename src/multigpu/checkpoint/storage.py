@@ -36,7 +36,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .. import compat
+from ..runtime import compat
 
 FORMAT = "multigpu-checkpoint/1"
 MANIFEST = "manifest.json"

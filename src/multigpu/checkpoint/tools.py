@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .. import compat
+from ..runtime import compat
 from ..errors import UsageError
 from ..runtime.fields import add_field
 from . import storage

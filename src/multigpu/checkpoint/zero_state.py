@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import compat
+from ..runtime import compat
 from . import storage
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from .. import compat
+from ..runtime import compat
 from ..errors import UsageError
 from .spec import BenchCommand, algbw, bus_factor
 

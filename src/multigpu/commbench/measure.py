@@ -14,7 +14,7 @@ from functools import partial
 import torch
 import torch.distributed as tdist
 
-from ..values import DTYPES, dtype_name
+from ..runtime.values import DTYPES, dtype_name
 from .spec import NCCL_TYPE, PLACES, REDOP, ROOT, BenchConfig, algbw, bus_factor
 
 # Largest integer each dtype holds exactly (bf16 has 8 significant bits, fp16 11).

@@ -10,7 +10,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ..errors import UsageError
-from ..fingerprint import fingerprint
+from ..runtime.fingerprint import fingerprint
 from .ddp import DdpConfig
 from .launch import LaunchError, launch_local
 from .spec import (CPU_SIZES, GPU_SIZES, BenchCommand, BenchConfig, bus_factor, parse_dtype, parse_ops,

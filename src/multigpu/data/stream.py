@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 from ..batch import BatchPlan
 from ..dist import Dist
 from ..errors import UsageError
-from ..values import positive_int
+from ..runtime.values import positive_int
 from .loader import _as_batch, global_order, refuse_changed_source, refuse_other_order, to_device
 from .sources import RawStream, materialize, stream_shards
 

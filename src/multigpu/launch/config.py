@@ -21,7 +21,7 @@ from typing import Iterator
 
 from ..errors import UsageError
 from ..runtime.fields import add_field
-from ..values import parse_size
+from ..runtime.values import parse_size
 
 DEFAULT_LOG_DIR = "multigpu_logs"  # in the working directory, next to the project (and in .gitignore)
 ELASTIC_RESTARTS = 3  # --max-restarts' default under --nnodes MIN:MAX

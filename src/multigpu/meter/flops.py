@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from ..errors import UsageError
-from ..values import TRAINING_DTYPES, dtype_name
+from ..runtime.values import TRAINING_DTYPES, dtype_name
 
 # (pattern on torch.cuda.get_device_name(), {dtype: dense TFLOP/s}); first match wins,
 # so the more specific names come first ("H100 PCIe" before "H100", "L40S" before "L4").

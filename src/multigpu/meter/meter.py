@@ -21,9 +21,9 @@ import torch
 import torch.distributed as tdist
 
 from ..errors import UsageError
-from ..fingerprint import fingerprint
+from ..runtime.fingerprint import fingerprint
 from ..runtime.contract import attempt, launch_id, profile_window, run_dir, verify_requested
-from ..values import positive_int
+from ..runtime.values import positive_int
 from . import gpumon, sinks as _sinks
 from .flops import FlopCount, dtype_key, peak_flops
 from .interval import Interval

@@ -44,7 +44,7 @@ def digest(batch: Any) -> float:
 
 
 def unsynced_batchnorm(model: nn.Module) -> list[str]:
-    from ..compat import batchnorm_base
+    from ..runtime.compat import batchnorm_base
     from ..parallel.batchnorm import GlooSyncBatchNorm  # sync_batchnorm=True's layer on CPU
     from ..parallel.wrap import unwrap
 

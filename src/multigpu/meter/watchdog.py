@@ -197,7 +197,7 @@ def _dump_flight_recorder(out_dir: str, rank: int) -> str | None:
     if not torch.cuda.is_available():
         return None
     try:
-        from ..compat import dump_nccl_trace
+        from ..runtime.compat import dump_nccl_trace
 
         data = dump_nccl_trace()
     except Exception:  # noqa: BLE001 - older torch, no NCCL group, recorder off

@@ -131,7 +131,7 @@ def tensor_parallel(named: list[tuple[str, torch.Tensor]], tp: int) -> Layout:
 
 def fsdp(modules: list[torch.nn.Module], named: list[tuple[str, torch.Tensor]], tp: int) -> Layout:
     """FSDP2 and HSDP, each optionally over tensor parallelism, from FSDP's own record of its reduce-scatter."""
-    from ..compat import fsdp_reduce_layout
+    from ..runtime.compat import fsdp_reduce_layout
 
     names = {id(p): name for name, p in named}
     dp_ndim: dict[int, int] = {}

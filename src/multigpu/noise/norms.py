@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as tdist
 
-from ..compat import foreach_norms
+from ..runtime.compat import foreach_norms
 from ..errors import UsageError
 
 
@@ -114,7 +114,7 @@ def local_tensors(grads: Iterator[torch.Tensor | None]) -> list[torch.Tensor]:
 
 def queue_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` when the current backward has finished (after those queued before)."""
-    from ..compat import queue_backward_callback
+    from ..runtime.compat import queue_backward_callback
 
     queue_backward_callback(fn)
 

@@ -29,7 +29,7 @@ from ..batch import BatchPlan
 from ..errors import UsageError
 from ..parallel import strategy_of
 from ..parallel.fsdp import fsdp_modules
-from ..values import positive_int
+from ..runtime.values import positive_int
 from . import layout, norms
 from .estimates import Estimates
 

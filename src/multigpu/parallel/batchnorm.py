@@ -22,7 +22,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from ..compat import batchnorm_base
+from ..runtime.compat import batchnorm_base
 
 _BatchNorm = batchnorm_base()
 

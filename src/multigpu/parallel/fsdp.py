@@ -24,7 +24,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from ..errors import UsageError
-from ..values import DTYPES, TRAINING_DTYPES, positive_int
+from ..runtime.values import DTYPES, TRAINING_DTYPES, positive_int
 from .batchnorm import prepare_batchnorm
 
 

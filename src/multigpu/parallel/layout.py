@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UsageError
-from ..values import is_positive_int
+from ..runtime.values import is_positive_int
 from .mesh import DIMS, Mesh, MeshShape, factor
 from .pp import SCHEDULES, stages_per_rank
 

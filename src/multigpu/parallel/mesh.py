@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UsageError
-from ..values import divisors, is_positive_int
+from ..runtime.values import divisors, is_positive_int
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 

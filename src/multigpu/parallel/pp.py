@@ -25,7 +25,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from ..compat import direct_child
+from ..runtime.compat import direct_child
 from ..errors import UsageError
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",

@@ -45,17 +45,18 @@ class StageBlocks(nn.Module):
         for i, block in sorted(blocks.items()):
             self.add_module(str(i), block)
 
+    # Through nn.Module's public children API (not its private _modules dict, as nn.ModuleList does).
     def __iter__(self) -> Iterator[nn.Module]:
-        return iter(self._modules.values())
+        return self.children()
 
     def __len__(self) -> int:
-        return len(self._modules)
+        return sum(1 for _ in self.children())
 
     def __getitem__(self, key: Any) -> Any:
         if isinstance(key, slice):
             keep = set(range(self.total)[key])
-            return [m for i, m in self._modules.items() if int(i) in keep]
-        return self._modules[str(key)]
+            return [m for i, m in self.named_children() if int(i) in keep]
+        return self.get_submodule(str(key))
 
 
 def _hf_split(model: nn.Module) -> tuple[str, str, list[str], list[str], list[str]] | None:

@@ -19,7 +19,7 @@ import torch.distributed as tdist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..compat import compiled_original
+from ..runtime.compat import compiled_original
 from ..errors import UsageError
 from .ddp import wrap_ddp
 from .dp import wrap_dp

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import multigpu as mg
-from multigpu.values import parse_size
+from multigpu.runtime.values import parse_size
 
 
 def digits_datasets(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:

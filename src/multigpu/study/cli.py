@@ -7,7 +7,7 @@ import functools
 
 from ..errors import UsageError
 from ..runtime.fields import add_field
-from ..values import int_list
+from ..runtime.values import int_list
 from .run import RECIPES, StudyConfig, run_study
 
 

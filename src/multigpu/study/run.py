@@ -270,7 +270,7 @@ def run_study(cfg: StudyConfig, say: Callable[[str], None] = print) -> tuple[Pat
     check_batches(cfg, base_batch(cfg, recipe))
     goal = parse_target(cfg.target or (recipe.target if recipe else None))
     out = _out_dir(cfg, name)
-    from ..fingerprint import fingerprint
+    from ..runtime.fingerprint import fingerprint
 
     cpu = on_cpu(cfg)
     fp = fingerprint(workload=name, threads_per_worker=cfg.threads if cpu else None)

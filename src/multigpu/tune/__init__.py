@@ -37,7 +37,7 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     from ..errors import UsageError
-    from ..values import int_list, parse_size
+    from ..runtime.values import int_list, parse_size
 
     def ints(text, flag):
         values = int_list(text, f"{flag} takes comma-separated integers like 2,4")

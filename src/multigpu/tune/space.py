@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UsageError
-from ..values import divisors
+from ..runtime.values import divisors
 
 
 @dataclass(frozen=True)

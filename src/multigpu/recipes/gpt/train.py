@@ -37,7 +37,7 @@ import multigpu as mg
 from . import pipeline
 from ...errors import UsageError, report_usage_error
 from ...parallel.footprint import LiveActivations, state_bytes
-from ...values import int_list, positive_int
+from ...runtime.values import int_list, positive_int
 from .data import prepare_tokens, token_sets
 from .model import GPT, SIZES, config
 from .parallelize import spread

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
 
 # Every dtype a flag or an option names, by its short name. Training (mg.Precision,
 # FSDP's mixed precision, FLOP rates) takes the first three; collectives all.
