@@ -78,6 +78,9 @@ def found_blocks(model: nn.Module) -> list[type]:
 def blocks_of(model: nn.Module, block_classes: Any = None) -> tuple[list[type], str]:
     """The block classes to spread by, and where they came from (for the one-line report)."""
     if block_classes is not None:
+        from .fsdp import DEFAULT_MIN_BLOCK_PARAMS, check_block_options
+
+        check_block_options(block_classes, DEFAULT_MIN_BLOCK_PARAMS)  # mg.wrap's one-line refusal, also under DDP
         return list(block_classes), "given"
     declared = declared_blocks(model)
     if declared:
@@ -124,8 +127,7 @@ def found_plan(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[st
         for parent_name, parent in block.named_modules(prefix=block_name):
             children = dict(parent.named_children())
             for child_name, child in children.items():
-                why = _fused_or_conv(child, child_name) if (child_name in FUSED_NAMES or
-                                                            type(child).__name__ == "Conv1D") else None
+                why = _fused_or_conv(child, child_name)
                 if why:
                     raise UsageError(
                         f"tensor parallelism found {parent_name}.{child_name} in {type(model).__name__}, {why}: "

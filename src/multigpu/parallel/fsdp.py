@@ -94,10 +94,10 @@ def pick_blocks(model: nn.Module, block_classes: Iterable[type] | None, min_bloc
     return blocks
 
 
-def _check_block_options(block_classes: Any, min_block_params: Any) -> None:
+def check_block_options(block_classes: Any, min_block_params: Any) -> None:
     if block_classes is not None and (isinstance(block_classes, type) or not all(isinstance(c, type) for c in block_classes)):
         raise UsageError(f"fsdp block_classes must be a list of module classes, got {block_classes!r}; "
-                         "e.g. mg.wrap(model, 'fsdp', block_classes=[TransformerBlock])")
+                         "e.g. block_classes=[TransformerBlock] (mg.wrap(model, 'fsdp', ...) or mg.parallelize)")
     positive_int(min_block_params, "fsdp min_block_params")
 
 
@@ -137,7 +137,7 @@ def wrap_fsdp(
     if device.type == "meta":
         raise UsageError("strategy 'fsdp' got a model on the meta device; materialise it on dist.device first "
                          "(model.to_empty(device=dist.device) and initialise its weights)")
-    _check_block_options(block_classes, min_block_params)
+    check_block_options(block_classes, min_block_params)
     if not (tdist.is_available() and tdist.is_initialized()):
         raise UsageError("strategy 'fsdp' needs a process group; call mg.wrap inside `with mg.init() as dist:`")
     if tdist.get_backend() == "nccl" and device.type != "cuda":
@@ -187,7 +187,7 @@ def shard_blocks(model: nn.Module, mesh: Any, block_classes: Iterable[type] | No
 
     >>> shard_blocks(model, mesh.dp_mesh, block_classes=[Block])
     """
-    _check_block_options(block_classes, min_block_params)
+    check_block_options(block_classes, min_block_params)
     pdt, rdt = _dtype("param_dtype", param_dtype), _dtype("reduce_dtype", reduce_dtype)
     blocks = _matched_blocks(model, block_classes, min_block_params)
     device = next(model.parameters()).device

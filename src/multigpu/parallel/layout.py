@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UsageError
-from ..runtime.values import is_positive_int
+from ..runtime.values import is_positive_int, positive_int
 from .mesh import DIMS, Mesh, MeshShape, factor
 from .pp import SCHEDULES, stages_per_rank
 
@@ -48,9 +48,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "tp", "pp") + (("dp_shard",) if self.dp_shard is not None else ()):
-            if not is_positive_int(getattr(self, name)):
-                raise UsageError(f"layout {name} must be a positive integer, got {getattr(self, name)!r}; "
-                                 f"e.g. mg.parallel.Layout({name}=2)")
+            positive_int(getattr(self, name), f"layout {name}", f"e.g. mg.parallel.Layout({name}=2)")
         if self.micro_batch is not None and not is_positive_int(self.micro_batch):
             raise UsageError(f"layout micro_batch must be a positive integer or None, got {self.micro_batch!r}")
         if self.schedule not in SCHEDULES:
@@ -118,8 +116,3 @@ class Layout:
             raise UsageError(f"{stages} pipeline stages (pp {self.pp} x {stages_per_rank(self.schedule)} per rank, "
                              f"schedule {self.schedule!r}) but {model} has {blocks} blocks; use pp <= "
                              f"{max(1, blocks // stages_per_rank(self.schedule))} or a deeper model")
-
-    def describe(self, world_size: int) -> str:
-        s = self.shape(world_size)
-        parts = [f"{name} {getattr(s, name)}" for name in ("pp", "dp_replicate", "dp_shard", "tp") if getattr(s, name) > 1]
-        return " x ".join(parts) or "one process"
