@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..errors import UsageError
+from ..runtime.values import positive_int
 from .sources import listed_files
 
 HEADER_BYTES = 256 * 4
@@ -72,7 +73,20 @@ def shard_files(source: str | os.PathLike | Sequence[str | os.PathLike]) -> list
     return files
 
 
-def inspect_file(path: Path, dtype: Any = None) -> Shard:
+def token_dtype(dtype: Any) -> np.dtype | None:
+    """``dtype`` as numpy's integer dtype (None stays None: the header, or uint16 for a raw file, decides)."""
+    if dtype is None:
+        return None
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.kind not in "iu":
+        raise UsageError(f"dtype={dtype!r} is not an integer token dtype; pass e.g. dtype='uint16' or 'uint32'")
+    return dt
+
+
+def inspect_file(path: Path, dtype: np.dtype | None = None) -> Shard:
     """A shard's layout from its header and size alone (nothing is mapped): ``UsageError`` when it cannot be read."""
     size = path.stat().st_size
     if size == 0:
@@ -99,16 +113,16 @@ def inspect_file(path: Path, dtype: Any = None) -> Shard:
             raise UsageError(f"token shard {path} is truncated: its header promises {count:,} tokens "
                              f"({expected:,} bytes) but it has {size:,} bytes; download or write it again")
         return _checked(Shard(path.name, str(path), HEADER_BYTES, count, dt.name, size), dtype, path)
-    dt = np.dtype(dtype or "uint16")
+    dt = dtype if dtype is not None else np.dtype("uint16")
     if size % dt.itemsize:
         raise UsageError(f"token shard {path} has {size:,} bytes, not a whole number of {dt.name} tokens "
                          f"({dt.itemsize} bytes each); it is truncated, or pass the dtype it was written with")
     return Shard(path.name, str(path), 0, size // dt.itemsize, dt.name, size)
 
 
-def _checked(shard: Shard, dtype: Any, path: Path) -> Shard:
-    if dtype is not None and np.dtype(dtype).name != shard.dtype:
-        raise UsageError(f"token shard {path} holds {shard.dtype} tokens but dtype={np.dtype(dtype).name} was "
+def _checked(shard: Shard, dtype: np.dtype | None, path: Path) -> Shard:
+    if dtype is not None and dtype.name != shard.dtype:
+        raise UsageError(f"token shard {path} holds {shard.dtype} tokens but dtype={dtype.name} was "
                          f"asked for; pass dtype={shard.dtype!r} or omit dtype (the header says it)")
     return shard
 
@@ -122,6 +136,8 @@ class TokenShards(Dataset):
 
     def __init__(self, source: str | os.PathLike | Sequence[str | os.PathLike], block_size: int,
                  dtype: Any = None, vocab_size: int | None = None) -> None:
+        positive_int(block_size, "block_size", "use e.g. block_size=1024")  # before any file is read
+        dtype = token_dtype(dtype)
         files = shard_files(source)
         root = os.path.commonpath([str(p.resolve().parent) for p in files])
         shards = [inspect_file(p, dtype) for p in files]
@@ -137,6 +153,7 @@ class TokenShards(Dataset):
         """A Hugging Face ``Dataset`` whose ``column`` holds token-id lists, concatenated per Arrow chunk, in place."""
         from .hf import token_chunks, token_column
 
+        positive_int(block_size, "block_size", "use e.g. block_size=1024")
         column = token_column(ds, column)
         chunks = token_chunks(ds, column)
         self = cls.__new__(cls)
@@ -148,8 +165,6 @@ class TokenShards(Dataset):
         return self
 
     def _setup(self, shards: list[Shard], block_size: int, hf) -> None:
-        if not (isinstance(block_size, int) and block_size >= 1):
-            raise UsageError(f"block_size must be a positive integer, got {block_size!r}")
         kinds = sorted({s.dtype for s in shards})
         if len(kinds) > 1:
             odd = next(s for s in shards if s.dtype != shards[0].dtype)

@@ -140,12 +140,18 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--precision {args.precision} under --pp: the pipeline schedule runs forward and backward "
                          "itself, outside the loop's autocast; use --precision fp32 with --pp")
     if args.data is not None:  # headers and sizes only: every layout's refusal comes before any work
-        token_sets(args.data, args.block_size or SIZES[args.size].block_size)
+        block = args.block_size or SIZES[args.size].block_size
+        args.token_sets = block, token_sets(args.data, block)  # kept: _datasets does not read them again
 
 
 def _datasets(args, cfg):
-    data = args.data or prepare_tokens(os.path.join(tempfile.gettempdir(), "multigpu-pydoc-tokens"))
-    return token_sets(data, cfg.block_size, cfg.vocab_size)
+    block, sets = getattr(args, "token_sets", (None, None))
+    if sets is None or block != cfg.block_size:
+        data = args.data or prepare_tokens(os.path.join(tempfile.gettempdir(), "multigpu-pydoc-tokens"))
+        return token_sets(data, cfg.block_size, cfg.vocab_size)
+    for part in sets:
+        part.check_vocab(cfg.vocab_size)
+    return sets
 
 
 def evaluate(model, val_set, mesh, dist, batch_size: int, sequences: int, loss_parallel: bool) -> dict[str, float]:
