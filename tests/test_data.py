@@ -95,6 +95,9 @@ def test_plan_world_size_must_match_the_job():
 def test_dataloader_arguments_owned_by_the_plan_are_refused():
     with pytest.raises(mg.UsageError, match="sets batch_size from the batch plan"):
         mg.loader(_indices(64), mg.BatchPlan(16, 1), _dist(0, 1), batch_size=4)
+    # Out of order, a step's micro-batches could come from different global batches.
+    with pytest.raises(mg.UsageError, match=r"mg.loader\(\) relies on the DataLoader's in-order round robin"):
+        mg.loader(_indices(64), mg.BatchPlan(16, 1), _dist(0, 1), num_workers=2, in_order=False)
 
 
 class _RandomPerWorker(Dataset):

@@ -34,6 +34,11 @@ def global_order(dataset_size: int, seed: int, epoch: int, shuffle: bool = True)
     return torch.randperm(dataset_size, generator=g)
 
 
+def worker_generator(seed: int, epoch: int, dp_rank: int) -> torch.Generator:
+    """The generator a DataLoader draws its workers' base seed from: per data-parallel rank and epoch, reproducible."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 4099 + dp_rank)
+
+
 class _MicroBatchSampler:
     """Yields this rank's micro-batch index lists, from the loader's current position."""
 
@@ -222,7 +227,7 @@ class DistributedLoader:
     def _dataloader(self) -> DataLoader:
         # Worker seeds differ per data-parallel rank and epoch and are reproducible: the
         # DataLoader draws its workers' base seed from this generator.
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 4099 + self.dp_rank)
+        gen = worker_generator(self.seed, self.epoch, self.dp_rank)
         dataset, kwargs = batched_view(self.dataset, self._kwargs)
         return DataLoader(dataset, batch_sampler=_MicroBatchSampler(self), generator=gen, **kwargs)
 
@@ -262,6 +267,22 @@ class DistributedLoader:
         self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
 
 
+OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")  # the batch plan sets these
+
+
+def dataloader_kwargs_of(dist: Dist, num_workers: int, pin_memory: bool | None, extra: Mapping[str, Any],
+                         what: str) -> dict[str, Any]:
+    """The DataLoader's keyword arguments for a loader whose batches the plan owns; one line for what it owns."""
+    for bad in OWNED:
+        if bad in extra:
+            raise UsageError(f"{what} sets {bad} from the batch plan; remove {bad}= from the call")
+    if extra.get("in_order") is False:  # a step's micro-batches could come from different global batches
+        raise UsageError(f"{what} relies on the DataLoader's in-order round robin over workers; drop in_order=False")
+    if pin_memory is None:
+        pin_memory = dist.device.type == "cuda"
+    return dict(extra, num_workers=num_workers, pin_memory=pin_memory)
+
+
 def loader(dataset: Dataset, plan: BatchPlan, dist: Dist, shuffle: bool = True, seed: int = 0, *,
            num_workers: int = 0, pin_memory: bool | None = None, collate_fn=None, device=None,
            **dataloader_kwargs: Any) -> DistributedLoader:
@@ -275,12 +296,7 @@ def loader(dataset: Dataset, plan: BatchPlan, dist: Dist, shuffle: bool = True, 
     ...     for x, y in mg.accumulate(model, micro_batches):
     ...         ...
     """
-    for bad in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
-        if bad in dataloader_kwargs:
-            raise UsageError(f"mg.loader() sets {bad} from the batch plan; remove {bad}= from the call")
-    if pin_memory is None:
-        pin_memory = dist.device.type == "cuda"
-    kwargs = dict(dataloader_kwargs, num_workers=num_workers, pin_memory=pin_memory)
+    kwargs = dataloader_kwargs_of(dist, num_workers, pin_memory, dataloader_kwargs, "mg.loader()")
     if collate_fn is not None:
         kwargs["collate_fn"] = collate_fn
     return DistributedLoader(dataset, plan, dist, shuffle=shuffle, seed=seed, device=device, loader_kwargs=kwargs)

@@ -34,11 +34,9 @@ from ..batch import BatchPlan
 from ..dist import Dist
 from ..errors import UsageError
 from ..runtime.values import positive_int
-from .loader import _as_batch, global_order, refuse_changed_source, refuse_other_order, to_device
+from .loader import (_as_batch, dataloader_kwargs_of, global_order, refuse_changed_source, refuse_other_order,
+                     to_device, worker_generator)
 from .sources import RawStream, materialize, stream_shards
-
-OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
-
 
 def window_order(seed: int, epoch: int, window: int, n: int) -> list[int]:
     """The permutation of window ``window``'s ``n`` records: keyed on (seed, epoch, window) alone."""
@@ -155,7 +153,7 @@ class StreamLoader:
         return self.steps_per_epoch
 
     def _dataloader(self) -> DataLoader:
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 4099 + self.dp_rank)
+        gen = worker_generator(self.seed, self.epoch, self.dp_rank)
         return DataLoader(_Pass(self), batch_size=None, collate_fn=_as_batch, generator=gen, **self._kwargs)
 
     def __iter__(self) -> Iterator[list[Any]]:
@@ -201,17 +199,10 @@ class StreamLoader:
 
 
 def _kwargs(dist: Dist, num_workers: int, pin_memory: bool | None, extra: dict[str, Any], what: str) -> dict[str, Any]:
-    for bad in OWNED:
-        if bad in extra:
-            raise UsageError(f"{what} sets {bad} from the batch plan; remove {bad}= from the call")
     if extra.get("persistent_workers"):
         raise UsageError(f"{what} starts its workers at every pass (each learns its position then); "
                          "drop persistent_workers=True")
-    if extra.get("in_order") is False:
-        raise UsageError(f"{what} relies on the DataLoader's in-order round robin over workers; drop in_order=False")
-    if pin_memory is None:
-        pin_memory = dist.device.type == "cuda"
-    return dict(extra, num_workers=num_workers, pin_memory=pin_memory)
+    return dataloader_kwargs_of(dist, num_workers, pin_memory, extra, what)
 
 
 def stream_loader(source: Any, plan: BatchPlan, dist: Dist, shuffle: bool = True, seed: int = 0, *,
