@@ -205,6 +205,8 @@ def _verify_layouts(target: str, args: Sequence[str], *, module: bool, layouts: 
     from .parallel.flags import FLAGS, describe, layout_flags, parse_layouts, world_of
 
     chosen = parse_layouts(layouts) if isinstance(layouts, str) else list(layouts)
+    if not chosen:  # nothing compared would read as SAME
+        raise UsageError('--layouts names no layout; use e.g. --layouts "tp=2;dp_shard=2"')
     fixed = sorted({a.split("=")[0] for a in args if a.split("=")[0] in FLAGS})
     if fixed:  # the script would read the last of two: the layout's, silently over the user's
         raise UsageError(f"--layouts sets {', '.join(fixed)} itself; drop {'them' if len(fixed) > 1 else 'it'} from the "

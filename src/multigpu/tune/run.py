@@ -117,8 +117,8 @@ def _measure(c: Candidate, cfg: TuneConfig, root: Path, round_: int) -> dict:
         return {"status": "failed", "error": str(done.refusal)}
     code, wall = done.exit_code, done.elapsed_s
     if code != 0 or not result.is_file() or done.run_dir is None:
-        tail = done.console.read_text().strip().splitlines()[-1:] or ["no output"]
-        return {"status": "failed", "exit_code": code, "error": tail[0][:300], "wall_s": wall}
+        # The launcher's summary or an error line, as study and a script's tune report it, not the last line.
+        return {"status": "failed", "exit_code": code, "error": (done.failure() or "no output")[:300], "wall_s": wall}
     try:
         step = measure_run(done.run_dir, None)["step_time_s"]
         mem = json.loads(result.read_text())["memory"]
@@ -133,14 +133,14 @@ def _slug(c: Candidate) -> str:
 
 def run_tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> tuple[Path, dict]:
     """Tune; returns the results directory and the report dict (also in tune.json)."""
+    from .script import is_script, run_script_tune
+
+    if is_script(cfg.workload):  # a script measures itself: no torch or probe needed here
+        return run_script_tune(cfg, say)
     import torch
 
     from . import probe
 
-    from .script import is_script, run_script_tune
-
-    if is_script(cfg.workload):
-        return run_script_tune(cfg, say)
     t_start = time.perf_counter()
     args, model_cfg = _recipe_args(cfg)
     device = "cpu" if cfg.cpu or not torch.cuda.is_available() else "cuda"
