@@ -239,9 +239,16 @@ class TokenShards(Dataset):
 
     def read_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Windows ``indices`` stacked: (inputs, targets), each ``(len(indices), block_size)`` int64."""
-        out = np.empty((len(indices), self.block_size + 1), dtype=np.int64)
-        for row, i in enumerate(indices):
-            shard, start = self.locate(int(i))
+        idx = np.asarray(indices, dtype=np.int64)
+        n = len(self)
+        if idx.size and not (-n <= int(idx.min()) and int(idx.max()) < n):
+            raise IndexError(f"window {int(idx.min()) if idx.min() < -n else int(idx.max())} out of range for {n} windows")
+        idx %= n
+        # locate() for the whole batch at once: the per-window Python work was most of a batch's time.
+        shards = np.searchsorted(self._ends, idx, side="right")
+        starts = (idx - self._starts[shards]) * self.block_size
+        out = np.empty((len(idx), self.block_size + 1), dtype=np.int64)
+        for row, (shard, start) in enumerate(zip(shards.tolist(), starts.tolist())):
             out[row] = self._tokens(shard)[start:start + self.block_size + 1]
         t = torch.from_numpy(out)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
