@@ -28,11 +28,16 @@ def balance(n_blocks: int, n_stages: int) -> list[range]:
     bounds = [round(i * units / n_stages) for i in range(n_stages + 1)]
     out = [range(max(bounds[s] - 1, 0), n_blocks if s == n_stages - 1 else min(bounds[s + 1] - 1, n_blocks))
            for s in range(n_stages)]
-    if any(len(r) == 0 for r in out):
-        per, extra = divmod(n_blocks, n_stages)
-        starts = [s * per + min(s, extra) for s in range(n_stages + 1)]
-        out = [range(starts[s], starts[s + 1]) for s in range(n_stages)]
+    if any(len(r) == 0 for r in out):  # an embeddings- or head-only stage: give each stage a block
+        out = even(n_blocks, n_stages)
     return out
+
+
+def even(n: int, k: int) -> list[range]:
+    """``n`` items in ``k`` contiguous parts whose sizes differ by at most one (the larger first)."""
+    per, extra = divmod(n, k)
+    starts = [s * per + min(s, extra) for s in range(k + 1)]
+    return [range(starts[s], starts[s + 1]) for s in range(k)]
 
 
 class StageBlocks(nn.Module):
@@ -137,12 +142,11 @@ def split(model: nn.Module, layout: Layout, n_stages: int) -> tuple[Callable[[in
         return hf_stage, len(blocks), f"declared _pp_plan ({blocks_name}: {len(blocks)} blocks)"
     if isinstance(model, nn.Sequential):
         layout.check_sizes(blocks=len(model), model=name)
-        per, extra = divmod(len(model), n_stages)
-        starts = [s * per + min(s, extra) for s in range(n_stages + 1)]
+        parts = even(len(model), n_stages)
 
         def seq_stage(i: int) -> nn.Module:
             part = nn.Sequential()
-            for j in range(starts[i], starts[i + 1]):
+            for j in parts[i]:
                 part.add_module(str(j), copy.deepcopy(model[j]))
             return part
 

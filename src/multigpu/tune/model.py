@@ -89,7 +89,7 @@ class Shape:
 
     def stage_params(self, c: Candidate) -> tuple[float, float]:
         """(parameters this rank holds, share of the blocks it runs) on the largest stage."""
-        from ..recipes.gpt.pipeline import stage_blocks
+        from ..parallel.stages import balance
 
         t = c.tp
         block = self.block_sharded / t + self.block_replicated
@@ -98,15 +98,10 @@ class Shape:
         if c.pp == 1:
             held = self.n_layer * block + first + last
             return held, 1.0
-        stages = stage_blocks(_Cfg(self.n_layer), c.pp)
+        stages = balance(self.n_layer, c.pp)
         sizes = [len(r) * block + (first if i == 0 else 0) + (last if i == c.pp - 1 else 0) for i, r in enumerate(stages)]
         i = max(range(c.pp), key=lambda k: sizes[k])
         return sizes[i], max(len(r) for r in stages) / self.n_layer
-
-
-@dataclass(frozen=True)
-class _Cfg:  # what stage_blocks reads of a config
-    n_layer: int
 
 
 class Links:

@@ -15,6 +15,7 @@ import copy
 from torch import nn
 
 from ...errors import UsageError
+from ...parallel.stages import balance
 from .model import GPTConfig
 
 
@@ -32,19 +33,7 @@ def stage_blocks(cfg: GPTConfig, n_stages: int, splits: list[int] | None = None)
                              f"{[round(i * cfg.n_layer / n_stages) for i in range(1, n_stages)]}")
         bounds = [0, *splits, cfg.n_layer]
         return [range(bounds[s], bounds[s + 1]) for s in range(n_stages)]
-    units = cfg.n_layer + 2
-    bounds = [round(i * units / n_stages) for i in range(n_stages + 1)]
-    out = []
-    for s in range(n_stages):
-        lo, hi = max(bounds[s] - 1, 0), min(bounds[s + 1] - 1, cfg.n_layer)  # unit 0 is the embeddings
-        if s == n_stages - 1:
-            hi = cfg.n_layer
-        out.append(range(lo, hi))
-    if any(len(r) == 0 for r in out):  # an embeddings- or head-only stage: give each stage a block
-        per, extra = divmod(cfg.n_layer, n_stages)
-        starts = [s * per + min(s, extra) for s in range(n_stages + 1)]
-        out = [range(starts[s], starts[s + 1]) for s in range(n_stages)]
-    return out
+    return balance(cfg.n_layer, n_stages)
 
 
 def stage_module(model: nn.Module, stage: int, n_stages: int, splits: list[int] | None = None) -> nn.Module:
