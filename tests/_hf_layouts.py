@@ -201,13 +201,15 @@ def images(n: int = 32, seed: int = 2) -> TensorDataset:
 
 
 def train_images(dist, kind: str, layout: dict, steps: int = 4) -> dict:
-    """A conv net (torchvision's resnet18, or ConvNet) on generated images under ``layout``, one micro-batch
+    """A conv net (torchvision's or transformers' ResNet-18, or ConvNet) on generated images under ``layout``, one micro-batch
     per step (BatchNorm's statistics then span the same samples as one process's, with sync_batchnorm)."""
     torch.manual_seed(0)
     if kind == "resnet18":
         import torchvision
 
         model = torchvision.models.resnet18(num_classes=10).double()
+    elif kind == "hf_resnet18":
+        model = hf_resnet18().double()
     else:
         model = ConvNet().double()
     layout = mg.parallel.Layout(**layout)                                  # +layout
@@ -216,11 +218,26 @@ def train_images(dist, kind: str, layout: dict, steps: int = 4) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     for _, micro_batches in zip(range(steps), mg.loader(images(), plan, dist, seed=0)):
         for x, y in mg.accumulate(model, micro_batches):
-            (F.cross_entropy(model(x), y) / plan.accum_steps).backward()
+            (F.cross_entropy(image_logits(model, x), y) / plan.accum_steps).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     state = {k: full(v) for k, v in mg.unwrap(model).state_dict().items()}
     return {"state": state, "strategy": mg.parallel.strategy_of(model)}
+
+
+def hf_resnet18():
+    """transformers' ResNet-18 (basic blocks, depths 2-2-2-2, widths 64-512: torchvision's resnet18, 11,181,642
+    parameters with 10 classes), which needs no torchvision."""
+    import transformers
+
+    config = transformers.ResNetConfig(layer_type="basic", depths=[2, 2, 2, 2], hidden_sizes=[64, 128, 256, 512],
+                                       embedding_size=64, num_labels=10)
+    return transformers.ResNetForImageClassification(config)
+
+
+def image_logits(model, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    return out if isinstance(out, torch.Tensor) else out.logits
 
 
 def train_image_layouts(dist, jobs: list[tuple[str, dict]]) -> list[dict]:

@@ -198,15 +198,22 @@ def test_conv_net_under_ddp_and_fsdp_equals_one_process():
 
 
 @pytest.mark.slow
-def test_resnet18_under_ddp_and_fsdp_equals_one_process():
-    problem = hf.torchvision_problem()
+@pytest.mark.parametrize("kind", ["hf_resnet18", "resnet18"])
+def test_resnet18_under_ddp_and_fsdp_equals_one_process(kind):
+    """ResNet-18 with BatchNorm (synchronised across the ranks, so its statistics span one process's batch):
+    transformers' (no torchvision needed), and torchvision's where its wheel works beside the CPU torch."""
+    problem = hf.torchvision_problem() if kind == "resnet18" else None
     if problem:
         pytest.skip(problem)
-    ref = spawn(hf.train_image_layouts, 1, [("resnet18", {})])[0][0]
-    out = spawn(hf.train_image_layouts, 2, [("resnet18", {"dp_replicate": 2}), ("resnet18", {})], timeout=300)
-    for i in range(2):
+    ref = spawn(hf.train_image_layouts, 1, [(kind, {})], timeout=300)[0][0]
+    out = spawn(hf.train_image_layouts, 2, [(kind, {"dp_replicate": 2}), (kind, {})], timeout=300)
+    diffs = {}
+    for i, strategy in enumerate(["ddp", "fsdp"]):
         for rank in out:
-            assert _max_diff(rank[i], ref) < TOL
+            assert rank[i]["strategy"] == strategy
+            diffs[strategy] = max(diffs.get(strategy, 0.0), _max_diff(rank[i], ref))
+            assert diffs[strategy] < TOL, (strategy, diffs[strategy])
+    print(f"{kind}: max parameter difference from one process {diffs}")
 
 
 @pytest.mark.slow
