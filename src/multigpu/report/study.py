@@ -40,25 +40,30 @@ def _plt():
 
 
 def _label(group: dict[str, Any]) -> str:
-    return f"{group['workers']}w {group['policy']}"
+    layout = group.get("layout") or ""
+    return f"{group['workers']}w {layout + ' ' if layout else ''}{group['policy']}"
 
 
 def _figures(study: dict[str, Any]) -> dict[str, Any]:
     """name -> matplotlib figure, for every plot the data supports."""
     plt = _plt()
     groups, runs = study["groups"], study["runs"]
-    policies = sorted({g["policy"] for g in groups})
+    # One line per policy over the world sizes; in a layout study one per (policy, layout), from one worker.
+    layouts = sorted({g.get("layout") or "" for g in groups} - {""})
+    lines = [(pol, lay) for pol in sorted({g["policy"] for g in groups}) for lay in (layouts or [""])]
     figs: dict[str, Any] = {}
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for pol in policies:
-        gs = sorted((g for g in groups if g["policy"] == pol and g.get("samples_per_s")), key=lambda g: g["workers"])
+    for pol, layout in lines:
+        gs = sorted((g for g in groups if g["policy"] == pol and g.get("samples_per_s")
+                     and (g.get("layout") or "") in {layout, ""}), key=lambda g: g["workers"])
         if not gs:
             continue
         w = [g["workers"] for g in gs]
+        name = f"{layout} {pol}" if layout else pol
         ax1.errorbar(w, [g["samples_per_s"]["mean"] for g in gs], yerr=[g["samples_per_s"]["std"] for g in gs],
-                     marker="o", capsize=3, label=pol)
-        ax2.plot(w, [100 * (g.get("efficiency") or {}).get("mean", 1.0) for g in gs], marker="o", label=pol)
+                     marker="o", capsize=3, label=name)
+        ax2.plot(w, [100 * (g.get("efficiency") or {}).get("mean", 1.0) for g in gs], marker="o", label=name)
     all_w = sorted({g["workers"] for g in groups})
     ax1.set(xlabel="workers", ylabel="samples/s", title="Throughput", xticks=all_w)
     ax2.axhline(100, color="grey", lw=0.8, ls="--")
@@ -73,7 +78,7 @@ def _figures(study: dict[str, Any]) -> dict[str, Any]:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
         for r in curves:
             style = dict(lw=2.2, color="black") if r["workers"] == 1 else dict(lw=1.2)
-            name = f"{r['workers']}w {r['policy']}" + (f" #{r['repeat']}" if r.get("repeat") else "")
+            name = _label(r) + (f" #{r['repeat']}" if r.get("repeat") else "")
             ax1.plot(r["curve"]["samples"], r["curve"]["loss"], label=name, **style)
             ax2.plot(r["curve"]["wall_s"], r["curve"]["loss"], label=name, **style)
         ax1.set(xlabel="samples seen", ylabel="training loss", title="Loss vs samples (1 worker in black)", yscale="log")
@@ -101,7 +106,7 @@ def _figures(study: dict[str, Any]) -> dict[str, Any]:
     if noisy:
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
         for r in noisy:
-            line = ax.plot(r["noise"]["samples"], r["noise"]["b_simple"], label=f"B_simple {r['workers']}w {r['policy']}")
+            line = ax.plot(r["noise"]["samples"], r["noise"]["b_simple"], label=f"B_simple {_label(r)}")
             ax.axhline(r["global_batch"], color=line[0].get_color(), ls=":", lw=1)
         ax.set(xlabel="samples seen", ylabel="examples", yscale="log",
                title="Gradient noise scale (dotted: global batch)")
@@ -138,9 +143,11 @@ def _ratio(stat: dict[str, float] | None, scale: float = 1.0, digits: int = 2, u
 
 def _rows(study: dict[str, Any]) -> list[list[str]]:
     rows = []
-    for g in sorted(study["groups"], key=lambda g: (g["policy"], g["workers"])):
+    layouts = any(g.get("layout") for g in study["groups"])
+    for g in sorted(study["groups"], key=lambda g: (g["policy"], g["workers"], g.get("layout") or "")):
         rows.append([
-            str(g["workers"]), g["policy"], str(g.get("global_batch", "–")),
+            str(g["workers"]) + (f" {g.get('layout') or '(one process)'}" if layouts else ""), g["policy"],
+            str(g.get("global_batch", "–")),
             _fmt(g.get("samples_per_s"), digits=0), _ratio(g.get("speedup"), unit="x"),
             _ratio(g.get("efficiency"), 100, 0, " %"), _fmt(g.get("accuracy"), 100, 2, " %"),
             _fmt(g.get("to_target_s"), digits=1, unit=" s"),

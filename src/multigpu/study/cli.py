@@ -8,6 +8,7 @@ import functools
 from ..errors import UsageError
 from ..runtime.fields import add_field
 from ..runtime.values import int_list
+from .measure import label
 from .run import RECIPES, StudyConfig, run_study
 
 
@@ -45,6 +46,7 @@ def add_arguments(parser) -> None:
     study("--out", field="out")
     study("--cpu", field="cpu", action="store_true")
     study("--profile", field="profile")
+    study("--layouts", field="layouts", metavar="LAYOUTS")
     parser.add_argument("--no-report", action="store_true", help="skip writing report.html / report.md")
     # One positional for the workload and its arguments: argparse would drop a `--` right after a
     # positional of its own (Python 3.10-3.13 alike), and that `--` is how a workload gets an option
@@ -86,18 +88,21 @@ def split_command(command: list[str], study_flags: frozenset[str]) -> tuple[str,
 
 def main(args) -> int:
     workload, workload_args = split_command(args.workload, args.study_flags)
+    if args.layouts is not None and args.workers is not None:
+        raise UsageError("--layouts runs each layout on the ranks it spans (and one worker); --workers runs world "
+                         "sizes: pass one of them")
     cfg = StudyConfig(
         workload=workload, args=tuple(workload_args), workers=_ints(args.workers or default_workers()),
         policies=tuple(p.strip() for p in args.policy.split(",") if p.strip()), repeats=args.repeats,
         steps=args.steps, global_batch=args.global_batch, target=args.target, out=args.out, cpu=args.cpu,
         profile=None if args.profile in ("off", "none", "") else args.profile,
-        ci=args.ci, budget_s=args.budget, max_repeats=args.max_repeats, threads=args.threads,
+        ci=args.ci, budget_s=args.budget, max_repeats=args.max_repeats, threads=args.threads, layouts=args.layouts,
     )
     out, study = run_study(cfg, say=lambda s: print(s, flush=True))
     print(f"multigpu study: {study['headline']}")
     for g in study["groups"]:
         if g["workers"] > 1:
-            print(f"  {g['workers']} workers {g['policy']}: {g['verdict']}")
+            print(f"  {label(g)}: {g['verdict']}")
     if not args.no_report:
         from ..report import write_report
 

@@ -86,15 +86,25 @@ def _stat(values: Iterable[float | None]) -> dict[str, float] | None:
     return {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "n": len(vals)}
 
 
-def summarize(runs: list[dict[str, Any]], workers: Iterable[int], policies: Iterable[str]) -> list[dict[str, Any]]:
-    """One group per (workers, policy): means and spreads over repeats, speedup, efficiency, verdict."""
+def label(group: dict[str, Any]) -> str:
+    """A group's name in lines and tables: ``2 workers keep-global``, ``4 workers tp=2 keep-global``."""
+    layout = group.get("layout") or ""
+    return f"{group['workers']} worker{'s' if group['workers'] > 1 else ''}{' ' + layout if layout else ''} {group['policy']}"
+
+
+def summarize(runs: list[dict[str, Any]], workers: Iterable[int | tuple[int, str]],
+              policies: Iterable[str]) -> list[dict[str, Any]]:
+    """One group per (workers, layout, policy): means and spreads over repeats, speedup, efficiency, verdict.
+    ``workers``: world sizes, or (world size, layout label) pairs (a layout study; "" for the baseline)."""
+    keys = list(dict.fromkeys(w if isinstance(w, tuple) else (w, "") for w in sorted(workers, key=lambda w: (
+        w if isinstance(w, int) else 0))))  # world sizes in order; a layout study's in the order it names them
     groups = []
     for pol in policies:
-        for w in sorted(set(workers)):
-            mine = [r for r in runs if r["workers"] == w and pol in r["policies"]]
+        for w, layout in keys:
+            mine = [r for r in runs if r["workers"] == w and r.get("layout", "") == layout and pol in r["policies"]]
             ok = [r for r in mine if r["status"] == "ok"]
             g: dict[str, Any] = {
-                "workers": w, "policy": pol, "global_batch": mine[0]["global_batch"] if mine else None,
+                "workers": w, "layout": layout, "policy": pol, "global_batch": mine[0]["global_batch"] if mine else None,
                 "n_ok": len(ok), "n_failed": len(mine) - len(ok),
                 "errors": [r["error"] for r in mine if r["status"] != "ok"],
                 "samples_per_s": _stat(r["samples_per_s"] for r in ok),
@@ -109,10 +119,10 @@ def summarize(runs: list[dict[str, Any]], workers: Iterable[int], policies: Iter
             }
             groups.append(g)
     for g in groups:
-        base = next((b for b in groups if b["policy"] == g["policy"] and b["workers"] == 1), None)
+        base = next((b for b in groups if b["policy"] == g["policy"] and b["workers"] == 1 and not b["layout"]), None)
         g["speedup"] = g["efficiency"] = None
-        if base and g["workers"] > 1:
-            g["speedup"] = paired_speedup(runs, g["workers"], g["policy"])
+        if base and g is not base:
+            g["speedup"] = paired_speedup(runs, g["workers"], g["policy"], g["layout"])
             if g["speedup"]:
                 g["efficiency"] = {k: (v / g["workers"] if isinstance(v, float) else v)
                                    for k, v in g["speedup"].items() if k != "ratios"}
@@ -121,7 +131,7 @@ def summarize(runs: list[dict[str, Any]], workers: Iterable[int], policies: Iter
     return groups
 
 
-def paired_speedup(runs: list[dict[str, Any]], workers: int, policy: str) -> dict[str, Any] | None:
+def paired_speedup(runs: list[dict[str, Any]], workers: int, policy: str, layout: str = "") -> dict[str, Any] | None:
     """Speedup over 1 worker from the runs of the same round, with a 95 % interval from 2 rounds on.
 
     Each round ran both world sizes back to back (interleaved), so their ratio
@@ -129,11 +139,11 @@ def paired_speedup(runs: list[dict[str, Any]], workers: int, policy: str) -> dic
     ratios (a ratio is not symmetric around its mean); ``low``/``high`` are None
     with one round.
     """
-    def rates(w: int) -> dict[int, float]:
-        return {r["repeat"]: r["samples_per_s"] for r in runs
-                if r["workers"] == w and policy in r["policies"] and r["status"] == "ok" and r["samples_per_s"]}
+    def rates(w: int, lay: str) -> dict[int, float]:
+        return {r["repeat"]: r["samples_per_s"] for r in runs if r["workers"] == w and r.get("layout", "") == lay
+                and policy in r["policies"] and r["status"] == "ok" and r["samples_per_s"]}
 
-    one, many = rates(1), rates(workers)
+    one, many = rates(1, ""), rates(workers, layout)
     ratios = [many[k] / one[k] for k in sorted(one.keys() & many.keys())]
     if not ratios:
         return None
@@ -157,21 +167,22 @@ def ratio_interval(ratios: list[float]) -> tuple[float, float | None, float | No
 def headline(groups: list[dict[str, Any]]) -> str:
     parts, seen_baseline = [], False
     for g in groups:
-        if g["workers"] == 1:
+        baseline = g["workers"] == 1 and not g.get("layout")
+        if baseline:
             if seen_baseline:
                 continue  # every policy shares the 1-worker run
             seen_baseline = True
         acc = g["accuracy"]["mean"] if g.get("accuracy") else None
-        label = "1 worker" if g["workers"] == 1 else f"{g['workers']} workers {g['policy']}"
+        name = "1 worker" if baseline else label(g)
         if g["n_ok"] == 0:
-            parts.append(f"{label}: failed")
+            parts.append(f"{name}: failed")
             continue
         speed = f"{g['samples_per_s']['mean']:,.0f} samples/s"
         if g["speedup"]:
             sp = g["speedup"]
             interval = f" (95 % interval {sp['low']:.2f}-{sp['high']:.2f}x, {sp['n']} rounds)" if sp["low"] else " (1 round)"
             speed = f"{sp['mean']:.2f}x{interval}, {100 * g['efficiency']['mean']:.0f} % efficiency"
-        parts.append(f"{label}: {speed}" + (f", accuracy {100 * acc:.2f} %" if acc is not None else ""))
+        parts.append(f"{name}: {speed}" + (f", accuracy {100 * acc:.2f} %" if acc is not None else ""))
     return "; ".join(parts)
 
 

@@ -96,6 +96,8 @@ class StudyConfig:
     """with --ci: at most this many rounds (default %(default)s)"""
     threads: int = 1
     """CPU threads per worker on CPU runs, the same at every world size (default %(default)s: a worker stands for a device)"""
+    layouts: str | None = None
+    """layouts to study instead of --workers, e.g. "dp_shard=2;tp=2;pp=2" (each on the ranks it spans, against one worker; the script reads them with mg.layout_from_args)"""
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ class RunSpec:
     global_batch: int
     steps: int | None
     args: tuple[str, ...] = field(repr=False)
+    layout: str = ""  # the layout as --layouts spells it; "" for a plain world size (and the 1-worker baseline)
 
 
 def resolve_workload(name: str) -> tuple[str, bool, str, Recipe | None]:
@@ -140,6 +143,31 @@ def parse_target(text: str | None) -> tuple[str, str, float] | None:
     raise UsageError(f"--target must look like accuracy>=0.95 or loss<=0.1, got {text!r}")
 
 
+def series(cfg: StudyConfig) -> list[tuple[int, str, int]]:
+    """(workers, layout label, data-parallel ranks) of every group: the world sizes, or with ``layouts``
+    one worker and then each layout on the processes it spans."""
+    if cfg.layouts is None:
+        return [(w, "", w) for w in sorted(set(cfg.workers))]
+    from ..parallel.flags import describe, parse_layouts, world_of
+
+    layouts = parse_layouts(cfg.layouts)
+    labels = [describe(layout) for layout in layouts]
+    if "one process" in labels or len(set(labels)) < len(labels):
+        raise UsageError(f"--layouts names a layout twice or one process itself ({cfg.layouts!r}); list each once "
+                         "(one worker is always run, as the baseline)")
+    return [(1, "", 1)] + [(world_of(layout), label, world_of(layout) // (layout.tp * layout.pp))
+                           for layout, label in zip(layouts, labels)]
+
+
+def layout_args(label: str) -> list[str]:
+    """The script's flags for the layout ``label`` (as --layouts spells it)."""
+    if not label:
+        return []
+    from ..parallel.flags import layout_flags, parse_layouts
+
+    return layout_flags(parse_layouts(label)[0])
+
+
 def check(cfg: StudyConfig) -> None:
     if not cfg.workers or any(w < 1 for w in cfg.workers):
         raise UsageError(f"--workers must be positive integers, got {','.join(map(str, cfg.workers)) or 'nothing'}; use e.g. --workers 1,2,4")
@@ -162,17 +190,27 @@ def check(cfg: StudyConfig) -> None:
     if cfg.ci is not None and cfg.max_repeats < max(cfg.repeats, 1):  # it bounds only --ci's extra rounds
         raise UsageError(f"--max-repeats {cfg.max_repeats} is below --repeats {cfg.repeats}; raise it or lower --repeats")
     parse_target(cfg.target)
+    if cfg.layouts is not None:
+        from ..parallel.flags import FLAGS
+
+        fixed = sorted({a.split("=", 1)[0] for a in cfg.args} & set(FLAGS))
+        if fixed:
+            raise UsageError(f"--layouts sets {', '.join(fixed)} itself; drop {'them' if len(fixed) > 1 else 'it'} from "
+                             "the workload's arguments (or put it in the layouts)")
+    series(cfg)
 
 
 def check_batches(cfg: StudyConfig, base: int) -> None:
-    """Refuse, before any run, a global batch that some world size cannot split into equal shares."""
+    """Refuse, before any run, a global batch that some group's data-parallel ranks cannot split into equal
+    shares (under a layout only the data-parallel ranks take a share; TP and pipeline ranks share theirs)."""
     for pol in cfg.policies:
-        bad = [w for w in sorted(set(cfg.workers)) if policy_batch(pol, base, w) % w]
+        bad = [(w, label, dp) for w, label, dp in series(cfg) if policy_batch(pol, base, dp) % dp]
         if bad:
-            step = math.lcm(*cfg.workers)
+            step = math.lcm(*(dp for _, _, dp in series(cfg)))
             near = sorted({m for m in (base // step * step, base // step * step + step) if m > 0})
+            where = f"{bad[0][2]} data-parallel ranks (layout {bad[0][1]})" if bad[0][1] else f"{bad[0][0]} workers"
             raise UsageError(
-                f"global batch {base} cannot be split over {bad[0]} workers ({pol} keeps it at {base} at every world size); "
+                f"global batch {base} cannot be split over {where} ({pol} keeps it at {base} at every world size); "
                 f"pass --global-batch as a multiple of {step}, e.g. {' or '.join(map(str, near))}")
 
 
@@ -189,18 +227,20 @@ def plan_runs(cfg: StudyConfig, recipe: Recipe | None, repeats: range | None = N
     base = base_batch(cfg, recipe)
     runs: dict[tuple, RunSpec] = {}
     for rep in repeats if repeats is not None else range(cfg.repeats):
-        for w in sorted(set(cfg.workers)):
+        for w, label, dp in series(cfg):
             for pol in cfg.policies:
-                gb = policy_batch(pol, base, w)
+                gb = policy_batch(pol, base, dp)
                 steps = same_samples_steps(cfg.steps, base, gb)
-                key = (w, gb, steps, rep)
+                key = (w, label, gb, steps, rep)
                 if key in runs:
                     runs[key] = RunSpec(**{**asdict(runs[key]), "policies": runs[key].policies + (pol,)})
                     continue
-                args = list(cfg.args) + ["--global-batch", str(gb)] + (["--steps", str(steps)] if steps else [])
+                args = (list(cfg.args) + layout_args(label) + ["--global-batch", str(gb)]
+                        + (["--steps", str(steps)] if steps else []))
                 if recipe:
                     args = list(recipe.args) + (list(recipe.noise_args) if w > 1 else []) + args
-                runs[key] = RunSpec(f"w{w}-gb{gb}-r{rep}", w, (pol,), rep, gb, steps, tuple(args))
+                slug = "".join(c if c.isalnum() else "-" for c in label.replace("=", "")) + "-" if label else ""
+                runs[key] = RunSpec(f"w{w}-{slug}gb{gb}-r{rep}", w, (pol,), rep, gb, steps, tuple(args), label)
     return list(runs.values())
 
 
@@ -225,7 +265,7 @@ def execute(spec: RunSpec, target: str, module: bool, cfg: StudyConfig, out: Pat
 
     record: dict[str, Any] = {"id": spec.id, "workers": spec.workers, "policies": list(spec.policies),
                               "policy": spec.policies[0], "repeat": spec.repeat, "global_batch": spec.global_batch,
-                              "steps": spec.steps, "args": list(spec.args)}
+                              "steps": spec.steps, "args": list(spec.args), "layout": spec.layout}
     done = run_once(target, spec.args, module=module, log_dir=out / "runs" / spec.id, nproc=spec.workers,
                     cpu=cfg.cpu, profile=cfg.profile,
                     env={"OMP_NUM_THREADS": str(cfg.threads) if on_cpu(cfg) else None})
@@ -286,7 +326,8 @@ def run_study(cfg: StudyConfig, say: Callable[[str], None] = print) -> tuple[Pat
     rounds, specs = cfg.repeats, first
     while True:
         for i, spec in enumerate(specs, 1):
-            say(f"[{len(runs) + 1}] {spec.workers} worker{'s' if spec.workers > 1 else ''}, {'/'.join(spec.policies)}, "
+            say(f"[{len(runs) + 1}] {spec.workers} worker{'s' if spec.workers > 1 else ''}"
+                f"{', layout ' + spec.layout if spec.layout else ''}, {'/'.join(spec.policies)}, "
                 f"global batch {spec.global_batch}, round {spec.repeat + 1}"
                 + (f" ... {_eta(durations, len(specs) - i + 1)}" if not cfg.ci else ""))
             rec = execute(spec, target, module, cfg, out, goal)
@@ -297,7 +338,7 @@ def run_study(cfg: StudyConfig, say: Callable[[str], None] = print) -> tuple[Pat
                 # The workload rejected its arguments: every other run would too.
                 raise UsageError(f"run {spec.id} rejected its arguments ({rec['error']}); the study stopped. Study "
                                  f"options go before the workload (multigpu study --workers 1,2 {name} [its args])")
-        groups = summarize(runs, cfg.workers, cfg.policies)
+        groups = summarize(runs, [(w, label) for w, label, _ in series(cfg)], cfg.policies)
         wide = _too_wide(groups, cfg.ci)
         round_s = sum(durations[-len(specs):])
         if not wide or rounds >= cfg.max_repeats or time.perf_counter() - t_start + round_s > cfg.budget_s:
