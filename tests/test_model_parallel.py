@@ -134,8 +134,12 @@ def test_mesh_degrees_are_checked_before_any_group_work():
 
 def test_tp_degree_must_divide_what_it_shards():
     check_tp(config("tiny"), 2)
-    with pytest.raises(mg.UsageError, match=r"tensor-parallel degree 3 does not divide n_head 4.*use tp=2"):
+    with pytest.raises(mg.UsageError, match=r"tensor-parallel degree 3 does not divide attention heads 4.*of the GPT; use tp=2"):
         check_tp(config("tiny"), 3)
+    # the sequence only under sequence parallelism, which splits it
+    check_tp(config("tiny", block_size=66), 4)
+    with pytest.raises(mg.UsageError, match=r"tensor-parallel degree 4 does not divide sequence length 66 of the GPT; use tp=2"):
+        check_tp(config("tiny", block_size=66), 4, sequence_parallel=True)
     with pytest.raises(mg.UsageError, match="n_embd 65 is not divisible by n_head 4"):
         config("tiny", n_embd=65)
 
@@ -239,8 +243,12 @@ def test_compiled_blocks_compute_the_same(reference, tmp_path, monkeypatch):
 
 
 def test_shard_blocks_refuses_block_classes_like_wrap_does():
-    """The same checks as mg.wrap(model, 'fsdp'), before any FSDP work (no process group needed to refuse)."""
+    """mg.parallelize's FSDP (parallel.fsdp.shard_blocks, not a public way in) checks as mg.wrap(model, 'fsdp')
+    does, before any FSDP work (no process group needed to refuse)."""
+    from multigpu.parallel.fsdp import shard_blocks
+
+    assert not hasattr(mg.parallel, "shard_blocks")  # one way in: mg.parallelize
     with pytest.raises(mg.UsageError, match="block_classes must be a list of module classes"):
-        mg.parallel.shard_blocks(torch.nn.Linear(2, 2), None, block_classes=torch.nn.Linear)
+        shard_blocks(torch.nn.Linear(2, 2), None, block_classes=torch.nn.Linear)
     with pytest.raises(mg.UsageError, match=r"block_classes \[Conv2d\] matched no module of Sequential"):
-        mg.parallel.shard_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)), None, block_classes=[torch.nn.Conv2d])
+        shard_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)), None, block_classes=[torch.nn.Conv2d])

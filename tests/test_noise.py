@@ -342,12 +342,8 @@ def _fsdp_worker(dist, steps, strategies=("ddp", "fsdp")):
     for strategy in strategies:
         torch.manual_seed(0)
         net = torch.nn.Sequential(_Block(6), _Block(6), torch.nn.Linear(6, 3))
-        if strategy == "hsdp":  # 2 replicas x (world / 2) shards: each shard's norm is on 2 ranks
-            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-            model = mg.parallel.shard_blocks(net, mesh, block_classes=[_Block])
-        else:
-            kw = {"block_classes": [_Block]} if strategy == "fsdp" else {}
-            model = mg.wrap(net, strategy, **kw)   # fsdp: three FSDP modules, three reduce-scatters per step
+        kw = {"block_classes": [_Block]} if strategy == "fsdp" else {}
+        model = mg.wrap(net, strategy, **kw)   # fsdp: three FSDP modules, three reduce-scatters per step
         noise = mg.NoiseScale(plan, tau=1e12, every=2, sync_every=16).attach(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         gen = torch.Generator().manual_seed(100 + rank)

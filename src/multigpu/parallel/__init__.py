@@ -9,11 +9,10 @@ data-parallel rank), ``tp.py`` (tensor-parallel plans), ``pp.py`` (pipeline stag
 their schedule). ``layout.py`` (the one ``Layout``), ``auto.py`` (blocks and plans a model declares or
 that are found in it) and ``spread.py`` (``mg.parallelize``: TP, then FSDP/HSDP or DDP, for a whole
 model or a pipeline stage): the one way to spread a model over a mesh. ``fsdp.shard_blocks`` is the
-FSDP it applies, not a second way in.
+FSDP it applies, not a second way in (so not exported here).
 """
 
 from .clip import clip_grad_norm_
-from .fsdp import shard_blocks  # importable for code written against it; mg.parallelize is the way in
 from .layout import Layout
 from .mesh import Mesh, MeshShape, factor, mesh
 from .spread import parallelize

@@ -24,15 +24,13 @@ from ...errors import UsageError
 from .model import GPTConfig
 
 
-def check_tp(cfg: GPTConfig, tp: int) -> None:
-    """Refuse a TP degree that does not divide what it shards (heads, hidden units, vocabulary, sequence)."""
-    sizes = {"n_head": cfg.n_head, "4 x n_embd (MLP hidden)": 4 * cfg.n_embd, "vocab_size": cfg.vocab_size,
-             "block_size (sequence parallel splits it)": cfg.block_size}
-    bad = [f"{name} {n}" for name, n in sizes.items() if n % tp]
-    if bad:
-        fits = [d for d in range(1, tp + 1) if all(n % d == 0 for n in sizes.values())]
-        raise UsageError(f"tensor-parallel degree {tp} does not divide {', '.join(bad)}; "
-                         f"use tp={max(fits)} or a model whose sizes it divides")
+def check_tp(cfg: GPTConfig, tp: int, sequence_parallel: bool = False) -> None:
+    """Refuse a TP degree that does not divide what it shards: the Layout's one rule (heads, hidden units,
+    vocabulary, and the sequence under sequence parallelism)."""
+    from ...parallel.layout import Layout
+
+    Layout(tp=tp, sequence_parallel=sequence_parallel and tp > 1).check_sizes(
+        heads=cfg.n_head, hidden=4 * cfg.n_embd, vocab=cfg.vocab_size, seq=cfg.block_size, model="the GPT")
 
 
 def tp_plan(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, Any]:
@@ -73,7 +71,7 @@ def spread(model: nn.Module, mesh: Any, *, sequence_parallel: bool = False, loss
     from ...parallel.spread import parallelize
 
     if mesh.shape.tp > 1:
-        check_tp(model.cfg, mesh.shape.tp)
+        check_tp(model.cfg, mesh.shape.tp, sequence_parallel)
         options["tp_plan"] = tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     elif sequence_parallel or loss_parallel:
         raise UsageError("sequence_parallel and loss_parallel split work over tensor-parallel ranks but tp is 1; "
