@@ -144,13 +144,22 @@ class Pipeline:
     ...                             "1f1b", plan.accum_steps, loss_fn)
     >>> loss = pipe.step(micro_batches)          # forward and backward of every micro-batch
     >>> pipe.clip_grad_norm_(1.0); opt.step()
+
+    ``tied``: groups of parameter names one process ties (one tensor, e.g. ``[["transformer.wte.weight",
+    "lm_head.weight"]]``, what ``tied.tied_groups(model)`` finds) that stages hold as copies: after each
+    step's backward their gradients are summed over the copies (``tied.TiedGrads``), and the norm of
+    ``clip_grad_norm_`` counts them once.
     """
 
     def __init__(self, modules: list[nn.Module], ids: list[int], n_stages: int, group: Any, device: torch.device,
-                 schedule: str, accum_steps: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+                 schedule: str, accum_steps: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 *, tied: list[list[str]] | None = None) -> None:
         from torch.distributed.pipelining import PipelineStage, schedules
 
+        from .tied import TiedGrads
+
         check_stages(modules, ids, n_stages, group, schedule, accum_steps)
+        self.tied = TiedGrads(modules, ids, group, tied or [])
         self.modules, self.ids, self.n_stages, self.group = modules, ids, n_stages, group
         self.stages = [PipelineStage(m, i, n_stages, device, group=group) for m, i in zip(modules, ids)]
         cls = getattr(schedules, SCHEDULES[schedule])
@@ -179,7 +188,9 @@ class Pipeline:
             raise UsageError(f"the pipeline was built for {self.accum_steps} micro-batches per step but got "
                              f"{len(micro_batches)}; build it with the plan's accum_steps")
         with self.clock.step():
-            return self._run(self.schedule.step, micro_batches)
+            loss = self._run(self.schedule.step, micro_batches)
+            self.tied.sum_()  # the copies of a tied tensor: one process's gradient on each
+            return loss
 
     def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """Forward only (the schedule's ``eval``): the mean micro-batch loss on the last stage's rank."""
@@ -213,14 +224,27 @@ class Pipeline:
         """Clip by the global norm over every stage: each rank's norm, combined over the pipeline."""
         from .clip import clip_groups, group_norm, grouped, reduce_norm
 
-        groups = grouped(self.parameters())
-        own = group_norm(groups, norm_type) if groups else torch.tensor(0.0)
-        # Stages hold disjoint parameters, so their norms combine as FSDP's shards do; returned in the
-        # dtype the norm was computed in, as clip_grad_norm_ returns it (a fixed float32 here moved
+        params = list(self.parameters())
+        groups = grouped(params)
+        # A tied tensor's copies (equal gradients after step) count once, as one process's single tensor does.
+        counted = grouped(p for p in params if id(p) not in self.tied.skip)
+        if counted:
+            own = group_norm(counted, norm_type)
+        else:  # nothing of its own to count (no gradients, or only copies counted elsewhere)
+            first = next((_local_grad(p) for p in params if p.grad is not None), None)
+            own = torch.tensor(0.0) if first is None else torch.zeros((), dtype=first.dtype, device=first.device)
+        # What is counted is disjoint over the stages, so their norms combine as FSDP's shards do; returned
+        # in the dtype the norm was computed in, as clip_grad_norm_ returns it (a fixed float32 here moved
         # float64 pipelines 8e-10 off one process).
         total = reduce_norm(own, norm_type, self.group)
         clip_groups(groups, max_norm, total)
         return total
+
+
+def _local_grad(p: nn.Parameter) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
 
 
 def stage_union(parts: list[nn.Module]) -> nn.Module:

@@ -2,7 +2,10 @@
 balanced stages and returns the ``Pipeline`` that runs this rank's.
 
 What is cut: a transformers CausalLM by the split it declares (``_pp_plan``: embed_tokens / layers / norm,
-then lm_head outside the base model), or an ``nn.Sequential`` by its children. Balanced as torchtitan
+then lm_head outside the base model) or, where it declares none (GPT-2), the split found in it (the base
+model ``base_model_prefix`` names, its ModuleList of blocks, its modules before and after them, the
+head), or an ``nn.Sequential`` by its children. Tied parameters (GPT-2's head and token table) get a
+copy on each stage that uses them, kept equal by summing their gradients (``tied.py``). Balanced as torchtitan
 does: the embeddings and the head count as one block each, so the first and last stages take a block
 less when that evens them out. A stage is a copy of the full model with what it does not run removed,
 so parameter names stay as one process has them (``model.layers.3.mlp.up_proj.weight``): DCP reshards
@@ -15,10 +18,12 @@ import copy
 import functools
 from typing import Any, Callable, Iterator
 
+import torch
 from torch import nn
 
 from ..errors import UsageError
 from .layout import Layout
+from .tied import tied_groups
 
 
 def balance(n_blocks: int, n_stages: int) -> list[range]:
@@ -64,12 +69,13 @@ class StageBlocks(nn.Module):
         return self.get_submodule(str(key))
 
 
-def _hf_split(model: nn.Module) -> tuple[str, str, list[str], list[str], list[str]] | None:
-    """From a declared ``_pp_plan``: (the base model's name, its blocks' name, the base's modules before and
-    after the blocks, the modules after the base)."""
+def _hf_split(model: nn.Module) -> tuple[str, str, list[str], list[str], list[str], str] | None:
+    """(the base model's name, its blocks' name, the base's modules before and after the blocks, the modules
+    after the base, where the split came from): from a declared ``_pp_plan``, else found in a transformers
+    CausalLM (``_found_split``)."""
     plan = getattr(model, "pp_plan", None) or getattr(model, "_pp_plan", None)
     if not isinstance(plan, dict) or not plan:
-        return None
+        return _found_split(model)
     names = list(plan)
     blocks = next((n for n in names if isinstance(model.get_submodule(n), nn.ModuleList)), None)
     if blocks is None:
@@ -80,18 +86,115 @@ def _hf_split(model: nn.Module) -> tuple[str, str, list[str], list[str], list[st
     # The plan's order is not the forward's (transformers lists lm_head first): what lies outside the base
     # model runs after it (a CausalLM's head).
     after = [n for n in names if base and not n.startswith(base + ".")]
-    return base, blocks, before, inner_after, after
+    return base, blocks, before, inner_after, after, "declared _pp_plan"
 
 
-def _causal_lm_forward(part: nn.Module, base: str, after: list[str], first: bool, last: bool, x):
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _found_split(model: nn.Module) -> tuple[str, str, list[str], list[str], list[str], str] | None:
+    """A transformers CausalLM that declares no ``_pp_plan`` (GPT-2 declares none in transformers 5.24):
+    its base model is the child ``base_model_prefix`` names, whose forward takes ``inputs_embeds``; its
+    blocks the base's longest ModuleList of the model's block class; before and after them the base's
+    children registered before and after it that hold parameters (wte, wpe; ln_f), and the head the
+    model's other children that hold parameters (lm_head). Parameterless children (dropout, rotary
+    embeddings) stay on every stage: the base calls them wherever it runs."""
+    import inspect
+
+    from ..runtime.compat import direct_child
+    from .auto import blocks_of
+
+    prefix = getattr(model, "base_model_prefix", "")
+    base = direct_child(model, prefix) if isinstance(prefix, str) and prefix else None
+    if base is None:
+        return None
+    try:
+        takes_embeds = "inputs_embeds" in inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        takes_embeds = False
+    classes, _ = blocks_of(model)
+    children = list(base.named_children())
+    lists = [k for k, (_, c) in enumerate(children) if isinstance(c, nn.ModuleList) and len(c) > 0
+             and all(type(b) in classes for b in c)]
+    if not takes_embeds or not lists:
+        return None
+    at = max(lists, key=lambda k: len(children[k][1]))
+    before = [f"{prefix}.{n}" for n, c in children[:at] if _has_params(c)]
+    inner_after = [f"{prefix}.{n}" for n, c in children[at + 1:] if _has_params(c)]
+    after = [n for n, c in model.named_children() if n != prefix and _has_params(c)]
+    return prefix, f"{prefix}.{children[at][0]}", before, inner_after, after, "found split"
+
+
+class _Elsewhere(nn.Module):
+    """On a non-first stage, what stands in for a module the first stage runs before the blocks (GPT-2's
+    position embedding): zeros shaped as its output (computed on a meta copy), none of its parameters,
+    so the base model's forward still runs there and its parameters live on the first stage only. What
+    it returns never reaches the blocks (``_FeedFirstBlock``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        memo: dict[int, Any] = {id(t): (nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
+                                        if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
+                                for t in [*module.parameters(), *module.buffers()]}
+        object.__setattr__(self, "meta", copy.deepcopy(module, memo))  # a plain attribute: nothing registered
+        self.what = type(module).__name__
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        device = next((a.device for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)), None)
+        on_meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+        out = self.meta(*on_meta, **{k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+
+        def zeros(t: Any) -> Any:
+            return torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t
+
+        return type(out)(zeros(t) for t in out) if isinstance(out, (tuple, list)) else zeros(out)
+
+    def extra_repr(self) -> str:
+        return f"{self.what} on the first stage"
+
+
+class _FeedFirstBlock:
+    """A forward pre-hook on a non-first stage's first block: the hidden states the stage received enter
+    it as they are.
+
+    Why: a base model given ``inputs_embeds`` still runs what it runs before its blocks on them (GPT-2
+    adds the position embedding and applies the embedding dropout again; Llama passes them through).
+    All of that is the first stage's, done once there, so every later stage feeds its input past it,
+    the one rule for every CausalLM, while the base's forward still builds what the blocks take beside
+    the hidden states (the causal mask, position ids, rotary embeddings)."""
+
+    def __init__(self) -> None:
+        self.x: torch.Tensor | None = None
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self.x is None:
+            return None
+        if args:
+            return (self.x, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self.x}
+
+
+def _causal_lm_forward(part: nn.Module, base: str, after: list[str], first: bool, last: bool,
+                       feed: _FeedFirstBlock | None, x):
     """A stage of a transformers CausalLM: token ids (first stage) or hidden states in, through the base
     model's blocks this stage holds (its own rotary embeddings and causal mask), the head on the last."""
     inner = part.get_submodule(base) if base else part
     kwargs = {"input_ids": x} if first else {"inputs_embeds": x}
-    h = inner(**kwargs, use_cache=False).last_hidden_state
+    if feed is not None:
+        feed.x = x
+    try:
+        h = inner(**kwargs, use_cache=False).last_hidden_state
+    finally:
+        if feed is not None:
+            feed.x = None
     if last:
         for name in after:
             h = part.get_submodule(name)(h)
+    elif h._is_view():
+        # GPT-2 returns its hidden states through .view(); the schedules that split the backward into input and
+        # weight parts detach a stage's outputs in place, which torch refuses for a view.
+        h = h.clone()
     return h
 
 
@@ -100,25 +203,16 @@ def _set(model: nn.Module, name: str, value: nn.Module) -> None:
     setattr(model.get_submodule(owner) if owner else model, attr, value)
 
 
-def _tied(model: nn.Module) -> list[str]:
-    seen: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            return [seen[id(p)], name]
-        seen[id(p)] = name
-    return []
-
-
 def split(model: nn.Module, layout: Layout, n_stages: int) -> tuple[Callable[[int], nn.Module], int, str]:
-    """(stage i's module, the number of blocks, how the model was cut) for ``n_stages`` stages."""
+    """(stage i's module, the number of blocks, how the model was cut) for ``n_stages`` stages.
+
+    Tied parameters (GPT-2's head and token table) stay tied within a stage; a stage that uses one of
+    the names holds a copy of its own (each stage is a copy of the model), kept equal to the others by
+    the ``Pipeline`` (``tied.TiedGrads``)."""
     name = type(model).__name__
-    tied = _tied(model)
-    if tied:
-        raise UsageError(f"{name} ties {tied[0]} to {tied[1]}, but a pipeline puts the embeddings and the head on "
-                         "different stages; untie them (transformers: config.tie_word_embeddings=False) for pp > 1")
     hf = _hf_split(model)
     if hf is not None:
-        base, blocks_name, before, inner_after, after = hf
+        base, blocks_name, before, inner_after, after, source = hf
         blocks = model.get_submodule(blocks_name)
         layout.check_sizes(blocks=len(blocks), model=name)
         ranges = balance(len(blocks), n_stages)
@@ -128,37 +222,43 @@ def split(model: nn.Module, layout: Layout, n_stages: int) -> tuple[Callable[[in
             held = part.get_submodule(blocks_name)
             _set(part, blocks_name, StageBlocks({j: held[j] for j in ranges[i]}, len(held)))
             first, last = i == 0, i == n_stages - 1
+            feed = None
             if not first:
-                for n in before:  # hidden states come in: the base model embeds only token ids
-                    _set(part, n, None)
+                for n in before:  # the first stage's (embeddings): zeros stand in, fed past (_FeedFirstBlock)
+                    _set(part, n, _Elsewhere(part.get_submodule(n)))
+                feed = _FeedFirstBlock()
+                # Registered before FSDP's own pre-hooks (parallelize comes later), which then see the fed input.
+                held[ranges[i].start].register_forward_pre_hook(feed, with_kwargs=True)
             if not last:
                 for n in inner_after:  # the base model calls its final norm always: a no-op before the last stage
                     _set(part, n, nn.Identity())
                 for n in after:
                     _set(part, n, None)
-            part.forward = functools.partial(_causal_lm_forward, part, base, after, first, last)
+            part.forward = functools.partial(_causal_lm_forward, part, base, after, first, last, feed)
             return part
 
-        return hf_stage, len(blocks), f"declared _pp_plan ({blocks_name}: {len(blocks)} blocks)"
+        return hf_stage, len(blocks), f"{source} ({blocks_name}: {len(blocks)} blocks)"
     if isinstance(model, nn.Sequential):
         layout.check_sizes(blocks=len(model), model=name)
         parts = even(len(model), n_stages)
 
         def seq_stage(i: int) -> nn.Module:
             part = nn.Sequential()
+            memo: dict[int, Any] = {}  # one memo: children that share a parameter still share it in the stage
             for j in parts[i]:
-                part.add_module(str(j), copy.deepcopy(model[j]))
+                part.add_module(str(j), copy.deepcopy(model[j], memo))
             return part
 
         return seq_stage, len(model), f"nn.Sequential ({len(model)} children)"
     from .auto import blocks_of
 
     classes, _ = blocks_of(model)
-    what = (f"its repeated blocks ({', '.join(c.__name__ for c in classes)}) but no declared split" if classes
-            else "no repeated blocks")
+    what = (f"its repeated blocks ({', '.join(c.__name__ for c in classes)}) but no split (no _pp_plan, no base "
+            "model of them taking inputs_embeds)" if classes else "no repeated blocks")
     raise UsageError(f"a pipeline cuts a model into stages of blocks, but {name} has {what}; give an nn.Sequential "
-                     "of its layers, a transformers CausalLM (it declares _pp_plan), or build the stages yourself "
-                     "and pass them to mg.parallel.Pipeline; or use pp=1")
+                     "of its layers, a transformers CausalLM (a _pp_plan, or base_model_prefix naming a base model "
+                     "with a ModuleList of blocks), or build the stages yourself and pass them to "
+                     "mg.parallel.Pipeline; or use pp=1")
 
 
 def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, verbose: bool = True):
@@ -202,10 +302,15 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
                  for p in parts]
     if verbose:
         print0(f"mg.parallel.pipeline: {n_stages} stages of {name} by {how}, blocks per stage "
-               f"{[len(r) for r in balance(n_blocks, n_stages)] if how.startswith('declared') else 'even'}, "
+               f"{'even' if how.startswith('nn.Sequential') else [len(r) for r in balance(n_blocks, n_stages)]}, "
                f"schedule {layout.schedule}, {accum_steps} micro-batches"
                + (f", each stage FSDP over {shape.dp} ranks" if mesh.dp_mesh is not None else ""))
-    return pp.Pipeline(parts, ids, n_stages, mesh.pp_mesh.get_group(), device, layout.schedule, accum_steps, loss_fn)
+    tied = tied_groups(model)  # each stage holds its own copy: the Pipeline sums their gradients
+    if verbose and tied:
+        print0(f"mg.parallel.pipeline: tied {'; '.join(' = '.join(g) for g in tied)}: a copy on each stage that uses "
+               "it, gradients summed over the copies after each step")
+    return pp.Pipeline(parts, ids, n_stages, mesh.pp_mesh.get_group(), device, layout.schedule, accum_steps, loss_fn,
+                       tied=tied)
 
 
 def gathered_state_dict(pipe: Any) -> dict:
