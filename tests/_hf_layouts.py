@@ -73,6 +73,12 @@ def build(kind: str, **overrides):
                    bos_token_id=0, eos_token_id=1, pad_token_id=None, tie_word_embeddings=False)
         config = transformers.LlamaConfig(**(cfg | overrides))
         cls = transformers.LlamaForCausalLM
+    elif kind == "qwen3":  # per-head RMSNorms on q and k (their weights shared by the heads each TP rank holds)
+        cfg = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
+                   pad_token_id=None, tie_word_embeddings=False)
+        config = transformers.Qwen3Config(**(cfg | overrides))
+        cls = transformers.Qwen3ForCausalLM
     elif kind == "gpt2":
         cfg = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
                    embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)

@@ -38,7 +38,9 @@ HF_STYLES = {
     "embedding_rowwise": ("RowwiseParallel", {"input_layouts": "Replicate"}),
     "sequence_parallel": ("SequenceParallel", {}),
     "replicate": (None, {}),
-    "replicated_with_grad_allreduce": (None, {}),
+    # Parameters shared by the heads this rank holds (Qwen3's q_norm/k_norm): whole on every rank, their
+    # gradients summed over the TP ranks (tp.headwise_replicated).
+    "replicated_with_grad_allreduce": ("headwise_replicated", {}),
 }
 
 # The names the pattern search knows: a column-wise set followed by one row-wise projection in the same
@@ -177,6 +179,10 @@ def translate(style: Any, name: str) -> Any:
     cls, layouts = HF_STYLES[style]
     if cls is None:
         return None
+    if cls == "headwise_replicated":
+        from .tp import headwise_replicated
+
+        return headwise_replicated()
     return getattr(tp, cls)(**{k: getattr(dtensor, v)() for k, v in layouts.items()})
 
 

@@ -61,6 +61,39 @@ def apply_tp(model: nn.Module, tp_mesh: Any, plan: dict[str, Any]) -> nn.Module:
     return model
 
 
+def headwise_replicated() -> Any:
+    """A style for a module applied to each of this rank's attention heads with parameters the heads share
+    (Qwen3's ``q_norm``/``k_norm``: an RMSNorm over head_dim; transformers' "replicated_with_grad_allreduce").
+
+    The parameters are replicated on the TP ranks, and the input, (..., heads, head_dim) holding this
+    rank's heads, is a DTensor sharded on the heads: each rank's gradient of the shared weight is its heads'
+    share, and DTensor sums the shares (an all-reduce) as one process's gradient. A hook that all-reduces
+    ``param.grad`` after accumulation (transformers' way) would also sum the earlier micro-batches' gradient,
+    already reduced, again: tp times too much under gradient accumulation.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class HeadwiseReplicated(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            from torch.distributed.tensor import distribute_module
+
+            def heads_sharded(_module, inputs, mesh):
+                return tuple(DTensor.from_local(x, mesh, [Shard(x.dim() - 2)], run_check=False)
+                             if hasattr(x, "dim") and not isinstance(x, DTensor) else x for x in inputs)
+
+            def local(_module, output, _mesh):
+                return output.to_local() if isinstance(output, DTensor) else output
+
+            # partition_fn None: every parameter replicated on the TP ranks
+            return distribute_module(module, device_mesh, None, heads_sharded, local)
+
+        def __repr__(self) -> str:
+            return "HeadwiseReplicated()"
+
+    return HeadwiseReplicated()
+
+
 @contextlib.contextmanager
 def loss_parallel(enabled: bool = True) -> Iterator[None]:
     """PyTorch's ``loss_parallel()`` when ``enabled``: cross-entropy on vocabulary-sharded logits.
