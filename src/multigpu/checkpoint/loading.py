@@ -129,6 +129,7 @@ def load(objects: TrainingObjects, path: Path, manifest: dict[str, Any], group: 
                              "model, optimizer, scheduler and extras types it was saved with") from None
         raise
     if objects.model is not None:
+        objects.respread(state)  # the placements state_dict() replicated for DCP, back as the parameters have them
         opts = [objects.optimizer] if objects.optimizer is not None and not zero else []
         set_state_dict(objects.module(), opts, model_state_dict=state["model"],
                        optim_state_dict=state.get("optim", {}), options=StateDictOptions(strict=True))

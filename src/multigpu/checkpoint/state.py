@@ -4,7 +4,8 @@ Model and optimizer go through ``get_state_dict`` (keys are parameter names
 without wrapper prefixes); scheduler, loss scaler and stateful extras give
 their own ``state_dict()``. A ZeroRedundancyOptimizer's state is gathered on
 rank 0 (collective) for a save and left out of the template for a load (see
-zero_state.py).
+zero_state.py). A DTensor DCP cannot write as one chunk per rank (a fused projection's
+``_StridedShard``) is saved replicated over those mesh dims and put back after a load.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from ..parallel.zero import is_zero_optimizer
+from ..runtime import compat
 from .zero_state import gather_state
 
 
@@ -72,4 +74,61 @@ class TrainingObjects:
         for name, obj in self.extra.items():
             if is_stateful(obj):
                 state.setdefault("extra", {})[name] = obj.state_dict()
+        for part in ("model", "optim"):
+            if part in state:
+                state[part] = _chunkable(state[part])
         return state
+
+    def respread(self, state: dict[str, Any]) -> None:
+        """After a load into ``state_dict(for_load=True)``: the model's and optimizer's DTensors back in the
+        placements of the parameters they belong to (undoes ``_chunkable``; a local chunk, no communication)."""
+        from torch.distributed.tensor import DTensor
+
+        if self.model is None:
+            return
+        params = dict(self.module().named_parameters())
+
+        def back(key: str, value: Any) -> Any:
+            p = params.get(key)
+            if (isinstance(value, DTensor) and isinstance(p, DTensor) and value.shape == p.shape
+                    and value.placements != p.placements):
+                return value.redistribute(p.device_mesh, p.placements)
+            return value
+
+        if "model" in state:
+            state["model"] = {k: back(k, v) for k, v in state["model"].items()}
+        optim_state = state.get("optim", {}).get("state") if isinstance(state.get("optim"), dict) else None
+        if isinstance(optim_state, dict):
+            for key, entry in optim_state.items():
+                if isinstance(entry, dict):
+                    optim_state[key] = {k: back(key, v) for k, v in entry.items()}
+
+
+def _dcp_cannot_chunk(placements: tuple[Any, ...]) -> bool:
+    """A ``_StridedShard`` that no later mesh dimension shards again: a tensor of equal parts, each part
+    sharded (GPT-2's fused q/k/v, multigpu.parallel.conv1d), whose local data is several pieces of the
+    global tensor. DCP writes one chunk (offset, size) per rank and describes it as one block: on 2.13
+    its save refuses the overlapping chunks ("Failed to validate global plan"). FSDP's own
+    ``_StridedShard`` (FSDP x TP on one dim) is followed by TP's Shard of that dim and is one block."""
+    for i, p in enumerate(placements):
+        if compat.is_strided_shard(p) and not any(
+                getattr(q, "dim", None) == p.dim and not q.is_replicate() and not q.is_partial()
+                for q in placements[i + 1:]):
+            return True
+    return False
+
+
+def _chunkable(tree: Any) -> Any:
+    """``tree`` with each DTensor that DCP cannot chunk replaced by one replicated over the mesh dims it
+    could not (an all-gather over TP for a save, a full-size template for a load): DCP then stores the
+    tensor as one process has it. The load puts them back (``TrainingObjects.respread``)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(tree, dict):
+        return {k: _chunkable(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_chunkable(v) for v in tree]
+    if isinstance(tree, DTensor) and _dcp_cannot_chunk(tree.placements):
+        placements = [Replicate() if compat.is_strided_shard(p) else p for p in tree.placements]
+        return tree.redistribute(tree.device_mesh, placements)
+    return tree

@@ -6,7 +6,8 @@ in the model's largest container of one class (``layers``, ``h``,
 ``blocks``; a ResNet's stages). Plans: the user's, else the one the model
 declares (``model.tp_plan``, ``base_model_tp_plan``), else one found from the
 module pattern (q/k/v column-wise and o row-wise, gate/up column-wise and
-down row-wise, inside the repeated blocks). Plans may use ``*`` for one
+down row-wise, inside the repeated blocks; GPT-2's Conv1D c_attn, fused q/k/v, column-wise in 3 parts, c_fc
+column-wise, c_proj row-wise, with ``conv1d.py``'s styles). Plans may use ``*`` for one
 name component (``model.layers.*.mlp.down_proj``) and transformers' style
 names (``"colwise"``, ``"rowwise"``...), translated here to PyTorch's
 ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel``. Every
@@ -45,10 +46,12 @@ HF_STYLES = {
 
 # The names the pattern search knows: a column-wise set followed by one row-wise projection in the same
 # parent (attention: q, k, v then o; MLP: gate, up then down).
+# GPT-2's (transformers' Conv1D): c_attn fuses q, k, v; c_fc (E -> 4E) is one projection, c_proj the row-wise one
+# of both its attention and its MLP.
 COLWISE_NAMES = {"q_proj", "k_proj", "v_proj", "q", "k", "v", "query", "key", "value", "wq", "wk", "wv",
-                 "gate_proj", "up_proj", "up", "w1", "w3", "fc1", "fc_in"}
-ROWWISE_NAMES = {"o_proj", "out_proj", "out", "o", "wo", "down_proj", "down", "w2", "fc2", "fc_out"}
-FUSED_NAMES = {"c_attn", "qkv", "qkv_proj", "Wqkv", "query_key_value", "gate_up_proj", "c_fc", "in_proj"}
+                 "gate_proj", "up_proj", "up", "w1", "w3", "fc1", "fc_in", "c_fc"}
+ROWWISE_NAMES = {"o_proj", "out_proj", "out", "o", "wo", "down_proj", "down", "w2", "fc2", "fc_out", "c_proj"}
+FUSED_NAMES = {"c_attn", "qkv", "qkv_proj", "Wqkv", "query_key_value", "gate_up_proj", "in_proj"}
 
 
 def _first_name(model: nn.Module, cls_name: str) -> str:
@@ -113,6 +116,7 @@ def declared_plan(model: nn.Module) -> dict[str, Any] | None:
 
 
 def _fused_or_conv(module: nn.Module, name: str) -> str | None:
+    """Why PyTorch's own TP styles cannot shard ``module`` (a Conv1D, a fused projection), or None."""
     leaf = name.rpartition(".")[2]
     if type(module).__name__ == "Conv1D":
         return "a Conv1D (a Linear stored transposed)"
@@ -121,25 +125,49 @@ def _fused_or_conv(module: nn.Module, name: str) -> str | None:
     return None
 
 
+def _projection(module: nn.Module) -> bool:
+    from .conv1d import is_conv1d
+
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def _styles(parent_name: str, children: dict[str, nn.Module], col: list[str], row: str,
+            fused: dict[str, int]) -> dict[str, Any]:
+    """nn.Linear: transformers' style names; Conv1D: multigpu's Conv1D styles (the fused ones split by parts)."""
+    from .conv1d import Conv1DColwise, Conv1DRowwise, is_conv1d
+
+    plan: dict[str, Any] = {}
+    for n in col:
+        plan[f"{parent_name}.{n}"] = Conv1DColwise(fused.get(n, 1)) if is_conv1d(children[n]) else "colwise"
+    plan[f"{parent_name}.{row}"] = Conv1DRowwise() if is_conv1d(children[row]) else "rowwise"
+    return plan
+
+
 def found_plan(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[str, Any]:
-    """A plan from the module pattern inside the blocks: in each parent, the known column-wise Linears
-    followed by one known row-wise Linear. Refuses a block whose projections are Conv1D or fused."""
+    """A plan from the module pattern inside the blocks: in each parent, the known column-wise projections
+    (nn.Linear, or transformers' Conv1D: GPT-2) followed by one known row-wise one. A fused projection is
+    split when it is GPT-2's (a Conv1D c_attn of 3 equal parts that its attention's split_size cuts apart);
+    any other (an nn.Linear qkv, unequal parts) is refused naming it."""
+    from .conv1d import fused_parts
+
     plan: dict[str, Any] = {}
     for block_name, block in blocks:
         for parent_name, parent in block.named_modules(prefix=block_name):
             children = dict(parent.named_children())
+            fused: dict[str, int] = {}
             for child_name, child in children.items():
-                why = _fused_or_conv(child, child_name)
-                if why:
-                    raise UsageError(
-                        f"tensor parallelism found {parent_name}.{child_name} in {type(model).__name__}, {why}: "
-                        f"PyTorch's TP styles shard nn.Linear and nn.Embedding only; use tp=1 for this model "
-                        "(DDP, FSDP, HSDP and pipelines apply), or a model with separate q/k/v Linears (Llama, Qwen)")
-            col = [n for n, c in children.items() if isinstance(c, nn.Linear) and n in COLWISE_NAMES]
-            row = [n for n, c in children.items() if isinstance(c, nn.Linear) and n in ROWWISE_NAMES]
+                if child_name in FUSED_NAMES and _projection(child):
+                    parts, why = fused_parts(parent, child_name, child)
+                    if not parts:
+                        raise UsageError(
+                            f"tensor parallelism found {parent_name}.{child_name} in {type(model).__name__}, {why}; "
+                            "use tp=1 for this model (DDP, FSDP, HSDP and pipelines apply), a model with separate "
+                            "q/k/v projections (Llama, Qwen), or pass tp_plan without it")
+                    fused[child_name] = parts
+            col = [n for n, c in children.items() if _projection(c) and (n in COLWISE_NAMES or n in fused)]
+            row = [n for n, c in children.items() if _projection(c) and n in ROWWISE_NAMES]
             if col and len(row) == 1:
-                plan |= {f"{parent_name}.{n}": "colwise" for n in col}
-                plan[f"{parent_name}.{row[0]}"] = "rowwise"
+                plan |= _styles(parent_name, children, col, row[0], fused)
     return plan
 
 
@@ -190,16 +218,23 @@ def check_shardable(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
     """Refuse a style on a module it cannot shard, or a sharded size ``tp`` does not divide, naming the module."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    from . import conv1d
+
     for name, style in plan.items():
+        if isinstance(style, (conv1d.Conv1DColwise, conv1d.Conv1DRowwise)):
+            conv1d.check(model, name, style, tp)
+            continue
         module = model.get_submodule(name)
         if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
             continue
         kind = "column-wise" if isinstance(style, ColwiseParallel) else "row-wise"
         why = _fused_or_conv(module, name)
         if why or not isinstance(module, (nn.Linear, nn.Embedding)):
+            hint = (" (the plan multigpu finds, tp_plan=None, shards GPT-2's Conv1D)" if conv1d.is_conv1d(module)
+                    else "")
             raise UsageError(f"tensor-parallel plan shards {name} {kind}, but it is {why or 'a ' + type(module).__name__}: "
-                             "PyTorch's TP styles shard nn.Linear and nn.Embedding only; drop it from the plan "
-                             "(it stays replicated) or use tp=1 for this model")
+                             f"PyTorch's TP styles shard nn.Linear and nn.Embedding only; drop it from the plan "
+                             f"(it stays replicated){hint} or use tp=1 for this model")
         if isinstance(module, nn.Linear):
             size, what = (module.out_features, "output features") if kind == "column-wise" else (module.in_features, "input features")
         else:

@@ -33,7 +33,7 @@ def _world() -> int:
 
 
 def _short(plan: dict[str, Any], limit: int = 6) -> str:
-    items = [f"{k} {v if isinstance(v, str) else type(v).__name__}" for k, v in plan.items()]
+    items = [f"{k} {v if isinstance(v, str) else getattr(v, 'label', None) or type(v).__name__}" for k, v in plan.items()]
     return ", ".join(items[:limit]) + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
 
 
@@ -147,6 +147,9 @@ def parallelize(model: nn.Module, layout: Layout | Mesh | None = None, *, tp_pla
         layout.check_sizes(heads=heads.get("attention heads"), kv_heads=heads.get("KV heads"), model=name)
         styles, source, written = tensor_parallel_plan(model, layout, blocks, tp_plan)
         apply_tp(model, mesh.tp_mesh, styles)
+        from .conv1d import divide_split_sizes
+
+        divide_split_sizes(model, styles, shape.tp)  # GPT-2's attention splits its fused c_attn by split_size
         say(f"mg.parallelize: tensor parallel {shape.tp}: plan {source}, {len(written)} entries on "
             f"{len(styles)} modules: {_short(written)}")
 
