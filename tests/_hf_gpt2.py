@@ -110,6 +110,10 @@ def one_process(dist, copy: str) -> dict:
     return {"reference": hf.train(dist, "gpt2", {}), "resumed": hf.train(dist, "gpt2", {}, ckpt=copy)}
 
 
-def four_ranks(dist) -> dict:
-    """FSDP 2 x TP 2 on a 2-D mesh (FSDP over the TP DTensors, the c_attn weight's _StridedShard among them)."""
-    return hf.train(dist, "gpt2", {"dp_shard": 2, "tp": 2})
+def four_ranks(dist, ckpt: str) -> dict:
+    """FSDP 2 x TP 2 on a 2-D mesh (FSDP over the TP DTensors, the c_attn weight's _StridedShard among them),
+    trained; then steps 0-2 under it saved and resumed under TP 4 (one head per rank)."""
+    out = {"fsdp_tp": hf.train(dist, "gpt2", {"dp_shard": 2, "tp": 2})}
+    hf.train(dist, "gpt2", {"dp_shard": 2, "tp": 2}, ckpt=ckpt, stop_after=2)
+    out["resumed_tp4"] = hf.train(dist, "gpt2", {"tp": 4}, ckpt=ckpt)
+    return out

@@ -92,14 +92,19 @@ def test_gpt2_under_tp_2_and_a_tp_checkpoint_resumed_under_fsdp_2_tp_2_or_one_pr
 
 
 @pytest.mark.slow
-def test_gpt2_under_fsdp_2_x_tp_2_on_four_ranks_equals_one_process(one):
-    out = spawn(g.four_ranks, 4, timeout=400)
+def test_gpt2_under_fsdp_2_x_tp_2_on_four_ranks_and_its_checkpoint_under_tp_4_equal_one_process(one, tmp_path):
+    out = spawn(g.four_ranks, 4, str(tmp_path / "ckpt"), timeout=400)
     ref = one["reference"]
-    diffs = [_max_diff(r, ref) for r in out]
-    print(f"GPT-2 FSDP 2 x TP 2 max parameter difference: {max(diffs):.1e}")
-    for r in out:
+    measured = {}
+    for rank in out:
+        r, resumed = rank["fsdp_tp"], rank["resumed_tp4"]
         assert r["strategy"] == "fsdp" and r["norms"] == pytest.approx(ref["norms"], rel=1e-9)
-    assert max(diffs) < TOL, diffs
+        assert (resumed["strategy"], resumed["start"], len(resumed["losses"])) == ("none", 3, 2)
+        assert resumed["norms"] == pytest.approx(ref["norms"][3:], rel=1e-9)
+        for name, got in (("FSDP 2 x TP 2", r), ("FSDP 2 x TP 2 -> TP 4", resumed)):
+            measured[name] = max(_max_diff(got, ref), measured.get(name, 0.0))
+    print("GPT-2 max parameter difference per layout:", {k: f"{v:.1e}" for k, v in measured.items()})
+    assert all(v < TOL for v in measured.values()), measured
 
 
 def test_what_cannot_be_split_equally_is_refused_in_one_line_naming_the_module(two):
