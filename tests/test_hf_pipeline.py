@@ -28,14 +28,16 @@ TOL = 1e-9
 
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed (pip install multigpu[datasets])")
 
-DEEP_GPT2, DEEP_LLAMA = {"n_layer": 4}, {"num_hidden_layers": 4}
-MODELS = [("gpt2", {}), ("gpt2", DEEP_GPT2), ("llama", DEEP_LLAMA)]
+DEEP_GPT2, DEEP_LLAMA, TIED_LLAMA = {"n_layer": 4}, {"num_hidden_layers": 4}, {"tie_word_embeddings": True}
+MODELS = [("gpt2", {}), ("gpt2", DEEP_GPT2), ("llama", DEEP_LLAMA), ("llama", {}), ("llama", TIED_LLAMA)]
 TWO = [("gpt2", {}, {"pp": 2}),                                          # 1F1B: table on rank 0, head on rank 1
        ("gpt2", DEEP_GPT2, {"pp": 2, "schedule": "interleaved_1f1b"}),   # stages 0, 2 | 1, 3
        ("gpt2", DEEP_GPT2, {"pp": 2, "schedule": "zbv"}),                # stages 0, 3 | 1, 2: both copies on rank 0
        ("llama", DEEP_LLAMA, {"pp": 2, "schedule": "zbv"})]              # untied, declared _pp_plan, V placement
 FOUR = [("gpt2", {}, {"pp": 2}),                                         # PP 2 x FSDP 2
-        ("gpt2", DEEP_GPT2, {"pp": 4})]                                  # the middle ranks take no part in the sum
+        ("gpt2", DEEP_GPT2, {"pp": 4}),                                  # the middle ranks take no part in the sum
+        ("llama", {}, {"pp": 2, "tp": 2}),                               # TP inside the stages (declared plan)
+        ("llama", TIED_LLAMA, {"pp": 2, "tp": 2})]                       # tied copies sharded alike by TP
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +61,9 @@ def _check(jobs, out, reference):
             measured[name] = max(diff, measured.get(name, 0.0))
             assert diff < TOL, f"{name}: max parameter difference {diff:.3g}"
             assert got["norms"] == pytest.approx(ref["norms"], rel=1e-9), name  # the tied table counted once
-            if kind == "gpt2":  # the copies stayed equal: one process's single tensor
-                assert torch.equal(got["state"]["lm_head.weight"], got["state"]["transformer.wte.weight"]), name
+            table = "transformer.wte.weight" if kind == "gpt2" else "model.embed_tokens.weight"
+            if kind == "gpt2" or o.get("tie_word_embeddings"):  # the copies stayed equal: one process's one tensor
+                assert torch.equal(got["state"]["lm_head.weight"], got["state"][table]), name
             if got["losses"][0] is not None:
                 last.append(got["losses"])
         mean = [sum(step) / len(last) for step in zip(*last)]  # equal shares: their mean is one process's loss
@@ -85,13 +88,15 @@ def test_gpt2_and_llama_pipelines_on_two_ranks_equal_one_process(reference):
 
 
 @pytest.mark.slow
-def test_gpt2_pipeline_by_fsdp_and_over_four_stages_on_four_ranks_equal_one_process(reference):
+def test_gpt2_pipeline_by_fsdp_and_over_four_stages_and_llama_by_tp_on_four_ranks_equal_one_process(reference):
     start = time.perf_counter()
     out = spawn(w.run, 4, FOUR, timeout=500)
     print(f"4 ranks, {len(FOUR)} pipelines: {time.perf_counter() - start:.1f} s")
     _check(FOUR, out, reference)
     assert [r[0]["stages"] for r in out] == [[0], [0], [1], [1]]  # pp 2 x dp_shard 2: ranks 0, 1 the first stage
     assert [r[1]["tied"] for r in out] == [True, False, False, True]  # pp 4: only stages 0 and 3 sum
+    assert [r[2]["stages"] for r in out] == [[0], [0], [1], [1]]  # pp 2 x tp 2: ranks 0, 1 TP peers of stage 0
+    assert [(r[3]["tied"], r[3]["counted_once"]) for r in out] == [(True, 0)] * 2 + [(True, 1)] * 2
 
 
 def test_a_causal_lm_without_pp_plan_is_split_by_its_base_model_and_later_stages_skip_its_embeddings():

@@ -262,7 +262,8 @@ def split(model: nn.Module, layout: Layout, n_stages: int) -> tuple[Callable[[in
 
 
 def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, verbose: bool = True):
-    """This rank's stages of ``model`` cut by ``layout.pp`` (and its schedule), each FSDP-sharded over the
+    """This rank's stages of ``model`` cut by ``layout.pp`` (and its schedule), each tensor parallel over
+    ``layout.tp`` (the model's plan, the entries for what the stage holds) and FSDP-sharded over the
     data-parallel ranks when there are several, in a ``Pipeline`` of ``plan.accum_steps`` micro-batches.
 
     >>> pipe = mg.parallel.pipeline(model, layout, loss_fn, plan)
@@ -280,30 +281,38 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
     if shape.pp == 1:
         raise UsageError(f"mg.parallel.pipeline cuts {name} into pp stages but the layout has pp=1; "
                          "use mg.parallelize(model, layout), or Layout(pp=2)")
-    if shape.tp > 1:
-        raise UsageError("mg.parallel.pipeline does not apply tensor parallelism inside stages yet; use tp=1 with "
-                         "pp, or build the stages yourself (parallelize each) and pass them to mg.parallel.Pipeline")
     accum_steps = plan.accum_steps
     # The model's own problems first (they need another model, not another flag), then the schedule's.
     make, n_blocks, how = split(model, layout, shape.pp * pp.stages_per_rank(layout.schedule))
     n_stages = pp.check(layout.schedule, shape.pp, accum_steps)
+    from .auto import block_modules, blocks_of, head_counts
+
+    classes, _ = blocks_of(model)
+    styles: dict[str, Any] = {}
+    if shape.tp > 1:
+        from .spread import tensor_parallel_plan
+
+        # The plan of the whole model (declared, else found), refused here before any group work; each stage
+        # then takes the entries for the modules it holds (stage_plan).
+        heads = head_counts(model)
+        layout.check_sizes(heads=heads.get("attention heads"), kv_heads=heads.get("KV heads"), model=name)
+        styles, source, _ = tensor_parallel_plan(model, layout, block_modules(model, classes), None)
     params = list(model.parameters())
     device = params[0].device
     mesh = layout.mesh(world, device.type)
     ids = pp.stage_ids(layout.schedule, mesh.pp_rank, shape.pp)
     parts = [make(i) for i in ids]
-    if mesh.dp_mesh is not None:
-        from .auto import blocks_of
-
-        classes, _ = blocks_of(model)
-        # mg.parallelize's FSDP, the one way in; as a pipeline stage it keeps the parameters gathered between
-        # a step's micro-batches. This function prints its own line for all the stages.
-        parts = [parallelize(p, mesh, block_classes=classes or None, pipeline_stage=True, verbose=False)
-                 for p in parts]
+    if mesh.dp_mesh is not None or shape.tp > 1:
+        # mg.parallelize's TP and FSDP, the one way in; as a pipeline stage FSDP keeps the parameters gathered
+        # between a step's micro-batches. This function prints its own line for all the stages.
+        parts = [parallelize(p, mesh, tp_plan=stage_plan(p, styles) if styles else None,
+                             block_classes=classes or None, pipeline_stage=True, verbose=False) for p in parts]
     if verbose:
         print0(f"mg.parallel.pipeline: {n_stages} stages of {name} by {how}, blocks per stage "
                f"{'even' if how.startswith('nn.Sequential') else [len(r) for r in balance(n_blocks, n_stages)]}, "
                f"schedule {layout.schedule}, {accum_steps} micro-batches"
+               + (f", each stage tensor parallel {shape.tp} (plan {source}, {len(styles)} modules)"
+                  if shape.tp > 1 else "")
                + (f", each stage FSDP over {shape.dp} ranks" if mesh.dp_mesh is not None else ""))
     tied = tied_groups(model)  # each stage holds its own copy: the Pipeline sums their gradients
     if verbose and tied:
@@ -311,6 +320,15 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
                "it, gradients summed over the copies after each step")
     return pp.Pipeline(parts, ids, n_stages, mesh.pp_mesh.get_group(), device, layout.schedule, accum_steps, loss_fn,
                        tied=tied)
+
+
+def stage_plan(part: nn.Module, styles: dict[str, Any]) -> dict[str, Any]:
+    """The entries of the whole model's tensor-parallel plan (expanded, torch styles) for the modules a stage
+    holds: those it kept with their own parameters (not a block of another stage, nor what stands in for
+    the embeddings or the norm elsewhere)."""
+    held = dict(part.named_modules())
+    return {n: s for n, s in styles.items()
+            if n in held and next(held[n].parameters(recurse=False), None) is not None}
 
 
 def gathered_state_dict(pipe: Any) -> dict:

@@ -93,10 +93,16 @@ class TiedGrads:
     def sum_(self) -> None:
         """Every copy's gradient becomes the sum over all copies (one process's gradient), the same bits on every
         holder: all add the copies in one order. A copy its stage did not use (no gradient) adds zeros."""
+        from torch.distributed.tensor import DTensor
+
         for params, order, peers in self.sums:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+                elif isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                    # Laid out as its parameter (checked alike on every copy): a row-wise TP embedding's gradient
+                    # comes back replicated (torch 2.13) while the head's is sharded; Replicate -> Shard is a slice.
+                    p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
             local = [_local(p.grad) for p in params]
             mine = torch.stack(local)
             received: dict[int, torch.Tensor] = {}
