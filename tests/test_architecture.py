@@ -34,7 +34,7 @@ FLAGS = {
     "tune": ["--cpu", "--memory-budget", "--micro-batches", "--nproc", "--out", "--repeats", "--steps", "--threads",
              "--top", "-n", "<args>", "<workload>"],
     "verify": ["--cpu", "--global-batch", "--layouts", "--out", "--rtol", "--steps", "--workers", "-m", "<args>", "<target>"],
-    "study": ["--budget", "--ci", "--cpu", "--global-batch", "--max-repeats", "--no-report", "--out", "--policy",
+    "study": ["--budget", "--ci", "--cpu", "--global-batch", "--layouts", "--max-repeats", "--no-report", "--out", "--policy",
               "--profile", "--repeats", "--steps", "--target", "--threads", "--workers", "<workload>"],
 }
 
