@@ -37,21 +37,32 @@ def one_process(dist, kind: str, overrides: dict) -> dict:
     return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses, "norms": norms}
 
 
-def pipelined(dist, kind: str, overrides: dict, layout: dict) -> dict:
-    """``kind`` cut by ``mg.parallel.pipeline`` under ``layout``; the full weights gathered from the stages."""
+def pipelined(dist, kind: str, overrides: dict, layout: dict, ckpt: str | None = None,
+              stop_after: int | None = None) -> dict:
+    """``kind`` cut by ``mg.parallel.pipeline`` under ``layout``; the full weights gathered from the stages.
+    ``ckpt``: resume from and save to that Checkpointer directory every step (``model=pipe.model``)."""
     model = hf.build(kind, **overrides)
     micro = hf.GLOBAL_BATCH // ACCUM // mg.parallel.Layout(**layout).shape(dist.world_size).dp
     layout = mg.parallel.Layout(**layout, micro_batch=micro)
     plan = layout.plan(hf.GLOBAL_BATCH, dist)
     pipe = mg.parallel.pipeline(model, layout, hf.loss_fn, plan)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1)
+    loader = mg.loader(hf.tokens(), plan, dist, seed=0)
+    start = 0
+    if ckpt is not None:
+        checkpointer = mg.Checkpointer(ckpt, model=pipe.model, optimizer=opt, loader=loader)
+        start = checkpointer.resume()
     losses, norms = [], []
-    for _, micro_batches in zip(range(STEPS), mg.loader(hf.tokens(), plan, dist, seed=0)):
+    for step, micro_batches in zip(range(start, STEPS), loader):
         loss = pipe.step(micro_batches)
         norms.append(float(pipe.clip_grad_norm_(CLIP)))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(None if loss is None else float(loss))
+        if ckpt is not None:
+            checkpointer.save(step)
+            if step == stop_after:
+                break
     held = sorted({n for m in pipe.modules for n, _ in m.named_parameters(remove_duplicate=False)}
                   & {"transformer.wte.weight", "lm_head.weight"})
     return {"state": mg.full_state_dict(pipe), "losses": losses, "norms": norms, "stages": pipe.ids,
@@ -63,6 +74,21 @@ def run(dist, jobs: list[tuple[str, dict, dict | None]]) -> list[dict]:
     the one-process reference."""
     return [one_process(dist, kind, o) if layout is None else pipelined(dist, kind, o, layout)
             for kind, o, layout in jobs]
+
+
+def resumed_across(dist, kind: str, jobs: list[tuple[dict, dict, str]]) -> list[dict]:
+    """Each (first, then, directory): steps 0-2 under layout ``first``, saved (DCP), the rest resumed under
+    ``then``; a layout with pp > 1 runs as a pipeline, any other as mg.parallelize (tests/_hf_layouts.py)."""
+    def part(layout: dict, ckpt: str, stop_after: int | None) -> dict:
+        if layout.get("pp", 1) > 1:
+            return pipelined(dist, kind, {}, layout, ckpt=ckpt, stop_after=stop_after)
+        return hf.train(dist, kind, layout, ckpt=ckpt, stop_after=stop_after)
+
+    out = []
+    for first, then, ckpt in jobs:
+        part(first, ckpt, 2)
+        out.append(part(then, ckpt, None))
+    return out
 
 
 def mismatched_tie(dist) -> str:

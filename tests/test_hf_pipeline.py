@@ -147,3 +147,21 @@ def test_refusals_stay_one_line_with_the_fix():
     assert len(lines) == len(expect)
     for line, pattern in zip(lines, expect):
         assert re.search(pattern, line), (pattern, line)
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_resumes_under_the_pipeline_fsdp_and_back(reference, tmp_path):
+    """A Llama saved by the Checkpointer (model=pipe.model) after 3 steps under PP 2 resumes under PP 2 and
+    under FSDP 2, and one saved under FSDP 2 resumes under PP 2: each ends on one process's weights. (The
+    pipeline ranks hold different parameters: the optimizer's state is saved per parameter name.)"""
+    jobs = [({"pp": 2}, {"pp": 2}, str(tmp_path / "pp-pp")), ({"pp": 2}, {}, str(tmp_path / "pp-fsdp")),
+            ({}, {"pp": 2}, str(tmp_path / "fsdp-pp"))]
+    out = spawn(w.resumed_across, 2, "llama", jobs, timeout=300)
+    ref = reference[("llama", ())]
+    for i, (first, then, _) in enumerate(jobs):
+        for rank in out:
+            r = rank[i]
+            assert len(r["norms"]) == 2, (first, then)  # resumed at step 3, not trained anew
+            assert r["norms"] == pytest.approx(ref["norms"][3:], rel=1e-9), (first, then)
+            diff = max((r["state"][k].double() - ref["state"][k]).abs().max().item() for k in ref["state"])
+            assert diff < TOL, (first, then, diff)

@@ -33,7 +33,7 @@ from ..runtime.values import is_positive_int
 from . import loading, rng, storage
 from .background import BackgroundWrite, NewLayout, copy_into
 from .group import Group
-from .state import TrainingObjects, is_stateful
+from .state import TrainingObjects, is_stateful, without_optimizer_state
 
 
 class Checkpointer:
@@ -191,7 +191,7 @@ class Checkpointer:
             fresh = self.optimizer is not None and not is_zero_optimizer(self.optimizer) and not self.optimizer.state
             state = self._objects().state_dict(rank=group.rank)
             if fresh:
-                state["optim"]["state"] = {}
+                state["optim"] = without_optimizer_state(state["optim"])
                 self.optimizer.state.clear()
             if self.async_save:
                 return self._save_in_background(state, step, fresh, group, t0, ctx)

@@ -11,14 +11,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from ..dist import print0
 from ..errors import UsageError
 from ..parallel.zero import is_zero_optimizer
 from . import rng, storage
 from .group import Group
-from .state import TrainingObjects, is_stateful
+from .state import OPTIONS, TrainingObjects, is_stateful, without_optimizer_state
 from .storage import Damaged
 from .zero_state import load_state as load_zero_state
 
@@ -109,8 +109,10 @@ def load(objects: TrainingObjects, path: Path, manifest: dict[str, Any], group: 
     zero = is_zero_optimizer(objects.optimizer)
     state = objects.state_dict(for_load=True)
     fresh = bool(manifest.get("optimizer_fresh")) and "optim" in state
+    unsaved = {}
     if fresh:  # saved before the first optimizer step: there is no optimizer state to load
-        state["optim"]["state"] = {}
+        unsaved = {k: v for k, v in state["optim"].items() if k.startswith("state.")}
+        state["optim"] = without_optimizer_state(state["optim"])
     if "model" in state:
         _check_model_fits(path, state["model"], storage.read_metadata(path), group)
     for key in sorted(saved_keys - want):
@@ -131,8 +133,10 @@ def load(objects: TrainingObjects, path: Path, manifest: dict[str, Any], group: 
     if objects.model is not None:
         objects.respread(state)  # the placements state_dict() replicated for DCP, back as the parameters have them
         opts = [objects.optimizer] if objects.optimizer is not None and not zero else []
+        if fresh:  # the flattened form wants an entry per parameter: the template's own (cleared below)
+            state["optim"] |= unsaved
         set_state_dict(objects.module(), opts, model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}), options=StateDictOptions(strict=True))
+                       optim_state_dict=state.get("optim", {}), options=OPTIONS)
         if fresh:
             objects.optimizer.state.clear()
         if zero:

@@ -21,6 +21,17 @@ from ..runtime import compat
 from .zero_state import gather_state
 
 
+# The optimizer's state flattened to one entry per parameter name (state.<name>.exp_avg, param_groups.<name>.lr):
+# the ranks of a pipeline hold different parameters, and the nested form's param_groups (one list per rank,
+# the same DCP key on every rank) kept one rank's list, so another stage's resume failed (KeyError 'betas').
+OPTIONS = StateDictOptions(strict=True, flatten_optimizer_state_dict=True)
+
+
+def without_optimizer_state(optim: dict[str, Any]) -> dict[str, Any]:
+    """The flattened optimizer state dict with its per-parameter state removed (its param_groups kept)."""
+    return {k: v for k, v in optim.items() if not k.startswith("state.")}
+
+
 def is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
@@ -59,7 +70,7 @@ class TrainingObjects:
         if self.model is not None:
             zero = is_zero_optimizer(self.optimizer)
             opts = [self.optimizer] if self.optimizer is not None and not zero else []
-            msd, osd = get_state_dict(self.module(), opts, options=StateDictOptions(strict=True))
+            msd, osd = get_state_dict(self.module(), opts, options=OPTIONS)
             state["model"] = msd
             if zero and not for_load:
                 full = gather_state(self.module(), self.optimizer, rank)
@@ -97,11 +108,9 @@ class TrainingObjects:
 
         if "model" in state:
             state["model"] = {k: back(k, v) for k, v in state["model"].items()}
-        optim_state = state.get("optim", {}).get("state") if isinstance(state.get("optim"), dict) else None
-        if isinstance(optim_state, dict):
-            for key, entry in optim_state.items():
-                if isinstance(entry, dict):
-                    optim_state[key] = {k: back(key, v) for k, v in entry.items()}
+        if isinstance(state.get("optim"), dict):  # flattened (OPTIONS): state.<parameter name>.<exp_avg, ...>
+            state["optim"] = {k: back(k[len("state."):].rpartition(".")[0], v) if k.startswith("state.") else v
+                              for k, v in state["optim"].items()}
 
 
 def _dcp_cannot_chunk(placements: tuple[Any, ...]) -> bool:

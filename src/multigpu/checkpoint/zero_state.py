@@ -2,8 +2,9 @@
 
 ``get_state_dict`` cannot see a ZeroRedundancyOptimizer's shards, so on save
 the shards are consolidated on rank 0 (``consolidate_state_dict``, a
-collective) and rewritten from parameter indices to parameter names: the
-format ``get_state_dict`` gives for DDP and FSDP. A ZeRO-1 checkpoint then
+collective) and rewritten from parameter indices to parameter names, flattened
+(``state.<name>.exp_avg``, ``param_groups.<name>.lr``): the format
+``get_state_dict`` gives for DDP and FSDP (``state.OPTIONS``). A ZeRO-1 checkpoint then
 resumes under any strategy and world size, and vice versa. On load every
 rank reads the full optimizer state (what ``ZeroRedundancyOptimizer.load_state_dict``
 expects) and keeps its own partition.
@@ -43,10 +44,10 @@ def gather_state(module: nn.Module, optimizer: Any, rank: int) -> dict[str, Any]
         return None
     full = optimizer.state_dict()
     names = _names(module, optimizer)
-    return {
-        "state": {names[i]: dict(v) for i, v in full["state"].items()},
-        "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in full["param_groups"]],
-    }
+    flat = {f"state.{names[i]}.{k}": v for i, entry in full["state"].items() for k, v in entry.items()}
+    for group in full["param_groups"]:
+        flat |= {f"param_groups.{names[i]}.{k}": v for i in group["params"] for k, v in group.items() if k != "params"}
+    return flat
 
 
 def load_state(path: Path, module: nn.Module, optimizer: Any, no_dist: bool) -> None:
@@ -56,11 +57,19 @@ def load_state(path: Path, module: nn.Module, optimizer: Any, no_dist: bool) -> 
         compat.dcp_load_in_place(loaded, storage_reader=storage.SafeReader(path),
                                  planner=storage.SafeEmptyLoadPlanner(keys={"optim"}), no_dist=no_dist)
     saved = loaded["optim"]
-    index = {n: i for i, n in enumerate(_names(module, optimizer))}
-    groups = saved["param_groups"]
-    if isinstance(groups, dict):  # DCP rebuilds a list it flattened as a dict keyed 0, 1, ...
-        groups = [groups[k] for k in sorted(groups, key=int)]
-    optimizer.load_state_dict({
-        "state": {index[n]: v for n, v in saved.get("state", {}).items()},
-        "param_groups": [dict(g, params=[index[n] for n in g["params"]]) for g in groups],
-    })
+    names = _names(module, optimizer)
+    index = {n: i for i, n in enumerate(names)}
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in saved.items():
+        if key.startswith("state."):  # state.<parameter name>.<exp_avg, ...>: the names hold dots, the keys none
+            name, _, field = key[len("state."):].rpartition(".")
+            state.setdefault(index[name], {})[field] = value
+    groups, start = [], 0
+    for group in optimizer.param_groups:  # this optimizer's grouping, each group's hyperparameters as saved
+        ids = list(range(start, start + len(group["params"])))
+        start += len(ids)
+        first = names[ids[0]] if ids else None
+        saved_group = {field: v for k, v in saved.items() if k.startswith("param_groups.")
+                       for name, _, field in [k[len("param_groups."):].rpartition(".")] if name == first}
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, **saved_group, "params": ids})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
