@@ -58,8 +58,12 @@ def _stamped(model: nn.Module, layout: Layout) -> nn.Module:
 
 
 def tensor_parallel_plan(model: nn.Module, layout: Layout, blocks: list[tuple[str, nn.Module]],
-                         tp_plan: dict[str, Any] | None) -> tuple[dict[str, Any], str, dict[str, Any]]:
-    """(the expanded plan of torch styles, where it came from, the plan as written) for ``layout.tp``."""
+                         tp_plan: dict[str, Any] | None, derive_sequence_parallel: bool = False
+                         ) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """(the expanded plan of torch styles, where it came from, the plan as written) for ``layout.tp``;
+    ``derive_sequence_parallel``: under ``layout.sequence_parallel``, a plan that spells no SP styles gets
+    them derived (``sp.py``) rather than refused (a pipeline's stages keep the refusal: the split stream
+    would cross their boundaries)."""
     name = type(model).__name__
     if tp_plan is not None:
         written, source = dict(tp_plan), "given"
@@ -77,7 +81,7 @@ def tensor_parallel_plan(model: nn.Module, layout: Layout, blocks: list[tuple[st
     if not written:
         raise UsageError(f"the tensor-parallel plan for {name} is empty ({source}), so nothing would be sharded; "
                          "pass tp_plan={'<module name>': 'colwise' | 'rowwise', ...} or use tp=1")
-    if layout.sequence_parallel and source != "given":
+    if layout.sequence_parallel and source != "given" and not derive_sequence_parallel:
         raise UsageError(f"sequence_parallel needs a plan that splits the norms along the sequence; the plan {source} "
                          "does not: pass your own tp_plan with SequenceParallel styles, or drop sequence_parallel")
     expanded = auto.expand(model, written)
@@ -86,6 +90,12 @@ def tensor_parallel_plan(model: nn.Module, layout: Layout, blocks: list[tuple[st
     if not styles:
         raise UsageError(f"the tensor-parallel plan {source} only replicates, so nothing would be sharded; "
                          "give some modules 'colwise' or 'rowwise', or use tp=1")
+    if layout.sequence_parallel and derive_sequence_parallel:
+        from . import sp
+
+        if not sp.spells_sequence_parallel(styles):  # PyTorch's SP styles derived from the TP plan
+            styles = sp.sequence_parallel_plan(model, blocks, styles)
+            source += ", sequence parallel derived from it"
     auto.check_shardable(model, styles, layout.tp)
     return styles, source, written
 
@@ -102,9 +112,9 @@ def parallelize(model: nn.Module, layout: Layout | Mesh | None = None, *, tp_pla
     train (the DDP wrapper under DDP, the module itself otherwise).
 
     ``sequence_parallel`` (like ``activation_checkpointing`` and ``compile``) overrides the layout's, so
-    a mesh (whose layout has none of them) can carry it; it needs ``tp_plan`` with SequenceParallel
-    styles. ``pipeline_stage``: ``model`` is one stage of a pipeline over ``layout``, a ``Mesh`` with
-    pp > 1 (what ``mg.parallel.Pipeline`` takes): TP and FSDP apply inside the stage, and FSDP keeps
+    a mesh (whose layout has none of them) can carry it; a plan without SequenceParallel styles (the
+    declared or found one) gets them derived (``sp.py``). ``pipeline_stage``: ``model`` is one stage
+    of a pipeline over ``layout``, a ``Mesh`` with pp > 1 (what ``mg.parallel.Pipeline`` takes): TP and FSDP apply inside the stage, and FSDP keeps
     the parameters gathered between a step's micro-batches unless ``reshard_after_forward`` says so.
 
     >>> model = mg.parallelize(LlamaForCausalLM(cfg).to(dist.device), mg.parallel.Layout(tp=2))
@@ -145,7 +155,8 @@ def parallelize(model: nn.Module, layout: Layout | Mesh | None = None, *, tp_pla
 
         heads = auto.head_counts(model)
         layout.check_sizes(heads=heads.get("attention heads"), kv_heads=heads.get("KV heads"), model=name)
-        styles, source, written = tensor_parallel_plan(model, layout, blocks, tp_plan)
+        styles, source, written = tensor_parallel_plan(model, layout, blocks, tp_plan,
+                                                       derive_sequence_parallel=not pipeline_stage)
         apply_tp(model, mesh.tp_mesh, styles)
         from .conv1d import divide_split_sizes
 
