@@ -39,26 +39,27 @@ from multigpu.tune import TuneConfig, run_tune
 
 
 def repredict(report: dict, a) -> dict:
-    """``report``'s candidates predicted again by the current model (same probe, cached links), re-sorted."""
-    from multigpu.launch.config import cpu_count
+    """``report``'s candidates predicted again by the current model (a fresh probe, the cached links), re-sorted."""
     from multigpu.recipes.gpt.model import config
-    from multigpu.tune import probe
     from multigpu.tune.model import Shape, predict
-    from multigpu.tune.space import candidates
+    from multigpu.tune.run import measure_parts
+    from multigpu.tune.space import candidates, name
 
     cfg = config(a.size)
     found, _ = candidates(a.n, cfg, a.global_batch, micro_batches=[int(v) for v in a.micro_batches.split(",")])
-    by_name = {c.name: c for c in found}
-    keys = sorted({(c.micro_batch, c.activation_checkpointing) for c in found})
-    parts = probe.compute(cfg, keys, 1)  # measured again: the probe is part of the model under test
-    links, _ = probe.links({int(n) for n in report["probe"]["links"]}, "cpu", 1)
-    slowdown = max(1.0, a.n / cpu_count())
+    by_name = {name(c): c for c in found}
+    # Measured again: the probe is part of the model under test.
+    parts = measure_parts(cfg, found, a.n, "cpu", 1, recipe_args=("--size", a.size), root=Path(a.measured) / "reprobe")
     for r in report["candidates"]:
-        r["predicted"] = predict(by_name[r["candidate"]], Shape.of(cfg), a.global_batch, parts, links, slowdown)
+        r["predicted"] = predict(by_name[r["candidate"]], Shape.of(cfg), a.global_batch, parts["compute"], parts["links"],
+                                 parts["slowdown"], parts["fixed"], parts["sync"])
         if r.get("result"):
             r["error"] = {"step_time": r["predicted"]["step_time_s"] / r["result"]["step_time_s"] - 1,
                           "memory": r["predicted"]["memory_bytes"] / r["result"]["memory_bytes"] - 1}
     report["candidates"].sort(key=lambda r: r["predicted"]["step_time_s"])
+    report["probe"] = {"fixed": parts["fixed"], "busy": parts["busy"]}
+    print("probe: busy", {k: v for k, v in parts["busy"].items()}, "\nprobe: loop", parts["loop"], "\nprobe: fixed",
+          {k: {a: round(b * 1e3, 2) for a, b in v.items() if a.endswith("_s")} for k, v in parts["fixed"].items()})
     return report
 
 
@@ -74,6 +75,7 @@ def main() -> None:
     ap.add_argument("--out", default="studies/tune-exhaustive")
     ap.add_argument("--measured", default=None, metavar="DIR", help="an exhaustive run to re-predict instead of measuring")
     ap.add_argument("--script", default=None, metavar="PATH", help="a script of the layout contract instead of the recipe")
+    ap.add_argument("--no-tune", action="store_true", help="with --measured: re-predict only, no tune --top K run")
     a = ap.parse_args()
     micro = tuple(int(v) for v in a.micro_batches.split(",") if v) or None
     workload = a.script or "gpt"
@@ -87,7 +89,10 @@ def main() -> None:
         _, full = run_tune(TuneConfig(workload, top=0, out=f"{a.out}/all-{time.strftime('%H%M%S')}", **common))
         exhaustive_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    _, tuned = run_tune(TuneConfig(workload, top=a.top, out=f"{a.out}/top{a.top}-{time.strftime('%H%M%S')}", **common))
+    if a.no_tune:
+        tuned = {"winner": None}
+    else:
+        _, tuned = run_tune(TuneConfig(workload, top=a.top, out=f"{a.out}/top{a.top}-{time.strftime('%H%M%S')}", **common))
     tune_s = time.perf_counter() - t0
 
     measured = [c for c in full["candidates"] if c.get("result")]
@@ -114,6 +119,11 @@ def main() -> None:
           f"{truth[pick['candidate']] / truth[best['candidate']] - 1:+.1%} from the fastest")
     errs_t = [abs(c["error"]["step_time"]) for c in measured]
     errs_m = [abs(c["error"]["memory"]) for c in measured]
+    for c in sorted(measured, key=lambda c: c["error"]["step_time"]):
+        p = c["predicted"]
+        print(f"  {c['candidate']:<34} measured {c['result']['step_time_s'] * 1e3:7.1f} predicted {p['step_time_s'] * 1e3:7.1f} "
+              f"ms ({c['error']['step_time']:+.0%}): compute {p['compute_s'] * 1e3:.1f} + comm {p['comm_s'] * 1e3:.1f} + "
+              f"fixed {p.get('overhead_s', 0.0) * 1e3:.1f}")
     print(f"prediction error, step time: median {statistics.median(errs_t):.0%}, worst {max(errs_t):.0%}; "
           f"memory: median {statistics.median(errs_m):.0%}, worst {max(errs_m):.0%}")
     order = sorted(measured, key=lambda c: c["result"]["step_time_s"])

@@ -63,6 +63,22 @@ class Layout:
         s = mesh.shape
         return cls(dp_replicate=s.dp_replicate, dp_shard=s.dp_shard, tp=s.tp, pp=s.pp)
 
+    @property
+    def world_size(self) -> int | None:
+        """The processes this layout spans when every degree is given (None while ``dp_shard`` is left to
+        the world)."""
+        return None if self.dp_shard is None else self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    def accum_steps(self, global_batch: int, world_size: int | None = None) -> int:
+        """Micro-batches per optimizer step on ``world_size`` processes (default: the layout's own): the
+        ``BatchPlan``'s count over the data-parallel ranks, not a second arithmetic."""
+        from ..batch import BatchPlan
+
+        world = self.world_size if world_size is None else world_size
+        if world is None:
+            raise UsageError("the layout leaves dp_shard to the world size; pass world_size, or give dp_shard")
+        return BatchPlan(global_batch, self.shape(world).dp, micro_batch=self.micro_batch).accum_steps
+
     def shape(self, world_size: int) -> MeshShape:
         """The degrees on ``world_size`` processes; a layout for another number of processes is refused."""
         return factor(world_size, tp=self.tp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, pp=self.pp)

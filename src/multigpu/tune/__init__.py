@@ -1,10 +1,13 @@
 """`multigpu tune`: which layout of the GPT recipe is fastest on these N devices and fits, predicted and measured;
 or of a script that reads its layout with ``mg.layout_from_args()``, measured (``script.py``).
 
-    space.py   the candidates: DDP / FSDP / HSDP x TP x PP, micro-batch, activation checkpointing, schedule
-    probe.py   the measured parts: one micro-batch on one process, the links (cached)
+    space.py   the candidates, mg.parallel.Layouts: DDP / FSDP / HSDP x TP x PP, micro-batch, checkpointing, schedule
+    probe.py   the measured parts: one micro-batch on one process, the links (cached), the wrappers' and the
+               loop's fixed costs (one process), the collectives' waits in a busy step (the real ranks, cached)
     model.py   memory per rank and step time from those parts (docs/tune.md)
     run.py     predict, prune, measure the top K interleaved, report (tune.json, report.md, report.html)
+    script.py  a script's layouts, measured
+    rounds.py  what both measure alike: the device, one launch and its failure, the rounds, the summary, the files
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The measured parts of the cost model: one micro-batch on one process, and the links.
+"""The measured parts of the cost model: one micro-batch on one process, the links, the fixed costs.
 
 ``compute`` times a micro-batch's forward and backward of the GPT recipe's
 model in this process (with the threads one worker gets) and counts the bytes
@@ -6,15 +6,23 @@ autograd saves for it. ``links`` measures all-reduce, all-gather,
 reduce-scatter and broadcast at sizes 4 KiB..16 MiB on each group size the
 candidates use, through ``multigpu bench``'s measurement, and keeps the result
 in a cache file per machine, device kind, group size and thread count.
+The fixed costs, measured each time (they move with the machine's load):
+``loop`` runs the recipe itself on one rank (what its loop adds per
+micro-batch and per step), ``overheads`` times each wrapper (DDP, FSDP2, TP's
+DTensors, FSDP x TP) on one process over a group of one rank against the
+plain model, and ``sync`` runs a busy step on the real ranks (what one
+collective adds when every rank computes, and the compute's slowdown there).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import statistics
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -109,3 +117,252 @@ def links(group_sizes: set[int], device: str, threads: int, say=print) -> tuple[
         for r in rows:
             points.setdefault((r["op"], n), []).append((r["size"], r["time_s"]))
     return Links(points), sources
+
+
+# -- the fixed costs: what a layout's wrapper and loop add to each micro-batch and each step ------------------
+FAMILIES = ("none", "ddp", "fsdp", "tp", "fsdp+tp")
+
+
+def _wrapped(cfg, fam: str, ac: bool):
+    """The GPT with ``fam``'s wrapper on one rank (a 1-rank mesh): the recipe's TP plan, FSDP2 per block and on
+    the root, DDP; every hook, copy and DTensor dispatch the real wrapper runs, over a group of one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from ..parallel.ddp import wrap_ddp
+    from ..parallel.fsdp import shard_blocks
+    from ..recipes.gpt.model import GPT, Block
+    from ..recipes.gpt.parallelize import tp_plan
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    for block in model.blocks.values():
+        block.checkpointed = ac
+    if fam == "ddp":
+        return wrap_ddp(model), model
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp"))
+    if "tp" in fam:
+        parallelize_module(model, mesh["tp"], tp_plan(model))
+    if "fsdp" in fam:
+        shard_blocks(model, mesh["dp_shard"], block_classes=[Block])
+    return model, model
+
+
+def overheads(cfg, micro_batch: int, threads: int, acs=(False, True), rounds: int = 7) -> dict:
+    """What each wrapper family adds, measured in this process over a process group of one rank.
+
+    Per family and activation checkpointing: a training step of the recipe's loop (token count, the
+    micro-batches under ``mg.accumulate``, ``mg.clip_grad_norm_``, AdamW, ``zero_grad``) is timed with 1
+    and 3 micro-batches of ``micro_batch`` sequences. ``micro_s`` = a further micro-batch's time less the
+    plain model's (the wrapper's hooks, copies and dispatch per micro-batch), ``step_s`` = the rest of
+    the step less the plain model's clip and AdamW (the loop's and the wrapper's own per-step work: the
+    gradients' synchronisation machinery, the token count, clipping and AdamW over DTensors). Families
+    and counts are timed in turn, ``rounds`` times (median). The collectives' time on real groups is not
+    here: the links and ``sync`` measure that.
+    """
+    import torch.distributed as tdist
+
+    import multigpu as mg
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    own_group = not tdist.is_initialized()
+    if own_group:
+        tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    # The wrappers' advice to a training script (FSDP2's view-output warning, DTensor's two-mesh norm) is
+    # not the user's business here: the probe measures what they cost.
+    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    caught = warnings.catch_warnings()
+    caught.__enter__()
+    warnings.simplefilter("ignore", UserWarning)
+    try:
+        x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.block_size + 1))
+        batch = (x[:, :-1], x[:, 1:])
+        keys = [(fam, ac) for fam in FAMILIES for ac in acs]
+        built = {}
+        for key in keys:
+            model, inner = _wrapped(cfg, *key)
+            built[key] = (model, inner, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+        def step(key, k: int) -> None:
+            model, inner, opt = built[key]
+            micro = [batch] * k
+            tokens = mg.token_divisor([y for _, y in micro])
+            for xb, yb in mg.accumulate(model, micro):
+                loss = F.cross_entropy(model(xb).flatten(0, 1).float(), yb.flatten(), reduction="sum") / tokens
+                loss.backward()
+            mg.clip_grad_norm_(model, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        def plain_optimizer(key) -> None:
+            model, _, opt = built[key]
+            loss = F.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten())
+            loss.backward()
+            t0 = time.perf_counter()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            elapsed = time.perf_counter() - t0
+            opt.zero_grad(set_to_none=True)
+            return elapsed
+
+        times: dict = {(key, k): [] for key in keys for k in (1, 3)}
+        opt_times: dict = {ac: [] for ac in acs}
+        for key in keys:
+            step(key, 1)  # warm-up
+        for _ in range(rounds):
+            for key in keys:
+                for k in (1, 3):
+                    t0 = time.perf_counter()
+                    step(key, k)
+                    times[(key, k)].append(time.perf_counter() - t0)
+            for ac in acs:
+                opt_times[ac].append(plain_optimizer(("none", ac)))
+        out: dict = {}
+        for fam, ac in keys:
+            # Paired within each round (the plain model's step was timed beside it), then the median.
+            micro, rest = [], []
+            for r in range(rounds):
+                one, three = times[((fam, ac), 1)][r], times[((fam, ac), 3)][r]
+                plain = (times[(("none", ac), 3)][r] - times[(("none", ac), 1)][r]) / 2
+                per = (three - one) / 2
+                micro.append(per - plain)
+                rest.append(one - per - opt_times[ac][r])
+            out[f"{fam}{'+ac' if ac else ''}"] = {"micro_s": 0.0 if fam == "none" else max(0.0, statistics.median(micro)),
+                                                  "step_s": max(0.0, statistics.median(rest)),
+                                                  "micro_batch": micro_batch, "rounds": rounds}
+        return out
+    finally:
+        caught.__exit__(None, None, None)
+        quiet.setLevel(level)
+        if own_group:
+            tdist.destroy_process_group()
+        torch.set_num_threads(before)
+
+
+# -- the collectives' cost inside a step: every rank busy, each collective waits for its group's slowest -------
+SYNC_WORK = 256  # one matmul of SYNC_WORK^3 between collectives (33.5 MFLOP: about a millisecond on one core)
+
+
+def sync_rank(group_sizes: list[int], threads: int, iters: int = 100, rounds: int = 5) -> dict | None:
+    """One rank of ``sync``: the time a small all-reduce adds to a loop of compute on every rank (module
+    level, so that launched workers import it)."""
+    import torch.distributed as tdist
+
+    from ..dist import init
+
+    torch.set_num_threads(threads)
+    with init(seed=0) as dist:
+        rank, world = dist.rank, dist.world_size
+        groups = {}
+        for g in group_sizes:  # every rank in its group of g consecutive ranks, as the mesh's inner dimensions
+            for start in range(0, world, g):
+                group = tdist.new_group(list(range(start, start + g)))
+                if start <= rank < start + g:
+                    groups[g] = group
+        a = torch.randn(SYNC_WORK, SYNC_WORK, device=dist.device)
+        t = torch.zeros(256, device=dist.device)
+
+        def loop(g: int) -> float:
+            tdist.barrier()
+            if dist.device.type == "cuda":
+                torch.cuda.synchronize(dist.device)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                a @ a
+                if g:
+                    tdist.all_reduce(t, group=groups[g])
+            if dist.device.type == "cuda":
+                torch.cuda.synchronize(dist.device)
+            return time.perf_counter() - t0
+
+        loop(group_sizes[0])  # warm-up
+        extra: dict = {g: [] for g in group_sizes}
+        work = []
+        for _ in range(rounds):
+            for g in group_sizes:
+                base = loop(0)
+                work.append(base / iters)
+                extra[g].append((loop(g) - base) / iters)
+        mine = torch.tensor([statistics.median(extra[g]) for g in group_sizes] + [statistics.median(work)],
+                            dtype=torch.float64, device=dist.device)
+        tdist.all_reduce(mine)  # the ranks' mean
+        mean = (mine / world).cpu().tolist()
+        if not dist.is_main:
+            return None
+        return {"wait_s": {str(g): max(0.0, v) for g, v in zip(group_sizes, mean)}, "work_s": mean[-1]}
+
+
+def _work_alone(threads: int, iters: int = 100, rounds: int = 5) -> float:
+    """Seconds of ``sync_rank``'s matmul in this one process (what the probe's compute times had)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randn(SYNC_WORK, SYNC_WORK)
+        a @ a
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                a @ a
+            times.append((time.perf_counter() - t0) / iters)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(before)
+
+
+def sync(group_sizes: set[int], nproc: int, device: str, threads: int, say=print) -> dict:
+    """A step's shared costs on the real ``nproc`` ranks, every one busy (measured each time: they depend on
+    what else the machine runs now): {"wait_s": {g: seconds one collective among g ranks adds beyond its
+    own transfer}, "slowdown": how much slower each rank computes than this one process alone, "work_s",
+    "alone_s": the matmul's time on the busy ranks and here}. On a CPU with more workers than cores a
+    collective waits until every peer is scheduled again, and the cores are shared."""
+    from ..commbench.launch import launch_local
+    from ..runtime.contract import environ
+
+    sizes = sorted(g for g in group_sizes if g > 1) or [1]
+    if nproc <= 1:
+        return {"wait_s": {}, "slowdown": 1.0, "work_s": None, "alone_s": None}
+    say(f"multigpu tune: measuring a busy step's collectives and compute on {nproc} ranks")
+    alone = _work_alone(threads) if device == "cpu" else None
+    with environ(OMP_NUM_THREADS=str(threads), CUDA_VISIBLE_DEVICES="" if device == "cpu" else None):
+        result = launch_local(sync_rank, nproc, sizes, threads, timeout=600)[0]
+    if alone is not None:
+        alone = statistics.median([alone, _work_alone(threads)])  # before and after: the machine's load moves
+    waits = {int(g): v for g, v in result["wait_s"].items() if int(g) > 1}
+    slowdown = max(1.0, result["work_s"] / alone) if alone else 1.0  # devices do not share compute
+    return {"wait_s": waits, "slowdown": slowdown, "work_s": result["work_s"], "alone_s": alone}
+
+
+def loop(recipe: str, args: list[str], compute_parts: dict, micro_batch: int, cpu: bool, threads: int, root,
+         steps: int = 16, accums=(1, 3)) -> dict:
+    """The recipe's own loop on one process, measured: what it adds to the probe's forward+backward and
+    optimizer (the loader, the step meter, the loss's reduction, Python per micro-batch).
+
+    The recipe runs through the launcher on 1 rank for ``steps`` steps of ``micro_batch`` sequences with 1
+    and with 3 micro-batches per step (its StepMeter's step time, as a candidate's run is measured):
+    {"micro_s": a further micro-batch's time less the probe's forward+backward, "step_s": the rest of the
+    step less the probe's clipping and AdamW}."""
+    from pathlib import Path
+
+    from ..launch.once import run_once
+    from ..study.measure import measure_run
+
+    measured = {}
+    for k in accums:
+        where = Path(root) / f"loop-accum{k}"
+        argv = [*args, "--global-batch", str(micro_batch * k), "--micro-batch", str(micro_batch), "--steps", str(steps),
+                "--log-every", "2", "--eval-every", str(10 * steps), "--eval-batches", "1"]
+        done = run_once(recipe, argv, module=True, log_dir=where, nproc=1, cpu=cpu,
+                        env={"OMP_NUM_THREADS": str(threads) if cpu else None})
+        if done.exit_code != 0 or done.run_dir is None:
+            raise RuntimeError(f"the loop probe failed: {done.failure() or 'no output'} (console {done.console})")
+        measured[k] = measure_run(done.run_dir, None)["step_time_s"]
+    part = compute_parts[(micro_batch, False)]
+    (k1, t1), (k2, t2) = sorted(measured.items())
+    per_micro = (t2 - t1) / (k2 - k1)
+    return {"micro_s": max(0.0, per_micro - part["time_s"]),
+            "step_s": max(0.0, t1 - k1 * per_micro - part["optimizer_s"]),
+            "step_time_s": {str(k): v for k, v in measured.items()}, "micro_batch": micro_batch, "steps": steps}

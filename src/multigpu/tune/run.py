@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import json
 import statistics
+import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from ..errors import UsageError
-from ..report.page import Heading, Items, Page, Table, Text, write
+from ..parallel.layout import Layout
+from ..report.page import Heading, Items, Page, Table, Text
 from . import model as cost
-from .space import Candidate, candidates
+from . import rounds
+from .space import candidates, name, recipe_args
 
 RECIPE = "multigpu.recipes.gpt"
 # The flags tune chooses; the user's command line may not fix them.
@@ -97,28 +100,19 @@ def _budget(cfg: TuneConfig, device: str) -> tuple[int | None, str]:
     return None, "none (CPU: pass --memory-budget to prune by memory)"
 
 
-def _cpu_slowdown(cfg: TuneConfig) -> float:
-    from ..launch.config import cpu_count
-
-    return max(1.0, cfg.nproc * cfg.threads / cpu_count())
-
-
-def _measure(c: Candidate, cfg: TuneConfig, root: Path, round_: int) -> dict:
-    from ..launch.once import run_once
+def _measure(layout: Layout, cfg: TuneConfig, root: Path, round_: int) -> dict:
     from ..study.measure import measure_run
 
-    where = root / "runs" / f"{_slug(c)}-r{round_}"
+    where = root / "runs" / f"{rounds.slug(name(layout))}-r{round_}"
     result = where / "result.json"
-    argv = [*cfg.args, *c.args(), "--steps", str(cfg.steps), "--log-every", "2", "--eval-every", str(10 * cfg.steps),
-            "--eval-batches", "1", "--result-json", str(result)]
-    done = run_once(RECIPE, argv, module=True, log_dir=where, nproc=cfg.nproc, cpu=cfg.cpu,
-                    env={"OMP_NUM_THREADS": str(cfg.threads) if cfg.cpu else None})
-    if done.refusal is not None:
-        return {"status": "failed", "error": str(done.refusal)}
-    code, wall = done.exit_code, done.elapsed_s
-    if code != 0 or not result.is_file() or done.run_dir is None:
-        # The launcher's summary or an error line, as study and a script's tune report it, not the last line.
-        return {"status": "failed", "exit_code": code, "error": (done.failure() or "no output")[:300], "wall_s": wall}
+    argv = [*cfg.args, *recipe_args(layout), "--steps", str(cfg.steps), "--log-every", "2", "--eval-every",
+            str(10 * cfg.steps), "--eval-batches", "1", "--result-json", str(result)]
+    done, failed = rounds.launch(RECIPE, argv, module=True, cfg=cfg, where=where)
+    if failed is not None:
+        return failed
+    wall = done.elapsed_s
+    if not result.is_file():
+        return {"status": "failed", "exit_code": 0, "error": (done.failure() or "no output")[:400], "wall_s": wall}
     try:
         step = measure_run(done.run_dir, None)["step_time_s"]
         mem = json.loads(result.read_text())["memory"]
@@ -127,8 +121,34 @@ def _measure(c: Candidate, cfg: TuneConfig, root: Path, round_: int) -> dict:
     return {"status": "ok", "step_time_s": step, "memory_bytes": mem["total_bytes"], "wall_s": wall}
 
 
-def _slug(c: Candidate) -> str:
-    return "".join(ch if ch.isalnum() else "-" for ch in c.name.lower()).strip("-").replace("--", "-")
+def measure_parts(model_cfg, found: list[Layout], nproc: int, device: str, threads: int, say=print, *,
+                  recipe_args: tuple[str, ...] = (), root: Path | None = None, cpu: bool = True) -> dict:
+    """The cost model's measured parts for ``found``: the micro-batches' compute, the links, the recipe's
+    loop on one rank and the wrappers' fixed costs (one process), the collectives' waits and the compute's
+    slowdown in a busy step (the real ranks), with the time each took."""
+    from . import probe
+
+    t0 = time.perf_counter()
+    compute = probe.compute(model_cfg, sorted({(c.micro_batch, c.activation_checkpointing) for c in found}), threads)
+    probe_s = time.perf_counter() - t0
+    shapes = [c.shape(nproc) for c in found]
+    groups = {n for s in shapes for n in (s.dp, s.dp_shard, s.dp_replicate, s.tp)}
+    groups |= {2} if any(s.pp > 1 for s in shapes) else set()
+    links, sources = probe.links(groups, device, threads, say=say)
+    t0 = time.perf_counter()
+    micro = min(c.micro_batch for c in found)
+    say("multigpu tune: measuring the recipe's loop on one rank and the wrappers' fixed costs on one process")
+    # The user's model flags; the loop probe's --global-batch comes after theirs (the last one counts).
+    loop = probe.loop(RECIPE, list(recipe_args), compute, micro, cpu, threads, root or Path(tempfile.mkdtemp(prefix="multigpu-tune-")))
+    wrappers = probe.overheads(model_cfg, micro, threads, acs=tuple(sorted({c.activation_checkpointing for c in found})))
+    fixed = {k: {"micro_s": v["micro_s"] + loop["micro_s"], "step_s": v["step_s"] + loop["step_s"]}
+             for k, v in wrappers.items()}
+    fixed_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    busy = probe.sync(groups | {nproc}, nproc, device, threads, say=say)
+    return {"compute": compute, "probe_s": probe_s, "links": links, "sources": sources, "fixed": fixed,
+            "loop": loop, "wrappers": wrappers, "fixed_s": fixed_s, "sync": busy["wait_s"], "slowdown": busy["slowdown"],
+            "busy": busy | {"measure_s": time.perf_counter() - t0}}
 
 
 def run_tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> tuple[Path, dict]:
@@ -137,37 +157,25 @@ def run_tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> tuple[Path,
 
     if is_script(cfg.workload):  # a script measures itself: no torch or probe needed here
         return run_script_tune(cfg, say)
-    import torch
-
-    from . import probe
-
     t_start = time.perf_counter()
     args, model_cfg = _recipe_args(cfg)
-    device = "cpu" if cfg.cpu or not torch.cuda.is_available() else "cuda"
-    if device == "cuda" and cfg.nproc > torch.cuda.device_count():
-        raise UsageError(f"-n {cfg.nproc} is more than the {torch.cuda.device_count()} visible GPUs; use -n "
-                         f"{torch.cuda.device_count()} or fewer, or --cpu")
-    if device == "cpu" and not cfg.cpu:
-        cfg = replace(cfg, cpu=True)
+    cfg, device = rounds.device_of(cfg)
     found, left_out = candidates(cfg.nproc, model_cfg, args.global_batch,
                                  micro_batches=list(cfg.micro_batches) if cfg.micro_batches else None)
-    out = Path(cfg.out or f"studies/tune-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
+    out = rounds.out_dir(cfg)
     say(f"multigpu tune: gpt {args.size} on {cfg.nproc} {'CPU workers' if device == 'cpu' else 'GPUs'}, global batch "
         f"{args.global_batch}: {len(found)} candidates ({len(left_out)} layouts left out) -> {out}")
     shape = cost.Shape.of(model_cfg)
-    t0 = time.perf_counter()
-    parts = probe.compute(model_cfg, sorted({(c.micro_batch, c.activation_checkpointing) for c in found}), cfg.threads)
-    probe_s = time.perf_counter() - t0
-    groups = {n for c in found for n in (c.dp_size, c.dp_shard, c.dp_replicate, c.tp)} | ({2} if any(c.pp > 1 for c in found) else set())
-    links, sources = probe.links(groups, device, cfg.threads, say=say)
+    parts = measure_parts(model_cfg, found, cfg.nproc, device, cfg.threads, say, recipe_args=cfg.args,
+                          root=out / "probe", cpu=cfg.cpu)
     budget, budget_text = _budget(cfg, device)
     rows = []
-    slowdown = _cpu_slowdown(cfg) if device == "cpu" else 1.0
+    slowdown = parts["slowdown"]  # measured on the busy ranks (1 on GPUs: devices do not share compute)
     for c in found:
-        p = cost.predict(c, shape, args.global_batch, parts, links, slowdown)
+        p = cost.predict(c, shape, args.global_batch, parts["compute"], parts["links"], slowdown, parts["fixed"],
+                         parts["sync"])
         fits = budget is None or p["memory_bytes"] <= budget
-        rows.append({"candidate": c.name, "args": c.args(), "predicted": p, "fits": fits, "measured": [],
+        rows.append({"candidate": name(c), "args": recipe_args(c), "predicted": p, "fits": fits, "measured": [],
                      "pruned": None if fits else f"predicted {p['memory_bytes'] / 2**20:,.1f} MiB > budget {budget / 2**20:,.1f} MiB",
                      "_c": c})
     rows.sort(key=lambda r: r["predicted"]["step_time_s"])
@@ -175,33 +183,21 @@ def run_tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> tuple[Path,
     chosen = chosen if cfg.top == 0 else chosen[:cfg.top]
     say(f"multigpu tune: measuring {len(chosen)} of {len(rows)} (fastest predicted that fit), {cfg.repeats} round(s) "
         f"of {cfg.steps} steps")
-    for round_ in range(cfg.repeats):
-        for i, r in enumerate(chosen):
-            m = _measure(r["_c"], cfg, out, round_)
-            r["measured"].append(m)
-            shown = f"{m['step_time_s'] * 1e3:,.1f} ms/step, {m['memory_bytes'] / 2**20:,.1f} MiB" if m["status"] == "ok" else f"failed: {m['error']}"
-            say(f"[{round_ + 1}.{i + 1}] {r['candidate']}: predicted {r['predicted']['step_time_s'] * 1e3:,.1f} ms -> {shown}")
-    report = _report(cfg, args, rows, chosen, left_out, budget, budget_text, parts, sources, probe_s,
-                     time.perf_counter() - t_start)
-    (out / "tune.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    write(tune_page(report), out / "report.md", out / "report.html")
-    say(report["verdict"])
-    say(f"multigpu tune: report {out / 'report.html'} (and report.md); data {out / 'tune.json'}")
+
+    def show(r: dict, m: dict) -> str:
+        shown = f"{m['step_time_s'] * 1e3:,.1f} ms/step, {m['memory_bytes'] / 2**20:,.1f} MiB" if m["status"] == "ok" \
+            else f"failed: {m['error']}"
+        return f"predicted {r['predicted']['step_time_s'] * 1e3:,.1f} ms -> {shown}"
+
+    rounds.measure_rounds(rows, cfg.repeats, lambda _: chosen, lambda r, i: _measure(r["_c"], cfg, out, i), show, say)
+    report = _report(cfg, args, rows, chosen, left_out, budget, budget_text, parts, time.perf_counter() - t_start)
+    rounds.write_report(report, tune_page(report), out, say)
     return out, report
 
 
-def _summary(ms: list[dict]) -> dict | None:
-    ok = [m for m in ms if m["status"] == "ok"]
-    if not ok:
-        return None
-    steps = [m["step_time_s"] for m in ok]
-    return {"step_time_s": statistics.median(steps), "min_s": min(steps), "max_s": max(steps), "runs": len(ok),
-            "memory_bytes": max(m["memory_bytes"] for m in ok)}
-
-
-def _report(cfg, args, rows, chosen, left_out, budget, budget_text, parts, sources, probe_s, wall_s) -> dict:
+def _report(cfg, args, rows, chosen, left_out, budget, budget_text, parts, wall_s) -> dict:
     for r in rows:
-        r["result"] = _summary(r["measured"])
+        r["result"] = rounds.summary(r["measured"])
         r.pop("_c", None)
         if r["result"]:
             r["error"] = {"step_time": r["predicted"]["step_time_s"] / r["result"]["step_time_s"] - 1,
@@ -221,8 +217,12 @@ def _report(cfg, args, rows, chosen, left_out, budget, budget_text, parts, sourc
             "device": "cpu" if cfg.cpu else "cuda", "threads_per_worker": cfg.threads if cfg.cpu else None,
             "budget": budget_text, "steps": cfg.steps, "repeats": cfg.repeats, "top": cfg.top,
             "candidates": rows, "left_out": left_out, "winner": winner["candidate"] if winner else None, "command": cmd,
-            "verdict": verdict, "probe": {"compute": {f"{m}{'+ac' if ac else ''}": v for (m, ac), v in parts.items()},
-                                          "probe_s": probe_s, "links": sources},
+            "verdict": verdict, "probe": {"compute": {f"{m}{'+ac' if ac else ''}": v
+                                                      for (m, ac), v in parts["compute"].items()},
+                                          "probe_s": parts["probe_s"], "links": parts["sources"],
+                                          "fixed": parts["fixed"], "loop": parts["loop"],
+                                          "wrappers": parts["wrappers"], "fixed_s": parts["fixed_s"],
+                                          "busy": parts["busy"]},
             "prediction_error": {"step_time_median": statistics.median(errs) if errs else None,
                                  "step_time_worst": max(errs) if errs else None,
                                  "memory_median": statistics.median(merrs) if merrs else None,
@@ -234,12 +234,12 @@ def _cells(r: dict) -> list[str]:
     p, res = r["predicted"], r.get("result")
     meas = f"{res['step_time_s'] * 1e3:,.1f} ({res['min_s'] * 1e3:,.1f}-{res['max_s'] * 1e3:,.1f})" if res else \
         ("failed: " + next((m["error"] for m in r["measured"] if m["status"] != "ok"), "") if r["measured"] else "-")
-    return [r["candidate"], f"{p['step_time_s'] * 1e3:,.1f}", f"{p['compute_s'] * 1e3:,.1f} + {p['comm_s'] * 1e3:,.1f}",
+    return [r["candidate"], f"{p['step_time_s'] * 1e3:,.1f}", f"{p['compute_s'] * 1e3:,.1f} + {p['comm_s'] * 1e3:,.1f} + {p.get('overhead_s', 0.0) * 1e3:,.1f}",
             meas, f"{p['memory_bytes'] / 2**20:,.2f}", f"{res['memory_bytes'] / 2**20:,.2f}" if res else "-",
             r["pruned"] or ("measured" if r["measured"] else "not measured (slower predicted)")]
 
 
-HEAD = ["candidate", "predicted ms/step", "compute + comm ms", "measured ms/step (min-max)", "predicted MiB/rank",
+HEAD = ["candidate", "predicted ms/step", "compute + comm + fixed ms", "measured ms/step (min-max)", "predicted MiB/rank",
         "measured MiB/rank", "status"]
 
 

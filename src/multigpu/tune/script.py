@@ -4,18 +4,18 @@ The script's model is its own, so tune does not predict it: it measures. Every `
 (``space.layouts``: the mesh's factorings, the micro-batches asked for, the schedules) runs the script
 through the launcher for ``--steps`` steps with the layout's flags (round 1, the probe); a layout the
 script refuses (heads TP does not divide, a batch that does not split, a model a pipeline cannot cut)
-is left out with the script's own line; the ``--top`` K fastest run again in the ``--repeats`` - 1
-further rounds, interleaved (A B C A B C). The step time is the script's ``mg.StepMeter``'s (total time
-/ steps over the measured intervals; its first interval is the warm-up). The winner is the fastest
-median. Contract: docs/your-model.md.
+is left out with the script's own line (its ``UsageError``'s message, from the workers' failure
+records); a layout that runs out of memory is tried again at once with ``--activation-checkpointing``
+(where memory does not bind, checkpointing only adds recomputation); the ``--top`` K fastest run again
+in the ``--repeats`` - 1 further rounds, interleaved (A B C A B C). The step time is the script's
+``mg.StepMeter``'s (total time / steps over the measured intervals; its first interval is the warm-up).
+The winner is the fastest median. The rounds, the launch, the summary and the report's files are the
+recipe's tune's (``rounds.py``). Contract: docs/your-model.md.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,7 +23,8 @@ from typing import Callable
 
 from ..errors import UsageError
 from ..parallel.flags import FLAGS, describe, layout_flags
-from ..report.page import Heading, Items, Page, Table, Text, write
+from ..report.page import Heading, Items, Page, Table, Text
+from . import rounds
 
 SCRIPT_FLAGS = (*FLAGS, "--steps")  # tune sets them; the user's command line may not
 
@@ -48,21 +49,13 @@ def check_script_args(cfg) -> None:
 
 
 def _measure(layout, cfg, root: Path, round_: int) -> dict:
-    from ..launch.once import run_once
     from ..study.measure import measure_run
 
-    where = root / "runs" / f"{_slug(layout)}-r{round_}"
-    done = run_once(cfg.workload, [*cfg.args, *layout_flags(layout), "--steps", str(cfg.steps)], module=False,
-                    log_dir=where, nproc=cfg.nproc, cpu=cfg.cpu,
-                    env={"OMP_NUM_THREADS": str(cfg.threads) if cfg.cpu else None})
-    if done.refusal is not None:
-        return {"status": "failed", "error": str(done.refusal)}
-    if done.exit_code != 0 or done.run_dir is None:
-        why = done.failure() or "no output"
-        # The script's own refusal (its UsageError line) is the reason; the launcher's frame around it is not.
-        refused = re.search(r"multigpu: error: (.*?);? *(?:; also failed:.*)?$", why)
-        return {"status": "failed", "exit_code": done.exit_code, "error": (refused.group(1) if refused else why)[:400],
-                "wall_s": done.elapsed_s}
+    where = root / "runs" / f"{rounds.slug(describe(layout))}-r{round_}"
+    done, failed = rounds.launch(cfg.workload, [*cfg.args, *layout_flags(layout), "--steps", str(cfg.steps)],
+                                 module=False, cfg=cfg, where=where)
+    if failed is not None:  # the script's own refusal (its UsageError's message) is the reason
+        return failed
     try:
         step = measure_run(done.run_dir, None)["step_time_s"]
     except UsageError as err:
@@ -74,62 +67,54 @@ def _measure(layout, cfg, root: Path, round_: int) -> dict:
     return {"status": "ok", "step_time_s": step, "wall_s": done.elapsed_s}
 
 
-def _slug(layout) -> str:
-    return "".join(ch if ch.isalnum() else "-" for ch in describe(layout))
+def _row(layout) -> dict:
+    return {"candidate": describe(layout), "args": layout_flags(layout), "measured": [], "_l": layout}
 
 
-def _summary(ms: list[dict]) -> dict | None:
-    steps = [m["step_time_s"] for m in ms if m["status"] == "ok"]
-    return {"step_time_s": statistics.median(steps), "min_s": min(steps), "max_s": max(steps),
-            "runs": len(steps)} if steps else None
+def with_checkpointing(row: dict, m: dict) -> dict | None:
+    """Where activation checkpointing matters: a layout that ran out of memory without it is tried with it
+    (it trades recomputation for memory, so where memory does not bind it only costs time)."""
+    layout = row["_l"]
+    if layout.activation_checkpointing or not rounds.out_of_memory(m):
+        return None
+    return _row(replace(layout, activation_checkpointing=True))
 
 
 def run_script_tune(cfg, say: Callable[[str], None] = print) -> tuple[Path, dict]:
     """Tune a script; returns the results directory and the report dict (also in tune.json)."""
-    import torch
-
     from .space import layouts
 
     check_script_args(cfg)
     t_start = time.perf_counter()
-    device = "cpu" if cfg.cpu or not torch.cuda.is_available() else "cuda"
-    if device == "cuda" and cfg.nproc > torch.cuda.device_count():
-        raise UsageError(f"-n {cfg.nproc} is more than the {torch.cuda.device_count()} visible GPUs; use -n "
-                         f"{torch.cuda.device_count()} or fewer, or --cpu")
-    cpu = cfg.cpu or device == "cpu"
-    cfg = replace(cfg, cpu=cpu)
+    cfg, _ = rounds.device_of(cfg)
     found = layouts(cfg.nproc, micro_batches=list(cfg.micro_batches) if cfg.micro_batches else None)
-    out = Path(cfg.out or f"studies/tune-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    say(f"multigpu tune: {cfg.workload} on {cfg.nproc} {'CPU workers' if cpu else 'GPUs'}: {len(found)} layouts, each "
-        f"measured for {cfg.steps} steps, then {f'the {cfg.top} fastest' if cfg.top else 'every one'} in "
-        f"{cfg.repeats - 1} more round(s) -> {out}")
-    rows = [{"candidate": describe(layout), "args": layout_flags(layout), "measured": [], "_l": layout}
-            for layout in found]
-    for round_ in range(cfg.repeats):
+    out = rounds.out_dir(cfg)
+    say(f"multigpu tune: {cfg.workload} on {cfg.nproc} {'CPU workers' if cfg.cpu else 'GPUs'}: {len(found)} layouts, "
+        f"each measured for {cfg.steps} steps (with activation checkpointing where one runs out of memory without), "
+        f"then {f'the {cfg.top} fastest' if cfg.top else 'every one'} in {cfg.repeats - 1} more round(s) -> {out}")
+    rows = [_row(layout) for layout in found]
+
+    def pick(round_: int) -> list[dict]:
         if round_ == 0:
-            chosen = rows
-        else:  # the fastest of the first round, again, interleaved
-            ok = sorted((r for r in rows if r["measured"][0]["status"] == "ok"),
-                        key=lambda r: r["measured"][0]["step_time_s"])
-            chosen = ok if cfg.top == 0 else ok[:cfg.top]
-        for i, r in enumerate(chosen):
-            m = _measure(r["_l"], cfg, out, round_)
-            r["measured"].append(m)
-            shown = f"{m['step_time_s'] * 1e3:,.1f} ms/step" if m["status"] == "ok" else f"left out: {m['error']}"
-            say(f"[{round_ + 1}.{i + 1}] {r['candidate']}: {shown}")
+            return rows
+        ok = sorted((r for r in rows if r["measured"][0]["status"] == "ok"),
+                    key=lambda r: r["measured"][0]["step_time_s"])
+        return ok if cfg.top == 0 else ok[:cfg.top]  # the fastest of the first round, again, interleaved
+
+    def show(r: dict, m: dict) -> str:
+        return f"{m['step_time_s'] * 1e3:,.1f} ms/step" if m["status"] == "ok" else f"left out: {m['error']}"
+
+    rounds.measure_rounds(rows, cfg.repeats, pick, lambda r, i: _measure(r["_l"], cfg, out, i), show, say,
+                          retry=with_checkpointing)
     report = _report(cfg, rows, time.perf_counter() - t_start)
-    (out / "tune.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    write(_page(report), out / "report.md", out / "report.html")
-    say(report["verdict"])
-    say(f"multigpu tune: report {out / 'report.html'} (and report.md); data {out / 'tune.json'}")
+    rounds.write_report(report, _page(report), out, say)
     return out, report
 
 
 def _report(cfg, rows: list[dict], wall_s: float) -> dict:
     for r in rows:
         r.pop("_l", None)
-        r["result"] = _summary(r["measured"])
+        r["result"] = rounds.summary(r["measured"])
     ran = sorted((r for r in rows if r["result"]), key=lambda r: r["result"]["step_time_s"])
     left_out = [{"layout": r["candidate"], "reason": r["measured"][0]["error"]} for r in rows if not r["result"]]
     winner = ran[0] if ran else None
