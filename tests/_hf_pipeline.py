@@ -76,18 +76,20 @@ def run(dist, jobs: list[tuple[str, dict, dict | None]]) -> list[dict]:
             for kind, o, layout in jobs]
 
 
-def resumed_across(dist, kind: str, jobs: list[tuple[dict, dict, str]]) -> list[dict]:
-    """Each (first, then, directory): steps 0-2 under layout ``first``, saved (DCP), the rest resumed under
-    ``then``; a layout with pp > 1 runs as a pipeline, any other as mg.parallelize (tests/_hf_layouts.py)."""
-    def part(layout: dict, ckpt: str, stop_after: int | None) -> dict:
+def resumed_across(dist, jobs: list[tuple[str, dict, dict, dict, str]]) -> list[dict]:
+    """Each (kind, overrides, first, then, directory): steps 0-2 under layout ``first``, saved (DCP), the rest
+    resumed under ``then``; a layout with pp > 1 runs as a pipeline, any other as mg.parallelize
+    (tests/_hf_layouts.py's train, which builds the default model: overrides only with pipelines)."""
+    def part(kind: str, overrides: dict, layout: dict, ckpt: str, stop_after: int | None) -> dict:
         if layout.get("pp", 1) > 1:
-            return pipelined(dist, kind, {}, layout, ckpt=ckpt, stop_after=stop_after)
+            return pipelined(dist, kind, overrides, layout, ckpt=ckpt, stop_after=stop_after)
+        assert not overrides, "tests/_hf_layouts.train builds the default model"
         return hf.train(dist, kind, layout, ckpt=ckpt, stop_after=stop_after)
 
     out = []
-    for first, then, ckpt in jobs:
-        part(first, ckpt, 2)
-        out.append(part(then, ckpt, None))
+    for kind, overrides, first, then, ckpt in jobs:
+        part(kind, overrides, first, ckpt, 2)
+        out.append(part(kind, overrides, then, ckpt, None))
     return out
 
 

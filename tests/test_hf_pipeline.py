@@ -152,13 +152,16 @@ def test_refusals_stay_one_line_with_the_fix():
 @pytest.mark.slow
 def test_a_pipeline_checkpoint_resumes_under_the_pipeline_fsdp_and_back(reference, tmp_path):
     """A Llama saved by the Checkpointer (model=pipe.model) after 3 steps under PP 2 resumes under PP 2 and
-    under FSDP 2, and one saved under FSDP 2 resumes under PP 2: each ends on one process's weights. (The
-    pipeline ranks hold different parameters: the optimizer's state is saved per parameter name.)"""
-    jobs = [({"pp": 2}, {"pp": 2}, str(tmp_path / "pp-pp")), ({"pp": 2}, {}, str(tmp_path / "pp-fsdp")),
-            ({}, {"pp": 2}, str(tmp_path / "fsdp-pp"))]
-    out = spawn(w.resumed_across, 2, "llama", jobs, timeout=300)
-    ref = reference[("llama", ())]
-    for i, (first, then, _) in enumerate(jobs):
+    under FSDP 2, one saved under FSDP 2 resumes under PP 2, and one saved under interleaved 1F1B (two stages
+    per rank, saved as one module of one process's names) under 1F1B: each ends on one process's weights.
+    (The pipeline ranks hold different parameters: the optimizer's state is saved per parameter name.)"""
+    jobs = [("llama", {}, {"pp": 2}, {"pp": 2}, str(tmp_path / "pp-pp")),
+            ("llama", {}, {"pp": 2}, {}, str(tmp_path / "pp-fsdp")),
+            ("llama", {}, {}, {"pp": 2}, str(tmp_path / "fsdp-pp")),
+            ("llama", DEEP_LLAMA, {"pp": 2, "schedule": "interleaved_1f1b"}, {"pp": 2}, str(tmp_path / "v-pp"))]
+    out = spawn(w.resumed_across, 2, jobs, timeout=300)
+    for i, (kind, overrides, first, then, _) in enumerate(jobs):
+        ref = reference[(kind, tuple(overrides.items()))]
         for rank in out:
             r = rank[i]
             assert len(r["norms"]) == 2, (first, then)  # resumed at step 3, not trained anew

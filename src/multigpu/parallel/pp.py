@@ -250,32 +250,39 @@ def _local_grad(p: nn.Parameter) -> torch.Tensor:
 def stage_union(parts: list[nn.Module]) -> nn.Module:
     """The stage modules of one rank as one module with the names one process has.
 
-    A stage is the full model with what it does not run deleted (``recipes.gpt.pipeline``), so
-    the parts' children are disjoint except for block containers, whose entries are merged
-    (an ``nn.ModuleDict`` keeps its names; list indices would shift). The parameters are the
-    parts' own: an optimizer over ``pipe.parameters()`` keys its state by these names.
+    A stage is the full model with what it does not run deleted or emptied (``recipes.gpt.pipeline``,
+    ``stages.split``), so two stages of one rank (interleaved and V schedules) hold the same names only
+    where at most one of them holds state there: a name both hold is merged into a new container of
+    both's children, recursively (the base model, its blocks under their original indices), and where
+    one side has no state (an emptied norm, rotary embeddings' non-persistent buffers) the other's is
+    kept. The parameters are the parts' own: an optimizer over ``pipe.parameters()`` keys its state by
+    these names, and the stages themselves are left as they are.
     """
     if len(parts) == 1:
         return parts[0]
-    union = nn.Module()
-    for part in parts:
-        if next(part.named_parameters(recurse=False), None) is not None:
-            raise UsageError(f"pipeline stage {type(part).__name__} holds parameters directly on its root; keep "
-                             "them in sub-modules so the stages of one rank can be saved under one set of names")
-        for name, child in part.named_children():
-            have = direct_child(union, name)
-            if have is None:
-                union.add_module(name, nn.ModuleDict(child) if isinstance(child, nn.ModuleDict) else child)
-            elif isinstance(have, nn.ModuleDict) and isinstance(child, nn.ModuleDict):
-                clash = sorted(set(have) & set(child))
-                if clash:
-                    raise UsageError(f"two pipeline stages of this rank both hold {name}.{clash[0]}; "
-                                     "give every block to one stage")
-                have.update(child)
-            else:
-                raise UsageError(f"two pipeline stages of this rank both hold {name!r} "
-                                 f"({type(have).__name__}, {type(child).__name__}); keep each module on one stage, "
-                                 "blocks in an nn.ModuleDict")
+
+    def stateless(m: nn.Module) -> bool:
+        return not m.state_dict()
+
+    def merge(name: str, a: nn.Module, b: nn.Module) -> nn.Module:
+        if stateless(b):
+            return a
+        if stateless(a):
+            return b
+        direct = [n for n, _ in a.named_parameters(recurse=False)] + [n for n, _ in b.named_parameters(recurse=False)]
+        if direct or not any(True for _ in a.children()) or not any(True for _ in b.children()):
+            raise UsageError(f"two pipeline stages of this rank both hold {name} ({type(a).__name__}, "
+                             f"{type(b).__name__}); give each module with weights to one stage")
+        shell = nn.Module()
+        for child_name, child in list(a.named_children()) + list(b.named_children()):
+            have = direct_child(shell, child_name)
+            full = f"{name}.{child_name}"
+            shell.add_module(child_name, child if have is None else merge(full, have, child))
+        return shell
+
+    union = parts[0]
+    for part in parts[1:]:
+        union = merge("the stage", union, part)
     return union
 
 
