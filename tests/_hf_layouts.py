@@ -103,9 +103,11 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def train(dist, kind: str, layout: dict, steps: int = 5, accum: int = 2, clip: float = 0.5,
-          ckpt: str | None = None, stop_after: int | None = None) -> dict:
-    """``layout``: the ``Layout``'s fields; every rank returns the same full weights after ``steps`` steps."""
-    model = build(kind)
+          ckpt: str | None = None, stop_after: int | None = None, overrides: dict | None = None) -> dict:
+    """``layout``: the ``Layout``'s fields; every rank returns the same full weights after ``steps`` steps.
+    ``overrides``: the model's config beside build's defaults; ``ckpt``: resume from and save to that
+    Checkpointer directory every step, stopping after step ``stop_after``."""
+    model = build(kind, **(overrides or {}))
     micro = GLOBAL_BATCH // accum // mg.parallel.Layout(**layout).shape(dist.world_size).dp
     layout = mg.parallel.Layout(**layout, micro_batch=micro)              # +layout
     model = mg.parallelize(model, layout)                                  # +layout
@@ -254,22 +256,36 @@ def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def train_pipeline(dist, kind: str, layout: dict, steps: int = 5, accum: int = 4, clip: float = 0.5) -> dict:
-    """``kind`` cut into stages by ``mg.parallel.pipeline``; the full weights gathered from the stages."""
-    model = build(kind)
+def train_pipeline(dist, kind: str, layout: dict, steps: int = 5, accum: int = 4, clip: float = 0.5,
+                   ckpt: str | None = None, stop_after: int | None = None, overrides: dict | None = None) -> dict:
+    """``kind`` cut into stages by ``mg.parallel.pipeline``; the full weights gathered from the stages, the
+    names of the parameters this rank's stages hold, and what the pipeline does with tied copies.
+    ``overrides`` and ``ckpt`` as ``train``'s (the Checkpointer saves ``pipe.model``)."""
+    model = build(kind, **(overrides or {}))
     micro = GLOBAL_BATCH // accum // mg.parallel.Layout(**layout).shape(dist.world_size).dp
     layout = mg.parallel.Layout(**layout, micro_batch=micro)                # +layout
     plan = layout.plan(GLOBAL_BATCH, dist)                                   # +layout
     pipe = mg.parallel.pipeline(model, layout, loss_fn, plan)                # +layout (replaces the model's loop)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1)
+    loader = mg.loader(tokens(), plan, dist, seed=0)
+    start = 0
+    if ckpt is not None:
+        checkpointer = mg.Checkpointer(ckpt, model=pipe.model, optimizer=opt, loader=loader)
+        start = checkpointer.resume()
     losses, norms = [], []
-    for _, micro_batches in zip(range(steps), mg.loader(tokens(), plan, dist, seed=0)):
+    for step, micro_batches in zip(range(start, steps), loader):
         loss = pipe.step(micro_batches)
         norms.append(float(pipe.clip_grad_norm_(clip)))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(None if loss is None else float(loss))
-    return {"state": mg.full_state_dict(pipe), "losses": losses, "norms": norms, "stages": pipe.ids}
+        if ckpt is not None:
+            checkpointer.save(step)
+            if step == stop_after:
+                break
+    held = sorted({n for m in pipe.modules for n, _ in m.named_parameters(remove_duplicate=False)})
+    return {"state": mg.full_state_dict(pipe), "losses": losses, "norms": norms, "stages": pipe.ids, "held": held,
+            "tied": pipe.tied.sums != [], "counted_once": len(pipe.tied.skip)}
 
 
 def train_pipelines(dist, jobs: list[tuple[str, dict]]) -> list[dict]:
