@@ -143,29 +143,20 @@ def parse_target(text: str | None) -> tuple[str, str, float] | None:
     raise UsageError(f"--target must look like accuracy>=0.95 or loss<=0.1, got {text!r}")
 
 
-def series(cfg: StudyConfig) -> list[tuple[int, str, int]]:
-    """(workers, layout label, data-parallel ranks) of every group: the world sizes, or with ``layouts``
-    one worker and then each layout on the processes it spans."""
+def series(cfg: StudyConfig) -> list[tuple[int, str, int, list[str]]]:
+    """(workers, layout label, data-parallel ranks, the script's layout flags) of every group: the world
+    sizes, or with ``layouts`` one worker and then each layout on the processes it spans."""
     if cfg.layouts is None:
-        return [(w, "", w) for w in sorted(set(cfg.workers))]
-    from ..parallel.flags import describe, parse_layouts, world_of
+        return [(w, "", w, []) for w in sorted(set(cfg.workers))]
+    from ..parallel.flags import describe, layout_flags, parse_layouts, world_of
 
     layouts = parse_layouts(cfg.layouts)
     labels = [describe(layout) for layout in layouts]
     if "one process" in labels or len(set(labels)) < len(labels):
         raise UsageError(f"--layouts names a layout twice or one process itself ({cfg.layouts!r}); list each once "
                          "(one worker is always run, as the baseline)")
-    return [(1, "", 1)] + [(world_of(layout), label, world_of(layout) // (layout.tp * layout.pp))
-                           for layout, label in zip(layouts, labels)]
-
-
-def layout_args(label: str) -> list[str]:
-    """The script's flags for the layout ``label`` (as --layouts spells it)."""
-    if not label:
-        return []
-    from ..parallel.flags import layout_flags, parse_layouts
-
-    return layout_flags(parse_layouts(label)[0])
+    return [(1, "", 1, [])] + [(world_of(layout), label, world_of(layout) // (layout.tp * layout.pp), layout_flags(layout))
+                               for layout, label in zip(layouts, labels)]
 
 
 def check(cfg: StudyConfig) -> None:
@@ -203,10 +194,11 @@ def check(cfg: StudyConfig) -> None:
 def check_batches(cfg: StudyConfig, base: int) -> None:
     """Refuse, before any run, a global batch that some group's data-parallel ranks cannot split into equal
     shares (under a layout only the data-parallel ranks take a share; TP and pipeline ranks share theirs)."""
+    groups = series(cfg)
     for pol in cfg.policies:
-        bad = [(w, label, dp) for w, label, dp in series(cfg) if policy_batch(pol, base, dp) % dp]
+        bad = [(w, label, dp) for w, label, dp, _ in groups if policy_batch(pol, base, dp) % dp]
         if bad:
-            step = math.lcm(*(dp for _, _, dp in series(cfg)))
+            step = math.lcm(*(dp for _, _, dp, _ in groups))
             near = sorted({m for m in (base // step * step, base // step * step + step) if m > 0})
             where = f"{bad[0][2]} data-parallel ranks (layout {bad[0][1]})" if bad[0][1] else f"{bad[0][0]} workers"
             raise UsageError(
@@ -227,7 +219,7 @@ def plan_runs(cfg: StudyConfig, recipe: Recipe | None, repeats: range | None = N
     base = base_batch(cfg, recipe)
     runs: dict[tuple, RunSpec] = {}
     for rep in repeats if repeats is not None else range(cfg.repeats):
-        for w, label, dp in series(cfg):
+        for w, label, dp, flags in series(cfg):
             for pol in cfg.policies:
                 gb = policy_batch(pol, base, dp)
                 steps = same_samples_steps(cfg.steps, base, gb)
@@ -235,7 +227,7 @@ def plan_runs(cfg: StudyConfig, recipe: Recipe | None, repeats: range | None = N
                 if key in runs:
                     runs[key] = RunSpec(**{**asdict(runs[key]), "policies": runs[key].policies + (pol,)})
                     continue
-                args = (list(cfg.args) + layout_args(label) + ["--global-batch", str(gb)]
+                args = (list(cfg.args) + flags + ["--global-batch", str(gb)]
                         + (["--steps", str(steps)] if steps else []))
                 if recipe:
                     args = list(recipe.args) + (list(recipe.noise_args) if w > 1 else []) + args
@@ -338,7 +330,7 @@ def run_study(cfg: StudyConfig, say: Callable[[str], None] = print) -> tuple[Pat
                 # The workload rejected its arguments: every other run would too.
                 raise UsageError(f"run {spec.id} rejected its arguments ({rec['error']}); the study stopped. Study "
                                  f"options go before the workload (multigpu study --workers 1,2 {name} [its args])")
-        groups = summarize(runs, [(w, label) for w, label, _ in series(cfg)], cfg.policies)
+        groups = summarize(runs, [(w, label) for w, label, _, _ in series(cfg)], cfg.policies)
         wide = _too_wide(groups, cfg.ci)
         round_s = sum(durations[-len(specs):])
         if not wide or rounds >= cfg.max_repeats or time.perf_counter() - t_start + round_s > cfg.budget_s:
