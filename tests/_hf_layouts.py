@@ -79,6 +79,21 @@ def build(kind: str, **overrides):
                    pad_token_id=None, tie_word_embeddings=False)
         config = transformers.Qwen3Config(**(cfg | overrides))
         cls = transformers.Qwen3ForCausalLM
+    elif kind == "gemma2":  # what a stage must keep of the model's forward: a mask per layer by its index in
+        # config.layer_types (stage 1's first layer is a full-attention one), the logits soft-capped after the head
+        cfg = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=4,
+                   layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention"],
+                   final_logit_softcapping=3.0, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+                   tie_word_embeddings=False)
+        config = transformers.Gemma2Config(**(cfg | overrides))
+        cls = transformers.Gemma2ForCausalLM
+    elif kind == "granite":  # the logits divided by config.logits_scaling after the head
+        cfg = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=64, logits_scaling=4.0, bos_token_id=0,
+                   eos_token_id=1, pad_token_id=None, tie_word_embeddings=False)
+        config = transformers.GraniteConfig(**(cfg | overrides))
+        cls = transformers.GraniteForCausalLM
     elif kind == "gpt2":
         cfg = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
                    embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)

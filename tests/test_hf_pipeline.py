@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from torch import nn
 
 import multigpu as mg
 from multigpu.parallel import stages
@@ -29,11 +30,13 @@ TOL = 1e-9
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed (pip install multigpu[datasets])")
 
 DEEP_GPT2, DEEP_LLAMA, TIED_LLAMA = {"n_layer": 4}, {"num_hidden_layers": 4}, {"tie_word_embeddings": True}
-MODELS = [("gpt2", {}), ("gpt2", DEEP_GPT2), ("llama", DEEP_LLAMA), ("llama", {}), ("llama", TIED_LLAMA)]
+MODELS = [("gpt2", {}), ("gpt2", DEEP_GPT2), ("llama", DEEP_LLAMA), ("llama", {}), ("llama", TIED_LLAMA),
+          ("gemma2", {})]
 TWO = [("gpt2", {}, {"pp": 2}),                                          # 1F1B: table on rank 0, head on rank 1
        ("gpt2", DEEP_GPT2, {"pp": 2, "schedule": "interleaved_1f1b"}),   # stages 0, 2 | 1, 3
        ("gpt2", DEEP_GPT2, {"pp": 2, "schedule": "zbv"}),                # stages 0, 3 | 1, 2: both copies on rank 0
-       ("llama", DEEP_LLAMA, {"pp": 2, "schedule": "zbv"})]              # untied, declared _pp_plan, V placement
+       ("llama", DEEP_LLAMA, {"pp": 2, "schedule": "zbv"}),              # untied, declared _pp_plan, V placement
+       ("gemma2", {}, {"pp": 2})]                        # a mask per layer by index, logits soft-capped after the head
 FOUR = [("gpt2", {}, {"pp": 2}),                                         # PP 2 x FSDP 2
         ("gpt2", DEEP_GPT2, {"pp": 4}),                                  # the middle ranks take no part in the sum
         ("llama", {}, {"pp": 2, "tp": 2}),                               # TP inside the stages (declared plan)
@@ -78,7 +81,7 @@ def test_gpt2_and_llama_pipelines_on_two_ranks_equal_one_process(reference):
     print(f"2 ranks, {len(TWO)} pipelines: {time.perf_counter() - start:.1f} s")
     _check(TWO, out, reference)
     assert [[r[j]["stages"] for r in out] for j in range(len(TWO))] == [
-        [[0], [1]], [[0, 2], [1, 3]], [[0, 3], [1, 2]], [[0, 3], [1, 2]]]
+        [[0], [1]], [[0, 2], [1, 3]], [[0, 3], [1, 2]], [[0, 3], [1, 2]], [[0], [1]]]
     # Who holds the tied pair: the table on stage 0, the head on the last stage, both on rank 0 under zbv.
     assert [[r[j]["tied_held"] for r in out] for j in range(3)] == [
         [["transformer.wte.weight"], ["lm_head.weight"]]] * 2 + [[["lm_head.weight", "transformer.wte.weight"], []]]
@@ -124,6 +127,42 @@ def test_a_causal_lm_without_pp_plan_is_split_by_its_base_model_and_later_stages
     llama = hf.build("llama")
     parts = [stages.split(llama, mg.parallel.Layout(pp=2), 2)[0](i) for i in (0, 1)]
     assert torch.equal(parts[1](parts[0](x)), llama(input_ids=x, use_cache=False).logits)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "granite", "llama"])
+def test_stages_run_the_models_own_forward_per_layer_config_and_what_follows_the_head(kind):
+    """Stage 1 of Gemma-2 starts at layer 2, a full-attention layer by config.layer_types[2] (counted from 0
+    inside the stage it took layer 0's sliding-window mask); Gemma-2 soft-caps its logits and Granite
+    divides them by logits_scaling after the head (a head applied alone skipped both). The stages composed
+    equal the model's forward exactly, on 2 and 4 stages."""
+    model = hf.build(kind, **({"num_hidden_layers": 4} if kind != "gemma2" else {}))
+    x = torch.randint(0, hf.VOCAB, (2, hf.SEQ), generator=torch.Generator().manual_seed(3))
+    ref = model(input_ids=x, use_cache=False).logits
+    for n in (2, 4):
+        make = stages.split(model, mg.parallel.Layout(pp=n), n)[0]
+        h = x
+        for i in range(n):
+            part = make(i)
+            held = sorted({int(k.split(".")[2]) for k, _ in part.named_parameters() if k.startswith("model.layers.")})
+            assert held == list(stages.balance(4, n)[i]), (n, i)  # the other stages' blocks hold no weights here
+            h = part(h)
+        assert torch.equal(h, ref), (kind, n, (h - ref).abs().max().item())
+
+
+def test_a_block_that_hands_the_next_more_than_the_hidden_states_is_refused_in_one_line():
+    class Carry(nn.Module):  # returns (hidden states, a tensor the next block takes): no stage boundary can cut it
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, h, carried=None):
+            return self.lin(h), h.sum(-1)
+
+    skipped = stages._Skipped(Carry(), 3)
+    assert not list(skipped.parameters())
+    with pytest.raises(mg.UsageError, match=r"^Carry returns Tensor beside the hidden states, which the next block "
+                                            r"takes, but a pipeline stage passes on the hidden states only; use pp=1"):
+        skipped(torch.zeros(2, 4))
 
 
 def test_refusals_stay_one_line_with_the_fix():

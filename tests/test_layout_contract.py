@@ -15,9 +15,10 @@ from _cli import run_cli
 def test_layout_from_args_reads_every_flag_and_leaves_the_rest():
     layout, rest = mg.layout_from_args(["--tp", "2", "--steps", "5", "--pp=2", "--dp-replicate", "1", "--dp-shard", "2",
                                         "--micro-batch", "4", "--activation-checkpointing", "--schedule", "gpipe",
-                                        "--compile", "--seed", "3"])
+                                        "--compile", "--sequence-parallel", "--seed", "3"])
     assert layout == mg.parallel.Layout(tp=2, pp=2, dp_replicate=1, dp_shard=2, micro_batch=4,
-                                        activation_checkpointing=True, schedule="gpipe", compile=True)
+                                        activation_checkpointing=True, schedule="gpipe", compile=True,
+                                        sequence_parallel=True)
     assert rest == ["--steps", "5", "--seed", "3"]
     # a flag left out keeps the script's default; none given is one process's layout
     assert mg.layout_from_args(["--tp", "2"], default=mg.parallel.Layout(micro_batch=2))[0].micro_batch == 2
@@ -27,10 +28,12 @@ def test_layout_from_args_reads_every_flag_and_leaves_the_rest():
 
 
 def test_layout_flags_round_trip_through_the_verbs_spelling():
-    layouts = parse_layouts("tp=2; dp_shard=2,tp=2 ;pp=2,micro_batch=1,schedule=gpipe;dp_replicate=2,activation_checkpointing=true")
-    assert [world_of(l) for l in layouts] == [2, 4, 2, 2]
+    layouts = parse_layouts("tp=2; dp_shard=2,tp=2 ;pp=2,micro_batch=1,schedule=gpipe;dp_replicate=2,activation_checkpointing=true;"
+                            "tp=2,sequence_parallel=true")
+    assert [world_of(l) for l in layouts] == [2, 4, 2, 2, 2]
     assert [describe(l) for l in layouts] == ["tp=2", "dp_shard=2,tp=2", "pp=2,micro_batch=1,schedule=gpipe",
-                                              "dp_replicate=2,activation_checkpointing=true"]
+                                              "dp_replicate=2,activation_checkpointing=true",
+                                              "tp=2,sequence_parallel=true"]
     for layout in layouts:
         assert mg.layout_from_args(layout_flags(layout)) == (layout, [])
 

@@ -38,7 +38,8 @@ VERBS = [
     ("report", "write the HTML report and Markdown summary of a study's results", "multigpu.report"),
     ("verify", "run a script on 1 and N ranks with the same global batch; compare losses, samples and parameters",
      "multigpu.verify"),
-    ("tune", "find the fastest layout of the GPT recipe that fits N devices: predicted, then measured", "multigpu.tune"),
+    ("tune", "find the fastest layout that fits N devices, of the GPT recipe or your script: predicted, then measured",
+     "multigpu.tune"),
 ]
 
 

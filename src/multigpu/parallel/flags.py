@@ -23,7 +23,8 @@ from .pp import SCHEDULES
 # flag -> Layout field; the integer degrees first. Every flag is one of the frozen Layout's fields.
 INT_FLAGS = {"--tp": "tp", "--pp": "pp", "--dp-replicate": "dp_replicate", "--dp-shard": "dp_shard",
              "--micro-batch": "micro_batch"}
-BOOL_FLAGS = {"--activation-checkpointing": "activation_checkpointing", "--compile": "compile"}
+BOOL_FLAGS = {"--activation-checkpointing": "activation_checkpointing", "--compile": "compile",
+              "--sequence-parallel": "sequence_parallel"}
 FLAGS = (*INT_FLAGS, *BOOL_FLAGS, "--schedule")
 # The spelling of a layout in `--layouts`: the Layout's own names of the fields the flags carry.
 FIELDS = {*INT_FLAGS.values(), *BOOL_FLAGS.values(), "schedule"}
@@ -54,7 +55,7 @@ def layout_from_args(argv: Sequence[str] | None = None, default: Layout | None =
     """(the ``Layout`` the command line asks for, the arguments that are not layout flags).
 
     Reads ``--tp --pp --dp-replicate --dp-shard --micro-batch --activation-checkpointing --schedule
-    --compile`` from ``argv`` (default ``sys.argv[1:]``); what a flag leaves out is ``default``'s (a
+    --compile --sequence-parallel`` from ``argv`` (default ``sys.argv[1:]``); what a flag leaves out is ``default``'s (a
     script's own defaults, e.g. ``Layout(micro_batch=2)``). The rest goes to the script's own parser.
     A bad value is a one-line ``UsageError`` (``mg.init`` reports it and exits with status 2).
     """
@@ -127,5 +128,5 @@ def describe(layout: Layout) -> str:
     base = Layout(dp_shard=1)
     parts = [f"{f}={getattr(layout, f) if not isinstance(getattr(layout, f), bool) else str(getattr(layout, f)).lower()}"
              for f in ("pp", "dp_replicate", "dp_shard", "tp", "micro_batch", "activation_checkpointing", "compile",
-                       "schedule") if getattr(layout, f) != getattr(base, f) and not (f == "schedule" and layout.pp == 1)]
+                       "sequence_parallel", "schedule") if getattr(layout, f) != getattr(base, f) and not (f == "schedule" and layout.pp == 1)]
     return ",".join(parts) or "one process"

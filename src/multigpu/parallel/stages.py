@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -45,28 +45,60 @@ def even(n: int, k: int) -> list[range]:
     return [range(starts[s], starts[s + 1]) for s in range(k)]
 
 
-class StageBlocks(nn.Module):
-    """The blocks one stage holds, under their original indices (``layers.3`` stays ``layers.3``), iterated
-    and sliced like the ``nn.ModuleList`` they came from (a slice by original index)."""
+class _Skipped(nn.Module):
+    """Where another stage's block sits in this stage's copy of the model: the hidden states pass through
+    unchanged, and none of the block's parameters stay.
 
-    def __init__(self, blocks: dict[int, nn.Module], total: int) -> None:
+    Why a stand-in rather than a shorter list of blocks: the model's own forward still walks every block
+    by its index (Gemma-2 picks each layer's mask by ``config.layer_types[i]``), so each held block runs
+    at the position one process runs it at. What the block returns is learnt once, on a meta copy (no
+    memory): the hidden states alone, or a tuple that starts with them; a block that hands the next
+    block more than the hidden states (a tensor beside them) cannot be cut after, and is refused."""
+
+    def __init__(self, block: nn.Module, index: int) -> None:
         super().__init__()
-        self.total = total
-        for i, block in sorted(blocks.items()):
-            self.add_module(str(i), block)
+        object.__setattr__(self, "meta", _meta_copy(block))  # a plain attribute: nothing registered
+        self.index, self.what = index, type(block).__name__
+        self.extra: tuple | None = None  # what follows the hidden states in the block's output, once learnt
 
-    # Through nn.Module's public children API (not its private _modules dict, as nn.ModuleList does).
-    def __iter__(self) -> Iterator[nn.Module]:
-        return self.children()
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        x = args[0] if args else kwargs["hidden_states"]
+        if self.extra is None:
+            out = self.meta(*_to_meta(args), **_to_meta(kwargs))
+            if isinstance(out, torch.Tensor):
+                self.extra = ()
+            elif isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+                carried = [type(t).__name__ for t in out[1:] if t is not None]
+                if carried:
+                    raise UsageError(f"{self.what} returns {', '.join(carried)} beside the hidden states, which the "
+                                     "next block takes, but a pipeline stage passes on the hidden states only; use "
+                                     "pp=1 for this model")
+                self.extra = tuple(out[1:])
+            else:
+                raise UsageError(f"{self.what} returns {type(out).__name__}, not the hidden states (a tensor, or a "
+                                 "tuple starting with them), so a pipeline stage cannot pass over it; use pp=1")
+        return (x, *self.extra) if self.extra else x
 
-    def __len__(self) -> int:
-        return sum(1 for _ in self.children())
+    def extra_repr(self) -> str:
+        return f"{self.what} {self.index} on another stage"
 
-    def __getitem__(self, key: Any) -> Any:
-        if isinstance(key, slice):
-            keep = set(range(self.total)[key])
-            return [m for i, m in self.named_children() if int(i) in keep]
-        return self.get_submodule(str(key))
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """``module`` with its parameters and buffers on the meta device (no memory), the module itself untouched."""
+    memo: dict[int, Any] = {id(t): (nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
+                                    if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
+                            for t in [*module.parameters(), *module.buffers()]}
+    return copy.deepcopy(module, memo)
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    return value
 
 
 def _hf_split(model: nn.Module) -> tuple[str, str, list[str], list[str], list[str], str] | None:
@@ -134,16 +166,12 @@ class _Elsewhere(nn.Module):
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
-        memo: dict[int, Any] = {id(t): (nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
-                                        if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
-                                for t in [*module.parameters(), *module.buffers()]}
-        object.__setattr__(self, "meta", copy.deepcopy(module, memo))  # a plain attribute: nothing registered
+        object.__setattr__(self, "meta", _meta_copy(module))  # a plain attribute: nothing registered
         self.what = type(module).__name__
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         device = next((a.device for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)), None)
-        on_meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
-        out = self.meta(*on_meta, **{k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+        out = self.meta(*_to_meta(args), **_to_meta(kwargs))
 
         def zeros(t: Any) -> Any:
             return torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t
@@ -175,27 +203,24 @@ class _FeedFirstBlock:
         return args, {**kwargs, "hidden_states": self.x}
 
 
-def _causal_lm_forward(part: nn.Module, base: str, after: list[str], first: bool, last: bool,
-                       feed: _FeedFirstBlock | None, x):
-    """A stage of a transformers CausalLM: token ids (first stage) or hidden states in, through the base
-    model's blocks this stage holds (its own rotary embeddings and causal mask), the head on the last."""
-    inner = part.get_submodule(base) if base else part
+def _causal_lm_forward(part: nn.Module, base: str, first: bool, last: bool, feed: _FeedFirstBlock | None, x):
+    """A stage of a transformers CausalLM: token ids (first stage) or hidden states in. The last stage runs
+    the CausalLM's own forward (its base model, then the head and whatever the model does after it: Gemma's
+    logit soft-capping, Granite's logit scaling); the others run the base model's forward. Either way the
+    model's own code walks every block, this stage's and the stand-ins of the others' (``_Skipped``)."""
     kwargs = {"input_ids": x} if first else {"inputs_embeds": x}
     if feed is not None:
         feed.x = x
     try:
-        h = inner(**kwargs, use_cache=False).last_hidden_state
+        if last:  # the class's forward: the instance's is this function
+            return type(part).forward(part, **kwargs, use_cache=False).logits
+        h = (part.get_submodule(base) if base else part)(**kwargs, use_cache=False).last_hidden_state
     finally:
         if feed is not None:
             feed.x = None
-    if last:
-        for name in after:
-            h = part.get_submodule(name)(h)
-    elif h._is_view():
-        # GPT-2 returns its hidden states through .view(); the schedules that split the backward into input and
-        # weight parts detach a stage's outputs in place, which torch refuses for a view.
-        h = h.clone()
-    return h
+    # GPT-2 returns its hidden states through .view(); the schedules that split the backward into input and
+    # weight parts detach a stage's outputs in place, which torch refuses for a view.
+    return h.clone() if h._is_view() else h
 
 
 def _set(model: nn.Module, name: str, value: nn.Module) -> None:
@@ -220,7 +245,9 @@ def split(model: nn.Module, layout: Layout, n_stages: int) -> tuple[Callable[[in
         def hf_stage(i: int) -> nn.Module:
             part = copy.deepcopy(model)
             held = part.get_submodule(blocks_name)
-            _set(part, blocks_name, StageBlocks({j: held[j] for j in ranges[i]}, len(held)))
+            for j in range(len(held)):  # the other stages' blocks: stand-ins at their indices
+                if j not in ranges[i]:
+                    held[j] = _Skipped(held[j], j)
             first, last = i == 0, i == n_stages - 1
             feed = None
             if not first:
@@ -234,7 +261,7 @@ def split(model: nn.Module, layout: Layout, n_stages: int) -> tuple[Callable[[in
                     _set(part, n, nn.Identity())
                 for n in after:
                     _set(part, n, None)
-            part.forward = functools.partial(_causal_lm_forward, part, base, after, first, last, feed)
+            part.forward = functools.partial(_causal_lm_forward, part, base, first, last, feed)
             return part
 
         return hf_stage, len(blocks), f"{source} ({blocks_name}: {len(blocks)} blocks)"
