@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all gpu-check bench install clean browser
+.PHONY: demo test quick test-all gpu-check bench install clean browser
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,13 +20,16 @@ demo: $(STAMP)
 	$(VENV)/bin/multigpu study --cpu --repeats 3 gpt-ddp
 	$(VENV)/bin/multigpu study --cpu --policy keep-global,scale-global digits
 
-# The suite without the 24 tests marked slow (multi-rank proofs of 4-8 ranks, real tunes and studies), which
-# took 14 min with them on 2 cores; test-all runs everything.
+# Every test, the ones marked slow too (the multi-rank proofs of 4-8 ranks, real tunes and studies: the
+# project's main claims); CI runs this (.ci/run). `make quick` leaves the slow ones out, for your own loop.
 test: $(STAMP) browser
+	$(PY) -m pytest -q
+
+quick: $(STAMP) browser
 	$(PY) -m pytest -q -m "not slow"
 
-test-all: $(STAMP) browser
-	$(PY) -m pytest -q
+# The old name of `make test`.
+test-all: test
 
 # The report test drives a real headless Chromium (Debian's package; playwright
 # uses it via executable_path, no browser download). Without apt it is skipped.
