@@ -94,6 +94,17 @@ def build(kind: str, **overrides):
                    eos_token_id=1, pad_token_id=None, tie_word_embeddings=False)
         config = transformers.GraniteConfig(**(cfg | overrides))
         cls = transformers.GraniteForCausalLM
+    elif kind == "phi3":  # fused nn.Linear projections: qkv_proj (q, k, v of unequal widths) and gate_up_proj
+        cfg = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=0,
+                   tie_word_embeddings=False)
+        config = transformers.Phi3Config(**(cfg | overrides))
+        cls = transformers.Phi3ForCausalLM
+    elif kind == "gpt_neox":  # query_key_value fused per head ([q, k, v] of head 0, of head 1, ...), declared colwise
+        cfg = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   max_position_embeddings=64, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+        config = transformers.GPTNeoXConfig(**(cfg | overrides))
+        cls = transformers.GPTNeoXForCausalLM
     elif kind == "gpt2":
         cfg = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
                    embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)

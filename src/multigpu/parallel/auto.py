@@ -214,8 +214,21 @@ def translate(style: Any, name: str) -> Any:
     return getattr(tp, cls)(**{k: getattr(dtensor, v)() for k, v in layouts.items()})
 
 
-def check_shardable(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
-    """Refuse a style on a module it cannot shard, or a sharded size ``tp`` does not divide, naming the module."""
+def _gathered(style: Any) -> bool:
+    """A column-wise style whose output is gathered whole on every TP rank (transformers' colwise_gather_output)."""
+    from torch.distributed.tensor import Replicate
+
+    return all(isinstance(p, Replicate) for p in getattr(style, "output_layouts", ()) or ())
+
+
+def check_shardable(model: nn.Module, plan: dict[str, Any], tp: int, declared: bool = False) -> None:
+    """Refuse a style on a module it cannot shard, or a sharded size ``tp`` does not divide, naming the module.
+
+    A fused nn.Linear (q, k and v, or gate and up, in one weight: Phi-3's qkv_proj) is sharded column-wise
+    when its output is gathered whole (exact whatever the fusion: every rank then holds the full fused
+    output; transformers declares Phi-3's so), or when the model itself declares the sharded split
+    (``declared``: GPT-NeoX's query_key_value holds q, k, v per head, so a split by rows is a split by
+    heads); a sharded split the model does not declare, or a row-wise one, is refused naming it."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from . import conv1d
@@ -229,6 +242,14 @@ def check_shardable(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
             continue
         kind = "column-wise" if isinstance(style, ColwiseParallel) else "row-wise"
         why = _fused_or_conv(module, name)
+        if (why and isinstance(module, nn.Linear) and isinstance(style, ColwiseParallel)
+                and (_gathered(style) or declared)):
+            why = None
+        if why and isinstance(module, nn.Linear) and isinstance(style, ColwiseParallel):
+            raise UsageError(f"tensor-parallel plan shards {name} column-wise with its output left split, but it is "
+                             f"{why}, whose parts a split by rows does not follow; give it 'colwise_gather_output' "
+                             "(exact for any fusion; the row-wise projection after it then takes "
+                             "'rowwise_split_input'), or use tp=1 for this model")
         if why or not isinstance(module, (nn.Linear, nn.Embedding)):
             hint = (" (the plan multigpu finds, tp_plan=None, shards GPT-2's Conv1D)" if conv1d.is_conv1d(module)
                     else "")

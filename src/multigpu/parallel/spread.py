@@ -96,7 +96,7 @@ def tensor_parallel_plan(model: nn.Module, layout: Layout, blocks: list[tuple[st
         if not sp.spells_sequence_parallel(styles):  # PyTorch's SP styles derived from the TP plan
             styles = sp.sequence_parallel_plan(model, blocks, styles)
             source += ", sequence parallel derived from it"
-    auto.check_shardable(model, styles, layout.tp)
+    auto.check_shardable(model, styles, layout.tp, declared=source.startswith("declared"))
     return styles, source, written
 
 
