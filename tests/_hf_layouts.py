@@ -60,6 +60,22 @@ class TinyLM(nn.Module):
         return self.head(self.norm(h))
 
 
+# kind -> (tiny sizes under the family's own config names, config class, model class)
+ENCODERS = {
+    "bert": (dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), "BertConfig", "BertForTokenClassification"),
+    "roberta": (dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1),
+                "RobertaConfig", "RobertaForTokenClassification"),
+    "modernbert": (dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        local_attention=8, global_attn_every_n_layers=2, embedding_dropout=0.0, mlp_dropout=0.0,
+                        attention_dropout=0.0, bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3,
+                        mask_token_id=4), "ModernBertConfig", "ModernBertForTokenClassification"),
+    "distilbert": (dict(dim=32, hidden_dim=64, n_layers=2, n_heads=4, dropout=0.0, attention_dropout=0.0),
+                   "DistilBertConfig", "DistilBertForTokenClassification"),
+}
+
+
 def build(kind: str, **overrides):
     """A tiny model from a config (no download), in float64, the same on every rank (seed 0)."""
     torch.manual_seed(0)
@@ -105,6 +121,11 @@ def build(kind: str, **overrides):
                    max_position_embeddings=64, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
         config = transformers.GPTNeoXConfig(**(cfg | overrides))
         cls = transformers.GPTNeoXForCausalLM
+    elif kind in ENCODERS:  # an encoder with a per-token head (VOCAB labels: the same loss as the causal LMs)
+        name, config_cls, cls_name = ENCODERS[kind]
+        cfg = dict(vocab_size=VOCAB, max_position_embeddings=64, num_labels=VOCAB, pad_token_id=0) | name
+        config = getattr(transformers, config_cls)(**(cfg | overrides))
+        cls = getattr(transformers, cls_name)
     elif kind == "gpt2":
         cfg = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
                    embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)

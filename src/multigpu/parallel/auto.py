@@ -49,9 +49,11 @@ HF_STYLES = {
 # GPT-2's (transformers' Conv1D): c_attn fuses q, k, v; c_fc (E -> 4E) is one projection, c_proj the row-wise one
 # of both its attention and its MLP.
 COLWISE_NAMES = {"q_proj", "k_proj", "v_proj", "q", "k", "v", "query", "key", "value", "wq", "wk", "wv",
-                 "gate_proj", "up_proj", "up", "w1", "w3", "fc1", "fc_in", "c_fc"}
-ROWWISE_NAMES = {"o_proj", "out_proj", "out", "o", "wo", "down_proj", "down", "w2", "fc2", "fc_out", "c_proj"}
-FUSED_NAMES = {"c_attn", "qkv", "qkv_proj", "Wqkv", "query_key_value", "gate_up_proj", "in_proj"}
+                 "q_lin", "k_lin", "v_lin", "gate_proj", "up_proj", "up", "w1", "w3", "fc1", "fc_in", "c_fc", "lin1"}
+ROWWISE_NAMES = {"o_proj", "out_proj", "out", "o", "wo", "out_lin", "down_proj", "down", "w2", "fc2", "fc_out",
+                 "c_proj", "lin2", "Wo"}
+FUSED_NAMES = {"c_attn", "qkv", "qkv_proj", "Wqkv", "query_key_value", "gate_up_proj", "in_proj", "Wi"}
+GATHERED = -1  # found_plan's mark for a fused nn.Linear: column-wise with its output gathered
 
 
 def _first_name(model: nn.Module, cls_name: str) -> str:
@@ -131,43 +133,68 @@ def _projection(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
-def _styles(parent_name: str, children: dict[str, nn.Module], col: list[str], row: str,
-            fused: dict[str, int]) -> dict[str, Any]:
-    """nn.Linear: transformers' style names; Conv1D: multigpu's Conv1D styles (the fused ones split by parts)."""
+def _style(module: nn.Module, kind: str, parts: int = 1) -> Any:
+    """nn.Linear: transformers' style names; Conv1D: multigpu's Conv1D styles (a fused one split by parts)."""
     from .conv1d import Conv1DColwise, Conv1DRowwise, is_conv1d
 
-    plan: dict[str, Any] = {}
-    for n in col:
-        plan[f"{parent_name}.{n}"] = Conv1DColwise(fused.get(n, 1)) if is_conv1d(children[n]) else "colwise"
-    plan[f"{parent_name}.{row}"] = Conv1DRowwise() if is_conv1d(children[row]) else "rowwise"
-    return plan
+    if is_conv1d(module):
+        return Conv1DColwise(parts) if kind == "col" else Conv1DRowwise()
+    return "colwise" if kind == "col" else "rowwise"
+
+
+def _kind(parent_leaf: str, leaf: str, fused: bool) -> str | None:
+    """"col", "row" or None for a projection by its name and its parent's: q/k/v, gate/up (and the fused ones)
+    column-wise, o/down row-wise; an encoder's ``intermediate.dense`` column-wise and ``output.dense``
+    (BERT's attention output and MLP down, each in a module of its own) row-wise."""
+    if leaf in COLWISE_NAMES or fused or (parent_leaf, leaf) == ("intermediate", "dense"):
+        return "col"
+    if leaf in ROWWISE_NAMES or (parent_leaf, leaf) == ("output", "dense"):
+        return "row"
+    return None
 
 
 def found_plan(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[str, Any]:
-    """A plan from the module pattern inside the blocks: in each parent, the known column-wise projections
-    (nn.Linear, or transformers' Conv1D: GPT-2) followed by one known row-wise one. A fused projection is
-    split when it is GPT-2's (a Conv1D c_attn of 3 equal parts that its attention's split_size cuts apart);
-    any other (an nn.Linear qkv, unequal parts) is refused naming it."""
+    """A plan from the module pattern inside the blocks: the known column-wise projections (nn.Linear, or
+    transformers' Conv1D: GPT-2) each run of which, in the block's order, is followed by one known row-wise
+    projection (Llama: q, k, v then o, gate and up then down; BERT: query, key, value then
+    attention.output.dense, intermediate.dense then output.dense). A fused projection is split when it is
+    GPT-2's (a Conv1D c_attn of 3 equal parts that its attention's split_size cuts apart); a fused
+    nn.Linear (ModernBERT's Wqkv and Wi) is split with its output gathered, the row-wise projection after it
+    taking the whole input; a fused Conv1D of unequal parts is refused naming it."""
     from .conv1d import fused_parts
+
+    from .conv1d import is_conv1d
 
     plan: dict[str, Any] = {}
     for block_name, block in blocks:
-        for parent_name, parent in block.named_modules(prefix=block_name):
-            children = dict(parent.named_children())
-            fused: dict[str, int] = {}
-            for child_name, child in children.items():
-                if child_name in FUSED_NAMES and _projection(child):
-                    parts, why = fused_parts(parent, child_name, child)
-                    if not parts:
-                        raise UsageError(
-                            f"tensor parallelism found {parent_name}.{child_name} in {type(model).__name__}, {why}; "
-                            "use tp=1 for this model (DDP, FSDP, HSDP and pipelines apply), a model with separate "
-                            "q/k/v projections (Llama, Qwen), or pass tp_plan without it")
-                    fused[child_name] = parts
-            col = [n for n, c in children.items() if _projection(c) and (n in COLWISE_NAMES or n in fused)]
-            row = [n for n, c in children.items() if _projection(c) and n in ROWWISE_NAMES]
-            if col and len(row) == 1:
-                plan |= _styles(parent_name, children, col, row[0], fused)
+        run: list[tuple[str, nn.Module, int]] = []
+        for name, module in block.named_modules(prefix=block_name):
+            if not _projection(module):
+                continue
+            parent_name, _, leaf = name.rpartition(".")
+            parts = 0
+            if leaf in FUSED_NAMES and is_conv1d(module):
+                parts, why = fused_parts(model.get_submodule(parent_name), leaf, module)
+                if not parts:
+                    raise UsageError(
+                        f"tensor parallelism found {name} in {type(model).__name__}, {why}; use tp=1 for this model "
+                        "(DDP, FSDP, HSDP and pipelines apply), a model with separate q/k/v projections (Llama, "
+                        "Qwen), or pass tp_plan without it")
+            elif leaf in FUSED_NAMES:
+                parts = GATHERED  # a fused nn.Linear: how the model cuts it apart is in its forward only
+            kind = _kind(parent_name.rpartition(".")[2], leaf, parts != 0)
+            if kind == "col":
+                run.append((name, module, parts or 1))
+                continue
+            if kind == "row" and run:
+                if any(k == GATHERED for _, _, k in run):
+                    # Its output gathered whole on every rank (and the row-wise one after it taking the whole
+                    # input) is exact whatever the fusion; a split one would be cut apart by the model's own
+                    # view(..., num_heads, ...) at the wrong places (ModernBERT's Wqkv, a silent error).
+                    plan |= {n: "colwise_gather_output" for n, _, _ in run} | {name: "rowwise_split_input"}
+                else:
+                    plan |= {n: _style(m, "col", k) for n, m, k in run} | {name: _style(module, "row")}
+            run = []  # a row-wise one closes a run; an unknown projection breaks it
     return plan
 
 

@@ -1,0 +1,67 @@
+"""Encoders get a tensor-parallel plan found in them, exact against one process.
+
+BERT and RoBERTa keep q, k, v in ``attention.self`` and the projections after them each in a module of
+its own (``attention.output.dense``, ``intermediate.dense`` then ``output.dense``); DistilBERT names
+them q_lin, k_lin, v_lin, out_lin and ffn.lin1, lin2; ModernBERT fuses q, k, v in ``Wqkv`` and gate and
+up in ``Wi``, which it cuts apart in its forward only, so they are split column-wise with the output
+gathered (the row-wise ``Wo`` after them taking the whole input). Each with a per-token head of VOCAB
+labels, float64, 5 AdamW steps with clipping at 0.5: every parameter within 1e-9 of one process's (a
+ModernBERT Wqkv split by rows with its output left split, as a plain colwise plan does, ends 9.6e-3 off).
+"""
+
+import pytest
+
+from multigpu.parallel import auto
+from multigpu.testing import spawn
+
+import _hf_layouts as hf
+
+TOL = 1e-9
+KINDS = ["bert", "roberta", "distilbert", "modernbert"]
+
+pytest.importorskip("transformers", reason="the hf extra is not installed (pip install multigpu[hf])")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return dict(zip(KINDS, spawn(hf.train_layouts, 1, [(k, {}) for k in KINDS], timeout=240)[0]))
+
+
+def _max_diff(got: dict, ref: dict) -> float:
+    assert sorted(got["state"]) == sorted(ref["state"])
+    return max((got["state"][k].double() - ref["state"][k]).abs().max().item() for k in ref["state"])
+
+
+def test_the_plan_found_in_each_encoder():
+    found = {}
+    for kind in KINDS:
+        model = hf.build(kind)
+        blocks = auto.block_modules(model, auto.blocks_of(model)[0])
+        found[kind] = {k.split("layer.0.")[-1].split("layers.0.")[-1]: v for k, v in auto.found_plan(model, blocks).items()
+                       if ".0." in k}
+    assert found["bert"] == found["roberta"] == {
+        "attention.self.query": "colwise", "attention.self.key": "colwise", "attention.self.value": "colwise",
+        "attention.output.dense": "rowwise", "intermediate.dense": "colwise", "output.dense": "rowwise"}
+    assert found["distilbert"] == {"attention.q_lin": "colwise", "attention.k_lin": "colwise",
+                                   "attention.v_lin": "colwise", "attention.out_lin": "rowwise",
+                                   "ffn.lin1": "colwise", "ffn.lin2": "rowwise"}
+    assert found["modernbert"] == {"attn.Wqkv": "colwise_gather_output", "attn.Wo": "rowwise_split_input",
+                                   "mlp.Wi": "colwise_gather_output", "mlp.Wo": "rowwise_split_input"}
+
+
+def test_encoders_under_tp_2_equal_one_process(reference):
+    out = spawn(hf.train_layouts, 2, [(k, {"tp": 2}) for k in KINDS], timeout=300)
+    for i, kind in enumerate(KINDS):
+        diff = max(_max_diff(rank[i], reference[kind]) for rank in out)
+        print(f"{kind} TP 2: max parameter difference from one process {diff:.1e}")
+        assert diff < TOL, (kind, diff)
+        assert out[0][i]["norms"] == pytest.approx(reference[kind]["norms"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_encoders_under_fsdp_2_x_tp_2_equal_one_process(reference):
+    out = spawn(hf.train_layouts, 4, [(k, {"tp": 2}) for k in KINDS], timeout=400)
+    for i, kind in enumerate(KINDS):
+        diff = max(_max_diff(rank[i], reference[kind]) for rank in out)
+        print(f"{kind} FSDP 2 x TP 2: max parameter difference from one process {diff:.1e}")
+        assert diff < TOL, (kind, diff)
