@@ -60,6 +60,15 @@ class TinyLM(nn.Module):
         return self.head(self.norm(h))
 
 
+MOE_SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+                 tie_word_embeddings=False, num_experts_per_tok=2)
+MOE = {"mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),
+       "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_experts=4, moe_intermediate_size=32,
+                                                                      shared_expert_intermediate_size=32)),
+       "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, moe_intermediate_size=32, head_dim=8)),
+       "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4))}
+
 # kind -> (tiny sizes under the family's own config names, config class, model class)
 ENCODERS = {
     "bert": (dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -121,6 +130,10 @@ def build(kind: str, **overrides):
                    max_position_embeddings=64, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
         config = transformers.GPTNeoXConfig(**(cfg | overrides))
         cls = transformers.GPTNeoXForCausalLM
+    elif kind in MOE:  # 4 experts, 2 per token; Qwen2-MoE with a shared expert
+        config = getattr(transformers, MOE[kind][0])(**(MOE_SIZES | MOE[kind][2] | overrides))
+        cls = getattr(transformers, MOE[kind][1])
+        config._experts_implementation = "eager"  # a loop over the experts: grouped_mm takes no float64
     elif kind in ENCODERS:  # an encoder with a per-token head (VOCAB labels: the same loss as the causal LMs)
         name, config_cls, cls_name = ENCODERS[kind]
         cfg = dict(vocab_size=VOCAB, max_position_embeddings=64, num_labels=VOCAB, pad_token_id=0) | name
@@ -354,3 +367,8 @@ def train_in_two_layouts(dist, kind: str, first: dict, then: dict, ckpt: str) ->
     """Steps 0-2 under ``first``, saved by the Checkpointer (DCP), then resumed under ``then`` to step 5."""
     train(dist, kind, first, ckpt=ckpt, stop_after=2)
     return train(dist, kind, then, ckpt=ckpt)
+
+
+def train_any(dist, jobs: list[tuple[str, dict]]) -> list[dict]:
+    """Each (kind, layout): a pipeline (``train_pipeline``) where the layout has pp > 1, else ``train``."""
+    return [(train_pipeline if layout.get("pp", 1) > 1 else train)(dist, kind, layout) for kind, layout in jobs]

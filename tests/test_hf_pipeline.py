@@ -158,7 +158,7 @@ def test_a_block_that_hands_the_next_more_than_the_hidden_states_is_refused_in_o
         def forward(self, h, carried=None):
             return self.lin(h), h.sum(-1)
 
-    skipped = stages._Skipped(Carry(), 3)
+    skipped = stages._Skipped(Carry(), 3, stages._BlockOutput())
     assert not list(skipped.parameters())
     with pytest.raises(mg.UsageError, match=r"^Carry returns Tensor beside the hidden states, which the next block "
                                             r"takes, but a pipeline stage passes on the hidden states only; use pp=1"):

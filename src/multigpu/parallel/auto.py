@@ -198,12 +198,28 @@ def found_plan(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[st
     return plan
 
 
+# transformers' styles for a mixture of experts' fused expert weights (3-D parameters inside one module):
+# multigpu keeps the experts whole on every TP rank until expert parallelism exists.
+EXPERT_STYLES = {"moe_tp_experts", "packed_colwise", "packed_rowwise", "moe_identity_expert"}
+
+
+def without_experts(plan: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(a declared plan without its entries for the experts, those entries): an entry styled for experts or
+    naming something inside an ``experts`` module (transformers names the experts' fused weights,
+    parameters of one module, e.g. ``layers.*.mlp.experts.down_proj``). Kept whole on every TP rank, the
+    experts compute on the replicated hidden states each rank holds there, as one process does."""
+    dropped = [k for k, v in plan.items() if v in EXPERT_STYLES or "experts" in k.split(".")]
+    return {k: v for k, v in plan.items() if k not in dropped}, dropped
+
+
 def _pattern(key: str) -> re.Pattern:
     return re.compile("^" + r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in key.split(".")) + "$")
 
 
-def expand(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
-    """The plan with ``*`` entries expanded to the module names they match; an entry matching nothing is refused."""
+def expand(model: nn.Module, plan: dict[str, Any], declared: bool = False) -> dict[str, Any]:
+    """The plan with ``*`` entries expanded to the module names they match; an entry matching nothing is refused,
+    unless the model declared the plan (``declared``: transformers' plans name the modules of every variant of
+    an architecture, e.g. Qwen2-MoE's dense MLPs that a configuration with every layer sparse does not have)."""
     names = [n for n, _ in model.named_modules() if n]
     out: dict[str, Any] = {}
     missing = []
@@ -213,7 +229,7 @@ def expand(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
             missing.append(key)
         for n in matched:
             out[n] = style
-    if missing:
+    if missing and not declared:
         example = next((n for n, m in model.named_modules() if isinstance(m, nn.Linear)), names[0] if names else "")
         raise UsageError(f"tensor-parallel plan names modules {type(model).__name__} does not have: "
                          f"{', '.join(missing[:4])}; use names from model.named_modules() (wildcard * for one "

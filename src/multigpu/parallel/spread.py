@@ -67,8 +67,8 @@ def tensor_parallel_plan(model: nn.Module, layout: Layout, blocks: list[tuple[st
     name = type(model).__name__
     if tp_plan is not None:
         written, source = dict(tp_plan), "given"
-    elif (declared := auto.declared_plan(model)) is not None:
-        written, source = declared, f"declared by {name}"
+    elif (own := auto.declared_plan(model)) is not None:
+        written, source = own, f"declared by {name}"
     else:
         written, source = auto.found_plan(model, blocks), "found in the blocks"
         if not written:
@@ -84,7 +84,13 @@ def tensor_parallel_plan(model: nn.Module, layout: Layout, blocks: list[tuple[st
     if layout.sequence_parallel and source != "given" and not derive_sequence_parallel:
         raise UsageError(f"sequence_parallel needs a plan that splits the norms along the sequence; the plan {source} "
                          "does not: pass your own tp_plan with SequenceParallel styles, or drop sequence_parallel")
-    expanded = auto.expand(model, written)
+    declared = source.startswith("declared")
+    if declared:
+        written, experts = auto.without_experts(written)
+        if experts:
+            source += (f", its {len(experts)} entries for the experts left out (kept whole on every TP rank until "
+                       "expert parallelism exists)")
+    expanded = auto.expand(model, written, declared=declared)
     styles = {k: auto.translate(v, k) for k, v in expanded.items()}
     styles = {k: v for k, v in styles.items() if v is not None}
     if not styles:
@@ -96,7 +102,7 @@ def tensor_parallel_plan(model: nn.Module, layout: Layout, blocks: list[tuple[st
         if not sp.spells_sequence_parallel(styles):  # PyTorch's SP styles derived from the TP plan
             styles = sp.sequence_parallel_plan(model, blocks, styles)
             source += ", sequence parallel derived from it"
-    auto.check_shardable(model, styles, layout.tp, declared=source.startswith("declared"))
+    auto.check_shardable(model, styles, layout.tp, declared=declared)
     return styles, source, written
 
 

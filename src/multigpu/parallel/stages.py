@@ -45,39 +45,68 @@ def even(n: int, k: int) -> list[range]:
     return [range(starts[s], starts[s + 1]) for s in range(k)]
 
 
+class _BlockOutput:
+    """What a stage's blocks return beside the hidden states (``()`` for the hidden states alone), learnt from
+    the first block that runs on the stage, real or a stand-in's meta copy, and shared by the stage's stand-ins.
+
+    A forward hook on each block the stage holds checks the real output against what the stand-ins
+    returned: a block that hands the next more than the hidden states (a tensor beside them) cannot be cut
+    after, and a stand-in that had to assume the hidden states alone (its meta copy could not run: MoE
+    routing is data-dependent) and was wrong is refused too, both in one line at the first step."""
+
+    def __init__(self) -> None:
+        self.extra: tuple | None = None
+        self.assumed = False
+
+    def learn(self, what: str, out: Any) -> tuple:
+        if isinstance(out, torch.Tensor):
+            extra: tuple = ()
+        elif isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+            carried = [type(t).__name__ for t in out[1:] if t is not None]
+            if carried:
+                raise UsageError(f"{what} returns {', '.join(carried)} beside the hidden states, which the next block "
+                                 "takes, but a pipeline stage passes on the hidden states only; use pp=1 for this model")
+            extra = tuple(out[1:])
+        else:
+            raise UsageError(f"{what} returns {type(out).__name__}, not the hidden states (a tensor, or a tuple "
+                             "starting with them), so a pipeline stage cannot pass over it; use pp=1")
+        if self.assumed and extra:
+            raise UsageError(f"{what} returns a tuple of {1 + len(extra)} where the blocks of other stages were taken "
+                             "to return the hidden states alone (their meta copies could not run); use pp=1 for "
+                             "this model")
+        if self.extra is None:
+            self.extra = extra
+        return self.extra
+
+    def hook(self, module: nn.Module, args: Any, out: Any) -> None:
+        self.learn(type(module).__name__, out)
+
+
 class _Skipped(nn.Module):
     """Where another stage's block sits in this stage's copy of the model: the hidden states pass through
     unchanged, and none of the block's parameters stay.
 
     Why a stand-in rather than a shorter list of blocks: the model's own forward still walks every block
     by its index (Gemma-2 picks each layer's mask by ``config.layer_types[i]``), so each held block runs
-    at the position one process runs it at. What the block returns is learnt once, on a meta copy (no
-    memory): the hidden states alone, or a tuple that starts with them; a block that hands the next
-    block more than the hidden states (a tensor beside them) cannot be cut after, and is refused."""
+    at the position one process runs it at. What the block returns beside the hidden states is the
+    stage's ``_BlockOutput``, learnt on a meta copy of the block (no memory) when no block ran before."""
 
-    def __init__(self, block: nn.Module, index: int) -> None:
+    def __init__(self, block: nn.Module, index: int, output: _BlockOutput) -> None:
         super().__init__()
-        object.__setattr__(self, "meta", _meta_copy(block))  # a plain attribute: nothing registered
+        object.__setattr__(self, "meta", _meta_copy(block))  # plain attributes: nothing registered
+        object.__setattr__(self, "output", output)
         self.index, self.what = index, type(block).__name__
-        self.extra: tuple | None = None  # what follows the hidden states in the block's output, once learnt
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         x = args[0] if args else kwargs["hidden_states"]
-        if self.extra is None:
-            out = self.meta(*_to_meta(args), **_to_meta(kwargs))
-            if isinstance(out, torch.Tensor):
-                self.extra = ()
-            elif isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-                carried = [type(t).__name__ for t in out[1:] if t is not None]
-                if carried:
-                    raise UsageError(f"{self.what} returns {', '.join(carried)} beside the hidden states, which the "
-                                     "next block takes, but a pipeline stage passes on the hidden states only; use "
-                                     "pp=1 for this model")
-                self.extra = tuple(out[1:])
-            else:
-                raise UsageError(f"{self.what} returns {type(out).__name__}, not the hidden states (a tensor, or a "
-                                 "tuple starting with them), so a pipeline stage cannot pass over it; use pp=1")
-        return (x, *self.extra) if self.extra else x
+        extra = self.output.extra
+        if extra is None:
+            try:
+                extra = self.output.learn(self.what, self.meta(*_to_meta(args), **_to_meta(kwargs)))
+            except (NotImplementedError, RuntimeError):  # a data-dependent op (MoE routing's nonzero) on meta
+                self.output.assumed, self.output.extra = True, ()
+                extra = ()
+        return (x, *extra) if extra else x
 
     def extra_repr(self) -> str:
         return f"{self.what} {self.index} on another stage"
@@ -110,8 +139,8 @@ def _hf_split(model: nn.Module) -> tuple[str, str, list[str], list[str], list[st
         return _found_split(model)
     names = list(plan)
     blocks = next((n for n in names if isinstance(model.get_submodule(n), nn.ModuleList)), None)
-    if blocks is None:
-        return None
+    if blocks is None:  # a plan of the head alone (OLMoE: its config declares no base_model_pp_plan)
+        return _found_split(model)
     base = blocks.rpartition(".")[0]
     inside = [n for n in names if n.rpartition(".")[0] == base]
     before, inner_after = inside[:inside.index(blocks)], inside[inside.index(blocks) + 1:]
@@ -245,9 +274,12 @@ def split(model: nn.Module, layout: Layout, n_stages: int) -> tuple[Callable[[in
         def hf_stage(i: int) -> nn.Module:
             part = copy.deepcopy(model)
             held = part.get_submodule(blocks_name)
+            output = _BlockOutput()
             for j in range(len(held)):  # the other stages' blocks: stand-ins at their indices
-                if j not in ranges[i]:
-                    held[j] = _Skipped(held[j], j)
+                if j in ranges[i]:
+                    held[j].register_forward_hook(output.hook)
+                else:
+                    held[j] = _Skipped(held[j], j, output)
             first, last = i == 0, i == n_stages - 1
             feed = None
             if not first:
