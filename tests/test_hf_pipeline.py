@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import multigpu as mg
-from multigpu.parallel import stages
+from multigpu.parallel import stages, standins
 from multigpu.parallel.tied import tied_groups
 from multigpu.testing import spawn
 
@@ -158,7 +158,7 @@ def test_a_block_that_hands_the_next_more_than_the_hidden_states_is_refused_in_o
         def forward(self, h, carried=None):
             return self.lin(h), h.sum(-1)
 
-    skipped = stages._Skipped(Carry(), 3, stages._BlockOutput())
+    skipped = standins.Skipped(Carry(), 3, standins.BlockOutput())
     assert not list(skipped.parameters())
     with pytest.raises(mg.UsageError, match=r"^Carry returns Tensor beside the hidden states, which the next block "
                                             r"takes, but a pipeline stage passes on the hidden states only; use pp=1"):
