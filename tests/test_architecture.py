@@ -27,7 +27,7 @@ FLAGS = {
     "plan": ["--batch", "--checkpoint-every", "--eval-every", "--gpus", "--lr", "--noise-scale", "--optimizer",
              "--per-gpu-batch", "--policy", "--steps", "--warmup-steps"],
     "report": ["--output", "-o", "<results>"],
-    "run": ["--all-ranks", "--cpu", "--find-batch", "--hang-timeout", "--log-dir", "--master", "--max-restarts",
+    "run": ["--all-ranks", "--allow-no-group", "--cpu", "--find-batch", "--hang-timeout", "--log-dir", "--master", "--max-restarts",
             "--memory-budget", "--nnodes", "--node-rank", "--node-timeout", "--nproc", "--profile", "--rdzv-last-call", "--rdzv-timeout",
             "-m", "-n", "<script>",
             "<script_args>"],

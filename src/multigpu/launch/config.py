@@ -67,6 +67,9 @@ class RunConfig:
     hang_timeout: float | None = None
     """stop the workers when a rank completes no step for S seconds (scripts using mg.StepMeter; 3*S before the
     first step): the hang verdict is the summary, exit 124, and --max-restarts restarts it"""
+    allow_no_group: bool = False
+    """accept workers that never join the job's process group (independent runs, e.g. a sweep by RANK); by default
+    such a run exits 2 with one line, as each worker ran the whole script alone"""
     rdzv_timeout: float = 600.0
     """how long the nodes wait for MIN of them to join, at the start and after a loss (default %(default)g)"""
     rdzv_last_call: float = 30.0
@@ -288,6 +291,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run("--profile", field="profile", metavar="START:STOP")
     run("--find-batch", field="find_batch", action="store_true")
     run("--memory-budget", field="memory_budget", metavar="SIZE")
+    run("--allow-no-group", field="allow_no_group", action="store_true")
     parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE", help="run a module like `python -m` (the rest of the line is its arguments)")
     parser.add_argument("script", nargs="?", help="the training script (the rest of the line is its arguments)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -304,5 +308,6 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     return RunConfig(target=target, args=tuple(str(a) for a in rest), module=module, nproc=args.nproc, cpu=args.cpu,
                      nnodes=args.nnodes, node_rank=args.node_rank, master=args.master, max_restarts=args.max_restarts,
                      all_ranks=args.all_ranks, log_dir=args.log_dir, profile=args.profile, find_batch=args.find_batch,
-                     memory_budget=args.memory_budget, hang_timeout=args.hang_timeout, rdzv_timeout=args.rdzv_timeout,
+                     memory_budget=args.memory_budget, hang_timeout=args.hang_timeout,
+                     allow_no_group=args.allow_no_group, rdzv_timeout=args.rdzv_timeout,
                      rdzv_last_call=args.rdzv_last_call, node_timeout=args.node_timeout)

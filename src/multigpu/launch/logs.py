@@ -32,7 +32,7 @@ from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
-from ..runtime.contract import read_failure
+from ..runtime.contract import read_failure, read_no_group
 from .attempts import Attempts, how_short
 
 _TORCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
@@ -117,6 +117,27 @@ class RankLogsSpecs(LogsSpecs):
         self._tails = []
 
 
+def _tail(path: str, size: int | None) -> list[str]:
+    """The non-blank lines of a text file's last ``size`` bytes (None: all of it), right-stripped; [] if unreadable."""
+    try:
+        with open(path, "rb") as fp:
+            if size is not None:
+                fp.seek(0, os.SEEK_END)
+                fp.seek(max(0, fp.tell() - size))
+            text = fp.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    return [ln.rstrip() for ln in text.splitlines() if ln.strip()]
+
+
+def _clip(text: str, limit: int | None) -> str:
+    """``text`` cut to ``limit`` characters in its middle: an error's start names it, its end often says why."""
+    if limit is None or len(text) <= limit:
+        return text
+    head = limit // 3
+    return f"{text[:head]} ... {text[len(text) - (limit - head - 5):]}"
+
+
 def last_line(path: str, limit: int | None = 300, *, tail: int | None = 8192,
               prefer: Callable[[str], bool] | None = None) -> str:
     """The last non-blank line of a text file, stripped; "" when there is none or the file cannot be read.
@@ -127,21 +148,54 @@ def last_line(path: str, limit: int | None = 300, *, tail: int | None = 8192,
     >>> last_line("multigpu_logs/train-x/attempt_0/rank1.stderr.log")
     'RuntimeError: boom'
     """
-    try:
-        with open(path, "rb") as fp:
-            if tail is not None:
-                fp.seek(0, os.SEEK_END)
-                fp.seek(max(0, fp.tell() - tail))
-            lines = [ln.strip() for ln in fp.read().decode("utf-8", "replace").splitlines()]
-    except OSError:
-        return ""
-    lines = [ln for ln in lines if ln]
+    lines = [ln.strip() for ln in _tail(path, tail)]
     if prefer is not None:
         lines = [ln for ln in lines if prefer(ln)] or lines
-    if not lines:
-        return ""
-    last = lines[-1]
-    return last if limit is None or len(last) <= limit else last[: limit - 3] + "..."
+    return _clip(lines[-1], limit) if lines else ""
+
+
+# faulthandler's first line after an abort, a segfault, ... (worker.py turns it on); the dump follows it.
+_DUMP = "Fatal Python error: "
+_THROWN = re.compile(r"terminate called after throwing an instance of '(.+)'")
+_FRAME = re.compile(r'File "(.+)", line (\d+) in (.+)')
+
+
+def _crash_cause(lines: list[str], dump: int) -> str:
+    """The line that explains the crash whose dump starts at ``lines[dump]``.
+
+    ``std::terminate`` prints the C++ exception's type and its ``what()`` before the abort
+    (c10 errors follow with their C++ frames, hence the search back); without one, the
+    dump's own first line and where the current thread was.
+    """
+    for i in range(dump - 1, max(-1, dump - 80), -1):
+        text = lines[i].strip()
+        if text.startswith("what():"):
+            thrown = _THROWN.search(lines[i - 1]) if i else None
+            what = text[len("what():"):].strip()
+            return f"{thrown.group(1)}: {what}" if thrown else what
+        if text.startswith("terminate called"):  # "... without an active exception": no what() follows
+            return text
+    cause = lines[dump].strip()
+    current = next((i for i in range(dump + 1, len(lines)) if lines[i].startswith("Current thread ")), None)
+    frame = _FRAME.search(lines[current + 1]) if current is not None and current + 1 < len(lines) else None
+    if frame:
+        cause += f" (current thread in {frame.group(3)}, {os.path.basename(frame.group(1))}:{frame.group(2)})"
+    return cause
+
+
+def log_quote(path: str, limit: int | None = 300) -> tuple[str, str]:
+    """What a failed worker's stderr log says about its end, for the failure summary: ``("last line", X)``,
+    or ``("cause", X)`` for a log that ends in faulthandler's dump (an abort, a segfault), whose own
+    last line ("Extension modules: numpy._core...") says nothing; ``("", "")`` for an empty log.
+
+    >>> log_quote("multigpu_logs/mismatch-x/attempt_0/rank0.stderr.log")
+    ('cause', "gloo::EnforceNotMet: [enforce fail at .../pair.cc:456] ... Is there a distributed collective mismatch in your code?")
+    """
+    lines = _tail(path, 64 << 10)  # a dump of a few dozen threads' stacks fits
+    dumps = [i for i, ln in enumerate(lines) if ln.startswith(_DUMP)]
+    if dumps:
+        return "cause", _clip(_crash_cause(lines, dumps[-1]), limit)
+    return ("last line", _clip(lines[-1].strip(), limit)) if lines else ("", "")
 
 
 def failure_line(console: str) -> str:
@@ -172,11 +226,12 @@ def failure_summary(err: ChildFailedError, specs: RankLogsSpecs) -> tuple[int, s
     report names the rank. Without records (a killed worker, a script outside
     worker.py), ranks the agent did not stop and whose last stderr line is no
     lost-peer report come first, by torch's timestamp. The exit code is the
-    worker's own (a usage error's 2 stays 2; 1 for an exception whose rank the
-    agent stopped before it could exit); a worker killed by signal N gives
-    128+N, the shell's convention.
+    worker's own (a usage error's 2 stays 2), or for a rank the agent stopped
+    while it was exiting the one its record says it was exiting with; a worker
+    killed by signal N gives 128+N, the shell's convention. The line quotes the
+    rank's log (``log_quote``: the cause of a crash, else the last line).
     """
-    lasts = {rank: last_line(specs.stderr_paths.get(rank, "")) for rank in err.failures}
+    quotes = {rank: log_quote(specs.stderr_paths.get(rank, "")) for rank in err.failures}
     records = {rank: read_failure(os.path.dirname(specs.stderr_paths.get(rank, "")), rank) for rank in err.failures}
     cause = {rank: not _SECONDARY.search(f"{rec['type']}: {rec['message']}") for rank, rec in records.items() if rec}
 
@@ -185,12 +240,12 @@ def failure_summary(err: ChildFailedError, specs: RankLogsSpecs) -> tuple[int, s
         if cause.get(rank):
             return (0, records[rank]["time"], index)
         stopped = failure.exitcode == -signal.SIGTERM
-        return (1, stopped, rank in cause or bool(_SECONDARY.search(lasts[rank])), failure.timestamp, index)
+        return (1, stopped, rank in cause or bool(_SECONDARY.search(quotes[rank][1])), failure.timestamp, index)
 
     ordered = [ri for _, ri in sorted(enumerate(err.failures.items()), key=key)]
     rank, failure = ordered[0]
     if failure.exitcode == -signal.SIGTERM and cause.get(rank):
-        code = 1  # what it would have exited with: Python's status for an uncaught exception
+        code = records[rank].get("exit_code", 1)  # what it was exiting with (a usage error's 2)
         how = f"failed ({records[rank]['type']}; the launcher stopped it while it was exiting)"
     elif failure.exitcode < 0:
         code = 128 - failure.exitcode
@@ -200,12 +255,31 @@ def failure_summary(err: ChildFailedError, specs: RankLogsSpecs) -> tuple[int, s
         how = f"failed with exit code {code}"
     log = specs.stderr_paths.get(rank, "?")
     line = f"rank {rank} {how} on host {socket.gethostname()} (pid {failure.pid}); log: {log}"
-    if lasts[rank]:
-        line += f"; last line: {lasts[rank]}"
+    label, text = quotes[rank]
+    if text:
+        line += f"; {label}: {text}"
     others = [f"{r} ({how_short(f.exitcode)})" for r, f in ordered[1:] if f.exitcode != -signal.SIGTERM]
     if others:
         line += f"; also failed: rank {', '.join(others)}"
     return code, line
+
+
+def no_group_line(specs: RankLogsSpecs) -> str | None:
+    """The launcher's verdict on a finished run with workers that never joined the job's process group (their
+    ``nogroup`` records, worker.py's): each ran the whole script alone; None when all joined (or none could tell)."""
+    records = {rank: read_no_group(os.path.dirname(path), rank) for rank, path in specs.stderr_paths.items()}
+    alone = sorted(rank for rank, rec in records.items() if rec)
+    if not alone:
+        return None
+    world = records[alone[0]]["world_size"]
+    if len(alone) == world:
+        who = (f"the {world} workers never joined a process group: each ran the whole script alone ({world} copies "
+               f"of one job, not one job on {world} processes)")
+    else:
+        who = (f"rank{'s' if len(alone) > 1 else ''} {','.join(map(str, alone))} of {world} never joined the job's "
+               f"process group and ran the whole script alone")
+    return (f"{who}; call mg.init() or torch.distributed.init_process_group() in the script, run it with -n 1, or "
+            f"pass --allow-no-group if the workers are meant to run independently")
 
 
 @contextlib.contextmanager

@@ -191,7 +191,8 @@ def _supervise(torchrun_args: argparse.Namespace, specs) -> tuple[int, str]:
 
 
 def launch(cfg: RunConfig) -> int:
-    """Run ``cfg`` to completion and return the exit code (0, the failed worker's, or 128+signal)."""
+    """Run ``cfg`` to completion and return the exit code (0, the failed worker's, 128+signal, or 2 for workers that
+    never joined the job's process group)."""
     from .hang import hang_monitor
     from ..meter.profile import parse_steps
 
@@ -218,6 +219,9 @@ def launch(cfg: RunConfig) -> int:
         code, summary = _supervise(torchrun_args, specs)
     if code != 0 and specs.attempts.hang:  # the last attempt was stopped for a hang: that is the story, not SIGKILL
         code, summary = HANG_EXIT, f"hang: {specs.attempts.hang}; stopped after --hang-timeout {cfg.hang_timeout:g} s"
+    alone = logs.no_group_line(specs) if code == 0 and not cfg.allow_no_group else None
+    if alone:  # N copies of a one-process script, each writing the same outputs, are no N-rank job: refused
+        code, summary = 2, alone
     if cfg.find_batch:
         found = find_batch_line(run_dir, cfg.target if cfg.module else os.path.basename(cfg.target), code)
         if found:
@@ -276,6 +280,7 @@ def run(
     find_batch: bool = False,
     memory_budget: str | int | None = None,
     hang_timeout: float | None = None,
+    allow_no_group: bool = False,
     rdzv_timeout: float = RunConfig.rdzv_timeout,
     rdzv_last_call: float = RunConfig.rdzv_last_call,
     node_timeout: float = RunConfig.node_timeout,
@@ -293,7 +298,7 @@ def run(
     cfg = RunConfig(target=target, args=tuple(str(a) for a in args), module=module, nproc=nproc, cpu=cpu, nnodes=nnodes,
                     node_rank=node_rank, master=master, max_restarts=max_restarts, all_ranks=all_ranks, log_dir=log_dir,
                     profile=profile, find_batch=find_batch, memory_budget=memory_budget, hang_timeout=hang_timeout,
-                    rdzv_timeout=rdzv_timeout, rdzv_last_call=rdzv_last_call, node_timeout=node_timeout)
+                    allow_no_group=allow_no_group, rdzv_timeout=rdzv_timeout, rdzv_last_call=rdzv_last_call, node_timeout=node_timeout)
     return launch(cfg)
 
 

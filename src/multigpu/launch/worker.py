@@ -19,6 +19,12 @@ This runs TARGET as ``python TARGET`` / ``python -m TARGET`` would (its module i
   called without an active exception", exit 134, seen with plain torchrun
   too; backtrace in docs/launcher.md). A script that returns without
   ``destroy_process_group`` gets it here, while the interpreter is alive.
+- **A usage error is one line.** A ``UsageError`` that ends the script prints its
+  line and exits 2, as under ``mg.init`` and the ``multigpu`` verbs (no traceback).
+- **A script that never joins.** In a job of several workers, one that ends
+  without ever joining the job's process group ran the whole script alone:
+  ``<attempt dir>/rank<r>.nogroup.json`` says so, and the launcher refuses
+  the run (``--allow-no-group`` accepts independent workers).
 - **A stack at an abort.** ``faulthandler`` is on, so an abort (SIGABRT from
   ``std::terminate``) or a crash leaves every thread's Python stack in the
   rank's stderr log: which thread was inside C++ when the process died.
@@ -38,7 +44,8 @@ import sys
 import traceback
 import types
 
-from ..runtime.contract import record_failure
+from ..errors import UsageError, report_usage_error
+from ..runtime.contract import record_failure, record_no_group
 
 
 _OURS = {__file__}
@@ -48,6 +55,48 @@ def _destroy_process_groups() -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+class _GroupWatch:
+    """Whether the script joins the job's process group (one of ``WORLD_SIZE`` ranks), seen as it happens.
+
+    Looking at the end is not enough: a script that calls ``destroy_process_group``
+    leaves no trace of its group. So torch's one setter of the default group
+    (``distributed_c10d._update_default_pg``, through which ``init_process_group``,
+    ``init_device_mesh`` and ``mg.init`` all pass) is wrapped while the script runs.
+    Where this torch has no such function the watch is off: no record, no verdict.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size, self.largest, self._c10d, self._original = world_size, 0, None, None
+        try:
+            import torch.distributed as tdist  # loaded already: the multigpu package imports torch
+            from torch.distributed import distributed_c10d as c10d
+        except ImportError:
+            return
+        original = getattr(c10d, "_update_default_pg", None)
+        if not tdist.is_available() or not callable(original):
+            return
+
+        def update_default_pg(pg, *args, **kwargs):
+            result = original(pg, *args, **kwargs)
+            try:
+                self.largest = max(self.largest, int(pg.size()))
+            except Exception:  # noqa: BLE001 - None when a group is destroyed; a foreign object is no group
+                pass
+            return result
+
+        self._c10d, self._original = c10d, original
+        c10d._update_default_pg = update_default_pg
+
+    def end(self) -> None:
+        """Stop watching; record this rank if it never joined (only when the watch was on)."""
+        if self._c10d is None:
+            return
+        self._c10d._update_default_pg = self._original
+        self._c10d = None
+        if self.largest < self.world_size:
+            record_no_group(self.world_size, self.largest)
 
 
 def _prepare_exit() -> None:
@@ -119,6 +168,8 @@ def main(argv: list[str], keep_main: bool = False) -> int:
     """Run the script; ``keep_main``: leave its module as ``__main__`` (the worker process) rather than
     restore the caller's (a test calling this in its own process)."""
     kind, target, *args = argv
+    world_size = os.environ.get("WORLD_SIZE", "")
+    watch = _GroupWatch(int(world_size)) if world_size.isdigit() and int(world_size) > 1 else None
     try:
         _run(kind, target, args, keep_main)
     except SystemExit as err:  # sys.exit(0) ends a finished script too: the group must go either way
@@ -127,6 +178,10 @@ def main(argv: list[str], keep_main: bool = False) -> int:
         raise
     except KeyboardInterrupt:
         raise
+    except UsageError as err:  # the user's mistake: its one line and exit 2, as mg.init and the verbs do
+        record_failure(err)
+        report_usage_error(err)
+        return err.exit_code
     except BaseException as err:  # noqa: BLE001 - recorded, then reported as Python would
         record_failure(err)
         # The traceback from the user's code on: these frames are not theirs.
@@ -136,6 +191,8 @@ def main(argv: list[str], keep_main: bool = False) -> int:
         traceback.print_exception(type(err), err, tb)
         return 1
     finally:
+        if watch is not None:
+            watch.end()
         _destroy_process_groups()
     return 0
 

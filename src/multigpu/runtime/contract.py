@@ -15,12 +15,14 @@ file in the run directory::
                              (a StepMeter appends to a metrics.jsonl only after an earlier attempt of it: sinks.py)
     MULTIGPU_HANG_TIMEOUT    --hang-timeout S: every StepMeter's watchdog reports a stall after S seconds at most
     <run dir>/find_batch.json  the agreed search result (local rank 0 of each node), for the launcher's last line
-    <attempt dir>/rank<r>.failure.json  the exception that ended a worker, with the time it was raised
-                                        (written by worker.py, read by the failure summary)
+    <attempt dir>/rank<r>.failure.json  the exception that ended a worker, with the time it was raised and the
+                                        exit code it ends with (written by worker.py, read by the failure summary)
+    <attempt dir>/rank<r>.nogroup.json  a worker of a job of several that never joined the job's process group
+                                        (written by worker.py, read by the launcher at the end of a run)
 
 Launcher side: ``worker_env`` and ``read_find_batch``. Worker side: ``run_dir``,
 ``attempt``, ``launch_id``, ``profile_window``, ``find_batch_requested``, ``memory_budget``, ``hang_timeout`` and
-``write_find_batch``; ``failure_path`` for both. The standard library and ``errors`` only: meter/, the finder and the
+``write_find_batch``; ``failure_path`` and ``no_group_path`` for both. The standard library and ``errors`` only: meter/, the finder and the
 recipes read it in every worker, so it sits in the runtime, below the launcher (``multigpu.launch``) that writes it.
 """
 
@@ -52,13 +54,50 @@ def failure_path(attempt_dir: str, rank: int) -> str:
     return os.path.join(attempt_dir, f"rank{rank}.failure.json")
 
 
-def read_failure(attempt_dir: str, rank: int) -> dict[str, Any] | None:
-    """The record worker.py left for ``rank`` (None: it ended without one: killed, or not started by us)."""
+def no_group_path(attempt_dir: str, rank: int) -> str:
+    """Where the worker of global ``rank`` records that it never joined the job's process group."""
+    return os.path.join(attempt_dir, f"rank{rank}.nogroup.json")
+
+
+def _read(path: str) -> dict[str, Any] | None:
     try:
-        with open(failure_path(attempt_dir, rank)) as fp:
+        with open(path) as fp:
             return json.load(fp)
     except (OSError, ValueError):
         return None
+
+
+def read_failure(attempt_dir: str, rank: int) -> dict[str, Any] | None:
+    """The record worker.py left for ``rank`` (None: it ended without one: killed, or not started by us)."""
+    return _read(failure_path(attempt_dir, rank))
+
+
+def read_no_group(attempt_dir: str, rank: int) -> dict[str, Any] | None:
+    """The record of a worker that never joined the job's process group (None: it joined, or could not tell)."""
+    return _read(no_group_path(attempt_dir, rank))
+
+
+def exit_code_of(err: BaseException) -> int:
+    """The status a worker ended by ``err`` exits with: ``sys.exit``'s, 2 for a ``UsageError`` (worker.py and
+    ``mg.init`` print its line and exit 2), else 1, Python's status for an uncaught exception."""
+    if isinstance(err, SystemExit):
+        return 0 if err.code is None else err.code if isinstance(err.code, int) else 1
+    code = getattr(err, "exit_code", 1)
+    return code if isinstance(code, int) else 1
+
+
+def _attempt_record(path_of, rec: dict[str, Any]) -> None:
+    """Write ``rec`` as this worker's record (``path_of(attempt dir, rank)``), atomically; nothing outside the launcher."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # the launcher puts it in the attempt's folder
+    if not error_file:
+        return
+    path = path_of(os.path.dirname(error_file), int(os.environ.get("RANK", "0")))
+    try:
+        with open(f"{path}.tmp", "w") as fp:
+            json.dump(rec, fp)
+        os.replace(f"{path}.tmp", path)
+    except OSError:
+        pass  # the launcher falls back to what it sees itself
 
 
 def record_failure(err: BaseException) -> None:
@@ -66,7 +105,9 @@ def record_failure(err: BaseException) -> None:
 
     Called where the exception is first caught (``mg.init``; worker.py for other
     scripts), before any teardown: the peers see its symptoms only after that,
-    and the agent may SIGTERM this rank before it gets further.
+    and the agent may SIGTERM this rank before it gets further. The record keeps
+    the exit code the rank is on its way to, so a rank stopped while exiting is
+    reported with it (a usage error's 2, not 1).
     """
     if getattr(err, RAISED_AT, None) is not None:
         return
@@ -75,19 +116,15 @@ def record_failure(err: BaseException) -> None:
         setattr(err, RAISED_AT, now)
     except (AttributeError, TypeError):  # an exception type with __slots__
         pass
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # the launcher puts it in the attempt's folder
-    if not error_file:
-        return
     message = " ".join(str(err).split())
-    rec = {"time": now, "type": type(err).__name__, "message": message if len(message) <= 500 else message[:497] + "...",
-           "pid": os.getpid()}
-    path = failure_path(os.path.dirname(error_file), int(os.environ.get("RANK", "0")))
-    try:
-        with open(f"{path}.tmp", "w") as fp:
-            json.dump(rec, fp)
-        os.replace(f"{path}.tmp", path)
-    except OSError:
-        pass  # the summary falls back to torch's record
+    _attempt_record(failure_path, {"time": now, "type": type(err).__name__, "exit_code": exit_code_of(err),
+                                   "message": message if len(message) <= 500 else message[:497] + "...", "pid": os.getpid()})
+
+
+def record_no_group(world_size: int, largest: int) -> None:
+    """Worker side: this rank of a ``world_size``-rank job ended without joining its process group (the largest
+    group it made had ``largest`` ranks, 0: none): it ran the script alone."""
+    _attempt_record(no_group_path, {"world_size": world_size, "largest_group": largest, "pid": os.getpid()})
 
 
 # -- launcher side ----------------------------------------------------------------------------
