@@ -372,3 +372,26 @@ def train_in_two_layouts(dist, kind: str, first: dict, then: dict, ckpt: str) ->
 def train_any(dist, jobs: list[tuple[str, dict]]) -> list[dict]:
     """Each (kind, layout): a pipeline (``train_pipeline``) where the layout has pp > 1, else ``train``."""
     return [(train_pipeline if layout.get("pp", 1) > 1 else train)(dist, kind, layout) for kind, layout in jobs]
+
+
+def tiny_vit():
+    """transformers' ViT for 32x32 images in patches of 8, 2 layers (its blocks: ViTLayer, declared)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
+                                    num_hidden_layers=2, num_attention_heads=4, num_labels=10)
+    return transformers.ViTForImageClassification(config).double()
+
+
+def fsdp_units(dist) -> dict:
+    """The FSDP units of the same ViT by both entries, mg.wrap(model, "fsdp") and mg.parallelize."""
+    from multigpu.parallel.fsdp import fsdp_modules
+
+    out = {}
+    for entry in ("wrap", "parallelize"):
+        model = tiny_vit()
+        model = mg.wrap(model, "fsdp") if entry == "wrap" else mg.parallelize(model, mg.parallel.Layout())
+        names = {id(m): n for n, m in model.named_modules()}
+        out[entry] = sorted(names[id(m)] for m in fsdp_modules(model))
+    return out

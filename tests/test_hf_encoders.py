@@ -65,3 +65,16 @@ def test_encoders_under_fsdp_2_x_tp_2_equal_one_process(reference):
         diff = max(_max_diff(rank[i], reference[kind]) for rank in out)
         print(f"{kind} FSDP 2 x TP 2: max parameter difference from one process {diff:.1e}")
         assert diff < TOL, (kind, diff)
+
+
+def test_both_fsdp_entries_cut_a_vit_into_the_same_units_and_say_so(capfd):
+    """mg.wrap(model, "fsdp") took attention and MLP pieces by size and said nothing, mg.parallelize whole
+    ViTLayers: one rule now (the declared blocks first), one line each."""
+    out = spawn(hf.fsdp_units, 2, timeout=240)
+    assert out[0] == out[1]
+    units = out[0]
+    assert units["wrap"] == units["parallelize"] == ["", "vit.embeddings", "vit.layers.0", "vit.layers.1"]
+    said = capfd.readouterr().out
+    rule = "3 units of ViTEmbeddings, ViTLayer (declared _no_split_modules) + the root"
+    assert f"mg.wrap: FSDP over 2 ranks: {rule}" in said
+    assert f"mg.parallelize: FSDP over dp_shard 2: {rule}" in said

@@ -118,17 +118,43 @@ def _fsdp_imported() -> bool:
     return "torch.distributed.fsdp" in sys.modules
 
 
+def unit_rule(model: nn.Module, block_classes: Iterable[type] | None, min_block_params: int | None
+              ) -> tuple[list[type] | None, int, str]:
+    """(the block classes to shard by, the size rule's minimum, how they were chosen): the one rule of both
+    FSDP entries (``mg.wrap(model, "fsdp")`` and ``mg.parallelize``). Given classes, or a given size, win;
+    else the blocks the model declares (``_no_split_modules``), else its repeated blocks, else the size rule."""
+    from .auto import blocks_of
+
+    if block_classes is None and min_block_params is None:
+        classes, source = blocks_of(model)
+        block_classes = classes or None
+    else:
+        source = "given"
+    minimum = DEFAULT_MIN_BLOCK_PARAMS if min_block_params is None else min_block_params
+    if block_classes:
+        names = ", ".join(c.__name__ for c in block_classes)
+        return list(block_classes), minimum, f"{names} ({source})"
+    why = "given" if min_block_params is not None else "no repeated blocks"
+    return None, minimum, f"blocks of >= {minimum:,} parameters ({why})"
+
+
+def units_line(model: nn.Module, rule: str) -> str:
+    """``3 units of ViTLayer (declared _no_split_modules) + the root``, counted from what was sharded."""
+    return f"{len(fsdp_modules(model)) - 1} units of {rule} + the root"
+
+
 def wrap_fsdp(
     model: nn.Module,
     block_classes: Iterable[type] | None = None,
-    min_block_params: int = DEFAULT_MIN_BLOCK_PARAMS,
+    min_block_params: int | None = None,
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | str | None = None,
     reduce_dtype: torch.dtype | str | None = None,
     cpu_offload: bool = False,
     sync_batchnorm: bool = False,
 ) -> nn.Module:
-    """FSDP2 per block, then on the root. Returns the same module, sharded in place."""
+    """FSDP2 per block, then on the root, the blocks chosen by ``unit_rule`` and said in one line. Returns the
+    same module, sharded in place."""
     params = list(model.parameters())
     if not params:
         raise UsageError(f"strategy 'fsdp' shards parameters but {type(model).__name__} has none; "
@@ -137,7 +163,8 @@ def wrap_fsdp(
     if device.type == "meta":
         raise UsageError("strategy 'fsdp' got a model on the meta device; materialise it on dist.device first "
                          "(model.to_empty(device=dist.device) and initialise its weights)")
-    check_block_options(block_classes, min_block_params)
+    check_block_options(block_classes, DEFAULT_MIN_BLOCK_PARAMS if min_block_params is None else min_block_params)
+    block_classes, min_block_params, rule = unit_rule(model, block_classes, min_block_params)
     if not (tdist.is_available() and tdist.is_initialized()):
         raise UsageError("strategy 'fsdp' needs a process group; call mg.wrap inside `with mg.init() as dist:`")
     if tdist.get_backend() == "nccl" and device.type != "cuda":
@@ -155,7 +182,11 @@ def wrap_fsdp(
     # "cpu", NCCL meshes "cuda" (init_device_mesh would otherwise guess from
     # what is installed, not from where the model is).
     mesh = init_device_mesh(device.type, (tdist.get_world_size(),))
-    return _shard(model, blocks, mesh, reshard_after_forward, pdt, rdt, cpu_offload, device)
+    model = _shard(model, blocks, mesh, reshard_after_forward, pdt, rdt, cpu_offload, device)
+    from ..dist import print0
+
+    print0(f"mg.wrap: FSDP over {tdist.get_world_size()} ranks: {units_line(model, rule)}")
+    return model
 
 
 def _shard(model: nn.Module, blocks: list[nn.Module], mesh: Any, reshard_after_forward: bool,

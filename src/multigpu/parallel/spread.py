@@ -23,7 +23,7 @@ from ..dist import print0
 from ..errors import UsageError
 from . import auto
 from .batchnorm import prepare_batchnorm
-from .fsdp import DEFAULT_MIN_BLOCK_PARAMS, fsdp_modules, shard_blocks
+from .fsdp import shard_blocks, unit_rule, units_line
 from .layout import LAYOUT_ATTR, Layout
 from .mesh import Mesh
 
@@ -204,11 +204,10 @@ def parallelize(model: nn.Module, layout: Layout | Mesh | None = None, *, tp_pla
         model = prepare_batchnorm(model, strategy, sync_batchnorm, params[0].device)
         # Shard first, then count what was sharded: a refusal prints no line, and the blocks are picked once.
         model = shard_blocks(model, mesh.dp_mesh, block_classes=classes or None, **options)
-        units = len(fsdp_modules(model)) - 1  # the root is the last unit
         over = (f"HSDP over dp_replicate {shape.dp_replicate} x dp_shard {shape.dp_shard}" if strategy == "hsdp"
                 else f"FSDP over dp_shard {shape.dp_shard}")
-        rule = f"{block_names} ({block_source})" if classes else f"blocks of >= {DEFAULT_MIN_BLOCK_PARAMS:,} parameters (no repeated blocks)"
-        say(f"mg.parallelize: {over}: {units} units of {rule} + the root{extras}")
+        rule = f"{block_names} ({block_source})" if classes else unit_rule(model, None, None)[2]
+        say(f"mg.parallelize: {over}: {units_line(model, rule)}{extras}")
         return _stamped(model, layout)
     if shape.tp == 1 and shape.pp == 1:
         say(f"mg.parallelize: one process, nothing to spread (blocks: {block_names}){extras}")
