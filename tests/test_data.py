@@ -5,7 +5,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 import multigpu as mg
-from multigpu.data import shard_range
+from multigpu.data import eval_batches
 
 
 def _dist(rank, world):
@@ -120,14 +120,25 @@ def test_worker_seeds_differ_per_rank_and_are_reproducible():
     assert r0 == _worker_draws(0, 2, 7)
 
 
-@pytest.mark.parametrize("n, world", [(10, 3), (7, 4), (5, 1), (3, 4)])
-def test_eval_shards_cover_the_dataset_exactly_once(n, world):
-    seen = []
+@pytest.mark.parametrize("n, world", [(10, 3), (7, 4), (5, 1), (101, 2), (4, 4)])
+def test_eval_shards_cover_the_dataset_exactly_once_in_as_many_batches_per_rank(n, world):
+    seen, counts = [], []
     for r in range(world):
-        for (x,) in mg.eval_loader(_indices(n), _dist(r, world), batch_size=2):
-            seen += x.tolist()
+        batches = [x.tolist() for (x,) in mg.eval_loader(_indices(n), _dist(r, world), batch_size=2)]
+        assert all(1 <= len(b) <= 2 for b in batches)
+        seen += [i for b in batches for i in b]
+        counts.append(len(batches))
     assert seen == list(range(n))
-    assert sum(len(shard_range(n, r, world)) for r in range(world)) == n
+    assert len(set(counts)) == 1  # FSDP gathers the parameters in every forward: no rank may run one more
+    assert [len(eval_batches(n, r, world, 2)) for r in range(world)] == counts
+
+
+def test_eval_batches_that_would_leave_a_rank_empty_are_refused_with_the_fix():
+    with pytest.raises(mg.UsageError, match="3 rows in batches of at most 2 over 4 data-parallel ranks .* "
+                                            "evaluate at least 4 rows"):
+        mg.eval_loader(_indices(3), _dist(0, 4), batch_size=2)
+    with pytest.raises(mg.UsageError, match="101 rows in batches of at most 1 .* use batch_size=2$"):
+        mg.eval_loader(_indices(101), _dist(1, 2), batch_size=1)
 
 
 class _Plain(Dataset):

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as tdist
 
 from .errors import UsageError
 from .runtime.values import divisors, is_positive_int, positive_int
@@ -116,16 +117,19 @@ class BatchPlan:
         return dataset_size // self.global_batch
 
     def summary(self, **extra) -> str:
-        """A boxed, multi-line description for rank 0 to print at start.
+        """A boxed, multi-line description for rank 0 to print at start. Under model parallelism (a plan over
+        fewer data-parallel ranks than the job has processes) it names both: the world and the data-parallel size.
 
         >>> mg.print0(plan.summary(lr=0.4, precision="bf16", strategy="ddp", backend="gloo"))
         """
-        rows = [
-            ("world size", self.world_size),
-            ("micro-batch / rank", self.micro_batch),
-            ("accumulation", self.accum_steps),
-            ("global batch", self.global_batch),
-        ]
+        world = tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else self.world_size
+        if world == self.world_size:
+            rows = [("world size", self.world_size), ("micro-batch / rank", self.micro_batch)]
+        else:
+            each = f" ({world // self.world_size} processes each)" if world % self.world_size == 0 else ""
+            rows = [("world size", world), ("data-parallel size", f"{self.world_size}{each}"),
+                    ("micro-batch / dp rank", self.micro_batch)]
+        rows += [("accumulation", self.accum_steps), ("global batch", self.global_batch)]
         rows += [(k.replace("_", " "), _fmt(v)) for k, v in extra.items() if v is not None]
         width = max(len(k) for k, _ in rows)
         body = [f"| {k:<{width}} : {v}" for k, v in rows]

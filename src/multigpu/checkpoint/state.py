@@ -10,9 +10,11 @@ zero_state.py). A DTensor DCP cannot write as one chunk per rank (a fused projec
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -78,13 +80,17 @@ class TrainingObjects:
                     state["optim"] = full
             elif opts:
                 state["optim"] = osd
+        # A load writes the saved values into the template: into copies, never into what an object handed
+        # out (a loader's state_dict() held its own source fingerprint, so it then compared the saved one
+        # with itself and accepted other data).
+        own = _template if for_load else (lambda tree: tree)
         if self.scheduler is not None:
-            state["scheduler"] = self.scheduler.state_dict()
+            state["scheduler"] = own(self.scheduler.state_dict())
         if self.scaler is not None:
-            state["scaler"] = self.scaler.state_dict()
+            state["scaler"] = own(self.scaler.state_dict())
         for name, obj in self.extra.items():
             if is_stateful(obj):
-                state.setdefault("extra", {})[name] = obj.state_dict()
+                state.setdefault("extra", {})[name] = own(obj.state_dict())
         for part in ("model", "optim"):
             if part in state:
                 state[part] = _chunkable(state[part])
@@ -111,6 +117,20 @@ class TrainingObjects:
         if isinstance(state.get("optim"), dict):  # flattened (OPTIONS): state.<parameter name>.<exp_avg, ...>
             state["optim"] = {k: back(k[len("state."):].rpartition(".")[0], v) if k.startswith("state.") else v
                               for k, v in state["optim"].items()}
+
+
+def _template(tree: Any) -> Any:
+    """A load template of ``tree`` that shares nothing mutable with it: new dicts and lists, a new tensor of
+    each tensor's shape and placement (DCP fills it), the immutable leaves as they are."""
+    if isinstance(tree, dict):
+        return {k: _template(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_template(v) for v in tree]
+    if isinstance(tree, tuple):
+        return type(tree)(*map(_template, tree)) if hasattr(tree, "_fields") else tuple(map(_template, tree))
+    if isinstance(tree, torch.Tensor):
+        return torch.empty_like(tree)
+    return copy.deepcopy(tree)
 
 
 def _dcp_cannot_chunk(placements: tuple[Any, ...]) -> bool:

@@ -1,12 +1,11 @@
-"""World-size-invariant loading of map-style datasets (``mg.loader``, ``mg.eval_loader``).
+"""World-size-invariant loading of map-style datasets (``mg.loader``; ``mg.eval_loader`` is in evaluation.py).
 
 The sequence of global batches is a function of (dataset size, seed, global
 batch, epoch) only. Rank ``r`` of ``W`` takes the contiguous slice
 ``[r*G/W, (r+1)*G/W)`` of every global batch and cuts it into
 ``accum_steps`` micro-batches. So N ranks x micro-batch b x accumulation a see
 exactly the samples one process sees with batch N*a*b, a checkpoint taken on
-4 ranks resumes on 2 with the same data order, and evaluation shards without
-padding duplicates. Datasets that say what they are (``TokenShards``, a
+4 ranks resumes on 2 with the same data order. Datasets that say what they are (``TokenShards``, a
 Hugging Face ``Dataset``) put that in the position, so a resume over other
 data is refused rather than silently reshuffled.
 """
@@ -14,11 +13,10 @@ data is refused rather than silently reshuffled.
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping
 
 import torch
-import torch.distributed as tdist
-from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ..batch import BatchPlan
 from ..dist import Dist
@@ -259,7 +257,7 @@ class DistributedLoader:
             "shuffle": self.shuffle,
         }
         if self.source is not None:
-            state["source"] = self.source
+            state["source"] = _json(self.source)  # a copy: whoever loads into the state must not change ours
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -300,64 +298,3 @@ def loader(dataset: Dataset, plan: BatchPlan, dist: Dist, shuffle: bool = True, 
     if collate_fn is not None:
         kwargs["collate_fn"] = collate_fn
     return DistributedLoader(dataset, plan, dist, shuffle=shuffle, seed=seed, device=device, loader_kwargs=kwargs)
-
-
-def shard_range(dataset_size: int, rank: int, world_size: int) -> range:
-    """Rank's contiguous evaluation shard; shards cover the dataset exactly once."""
-    return range(rank * dataset_size // world_size, (rank + 1) * dataset_size // world_size)
-
-
-def eval_loader(dataset: Dataset, dist: Dist, batch_size: int, *, mesh: Any = None, num_workers: int = 0,
-                pin_memory: bool | None = None, **dataloader_kwargs: Any) -> DataLoader:
-    """This rank's evaluation shard, without the padding duplicates of DistributedSampler.
-
-    Sum metrics per rank and combine them with ``mg.all_reduce_sum`` for exact
-    dataset-level figures on any world size. With a ``mesh``
-    (``mg.parallel.mesh``) the shards follow the data-parallel ranks, so
-    tensor-parallel peers evaluate the same samples (count them once).
-
-    >>> correct = count = 0
-    >>> for x, y in mg.eval_loader(test_set, dist, batch_size=256):
-    ...     ...
-    >>> totals = mg.all_reduce_sum({"correct": correct, "count": count})
-    """
-    if batch_size < 1:
-        raise UsageError(f"eval batch_size must be >= 1, got {batch_size}")
-    if pin_memory is None:
-        pin_memory = dist.device.type == "cuda"
-    rank, world = (mesh.dp_rank, mesh.dp_size) if mesh is not None else (dist.rank, dist.world_size)
-    shard = Subset(dataset, shard_range(len(dataset), rank, world))
-    return DataLoader(shard, batch_size=batch_size, shuffle=False, num_workers=num_workers,
-                      pin_memory=pin_memory, **dataloader_kwargs)
-
-
-def _reduce_device() -> torch.device:
-    if tdist.is_initialized() and tdist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def all_reduce_sum(values: Mapping[str, float] | Sequence[float] | float):
-    """Sum numbers over all ranks (float64), e.g. correct and count for exact accuracy.
-
-    Accepts a dict, a list/tuple, or one number, and returns the same shape.
-
-    >>> mg.all_reduce_sum({"correct": 940, "count": 1000})
-    {'correct': 1873.0, 'count': 2000.0}
-    """
-    if isinstance(values, Mapping):
-        keys = list(values)
-        flat = [float(values[k]) for k in keys]
-    elif isinstance(values, (list, tuple)):
-        flat = [float(v) for v in values]
-    else:
-        flat = [float(values)]
-    t = torch.tensor(flat, dtype=torch.float64, device=_reduce_device())
-    if tdist.is_initialized() and tdist.get_world_size() > 1:
-        tdist.all_reduce(t)
-    out = t.tolist()
-    if isinstance(values, Mapping):
-        return dict(zip(keys, out))
-    if isinstance(values, (list, tuple)):
-        return type(values)(out)
-    return out[0]

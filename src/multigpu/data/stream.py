@@ -34,8 +34,9 @@ from ..batch import BatchPlan
 from ..dist import Dist
 from ..errors import UsageError
 from ..runtime.values import positive_int
-from .loader import (_as_batch, dataloader_kwargs_of, global_order, refuse_changed_source, refuse_other_order,
-                     to_device, worker_generator)
+from .loader import (_as_batch, _json, dataloader_kwargs_of, global_order, refuse_changed_source,
+                     refuse_other_order, to_device, worker_generator)
+from .evaluation import eval_share
 from .sources import RawStream, materialize, stream_shards
 
 def window_order(seed: int, epoch: int, window: int, n: int) -> list[int]:
@@ -184,7 +185,7 @@ class StreamLoader:
         """The position (epoch, next global batch) and what identifies the stream: shards, record count if known."""
         state = {"kind": "stream", "epoch": self.epoch, "batch_index": self.batch_index, "seed": self.seed,
                  "global_batch": self.plan.global_batch, "buffer": self.buffer, "shuffle": self.shuffle,
-                 "source": self.source}
+                 "source": _json(self.source)}  # a copy: whoever loads into the state must not change ours
         if self.records is not None:
             state["records"] = self.records
         return state
@@ -252,17 +253,19 @@ class _EvalPass(IterableDataset):
             yield self.collate(batch)
 
 
-def stream_eval_loader(source: Any, dist: Dist, batch_size: int, *, mesh: Any = None, transform: Callable | None = None,
-                       num_workers: int = 0, pin_memory: bool | None = None, collate_fn: Callable | None = None,
-                       **dataloader_kwargs: Any) -> DataLoader:
-    """This rank's evaluation share of a stream: every record once over all ranks, no padding, in stream order.
+def stream_eval_loader(source: Any, dist: Dist, batch_size: int, *, layout: Any = None, mesh: Any = None,
+                       transform: Callable | None = None, num_workers: int = 0, pin_memory: bool | None = None,
+                       collate_fn: Callable | None = None, **dataloader_kwargs: Any) -> DataLoader:
+    """This rank's evaluation share of a stream: every record once per data-parallel rank, no padding, in order.
 
-    Rank ``r`` of ``R`` takes records ``r, r+R, ...`` (with a ``mesh``, the
-    data-parallel ranks: tensor-parallel peers read the same). Sum metrics and
-    combine them with ``mg.all_reduce_sum`` for exact figures.
+    Data-parallel rank ``r`` of ``R`` takes records ``r, r+R, ...``; ``layout`` (or ``mesh``) as for
+    ``mg.eval_loader``: tensor-parallel peers and pipeline stages read the same. Sum metrics and
+    combine them with ``mg.all_reduce_sum`` for exact figures. The ranks' batch counts may differ by
+    one (the stream's length is not known ahead): under FSDP, use ``mg.eval_loader``.
     """
     positive_int(batch_size, "eval batch_size", "use e.g. batch_size=256")
-    rank, ranks = (mesh.dp_rank, mesh.dp_size) if mesh is not None else (dist.rank, dist.world_size)
+    share = eval_share(dist, layout, mesh, "mg.stream_eval_loader")
+    rank, ranks = share.dp_rank, share.dp_size
     shards, _ = stream_shards(source)
     kwargs = _kwargs(dist, num_workers, pin_memory, dataloader_kwargs, "mg.stream_eval_loader()")
     return DataLoader(_EvalPass(shards, rank, ranks, batch_size, transform, collate_fn), batch_size=None,

@@ -20,15 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..data.share import LAYOUT_ATTR, DataShare, describe  # noqa: F401 (LAYOUT_ATTR: read here by noise, tests)
 from ..errors import UsageError
 from ..runtime.values import is_positive_int, positive_int
 from .mesh import DIMS, Mesh, MeshShape, factor
-from .pp import SCHEDULES, stages_per_rank
-
-
-# mg.parallelize leaves the Layout on the model it returns, so what measures the model later (NoiseScale)
-# reads its degrees instead of inferring them from the world and the plan.
-LAYOUT_ATTR = "_multigpu_layout"
+from .pp import SCHEDULES, stage_ids, stages_per_rank
 
 
 @dataclass(frozen=True)
@@ -97,6 +93,16 @@ class Layout:
         """The data-parallel rank of global ``rank``: the mesh's flattened (replicate, shard) coordinate."""
         s = self.shape(world_size)
         return (rank // s.tp) % s.dp
+
+    def data_share(self, rank: int, world_size: int) -> DataShare:
+        """What global ``rank`` evaluates and counts: its data-parallel rank's share (its tensor-parallel
+        peers and pipeline stages read the same), and its sums count when it is tensor-parallel peer 0 on
+        the rank that holds the last pipeline stage (placed by the schedule): each data-parallel rank once."""
+        s = self.shape(world_size)
+        last_stage = s.pp * stages_per_rank(self.schedule) - 1
+        holds_last = last_stage in stage_ids(self.schedule, rank // (s.dp * s.tp), s.pp)
+        return DataShare(self.dp_rank(rank, world_size), s.dp, counts=holds_last and rank % s.tp == 0, pp=s.pp,
+                         layout=describe(s))
 
     def plan(self, global_batch: int, dist: Any, max_micro_batch: int | None = None):
         """The ``BatchPlan`` over this layout's data-parallel ranks, bound to this process's one."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..data.share import DataShare, describe, record
 from ..errors import UsageError
 from ..runtime.values import divisors, is_positive_int
 
@@ -85,6 +86,8 @@ class Mesh:
         rep, shard = device_mesh["dp_replicate"].get_local_rank(), device_mesh["dp_shard"].get_local_rank()
         self.dp_rank = rep * shape.dp_shard + shard
         self.dp_size = shape.dp
+        # mg.eval_loader and mg.all_reduce_sum read it when they are not told the layout (data/share.py).
+        record(self.data_share(), device_mesh.get_rank(), shape.world_size)
 
     @property
     def tp_rank(self) -> int:
@@ -112,6 +115,15 @@ class Mesh:
         if self.shape.dp_shard > 1:
             return self.device_mesh["dp_shard"]
         return None
+
+    def data_share(self, rank: int | None = None, world_size: int | None = None) -> DataShare:
+        """What this process evaluates and counts (``Layout.data_share``). A mesh does not know the pipeline
+        schedule, which places the last stage: with pp > 1 whether this rank counts is unknown (None)."""
+        if (rank, world_size) not in ((None, None), (self.device_mesh.get_rank(), self.shape.world_size)):
+            raise UsageError(f"the mesh is rank {self.device_mesh.get_rank()} of {self.shape.world_size}, "
+                             f"not rank {rank} of {world_size}; pass the mesh of this job")
+        counts = self.tp_rank == 0 if self.shape.pp == 1 else None
+        return DataShare(self.dp_rank, self.dp_size, counts=counts, pp=self.shape.pp, layout=describe(self.shape))
 
     def plan(self, global_batch: int, micro_batch: int | None = None, max_micro_batch: int | None = None):
         """The ``BatchPlan`` over this mesh's data-parallel ranks, bound to this process's data-parallel rank."""

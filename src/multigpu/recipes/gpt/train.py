@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -170,9 +171,11 @@ def evaluate(model, val_set, mesh, dist, batch_size: int, sequences: int, loss_p
     return _held_out(total, tokens, counts=mesh.tp_rank == 0)  # TP peers hold the same numbers
 
 
-def evaluate_pipeline(pipe, val_set, mesh, dist, plan, sequences: int) -> dict[str, float]:
+def evaluate_pipeline(pipe, val_set, mesh, dist, plan, sequences: int, schedule: str) -> dict[str, float]:
     """Held-out mean loss per token through the pipeline (forward only), in groups of the schedule's
     micro-batch count; the last stage's ranks count it, once per tensor-parallel group."""
+    # The Layout, not the mesh: its schedule says which rank holds the last stage (mg.all_reduce_sum counts it).
+    layout = dataclasses.replace(mg.parallel.Layout.of(mesh), schedule=schedule)
     # Whole groups on every data-parallel rank: FSDP's gathers need each rank to run as many forwards.
     unit = mesh.dp_size * plan.micro_batch * pipe.accum_steps
     if len(val_set) < unit:
@@ -181,7 +184,8 @@ def evaluate_pipeline(pipe, val_set, mesh, dist, plan, sequences: int) -> dict[s
                             f"{plan.micro_batch}); use a smaller --block-size or --micro-batch, or more held-out data")
     n = max(min(sequences, len(val_set)) // unit, 1) * unit
     subset = torch.utils.data.Subset(val_set, range(n))
-    batches = [(x.to(dist.device), y.to(dist.device)) for x, y in mg.eval_loader(subset, dist, plan.micro_batch, mesh=mesh)]
+    batches = [(x.to(dist.device), y.to(dist.device)) for x, y in mg.eval_loader(subset, dist, plan.micro_batch,
+                                                                                 layout=layout)]
     groups = [batches[i:i + pipe.accum_steps] for i in range(0, len(batches), pipe.accum_steps)]
     total = tokens = 0.0
     for group in groups:
@@ -284,7 +288,7 @@ def _build(args, cfg, mesh, plan, dist):
 def _evaluate(model, pipe, val_set, mesh, dist, plan, args) -> dict[str, float]:
     sequences = args.eval_batches * plan.global_batch
     if pipe is not None:
-        return evaluate_pipeline(pipe, val_set, mesh, dist, plan, sequences)
+        return evaluate_pipeline(pipe, val_set, mesh, dist, plan, sequences, args.schedule or "1f1b")
     return evaluate(model, val_set, mesh, dist, plan.micro_batch, sequences, args.loss_parallel)
 
 
