@@ -23,6 +23,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import UsageError
+from ..runtime.values import positive_int
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -56,6 +57,19 @@ FUSED_NAMES = {"c_attn", "qkv", "qkv_proj", "Wqkv", "query_key_value", "gate_up_
 GATHERED = -1  # found_plan's mark for a fused nn.Linear: column-wise with its output gathered
 
 
+# A block smaller than this is not worth its own all-gather: it joins its
+# parent's. At fp32 1M parameters are 4 MB, about where NCCL collectives stop
+# being latency-bound (see docs/strategies.md).
+DEFAULT_MIN_BLOCK_PARAMS = 1_000_000
+
+
+def check_block_options(block_classes: Any, min_block_params: Any) -> None:
+    if block_classes is not None and (isinstance(block_classes, type) or not all(isinstance(c, type) for c in block_classes)):
+        raise UsageError(f"fsdp block_classes must be a list of module classes, got {block_classes!r}; "
+                         "e.g. block_classes=[TransformerBlock] (mg.wrap(model, 'fsdp', ...) or mg.parallelize)")
+    positive_int(min_block_params, "fsdp min_block_params")
+
+
 def _first_name(model: nn.Module, cls_name: str) -> str:
     return next((n for n, m in model.named_modules() if type(m).__name__ == cls_name), "?")
 
@@ -85,8 +99,6 @@ def found_blocks(model: nn.Module) -> list[type]:
 def blocks_of(model: nn.Module, block_classes: Any = None) -> tuple[list[type], str]:
     """The block classes to spread by, and where they came from (for the one-line report)."""
     if block_classes is not None:
-        from .fsdp import DEFAULT_MIN_BLOCK_PARAMS, check_block_options
-
         check_block_options(block_classes, DEFAULT_MIN_BLOCK_PARAMS)  # mg.wrap's one-line refusal, also under DDP
         return list(block_classes), "given"
     declared = declared_blocks(model)

@@ -24,7 +24,8 @@ import torch.distributed as tdist
 from torch import nn
 
 from ..errors import UsageError
-from ..runtime.values import DTYPES, TRAINING_DTYPES, positive_int
+from ..runtime.values import DTYPES, TRAINING_DTYPES
+from .auto import DEFAULT_MIN_BLOCK_PARAMS, blocks_of, check_block_options
 from .batchnorm import prepare_batchnorm
 
 
@@ -36,10 +37,6 @@ def _fsdp2() -> Any:
 
     return fsdp2
 
-# A block smaller than this is not worth its own all-gather: it joins its
-# parent's. At fp32 1M parameters are 4 MB, about where NCCL collectives stop
-# being latency-bound (see docs/strategies.md).
-DEFAULT_MIN_BLOCK_PARAMS = 1_000_000
 
 
 def _dtype(name: str, value: Any) -> torch.dtype | None:
@@ -94,13 +91,6 @@ def pick_blocks(model: nn.Module, block_classes: Iterable[type] | None, min_bloc
     return blocks
 
 
-def check_block_options(block_classes: Any, min_block_params: Any) -> None:
-    if block_classes is not None and (isinstance(block_classes, type) or not all(isinstance(c, type) for c in block_classes)):
-        raise UsageError(f"fsdp block_classes must be a list of module classes, got {block_classes!r}; "
-                         "e.g. block_classes=[TransformerBlock] (mg.wrap(model, 'fsdp', ...) or mg.parallelize)")
-    positive_int(min_block_params, "fsdp min_block_params")
-
-
 def _matched_blocks(model: nn.Module, block_classes: Iterable[type] | None, min_block_params: int) -> list[nn.Module]:
     """``pick_blocks``, refusing ``block_classes`` that match nothing (a typo would shard only the root)."""
     blocks = pick_blocks(model, block_classes, min_block_params)
@@ -123,8 +113,6 @@ def unit_rule(model: nn.Module, block_classes: Iterable[type] | None, min_block_
     """(the block classes to shard by, the size rule's minimum, how they were chosen): the one rule of both
     FSDP entries (``mg.wrap(model, "fsdp")`` and ``mg.parallelize``). Given classes, or a given size, win;
     else the blocks the model declares (``_no_split_modules``), else its repeated blocks, else the size rule."""
-    from .auto import blocks_of
-
     if block_classes is None and min_block_params is None:
         classes, source = blocks_of(model)
         block_classes = classes or None
