@@ -61,40 +61,27 @@ class _GroupWatch:
     """Whether the script joins the job's process group (one of ``WORLD_SIZE`` ranks), seen as it happens.
 
     Looking at the end is not enough: a script that calls ``destroy_process_group``
-    leaves no trace of its group. So torch's one setter of the default group
-    (``distributed_c10d._update_default_pg``, through which ``init_process_group``,
-    ``init_device_mesh`` and ``mg.init`` all pass) is wrapped while the script runs.
-    Where this torch has no such function the watch is off: no record, no verdict.
+    leaves no trace of its group. So torch's one setter of the default group is watched
+    while the script runs (``compat.watch_default_group``). Where this torch has no such
+    function the watch is off: no record, no verdict.
     """
 
     def __init__(self, world_size: int) -> None:
-        self.world_size, self.largest, self._c10d, self._original = world_size, 0, None, None
-        try:
-            import torch.distributed as tdist  # loaded already: the multigpu package imports torch
-            from torch.distributed import distributed_c10d as c10d
-        except ImportError:
-            return
-        original = getattr(c10d, "_update_default_pg", None)
-        if not tdist.is_available() or not callable(original):
-            return
+        from ..runtime.compat import watch_default_group
 
-        def update_default_pg(pg, *args, **kwargs):
-            result = original(pg, *args, **kwargs)
-            try:
-                self.largest = max(self.largest, int(pg.size()))
-            except Exception:  # noqa: BLE001 - None when a group is destroyed; a foreign object is no group
-                pass
-            return result
+        self.world_size, self.largest = world_size, 0
 
-        self._c10d, self._original = c10d, original
-        c10d._update_default_pg = update_default_pg
+        def seen(size: int) -> None:
+            self.largest = max(self.largest, size)
+
+        self._undo = watch_default_group(seen)
 
     def end(self) -> None:
         """Stop watching; record this rank if it never joined (only when the watch was on)."""
-        if self._c10d is None:
+        if self._undo is None:
             return
-        self._c10d._update_default_pg = self._original
-        self._c10d = None
+        self._undo()
+        self._undo = None
         if self.largest < self.world_size:
             record_no_group(self.world_size, self.largest)
 

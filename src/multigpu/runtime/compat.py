@@ -184,3 +184,36 @@ def is_strided_shard(placement: Any) -> bool:
     Read by the class's name, so asking imports nothing.
     """
     return type(placement).__name__ == "_StridedShard"
+
+
+def watch_default_group(seen: Callable[[int], None]) -> Callable[[], None] | None:
+    """Call ``seen(size)`` each time a default process group is set (``init_process_group``,
+    ``init_device_mesh`` and ``mg.init`` all pass through torch's one setter), until the returned undo is
+    called; None where this torch has no such setter (the launcher then draws no verdict from it).
+
+    ``torch.distributed.distributed_c10d._update_default_pg(pg)``: checked on 2.13.
+    """
+    import torch.distributed as tdist
+
+    if not tdist.is_available():
+        return None
+    from torch.distributed import distributed_c10d as c10d
+
+    original = getattr(c10d, "_update_default_pg", None)
+    if not callable(original):
+        return None
+
+    def update_default_pg(pg: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(pg, *args, **kwargs)
+        try:
+            seen(int(pg.size()))
+        except Exception:  # noqa: BLE001 - None when a group is destroyed; a foreign object is no group
+            pass
+        return result
+
+    c10d._update_default_pg = update_default_pg
+
+    def undo() -> None:
+        c10d._update_default_pg = original
+
+    return undo
