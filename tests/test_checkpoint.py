@@ -545,3 +545,77 @@ def test_next_save_removes_leftovers_of_killed_saves(tmp_path):
     for step in (6, 7, 8):
         _captured(ckpt.save, step)
     assert _listing(run) == ["step-7", "step-8"]
+
+
+# --- what a resume loads into: copies, never what an object handed out ---------------------------------
+
+def _one_process():
+    return mg.Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"),
+                   backend="gloo")
+
+
+def _record_x(record):
+    return torch.tensor(record["x"])
+
+
+def test_a_loader_given_as_an_extra_refuses_changed_data_as_loader_does(tmp_path):
+    """An extra is the only way to save a second loader. The Checkpointer loaded the saved position into the
+    dict the loader's state_dict() returned, which held the loader's own source fingerprint: the loader then
+    compared the saved fingerprint with itself and resumed over a .jsonl shard with a line appended."""
+    shard = tmp_path / "a.jsonl"
+    shard.write_text("".join(json.dumps({"x": i}) + "\n" for i in range(40)))
+
+    def checkpointer(as_extra: bool):
+        loader = mg.stream_loader(str(shard), mg.BatchPlan(4, 1), _one_process(), buffer=8, transform=_record_x)
+        given = {"held_out": loader} if as_extra else {"loader": loader}
+        return mg.Checkpointer(tmp_path / ("extra" if as_extra else "loader"), model=net(), **given), loader
+
+    for as_extra in (True, False):
+        ckpt, loader = checkpointer(as_extra)
+        batches = iter(loader)
+        next(batches), next(batches)
+        _captured(ckpt.save, 2, force=True)
+        ckpt, loader = checkpointer(as_extra)  # the same data: resumed where it stopped
+        assert _captured(ckpt.resume)[0] == 3 and loader.state_dict()["batch_index"] == 2
+    with shard.open("a") as f:
+        f.write(json.dumps({"x": 99}) + "\n")
+    for as_extra in (True, False):
+        ckpt, _ = checkpointer(as_extra)
+        with pytest.raises(mg.UsageError) as err:
+            _captured(ckpt.resume)
+        assert str(err.value).startswith("the saved loader position is for other data (source.shards[0][1] was "
+                                         "390, is 400)"), (as_extra, str(err.value))
+
+
+class _HandsOutItsOwn:
+    """A stateful extra whose state_dict() is its own containers and tensor (what the loader did with its source)."""
+
+    def __init__(self, tag: str, value: float) -> None:
+        self.own = {"tag": tag, "nested": {"names": [tag]}, "t": torch.full((2,), value)}
+        self.loaded = None
+
+    def state_dict(self):
+        return {"inner": self.own}
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+def test_a_resume_never_writes_into_what_an_object_handed_out(tmp_path):
+    _captured(mg.Checkpointer(tmp_path, obj=_HandsOutItsOwn("saved", 7.0)).save, 0, force=True)
+    fresh = _HandsOutItsOwn("fresh", 1.0)
+    _captured(mg.Checkpointer(tmp_path, obj=fresh).resume)
+    assert fresh.own["tag"] == "fresh" and fresh.own["nested"] == {"names": ["fresh"]}
+    assert fresh.own["t"].tolist() == [1.0, 1.0]
+    loaded = fresh.loaded["inner"]
+    assert loaded["tag"] == "saved" and loaded["nested"] == {"names": ["saved"]} and loaded["t"].tolist() == [7.0, 7.0]
+    stream = mg.stream_loader([[1, 2, 3, 4]], mg.BatchPlan(2, 1), _one_process())
+    stream.state_dict()["source"]["shards"].clear()  # what a caller does with the state is not the loader's
+    assert stream.state_dict()["source"]["shards"] != []
+    mapped = mg.loader(_Described(torch.arange(8)), mg.BatchPlan(2, 1), _one_process())
+    mapped.state_dict()["source"]["files"].clear()
+    assert mapped.state_dict()["source"]["files"] == ["a.bin"]
+
+
+class _Described(torch.utils.data.TensorDataset):
+    fingerprint = {"kind": "files", "files": ["a.bin"]}  # what mg.loader puts in its position as the source

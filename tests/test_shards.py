@@ -168,6 +168,23 @@ def test_a_hugging_face_dataset_is_read_per_micro_batch_without_a_copy(root):
 
 
 @hf
+def test_a_hugging_face_dataset_is_evaluated_as_mg_loader_formats_it():
+    """In memory (no Arrow file): mg.eval_loader handed the model Python lists where mg.loader gives tensors."""
+    ds = src.datasets.Dataset.from_dict({"id": list(range(101)), "x": [[float(i)] * 3 for i in range(101)]})
+    train = next(iter(mg.loader(ds, mg.BatchPlan(8, 1), _dist(0, 1), shuffle=False)))[0]
+    seen = []
+    for rank in range(2):
+        for batch in mg.eval_loader(ds, _dist(rank, 2), batch_size=8):
+            assert sorted(batch) == sorted(train) == ["id", "x"]
+            for name, column in batch.items():
+                assert isinstance(column, torch.Tensor), f"{name}: {type(column).__name__}"
+                assert column.dtype == train[name].dtype and column.shape[1:] == train[name].shape[1:]
+            assert torch.equal(batch["x"][:, 0], batch["id"].float())
+            seen += batch["id"].tolist()
+    assert seen == list(range(101))
+
+
+@hf
 def test_a_token_column_packs_into_windows_per_arrow_chunk(tmp_path):
     rows = [list(range(i, i + 10 + i % 4)) for i in range(40)]
     src.datasets.Dataset.from_dict({"input_ids": rows, "n": list(range(40))}).save_to_disk(str(tmp_path / "tok"))
