@@ -64,14 +64,13 @@ def _refuse_uncountable(rows: int, share: DataShare, batch_size: int) -> None:
     dp, unit = share.dp_size, share.dp_size * batch_size
     if share.pp > 1 and rows % unit:
         whole = rows // unit * unit
-        smaller = [b for b in range(batch_size - 1, 0, -1) if rows % (dp * b) == 0]
-        alt = f", or batch_size={smaller[0]}" if smaller else ""
+        fits = next((b for b in range(batch_size - 1, 0, -1) if rows % (dp * b) == 0), None)
+        fixes = [f"the first {whole} rows (torch.utils.data.Subset(dataset, range({whole})))" if whole else "",
+                 f"batch_size={fits}" if fits else "", "" if whole or fits else f"at least {unit} rows"]
         raise UsageError(
             f"mg.eval_loader under {share.layout}: a pipeline's stages exchange batches of one shape, so every "
             f"evaluation batch must hold batch_size={batch_size} rows, but {rows} rows over {dp} data-parallel "
-            f"rank{'s' if dp > 1 else ''} leave {rows % unit} over; evaluate "
-            + (f"the first {whole} rows (torch.utils.data.Subset(dataset, range({whole}))){alt}" if whole
-               else f"with batch_size={smaller[0]}" if smaller else f"at least {unit} rows"))
+            f"rank{'s' if dp > 1 else ''} leave {rows % unit} over; evaluate {', or '.join(f for f in fixes if f)}")
     per_rank = -(-rows // unit)
     if dp > 1 and rows < dp * per_rank:
         if rows < dp:

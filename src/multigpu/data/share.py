@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as tdist
+
 from ..dist import at_teardown
 from ..errors import UsageError
 
@@ -52,8 +54,12 @@ _recorded: tuple[int, int, DataShare] | None = None  # (rank, world size, share)
 
 
 def record(share: DataShare, rank: int, world_size: int) -> None:
-    """Remember ``share`` as this process's (a mesh was built, or ``mg.eval_loader`` was told the layout)."""
+    """Remember ``share`` as this process's (a mesh was built, or ``mg.eval_loader`` was told the layout):
+    only for the process group's own rank and world (a ``Dist`` made up in one process stands for no job)."""
     global _recorded
+    if not (tdist.is_available() and tdist.is_initialized()) or (tdist.get_rank(), tdist.get_world_size()) != (
+            rank, world_size):
+        return
     if _recorded is None:
         at_teardown(forget)  # a later mg.init block in this process is another job
     _recorded = (rank, world_size, share)
