@@ -61,3 +61,17 @@ def mismatched_tie(dist) -> str:
 
 def refusals(dist, cases: list[dict]) -> list[str]:
     return [mismatched_tie(dist)] + hf.refusals(dist, cases)
+
+
+def evaluate_under(dist, schedule: str) -> str:
+    """``pipe.evaluate`` under ``schedule`` (a Llama of 4 blocks over 2 ranks): its loss on the last stage, or the
+    refusal's line."""
+    model = hf.build("llama", num_hidden_layers=4)
+    layout = mg.parallel.Layout(pp=2, micro_batch=1, schedule=schedule)
+    plan = layout.plan(hf.GLOBAL_BATCH, dist)
+    pipe = mg.parallel.pipeline(model, layout, hf.loss_fn, plan, verbose=False)
+    try:
+        loss = pipe.evaluate(next(iter(mg.loader(hf.tokens(), plan, dist))))
+    except mg.UsageError as e:
+        return str(e)
+    return "no loss here" if loss is None else f"loss {float(loss):.6f}"

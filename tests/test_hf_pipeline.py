@@ -165,6 +165,17 @@ def test_a_block_that_hands_the_next_more_than_the_hidden_states_is_refused_in_o
         skipped(torch.zeros(2, 4))
 
 
+def test_evaluation_under_a_zero_bubble_schedule_is_refused_on_every_rank_in_one_line():
+    """torch 2.13's eval() of zbv runs the split backward anyway and fails on one rank while the other waits
+    (a hang until the group's timeout); interleaved 1F1B evaluates."""
+    zbv = spawn(w.evaluate_under, 2, "zbv", timeout=240)
+    assert zbv[0] == zbv[1] and "\n" not in zbv[0]
+    assert zbv[0].startswith("pipeline evaluation under the 'zbv' schedule is not supported by torch's schedules; "
+                             "build the evaluation pipeline with schedule '1f1b' or 'interleaved_1f1b'")
+    interleaved = spawn(w.evaluate_under, 2, "interleaved_1f1b", timeout=240)
+    assert interleaved[0] == "no loss here" and interleaved[1].startswith("loss ")
+
+
 def test_refusals_stay_one_line_with_the_fix():
     cases = [dict(kind="gpt2", layout={"pp": 2, "micro_batch": 1}, pipeline=True),
              dict(kind="flat", layout={"pp": 2, "micro_batch": 1}, pipeline=True),

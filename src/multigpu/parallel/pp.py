@@ -32,6 +32,7 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b
              "looped_bfs": "ScheduleLoopedBFS", "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
              "zbv": "ScheduleZBVZeroBubble"}
 SINGLE_STAGE = ("gpipe", "1f1b")
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv")  # their backward split in input and weight parts
 # Schedules that refuse fewer micro-batches than stages (torch raises on it at the first step).
 NEED_MICROBATCHES = ("1f1b", "zbv")
 
@@ -165,7 +166,7 @@ class Pipeline:
         cls = getattr(schedules, SCHEDULES[schedule])
         stages = self.stages[0] if schedule in SINGLE_STAGE else self.stages
         self.schedule = cls(stages, n_microbatches=accum_steps, loss_fn=loss_fn, scale_grads=True)
-        self.accum_steps = accum_steps
+        self.accum_steps, self.schedule_name = accum_steps, schedule
         self.has_first, self.has_last = 0 in ids, n_stages - 1 in ids
         self.clock = StageClock(device)
         for stage in self.stages:
@@ -194,6 +195,12 @@ class Pipeline:
 
     def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """Forward only (the schedule's ``eval``): the mean micro-batch loss on the last stage's rank."""
+        if self.schedule_name in ZERO_BUBBLE:
+            # torch 2.13's eval() of these runs their split backward anyway and fails on a stage without one
+            # ("can't steal_bwd_input if this stage doesn't have backward"), leaving the other ranks waiting.
+            raise UsageError(f"pipeline evaluation under the {self.schedule_name!r} schedule is not supported by "
+                             "torch's schedules; build the evaluation pipeline with schedule '1f1b' or "
+                             "'interleaved_1f1b' (Layout(schedule=...)), or evaluate a one-process copy")
         if not hasattr(self.schedule, "eval"):
             raise UsageError(f"pipeline evaluation needs a torch whose schedules have eval() (2.13 has it), this is "
                              f"{torch.__version__}; upgrade torch or evaluate a one-process copy of the model")
