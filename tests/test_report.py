@@ -131,3 +131,54 @@ def test_report_renders_in_headless_chromium(tmp_path):
         assert (img["w"], img["h"]) in ((1000, 380), (650, 380)), img
         assert img["colours"] > 5, f"{img['alt']} looks blank"
     assert shot.stat().st_size > 20_000
+
+
+def test_a_plot_of_one_point_shows_it_and_a_plot_left_out_says_why(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from multigpu.report.study import _figures
+
+    # The case filed: 8 steps logged every 10, so each run's curve is one record; drawn as a line it is nothing.
+    study = fabricated_study()
+    for r in study["runs"]:
+        if r["status"] == "ok":
+            r["curve"] = {k: v[:1] for k, v in r["curve"].items()}
+            r["noise"] = {k: v[:1] for k, v in r["noise"].items()}
+    study["groups"][1]["efficiency"] = None  # e.g. its 1-worker baseline was too short to judge
+    figs, missing = _figures(study)
+    for name in ("loss", "noise"):
+        points = [line for ax in figs[name].axes for line in ax.get_lines() if len(line.get_xdata()) == 1]
+        assert len(points) == (6 if name == "loss" else 3) and all(p.get_marker() == "o" for p in points), name
+    efficiency = figs["throughput"].axes[1].get_lines()[0].get_ydata()
+    assert efficiency[0] == 100 and efficiency[1] != efficiency[1]  # no efficiency: no point, not 100 %
+    assert missing == []
+    plt.close("all")
+    # Nothing to draw: the page says which plot is missing and why.
+    for r in study["runs"]:
+        r.pop("curve", None), r.pop("noise", None)
+    for g in study["groups"]:
+        g["breakdown"] = {}
+    (tmp_path / "study.json").write_text(json.dumps(study))
+    _, md_path = write_report(tmp_path)
+    md = md_path.read_text()
+    assert "- No loss plot: no finished run logged a loss (pass it to meter.step_end(loss=...))" in md
+    assert "- No noise-scale plot: no run logged noise/b_simple" in md and "- No time-breakdown plot" in md
+    assert md.count("](") == 1  # the throughput plot alone
+
+
+def test_no_verdict_is_drawn_from_runs_too_short_to_judge():
+    line = "30 steps asked, 8 recorded, 6 measured after warm-up (its data ran out or it stopped early); give ..."
+    short = dict(n_ok=0, n_short=1, short=[line], efficiency=None)
+    assert V.verdict(_group(**short), BASE) == f"no verdict: {line}"
+    # a group measured against a baseline that has no run to judge: no scaling verdict from nothing
+    base = _group(workers=1, **short)
+    assert V.verdict(_group(efficiency=None), base) == f"no verdict on scaling: the 1-worker baseline was too short to judge: {line}"
+    failed = _group(workers=1, n_ok=0, n_failed=1, errors=["rank 0 exited with code 1"], efficiency=None)
+    assert V.verdict(_group(efficiency=None), failed) == ("no verdict on scaling: the 1-worker baseline failed: rank 0 "
+                                                          "exited with code 1")
+    assert V.verdict(_group(efficiency=None), None) == ("no verdict on scaling: no 1-worker run to compare with (add 1 "
+                                                        "to --workers)")
+    # one round of three too short: the others judge, and the verdict list says so
+    mixed = V.findings(_group(n_ok=2, n_short=1, short=[line]), BASE)
+    assert mixed[0].kind == "short" and mixed[0].text == f"1 of 3 runs left out, too short to judge: {line}"
+    assert mixed[1].kind == "compute"

@@ -164,8 +164,10 @@ def _fake_launcher(monkeypatch, two_worker_ratios):
         rate = 100.0 * (next(ratios) if nproc == 2 else 1.0)
         run_dir = Path(log_dir) / "run"
         run_dir.mkdir()
-        summary = {"type": "summary", "samples_per_s": rate, "step_time": 64 / rate, "wall_time": 1.0,
-                   "samples_seen": 64, "fractions": {"compute": 1.0}}
+        # What the meter writes for 20 steps logged every 10: steps 10-19 measured after the warm-up interval.
+        summary = {"type": "summary", "steps": 20, "samples_per_s": rate, "step_time": 64 / rate, "wall_time": 1.0,
+                   "samples_seen": 64 * 20, "fractions": {"compute": 1.0},
+                   "measured": {"steps": 10, "from_step": 10, "to_step": 19, "warmup_steps": [0, 9]}}
         (run_dir / "metrics.jsonl").write_text(json.dumps(summary) + "\n")
         return 0
 

@@ -26,30 +26,74 @@ def _reached(evals: list[dict], steps: list[dict], target: tuple[str, str, float
     return None
 
 
-def measure_run(run_dir: Path, target: tuple[str, str, float] | None) -> dict[str, Any]:
-    """The figures of one finished run, from its metrics.jsonl and profile summary."""
+def steps_asked(args: Iterable[str]) -> int | None:
+    """The steps a run was asked for: the last ``--steps N`` (or ``--steps=N``) among its arguments, argparse's
+    rule; None when none is given (the workload's own length, which only the workload knows)."""
+    args, asked = list(args), None
+    for i, arg in enumerate(args):
+        value = args[i + 1] if arg == "--steps" and i + 1 < len(args) else arg[8:] if arg.startswith("--steps=") else None
+        if value is not None and value.isdigit():
+            asked = int(value)
+    return asked
+
+
+def thin_evidence(records: list[dict[str, Any]], asked: int | None, *, rate: bool = True) -> str | None:
+    """Why a run's meter records are no evidence for a verdict, as one line (what was asked, what was got, the fix);
+    None when they are.
+
+    A run must record the ``asked`` steps: fewer means its data ran out or it stopped early, and a verdict
+    would judge a run nobody asked for. With ``rate`` (study, tune: the verdict reads the meter's samples/s
+    or step time) at least one step must be measured after the warm-up interval: with a single record the
+    meter measures from its start, so the rate would include the first steps' one-off costs (allocation,
+    FLOP counting), which is no steady-state figure.
+    """
+    summary = next((r for r in reversed(records) if r.get("type") == "summary"), None)
+    if summary is not None:
+        recorded = summary.get("steps", 0)
+    else:  # no summary (the meter was not closed): the step records' own count
+        recorded = sum(r.get("steps", 1) for r in records if r.get("type") == "step")
+    measured = (summary or {}).get("measured") or {}
+    warmup = measured.get("warmup_steps") or [0, -1]
+    after = measured.get("steps", 0) if measured.get("from_step", 0) > warmup[1] else 0
+    got = f"{recorded} recorded" + (f", {after} measured after warm-up" if rate else "")
+    if asked is not None and recorded < asked:
+        return (f"{asked} steps asked, {got} (its data ran out or it stopped early); give the script more data or "
+                "ask fewer --steps")
+    if rate and after == 0:
+        header = next((r for r in records if r.get("type") == "header"), {})
+        every = (header.get("meter") or {}).get("log_every")
+        return (f"a rate needs steps after the meter's warm-up interval, got {got}"
+                + (f" (log_every {every})" if every else "") + "; ask more --steps"
+                + (f" (at least {2 * every})" if every else "") + " or log more often")
+    return None
+
+
+def measure_run(run_dir: Path, target: tuple[str, str, float] | None, steps: int | None = None) -> dict[str, Any]:
+    """The figures of one finished run, from its metrics.jsonl and profile summary; ``thin``: why they are no
+    evidence for a verdict (``thin_evidence``, ``steps``: the steps asked), else None."""
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise UsageError(f"{run_dir} has no metrics.jsonl: the workload must use mg.StepMeter (see docs/study.md)")
     recs = read_records(metrics)
-    steps = [r for r in recs if r.get("type") == "step"]
+    steps_recs = [r for r in recs if r.get("type") == "step"]
     evals = [r for r in recs if r.get("type") == "eval"]
     summary = next((r for r in reversed(recs) if r.get("type") == "summary"), None)
     if summary is None:
         raise UsageError(f"{metrics} has no summary record: the run ended before meter.close()")
     out: dict[str, Any] = {
+        "thin": thin_evidence(recs, steps),
         "samples_per_s": summary.get("samples_per_s"),
         "step_time_s": summary.get("step_time"),
         "wall_s": summary.get("wall_time"),
         "samples_seen": summary.get("samples_seen"),
-        "curve": {"samples": [r["samples_seen"] for r in steps if r.get("loss") is not None],
-                  "loss": [r["loss"] for r in steps if r.get("loss") is not None],
-                  "wall_s": [r["time"] for r in steps if r.get("loss") is not None]},
+        "curve": {"samples": [r["samples_seen"] for r in steps_recs if r.get("loss") is not None],
+                  "loss": [r["loss"] for r in steps_recs if r.get("loss") is not None],
+                  "wall_s": [r["time"] for r in steps_recs if r.get("loss") is not None]},
         "evals": [{k: e.get(k) for k in ("samples_seen", "time", "accuracy", "loss")} for e in evals],
         "final": {k: v for k, v in (evals[-1] if evals else {}).items() if k in ("accuracy", "loss")},
-        "to_target": _reached(evals, steps, target),
+        "to_target": _reached(evals, steps_recs, target),
     }
-    noise = [r for r in steps if r.get("noise/b_simple") is not None]
+    noise = [r for r in steps_recs if r.get("noise/b_simple") is not None]
     out["noise"] = {"samples": [r["samples_seen"] for r in noise], "b_simple": [r["noise/b_simple"] for r in noise]}
     out["noise_scale"] = noise[-1]["noise/b_simple"] if noise else None
     out["breakdown"] = breakdown(summary.get("fractions") or {}, run_dir / "profile" / "summary.json")
@@ -103,10 +147,11 @@ def summarize(runs: list[dict[str, Any]], workers: Iterable[int | tuple[int, str
         for w, layout in keys:
             mine = [r for r in runs if r["workers"] == w and r.get("layout", "") == layout and pol in r["policies"]]
             ok = [r for r in mine if r["status"] == "ok"]
+            short = [r["error"] for r in mine if r["status"] == "short"]  # finished, too short to judge
             g: dict[str, Any] = {
                 "workers": w, "layout": layout, "policy": pol, "global_batch": mine[0]["global_batch"] if mine else None,
-                "n_ok": len(ok), "n_failed": len(mine) - len(ok),
-                "errors": [r["error"] for r in mine if r["status"] != "ok"],
+                "n_ok": len(ok), "n_failed": len(mine) - len(ok) - len(short), "n_short": len(short), "short": short,
+                "errors": [r["error"] for r in mine if r["status"] not in ("ok", "short")],
                 "samples_per_s": _stat(r["samples_per_s"] for r in ok),
                 "step_time_s": _stat(r["step_time_s"] for r in ok),
                 "accuracy": _stat(r["final"].get("accuracy") for r in ok),
@@ -175,7 +220,7 @@ def headline(groups: list[dict[str, Any]]) -> str:
         acc = g["accuracy"]["mean"] if g.get("accuracy") else None
         name = "1 worker" if baseline else label(g)
         if g["n_ok"] == 0:
-            parts.append(f"{name}: failed")
+            parts.append(f"{name}: {'failed' if g['n_failed'] else 'no evidence (too short to judge)'}")
             continue
         speed = f"{g['samples_per_s']['mean']:,.0f} samples/s"
         if g["speedup"]:

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 from ..batch import POLICIES, policy_batch, same_samples_steps
 from ..errors import UsageError
-from .measure import TARGET_OPS, headline, measure_run, summarize
+from .measure import TARGET_OPS, headline, measure_run, steps_asked, summarize
 
 
 @dataclass(frozen=True)
@@ -270,9 +270,12 @@ def execute(spec: RunSpec, target: str, module: bool, cfg: StudyConfig, out: Pat
     if done.run_dir is None:
         return record | {"status": "failed", "exit_code": 0, "error": f"unreadable metrics: no run directory in {done.console.parent}"}
     try:
-        return record | {"status": "ok", "exit_code": 0} | measure_run(done.run_dir, goal)
+        measured = measure_run(done.run_dir, goal, steps_asked(spec.args))
     except (UsageError, IndexError, KeyError, ValueError) as err:
         return record | {"status": "failed", "exit_code": 0, "error": f"unreadable metrics: {err}"}
+    if measured["thin"]:  # finished, but too short to judge: kept, and left out of every verdict
+        return record | {"status": "short", "exit_code": 0, "error": measured["thin"]} | measured
+    return record | {"status": "ok", "exit_code": 0} | measured
 
 
 def on_cpu(cfg: StudyConfig) -> bool:
@@ -351,6 +354,8 @@ def _say_run(rec: dict[str, Any], say: Callable[[str], None]) -> None:
         acc = rec["final"].get("accuracy")
         say(f"      done in {rec['elapsed_s']:.0f} s: {rec['samples_per_s'] or 0:,.0f} samples/s"
             + (f", accuracy {100 * acc:.2f} %" if acc is not None else ""))
+    elif rec["status"] == "short":
+        say(f"      NO EVIDENCE in {rec['elapsed_s']:.0f} s: {rec['error']} (left out of the verdicts; the study goes on)")
     else:
         say(f"      FAILED in {rec['elapsed_s']:.0f} s: {rec['error']} (the study goes on)")
 

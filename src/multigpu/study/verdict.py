@@ -30,7 +30,7 @@ class StudyFinding:
     (Not ``multigpu.doctor.Finding``, which is one line of the doctor's environment report.)
     """
 
-    kind: str  # failed | accuracy | data | communication | critical-batch | inconclusive | compute | scaling
+    kind: str  # failed | short | accuracy | data | communication | critical-batch | inconclusive | compute | scaling
     text: str
 
     def __str__(self) -> str:
@@ -49,19 +49,25 @@ def _mean(value: Any) -> float | None:
 def findings(group: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> list[StudyFinding]:
     """All findings for one (workers, policy) group, most important first.
 
-    ``group`` holds: workers, global_batch, n_ok, n_failed, efficiency (or None
+    ``group`` holds: workers, global_batch, n_ok, n_failed, n_short (runs that
+    finished too short to judge: ``measure.thin_evidence``), efficiency (or None
     for the baseline), breakdown {data_wait, compute, comm_exposed, idle} as
     fractions of step time (any may be None), accuracy {mean, std}, noise_scale,
-    and errors (list of str). ``baseline`` is the 1-worker group of the same
-    policy (or None).
+    errors and short (the failed and the short runs' lines). ``baseline`` is the
+    1-worker group of the same policy (or None).
     """
     out: list[StudyFinding] = []
+    runs = group.get("n_ok", 0) + group.get("n_failed", 0) + group.get("n_short", 0)
     if group.get("n_ok", 0) == 0:
+        if group.get("n_short") and not group.get("n_failed"):
+            return [StudyFinding("short", f"no verdict: {group['short'][0]}")]
         err = (group.get("errors") or ["no run finished"])[0]
         return [StudyFinding("failed", f"failed: {err}")]
     if group.get("n_failed"):
-        out.append(StudyFinding("failed", f"{group['n_failed']} of {group['n_failed'] + group['n_ok']} runs failed: "
-                                          f"{(group.get('errors') or ['?'])[0]}"))
+        out.append(StudyFinding("failed", f"{group['n_failed']} of {runs} runs failed: {(group.get('errors') or ['?'])[0]}"))
+    if group.get("n_short"):
+        out.append(StudyFinding("short", f"{group['n_short']} of {runs} runs left out, too short to judge: "
+                                         f"{group['short'][0]}"))
     acc, base_acc = (group.get("accuracy") or {}), (baseline or {}).get("accuracy") or {}
     if acc.get("mean") is not None and base_acc.get("mean") is not None and group.get("workers") != 1:
         spread = max(acc.get("std") or 0.0, base_acc.get("std") or 0.0)
@@ -103,6 +109,12 @@ def findings(group: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> li
             parts = ", ".join(f"{k.replace('_', ' ')} {_pct(v)}" for k, v in breakdown.items() if v is not None)
             out.append(StudyFinding("scaling", f"poor scaling: {_pct(eff)} efficiency"
                                                + (f" ({parts})" if parts else "") + sure))
+    elif group is not baseline and baseline is not None and baseline.get("n_ok", 0) == 0:
+        # No efficiency without the 1-worker runs: say why rather than judge the scaling from nothing.
+        short = bool(baseline.get("n_short")) and not baseline.get("n_failed")
+        why = (f"was too short to judge: {baseline['short'][0]}" if short
+               else f"failed: {(baseline.get('errors') or ['no run finished'])[0]}")
+        out.append(StudyFinding("short" if short else "failed", f"no verdict on scaling: the 1-worker baseline {why}"))
     return out
 
 
@@ -111,4 +123,6 @@ def verdict(group: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> str
     found = findings(group, baseline)
     if found:
         return found[0].text
+    if baseline is None and group.get("workers") != 1:  # e.g. --workers 2,4: nothing to scale against
+        return "no verdict on scaling: no 1-worker run to compare with (add 1 to --workers)"
     return "baseline (1 worker)"

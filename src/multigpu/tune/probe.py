@@ -359,7 +359,10 @@ def loop(recipe: str, args: list[str], compute_parts: dict, micro_batch: int, cp
                         env={"OMP_NUM_THREADS": str(threads) if cpu else None})
         if done.exit_code != 0 or done.run_dir is None:
             raise RuntimeError(f"the loop probe failed: {done.failure() or 'no output'} (console {done.console})")
-        measured[k] = measure_run(done.run_dir, None)["step_time_s"]
+        run = measure_run(done.run_dir, None, steps)
+        if run["thin"]:
+            raise RuntimeError(f"the loop probe is too short to time: {run['thin']} (console {done.console})")
+        measured[k] = run["step_time_s"]
     part = compute_parts[(micro_batch, False)]
     (k1, t1), (k2, t2) = sorted(measured.items())
     per_micro = (t2 - t1) / (k2 - k1)

@@ -114,11 +114,13 @@ def _measure(layout: Layout, cfg: TuneConfig, root: Path, round_: int) -> dict:
     if not result.is_file():
         return {"status": "failed", "exit_code": 0, "error": (done.failure() or "no output")[:400], "wall_s": wall}
     try:
-        step = measure_run(done.run_dir, None)["step_time_s"]
+        measured = measure_run(done.run_dir, None, cfg.steps)
         mem = json.loads(result.read_text())["memory"]
     except (UsageError, KeyError, ValueError) as err:
         return {"status": "failed", "exit_code": 0, "error": f"unreadable results: {err}", "wall_s": wall}
-    return {"status": "ok", "step_time_s": step, "memory_bytes": mem["total_bytes"], "wall_s": wall}
+    if measured["thin"]:
+        return {"status": "failed", "exit_code": 0, "error": f"too short to judge: {measured['thin']}", "wall_s": wall}
+    return {"status": "ok", "step_time_s": measured["step_time_s"], "memory_bytes": mem["total_bytes"], "wall_s": wall}
 
 
 def measure_parts(model_cfg, found: list[Layout], nproc: int, device: str, threads: int, say=print, *,

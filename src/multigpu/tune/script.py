@@ -8,7 +8,9 @@ is left out with the script's own line (its ``UsageError``'s message, from the w
 records); a layout that runs out of memory is tried again at once with ``--activation-checkpointing``
 (where memory does not bind, checkpointing only adds recomputation); the ``--top`` K fastest run again
 in the ``--repeats`` - 1 further rounds, interleaved (A B C A B C). The step time is the script's
-``mg.StepMeter``'s (total time / steps over the measured intervals; its first interval is the warm-up).
+``mg.StepMeter``'s (total time / steps over the measured intervals; its first interval is the warm-up); a
+run that recorded fewer steps than asked, or none after the warm-up, is left out with that line
+(``study.measure.thin_evidence``).
 The winner is the fastest median. The rounds, the launch, the summary and the report's files are the
 recipe's tune's (``rounds.py``). Contract: docs/your-model.md.
 """
@@ -57,14 +59,13 @@ def _measure(layout, cfg, root: Path, round_: int) -> dict:
     if failed is not None:  # the script's own refusal (its UsageError's message) is the reason
         return failed
     try:
-        step = measure_run(done.run_dir, None)["step_time_s"]
+        measured = measure_run(done.run_dir, None, cfg.steps)
     except UsageError as err:
         return {"status": "failed", "exit_code": 0, "error": f"unreadable results: {err}", "wall_s": done.elapsed_s}
-    if not step:
-        return {"status": "failed", "exit_code": 0, "wall_s": done.elapsed_s,
-                "error": f"the script's StepMeter measured no interval after its warm-up in {cfg.steps} steps: "
-                         "pass --steps more than twice its log_every"}
-    return {"status": "ok", "step_time_s": step, "wall_s": done.elapsed_s}
+    if measured["thin"]:  # too short to time: no evidence for the fastest layout
+        return {"status": "failed", "exit_code": 0, "error": f"too short to judge: {measured['thin']}",
+                "wall_s": done.elapsed_s}
+    return {"status": "ok", "step_time_s": measured["step_time_s"], "wall_s": done.elapsed_s}
 
 
 def _row(layout) -> dict:
@@ -124,7 +125,8 @@ def _report(cfg, rows: list[dict], wall_s: float) -> dict:
         verdict = (f"multigpu tune: fastest measured: {winner['candidate']}: {winner['result']['step_time_s'] * 1e3:,.1f} "
                    f"ms/step (median of {winner['result']['runs']}); run it with: {cmd}")
     else:
-        cmd, verdict = None, "multigpu tune: no layout ran to the end; see the reasons in the report"
+        first = f" ({left_out[0]['layout']}: {left_out[0]['reason']})" if left_out else ""
+        cmd, verdict = None, f"multigpu tune: no layout was measured{first}; every reason is in the report"
     return {"workload": cfg.workload, "world_size": cfg.nproc, "device": "cpu" if cfg.cpu else "cuda",
             "threads_per_worker": cfg.threads if cfg.cpu else None, "steps": cfg.steps, "repeats": cfg.repeats,
             "top": cfg.top, "candidates": ran + [r for r in rows if not r["result"]], "left_out": left_out,
