@@ -28,6 +28,8 @@ p.add_argument("--seed", type=int, default=1)
 p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
 p.add_argument("--batchnorm", action="store_true", help="a BatchNorm layer (unsynced unless --sync-batchnorm)")
 p.add_argument("--sync-batchnorm", action="store_true")
+p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+               help="autocast (mg.Precision); the meter's dtype tells verify which tolerance applies")
 a = p.parse_args()
 
 
@@ -62,11 +64,13 @@ with mg.init(seed=a.seed, device="cpu") as dist:
     sampler = DistributedSampler(data, num_replicas=dist.world_size, rank=dist.rank, shuffle=True, seed=a.seed) \
         if tdist.is_initialized() else DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=a.seed)
     loader = DataLoader(data, batch_size=plan.global_batch // dist.world_size, sampler=sampler, drop_last=True)
-    with mg.StepMeter(dist, plan, log_every=1, progress=False, model=model, watchdog=None) as meter:
+    amp = mg.Precision(a.precision, dist.device)
+    with mg.StepMeter(dist, plan, log_every=1, progress=False, model=model, watchdog=None, dtype=amp.name) as meter:
         for step, (x, y) in meter.steps(iter(loader)):
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
+            with amp.autocast():
+                loss = nn.functional.cross_entropy(model(x), y)
+            amp.scale(loss).backward()
+            amp.step(opt)
             opt.zero_grad(set_to_none=True)
             meter.step_end(loss=loss)
             if step + 1 == a.steps:

@@ -21,7 +21,8 @@ def test_digits_study_writes_every_file_and_efficiency_is_the_throughput_ratio(t
     out = tmp_path / "study"
     proc = subprocess.run(
         [sys.executable, "-m", "multigpu", "study", "--workers", "1,2", "--policy", "keep-global,scale-global",
-         "--steps", "60", "--cpu", "--out", str(out), "digits", "--eval-every", "1"],
+         # 80 steps: scale-global's 40 leave an interval after the warm-up and the profiled steps (20-29)
+         "--steps", "80", "--cpu", "--out", str(out), "digits", "--eval-every", "1"],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "[3] 2 workers, scale-global, global batch 128, round 1" in proc.stdout  # progress, 1 worker shared
@@ -35,8 +36,8 @@ def test_digits_study_writes_every_file_and_efficiency_is_the_throughput_ratio(t
         assert r["breakdown"]["source"] == "meter+profiler"
         assert abs(sum(r["breakdown"][k] for k in ("compute", "comm_exposed", "data_wait", "idle")) - 1) < 1e-6
     # Same samples under both policies: scale-global runs half the steps at twice the batch.
-    assert runs["w2-gb128-r0"]["steps"] == 30 and runs["w2-gb64-r0"]["steps"] == 60
-    assert runs["w2-gb128-r0"]["samples_seen"] == runs["w2-gb64-r0"]["samples_seen"] == 60 * 64
+    assert runs["w2-gb128-r0"]["steps"] == 40 and runs["w2-gb64-r0"]["steps"] == 80
+    assert runs["w2-gb128-r0"]["samples_seen"] == runs["w2-gb64-r0"]["samples_seen"] == 80 * 64
     groups = {(g["workers"], g["policy"]): g for g in study["groups"]}
     for pol in ("keep-global", "scale-global"):
         one, two = groups[(1, pol)], groups[(2, pol)]

@@ -22,7 +22,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -31,16 +31,59 @@ from .meter.records import read_records
 from .runtime.contract import VERIFY_DIR, VERIFY_ENV
 from .runtime.fields import add_field
 from .runtime.values import int_list
+from .study.measure import thin_evidence
 
 DIGEST_RTOL = 1e-9  # float64 sums of the same samples in another order
-# Final parameters are judged by |theta_N - theta_1| / |theta_1 - theta_initial| over the whole model: the
-# share of the training's update that differs. Element-wise they cannot be: AdamW divides by the root of
-# each gradient's second moment, so where a gradient cancels to ~1e-9 (a conv bias before BatchNorm)
-# fp32 rounding decides an update of up to lr. Measured (examples/verify_convnet.py, AdamW, 5 steps):
-# correct 2.8e-7, correct with such a bias (and the BatchNorm running mean it feeds) 3.8e-3; planted bugs
-# (tests/_verify_script.py) 4.3e-2 (loss normalized per rank), 6.5e-2 (BatchNorm without sync), 0.59
-# (sampler), 8.4 (seed).
-PARAM_TOL = 1e-2
+
+
+@dataclass(frozen=True)
+class Spread:
+    """One quantity measured (benchmarks/verify_precision.py: an MLP, a conv net and a GPT, 3 seeds each, 2 and 4
+    CPU processes against one, 5 and 30 steps; the 5 planted bugs of tests/_verify_script.py likewise): the
+    largest difference between correct runs and the smallest a planted bug made. The tolerance is their
+    geometric middle, as far (as a factor) from one as from the other."""
+
+    correct: float
+    bug: float
+
+    @property
+    def tolerance(self) -> float:
+        return math.sqrt(self.correct * self.bug)
+
+
+# Step 0's loss: the same model on the same samples. Whatever the autocast dtype, every run rounds the same
+# values the same way and only the order of fp32 sums differs, so step 0 is sharp in every precision.
+STEP0 = Spread(correct=1.7e-7, bug=1.8e-2)  # 5.5e-5
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """What a correct script's runs may differ by in the precision its StepMeter reports (``dtype=``), from
+    step 1 on, when rounding has moved their parameters apart.
+
+    Final parameters are judged by |theta_N - theta_1| / |theta_1 - theta_initial| over the whole model: the
+    share of the training's update that differs. Element-wise they cannot be: AdamW divides by the root of
+    each gradient's second moment, so where a gradient cancels to ~1e-9 (a conv bias before BatchNorm)
+    rounding decides an update of up to lr."""
+
+    loss: Spread  # relative loss difference, any step after step 0
+    update: Spread  # share of the update
+    measured: bool = True  # False: no runs of this precision measured; a coarser precision's, as a bound
+
+    def basis(self, precision: str) -> str:
+        if not self.measured:
+            return f"{precision} not measured: bf16's, which rounds coarser, as a bound"
+        return (f"{precision}'s correct runs measured up to {self.loss.correct:.1e} and {self.update.correct:.1e} "
+                f"in 5 and 30 steps on 1, 2 and 4 processes, planted bugs from {self.loss.bug:.1e} and "
+                f"{self.update.bug:.1e}: each tolerance their geometric middle")
+
+
+TOLERANCES = {
+    "fp32": Tolerance(loss=Spread(correct=9.1e-4, bug=3.8e-2), update=Spread(correct=2.2e-3, bug=9.2e-2)),  # 5.9e-3, 1.4e-2
+    "bf16": Tolerance(loss=Spread(correct=1.1e-2, bug=4.0e-2), update=Spread(correct=3.5e-2, bug=9.3e-2)),  # 2.1e-2, 5.7e-2
+}
+# fp16 and TF32 (10-bit mantissas) round finer than bf16 (7 bits) and coarser than fp32; not measured.
+TOLERANCES["fp16"] = TOLERANCES["tf32"] = replace(TOLERANCES["bf16"], measured=False)
 
 
 @dataclass(frozen=True)
@@ -54,8 +97,8 @@ class VerifyConfig:
     """optimizer steps per run (passed as --steps; default %(default)s)"""
     global_batch: int | None = None
     """passed as --global-batch to every run"""
-    rtol: float = 1e-5
-    """relative tolerance for the losses (default 1e-5, fp32); parameters are judged by the share of the update that differs"""
+    rtol: float | None = None
+    """relative tolerance for every step's loss (default: from the precision the script gives its StepMeter, docs/study.md#precision); parameters are judged by the share of the update that differs"""
     cpu: bool = False
     """CPU workers (gloo) even where GPUs exist"""
     out: str | None = None
@@ -64,7 +107,9 @@ class VerifyConfig:
     """layouts to compare with one process instead of --workers, e.g. "tp=2;dp_shard=2,tp=2" (the script reads them with mg.layout_from_args)"""
 
 
-def _read_run(run_dir: Path) -> dict[str, Any]:
+def _read_run(run_dir: Path, steps: int | None = None) -> dict[str, Any]:
+    """One run's losses, samples' digests and model states; ``thin``: why it is no evidence (fewer than the
+    ``steps`` asked recorded), else None; ``precision``: the dtype the script gave its StepMeter."""
     import torch
 
     metrics = run_dir / "metrics.jsonl"
@@ -72,12 +117,14 @@ def _read_run(run_dir: Path) -> dict[str, Any]:
         raise UsageError(f"{run_dir} has no metrics.jsonl: the script must use mg.StepMeter (see docs/study.md)")
     recs = read_records(metrics)
     losses = [r.get("loss") for r in recs if r.get("type") == "step"]
+    header = next((r for r in recs if r.get("type") == "header"), {})
     probe_dir = run_dir / VERIFY_DIR
     probe = json.loads((probe_dir / "probe.json").read_text()) if (probe_dir / "probe.json").is_file() else {}
     states = {name: torch.load(probe_dir / f"{name}.pt", weights_only=True)
               for name in ("initial", "final") if (probe_dir / f"{name}.pt").is_file()}
     return {"losses": losses, "digests": probe.get("digests", []), "batchnorm": probe.get("batchnorm", []),
-            "rank_starts": probe.get("rank_starts", []), **states}
+            "rank_starts": probe.get("rank_starts", []), "thin": thin_evidence(recs, steps, rate=False),
+            "precision": (header.get("meter") or {}).get("dtype") or "fp32", **states}
 
 
 def _state_diff(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
@@ -110,25 +157,41 @@ def _update_diff(ref: dict[str, Any], other: dict[str, Any]) -> float | None:
     return (diff / update) ** 0.5 if update > 0 else (0.0 if diff == 0 else float("inf"))
 
 
-def compare(ref: dict[str, Any], other: dict[str, Any], rtol: float) -> dict[str, Any]:
-    """How ``other`` differs from ``ref``: the largest differences, the first diverging step, likely causes."""
+def compare(ref: dict[str, Any], other: dict[str, Any], rtol: float | None = None) -> dict[str, Any]:
+    """How ``other`` differs from ``ref``: the largest differences, the first diverging step, likely causes.
+    The tolerances are those of the precision the runs report (``rtol``, when given, for every step's loss)."""
+    precision = ref.get("precision", "fp32")
+    tol = TOLERANCES.get(precision, TOLERANCES["fp16"])
+    step0, later = (rtol, rtol) if rtol is not None else (STEP0.tolerance, tol.loss.tolerance)
     pairs = [(a, b) for a, b in zip(ref["losses"], other["losses"]) if a is not None and b is not None]
     rel = [abs(a - b) / max(abs(a), 1e-12) for a, b in pairs]
-    first = next((i for i, r in enumerate(rel) if r > rtol), None)
+    first = next((i for i, r in enumerate(rel) if r > (step0 if i == 0 else later)), None)
     data = next((i for i, (a, b) in enumerate(zip(ref["digests"], other["digests"]))
                  if abs(a - b) > DIGEST_RTOL * max(abs(a), 1.0)), None)
     init, final = _state_diff(ref.get("initial"), other.get("initial")), _update_diff(ref, other)
-    same = first is None and (final is None or final <= PARAM_TOL) and data is None
-    causes = [] if same else _causes(ref, other, rtol, first, data, init)
+    apart = other.get("precision", "fp32") != precision  # not the same training, whatever the numbers say
+    same = first is None and (final is None or final <= tol.update.tolerance) and data is None and not apart
+    causes = [] if same else _causes(ref, other, step0, first, data, init)
+    if not same and not causes:  # every loss and sample agree: only the final parameters are apart
+        causes.append(f"the same losses and samples, but the final parameters differ: the updates differ (an "
+                      f"optimizer or clipping step that runs per rank, a parameter not synced)" if precision == "fp32"
+                      else f"the same losses and samples, but the final parameters differ: {precision} rounding moved "
+                      f"correct runs up to {tol.update.correct:.1e} of the update; verify in fp32 or with "
+                      f"fewer --steps to tell a bug from rounding")
     return {"same": same, "steps": len(pairs), "largest_loss_rel": max(rel, default=0.0), "first_diverging_step": first,
-            "first_data_step": data, "initial_rel": init, "final_rel": final, "param_tol": PARAM_TOL, "causes": causes,
-            "losses": [list(p) for p in pairs]}
+            "first_data_step": data, "initial_rel": init, "final_rel": final, "precision": precision,
+            "step0_tol": step0, "loss_tol": later, "param_tol": tol.update.tolerance, "tolerance_basis": tol.basis(precision),
+            "causes": causes, "losses": [list(p) for p in pairs]}
 
 
 def _causes(ref: dict[str, Any], other: dict[str, Any], rtol: float, first: int | None, data: int | None,
             init: float | None) -> list[str]:
     """The likely causes of a difference, most specific first."""
     causes = []
+    if other.get("precision", "fp32") != ref.get("precision", "fp32"):
+        causes.append(f"the precision differs: the script gives its StepMeter dtype {ref.get('precision', 'fp32')} on "
+                      f"one run and {other.get('precision', 'fp32')} on the other (train in one precision at every "
+                      f"world size)")
     if data is not None:
         causes.append(f"the samples of step {data} differ: the sampler or loader is not world-size-invariant (each "
                       f"rank must get its share of the same global batch; mg.loader keys the order on the global batch)")
@@ -157,7 +220,7 @@ def _causes(ref: dict[str, Any], other: dict[str, Any], rtol: float, first: int 
 def verify(target: str, args: Sequence[str] = (), *, module: bool = False,
            workers: Sequence[int] = VerifyConfig.workers, steps: int = VerifyConfig.steps,
            global_batch: int | None = VerifyConfig.global_batch, cpu: bool = VerifyConfig.cpu,
-           rtol: float = VerifyConfig.rtol, out: str | None = VerifyConfig.out,
+           rtol: float | None = VerifyConfig.rtol, out: str | None = VerifyConfig.out,
            layouts: str | Sequence[Any] | None = VerifyConfig.layouts,
            say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run ``target`` at each world size and compare with the first; returns the report (also verify.json).
@@ -191,15 +254,15 @@ def verify(target: str, args: Sequence[str] = (), *, module: bool = False,
                                 str(workers[0]): str(workers[0])})
 
 
-def _check_steps_and_rtol(steps: int, rtol: float) -> None:
+def _check_steps_and_rtol(steps: int, rtol: float | None) -> None:
     if steps < 1:
         raise UsageError(f"--steps must be >= 1, got {steps}; use e.g. --steps 5")
-    if not rtol > 0:
+    if rtol is not None and not rtol > 0:
         raise UsageError(f"--rtol must be a positive number, got {rtol}; use e.g. --rtol 1e-5 (fp32 losses)")
 
 
 def _verify_layouts(target: str, args: Sequence[str], *, module: bool, layouts: str | Sequence[Any], steps: int,
-                    global_batch: int | None, cpu: bool, rtol: float, out: str | None,
+                    global_batch: int | None, cpu: bool, rtol: float | None, out: str | None,
                     say: Callable[[str], None]) -> dict[str, Any]:
     """One process, then each layout on the processes its degrees multiply to, each compared with the one."""
     from .parallel.flags import FLAGS, describe, layout_flags, parse_layouts, world_of
@@ -241,7 +304,7 @@ def _visible_gpus(cpu: bool) -> int | None:
 
 
 def _run_and_compare(target: str, args: Sequence[str], runs: list[tuple[str, str, int, list[str], str]], *,
-                     module: bool, steps: int, global_batch: int | None, cpu: bool, rtol: float, out: str | None,
+                     module: bool, steps: int, global_batch: int | None, cpu: bool, rtol: float | None, out: str | None,
                      say: Callable[[str], None], names: dict[str, str]) -> dict[str, Any]:
     """Run each (key, label, processes, extra flags, directory), compare every one with the first, report."""
     from .launch.once import run_once
@@ -261,7 +324,9 @@ def _run_and_compare(target: str, args: Sequence[str], runs: list[tuple[str, str
             raise UsageError(f"the run on {label} failed (exit code {done.exit_code}"
                              f"{': ' + why.strip() if why else ''}; see {done.console}); verify compares "
                              f"finished runs: fix the script first")
-        results[key] = _read_run(done.run_dir)
+        results[key] = _read_run(done.run_dir, steps)
+        if results[key]["thin"]:  # a comparison over steps nobody asked for is no evidence of the same training
+            raise UsageError(f"the run on {label} is no evidence: {results[key]['thin']}")
     ref = runs[0][0]
     report = {"target": target, "args": list(args), "steps": steps, "global_batch": global_batch, "rtol": rtol,
               "reference": int(ref) if ref.isdigit() else ref, "comparisons": {}}
@@ -269,6 +334,7 @@ def _run_and_compare(target: str, args: Sequence[str], runs: list[tuple[str, str
         report["comparisons"][key] = compare(results[ref], results[key], rtol)
     report["same"] = all(c["same"] for c in report["comparisons"].values())
     (root / "verify.json").write_text(json.dumps(report, indent=1))
+    say(tolerance_line(results[ref].get("precision", "fp32"), rtol))
     for key, c in report["comparisons"].items():
         say(line(names[key], names[ref], c))
         for cause in c["causes"]:
@@ -277,9 +343,17 @@ def _run_and_compare(target: str, args: Sequence[str], runs: list[tuple[str, str
     return report
 
 
+def tolerance_line(precision: str, rtol: float | None) -> str:
+    """The tolerances the comparisons used and where they come from: the precision the script reports."""
+    tol = TOLERANCES.get(precision, TOLERANCES["fp16"])
+    losses = (f"losses within {rtol:.1e} (--rtol)" if rtol is not None else
+              f"losses within {STEP0.tolerance:.1e} at step 0 (the same model and samples) and {tol.loss.tolerance:.1e} after")
+    return (f"multigpu verify: {precision}, the dtype the script gives its StepMeter: {losses}, final parameters "
+            f"within {tol.update.tolerance:.1e} of the update ({tol.basis(precision)}; docs/study.md#precision)")
+
+
 def line(w: int | str, ref: int | str, c: dict[str, Any]) -> str:
-    final = (f"final parameters {c['final_rel']:.1e} of the update (tolerance {c['param_tol']:.0e}: fp32 rounding "
-             f"that AdamW amplifies where a gradient cancels to ~0 reached 4e-3, a bug moves the update)"
+    final = (f"final parameters {c['final_rel']:.1e} of the update (tolerance {c['param_tol']:.1e})"
              if c["final_rel"] is not None else "parameters not compared (pass model= to StepMeter)")
     head = f"  {w if isinstance(w, str) else f'{w} workers'} vs {ref}: "
     if c["same"]:

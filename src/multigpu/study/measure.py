@@ -62,9 +62,13 @@ def thin_evidence(records: list[dict[str, Any]], asked: int | None, *, rate: boo
     if rate and after == 0:
         header = next((r for r in records if r.get("type") == "header"), {})
         every = (header.get("meter") or {}).get("log_every")
+        # the meter leaves profiled intervals out too: with every later one profiled, only the warm-up is left
+        profiled = [o["steps"] for o in measured.get("left_out", ()) if o.get("why") == "profiled"]
+        why = ([f"log_every {every}"] if every else []) + [f"steps {a}-{b} profiled" for a, b in profiled]
+        fix = ("ask more --steps, past the profiled ones, or profile other steps (--profile)" if profiled else
+               "ask more --steps" + (f" (at least {2 * every})" if every else "") + " or log more often")
         return (f"a rate needs steps after the meter's warm-up interval, got {got}"
-                + (f" (log_every {every})" if every else "") + "; ask more --steps"
-                + (f" (at least {2 * every})" if every else "") + " or log more often")
+                + (f" ({', '.join(why)})" if why else "") + f"; {fix}")
     return None
 
 
