@@ -182,3 +182,36 @@ def test_no_verdict_is_drawn_from_runs_too_short_to_judge():
     mixed = V.findings(_group(n_ok=2, n_short=1, short=[line]), BASE)
     assert mixed[0].kind == "short" and mixed[0].text == f"1 of 3 runs left out, too short to judge: {line}"
     assert mixed[1].kind == "compute"
+
+
+def test_report_of_one_run_reads_its_metrics_and_says_when_it_is_too_short(tmp_path, capsys):
+    """`multigpu report RUN_DIR`: a real run of tests/_layout_script.py (256 samples, the meter logging every 2
+    steps) under `multigpu run`; the page's rate is the meter's summary (total samples / total time of the
+    measured steps); a run whose data ran out at 8 of 30 steps asked is not given a rate. A directory with
+    neither study.json nor metrics.jsonl is refused in one line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from _cli import run_cli
+
+    script = str(Path(__file__).with_name("_layout_script.py"))
+    for name, steps in (("whole", 12), ("short", 30)):
+        out = tmp_path / name
+        proc = subprocess.run([sys.executable, "-m", "multigpu", "run", "-n", "1", "--cpu", "--log-dir", str(out),
+                               script, "--steps", str(steps), "--global-batch", "16" if name == "whole" else "32"],
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = {name: next(p.parent for p in (tmp_path / name).rglob("metrics.jsonl")) for name in ("whole", "short")}
+    code, err = run_cli(["report", str(runs["whole"])], capsys)
+    assert code == 0, err
+    md = (runs["whole"] / "report.md").read_text()
+    summary = [json.loads(line) for line in (runs["whole"] / "metrics.jsonl").read_text().splitlines()][-1]
+    assert summary["type"] == "summary"
+    assert f"{summary['samples_per_s']:,.1f} samples/s over steps {summary['rate_steps'][0]}-" in md
+    assert (runs["whole"] / "report.html").is_file() and (runs["whole"] / "loss.png").is_file()
+    run_cli(["report", str(runs["short"])], capsys)
+    short_md = (runs["short"] / "report.md").read_text()
+    assert "Too short to judge:" in short_md and "samples/s over steps" not in short_md
+    code, err = run_cli(["report", str(tmp_path)], capsys)
+    assert code == 2 and "holds neither study.json nor a metrics.jsonl" in err and err.count("\n") == 1

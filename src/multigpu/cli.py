@@ -35,7 +35,7 @@ VERBS = [
     ("plan", "translate a 1-GPU recipe (LR, batch, schedule) for N GPUs", "multigpu.planner"),
     ("ckpt", "list, verify and export checkpoints written by mg.Checkpointer", "multigpu.checkpoint.tools"),
     ("study", "run a workload at several world sizes and batch policies; measure and judge", "multigpu.study"),
-    ("report", "write the HTML report and Markdown summary of a study's results", "multigpu.report"),
+    ("report", "write the HTML report and Markdown summary of a study's results or of one run", "multigpu.report"),
     ("verify", "run a script on 1 and N ranks with the same global batch; compare losses, samples and parameters",
      "multigpu.verify"),
     ("tune", "find the fastest layout that fits N devices, of the GPT recipe or your script: predicted, then measured",

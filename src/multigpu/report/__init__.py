@@ -17,7 +17,7 @@ class ReportConfig:
     `multigpu report --help` (``add_arguments``)."""
 
     results: str
-    """the results directory `multigpu study` wrote"""
+    """the results directory `multigpu study` wrote, or one run's directory (its metrics.jsonl)"""
     output: str | None = None
     """HTML file to write (default: RESULTS/report.html)"""
 

@@ -217,15 +217,20 @@ def study_page(study: dict[str, Any], pngs: dict[str, bytes], missing: list[str]
 
 
 def write_report(results_dir: str | Path, output: str | Path | None = None) -> tuple[Path, Path]:
-    """Write ``report.html`` (self-contained) and ``report.md`` for a study; returns both paths.
+    """Write ``report.html`` (self-contained) and ``report.md`` for a study, or for one run's directory (its
+    ``metrics.jsonl``: ``report/run.py``); returns both paths.
 
     >>> html_path, md_path = write_report("studies/digits")
     """
     results_dir = Path(results_dir)
-    study = load_study(results_dir)
     html_path = Path(output) if output else results_dir / "report.html"
     if html_path.suffix.lower() not in (".html", ".htm"):
         raise UsageError(f"report output must end in .html, got {html_path}; e.g. -o report.html")
+    if not (results_dir / "study.json").is_file():  # one run's directory (`multigpu run`, mg.StepMeter)
+        from .run import write_run_report
+
+        return write_run_report(results_dir, html_path)
+    study = load_study(results_dir)
     figs, missing = _figures(study)
     pngs = {name: _png(fig) for name, fig in figs.items()}
     md_path = results_dir / "report.md"
