@@ -226,4 +226,4 @@ def test_paired_speedup_interval_and_the_inconclusive_verdict():
 def test_report_of_a_missing_study_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "multigpu", "report", str(tmp_path)], capture_output=True,
                           text=True, timeout=60)
-    assert proc.returncode == 2 and "holds no study.json" in proc.stderr and proc.stderr.count("\n") == 1
+    assert proc.returncode == 2 and "holds neither study.json nor a metrics.jsonl" in proc.stderr and proc.stderr.count("\n") == 1

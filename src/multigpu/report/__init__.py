@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..runtime.fields import add_field
+from pathlib import Path
+
+from .run import write_run_report
 from .study import load_study, write_report
 
 __all__ = ["ReportConfig", "add_arguments", "load_study", "main", "write_report"]
@@ -30,6 +33,10 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     cfg = ReportConfig(results=args.results, output=args.output)
-    html_path, md_path = write_report(cfg.results, cfg.output)
+    results = Path(cfg.results)
+    if (results / "study.json").is_file() or not (results / "metrics.jsonl").is_file():
+        html_path, md_path = write_report(results, cfg.output)
+    else:  # one run's directory (`multigpu run`, mg.StepMeter)
+        html_path, md_path = write_run_report(results, Path(cfg.output) if cfg.output else results / "report.html")
     print(f"multigpu report: {html_path} (self-contained) and {md_path}")
     return 0

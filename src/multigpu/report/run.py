@@ -85,6 +85,8 @@ def write_run_report(run_dir: Path, html_path: Path) -> tuple[Path, Path]:
     """``report.html`` and ``report.md`` for one run directory."""
     from .study import _png
 
+    if html_path.suffix.lower() not in (".html", ".htm"):
+        raise UsageError(f"report output must end in .html, got {html_path}; e.g. -o report.html")
     records = load_run(run_dir)
     fig = _loss_figure([r for r in records if r.get("type") == "step"])
     pngs = {"loss": _png(fig)} if fig is not None else {}

@@ -22,7 +22,8 @@ BREAKDOWN = ("compute", "comm_exposed", "data_wait", "idle")
 def load_study(results_dir: str | Path) -> dict[str, Any]:
     path = Path(results_dir) / "study.json"
     if not path.is_file():
-        raise UsageError(f"{results_dir} holds no study.json; pass the directory `multigpu study` wrote")
+        raise UsageError(f"{results_dir} holds neither study.json nor a metrics.jsonl with records; pass the directory "
+                         "`multigpu study` wrote, or a run directory of a script that uses mg.StepMeter")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
@@ -217,8 +218,7 @@ def study_page(study: dict[str, Any], pngs: dict[str, bytes], missing: list[str]
 
 
 def write_report(results_dir: str | Path, output: str | Path | None = None) -> tuple[Path, Path]:
-    """Write ``report.html`` (self-contained) and ``report.md`` for a study, or for one run's directory (its
-    ``metrics.jsonl``: ``report/run.py``); returns both paths.
+    """Write ``report.html`` (self-contained) and ``report.md`` for a study; returns both paths.
 
     >>> html_path, md_path = write_report("studies/digits")
     """
@@ -226,10 +226,6 @@ def write_report(results_dir: str | Path, output: str | Path | None = None) -> t
     html_path = Path(output) if output else results_dir / "report.html"
     if html_path.suffix.lower() not in (".html", ".htm"):
         raise UsageError(f"report output must end in .html, got {html_path}; e.g. -o report.html")
-    if not (results_dir / "study.json").is_file():  # one run's directory (`multigpu run`, mg.StepMeter)
-        from .run import write_run_report
-
-        return write_run_report(results_dir, html_path)
     study = load_study(results_dir)
     figs, missing = _figures(study)
     pngs = {name: _png(fig) for name, fig in figs.items()}
