@@ -162,6 +162,12 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
+def max_diff(got: dict, ref: dict) -> float:
+    """The largest difference of any parameter between two runs' full weights (the same names required)."""
+    assert sorted(got["state"]) == sorted(ref["state"])
+    return max((got["state"][k].double() - ref["state"][k]).abs().max().item() for k in ref["state"])
+
+
 def train(dist, kind: str, layout: dict, steps: int = 5, accum: int = 2, clip: float = 0.5,
           ckpt: str | None = None, stop_after: int | None = None, overrides: dict | None = None) -> dict:
     """``layout``: the ``Layout``'s fields; every rank returns the same full weights after ``steps`` steps.

@@ -27,11 +27,6 @@ def reference():
     return dict(zip(KINDS, spawn(hf.train_layouts, 1, [(k, {}) for k in KINDS], timeout=240)[0]))
 
 
-def _max_diff(got: dict, ref: dict) -> float:
-    assert sorted(got["state"]) == sorted(ref["state"])
-    return max((got["state"][k].double() - ref["state"][k]).abs().max().item() for k in ref["state"])
-
-
 def test_the_plan_found_in_each_encoder():
     found = {}
     for kind in KINDS:
@@ -49,22 +44,21 @@ def test_the_plan_found_in_each_encoder():
                                    "mlp.Wi": "colwise_gather_output", "mlp.Wo": "rowwise_split_input"}
 
 
-def test_encoders_under_tp_2_equal_one_process(reference):
-    out = spawn(hf.train_layouts, 2, [(k, {"tp": 2}) for k in KINDS], timeout=300)
+def _check(out: list, reference: dict, name: str) -> None:
     for i, kind in enumerate(KINDS):
-        diff = max(_max_diff(rank[i], reference[kind]) for rank in out)
-        print(f"{kind} TP 2: max parameter difference from one process {diff:.1e}")
+        diff = max(hf.max_diff(rank[i], reference[kind]) for rank in out)
+        print(f"{kind} {name}: max parameter difference from one process {diff:.1e}")
         assert diff < TOL, (kind, diff)
         assert out[0][i]["norms"] == pytest.approx(reference[kind]["norms"], rel=1e-9)
 
 
+def test_encoders_under_tp_2_equal_one_process(reference):
+    _check(spawn(hf.train_layouts, 2, [(k, {"tp": 2}) for k in KINDS], timeout=300), reference, "TP 2")
+
+
 @pytest.mark.slow
 def test_encoders_under_fsdp_2_x_tp_2_equal_one_process(reference):
-    out = spawn(hf.train_layouts, 4, [(k, {"tp": 2}) for k in KINDS], timeout=400)
-    for i, kind in enumerate(KINDS):
-        diff = max(_max_diff(rank[i], reference[kind]) for rank in out)
-        print(f"{kind} FSDP 2 x TP 2: max parameter difference from one process {diff:.1e}")
-        assert diff < TOL, (kind, diff)
+    _check(spawn(hf.train_layouts, 4, [(k, {"tp": 2}) for k in KINDS], timeout=400), reference, "FSDP 2 x TP 2")
 
 
 def test_both_fsdp_entries_cut_a_vit_into_the_same_units_and_say_so(capfd):

@@ -29,15 +29,10 @@ def reference():
     return dict(zip(KINDS, spawn(hf.train_layouts, 1, [(k, {}) for k in KINDS], timeout=240)[0]))
 
 
-def _max_diff(got: dict, ref: dict) -> float:
-    assert sorted(got["state"]) == sorted(ref["state"])
-    return max((got["state"][k].double() - ref["state"][k]).abs().max().item() for k in ref["state"])
-
-
 def test_phi3_and_gpt_neox_under_tp_2_by_their_declared_plans_equal_one_process(reference, tmp_path):
     out = spawn(hf.train_layouts, 2, [(k, {"tp": 2}) for k in KINDS], timeout=300)
     for i, kind in enumerate(KINDS):
-        diffs = [_max_diff(rank[i], reference[kind]) for rank in out]
+        diffs = [hf.max_diff(rank[i], reference[kind]) for rank in out]
         print(f"{kind} TP 2: max parameter difference from one process {max(diffs):.1e}")
         assert max(diffs) < TOL, (kind, diffs)
         assert out[0][i]["norms"] == pytest.approx(reference[kind]["norms"], rel=1e-9)
@@ -45,14 +40,14 @@ def test_phi3_and_gpt_neox_under_tp_2_by_their_declared_plans_equal_one_process(
     resumed = spawn(hf.train_in_two_layouts, 2, "phi3", {"tp": 2}, {}, str(tmp_path / "ckpt"), timeout=300)
     for r in resumed:
         assert (r["strategy"], r["start"], len(r["losses"])) == ("fsdp", 3, 2)
-        assert _max_diff(r, reference["phi3"]) < TOL
+        assert hf.max_diff(r, reference["phi3"]) < TOL
 
 
 @pytest.mark.slow
 def test_phi3_and_gpt_neox_under_fsdp_2_x_tp_2_equal_one_process(reference):
     out = spawn(hf.train_layouts, 4, [(k, {"tp": 2}) for k in KINDS], timeout=400)
     for i, kind in enumerate(KINDS):
-        diff = max(_max_diff(rank[i], reference[kind]) for rank in out)
+        diff = max(hf.max_diff(rank[i], reference[kind]) for rank in out)
         print(f"{kind} FSDP 2 x TP 2: max parameter difference from one process {diff:.1e}")
         assert diff < TOL, (kind, diff)
 
