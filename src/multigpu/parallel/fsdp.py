@@ -122,8 +122,11 @@ def unit_rule(model: nn.Module, block_classes: Iterable[type] | None, min_block_
     if block_classes:
         names = ", ".join(c.__name__ for c in block_classes)
         return list(block_classes), minimum, f"{names} ({source})"
-    why = "given" if min_block_params is not None else "no repeated blocks"
-    return None, minimum, f"blocks of >= {minimum:,} parameters ({why})"
+    return None, minimum, size_rule(minimum, "given" if min_block_params is not None else "no repeated blocks")
+
+
+def size_rule(minimum: int = DEFAULT_MIN_BLOCK_PARAMS, why: str = "no repeated blocks") -> str:
+    return f"blocks of >= {minimum:,} parameters ({why})"
 
 
 def units_line(model: nn.Module, rule: str) -> str:

@@ -23,7 +23,7 @@ from ..dist import print0
 from ..errors import UsageError
 from . import auto
 from .batchnorm import prepare_batchnorm
-from .fsdp import shard_blocks, unit_rule, units_line
+from .fsdp import shard_blocks, size_rule, units_line
 from .layout import LAYOUT_ATTR, Layout
 from .mesh import Mesh
 
@@ -206,7 +206,7 @@ def parallelize(model: nn.Module, layout: Layout | Mesh | None = None, *, tp_pla
         model = shard_blocks(model, mesh.dp_mesh, block_classes=classes or None, **options)
         over = (f"HSDP over dp_replicate {shape.dp_replicate} x dp_shard {shape.dp_shard}" if strategy == "hsdp"
                 else f"FSDP over dp_shard {shape.dp_shard}")
-        rule = f"{block_names} ({block_source})" if classes else unit_rule(model, None, None)[2]
+        rule = f"{block_names} ({block_source})" if classes else size_rule()
         say(f"mg.parallelize: {over}: {units_line(model, rule)}{extras}")
         return _stamped(model, layout)
     if shape.tp == 1 and shape.pp == 1:

@@ -14,6 +14,7 @@ from typing import Any
 from ..errors import UsageError
 from ..meter.records import read_records
 from .page import Figures, Heading, Items, Page, Pairs, Text, write
+from .plots import one_point, png, pyplot
 
 
 def load_run(run_dir: Path) -> list[dict[str, Any]]:
@@ -26,16 +27,14 @@ def load_run(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _loss_figure(steps: list[dict[str, Any]]):
-    from .study import _one_point, _plt
-
     with_loss = [r for r in steps if r.get("loss") is not None]
     if not with_loss:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     samples, times, losses = ([r.get(k) for r in with_loss] for k in ("samples_seen", "time", "loss"))
-    ax1.plot(samples, losses, lw=1.8, **_one_point(samples))
-    ax2.plot(times, losses, lw=1.8, **_one_point(times))
+    ax1.plot(samples, losses, lw=1.8, **one_point(samples))
+    ax2.plot(times, losses, lw=1.8, **one_point(times))
     scale = "log" if all(v > 0 for v in losses) else "linear"
     ax1.set(xlabel="samples seen", ylabel="training loss", title="Loss vs samples", yscale=scale)
     ax2.set(xlabel="wall time (s)", ylabel="training loss", title="Loss vs wall time", yscale=scale)
@@ -83,13 +82,11 @@ def run_page(run_dir: Path, records: list[dict[str, Any]], pngs: dict[str, bytes
 
 def write_run_report(run_dir: Path, html_path: Path) -> tuple[Path, Path]:
     """``report.html`` and ``report.md`` for one run directory."""
-    from .study import _png
-
     if html_path.suffix.lower() not in (".html", ".htm"):
         raise UsageError(f"report output must end in .html, got {html_path}; e.g. -o report.html")
     records = load_run(run_dir)
     fig = _loss_figure([r for r in records if r.get("type") == "step"])
-    pngs = {"loss": _png(fig)} if fig is not None else {}
+    pngs = {"loss": png(fig)} if fig is not None else {}
     missing = [] if fig is not None else ["No loss plot: the run logged no loss (pass it to meter.step_end(loss=...))"]
     md_path = run_dir / "report.md"
     try:

@@ -7,7 +7,6 @@ the same PNGs next to ``report.md`` for Markdown viewers.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 from ..errors import UsageError
 from .page import Figures, Heading, Items, Page, Pairs, Table, Text, write
+from .plots import one_point, png, pyplot
 
 BREAKDOWN = ("compute", "comm_exposed", "data_wait", "idle")
 
@@ -30,25 +30,9 @@ def load_study(results_dir: str | Path) -> dict[str, Any]:
         raise UsageError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}); rerun the study") from None
 
 
-def _plt():
-    try:
-        import matplotlib
-    except ImportError:
-        raise UsageError("reports need matplotlib; pip install 'multigpu[report]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _label(group: dict[str, Any]) -> str:
     layout = group.get("layout") or ""
     return f"{group['workers']}w {layout + ' ' if layout else ''}{group['policy']}"
-
-
-def _one_point(xs: list) -> dict[str, Any]:
-    """A line of one point draws nothing: mark it."""
-    return {"marker": "o"} if len(xs) == 1 else {}
 
 
 def _throughput(plt, groups: list[dict[str, Any]], lines: list[tuple[str, str]]):
@@ -84,7 +68,7 @@ def _throughput(plt, groups: list[dict[str, Any]], lines: list[tuple[str, str]])
 
 def _figures(study: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """(name -> matplotlib figure for every plot the data supports, why each other plot is not drawn)."""
-    plt = _plt()
+    plt = pyplot()
     missing: list[str] = []
     groups, runs = study["groups"], study["runs"]
     # One line per policy over the world sizes; in a layout study one per (policy, layout), from one worker.
@@ -105,7 +89,7 @@ def _figures(study: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
         for r in curves:
             style = dict(lw=2.2, color="black") if r["workers"] == 1 else dict(lw=1.2)
-            style |= _one_point(r["curve"]["samples"])
+            style |= one_point(r["curve"]["samples"])
             name = _label(r) + (f" #{r['repeat']}" if r.get("repeat") else "") + (" (too short)" if r["status"] == "short" else "")
             ax1.plot(r["curve"]["samples"], r["curve"]["loss"], label=name, **style)
             ax2.plot(r["curve"]["wall_s"], r["curve"]["loss"], label=name, **style)
@@ -140,7 +124,7 @@ def _figures(study: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
         for r in noisy:
             line = ax.plot(r["noise"]["samples"], r["noise"]["b_simple"], label=f"B_simple {_label(r)}",
-                           **_one_point(r["noise"]["samples"]))
+                           **one_point(r["noise"]["samples"]))
             ax.axhline(r["global_batch"], color=line[0].get_color(), ls=":", lw=1)
         ax.set(xlabel="samples seen", ylabel="examples", yscale="log",
                title="Gradient noise scale (dotted: global batch)")
@@ -151,13 +135,6 @@ def _figures(study: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         missing.append("No noise-scale plot: no run logged noise/b_simple (meter.log(noise.metrics()), on 2 or more "
                        "workers)")
     return figs, missing
-
-
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    _plt().close(fig)
-    return buf.getvalue()
 
 
 def _fmt(stat: dict[str, float] | None, scale: float = 1.0, digits: int = 1, unit: str = "") -> str:
@@ -228,7 +205,7 @@ def write_report(results_dir: str | Path, output: str | Path | None = None) -> t
         raise UsageError(f"report output must end in .html, got {html_path}; e.g. -o report.html")
     study = load_study(results_dir)
     figs, missing = _figures(study)
-    pngs = {name: _png(fig) for name, fig in figs.items()}
+    pngs = {name: png(fig) for name, fig in figs.items()}
     md_path = results_dir / "report.md"
     try:
         write(study_page(study, pngs, missing), md_path, html_path)
