@@ -8,6 +8,8 @@ The one-process script and the parallel one differ only in the lines marked ``# 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -90,6 +92,10 @@ def build(kind: str, **overrides):
     torch.manual_seed(0)
     if kind == "own":
         return TinyLM(**overrides).double()
+    if kind.startswith("zoo:"):  # a family of the zoo (tests/_zoo.py), from its tiny config
+        import _zoo
+
+        return _zoo.build(kind[4:])
     import transformers
 
     if kind == "llama":
@@ -168,16 +174,21 @@ def max_diff(got: dict, ref: dict) -> float:
     return max((got["state"][k].double() - ref["state"][k]).abs().max().item() for k in ref["state"])
 
 
-def train(dist, kind: str, layout: dict, steps: int = 5, accum: int = 2, clip: float = 0.5,
+def train(dist, kind: str, layout: dict | None, steps: int = 5, accum: int = 2, clip: float = 0.5,
           ckpt: str | None = None, stop_after: int | None = None, overrides: dict | None = None) -> dict:
     """``layout``: the ``Layout``'s fields; every rank returns the same full weights after ``steps`` steps.
+    ``layout=None``: the one-process script itself (no collective, so one rank of a larger world can run it).
     ``overrides``: the model's config beside build's defaults; ``ckpt``: resume from and save to that
     Checkpointer directory every step, stopping after step ``stop_after``."""
     model = build(kind, **(overrides or {}))
-    micro = GLOBAL_BATCH // accum // mg.parallel.Layout(**layout).shape(dist.world_size).dp
-    layout = mg.parallel.Layout(**layout, micro_batch=micro)              # +layout
-    model = mg.parallelize(model, layout)                                  # +layout
-    plan = layout.plan(GLOBAL_BATCH, dist)                                 # +layout (was mg.BatchPlan(...))
+    if layout is None:
+        dist = dataclasses.replace(dist, rank=0, local_rank=0, world_size=1, local_world_size=1)
+        plan = mg.BatchPlan(GLOBAL_BATCH, 1, micro_batch=GLOBAL_BATCH // accum)
+    else:
+        micro = GLOBAL_BATCH // accum // mg.parallel.Layout(**layout).shape(dist.world_size).dp
+        layout = mg.parallel.Layout(**layout, micro_batch=micro)              # +layout
+        model = mg.parallelize(model, layout)                                  # +layout
+        plan = layout.plan(GLOBAL_BATCH, dist)                                 # +layout (was mg.BatchPlan(...))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     train_loader = mg.loader(tokens(), plan, dist, seed=0)
     start = 0

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..dist import print0
 from ..errors import UsageError
-from . import auto
+from . import auto, probe
 from .batchnorm import prepare_batchnorm
 from .fsdp import shard_blocks, size_rule, units_line
 from .layout import LAYOUT_ATTR, Layout
@@ -163,10 +163,14 @@ def parallelize(model: nn.Module, layout: Layout | Mesh | None = None, *, tp_pla
         layout.check_sizes(heads=heads.get("attention heads"), kv_heads=heads.get("KV heads"), model=name)
         styles, source, written = tensor_parallel_plan(model, layout, blocks, tp_plan,
                                                        derive_sequence_parallel=not pipeline_stage)
+        batch = None if pipeline_stage else probe.probe_input(model, shape.tp)
+        expected = None if batch is None else probe.expected(model, batch)
         apply_tp(model, mesh.tp_mesh, styles)
         from .conv1d import divide_split_sizes
 
         divide_split_sizes(model, styles, shape.tp)  # GPT-2's attention splits its fused c_attn by split_size
+        if expected is not None:  # the split checked on the model itself: exact or refused (probe.py)
+            probe.check(model, batch, expected, mesh.tp_mesh.get_group(), source)
         say(f"mg.parallelize: tensor parallel {shape.tp}: plan {source}, {len(written)} entries on "
             f"{len(styles)} modules: {_short(written)}")
 

@@ -18,6 +18,7 @@ import copy
 import functools
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from ..errors import UsageError
@@ -141,8 +142,9 @@ def split(model: nn.Module, layout: Layout, n_stages: int) -> tuple[Callable[[in
         layout.check_sizes(blocks=len(blocks), model=name)
         ranges = balance(len(blocks), n_stages)
 
-        def hf_stage(i: int) -> nn.Module:
-            part = copy.deepcopy(model)
+        def hf_stage(i: int, share: bool = False) -> nn.Module:
+            """Stage i, a copy of the model; ``share``: the copy holds the model's own tensors (for ``probe``)."""
+            part = copy.deepcopy(model, {id(t): t for t in (*model.parameters(), *model.buffers())} if share else None)
             held = part.get_submodule(blocks_name)
             output = BlockOutput()
             for j in range(len(held)):  # the other stages' blocks: stand-ins at their indices
@@ -166,6 +168,7 @@ def split(model: nn.Module, layout: Layout, n_stages: int) -> tuple[Callable[[in
             part.forward = functools.partial(_causal_lm_forward, part, base, first, last, feed)
             return part
 
+        probe(model, hf_stage, n_stages)
         return hf_stage, len(blocks), f"{source} ({blocks_name}: {len(blocks)} blocks)"
     if isinstance(model, nn.Sequential):
         layout.check_sizes(blocks=len(model), model=name)
@@ -188,6 +191,42 @@ def split(model: nn.Module, layout: Layout, n_stages: int) -> tuple[Callable[[in
                      "of its layers, a transformers CausalLM (a _pp_plan, or base_model_prefix naming a base model "
                      "with a ModuleList of blocks), or build the stages yourself and pass them to "
                      "mg.parallel.Pipeline; or use pp=1")
+
+
+def probe(model: nn.Module, make: Callable[..., nn.Module], n_stages: int) -> None:
+    """The stages composed in this process on a probe batch must give the model's own output, or the split is
+    refused in one line: what one stage's copy of the model leaves out (a block's attribute the model
+    reads, a step after the head) or breaks (an in-place op on the stage's input) shows here, on every
+    rank alike, rather than as a wrong number or a hang between stages. The stages share the model's
+    tensors (no memory); a stage's input requires grad, as the schedule's does."""
+    from .probe import TOLERANCE, probe_input, run
+
+    batch = probe_input(model, 1)
+    if batch is None:
+        return
+    try:
+        expected = run(model, batch, backward=False)
+    except Exception:  # noqa: BLE001 - a model that needs more than its ids: nothing to check by
+        return
+    name = type(model).__name__
+    try:
+        with torch.random.fork_rng(devices=[]):
+            x = batch["input_ids"]
+            for i in range(n_stages):
+                part = make(i, share=True)
+                part.eval()
+                x = part(x if i == 0 else x.detach().requires_grad_())
+            got = x.detach()
+    except Exception as e:  # noqa: BLE001 - the failure is the refusal's reason
+        line = (str(e).strip().splitlines() or [""])[0][:160]
+        raise UsageError(f"{name} cut into {n_stages} pipeline stages fails on a probe batch ({type(e).__name__}: "
+                         f"{line}); use pp=1 for this model (DDP, FSDP and TP apply)") from None
+    error = ((got.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+    tol = TOLERANCE.get(expected.dtype, 1e-4)
+    if not error <= tol:
+        raise UsageError(f"{name} cut into {n_stages} pipeline stages gives another output than the model on a probe "
+                         f"batch (relative error {error:.1e}, {expected.dtype} allows {tol:.0e}): its forward does "
+                         "more than the stages run; use pp=1 for this model (DDP, FSDP and TP apply)")
 
 
 def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, verbose: bool = True):

@@ -81,6 +81,17 @@ class Skipped(nn.Module):
                 extra = ()
         return (x, *extra) if extra else x
 
+    def __getattr__(self, name: str) -> Any:
+        """The block's own plain attributes (Dory's model reads ``layer.attention_type`` of every layer); its
+        modules, parameters and buffers are not held here."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            value = getattr(self.__dict__["meta"], name)
+            if isinstance(value, (nn.Module, torch.Tensor)) or callable(value):
+                raise
+            return value
+
     def extra_repr(self) -> str:
         return f"{self.what} {self.index} on another stage"
 
