@@ -53,6 +53,9 @@ def _hf_split(model: nn.Module) -> tuple[str, str, list[str], list[str], list[st
     plan = getattr(model, "pp_plan", None) or getattr(model, "_pp_plan", None)
     if not isinstance(plan, dict) or not plan:
         return _found_split(model)
+    held = {n for n, _ in model.named_modules()}
+    if any(n not in held for n in plan):  # a plan for another variant (HRM's two block stacks): not this model's
+        return _found_split(model)
     names = list(plan)
     blocks = next((n for n in names if isinstance(model.get_submodule(n), nn.ModuleList)), None)
     if blocks is None:  # a plan of the head alone (OLMoE: its config declares no base_model_pp_plan)

@@ -82,15 +82,13 @@ class Skipped(nn.Module):
         return (x, *extra) if extra else x
 
     def __getattr__(self, name: str) -> Any:
-        """The block's own plain attributes (Dory's model reads ``layer.attention_type`` of every layer); its
-        modules, parameters and buffers are not held here."""
+        """The block's own attributes, from its meta copy (no memory): Dory's model reads
+        ``layer.attention_type`` of every layer, RWKV's rescales every block's weights in place when it
+        changes mode (a no-op on meta). Nothing is registered: the stage holds none of them."""
         try:
             return super().__getattr__(name)
         except AttributeError:
-            value = getattr(self.__dict__["meta"], name)
-            if isinstance(value, (nn.Module, torch.Tensor)) or callable(value):
-                raise
-            return value
+            return getattr(self.__dict__["meta"], name)
 
     def extra_repr(self) -> str:
         return f"{self.what} {self.index} on another stage"
