@@ -23,7 +23,7 @@ demo: $(STAMP)
 # Every test, the ones marked slow too (the multi-rank proofs of 4-8 ranks, real tunes and studies: the
 # project's main claims); CI runs this (.ci/run). `make quick` leaves the slow ones out, for your own loop.
 test: $(STAMP) browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=40
 
 quick: $(STAMP) browser
 	$(PY) -m pytest -q -m "not slow"

@@ -145,6 +145,11 @@ def build(kind: str, **overrides):
         cfg = dict(vocab_size=VOCAB, max_position_embeddings=64, num_labels=VOCAB, pad_token_id=0) | name
         config = getattr(transformers, config_cls)(**(cfg | overrides))
         cls = getattr(transformers, cls_name)
+    elif kind == "vit":  # transformers' ViT for 16x16 images in patches of 4 (images() below), 10 classes
+        config = transformers.ViTConfig(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_labels=10,
+                                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **overrides)
+        cls = transformers.ViTForImageClassification
     elif kind == "gpt2":
         cfg = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
                    embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)
@@ -190,7 +195,8 @@ def train(dist, kind: str, layout: dict | None, steps: int = 5, accum: int = 2, 
         model = mg.parallelize(model, layout)                                  # +layout
         plan = layout.plan(GLOBAL_BATCH, dist)                                 # +layout (was mg.BatchPlan(...))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    train_loader = mg.loader(tokens(), plan, dist, seed=0)
+    image = kind == "vit"  # images and a class each, else tokens and the next token for each
+    train_loader = mg.loader(images() if image else tokens(), plan, dist, seed=0)
     start = 0
     if ckpt is not None:
         checkpointer = mg.Checkpointer(ckpt, model=model, optimizer=opt, loader=train_loader)
@@ -199,7 +205,10 @@ def train(dist, kind: str, layout: dict | None, steps: int = 5, accum: int = 2, 
     for step, micro_batches in zip(range(start, steps), train_loader):
         total = 0.0
         for x, y in mg.accumulate(model, micro_batches):
-            loss = F.cross_entropy(logits_of(model, x).flatten(0, 1), y.flatten()) / plan.accum_steps
+            if image:
+                loss = F.cross_entropy(image_logits(model, x), y) / plan.accum_steps
+            else:
+                loss = F.cross_entropy(logits_of(model, x).flatten(0, 1), y.flatten()) / plan.accum_steps
             loss.backward()
             total += float(loss.detach())
         norms.append(float(mg.clip_grad_norm_(model, clip)))

@@ -29,13 +29,19 @@ TINY = dict(vocab_size=hf.VOCAB, hidden_size=32, intermediate_size=64, num_hidde
             num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
             shared_expert_intermediate_size=32, pad_token_id=0, bos_token_id=0, eos_token_id=1,
             tie_word_embeddings=False)
+# Sizes of some families, tried too (a config that refuses one is built without them): latent attention
+# (DeepSeek-V2/V3, MiniCPM3), partial rotary (GPT-J, CodeGen), linear attention (Qwen3-Next).
+TINY_MORE = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                 rotary_dim=4, first_k_dense_replace=1, n_group=1, topk_group=1, index_head_dim=8,
+                 index_n_heads=2, index_topk=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                 linear_num_key_heads=2, linear_num_value_heads=4)
 TOL = 1e-9
 # A family that computes parts in float32 inside a float64 model (Cohere's and Gemma's norms, logits cast
 # to float32) is off by more than TOL from one process itself, run with 2 micro-batches a step instead of 1 (the
 # same arithmetic in another order): its floor. Such a family is judged within FLOOR_FACTOR times it
-# (a single draw of a noisy quantity: SP splits the float32 sums by sequence, the floor by batch; a wrong
-# split is off by 1e-4 to 1e-2).
-FLOOR_FACTOR = 100
+# (a single draw of a noisy quantity: TP splits the float32 sums by features, SP by sequence, the floor by
+# batch; Gemma-4's TP 2 + SP is 56x its floor, FSDP 2 x TP 2 120x; a wrong split is off by 1e-4 to 1e-2).
+FLOOR_FACTOR = 1000
 MAX_PARAMS = 3_000_000  # a config whose other sizes (a vision or audio tower) the tiny ones do not reach
 MAX_STEP_S = 0.2  # most tiny models take 5-30 ms
 CHUNK = 36  # jobs per worker
@@ -44,11 +50,28 @@ LAYOUTS = {"TP 2": {"tp": 2}, "TP 2 + SP": {"tp": 2, "sequence_parallel": True},
 WORLD = {"TP 2": 2, "TP 2 + SP": 2, "PP 2": 2, "FSDP 2 x TP 2": 4}
 
 
+# Encoders with a per-token head and a ViT (tests/_hf_layouts.py builds them), beside the causal LMs: no
+# pipeline for them (mg.parallel.pipeline cuts causal LMs and nn.Sequential).
+ENCODERS = ["encoder:bert", "encoder:roberta", "encoder:modernbert", "encoder:distilbert", "encoder:vit"]
+ENCODER_LAYOUTS = ["TP 2", "TP 2 + SP", "FSDP 2 x TP 2"]
+
+
 def families() -> dict[str, str]:
     """Every causal-LM family transformers maps (model type -> class name), sorted."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return dict(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()))
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def kind_of(name: str) -> str:
+    """The model kind tests/_hf_layouts.py builds for a zoo family name."""
+    return name.split(":", 1)[1] if name.startswith("encoder:") else "zoo:" + name
 
 
 def tiny_config(family: str):
@@ -62,13 +85,23 @@ def tiny_config(family: str):
     known = set(inspect.signature(cls.__init__).parameters)
     if dataclasses.is_dataclass(cls):
         known |= {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for name, value in TINY.items():
-        for key in (name, aliases.get(name)):
-            if key and (key in known or hasattr(base, key)):
-                kwargs[key] = value
-                break
-    config = cls(**kwargs)
+    def taken(sizes: dict) -> dict:
+        kwargs = {}
+        for name, value in sizes.items():
+            for key in (name, aliases.get(name)):
+                if key and (key in known or hasattr(base, key)):
+                    kwargs[key] = value
+                    break
+        return kwargs
+
+    more = taken(TINY | TINY_MORE)
+    if "kv_lora_rank" in more:  # latent attention expands its keys to every head: as many KV heads as heads
+        more[next(k for k in ("num_key_value_heads", aliases.get("num_key_value_heads")) if k in more)] = \
+            TINY["num_attention_heads"]
+    try:
+        config = cls(**more)
+    except Exception:  # noqa: BLE001 - a property without a setter, a validator: the core sizes alone
+        config = cls(**taken(TINY))
     for key, value in vars(config).items():  # random draws differ by layout: none, as the zoo compares arithmetic
         if isinstance(value, float) and ("drop" in key or "jitter" in key):  # dropout, a router's noise (PhiMoE)
             setattr(config, key, 0.0)
@@ -99,12 +132,15 @@ def build(family: str):
 def why_skipped(family: str) -> str | None:
     """Why ``family`` is left out of the zoo (it does not build tiny, does not run one process, or its tiny
     model's step is too slow for CI), or None."""
+    if family.startswith("encoder:"):
+        return None
     try:
         model = build(family)
-        start = time.perf_counter()
-        model(input_ids=torch.randint(2, hf.VOCAB, (2, hf.SEQ)), use_cache=False).logits.sum().backward()
     except ValueError as e:
         return str(e)
+    try:
+        start = time.perf_counter()
+        model(input_ids=torch.randint(2, hf.VOCAB, (2, hf.SEQ)), use_cache=False).logits.sum().backward()
     except Exception as e:  # noqa: BLE001
         return f"its tiny model does not run one process: {type(e).__name__}: {first_line(e)}"
     seconds = time.perf_counter() - start
@@ -135,21 +171,21 @@ def run(dist, jobs: list[tuple[str, str]], out: str) -> None:
             if name != family:  # rank 0 decides (a time measured on each rank could disagree)
                 family, why = name, [why_skipped(name) if dist.rank == 0 else None]
                 torch.distributed.broadcast_object_list(why, src=0)
-                reference = why[0] or (hf.train(dist, "zoo:" + name, None, accum=1) if dist.rank == 0 else {})
+                reference = why[0] or (hf.train(dist, kind_of(name), None, accum=1) if dist.rank == 0 else {})
             if isinstance(reference, str):
                 row["skipped"] = reference
             else:
                 layout = LAYOUTS[label]
                 # One micro-batch a step (two through a pipeline): the zoo checks the layouts, not accumulation.
                 if layout.get("pp", 1) > 1:
-                    got = hf.train_pipeline(dist, "zoo:" + name, layout, accum=2)
+                    got = hf.train_pipeline(dist, kind_of(name), layout, accum=2)
                 else:
-                    got = hf.train(dist, "zoo:" + name, layout, accum=1)
+                    got = hf.train(dist, kind_of(name), layout, accum=1)
                 if dist.rank == 0:
                     row["diff"] = hf.max_diff(got, reference)
                     if row["diff"] > TOL:  # judged against the family's own floor
                         if "floor" not in reference:
-                            reference["floor"] = hf.max_diff(hf.train(dist, "zoo:" + name, None, accum=2), reference)
+                            reference["floor"] = hf.max_diff(hf.train(dist, kind_of(name), None, accum=2), reference)
                         row["floor"] = reference["floor"]
                     row["tolerance"] = max(TOL, FLOOR_FACTOR * row.get("floor", 0.0))
         except mg.UsageError as e:
@@ -221,7 +257,8 @@ def table(rows: list[dict]) -> str:
         by.setdefault(r["family"], {})[r["layout"]] = r
     ran = {f: v for f, v in by.items() if not any("skipped" in r for r in v.values())}
     skipped = {f: next(iter(v.values()))["skipped"] for f, v in by.items() if f not in ran}
-    out = [f"transformers {transformers.__version__}, torch {torch.__version__}: {len(by)} causal-LM families, "
+    out = [f"transformers {transformers.__version__}, torch {torch.__version__}: {len(by)} families (causal LMs "
+           f"as transformers maps them, and {sum(f.startswith('encoder:') for f in by)} encoders), "
            f"{len(ran)} built tiny and run, {len(skipped)} skipped. Float64, 5 AdamW steps, clipping 0.5; the "
            f"figure is the largest parameter difference from one process (tolerance {TOL:g}, or {FLOOR_FACTOR} x "
            "the family's floor where it computes parts in float32).", "",

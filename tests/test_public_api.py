@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import multigpu as mg
 
 PUBLIC = [
@@ -40,3 +42,15 @@ def test_the_console_script_exits_with_the_verbs_code_and_flushed_output(capsys)
     in_process = capsys.readouterr().out
     proc = subprocess.run([sys.executable, "-m", "multigpu", *argv], capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stdout) == (0, in_process), proc.stderr
+
+
+def test_a_public_name_that_went_says_what_to_write_instead_in_one_line():
+    import multigpu.parallel as parallel
+
+    for name, instead in parallel.MOVED.items():
+        with pytest.raises(AttributeError) as e:
+            getattr(parallel, name)
+        assert str(e.value) == f"mg.parallel.{name} is gone; use {instead}"
+        assert "\n" not in str(e.value)
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        parallel.no_such_name  # noqa: B018

@@ -2,15 +2,21 @@
 
 The families come from transformers itself (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, tests/_zoo.py), each
 built from a tiny config in float64 and trained 5 AdamW steps (clipping at 0.5) under TP 2, TP 2 + SP,
-PP 2 (2 ranks) and FSDP 2 x TP 2 (4 ranks), against one process: within 1e-9 on every parameter (or 100
+PP 2 (2 ranks) and FSDP 2 x TP 2 (4 ranks), against one process; BERT, RoBERTa, ModernBERT and
+DistilBERT with a per-token head, and ViT, under the same layouts but PP: within 1e-9 on every parameter (or 1000
 times the family's own floor where it computes parts in float32: see _zoo.FLOOR_FACTOR), or refused by
 ``mg.UsageError`` in one line. Anything else is a crash, and the test fails on any wrong figure or crash.
-A family that cannot be built tiny is skipped with its reason. The table goes to the test's output, and
+A family that cannot be built tiny is skipped with its reason. Each cell's outcome (exact, refused,
+skipped) must be the one recorded for this transformers release in tests/zoo_expected.json
+(MULTIGPU_ZOO_EXPECT=write MULTIGPU_ZOO=all records a new release's): a family that was exact and is
+now refused is a regression. The table goes to the test's output, and
 to a file with MULTIGPU_ZOO_TABLE=docs/zoo.md.
 """
 
 import collections
+import json
 import os
+import pathlib
 
 import pytest
 
@@ -18,19 +24,24 @@ pytest.importorskip("transformers", reason="the hf extra is not installed (pip i
 
 import _zoo  # noqa: E402
 
-# CI runs a sample fixed by a rule, not by choice (every 8th family transformers lists, and the four MoE
-# families multigpu declares plans for; ~5 of 25 minutes on 2 cores); MULTIGPU_ZOO=all runs every family
-# (about 10 minutes for the 2-rank layouts: docs/zoo.md has that run's table).
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+# CI runs a sample fixed by a rule, not by choice (every 8th family transformers lists), and the families
+# whose treatment multigpu writes out (the four MoE families' declared plans without the experts; fused
+# projections: GPT-2's Conv1D, Phi-3's and GPT-NeoX's nn.Linear; Gemma-2's soft-cap after the head), about
+# 3 of CI's 25 minutes on 2 cores; MULTIGPU_ZOO=all runs every family (about 12 minutes: docs/zoo.md);
+# MULTIGPU_ZOO=gpt2,gemma2 runs those (and the encoders).
+NAMED = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt2", "phi3", "gpt_neox", "gemma2"]
 
 
 def zoo_families() -> list[str]:
     names = list(_zoo.families())
     if os.environ.get("MULTIGPU_ZOO") == "all":
         return names
-    return [n for i, n in enumerate(names) if i % 8 == 0 or n in MOE]
+    if os.environ.get("MULTIGPU_ZOO"):  # a few by name: MULTIGPU_ZOO=gpt2,gemma2
+        return os.environ["MULTIGPU_ZOO"].split(",")
+    return [n for i, n in enumerate(names) if i % 8 == 0 or n in NAMED]
 
 
+EXPECTED = pathlib.Path(__file__).with_name("zoo_expected.json")  # each cell's outcome, per transformers release
 TWO = [label for label, world in _zoo.WORLD.items() if world == 2]
 FOUR = [label for label, world in _zoo.WORLD.items() if world == 4]
 
@@ -42,11 +53,13 @@ def outcome(row: dict) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the sample takes ~3 minutes; MULTIGPU_ZOO=all about 12
 def test_every_causal_lm_family_is_exact_or_refused_under_every_layout(tmp_path):
-    names = zoo_families()
-    rows = _zoo.zoo(2, [(n, label) for n in names for label in TWO], str(tmp_path / "two.jsonl"))
-    built = [n for n in names if not any("skipped" in r for r in rows if r["family"] == n)]
-    rows += _zoo.zoo(4, [(n, label) for n in built for label in FOUR], str(tmp_path / "four.jsonl"))
+    names = zoo_families() + _zoo.ENCODERS
+    jobs = [(n, label) for n in names for label in (_zoo.ENCODER_LAYOUTS if n in _zoo.ENCODERS else _zoo.LAYOUTS)]
+    rows = _zoo.zoo(2, [job for job in jobs if job[1] in TWO], str(tmp_path / "two.jsonl"))
+    skipped = {r["family"] for r in rows if "skipped" in r}
+    rows += _zoo.zoo(4, [job for job in jobs if job[1] in FOUR and job[0] not in skipped], str(tmp_path / "four.jsonl"))
     table = _zoo.table(rows)
     print(table)
     if os.environ.get("MULTIGPU_ZOO_TABLE"):
@@ -54,6 +67,19 @@ def test_every_causal_lm_family_is_exact_or_refused_under_every_layout(tmp_path)
             f.write(table)
     counts = collections.Counter(outcome(r) for r in rows)
     print(dict(counts))
+    got = {f"{r['family']} | {r['layout']}": outcome(r) for r in rows}
+    if os.environ.get("MULTIGPU_ZOO_EXPECT") == "write":  # recording the zoo of a new transformers release
+        old = json.loads(EXPECTED.read_text()) if EXPECTED.exists() else {}
+        kept = old.get("outcomes", {}) if old.get("transformers") == _zoo.transformers_version() else {}
+        EXPECTED.write_text(json.dumps({"transformers": _zoo.transformers_version(), "outcomes": kept | got},
+                                       indent=0, sort_keys=True) + "\n")
+    expected = json.loads(EXPECTED.read_text())
+    if expected["transformers"] == _zoo.transformers_version():
+        # A cell that was exact and is now refused (or skipped) is a regression too, and so is a new refusal
+        # from a planted bug that the probe catches before it becomes a wrong figure.
+        changed = [f"{k}: {expected['outcomes'][k]} -> {v}" for k, v in got.items()
+                   if k in expected["outcomes"] and expected["outcomes"][k] != v]
+        assert not changed, changed
     bad = [f"{r['family']} {r['layout']}: {r.get('crashed') or r['diff']}" for r in rows
            if outcome(r) in ("wrong", "crashed")]
     assert not bad, bad

@@ -25,3 +25,17 @@ from .wrap import STRATEGIES, accumulate, full_state_dict, no_sync, optimizer, s
 # name, one place (they stay importable from this package).
 __all__ = ["STRATEGIES", "Layout", "Mesh", "MeshShape", "Pipeline", "apply_tp", "factor", "loss_parallel", "mesh",
            "no_sync", "pipeline", "strategy_of"]
+
+# Names a user may have called that moved or went (CHANGELOG.md): what to write instead, in one line.
+MOVED = {
+    "shard_blocks": "mg.parallelize(model, mg.parallel.Layout()) (FSDP over the blocks the model declares or "
+                    "repeats; block_classes= to choose them), or mg.wrap(model, 'fsdp')",
+    "StageBlocks": "mg.parallel.pipeline(model, layout, loss_fn, plan): a stage keeps the model's own forward, "
+                   "the other stages' blocks stand in at their indices",
+}
+
+
+def __getattr__(name: str):
+    if name in MOVED:
+        raise AttributeError(f"mg.parallel.{name} is gone; use {MOVED[name]}")
+    raise AttributeError(f"module 'multigpu.parallel' has no attribute {name!r}")

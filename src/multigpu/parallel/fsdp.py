@@ -167,12 +167,12 @@ def wrap_fsdp(
     model = prepare_batchnorm(model, "fsdp", sync_batchnorm, device)
     if sync_batchnorm:  # the conversion replaced BatchNorm modules: pick from the model as it is now
         blocks = pick_blocks(model, block_classes, min_block_params)
-    from torch.distributed.device_mesh import init_device_mesh
+    from .mesh import device_mesh
 
     # The mesh must live on the parameters' device type: gloo meshes are
     # "cpu", NCCL meshes "cuda" (init_device_mesh would otherwise guess from
     # what is installed, not from where the model is).
-    mesh = init_device_mesh(device.type, (tdist.get_world_size(),))
+    mesh = device_mesh(device.type, (tdist.get_world_size(),), ("dp_shard",))
     model = _shard(model, blocks, mesh, reshard_after_forward, pdt, rdt, cpu_offload, device)
     from ..dist import print0
 

@@ -114,10 +114,10 @@ class Layout:
 
     def mesh(self, world_size: int, device_type: str) -> Mesh:
         """The device mesh (collective: every rank calls it), after the degrees are checked."""
-        from torch.distributed.device_mesh import init_device_mesh
+        from .mesh import device_mesh
 
         s = self.shape(world_size)
-        return Mesh(s, init_device_mesh(device_type, (s.pp, s.dp_replicate, s.dp_shard, s.tp), mesh_dim_names=DIMS))
+        return Mesh(s, device_mesh(device_type, (s.pp, s.dp_replicate, s.dp_shard, s.tp), DIMS))
 
     def check_sizes(self, *, heads: int | None = None, kv_heads: int | None = None, hidden: int | None = None,
                     vocab: int | None = None, seq: int | None = None, blocks: int | None = None,

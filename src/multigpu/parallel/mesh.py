@@ -145,9 +145,26 @@ def mesh(dist: Any, *, tp: int = 1, dp_replicate: int = 1, dp_shard: int | None 
     >>> mesh = mg.parallel.mesh(dist, tp=2, dp_replicate=2)   # 8 processes: HSDP 2 x 2, TP 2
     """
     shape = factor(dist.world_size, tp=tp, dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp)
+    return Mesh(shape, device_mesh(dist.device.type, (shape.pp, shape.dp_replicate, shape.dp_shard, shape.tp), DIMS))
+
+
+_MESHES: dict[Any, Any] = {}
+
+
+def device_mesh(device_type: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """The one device-mesh builder (collective the first time: every rank calls it), on the job's device
+    type (gloo meshes are "cpu", NCCL meshes "cuda"). Built once per shape in a process group and reused:
+    each ``init_device_mesh`` creates new process groups that live as long as the job, so a process that
+    spreads many models (tune, verify, the test zoo) would otherwise gather hundreds of them, each
+    collective slower for it."""
+    import torch.distributed as tdist
     from torch.distributed.device_mesh import init_device_mesh
 
-    # The mesh on the job's device type: gloo meshes are "cpu", NCCL meshes "cuda".
-    device_mesh = init_device_mesh(dist.device.type, (shape.pp, shape.dp_replicate, shape.dp_shard, shape.tp),
-                                   mesh_dim_names=DIMS)
-    return Mesh(shape, device_mesh)
+    world = tdist.group.WORLD  # another object after the group is torn down and started again
+    if _MESHES.get("world") is not world:
+        _MESHES.clear()
+        _MESHES["world"] = world
+    key = (device_type, tuple(sizes), tuple(names))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+    return _MESHES[key]
