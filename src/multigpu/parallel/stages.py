@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
+from ..runtime import compat
 from .layout import Layout
 from .standins import BlockOutput, Elsewhere, FeedFirstBlock, Skipped
 from .tied import tied_groups
@@ -123,7 +124,7 @@ def _causal_lm_forward(part: nn.Module, base: str, first: bool, last: bool, feed
             feed.x = None
     # GPT-2 returns its hidden states through .view(); the schedules that split the backward into input and
     # weight parts detach a stage's outputs in place, which torch refuses for a view.
-    return h.clone() if h._is_view() else h
+    return h.clone() if compat.is_view(h) else h
 
 
 def _set(model: nn.Module, name: str, value: nn.Module) -> None:

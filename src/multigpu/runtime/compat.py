@@ -217,3 +217,12 @@ def watch_default_group(seen: Callable[[int], None]) -> Callable[[], None] | Non
         c10d._update_default_pg = original
 
     return undo
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view of another tensor (``Tensor._is_view``: private)."""
+    return t._is_view()
+
+
+# The logger of DTensor's redistribution advice (a private module's name): quieted where multigpu measures.
+REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"

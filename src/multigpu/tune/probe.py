@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..parallel.footprint import LiveActivations
+from ..runtime import compat
 from .model import Links
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -171,7 +172,7 @@ def overheads(cfg, micro_batch: int, threads: int, acs=(False, True), rounds: in
         tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
     # The wrappers' advice to a training script (FSDP2's view-output warning, DTensor's two-mesh norm) is
     # not the user's business here: the probe measures what they cost.
-    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+    quiet = logging.getLogger(compat.REDISTRIBUTE_LOGGER)
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     caught = warnings.catch_warnings()
