@@ -85,6 +85,16 @@ def run(model: nn.Module, batch: dict[str, torch.Tensor], backward: bool) -> tor
     return out.detach()
 
 
+def cause(e: BaseException) -> str:
+    """An exception as the one line a refusal quotes: its type and its message's first line."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """||got - expected|| / ||expected||, in float64."""
+    return ((got.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+
+
 def expected(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """The unsplit model's output on ``batch``; None when the model does not run on it (nothing to check by)."""
     try:
@@ -105,13 +115,12 @@ def check(model: nn.Module, batch: dict[str, torch.Tensor], expected: torch.Tens
     try:
         got = run(model, batch, backward=True)
     except Exception as e:  # noqa: BLE001 - any failure of the forward under the plan is the refusal's reason
-        line = (str(e).strip().splitlines() or [""])[0][:160]
-        raise UsageError(f"tensor-parallel plan {source} breaks {name}'s forward on a probe batch ({type(e).__name__}: "
-                         f"{line}): the model computes at full width somewhere the plan splits (a view by the global "
+        raise UsageError(f"tensor-parallel plan {source} breaks {name}'s forward on a probe batch ({cause(e)}): "
+                         f"the model computes at full width somewhere the plan splits (a view by the global "
                          f"head count, a norm over the whole hidden size); {fix}") from None
     whole = [(n, p) for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     try:
-        error = ((got.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+        error = relative_error(got, expected)
         # Each whole parameter's gradient fingerprint (sum, sum of squares), compared over the TP ranks.
         prints = torch.tensor([[float(p.grad.double().sum()), float(p.grad.double().square().sum())]
                                if p.grad is not None else [0.0, 0.0] for _, p in whole], dtype=torch.float64)
@@ -126,8 +135,9 @@ def check(model: nn.Module, batch: dict[str, torch.Tensor], expected: torch.Tens
         return
     gathered = [torch.empty_like(prints) for _ in range(tdist.get_world_size(tp_group))]
     tdist.all_gather(gathered, prints, group=tp_group)
-    spread = torch.stack(gathered).amax(0) - torch.stack(gathered).amin(0)
-    scale = torch.stack(gathered).abs().amax(0).clamp_min(1e-30)
+    ranks = torch.stack(gathered)
+    spread = ranks.amax(0) - ranks.amin(0)
+    scale = ranks.abs().amax(0).clamp_min(1e-30)
     off = [n for (n, _), s in zip(whole, (spread / scale).amax(1).tolist()) if s > tol]
     if off:
         raise UsageError(f"tensor-parallel plan {source} leaves {', '.join(off[:3])}"

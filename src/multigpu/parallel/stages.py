@@ -203,7 +203,7 @@ def probe(model: nn.Module, make: Callable[..., nn.Module], n_stages: int) -> No
     reads, a step after the head) or breaks (an in-place op on the stage's input) shows here, on every
     rank alike, rather than as a wrong number or a hang between stages. The stages share the model's
     tensors (no memory); a stage's input requires grad, as the schedule's does."""
-    from .probe import TOLERANCE, probe_input, run
+    from .probe import TOLERANCE, cause, probe_input, relative_error, run
 
     batch = probe_input(model, 1)
     if batch is None:
@@ -222,10 +222,9 @@ def probe(model: nn.Module, make: Callable[..., nn.Module], n_stages: int) -> No
                 x = part(x if i == 0 else x.detach().requires_grad_())
             got = x.detach()
     except Exception as e:  # noqa: BLE001 - the failure is the refusal's reason
-        line = (str(e).strip().splitlines() or [""])[0][:160]
-        raise UsageError(f"{name} cut into {n_stages} pipeline stages fails on a probe batch ({type(e).__name__}: "
-                         f"{line}); use pp=1 for this model (DDP, FSDP and TP apply)") from None
-    error = ((got.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+        raise UsageError(f"{name} cut into {n_stages} pipeline stages fails on a probe batch ({cause(e)}); use pp=1 "
+                         "for this model (DDP, FSDP and TP apply)") from None
+    error = relative_error(got, expected)
     tol = TOLERANCE.get(expected.dtype, 1e-4)
     if not error <= tol:
         raise UsageError(f"{name} cut into {n_stages} pipeline stages gives another output than the model on a probe "
