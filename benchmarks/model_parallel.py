@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import multigpu as mg
 from multigpu.runtime.fingerprint import format_fingerprint
-from multigpu.parallel.footprint import state_bytes
+from multigpu.meter.footprint import state_bytes
 from multigpu.recipes.gpt.model import GPT, config
 from multigpu.recipes.gpt.parallelize import spread
 from multigpu.testing import spawn

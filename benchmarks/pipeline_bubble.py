@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import multigpu as mg
 from multigpu.runtime.fingerprint import format_fingerprint
 from multigpu.parallel import pp
-from multigpu.parallel.footprint import LiveActivations, state_bytes
+from multigpu.meter.footprint import LiveActivations, state_bytes
 from multigpu.recipes.gpt.model import GPT, config
 from multigpu.recipes.gpt.pipeline import stage_module
 from multigpu.testing import spawn

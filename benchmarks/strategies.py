@@ -11,7 +11,7 @@ rank's median over all timed steps (with the interquartile range); CPU time
 per step (the rank process's, gloo's threads included) is the work a step
 costs, and stays meaningful when the machine is shared; memory is
 the per-rank bytes of parameters, gradients and optimizer state
-(multigpu.parallel.footprint.state_bytes, local shards for FSDP). "none" trains the
+(multigpu.meter.footprint.state_bytes, local shards for FSDP). "none" trains the
 replicas without any gradient exchange: the compute-only floor.
 """
 
@@ -27,7 +27,7 @@ from torch import nn
 
 import multigpu as mg
 from multigpu.parallel.comm_hooks import compression
-from multigpu.parallel.footprint import state_bytes
+from multigpu.meter.footprint import state_bytes
 from multigpu.testing import spawn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

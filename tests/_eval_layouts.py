@@ -3,8 +3,7 @@ transformers import; ``llama``: 4 blocks, for sequence parallelism and pipelines
 sequences under a Layout by the README's pattern: ``mg.eval_loader``, per-rank sums, ``mg.all_reduce_sum``.
 
 ``how`` says how ``mg.eval_loader`` learns the layout: ``layout`` (the Layout), ``model`` (the model
-``mg.parallelize`` returned), ``mesh`` (``mesh=`` the Mesh the model was spread by) or ``none`` (nothing:
-the mesh this process built). Under a pipeline the schedule's ``pipe.evaluate`` gives each group's mean
+``mg.parallelize`` returned) or ``none`` (nothing: the layout this process spread a model by). Under a pipeline the schedule's ``pipe.evaluate`` gives each group's mean
 loss on the last stage; every stage counts its rows, and ``mg.all_reduce_sum`` must keep one count per
 data-parallel rank.
 """
@@ -45,19 +44,16 @@ def evaluate(dist, kind: str, layout: dict, how: str = "layout", rows: int = ROW
     model, data = _model(kind), held_out(rows)
     if not layout:
         return _sums(model, mg.eval_loader(data, dist, batch))
-    if how == "mesh":
-        spread_by = mg.parallel.mesh(dist, **{k: v for k, v in layout.items() if k != "sequence_parallel"})
-    else:
-        spread_by = mg.parallel.Layout(**layout)
-    model = mg.parallelize(model, spread_by, sequence_parallel=layout.get("sequence_parallel"), verbose=False)
-    told = {"layout": dict(layout=spread_by), "model": dict(layout=model), "mesh": dict(mesh=spread_by), "none": {}}
+    spread_by = mg.parallel.Layout(**layout)
+    model = mg.parallelize(model, spread_by, verbose=False)
+    told = {"layout": dict(layout=spread_by), "model": dict(layout=model), "none": {}}
     return _sums(model, mg.eval_loader(data, dist, batch, **told[how]))
 
 
 def evaluate_pipeline(dist, kind: str, layout: dict, rows: int, batch: int = BATCH, accum: int = 4) -> dict | str:
     """Summed loss and row count through ``mg.parallel.pipeline``, or the line ``mg.eval_loader`` refuses with."""
     lay = mg.parallel.Layout(**layout, micro_batch=batch)
-    plan = lay.plan(batch * accum * lay.shape(dist.world_size).dp, dist)
+    plan = lay.plan(batch * accum * lay.resolve(dist.world_size).dp_size, dist)
     pipe = mg.parallel.pipeline(_model(kind), lay, hf.loss_fn, plan, verbose=False)
     try:
         batches = list(mg.eval_loader(held_out(rows), dist, batch, layout=lay))

@@ -8,14 +8,16 @@ and a correct layout missed 1e-5 on an AVX-512 machine. In float64 the same orde
 tolerance of 1e-9 leaves nothing for a bug to hide under.
 """
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import multigpu as mg
-from multigpu.parallel.footprint import state_bytes
+from multigpu.meter.footprint import state_bytes
 from multigpu.recipes.gpt.model import GPT, config
-from multigpu.recipes.gpt.parallelize import spread
+from multigpu.recipes.gpt.parallelize import pipeline, spread
 
 GLOBAL_BATCH, BLOCK = 8, 16
 
@@ -76,16 +78,14 @@ def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None
     """
     layout = dict(layout)
     dtype = layout.pop("dtype", torch.float64)
-    sp, lp = layout.pop("sequence_parallel", False), layout.pop("loss_parallel", False)
-    ac = layout.pop("activation_checkpointing", False)
-    compiled = layout.pop("compile", False)
-    masked = layout.pop("masked", False)
+    lp, masked = layout.pop("loss_parallel", False), layout.pop("masked", False)
     torch.manual_seed(0)
     model = GPT(config("tiny", block_size=BLOCK, **layout.pop("model", {}))).to(dtype)  # the full model, on every rank
-    mesh = mg.parallel.mesh(dist, **layout)
-    model = spread(model, mesh, sequence_parallel=sp, loss_parallel=lp, activation_checkpointing=ac, compile=compiled)
+    layout = mg.parallel.Layout(**layout).resolve(dist.world_size)
+    layout = dataclasses.replace(layout, micro_batch=GLOBAL_BATCH // layout.dp_size // accum)
+    model = spread(model, layout, loss_parallel=lp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    plan = mesh.plan(GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // mesh.dp_size // accum)
+    plan = layout.plan(GLOBAL_BATCH, dist)
     train_loader = mg.loader(tokens(masked=masked), plan, dist, seed=0)
     start = 0
     if ckpt is not None:
@@ -113,33 +113,25 @@ def train(dist, layout: dict, steps: int = 5, accum: int = 2, clip: float | None
     net = mg.unwrap(model)  # a layout that only replicates is DDP, whose wrapper prefixes the names
     state = {k: full(v) for k, v in net.state_dict().items()}
     tied = net.head.weight is net.embed.wte.weight
-    return {"state": state, "losses": losses, "norms": norms, "mesh": repr(mesh), "tied": tied, "bytes": held,
+    return {"state": state, "losses": losses, "norms": norms, "mesh": layout.label, "tied": tied, "bytes": held,
             "saved": saved[0]}
 
-
-def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
 def train_pipeline(dist, layout: dict, steps: int = 5, accum: int = 4, clip: float = 0.5, ckpt: str | None = None,
                    stop_after: int | None = None) -> dict:
     """The GPT (``layout["model"]`` overrides) in pipeline stages over ``layout["pp"]`` ranks, by ``layout["schedule"]``;
     ``ckpt`` and ``stop_after`` as in ``train``."""
-    from multigpu.parallel import pp
-    from multigpu.recipes.gpt.pipeline import stage_module
-
     layout = dict(layout)
-    schedule, overrides = layout.pop("schedule"), layout.pop("model", {})
-    sp, dtype = layout.pop("sequence_parallel", False), layout.pop("dtype", torch.float64)
+    overrides, dtype = layout.pop("model", {}), layout.pop("dtype", torch.float64)
     torch.manual_seed(0)
     model = GPT(config("tiny", block_size=BLOCK, **overrides)).to(dtype)
-    mesh = mg.parallel.mesh(dist, **layout)
-    n_stages = pp.check(schedule, mesh.shape.pp, accum)
-    ids = pp.stage_ids(schedule, mesh.pp_rank, mesh.shape.pp)
-    parts = [spread(stage_module(model, i, n_stages), mesh, sequence_parallel=sp, pipeline_stage=True) for i in ids]
-    pipe = mg.parallel.Pipeline(parts, ids, n_stages, mesh.pp_mesh.get_group(), dist.device, schedule, accum, loss_fn)
+    layout = mg.parallel.Layout(**layout).resolve(dist.world_size)
+    layout = dataclasses.replace(layout, micro_batch=GLOBAL_BATCH // layout.dp_size // accum)
+    plan = layout.plan(GLOBAL_BATCH, dist)
+    pipe = pipeline(model, layout, plan)
+    parts, ids = pipe.modules, pipe.ids
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1)
-    plan = mesh.plan(GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // mesh.dp_size // accum)
     train_loader = mg.loader(tokens(), plan, dist, seed=0)
     start = 0
     if ckpt is not None:
@@ -160,7 +152,7 @@ def train_pipeline(dist, layout: dict, steps: int = 5, accum: int = 4, clip: flo
     gathered = [None] * dist.world_size
     torch.distributed.all_gather_object(gathered, mine)
     state = {k: v for d in gathered for k, v in d.items()}
-    return {"state": state, "losses": losses, "norms": norms, "mesh": repr(mesh), "stages": ids}
+    return {"state": state, "losses": losses, "norms": norms, "mesh": layout.label, "stages": ids}
 
 
 def train_layouts(dist, layouts: list[dict]) -> list[dict]:

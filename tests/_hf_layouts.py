@@ -190,7 +190,7 @@ def train(dist, kind: str, layout: dict | None, steps: int = 5, accum: int = 2, 
         dist = dataclasses.replace(dist, rank=0, local_rank=0, world_size=1, local_world_size=1)
         plan = mg.BatchPlan(GLOBAL_BATCH, 1, micro_batch=GLOBAL_BATCH // accum)
     else:
-        micro = GLOBAL_BATCH // accum // mg.parallel.Layout(**layout).shape(dist.world_size).dp
+        micro = GLOBAL_BATCH // accum // mg.parallel.Layout(**layout).resolve(dist.world_size).dp_size
         layout = mg.parallel.Layout(**layout, micro_batch=micro)              # +layout
         model = mg.parallelize(model, layout)                                  # +layout
         plan = layout.plan(GLOBAL_BATCH, dist)                                 # +layout (was mg.BatchPlan(...))
@@ -348,7 +348,7 @@ def train_pipeline(dist, kind: str, layout: dict, steps: int = 5, accum: int = 4
     names of the parameters this rank's stages hold, and what the pipeline does with tied copies.
     ``overrides`` and ``ckpt`` as ``train``'s (the Checkpointer saves ``pipe.model``)."""
     model = build(kind, **(overrides or {}))
-    micro = GLOBAL_BATCH // accum // mg.parallel.Layout(**layout).shape(dist.world_size).dp
+    micro = GLOBAL_BATCH // accum // mg.parallel.Layout(**layout).resolve(dist.world_size).dp_size
     layout = mg.parallel.Layout(**layout, micro_batch=micro)                # +layout
     plan = layout.plan(GLOBAL_BATCH, dist)                                   # +layout
     pipe = mg.parallel.pipeline(model, layout, loss_fn, plan)                # +layout (replaces the model's loop)

@@ -48,11 +48,12 @@ def resumed_across(dist, jobs: list[tuple[str, dict, dict, dict, str]]) -> list[
 
 def mismatched_tie(dist) -> str:
     """A hand-built pipeline whose tied copies differ in shape on the two stages: refused, the same line on both."""
-    mesh = mg.parallel.mesh(dist, pp=2)
+    pp_mesh = mg.parallel.Layout(pp=2).resolve(dist.world_size).device_mesh(dist.device.type)["pp"]
+    rank = pp_mesh.get_local_rank()
     part = nn.Sequential()
-    part.add_module(str(mesh.pp_rank), nn.Linear(4, 4 + mesh.pp_rank))
+    part.add_module(str(rank), nn.Linear(4, 4 + rank))
     try:
-        mg.parallel.Pipeline([part], [mesh.pp_rank], 2, mesh.pp_mesh.get_group(), dist.device, "gpipe", 2,
+        mg.parallel.Pipeline([part], [rank], 2, pp_mesh.get_group(), dist.device, "gpipe", 2,
                              hf.loss_fn, tied=[["0.weight", "1.weight"]])
     except mg.UsageError as e:
         return str(e)

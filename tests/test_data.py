@@ -183,21 +183,10 @@ def test_a_plan_without_dp_rank_must_span_the_world():
         mg.BatchPlan(16, 2, dp_rank=2)
 
 
-class _PipelineMesh:
-    """What a Mesh with pp > 1 says: it does not know the schedule that places the last stage."""
-
-    def data_share(self, rank, world_size):
-        from multigpu.data.share import DataShare
-
-        return DataShare(0, 1, counts=None, pp=2, layout="pp 2")
-
-
 def test_eval_loader_layouts_it_cannot_count_exactly_are_one_line_each():
     data, dist = _indices(16), _dist(0, 2)
-    cases = [(dict(layout=object()), "layout= takes the mg.parallel.Layout or Mesh the model was spread by"),
-             (dict(layout=mg.parallel.Layout(tp=2), mesh=_PipelineMesh()), "got both layout= and mesh="),
-             (dict(mesh=_PipelineMesh()), r"under pipeline parallelism \(pp 2\) counts the rank that holds the last "
-                                          "stage, which the schedule places and a Mesh does not say"),
+    cases = [(dict(layout=object()), "layout= takes the mg.parallel.Layout the model was spread by"),
+             (dict(mesh=mg.parallel.Layout(tp=2)), "mg.eval_loader's mesh= is gone; pass layout= the mg.parallel.Layout"),
              (dict(layout=mg.parallel.Layout(tp=4)), "world size 2 is not divisible by dp_replicate 1 x tp 4")]
     for kwargs, line in cases:
         with pytest.raises(mg.UsageError, match=line):

@@ -18,9 +18,9 @@ from multigpu.testing import spawn
 import _eval_layouts as ev
 
 TP = {"tp": 2}
-# The model mg.parallelize returned (layout=model), the Layout, the Mesh (mesh=), nothing (the mesh this
-# process built); FSDP in batches of 10 (101 rows: 50 and 51 per rank); the plan's summary under TP.
-OWN_TWO = [("eval", TP, "model"), ("eval", TP, "layout"), ("eval", TP, "mesh"), ("eval", TP, "none"),
+# The model mg.parallelize returned (layout=model), the Layout, nothing (the layout this process spread a
+# model by); FSDP in batches of 10 (101 rows: 50 and 51 per rank); the plan's summary under TP.
+OWN_TWO = [("eval", TP, "model"), ("eval", TP, "layout"), ("eval", TP, "none"),
            ("eval", {"dp_shard": 2}, "none", ev.ROWS, 10), ("summary", TP)]
 LLAMA_TWO = [("eval", {"tp": 2, "sequence_parallel": True}, "model"),
              ("pipeline", {"pp": 2, "schedule": "gpipe"}, 96), ("pipeline", {"pp": 2, "schedule": "interleaved_1f1b"}, 96),
@@ -66,7 +66,7 @@ def test_sequence_parallel_and_pipeline_evaluation_count_each_data_parallel_rank
     refusal = results[-1]
     assert len(set(refusal)) == 1, refusal  # every rank refuses alike
     assert refusal[0] == (
-        "mg.eval_loader under pp 2: a pipeline's stages exchange batches of one shape, so every evaluation batch "
+        "mg.eval_loader under layout pp=2,micro_batch=8: a pipeline's stages exchange batches of one shape, so every evaluation batch "
         "must hold batch_size=8 rows, but 101 rows over 1 data-parallel rank leave 5 over; evaluate the first 96 "
         "rows (torch.utils.data.Subset(dataset, range(96))), or batch_size=1")
 

@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 
 import multigpu as mg
 from multigpu.data import global_order
-from multigpu.parallel.footprint import state_bytes
+from multigpu.meter.footprint import state_bytes
 from multigpu.parallel.fsdp import is_fsdp
 from multigpu.testing import spawn
 

@@ -60,10 +60,10 @@ def test_checkpointed_in_the_background_and_resumed_equals_one_run(monkeypatch, 
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--sequence-parallel"], "sequence_parallel and loss_parallel split work over tensor-parallel ranks but tp is 1"),
+    (["--sequence-parallel"], "sequence_parallel splits the sequence over tensor-parallel ranks but tp is 1"),
     (["--tp", "2"], "world size 1 is not divisible by dp_replicate 1 x tp 2 = 2"),
     (["--block-size", "100000"], "fewer than one window of 100001; use a smaller block_size"),
-    (["--pp", "2"], "world size 1 is not divisible by pp 2 x dp_replicate 1 x tp 1 = 2"),
+    (["--pp", "2", "--untied"], "world size 1 is not divisible by pp 2 x dp_replicate 1 x tp 1 = 2"),
 ])
 def test_bad_layouts_are_one_line_exit_2(argv, needle, capfd, monkeypatch, tmp_path):
     monkeypatch.delenv("RANK", raising=False)

@@ -1,7 +1,7 @@
 """GPT-2 (transformers' Conv1D, a fused q/k/v c_attn) under tensor parallelism trains as one process does.
 
 ``mg.parallelize(gpt2, Layout(tp=2))`` shards c_attn column-wise in 3 parts (rank r holds [q_r, k_r, v_r],
-DTensor's _StridedShard), c_fc column-wise and both c_proj row-wise (multigpu/parallel/conv1d.py). In
+DTensor's _StridedShard), c_fc column-wise and both c_proj row-wise (multigpu/parallel/hf/conv1d.py). In
 float64, 5 AdamW steps with accumulation 2 and clipping at 0.5, every parameter must equal one process's
 within 1e-9 (another summation order moves them ~1e-15, a bug 1e-4 or more), under TP 2, FSDP 2 x TP 2 and
 after a TP 2 checkpoint is resumed under FSDP 2, TP 2 or on one process. Each fixture is one start-up of its
@@ -13,7 +13,7 @@ import re
 import pytest
 
 from multigpu.parallel import auto
-from multigpu.parallel.conv1d import Conv1DColwise, Conv1DRowwise
+from multigpu.parallel.hf.conv1d import Conv1DColwise, Conv1DRowwise
 from multigpu.testing import spawn
 
 import _hf_gpt2 as g

@@ -120,7 +120,7 @@ def test_a_layout_for_more_ranks_than_the_job_has_and_pp_are_refused_before_any_
     with pytest.raises(mg.UsageError, match=r"world size 1 is not divisible by dp_replicate 1 x tp 2 = 2"):
         mg.parallelize(hf.build("own"), mg.parallel.Layout(tp=2))
     # pp changes the loop (the schedule runs forward and backward): mg.parallelize names the call that does it.
-    monkeypatch.setattr("multigpu.parallel.spread._world", lambda: 2)
+    monkeypatch.setattr("multigpu.parallel.spread._world", lambda: (0, 2))
     with pytest.raises(mg.UsageError, match=r"pp=2 splits TinyLM into pipeline stages.*mg.parallel.pipeline"):
         mg.parallelize(hf.build("own"), mg.parallel.Layout(pp=2))
 
@@ -152,10 +152,21 @@ def test_blocks_and_plans_are_read_from_what_the_model_declares_or_found_in_it()
 
 def test_the_layout_owns_its_rules():
     L = mg.parallel.Layout
-    assert L().strategy(1) == "none" and L().strategy(4) == "fsdp" and L(dp_replicate=4).strategy(4) == "ddp"
-    assert L(dp_replicate=2).strategy(4) == "hsdp" and L(dp_replicate=2, tp=2).strategy(4) == "hsdp"
-    assert L(tp=2).strategy(4) == "fsdp" and L(tp=2).strategy(2) == "none"
-    assert L(tp=2).shape(8) == mg.parallel.MeshShape(1, 4, 2)
+
+    def strategy(layout, world):
+        return layout.resolve(world).strategy
+
+    assert strategy(L(), 1) == "none" and strategy(L(), 4) == "fsdp" and strategy(L(dp_replicate=4), 4) == "ddp"
+    assert strategy(L(dp_replicate=2), 4) == "hsdp" and strategy(L(dp_replicate=2, tp=2), 4) == "hsdp"
+    assert strategy(L(tp=2), 4) == "fsdp" and strategy(L(tp=2), 2) == "none"
+    # Resolved once: every degree set, the world and the data-parallel size its own; the same layout again.
+    resolved = L(tp=2).resolve(8)
+    assert resolved == L(dp_shard=4, tp=2) and (resolved.world_size, resolved.dp_size) == (8, 4)
+    assert resolved.resolve(8) is resolved and L(tp=2).world_size is None
+    with pytest.raises(mg.UsageError, match=r"leaves dp_shard to the world size; use layout.resolve\(world_size\)"):
+        L(tp=2).strategy  # noqa: B018
+    with pytest.raises(AttributeError, match=r"^Layout.shape is gone; use layout.resolve\(world_size\)"):
+        L(tp=2).shape(8)
     # The data-parallel rank is the mesh's (replicate, shard) coordinate: TP peers share it.
     assert [L(tp=2).dp_rank(r, 4) for r in range(4)] == [0, 0, 1, 1]
     assert [L(dp_replicate=2, tp=2).dp_rank(r, 8) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]

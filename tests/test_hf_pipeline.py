@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 import multigpu as mg
-from multigpu.parallel import stages, standins
-from multigpu.parallel.tied import tied_groups
+from multigpu.parallel import stages
+from multigpu.parallel.hf import standins
+from multigpu.parallel.hf.tied import tied_groups
 from multigpu.testing import spawn
 
 import _hf_layouts as hf
@@ -106,10 +107,12 @@ def test_a_causal_lm_without_pp_plan_is_split_by_its_base_model_and_later_stages
     model = hf.build("gpt2", embd_pdrop=0.5)  # a dropout before the blocks: the first stage's only
     assert model._pp_plan == {} and model.config.base_model_pp_plan is None  # transformers 5.24 GPT-2: no plan
     assert tied_groups(model) == [["transformer.wte.weight", "lm_head.weight"]]
-    assert stages._hf_split(model) == ("transformer", "transformer.h", ["transformer.wte", "transformer.wpe"],
+    from multigpu.parallel.hf.split import causal_lm_split
+
+    assert causal_lm_split(model) == ("transformer", "transformer.h", ["transformer.wte", "transformer.wpe"],
                                        ["transformer.ln_f"], ["lm_head"], "found split")
-    make, n_blocks, how = stages.split(model, mg.parallel.Layout(pp=2), 2)
-    assert (n_blocks, how) == (2, "found split (transformer.h: 2 blocks)")
+    make, ranges, how = stages.split(model, mg.parallel.Layout(pp=2), 2)
+    assert (ranges, how) == ([range(0, 1), range(1, 2)], "found split (transformer.h: 2 blocks)")
     first, last = make(0), make(1)
     names = [sorted(n for n, _ in p.named_parameters()) for p in (first, last)]
     assert "transformer.wte.weight" in names[0] and "lm_head.weight" not in names[0]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import multigpu as mg
-from multigpu.parallel.flags import describe, layout_flags, parse_layouts, world_of
+from multigpu.parallel.flags import parse_layouts
 
 from _cli import run_cli
 
@@ -30,12 +30,12 @@ def test_layout_from_args_reads_every_flag_and_leaves_the_rest():
 def test_layout_flags_round_trip_through_the_verbs_spelling():
     layouts = parse_layouts("tp=2; dp_shard=2,tp=2 ;pp=2,micro_batch=1,schedule=gpipe;dp_replicate=2,activation_checkpointing=true;"
                             "tp=2,sequence_parallel=true")
-    assert [world_of(l) for l in layouts] == [2, 4, 2, 2, 2]
-    assert [describe(l) for l in layouts] == ["tp=2", "dp_shard=2,tp=2", "pp=2,micro_batch=1,schedule=gpipe",
+    assert [l.world_size for l in layouts] == [2, 4, 2, 2, 2]
+    assert [l.label for l in layouts] == ["tp=2", "dp_shard=2,tp=2", "pp=2,micro_batch=1,schedule=gpipe",
                                               "dp_replicate=2,activation_checkpointing=true",
                                               "tp=2,sequence_parallel=true"]
     for layout in layouts:
-        assert mg.layout_from_args(layout_flags(layout)) == (layout, [])
+        assert mg.layout_from_args(layout.flags) == (layout, [])
 
 
 @pytest.mark.parametrize("argv, fragment", [
@@ -75,7 +75,7 @@ def test_bad_verify_layouts_are_one_line(tmp_path, capsys, monkeypatch):
                            (["--layouts", "tp=2;tp=2", SCRIPT], "names a layout twice"),
                            (["--layouts", "tp=2", SCRIPT, "--tp", "2"], "--layouts sets --tp itself; drop it"),
                            (["--layouts", "dp_shard=2", "--global-batch", "3", SCRIPT],
-                            "--global-batch 3 does not split over the 2 data-parallel ranks of layout dp_shard=2; use --global-batch 4")):
+                            "global batch 3 does not split over the 2 data-parallel ranks of layout dp_shard=2; use --global-batch 2 or 4 (a multiple of 2)")):
         code, err = run_cli(["verify", "--cpu", *argv], capsys)
         assert code == 2 and err.count("\n") == 1 and fragment in err and "Traceback" not in err, err
     # a layout for more ranks than the job has: refused before anything starts on GPUs ...
@@ -128,7 +128,7 @@ def test_tune_enumerates_every_layout_through_the_mesh_factoring():
     shapes = {(l.pp, l.dp_replicate, l.dp_shard, l.tp) for l in found}
     assert len(shapes) == 10 and all(a * b * c * d == 4 for a, b, c, d in shapes)  # ordered factorings of 4
     assert len(found) == 20 and {l.micro_batch for l in found} == {2, 4}
-    assert [describe(l) for l in layouts(2)] == ["dp_shard=2", "tp=2", "dp_replicate=2", "pp=2"]
+    assert [l.label for l in layouts(2)] == ["dp_shard=2", "tp=2", "dp_replicate=2", "pp=2"]
 
 
 @pytest.mark.slow
@@ -164,18 +164,22 @@ def test_noise_scale_reads_the_layout_instead_of_inferring_tp():
     assert tp_degree(mg.parallel.Layout(tp=2), 4, 2) == 2
     with pytest.raises(mg.UsageError, match="the layout has 2 .* build the plan with layout.plan"):
         tp_degree(mg.parallel.Layout(tp=2), 4, 4)
-    with pytest.raises(mg.UsageError, match=r"attach\(mesh=\) takes the mg.parallel.Mesh or Layout"):
-        mg.NoiseScale(mg.BatchPlan(64, 1, micro_batch=8)).attach(nn.Linear(2, 2), mesh="tp=2")
-    noise = mg.NoiseScale(mg.BatchPlan(64, 1, micro_batch=8)).attach(nn.Linear(2, 2), mesh=mg.parallel.Layout())
+    with pytest.raises(mg.UsageError, match=r"attach\(layout=\) takes the mg.parallel.Layout"):
+        mg.NoiseScale(mg.BatchPlan(64, 1, micro_batch=8)).attach(nn.Linear(2, 2), layout="tp=2")
+    with pytest.raises(mg.UsageError, match=r"^NoiseScale.attach\(mesh=\) is gone; pass layout= the Layout"):
+        mg.NoiseScale(mg.BatchPlan(64, 1, micro_batch=8)).attach(nn.Linear(2, 2), mesh=mg.parallel.Layout())
+    noise = mg.NoiseScale(mg.BatchPlan(64, 1, micro_batch=8)).attach(nn.Linear(2, 2), layout=mg.parallel.Layout())
     assert noise._kind == "micro"
-    # mg.parallelize leaves its layout on the model, and NoiseScale reads it without being told
-    from multigpu.parallel.layout import LAYOUT_ATTR
+    # mg.parallelize keeps the layout it spread the model by (beside it, nothing stamped on the module), and
+    # NoiseScale reads it without being told
+    from multigpu.data.share import remember, spread_by
 
-    spread = mg.parallelize(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), mg.parallel.Layout(micro_batch=8),
-                            verbose=False)
-    assert getattr(spread, LAYOUT_ATTR) == mg.parallel.Layout(micro_batch=8)
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    before = dict(net.__dict__)
+    spread = mg.parallelize(net, mg.parallel.Layout(micro_batch=8), verbose=False)
+    assert spread_by(spread) == mg.parallel.Layout(dp_shard=1, micro_batch=8) and net.__dict__ == before
     assert mg.NoiseScale(mg.BatchPlan(64, 1, micro_batch=8)).attach(spread)._kind == "micro"
     piped = nn.Linear(2, 2)
-    setattr(piped, LAYOUT_ATTR, mg.parallel.Layout(pp=2))
+    remember(piped, mg.parallel.Layout(pp=2))
     with pytest.raises(mg.UsageError, match=r"does not measure pipeline stages \(pp 2\)"):
         tp_degree(None, 4, 2, piped)

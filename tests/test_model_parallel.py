@@ -17,9 +17,8 @@ import pytest
 import torch
 
 import multigpu as mg
-from multigpu.parallel.mesh import factor
 from multigpu.recipes.gpt.model import GPT, config
-from multigpu.recipes.gpt.parallelize import check_tp
+from multigpu.recipes.gpt.parallelize import check_layout
 from multigpu.testing import spawn
 
 import _gpt_layouts as layouts
@@ -74,9 +73,8 @@ def test_tensor_parallel_with_and_without_sequence_and_loss_parallel_equals_one_
 @pytest.mark.slow
 def test_fsdp_x_tp_hsdp_and_tp4_equal_one_process(reference, four_ranks):
     _check(four_ranks[:len(FOUR)], reference, FOUR)
-    assert [r[0]["mesh"].split(";")[0] for r in four_ranks[:len(FOUR)]] == [
-        "Mesh(dp_replicate=1, dp_shard=2, tp=2", "Mesh(dp_replicate=1, dp_shard=2, tp=2",
-        "Mesh(dp_replicate=2, dp_shard=2, tp=1", "Mesh(dp_replicate=1, dp_shard=1, tp=4"]
+    assert [r[0]["mesh"].split(",micro_batch")[0] for r in four_ranks[:len(FOUR)]] == [
+        "dp_shard=2,tp=2", "dp_shard=2,tp=2,sequence_parallel=true", "dp_replicate=2,dp_shard=2", "tp=4"]
 
 
 @pytest.mark.slow
@@ -120,26 +118,27 @@ def test_token_divisor_makes_the_gradient_independent_of_the_split():
 
 
 def test_mesh_degrees_are_checked_before_any_group_work():
-    assert factor(8, tp=2, dp_replicate=2) == mg.parallel.MeshShape(2, 2, 2)
-    assert factor(4, tp=2).dp == 2 and factor(1).world_size == 1
+    L = mg.parallel.Layout
+    assert L(tp=2, dp_replicate=2).resolve(8) == L(dp_replicate=2, dp_shard=2, tp=2)
+    assert L(tp=2).resolve(4).dp_size == 2 and L().resolve(1).world_size == 1
     with pytest.raises(mg.UsageError, match="world size 6 is not divisible by dp_replicate 1 x tp 4 = 4; use tp in 1, 2, 3, 6"):
-        factor(6, tp=4)
+        L(tp=4).resolve(6)
     with pytest.raises(mg.UsageError, match="use dp_replicate in 1, 2, 4"):
-        factor(4, dp_replicate=3)
+        L(dp_replicate=3).resolve(4)
     with pytest.raises(mg.UsageError, match=r"dp_replicate 1 x dp_shard 4 x tp 2 = 8 processes, but this job has 4"):
-        factor(4, tp=2, dp_shard=4)
+        L(tp=2, dp_shard=4).resolve(4)
     with pytest.raises(mg.UsageError, match="tp must be a positive integer"):
-        factor(4, tp=0)
+        L(tp=0)
 
 
 def test_tp_degree_must_divide_what_it_shards():
-    check_tp(config("tiny"), 2)
+    check_layout(config("tiny"), mg.parallel.Layout(tp=2))
     with pytest.raises(mg.UsageError, match=r"tensor-parallel degree 3 does not divide attention heads 4.*of the GPT; use tp=2"):
-        check_tp(config("tiny"), 3)
+        check_layout(config("tiny"), mg.parallel.Layout(tp=3))
     # the sequence only under sequence parallelism, which splits it
-    check_tp(config("tiny", block_size=66), 4)
+    check_layout(config("tiny", block_size=66), mg.parallel.Layout(tp=4))
     with pytest.raises(mg.UsageError, match=r"tensor-parallel degree 4 does not divide sequence length 66 of the GPT; use tp=2"):
-        check_tp(config("tiny", block_size=66), 4, sequence_parallel=True)
+        check_layout(config("tiny", block_size=66), mg.parallel.Layout(tp=4, sequence_parallel=True))
     with pytest.raises(mg.UsageError, match="n_embd 65 is not divisible by n_head 4"):
         config("tiny", n_embd=65)
 

@@ -11,6 +11,7 @@ Tolerances are 4 standard errors, from the spread of the per-step estimates.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import numpy as np
@@ -394,7 +395,7 @@ def test_fsdp_reads_the_same_norms_as_ddp():
     assert res[1]["fsdp"] == res[0]["fsdp"]
     assert "reduce_dtype='fp32'" in res[0]["fp16_error"] and "\n" not in res[0]["fp16_error"]
     assert "spread over 2 tensor-parallel ranks, but the job has 1" in res[0]["tp_error"]
-    assert "mesh.plan(...)" in res[0]["tp_error"] and "\n" not in res[0]["tp_error"]
+    assert "layout.plan(...)" in res[0]["tp_error"] and "\n" not in res[0]["tp_error"]
     assert "mg.wrap(model, 'ddp')" in res[0]["replicate_error"]
 
 
@@ -424,14 +425,13 @@ def _tp_worker(dist, layouts, steps=6, accum=2):
     data = torch.randint(0, 256, (steps * 8, 17), generator=torch.Generator().manual_seed(1))
     out = {}
     for layout in layouts:
-        layout = dict(layout)
-        sp = layout.pop("sequence_parallel", False)
         torch.manual_seed(0)
         ref = GPT(cfg)
         model = copy.deepcopy(ref)
-        mesh = mg.parallel.mesh(dist, **layout)
-        model = spread(model, mesh, sequence_parallel=sp, verbose=False)
-        plan = mesh.plan(8, micro_batch=8 // mesh.dp_size // accum)
+        layout = mg.parallel.Layout(**layout).resolve(dist.world_size)
+        layout = dataclasses.replace(layout, micro_batch=8 // layout.dp_size // accum)
+        model = spread(model, layout, verbose=False)
+        plan = layout.plan(8, dist)
         noise = mg.NoiseScale(plan, tau=1e12, sync_every=4).attach(model)
         exact = Estimates(plan.global_batch, 1e12, 1)
 
@@ -441,12 +441,12 @@ def _tp_worker(dist, layouts, steps=6, accum=2):
         for k in range(steps):
             batch = data[8 * k:8 * k + 8]
             rank_batches = batch.split(plan.rank_batch)
-            micro = rank_batches[mesh.dp_rank].split(plan.micro_batch)
+            micro = rank_batches[layout.dp_rank(dist.rank)].split(plan.micro_batch)
             for seqs in mg.accumulate(model, list(micro)):
                 loss(model, seqs, accum).backward()
             model.zero_grad(set_to_none=True)
             # The small batches: the data-parallel ranks' (several), the micro-batches (one).
-            small = rank_batches if mesh.dp_size > 1 else micro
+            small = rank_batches if layout.dp_size > 1 else micro
             local = []
             for seqs in small:
                 n = len(seqs) // plan.micro_batch
@@ -461,7 +461,7 @@ def _tp_worker(dist, layouts, steps=6, accum=2):
             exact.add(torch.tensor([sum(local) / len(local)], dtype=torch.float64),
                       torch.tensor([total], dtype=torch.float64), [None], len(small[0]))
         noise.flush()
-        out[repr(mesh) + (" sp" if sp else "")] = (noise.metrics(), exact.metrics())
+        out[f"{layout.label}, dp rank {layout.dp_rank(dist.rank)}"] = (noise.metrics(), exact.metrics())
     return out
 
 

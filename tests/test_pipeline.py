@@ -11,7 +11,7 @@ import pytest
 import multigpu as mg
 from multigpu.parallel import pp
 from multigpu.recipes.gpt.model import GPT, config
-from multigpu.recipes.gpt.pipeline import stage_blocks, stage_module
+from multigpu.parallel.stages import split, stage_ranges
 from multigpu.testing import spawn
 
 import _gpt_layouts as layouts
@@ -51,7 +51,7 @@ def test_pipeline_with_fsdp_and_tensor_parallel_equals_one_process(reference):
              {"pp": 2, "tp": 2, "sequence_parallel": True, "schedule": "interleaved_1f1b", "model": MODEL}]  # PP 2 x TP 2
     out = spawn(layouts.train_pipelines, 4, names, timeout=300)
     _check(out, reference, names)
-    assert out[0][0]["mesh"].startswith("Mesh(pp=2, dp_replicate=1, dp_shard=2, tp=1")
+    assert out[0][0]["mesh"].startswith("pp=2,dp_shard=2,micro_batch=1")
 
 
 @pytest.mark.slow
@@ -59,7 +59,7 @@ def test_three_d_pipeline_fsdp_tensor_parallel_on_8_ranks_equals_one_process(ref
     names = [{"pp": 2, "tp": 2, "schedule": "1f1b", "model": MODEL}]          # PP 2 x FSDP 2 x TP 2
     out = spawn(layouts.train_pipelines, 8, names, timeout=400)
     _check(out, reference, names)
-    assert out[0][0]["mesh"].startswith("Mesh(pp=2, dp_replicate=1, dp_shard=2, tp=2")
+    assert out[0][0]["mesh"].startswith("pp=2,dp_shard=2,tp=2,micro_batch=1")
 
 
 @pytest.mark.slow
@@ -82,32 +82,38 @@ def test_checkpoints_resume_across_layouts_pipelines_included(reference, tmp_pat
 
 
 def test_stages_balance_blocks_counting_embeddings_and_head():
-    cfg = config("tiny", n_layer=8)
-    assert [list(r) for r in stage_blocks(cfg, 4)] == [[0], [1, 2, 3], [4, 5, 6], [7]]
-    assert [list(r) for r in stage_blocks(config("tiny", n_layer=12), 4)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
-    part = stage_module(GPT(config("tiny", n_layer=4, tie_embeddings=False)), 1, 2)
+    assert [list(r) for r in stage_ranges(8, 4)] == [[0], [1, 2, 3], [4, 5, 6], [7]]
+    assert [list(r) for r in stage_ranges(12, 4)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    # The GPT's blocks sit in a ModuleDict: a stage deletes the others' and sets what it does not run to None.
+    model, layout = GPT(config("tiny", n_layer=4, tie_embeddings=False)), mg.parallel.Layout(pp=2, dp_shard=1)
+    make, ranges, how = split(model, layout, 2)
+    part = make(1)
     assert sorted(part.blocks) == ["2", "3"] and part.embed is None and part.head is not None
+    assert how.startswith("its blocks ModuleDict (4 blocks")
     # Split points given: where stages 2.. begin.
-    assert [list(r) for r in stage_blocks(cfg, 3, [2, 7])] == [[0, 1], [2, 3, 4, 5, 6], [7]]
-    part = stage_module(GPT(config("tiny", n_layer=4, tie_embeddings=False)), 0, 2, [3])
-    assert sorted(part.blocks) == ["0", "1", "2"] and part.head is None
+    assert [list(r) for r in stage_ranges(8, 3, [2, 7])] == [[0, 1], [2, 3, 4, 5, 6], [7]]
+    part = split(model, layout, 2, [3])[0](0)
+    assert sorted(part.blocks) == ["0", "1", "2"] and part.head is None and part.ln_f is None
+    assert sorted(model.blocks) == ["0", "1", "2", "3"]  # the model itself is left whole
 
 
 def test_pipeline_refusals_are_one_line():
+    from multigpu.recipes.gpt.parallelize import check_layout
+
     for bad in ([4], [0], [3, 2], [2]):
         with pytest.raises(mg.UsageError, match=r"split points must be 2 increasing block indices between 1 and 7"):
-            stage_blocks(config("tiny", n_layer=8), 3, bad)
-    with pytest.raises(mg.UsageError, match="4 pipeline stages but the model has 2 blocks"):
-        stage_blocks(config("tiny"), 4)
-    with pytest.raises(mg.UsageError, match="tie_embeddings=False"):
-        stage_module(GPT(config("tiny")), 0, 2)
+            stage_ranges(8, 3, bad)
+    with pytest.raises(mg.UsageError, match=r"4 pipeline stages \(pp 4 x 1 per rank, schedule '1f1b'\) but the GPT has 2"):
+        check_layout(config("tiny", tie_embeddings=False), mg.parallel.Layout(pp=4))
+    with pytest.raises(mg.UsageError, match="the token table of the GPT is tied to its head.*--untied"):
+        check_layout(config("tiny"), mg.parallel.Layout(pp=2))
     with pytest.raises(mg.UsageError, match="needs at least as many micro-batches as stages, got 1 micro-batches for 2"):
         pp.check("1f1b", 2, 1)
     assert pp.check("gpipe", 2, 1) == 2 and pp.check("interleaved_1f1b", 2, 4) == 4
     with pytest.raises(mg.UsageError, match="unknown pipeline schedule 'pipedream'"):
         pp.check("pipedream", 2, 4)
     with pytest.raises(mg.UsageError, match="pp 2 x dp_replicate 1 x tp 1 = 2"):
-        mg.parallel.factor(3, pp=2)
+        mg.parallel.Layout(pp=2).resolve(3)
     assert pp.stage_ids("zbv", 0, 2) == [0, 3] and pp.stage_ids("looped_bfs", 1, 2) == [1, 3]
 
 

@@ -34,10 +34,10 @@ def _bad_layouts(r: int) -> dict:
 
 
 def _try_layouts(dist) -> dict:
-    mesh = mg.parallel.mesh(dist, pp=2)
-    group = mesh.pp_mesh.get_group()
+    pp_mesh = mg.parallel.Layout(pp=2).resolve(dist.world_size).device_mesh(dist.device.type)["pp"]
+    group = pp_mesh.get_group()
     out = {}
-    for name, (schedule, ids, n_stages, n_modules) in _bad_layouts(mesh.pp_rank).items():
+    for name, (schedule, ids, n_stages, n_modules) in _bad_layouts(pp_mesh.get_local_rank()).items():
         modules = [nn.Linear(4, 4) for _ in range(n_modules)]
         try:
             mg.parallel.Pipeline(modules, ids, n_stages, group, dist.device, schedule, 2, _loss)
@@ -46,7 +46,7 @@ def _try_layouts(dist) -> dict:
             out[name] = str(e)
     # After every refusal the ranks are still in step: a good pipeline builds and runs.
     torch.manual_seed(0)
-    pipe = mg.parallel.Pipeline([nn.Linear(4, 4)], [mesh.pp_rank], 2, group, dist.device, "gpipe", 2, _loss)
+    pipe = mg.parallel.Pipeline([nn.Linear(4, 4)], [pp_mesh.get_local_rank()], 2, group, dist.device, "gpipe", 2, _loss)
     loss = pipe.step([(torch.ones(2, 4), torch.zeros(2, 4))] * 2)
     out["good"] = None if loss is None else float(loss)
     return out

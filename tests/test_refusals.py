@@ -49,6 +49,10 @@ def _odd_data(tmp_path):
     (["--data", "{odd}"], "train.bin has 301 bytes, not a whole number of uint16 tokens"),
     (["--data", "{missing}"], "missing/train.bin does not exist"),
     (["--steps", "x"], "argument --steps: invalid int value: 'x' (see `python -m multigpu.recipes.gpt --help`)"),
+    (["--ddp"], "--ddp is gone: a layout that only replicates is DDP; use --dp-replicate N on N processes"),
+    (["--pp", "2"], "the token table of the GPT is tied to its head, but a pipeline puts them on different stages"),
+    (["--tp", "3"], "tensor-parallel degree 3 does not divide attention heads 4, hidden units 256, vocabulary 256"),
+    (["--loss-parallel"], "--loss-parallel keeps the logits split over tensor-parallel ranks but --tp is 1"),
 ])
 def test_gpt_recipe_refuses_in_one_line_before_init(argv, line, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(mg, "init", _no_init)
@@ -65,9 +69,10 @@ def test_pipeline_flags_and_good_data_still_parse(tmp_path):
     (tmp_path / "data").mkdir()
     for name in ("train.bin", "val.bin"):
         (tmp_path / "data" / name).write_bytes(b"\1\0" * 65)  # 65 tokens: one window of the tiny size's 64
-    args = train.parse_args(["--pp", "2", "--schedule", "gpipe", "--pp-splits", "1", "--data", str(tmp_path / "data")])
-    assert (args.pp, args.schedule, args.pp_splits) == (2, "gpipe", "1")
-    assert train.parse_args([]).schedule is None  # the recipe's default, 1f1b, is chosen under --pp only
+    args = train.parse_args(["--pp", "2", "--untied", "--schedule", "gpipe", "--pp-splits", "1", "--data",
+                             str(tmp_path / "data")])
+    assert (args.layout.pp, args.layout.schedule, args.splits) == (2, "gpipe", [1])
+    assert not train.parse_args([]).schedule_given  # the layout's default, 1f1b, is chosen under --pp only
 
 
 def test_tune_refuses_an_unknown_size_in_one_line(tmp_path, monkeypatch, capsys):

@@ -122,9 +122,9 @@ def test_policies_that_coincide_share_a_run():
     (["--out", "{file}/sub", "digits"], "is not writable"),
     (["missing.py"], "script 'missing.py' does not exist"),
     (["--global-batch", "7", "--workers", "1,2", "digits"],
-     "global batch 7 cannot be split over 2 workers (keep-global keeps it at 7 at every world size); "
-     "pass --global-batch as a multiple of 2, e.g. 6 or 8"),
-    (["--global-batch", "10", "--workers", "1,2,4", "digits"], "multiple of 4, e.g. 8 or 12"),
+     "global batch 7 does not split over 2 workers (keep-global keeps it at 7 at every world size); "
+     "use --global-batch 6 or 8 (a multiple of 2)"),
+    (["--global-batch", "10", "--workers", "1,2,4", "digits"], "use --global-batch 8 or 12 (a multiple of 4)"),
     (["digits", "--workers", "1,2"], "--workers comes after the workload 'digits', so it would go to the workload; "
                                      "study options go before it (multigpu study --workers ... digits), or put -- "
                                      "after the workload to hand it to the workload (multigpu study digits -- --workers ...)"),

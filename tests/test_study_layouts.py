@@ -49,7 +49,7 @@ def test_groups_and_speedups_are_per_layout_against_the_one_worker_baseline():
     (["--layouts", "tp=1"], "names a layout twice or one process itself"),
     (["--layouts", "tp=x"], "--layouts tp takes a positive integer, got 'x'"),
     (["--layouts", "dp_shard=2", "--global-batch", "3"],
-     "global batch 3 cannot be split over 2 data-parallel ranks (layout dp_shard=2)"),
+     "global batch 3 does not split over 2 data-parallel ranks (layout dp_shard=2)"),
     (["--layouts", "tp=2", "{script}", "--", "--tp", "2"], "--layouts sets --tp itself; drop it"),
 ])
 def test_bad_layout_study_input_is_one_line_exit_2(argv, fragment, tmp_path, monkeypatch, capsys):

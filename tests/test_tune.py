@@ -11,23 +11,23 @@ from multigpu.recipes.gpt.model import config
 from multigpu.tune import TuneConfig, run_tune
 from multigpu.tune.model import Links, Shape, predict
 from multigpu.parallel.layout import Layout
-from multigpu.tune.space import candidates, name, recipe_args
+from multigpu.tune.space import candidates, name
 
 
 def test_candidates_cover_every_layout_that_computes_the_same_training_and_say_why_others_are_out():
     found, out = candidates(4, config("tiny"), 16)
     names = {name(c).split(",")[0] for c in found}
     assert names == {"DDP 4", "FSDP 4", "HSDP 2x2", "FSDP 2 x TP 2", "TP 4"}
-    assert {o["reason"] for o in out} == {"a pipeline puts the token table and the head on two stages: the model must be "
-                                          "untied (--untied)"}
-    assert all(16 % (c.shape(4).dp * c.micro_batch) == 0 for c in found)
+    assert {o["reason"] for o in out} == {"the token table of the GPT is tied to its head, but a pipeline puts them on "
+                                          "different stages; untie them (the GPT recipe: --untied) or use pp=1"}
+    assert all(16 % (c.dp_size * c.micro_batch) == 0 for c in found)
     untied, out = candidates(4, config("tiny", tie_embeddings=False), 16, micro_batches=[4, 8])
     pipes = [c for c in untied if c.pp > 1]
     assert {(c.pp, c.tp, c.schedule) for c in pipes} == {(2, 1, "1f1b"), (2, 1, "gpipe"), (2, 2, "1f1b"), (2, 2, "gpipe")}
     assert any("2 blocks" in o["reason"] for o in out)  # PP 4 on a 2-block model
     assert any(o["reason"] == "1 micro-batches per step, fewer than 2 stages" for o in out)
     c = Layout(dp_replicate=2, dp_shard=2, micro_batch=4, activation_checkpointing=True)
-    assert name(c) == "HSDP 2x2, micro-batch 4, AC" and recipe_args(c) == ["--micro-batch", "4", "--dp-replicate", "2", "--dp-shard", "2", "--activation-checkpointing"]
+    assert name(c) == "HSDP 2x2, micro-batch 4, AC" and c.flags == ["--dp-replicate", "2", "--dp-shard", "2", "--micro-batch", "4", "--activation-checkpointing"]
     # The accumulation is the BatchPlan's, over the Layout's data-parallel ranks.
     assert c.world_size == 4 and c.accum_steps(32) == 2 and Layout(tp=2, micro_batch=2).accum_steps(16, world_size=4) == 4
     assert Layout(tp=2).world_size is None

@@ -22,7 +22,7 @@ def test_bad_verify_input_is_one_line(tmp_path, capsys, monkeypatch):
                            (["--steps", "0", SCRIPT], "--steps must be >= 1"),
                            (["--rtol", "-1", SCRIPT], "--rtol must be a positive number, got -1.0"),
                            (["--global-batch", "0", SCRIPT], "--global-batch must be a positive integer, got 0"),
-                           (["--global-batch", "3", SCRIPT], "--global-batch 3 is not divisible by 2 workers")):
+                           (["--global-batch", "3", SCRIPT], "global batch 3 does not split over 2 workers; use --global-batch 2 or 4 (a multiple of 2)")):
         code, err = run_cli(["verify", *argv], capsys)
         assert code == 2 and err.count("\n") == 1 and fragment in err and "Traceback" not in err, err
 

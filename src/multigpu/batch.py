@@ -137,6 +137,25 @@ class BatchPlan:
         return "\n".join([line, *body, line])
 
 
+def check_splits(global_batch: int, groups: list[tuple[str, int]], *, why: str = "", flag: str = "--global-batch",
+                 fix: str | None = None) -> None:
+    """BatchPlan's first rule for several runs at once (verify, study, tune, the planner): each run's data-parallel
+    ranks must split ``global_batch`` evenly. ``groups``: (the run in words, its data-parallel ranks), e.g.
+    ("2 workers", 2). One line names the first run that does not, and the global batches every run splits.
+
+    >>> check_splits(10, [("1 worker", 1), ("4 workers", 4)])
+    Traceback (most recent call last):
+    UsageError: global batch 10 does not split over 4 workers; use --global-batch 8 or 12 (a multiple of 4)
+    """
+    bad = next((what for what, dp in groups if global_batch % dp), None)
+    if bad is None:
+        return
+    step = math.lcm(*(dp for _, dp in groups))
+    near = sorted({m for m in (global_batch // step * step, global_batch // step * step + step) if m > 0})
+    fix = fix or f"use {flag} {' or '.join(map(str, near))} (a multiple of {step})"
+    raise UsageError(f"global batch {global_batch} does not split over {bad}{why}; {fix}")
+
+
 def policy_batch(policy: str, batch: int, workers: int, per_worker: int | None = None) -> int:
     """The global batch on ``workers`` ranks of a recipe tuned at ``batch`` on one.
 

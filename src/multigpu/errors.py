@@ -19,6 +19,18 @@ class UsageError(ValueError):
 
     exit_code = 2
 
+    def exit(self, prog: str = "multigpu") -> None:
+        """Print this error as one line on stderr and exit with status 2 (what ``mg.init`` does with one raised
+        inside it): for a script that checks its arguments before ``mg.init`` starts any work.
+
+        >>> try:
+        ...     args = parse_args()
+        ... except mg.UsageError as err:
+        ...     err.exit()
+        """
+        report_usage_error(self, prog)
+        raise SystemExit(self.exit_code) from None
+
 
 def report_usage_error(err: UsageError, prog: str = "multigpu") -> None:
     """Print ``err`` as one line on stderr (no traceback)."""

@@ -23,7 +23,7 @@ import math
 import pathlib
 from dataclasses import asdict, dataclass, field
 
-from .batch import POLICIES, BatchPlan, policy_batch, same_samples_steps, scale_lr
+from .batch import POLICIES, BatchPlan, check_splits, policy_batch, same_samples_steps, scale_lr
 from .errors import UsageError
 from .noise import efficiency, gain
 from .runtime.fields import add_field
@@ -149,12 +149,9 @@ def _check_recipe(lr, batch, gpus, optimizer, policy, per_gpu_batch, steps, warm
 def _split(policy: str, batch: int, gpus: int, per_gpu_batch: int | None) -> BatchPlan:
     """The translated batch: the policy's global batch in per-GPU micro-batches and accumulation."""
     if policy == "keep-global":
-        if batch % gpus:
-            near = sorted(divisors(batch), key=lambda g: abs(g - gpus))[:2]
-            raise UsageError(
-                f"batch {batch} does not split over {gpus} GPUs under keep-global; "
-                f"use {' or '.join(map(str, sorted(near)))} GPUs, or policy='scale-global'"
-            )
+        near = sorted(sorted(divisors(batch), key=lambda g: abs(g - gpus))[:2])
+        check_splits(batch, [(f"{gpus} GPUs", gpus)], why=" under keep-global",
+                     fix=f"use {' or '.join(map(str, near))} GPUs, or policy='scale-global'")
         share = batch // gpus
         micro = per_gpu_batch or share
         if micro > share or share % micro:

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .batch import check_splits
 from .errors import UsageError
 from .meter.records import read_records
 from .runtime.contract import VERIFY_DIR, VERIFY_ENV
@@ -241,13 +242,7 @@ def verify(target: str, args: Sequence[str] = (), *, module: bool = False,
     if global_batch is not None:
         if global_batch < 1:
             raise UsageError(f"--global-batch must be a positive integer, got {global_batch}; use e.g. --global-batch 64")
-        uneven = [w for w in workers if global_batch % w]
-        if uneven:
-            step = math.lcm(*workers)
-            fits = -(-global_batch // step) * step  # the next global batch every world size splits
-            raise UsageError(f"--global-batch {global_batch} is not divisible by {uneven[0]} workers (--workers "
-                             f"{','.join(map(str, workers))}); every world size must split it evenly: use "
-                             f"--global-batch {fits}")
+        check_splits(global_batch, [(f"{w} worker{'s' if w > 1 else ''}", w) for w in workers])
     runs = [(str(w), f"{w} worker{'s' if w > 1 else ''}", w, [], f"w{w}") for w in workers]
     return _run_and_compare(target, args, runs, module=module, steps=steps, global_batch=global_batch, cpu=cpu,
                             rtol=rtol, out=out, say=say, names={str(w): f"{w} workers" for w in workers} | {
@@ -265,7 +260,7 @@ def _verify_layouts(target: str, args: Sequence[str], *, module: bool, layouts: 
                     global_batch: int | None, cpu: bool, rtol: float | None, out: str | None,
                     say: Callable[[str], None]) -> dict[str, Any]:
     """One process, then each layout on the processes its degrees multiply to, each compared with the one."""
-    from .parallel.flags import FLAGS, describe, layout_flags, parse_layouts, world_of
+    from .parallel.flags import FLAGS, parse_layouts
 
     chosen = parse_layouts(layouts) if isinstance(layouts, str) else list(layouts)
     if not chosen:  # nothing compared would read as SAME
@@ -277,18 +272,18 @@ def _verify_layouts(target: str, args: Sequence[str], *, module: bool, layouts: 
     _check_steps_and_rtol(steps, rtol)
     devices = _visible_gpus(cpu)
     for layout in chosen:
-        world, dp = world_of(layout), layout.dp_replicate * (layout.dp_shard or 1)
+        world = layout.world_size
         if devices is not None and world > devices:
-            raise UsageError(f"layout {describe(layout)} spans {world} processes but {devices} GPU"
+            raise UsageError(f"layout {layout.label} spans {world} processes but {devices} GPU"
                              f"{'s are' if devices != 1 else ' is'} visible; give a layout of at most {devices} or "
                              f"use --cpu")
-        if global_batch is not None and global_batch % dp:
-            raise UsageError(f"--global-batch {global_batch} does not split over the {dp} data-parallel ranks of "
-                             f"layout {describe(layout)}; use --global-batch {-(-global_batch // dp) * dp}")
+    if global_batch is not None:
+        check_splits(global_batch, [(f"the {layout.dp_size} data-parallel ranks of layout {layout.label}", layout.dp_size)
+                                    for layout in chosen])
     runs = [("one process", "one process", 1, [], "one")]
     for i, layout in enumerate(chosen):
-        name = describe(layout)
-        runs.append((name, f"layout {name} ({world_of(layout)} processes)", world_of(layout), layout_flags(layout),
+        name = layout.label
+        runs.append((name, f"layout {name} ({layout.world_size} processes)", layout.world_size, layout.flags,
                      f"l{i}-" + "".join(ch if ch.isalnum() else "-" for ch in name)))
     if len({r[0] for r in runs}) != len(runs):
         raise UsageError(f"--layouts names a layout twice or one process itself ({layouts!r}); list each once")

@@ -135,7 +135,7 @@ def _template(tree: Any) -> Any:
 
 def _dcp_cannot_chunk(placements: tuple[Any, ...]) -> bool:
     """A ``_StridedShard`` that no later mesh dimension shards again: a tensor of equal parts, each part
-    sharded (GPT-2's fused q/k/v, multigpu.parallel.conv1d), whose local data is several pieces of the
+    sharded (GPT-2's fused q/k/v, multigpu.parallel.hf.conv1d), whose local data is several pieces of the
     global tensor. DCP writes one chunk (offset, size) per rank and describes it as one block: on 2.13
     its save refuses the overlapping chunks ("Failed to validate global plan"). FSDP's own
     ``_StridedShard`` (FSDP x TP on one dim) is followed by TP's Shard of that dim and is one block."""

@@ -29,17 +29,11 @@ from .share import DataShare, record, recorded, share_of
 
 def eval_share(dist: Dist, layout: Any, mesh: Any, what: str) -> DataShare:
     """The share an evaluation loader reads (``share.share_of``), recorded for ``mg.all_reduce_sum`` when the
-    caller named the layout; a share that cannot be counted exactly is refused."""
-    if mesh is not None:  # the older spelling of layout=
-        if layout is not None:
-            raise UsageError(f"{what} got both layout= and mesh=; pass one (layout= takes the Layout, a Mesh or "
-                             "the model mg.parallelize returned)")
-        layout = mesh
+    caller named the layout."""
+    if mesh is not None:  # gone with mg.parallel.Mesh (CHANGELOG.md)
+        raise UsageError(f"{what}'s mesh= is gone; pass layout= the mg.parallel.Layout the model was spread by "
+                         "(or the model mg.parallelize returned)")
     share = share_of(layout, dist)
-    if share.counts is None:
-        raise UsageError(f"{what} under pipeline parallelism ({share.layout}) counts the rank that holds the last "
-                         "stage, which the schedule places and a Mesh does not say; pass layout= the "
-                         "mg.parallel.Layout the pipeline was built by (with its schedule)")
     if layout is not None:
         record(share, dist.rank, dist.world_size)
     return share
@@ -68,7 +62,7 @@ def _refuse_uncountable(rows: int, share: DataShare, batch_size: int) -> None:
         fixes = [f"the first {whole} rows (torch.utils.data.Subset(dataset, range({whole})))" if whole else "",
                  f"batch_size={fits}" if fits else "", "" if whole or fits else f"at least {unit} rows"]
         raise UsageError(
-            f"mg.eval_loader under {share.layout}: a pipeline's stages exchange batches of one shape, so every "
+            f"mg.eval_loader under layout {share.layout}: a pipeline's stages exchange batches of one shape, so every "
             f"evaluation batch must hold batch_size={batch_size} rows, but {rows} rows over {dp} data-parallel "
             f"rank{'s' if dp > 1 else ''} leave {rows % unit} over; evaluate {', or '.join(f for f in fixes if f)}")
     per_rank = -(-rows // unit)
@@ -79,7 +73,7 @@ def _refuse_uncountable(rows: int, share: DataShare, batch_size: int) -> None:
             fix = f"use batch_size={next(b for b in range(batch_size + 1, rows + 1) if rows >= dp * -(-rows // (dp * b)))}"
         raise UsageError(
             f"mg.eval_loader: {rows} rows in batches of at most {batch_size} over {dp} data-parallel ranks "
-            f"({share.layout}) would leave a rank an empty batch, and every rank must run as many forwards "
+            f"(layout {share.layout}) would leave a rank an empty batch, and every rank must run as many forwards "
             f"(FSDP gathers the parameters in each); {fix}")
 
 
@@ -87,9 +81,9 @@ def eval_loader(dataset: Dataset, dist: Dist, batch_size: int, *, layout: Any = 
                 num_workers: int = 0, pin_memory: bool | None = None, **dataloader_kwargs: Any) -> DataLoader:
     """This rank's evaluation batches: every row once per data-parallel rank, no padding duplicates.
 
-    ``layout``: the ``mg.parallel.Layout`` or ``Mesh`` the model was spread by, or the model
-    ``mg.parallelize`` returned; left out, the mesh this process built (``mg.parallelize`` builds one for
-    TP and FSDP), else every process is a data-parallel rank. Tensor-parallel peers and pipeline stages
+    ``layout``: the ``mg.parallel.Layout`` the model was spread by, or the model ``mg.parallelize``
+    returned; left out, the layout this process spread a model by last, else every process is a
+    data-parallel rank. Tensor-parallel peers and pipeline stages
     read the same batches; every data-parallel rank gets as many batches (of at most ``batch_size`` rows,
     exactly ``batch_size`` under pipeline parallelism). A ``datasets.Dataset`` (or ``TensorDataset``,
     ``TokenShards``) is read one batch per call, columns as tensors, as ``mg.loader`` reads it. Sum
@@ -142,10 +136,6 @@ def all_reduce_sum(values: Mapping[str, float] | Sequence[float] | float):
         flat = [float(values)]
     on = tdist.is_initialized()
     share = recorded(tdist.get_rank(), tdist.get_world_size()) if on else None
-    if share is not None and share.counts is None:
-        raise UsageError(f"mg.all_reduce_sum under pipeline parallelism ({share.layout}) counts the rank that holds "
-                         "the last stage, which a Mesh does not say; build the evaluation with "
-                         "mg.eval_loader(..., layout=<the pipeline's Layout>)")
     if share is not None and not share.counts:
         flat = [0.0] * len(flat)  # a copy of a counted rank's numbers (TP peer), or no outputs (earlier stage)
     t = torch.tensor(flat, dtype=torch.float64, device=_reduce_device())

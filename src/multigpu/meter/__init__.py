@@ -5,12 +5,13 @@ and ``mg.profile``; the rest is reachable as ``multigpu.meter.<name>``.
 """
 
 from .flops import count_flops, peak_flops
+from .footprint import LiveActivations, StateBytes, state_bytes
 from .meter import StepMeter
 from .profile import Profile, profile, summarize
 from .stragglers import Straggler, find_stragglers
 from .watchdog import Watchdog, flight_recorder_env, read_status
 
 __all__ = [
-    "Profile", "StepMeter", "Straggler", "Watchdog", "count_flops", "find_stragglers",
-    "flight_recorder_env", "peak_flops", "profile", "read_status", "summarize",
+    "LiveActivations", "Profile", "StateBytes", "StepMeter", "Straggler", "Watchdog", "count_flops", "find_stragglers",
+    "flight_recorder_env", "peak_flops", "profile", "read_status", "state_bytes", "summarize",
 ]

@@ -40,28 +40,28 @@ class Layout:
     blocks: list[tuple[list[int] | None, list[float] | None]] = field(default_factory=list)  # FSDP, per module
 
 
-def tp_degree(mesh, actual: int, world: int, model: Any = None) -> int:
-    """The tensor-parallel ranks per data-parallel rank: the ``Mesh``'s or ``Layout``'s own degree, given or
-    left on the model by ``mg.parallelize``; else world / the plan's ranks (0 when they do not divide), a
+def tp_degree(layout, actual: int, world: int, model: Any = None) -> int:
+    """The tensor-parallel ranks per data-parallel rank: the ``Layout``'s own degree, given or the one
+    ``mg.parallelize`` spread ``model`` by; else world / the plan's ranks (0 when they do not divide), a
     guess that reads pipeline stages as TP."""
-    from ..parallel.layout import LAYOUT_ATTR, Layout
-    from ..parallel.mesh import Mesh
+    from ..data.share import spread_by
+    from ..parallel.layout import Layout
 
-    mesh = getattr(model, LAYOUT_ATTR, None) if mesh is None else mesh
-    if mesh is None:
+    layout = spread_by(model) if layout is None and model is not None else layout
+    if layout is None:
         return actual // world if actual % world == 0 else 0
 
-    if not isinstance(mesh, (Mesh, Layout)):
-        raise UsageError(f"NoiseScale.attach(mesh=) takes the mg.parallel.Mesh or Layout the model was spread by, "
-                         f"got {type(mesh).__name__}")
-    shape = mesh.shape if isinstance(mesh, Mesh) else mesh.shape(actual)
-    if shape.pp > 1:
-        raise UsageError(f"NoiseScale does not measure pipeline stages (pp {shape.pp}): each stage's ranks hold a part "
-                         f"of the model's gradient; {_OBSERVE}")
-    if shape.dp != world:
-        raise UsageError(f"NoiseScale's plan is for {world} data-parallel ranks but the layout has {shape.dp} "
-                         f"({shape.dp_replicate} x {shape.dp_shard}); build the plan with layout.plan(...) or mesh.plan(...)")
-    return shape.tp
+    if not isinstance(layout, Layout):
+        raise UsageError(f"NoiseScale.attach(layout=) takes the mg.parallel.Layout the model was spread by, "
+                         f"got {type(layout).__name__}")
+    layout = layout.resolve(actual)
+    if layout.pp > 1:
+        raise UsageError(f"NoiseScale does not measure pipeline stages (pp {layout.pp}): each stage's ranks hold a "
+                         f"part of the model's gradient; {_OBSERVE}")
+    if layout.dp_size != world:
+        raise UsageError(f"NoiseScale's plan is for {world} data-parallel ranks but the layout has {layout.dp_size} "
+                         f"({layout.dp_replicate} x {layout.dp_shard}); build the plan with layout.plan(...)")
+    return layout.tp
 
 
 def tp_split(p: torch.Tensor, dp_ndim: int) -> tuple[int, bool]:
@@ -79,7 +79,7 @@ def _share(p: torch.Tensor, dp_ndim: int, tp: int, name: str) -> float:
     if degree not in (1, tp):
         raise UsageError(f"NoiseScale found parameter {name} spread over {degree} tensor-parallel ranks, but the "
                          f"job has {tp} per data-parallel rank (world / plan.world_size); build the plan over the "
-                         f"data-parallel ranks (mesh.plan(...)) or {_OBSERVE}")
+                         f"data-parallel ranks (layout.plan(...)) or {_OBSERVE}")
     return 1.0 if split else 1.0 / tp
 
 
@@ -88,7 +88,7 @@ def _check_tp(degrees: list[int], tp: int, world: str) -> None:
     if tp > 1 and tp not in degrees:
         raise UsageError(f"NoiseScale's plan has {world} but no parameter is spread over {tp} tensor-parallel ranks "
                          "(pipeline stages, or a plan over too few ranks?); build the plan over the data-parallel "
-                         f"ranks of a data x tensor-parallel mesh (mesh.plan(...)), or {_OBSERVE}")
+                         f"ranks of a data x tensor-parallel layout (layout.plan(...)), or {_OBSERVE}")
 
 
 def _roots(shares: list[float]) -> list[float] | None:

@@ -30,7 +30,7 @@ from ..errors import UsageError
 from ..parallel import strategy_of
 from ..parallel.fsdp import fsdp_modules
 from ..runtime.values import positive_int
-from . import layout, norms
+from . import layout as shares, norms
 from .estimates import Estimates
 
 __all__ = ["NoiseScale"]
@@ -39,12 +39,9 @@ __all__ = ["NoiseScale"]
 class NoiseScale:
     """Measure the gradient noise scale B_simple of a running training job.
 
-    ``attach(model)`` after ``mg.wrap``: DDP (any comm hook), FSDP2 and HSDP on
-    several ranks, each FSDP layout also over tensor parallelism (the plan is
-    over the data-parallel ranks: ``mesh.plan(...)``), any model on one
-    data-parallel rank (one process, or its tensor-parallel group) with
-    ``plan.accum_steps >= 2``. Elsewhere (e.g. your own sharding) call
-    ``observe`` with the norms.
+    ``attach(model)`` after ``mg.wrap``/``mg.parallelize``: DDP (any comm hook), FSDP2 and HSDP
+    on several ranks, also over tensor parallelism (plan: ``layout.plan(...)``), any model on one
+    data-parallel rank with ``plan.accum_steps >= 2``. Elsewhere call ``observe`` with the norms.
 
     ``tau``: EMA time constant in training examples (default 100 global
     batches). ``every``: measure one optimizer step in ``every``.
@@ -81,7 +78,7 @@ class NoiseScale:
         self._syncs = 0         # batches of steps processed so far
         self._rounds = 0        # optimizer steps seen, measured or not
         self._kind: str | None = None  # "ddp" | "fsdp" | "micro" (one process, micro-batches)
-        self._layout = layout.Layout()  # what each rank's norms count for (layout.py)
+        self._layout = shares.Layout()  # what each rank's norms count for (layout.py)
         self._params: list[torch.Tensor] = []
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self._handles: list = []
@@ -96,16 +93,18 @@ class NoiseScale:
         self._skip_next = False  # DDP static_graph: its first backward cannot be measured
 
     # ---- wiring ---------------------------------------------------------------
-    def attach(self, model: torch.nn.Module, mesh: Any = None) -> "NoiseScale":
-        """Measure ``model`` (DDP, FSDP2 on several ranks; any on one); ``mesh``: its Mesh or Layout, read not inferred."""
+    def attach(self, model: torch.nn.Module, layout: Any = None, *, mesh: Any = None) -> "NoiseScale":
+        """Measure ``model`` (DDP, FSDP2 on several ranks; any on one); ``layout``: its Layout, read not inferred."""
+        if mesh is not None:  # went with mg.parallel.Mesh
+            raise UsageError("NoiseScale.attach(mesh=) is gone; pass layout= the Layout the model was spread by")
         world = self.plan.world_size
         actual = tdist.get_world_size(self.group) if tdist.is_available() and tdist.is_initialized() else 1
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        tp = layout.tp_degree(mesh, actual, world, model if self.group is None else None)  # a subgroup: not the job's
+        tp = shares.tp_degree(layout, actual, world, model if self.group is None else None)  # a subgroup: not the job's
         if actual != world and tp < 2:
             raise UsageError(f"NoiseScale's plan is for world_size {world} but this job has {actual} processes; "
                              "build the plan with mg.BatchPlan(..., world_size=dist.world_size), or over the "
-                             "data-parallel ranks of a tensor-parallel mesh with mesh.plan(...)")
+                             "data-parallel ranks of a tensor-parallel layout with layout.plan(...)")
         if self._kind is not None:
             raise UsageError("NoiseScale.attach was already called; use one NoiseScale per model")
         if world > 1:
@@ -123,7 +122,7 @@ class NoiseScale:
                     raise UsageError("NoiseScale needs DDP's default gradient_as_bucket_view=False, got True; "
                                      "wrap without gradient_as_bucket_view=True")
                 self._kind, self._ddp = "ddp", model
-                self._layout = layout.replicated(world)
+                self._layout = shares.replicated(world)
                 # With static_graph, DDP's first backward reduces in a callback of its own that
                 # runs before ours: that step's rank gradients are already averaged (seen in tests).
                 self._skip_next = bool(getattr(model, "static_graph", False))
@@ -142,7 +141,7 @@ class NoiseScale:
                     "or run on 2+ data-parallel ranks"
                 )
             self._kind = "micro"
-            self._layout = layout.tensor_parallel(named, tp) if tp > 1 else layout.Layout()
+            self._layout = shares.tensor_parallel(named, tp) if tp > 1 else shares.Layout()
         self._params = [p for _, p in named]
         if self._kind == "ddp":
             # The first gradient of a backward queues the end-of-backward callback; a
@@ -163,7 +162,7 @@ class NoiseScale:
                 raise UsageError(f"NoiseScale under FSDP2 needs FSDPModule.set_custom_reduce_scatter, which torch "
                                  f"{torch.__version__} lacks; upgrade torch (2.13 has it), or leave the model "
                                  "unattached and call noise.observe(..., sharded=True) each step")
-        self._layout = layout.fsdp(modules, named, tp)
+        self._layout = shares.fsdp(modules, named, tp)
         for m, (blocks, weights) in zip(modules, self._layout.blocks):
             try:
                 m.set_custom_reduce_scatter(norms.ReduceScatterNorms(self._on_reduce_scatter, blocks, weights))

@@ -14,7 +14,6 @@ FSDP it applies, not a second way in (so not exported here).
 
 from .clip import clip_grad_norm_
 from .layout import Layout
-from .mesh import Mesh, MeshShape, factor, mesh
 from .spread import parallelize
 from .stages import pipeline
 from .pp import Pipeline
@@ -23,8 +22,7 @@ from .wrap import STRATEGIES, accumulate, full_state_dict, no_sync, optimizer, s
 
 # The names the top-level package exports (wrap, accumulate, parallelize...) are left out here: one public
 # name, one place (they stay importable from this package).
-__all__ = ["STRATEGIES", "Layout", "Mesh", "MeshShape", "Pipeline", "apply_tp", "factor", "loss_parallel", "mesh",
-           "no_sync", "pipeline", "strategy_of"]
+__all__ = ["STRATEGIES", "Layout", "Pipeline", "apply_tp", "loss_parallel", "no_sync", "pipeline", "strategy_of"]
 
 # Names a user may have called that moved or went (CHANGELOG.md): what to write instead, in one line.
 MOVED = {
@@ -32,6 +30,12 @@ MOVED = {
                     "repeats; block_classes= to choose them), or mg.wrap(model, 'fsdp')",
     "StageBlocks": "mg.parallel.pipeline(model, layout, loss_fn, plan): a stage keeps the model's own forward, "
                    "the other stages' blocks stand in at their indices",
+    "mesh": "layout = mg.parallel.Layout(tp=2).resolve(dist.world_size); mg.parallelize(model, layout); "
+            "plan = layout.plan(global_batch, dist) (the device mesh: layout.device_mesh(dist.device.type))",
+    "Mesh": "mg.parallel.Layout: a resolved layout (layout.resolve(world_size)) owns the degrees, the data-parallel "
+            "size and rank (layout.dp_rank(rank)) and the device mesh (layout.device_mesh(device_type))",
+    "MeshShape": "mg.parallel.Layout(...).resolve(world_size): every degree set, with .dp_size and .world_size",
+    "factor": "mg.parallel.Layout(tp=..., dp_replicate=..., pp=...).resolve(world_size) (dp_shard takes the rest)",
 }
 
 

@@ -7,7 +7,7 @@ in the model's largest container of one class (``layers``, ``h``,
 declares (``model.tp_plan``, ``base_model_tp_plan``), else one found from the
 module pattern (q/k/v column-wise and o row-wise, gate/up column-wise and
 down row-wise, inside the repeated blocks; GPT-2's Conv1D c_attn, fused q/k/v, column-wise in 3 parts, c_fc
-column-wise, c_proj row-wise, with ``conv1d.py``'s styles). Plans may use ``*`` for one
+column-wise, c_proj row-wise, with ``hf/conv1d.py``'s styles). Plans may use ``*`` for one
 name component (``model.layers.*.mlp.down_proj``) and transformers' style
 names (``"colwise"``, ``"rowwise"``...), translated here to PyTorch's
 ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel``. Every
@@ -140,14 +140,14 @@ def _fused_or_conv(module: nn.Module, name: str) -> str | None:
 
 
 def _projection(module: nn.Module) -> bool:
-    from .conv1d import is_conv1d
+    from .hf.conv1d import is_conv1d
 
     return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
 def _style(module: nn.Module, kind: str, parts: int = 1) -> Any:
     """nn.Linear: transformers' style names; Conv1D: multigpu's Conv1D styles (a fused one split by parts)."""
-    from .conv1d import Conv1DColwise, Conv1DRowwise, is_conv1d
+    from .hf.conv1d import Conv1DColwise, Conv1DRowwise, is_conv1d
 
     if is_conv1d(module):
         return Conv1DColwise(parts) if kind == "col" else Conv1DRowwise()
@@ -173,9 +173,9 @@ def found_plan(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[st
     GPT-2's (a Conv1D c_attn of 3 equal parts that its attention's split_size cuts apart); a fused
     nn.Linear (ModernBERT's Wqkv and Wi) is split with its output gathered, the row-wise projection after it
     taking the whole input; a fused Conv1D of unequal parts is refused naming it."""
-    from .conv1d import fused_parts
+    from .hf.conv1d import fused_parts
 
-    from .conv1d import is_conv1d
+    from .hf.conv1d import is_conv1d
 
     plan: dict[str, Any] = {}
     for block_name, block in blocks:
@@ -286,7 +286,7 @@ def check_shardable(model: nn.Module, plan: dict[str, Any], tp: int, declared: b
     heads); a sharded split the model does not declare, or a row-wise one, is refused naming it."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from . import conv1d
+    from .hf import conv1d
 
     for name, style in plan.items():
         if isinstance(style, (conv1d.Conv1DColwise, conv1d.Conv1DRowwise)):

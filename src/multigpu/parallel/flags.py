@@ -1,7 +1,7 @@
 """A script's layout on its command line: the contract that lets tune, verify and study re-lay-out any script.
 
 A script that reads its ``Layout`` with ``mg.layout_from_args()`` takes these flags; the verbs that
-measure runs pass them (``layout_flags``), so they can run the user's script in any layout without
+measure runs pass them (``layout.flags``), so they can run the user's script in any layout without
 knowing its model. ``parse_layouts`` reads the verbs' own spelling of layouts (``"tp=2;dp_shard=2"``).
 
 >>> layout, rest = mg.layout_from_args(["--tp", "2", "--steps", "5"])
@@ -17,14 +17,9 @@ import sys
 from typing import Sequence
 
 from ..errors import UsageError
-from .layout import Layout
+from .layout import BOOL_FLAGS, INT_FLAGS, Layout
 from .pp import SCHEDULES
 
-# flag -> Layout field; the integer degrees first. Every flag is one of the frozen Layout's fields.
-INT_FLAGS = {"--tp": "tp", "--pp": "pp", "--dp-replicate": "dp_replicate", "--dp-shard": "dp_shard",
-             "--micro-batch": "micro_batch"}
-BOOL_FLAGS = {"--activation-checkpointing": "activation_checkpointing", "--compile": "compile",
-              "--sequence-parallel": "sequence_parallel"}
 FLAGS = (*INT_FLAGS, *BOOL_FLAGS, "--schedule")
 # The spelling of a layout in `--layouts`: the Layout's own names of the fields the flags carry.
 FIELDS = {*INT_FLAGS.values(), *BOOL_FLAGS.values(), "schedule"}
@@ -76,19 +71,6 @@ def layout_from_args(argv: Sequence[str] | None = None, default: Layout | None =
     return dataclasses.replace(default or Layout(), **values), rest
 
 
-def layout_flags(layout: Layout) -> list[str]:
-    """The command line that makes ``layout_from_args`` read ``layout`` back (its non-default fields)."""
-    out: list[str] = []
-    for flag, field in INT_FLAGS.items():
-        value = getattr(layout, field)
-        if value is not None and value != getattr(Layout, field):
-            out += [flag, str(value)]
-    out += [flag for flag, field in BOOL_FLAGS.items() if getattr(layout, field)]
-    if layout.pp > 1:
-        out += ["--schedule", layout.schedule]
-    return out
-
-
 def parse_layouts(text: str, flag: str = "--layouts") -> list[Layout]:
     """``"tp=2;dp_shard=2,tp=2"``: layouts separated by ``;``, each field=value separated by ``,``. A
     degree left out is 1 (dp_shard too: the layout's product is its world size)."""
@@ -116,17 +98,3 @@ def parse_layouts(text: str, flag: str = "--layouts") -> list[Layout]:
     if not layouts:
         raise UsageError(f"{flag} names no layout, got {text!r}; {example}")
     return layouts
-
-
-def world_of(layout: Layout) -> int:
-    """The processes a layout with every degree given spans (dp_shard None counts as 1)."""
-    return layout.pp * layout.dp_replicate * (layout.dp_shard or 1) * layout.tp
-
-
-def describe(layout: Layout) -> str:
-    """The layout as ``--layouts`` spells it, e.g. ``tp=2,dp_shard=2`` (``one process`` when nothing is set)."""
-    base = Layout(dp_shard=1)
-    parts = [f"{f}={getattr(layout, f) if not isinstance(getattr(layout, f), bool) else str(getattr(layout, f)).lower()}"
-             for f in ("pp", "dp_replicate", "dp_shard", "tp", "micro_batch", "activation_checkpointing", "compile",
-                       "sequence_parallel", "schedule") if getattr(layout, f) != getattr(base, f) and not (f == "schedule" and layout.pp == 1)]
-    return ",".join(parts) or "one process"

@@ -167,12 +167,11 @@ def wrap_fsdp(
     model = prepare_batchnorm(model, "fsdp", sync_batchnorm, device)
     if sync_batchnorm:  # the conversion replaced BatchNorm modules: pick from the model as it is now
         blocks = pick_blocks(model, block_classes, min_block_params)
-    from .mesh import device_mesh
+    from .layout import Layout
 
-    # The mesh must live on the parameters' device type: gloo meshes are
-    # "cpu", NCCL meshes "cuda" (init_device_mesh would otherwise guess from
-    # what is installed, not from where the model is).
-    mesh = device_mesh(device.type, (tdist.get_world_size(),), ("dp_shard",))
+    # The one device mesh, of the layout that shards over every rank; on the parameters' device type (gloo
+    # meshes are "cpu", NCCL meshes "cuda"), not what init_device_mesh would guess from what is installed.
+    mesh = Layout(dp_shard=tdist.get_world_size()).device_mesh(device.type)["dp_shard"]
     model = _shard(model, blocks, mesh, reshard_after_forward, pdt, rdt, cpu_offload, device)
     from ..dist import print0
 
@@ -204,10 +203,8 @@ def shard_blocks(model: nn.Module, mesh: Any, block_classes: Iterable[type] | No
                  cpu_offload: bool = False) -> nn.Module:
     """FSDP2 per block and on the root over a given mesh: 1-D (FSDP) or 2-D (replicate, shard: HSDP).
 
-    For models on a device mesh (``mg.parallel.mesh``), after tensor parallelism:
-    the data-parallel dimensions shard what TP left on each rank.
-
-    >>> shard_blocks(model, mesh.dp_mesh, block_classes=[Block])
+    ``mg.parallelize``'s FSDP step, after tensor parallelism: the data-parallel dimensions
+    (``layout.dp_mesh``) shard what TP left on each rank.
     """
     check_block_options(block_classes, min_block_params)
     pdt, rdt = _dtype("param_dtype", param_dtype), _dtype("reduce_dtype", reduce_dtype)

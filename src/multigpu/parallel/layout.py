@@ -1,30 +1,48 @@
-"""One layout: the mesh degrees and the choices that go with them, and every rule that follows from them, once.
+"""One layout: the mesh degrees and the choices that go with them, resolved once, and every rule that follows.
 
 A ``Layout`` is what a run is spread by: data parallelism replicated
 (``dp_replicate``) and sharded (``dp_shard``; None takes what the other
 degrees leave of the world), tensor parallelism (``tp``), pipeline stages
 (``pp``), the micro-batch, activation checkpointing and the pipeline schedule.
+``layout.resolve(world_size)`` is the same layout with every degree set (the
+one place the world is factored, and refused when it does not factor); a
+resolved layout owns its world size, data-parallel size and rank, strategy,
+label, command-line flags and device mesh, so nothing else derives a degree.
 The strategy is read from the degrees, not named twice: replicate-only is DDP,
 any sharding is FSDP (HSDP with both), and FSDP also carries data parallelism
 beside TP or PP (DDP does not compose with them; torchtitan refuses it too).
 ``BatchPlan`` stays the only batch arithmetic: ``layout.plan`` builds one over
 the data-parallel ranks, so ``accum_steps`` is the micro-batch count.
 
->>> layout = mg.parallel.Layout(tp=2, micro_batch=4)
+>>> layout = mg.parallel.Layout(tp=2, micro_batch=4).resolve(dist.world_size)
+>>> layout.dp_size, layout.strategy, layout.label
+(2, 'fsdp', 'dp_shard=2,tp=2,micro_batch=4')
 >>> model = mg.parallelize(model, layout)
 >>> plan = layout.plan(global_batch=32, dist=dist)
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ..data.share import LAYOUT_ATTR, DataShare, describe  # noqa: F401 (LAYOUT_ATTR: read here by noise, tests)
+from ..data.share import DataShare
 from ..errors import UsageError
-from ..runtime.values import is_positive_int, positive_int
-from .mesh import DIMS, Mesh, MeshShape, factor
+from ..runtime.values import divisors, is_positive_int, positive_int
 from .pp import SCHEDULES, stage_ids, stages_per_rank
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # the device mesh's dimensions, outer to inner
+# The command-line flags of a script's layout (mg.layout_from_args reads them, Layout.flags writes them):
+# flag -> Layout field, the integer degrees first. Every flag is one of the frozen Layout's fields.
+INT_FLAGS = {"--tp": "tp", "--pp": "pp", "--dp-replicate": "dp_replicate", "--dp-shard": "dp_shard",
+             "--micro-batch": "micro_batch"}
+BOOL_FLAGS = {"--activation-checkpointing": "activation_checkpointing", "--compile": "compile",
+              "--sequence-parallel": "sequence_parallel"}
+# Names a user may have called on a Layout that went (CHANGELOG.md): what to write instead.
+_MOVED = {"shape": "layout.resolve(world_size): the same Layout with every degree set (.dp_size, .world_size)",
+          "of": "the Layout itself: meshes are the resolved Layout's (layout.device_mesh(device_type))",
+          "mesh": "layout.resolve(world_size).device_mesh(device_type), or pass the Layout to mg.parallelize"}
 
 
 @dataclass(frozen=True)
@@ -53,77 +71,138 @@ class Layout:
             raise UsageError("sequence_parallel splits the sequence over tensor-parallel ranks but tp is 1; "
                              "use Layout(tp=2, sequence_parallel=True) or drop it")
 
-    @classmethod
-    def of(cls, mesh: Mesh) -> "Layout":
-        """The layout a mesh was built for (its degrees; the other fields at their defaults)."""
-        s = mesh.shape
-        return cls(dp_replicate=s.dp_replicate, dp_shard=s.dp_shard, tp=s.tp, pp=s.pp)
+    def __getattr__(self, name: str) -> Any:  # only for names a Layout does not have
+        if name in _MOVED:
+            raise AttributeError(f"Layout.{name} is gone; use {_MOVED[name]}")
+        raise AttributeError(f"'Layout' object has no attribute {name!r}")
 
+    # -- the one resolution ----------------------------------------------------------------------------
+    def resolve(self, world_size: int) -> "Layout":
+        """This layout on ``world_size`` processes, every degree set (``dp_shard`` takes what the others
+        leave); degrees that do not multiply to the world are refused in one line, with the ones that would."""
+        positive_int(world_size, "world size", "run on 1 or more processes")
+        fixed = self.tp * self.dp_replicate * self.pp
+        given = f"{'pp ' + str(self.pp) + ' x ' if self.pp > 1 else ''}dp_replicate {self.dp_replicate} x tp {self.tp}"
+        if self.dp_shard is None:
+            if world_size % fixed:
+                outer = self.dp_replicate * self.pp
+                fix = (f"use dp_replicate{' x pp' if self.pp > 1 else ''} in {', '.join(map(str, divisors(world_size)))}"
+                       if world_size % outer else f"use tp in {', '.join(map(str, divisors(world_size // outer)))}")
+                raise UsageError(f"world size {world_size} is not divisible by {given} = {fixed}; {fix}, or run on a "
+                                 f"multiple of {fixed} processes")
+            return dataclasses.replace(self, dp_shard=world_size // fixed)
+        if self.world_size != world_size:
+            raise UsageError(
+                f"mesh {'pp ' + str(self.pp) + ' x ' if self.pp > 1 else ''}dp_replicate {self.dp_replicate} x "
+                f"dp_shard {self.dp_shard} x tp {self.tp} = {self.world_size} processes, but this job has {world_size}; "
+                f"run on {self.world_size} processes or leave dp_shard out to fill the world")
+        return self
+
+    def _at(self, world_size: int | None) -> "Layout":
+        if world_size is not None:
+            return self.resolve(world_size)
+        if self.dp_shard is None:
+            raise UsageError("the layout leaves dp_shard to the world size; use layout.resolve(world_size) "
+                             "(or pass world_size), or give dp_shard")
+        return self
+
+    # -- what a resolved layout owns -----------------------------------------------------------------
     @property
     def world_size(self) -> int | None:
-        """The processes this layout spans when every degree is given (None while ``dp_shard`` is left to
-        the world)."""
+        """The processes this layout spans when every degree is set (None while ``dp_shard`` is left to the world)."""
         return None if self.dp_shard is None else self.pp * self.dp_replicate * self.dp_shard * self.tp
 
-    def accum_steps(self, global_batch: int, world_size: int | None = None) -> int:
-        """Micro-batches per optimizer step on ``world_size`` processes (default: the layout's own): the
-        ``BatchPlan``'s count over the data-parallel ranks, not a second arithmetic."""
-        from ..batch import BatchPlan
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: the number of distinct sample streams (replicate x shard)."""
+        return self.dp_replicate * self._at(None).dp_shard
 
-        world = self.world_size if world_size is None else world_size
-        if world is None:
-            raise UsageError("the layout leaves dp_shard to the world size; pass world_size, or give dp_shard")
-        return BatchPlan(global_batch, self.shape(world).dp, micro_batch=self.micro_batch).accum_steps
-
-    def shape(self, world_size: int) -> MeshShape:
-        """The degrees on ``world_size`` processes; a layout for another number of processes is refused."""
-        return factor(world_size, tp=self.tp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, pp=self.pp)
-
-    def strategy(self, world_size: int) -> str:
+    @property
+    def strategy(self) -> str:
         """How the data-parallel degrees are applied: ``none``, ``ddp`` (replicate only, nothing else
         parallel), ``fsdp`` (shard) or ``hsdp`` (replicate x shard, or replicate beside TP/PP)."""
-        s = self.shape(world_size)
-        if s.dp == 1:
+        if self.dp_size == 1:
             return "none"
-        if s.dp_shard == 1 and s.tp == 1 and s.pp == 1:
+        if self.dp_shard == 1 and self.tp == 1 and self.pp == 1:
             return "ddp"
-        return "hsdp" if s.dp_replicate > 1 else "fsdp"
+        return "hsdp" if self.dp_replicate > 1 else "fsdp"
 
-    def dp_rank(self, rank: int, world_size: int) -> int:
+    @property
+    def stages(self) -> int:
+        """Pipeline stages in all: pp ranks x the schedule's stages per rank."""
+        return self.pp * stages_per_rank(self.schedule) if self.pp > 1 else 1
+
+    @property
+    def label(self) -> str:
+        """The layout as ``--layouts`` spells it, e.g. ``dp_shard=2,tp=2`` (``one process`` when nothing is set)."""
+        base = Layout(dp_shard=1)
+        parts = []
+        for f in ("pp", "dp_replicate", "dp_shard", "tp", "micro_batch", "activation_checkpointing", "compile",
+                  "sequence_parallel", "schedule"):
+            value = getattr(self, f)
+            if value != getattr(base, f) and not (f == "schedule" and self.pp == 1):
+                parts.append(f"{f}={str(value).lower() if isinstance(value, bool) else value}")
+        return ",".join(parts) or "one process"
+
+    @property
+    def flags(self) -> list[str]:
+        """The command line that makes ``mg.layout_from_args`` read this layout back (its non-default fields)."""
+        out: list[str] = []
+        for flag, field in INT_FLAGS.items():
+            value = getattr(self, field)
+            if value is not None and value != getattr(Layout, field):
+                out += [flag, str(value)]
+        out += [flag for flag, field in BOOL_FLAGS.items() if getattr(self, field)]
+        return out + (["--schedule", self.schedule] if self.pp > 1 else [])
+
+    def dp_rank(self, rank: int, world_size: int | None = None) -> int:
         """The data-parallel rank of global ``rank``: the mesh's flattened (replicate, shard) coordinate."""
-        s = self.shape(world_size)
-        return (rank // s.tp) % s.dp
+        r = self._at(world_size)
+        return (rank // r.tp) % r.dp_size
 
-    def data_share(self, rank: int, world_size: int) -> DataShare:
+    def data_share(self, rank: int, world_size: int | None = None) -> DataShare:
         """What global ``rank`` evaluates and counts: its data-parallel rank's share (its tensor-parallel
         peers and pipeline stages read the same), and its sums count when it is tensor-parallel peer 0 on
         the rank that holds the last pipeline stage (placed by the schedule): each data-parallel rank once."""
-        s = self.shape(world_size)
-        last_stage = s.pp * stages_per_rank(self.schedule) - 1
-        holds_last = last_stage in stage_ids(self.schedule, rank // (s.dp * s.tp), s.pp)
-        return DataShare(self.dp_rank(rank, world_size), s.dp, counts=holds_last and rank % s.tp == 0, pp=s.pp,
-                         layout=describe(s))
+        r = self._at(world_size)
+        holds_last = r.stages - 1 in stage_ids(r.schedule, rank // (r.dp_size * r.tp), r.pp)
+        return DataShare(r.dp_rank(rank), r.dp_size, counts=holds_last and rank % r.tp == 0, pp=r.pp, layout=r.label)
+
+    def accum_steps(self, global_batch: int, world_size: int | None = None) -> int:
+        """Micro-batches per optimizer step: the ``BatchPlan``'s count over the data-parallel ranks."""
+        from ..batch import BatchPlan
+
+        return BatchPlan(global_batch, self._at(world_size).dp_size, micro_batch=self.micro_batch).accum_steps
 
     def plan(self, global_batch: int, dist: Any, max_micro_batch: int | None = None):
         """The ``BatchPlan`` over this layout's data-parallel ranks, bound to this process's one."""
         from ..batch import BatchPlan
 
-        s = self.shape(dist.world_size)
-        return BatchPlan(global_batch, s.dp, micro_batch=self.micro_batch, max_micro_batch=max_micro_batch,
-                         dp_rank=self.dp_rank(dist.rank, dist.world_size))
+        r = self.resolve(dist.world_size)
+        return BatchPlan(global_batch, r.dp_size, micro_batch=self.micro_batch, max_micro_batch=max_micro_batch,
+                         dp_rank=r.dp_rank(dist.rank))
 
-    def mesh(self, world_size: int, device_type: str) -> Mesh:
-        """The device mesh (collective: every rank calls it), after the degrees are checked."""
+    def device_mesh(self, device_type: str) -> Any:
+        """The one device mesh over ``DIMS`` (collective the first time: every rank calls it; built once per
+        shape), on the job's device type (gloo meshes are "cpu", NCCL meshes "cuda")."""
         from .mesh import device_mesh
 
-        s = self.shape(world_size)
-        return Mesh(s, device_mesh(device_type, (s.pp, s.dp_replicate, s.dp_shard, s.tp), DIMS))
+        r = self._at(None)
+        return device_mesh(device_type, (r.pp, r.dp_replicate, r.dp_shard, r.tp), DIMS)
+
+    def dp_mesh(self, device_type: str) -> Any | None:
+        """What FSDP shards over: 2-D (replicate, shard) for HSDP, 1-D (shard) for FSDP, None without data parallelism."""
+        mesh = self.device_mesh(device_type)
+        if self.dp_replicate > 1:
+            return mesh["dp_replicate", "dp_shard"]
+        return mesh["dp_shard"] if self.dp_shard > 1 else None
 
     def check_sizes(self, *, heads: int | None = None, kv_heads: int | None = None, hidden: int | None = None,
                     vocab: int | None = None, seq: int | None = None, blocks: int | None = None,
-                    model: str = "the model") -> None:
+                    tied: bool = False, model: str = "the model") -> None:
         """Refuse a TP degree that does not divide what it shards (heads, KV heads, hidden units,
-        vocabulary, and the sequence under sequence parallelism) and more pipeline stages than blocks."""
+        vocabulary, and the sequence under sequence parallelism), more pipeline stages than blocks, and a
+        pipeline over a model whose token table is tied to its head (``tied``)."""
         sizes = {"attention heads": heads, "KV heads": kv_heads, "hidden units": hidden, "vocabulary": vocab}
         if self.sequence_parallel:
             sizes["sequence length"] = seq  # sequence parallelism splits it
@@ -133,8 +212,10 @@ class Layout:
             fits = [d for d in range(1, self.tp + 1) if all(n % d == 0 for n in sizes.values())]
             raise UsageError(f"tensor-parallel degree {self.tp} does not divide {', '.join(bad)} of {model}; "
                              f"use tp={max(fits)}, or a model whose sizes it divides")
-        stages = self.pp * stages_per_rank(self.schedule)
-        if blocks is not None and self.pp > 1 and stages > blocks:
-            raise UsageError(f"{stages} pipeline stages (pp {self.pp} x {stages_per_rank(self.schedule)} per rank, "
-                             f"schedule {self.schedule!r}) but {model} has {blocks} blocks; use pp <= "
+        if self.pp > 1 and tied:
+            raise UsageError(f"the token table of {model} is tied to its head, but a pipeline puts them on different "
+                             "stages; untie them (the GPT recipe: --untied) or use pp=1")
+        if blocks is not None and self.pp > 1 and self.stages > blocks:
+            raise UsageError(f"{self.stages} pipeline stages (pp {self.pp} x {stages_per_rank(self.schedule)} per "
+                             f"rank, schedule {self.schedule!r}) but {model} has {blocks} blocks; use pp <= "
                              f"{max(1, blocks // stages_per_rank(self.schedule))} or a deeper model")

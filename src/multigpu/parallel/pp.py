@@ -157,7 +157,7 @@ class Pipeline:
                  *, tied: list[list[str]] | None = None) -> None:
         from torch.distributed.pipelining import PipelineStage, schedules
 
-        from .tied import TiedGrads
+        from .hf.tied import TiedGrads
 
         check_stages(modules, ids, n_stages, group, schedule, accum_steps)
         self.tied = TiedGrads(modules, ids, group, tied or [])

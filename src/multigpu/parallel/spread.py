@@ -1,4 +1,4 @@
-"""``mg.parallelize``: the one way to spread a whole model by a ``Layout`` (or a mesh).
+"""``mg.parallelize``: the one way to spread a whole model by a ``Layout``, written as short steps.
 
 In torchtitan's order: tensor parallelism first (the user's plan, else the
 plan the model declares, else one found from its module pattern; see
@@ -7,7 +7,8 @@ then FSDP (HSDP with a replicate degree) over the blocks the model declares
 or that are found in it, and the root; DDP when the layout only replicates.
 The full model is built on every rank with the same seed first and then
 distributed, so the weights equal one process's. It says what it chose in
-one line for the plan and one for the units, on rank 0.
+one line for the plan and one for the units, on rank 0. The Layout it was
+spread by is kept beside the model (``data.share.remember``), never on it.
 """
 
 from __future__ import annotations
@@ -19,17 +20,25 @@ from typing import Any
 import torch.distributed as tdist
 from torch import nn
 
+from ..data.share import record, remember
 from ..dist import print0
 from ..errors import UsageError
 from . import auto, probe
 from .batchnorm import prepare_batchnorm
-from .fsdp import shard_blocks, size_rule, units_line
-from .layout import LAYOUT_ATTR, Layout
-from .mesh import Mesh
+from .fsdp import shard_blocks, unit_rule, units_line
+from .layout import Layout
 
 
-def _world() -> int:
-    return tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
+def _world() -> tuple[int, int]:
+    on = tdist.is_available() and tdist.is_initialized()
+    return (tdist.get_rank(), tdist.get_world_size()) if on else (0, 1)
+
+
+# The data-parallel step's options, by the strategy that takes them (one process takes any and needs none).
+DDP_OPTIONS = ("bucket_cap_mb", "static_graph", "find_unused_parameters", "gradient_as_bucket_view", "broadcast_buffers",
+               "comm_hook", "powersgd_rank", "powersgd_start_iter", "zero1", "sync_batchnorm")
+FSDP_OPTIONS = ("min_block_params", "reshard_after_forward", "param_dtype", "reduce_dtype", "cpu_offload",
+                "sync_batchnorm")
 
 
 def _short(plan: dict[str, Any], limit: int = 6) -> str:
@@ -49,12 +58,6 @@ def _checkpointed(block: nn.Module) -> None:
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     block.forward = forward
-
-
-def _stamped(model: nn.Module, layout: Layout) -> nn.Module:
-    """``model`` with its layout left on it (``LAYOUT_ATTR``): NoiseScale.attach reads the degrees from it."""
-    object.__setattr__(model, LAYOUT_ATTR, layout)  # a plain attribute, never a submodule or a parameter
-    return model
 
 
 def tensor_parallel_plan(model: nn.Module, layout: Layout, blocks: list[tuple[str, nn.Module]],
@@ -97,7 +100,7 @@ def tensor_parallel_plan(model: nn.Module, layout: Layout, blocks: list[tuple[st
         raise UsageError(f"the tensor-parallel plan {source} only replicates, so nothing would be sharded; "
                          "give some modules 'colwise' or 'rowwise', or use tp=1")
     if layout.sequence_parallel and derive_sequence_parallel:
-        from . import sp
+        from .hf import sp
 
         if not sp.spells_sequence_parallel(styles):  # PyTorch's SP styles derived from the TP plan
             styles = sp.sequence_parallel_plan(model, blocks, styles)
@@ -106,115 +109,159 @@ def tensor_parallel_plan(model: nn.Module, layout: Layout, blocks: list[tuple[st
     return styles, source, written
 
 
-def parallelize(model: nn.Module, layout: Layout | Mesh | None = None, *, tp_plan: dict[str, Any] | None = None,
-                block_classes: list[type] | None = None, activation_checkpointing: bool | None = None,
-                compile: bool | None = None, reshard_after_forward: bool | None = None,
-                param_dtype: Any = None, reduce_dtype: Any = None, sync_batchnorm: bool = False,
-                sequence_parallel: bool | None = None, pipeline_stage: bool = False,
-                verbose: bool = True) -> nn.Module:
-    """Spread ``model`` (the full model, built with the same seed on every rank, on ``dist.device``) by
-    ``layout``: TP, then activation checkpointing and compile per block, then FSDP/HSDP, or DDP when
-    only replicating (``sync_batchnorm``: BatchNorm statistics over the ranks). Returns the model to
-    train (the DDP wrapper under DDP, the module itself otherwise).
-
-    ``sequence_parallel`` (like ``activation_checkpointing`` and ``compile``) overrides the layout's, so
-    a mesh (whose layout has none of them) can carry it; a plan without SequenceParallel styles (the
-    declared or found one) gets them derived (``sp.py``). ``pipeline_stage``: ``model`` is one stage
-    of a pipeline over ``layout``, a ``Mesh`` with pp > 1 (what ``mg.parallel.Pipeline`` takes): TP and FSDP apply inside the stage, and FSDP keeps
-    the parameters gathered between a step's micro-batches unless ``reshard_after_forward`` says so.
-
-    >>> model = mg.parallelize(LlamaForCausalLM(cfg).to(dist.device), mg.parallel.Layout(tp=2))
-    >>> model = mg.parallelize(net, mg.parallel.Layout(dp_replicate=dist.world_size))   # DDP
-    """
+def _resolved(model: nn.Module, layout: Any, sequence_parallel: bool | None) -> Layout:
     if not isinstance(model, nn.Module):
         raise UsageError(f"mg.parallelize expects a torch.nn.Module, got {type(model).__name__}")
-    mesh = layout if isinstance(layout, Mesh) else None
-    layout = Layout.of(layout) if isinstance(layout, Mesh) else (layout or Layout())
+    layout = Layout() if layout is None else layout
     if not isinstance(layout, Layout):
-        raise UsageError(f"mg.parallelize takes a mg.parallel.Layout or a mesh, got {type(layout).__name__}; "
+        raise UsageError(f"mg.parallelize takes a mg.parallel.Layout, got {type(layout).__name__}; "
                          "e.g. mg.parallelize(model, mg.parallel.Layout(tp=2))")
     if sequence_parallel is not None:  # Layout refuses it with tp 1, in its own line
         layout = dataclasses.replace(layout, sequence_parallel=sequence_parallel)
-    world = _world()
-    shape = layout.shape(world)  # a layout for another number of processes is refused here
+    return layout.resolve(_world()[1])  # a layout for another number of processes is refused here
+
+
+def _check_options(layout: Layout, options: dict[str, Any]) -> None:
+    """Each option belongs to the data-parallel step of one strategy; one process takes any (the same script
+    runs on one process and on many)."""
+    unknown = sorted(set(options) - set(DDP_OPTIONS) - set(FSDP_OPTIONS))
+    if unknown:
+        raise UsageError(f"mg.parallelize has no option {', '.join(unknown)}; the data-parallel options are DDP's "
+                         f"{', '.join(DDP_OPTIONS)} and FSDP's {', '.join(FSDP_OPTIONS)}")
+    kind = layout.strategy
+    if kind == "ddp" and (bad := sorted(set(options) - set(DDP_OPTIONS))):
+        raise UsageError(f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} FSDP's, but layout {layout.label} only "
+                         "replicates (DDP); use Layout(dp_shard=...) for FSDP, or mg.Precision for DDP")
+    if kind in ("fsdp", "hsdp") and (bad := sorted(set(options) - set(FSDP_OPTIONS))):
+        raise UsageError(f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} DDP's, but layout {layout.label} shards "
+                         f"({kind.upper()}, which reduces in reduce_dtype); use Layout(dp_replicate=N) for DDP")
+
+
+def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict[str, Any] | None = None,
+                block_classes: list[type] | None = None, activation_checkpointing: bool | None = None,
+                compile: bool | None = None, sequence_parallel: bool | None = None, pipeline_stage: bool = False,
+                verbose: bool = True, **options: Any) -> nn.Module:
+    """Spread ``model`` (the full model, built with the same seed on every rank, on ``dist.device``) by
+    ``layout`` in torchtitan's order: TP, then activation checkpointing and compile per block, then the
+    data-parallel step: FSDP/HSDP, or DDP when the layout only replicates. Returns the model to train (the
+    DDP wrapper under DDP, the module itself otherwise).
+
+    ``options`` are the data-parallel step's: under DDP ``bucket_cap_mb``, ``static_graph``,
+    ``find_unused_parameters``, ``gradient_as_bucket_view``, ``broadcast_buffers``, ``comm_hook`` ("fp16" |
+    "bf16" | "powersgd", with ``powersgd_rank``, ``powersgd_start_iter``), ``zero1=True`` (the optimizer
+    state sharded: build it with ``mg.optimizer``); under FSDP/HSDP ``min_block_params``,
+    ``reshard_after_forward``, ``param_dtype``, ``reduce_dtype``, ``cpu_offload``; ``sync_batchnorm``
+    under both. An option of the other strategy is refused in one line; one process takes any.
+    ``sequence_parallel``, ``activation_checkpointing`` and ``compile`` override the layout's.
+    ``pipeline_stage``: ``model`` is one stage of a pipeline over ``layout`` (``mg.parallel.pipeline``):
+    TP and FSDP apply inside the stage, and FSDP keeps the parameters gathered between a step's
+    micro-batches unless ``reshard_after_forward`` says so.
+
+    >>> model = mg.parallelize(LlamaForCausalLM(cfg).to(dist.device), mg.parallel.Layout(tp=2))
+    >>> model = mg.parallelize(net, mg.parallel.Layout(dp_replicate=dist.world_size), comm_hook="bf16")   # DDP
+    """
+    layout = _resolved(model, layout, sequence_parallel)
+    _check_options(layout, options)
     name = type(model).__name__
-    if pipeline_stage and mesh is None:
-        raise UsageError(f"a pipeline stage of {name} is spread over the pipeline's own mesh (its stages must share "
-                         "it); pass that mg.parallel.Mesh, not a Layout")
-    if shape.pp > 1 and not pipeline_stage:
-        raise UsageError(f"pp={shape.pp} splits {name} into pipeline stages, which changes the loop; use "
-                         "pipe = mg.parallel.pipeline(model, layout, loss_fn) and loss = pipe.step(micro_batches)")
+    if layout.pp > 1 and not pipeline_stage:
+        raise UsageError(f"pp={layout.pp} splits {name} into pipeline stages, which changes the loop; use "
+                         "pipe = mg.parallel.pipeline(model, layout, loss_fn, plan) and loss = pipe.step(micro_batches)")
     params = list(model.parameters())
     if params and params[0].device.type == "meta":
         raise UsageError("mg.parallelize got a model on the meta device; build it on dist.device with the same seed "
                          "on every rank (the weights are then distributed, equal to one process's)")
+    device_type = params[0].device.type if params else "cpu"
     classes, block_source = auto.blocks_of(model, block_classes)
     blocks = auto.block_modules(model, classes)
-    strategy = layout.strategy(world)
-    device_type = params[0].device.type if params else "cpu"
-    if mesh is None and (shape.tp > 1 or strategy in ("fsdp", "hsdp")):
-        mesh = layout.mesh(world, device_type)
     say = print0 if verbose else (lambda *a, **k: None)
+    if layout.tp > 1:
+        _tensor_parallel(model, layout, blocks, tp_plan, pipeline_stage, device_type, say)
+    extras = _per_block(model, layout, blocks, activation_checkpointing, compile)
+    model = _data_parallel(model, layout, classes, block_source, block_classes, pipeline_stage, options, extras, say)
+    rank, world = _world()
+    if not pipeline_stage:  # a pipeline records its own (mg.eval_loader and mg.all_reduce_sum read it)
+        record(layout.data_share(rank), rank, world)
+    remember(model, layout)
+    return model
 
-    if shape.tp > 1:
-        from .tp import apply_tp
 
-        heads = auto.head_counts(model)
-        layout.check_sizes(heads=heads.get("attention heads"), kv_heads=heads.get("KV heads"), model=name)
-        styles, source, written = tensor_parallel_plan(model, layout, blocks, tp_plan,
-                                                       derive_sequence_parallel=not pipeline_stage)
-        batch = None if pipeline_stage else probe.probe_input(model, shape.tp)
-        expected = None if batch is None else probe.expected(model, batch)
-        apply_tp(model, mesh.tp_mesh, styles)
-        from .conv1d import divide_split_sizes
+def _tensor_parallel(model: nn.Module, layout: Layout, blocks: list, tp_plan: dict[str, Any] | None,
+                     pipeline_stage: bool, device_type: str, say: Any) -> None:
+    """TP by the plan (given, declared or found), checked on a probe batch of a whole model (``probe.py``)."""
+    from .hf.conv1d import divide_split_sizes
+    from .tp import apply_tp
 
-        divide_split_sizes(model, styles, shape.tp)  # GPT-2's attention splits its fused c_attn by split_size
-        if expected is not None:  # the split checked on the model itself: exact or refused (probe.py)
-            probe.check(model, batch, expected, mesh.tp_mesh.get_group(), source)
-        say(f"mg.parallelize: tensor parallel {shape.tp}: plan {source}, {len(written)} entries on "
-            f"{len(styles)} modules: {_short(written)}")
+    heads = auto.head_counts(model)
+    layout.check_sizes(heads=heads.get("attention heads"), kv_heads=heads.get("KV heads"), model=type(model).__name__)
+    styles, source, written = tensor_parallel_plan(model, layout, blocks, tp_plan,
+                                                   derive_sequence_parallel=not pipeline_stage)
+    batch = None if pipeline_stage else probe.probe_input(model, layout.tp)
+    expected = None if batch is None else probe.expected(model, batch)
+    tp_mesh = layout.device_mesh(device_type)["tp"]
+    apply_tp(model, tp_mesh, styles)
+    divide_split_sizes(model, styles, layout.tp)  # GPT-2's attention splits its fused c_attn by split_size
+    if expected is not None:  # the split checked on the model itself: exact or refused (probe.py)
+        probe.check(model, batch, expected, tp_mesh.get_group(), source)
+    say(f"mg.parallelize: tensor parallel {layout.tp}: plan {source}, {len(written)} entries on "
+        f"{len(styles)} modules: {_short(written)}")
 
+
+def _per_block(model: nn.Module, layout: Layout, blocks: list, activation_checkpointing: bool | None,
+               compile: bool | None) -> str:
+    """Activation checkpointing and ``torch.compile`` per block; what was done, for the closing line."""
     ac = layout.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
     compiled = layout.compile if compile is None else compile
     if (ac or compiled) and not blocks:
-        raise UsageError(f"activation checkpointing and compile apply per block, but {name} has no repeated blocks "
-                         "(none declared, no container of one class); pass block_classes=[YourBlock]")
+        raise UsageError(f"activation checkpointing and compile apply per block, but {type(model).__name__} has no "
+                         "repeated blocks (none declared, no container of one class); pass block_classes=[YourBlock]")
     for _, block in blocks:
         if ac:
             _checkpointed(block)
         if compiled:
             block.compile()  # in place: the parameter names stay
+    done = "; ".join(x for x in ("activation checkpointing per block" if ac else "",
+                                 "compiled per block" if compiled else "") if x)
+    return f"; {done}" if done else ""
 
-    extras = "; ".join(x for x in ("activation checkpointing per block" if ac else "",
-                                   "compiled per block" if compiled else "") if x)
-    extras = f"; {extras}" if extras else ""
+
+def _data_parallel(model: nn.Module, layout: Layout, classes: list, block_source: str, block_classes: Any,
+                   pipeline_stage: bool, options: dict[str, Any], extras: str, say: Any) -> nn.Module:
+    """DDP when the layout only replicates, FSDP (HSDP) when it shards, nothing on one data-parallel rank."""
+    name, kind = type(model).__name__, layout.strategy
     block_names = ", ".join(c.__name__ for c in classes) or "none"
-    if strategy == "ddp":
-        if any(v is not None for v in (reshard_after_forward, param_dtype, reduce_dtype)):
-            raise UsageError("reshard_after_forward, param_dtype and reduce_dtype are FSDP's, but this layout only "
-                             "replicates (DDP); use Layout(dp_shard=...) for FSDP, or mg.Precision for DDP")
+    if kind == "ddp":
+        options = dict(options)
+        if options.pop("zero1", False):
+            from .zero import wrap_zero1
+
+            if {"comm_hook", "broadcast_buffers", "powersgd_rank", "powersgd_start_iter"} & set(options):
+                raise UsageError("zero1 shards the optimizer over plain DDP, which takes no comm hook or "
+                                 "broadcast_buffers here; drop them, or zero1")
+            say(f"mg.parallelize: DDP over {layout.dp_size} ranks with the optimizer state sharded (ZeRO-1; build it "
+                f"with mg.optimizer): one unit, the whole {name}{extras}")
+            return wrap_zero1(model, **options)
         from .ddp import wrap_ddp
 
-        say(f"mg.parallelize: DDP over {shape.dp_replicate} ranks (replicate only): one unit, the whole "
-            f"{name}{extras}")
-        return _stamped(wrap_ddp(model, sync_batchnorm=sync_batchnorm), layout)
-    if strategy in ("fsdp", "hsdp"):
-        options: dict[str, Any] = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
-        if pipeline_stage and reshard_after_forward is None:
+        say(f"mg.parallelize: DDP over {layout.dp_size} ranks (replicate only): one unit, the whole {name}{extras}")
+        return wrap_ddp(model, **options)
+    if kind in ("fsdp", "hsdp"):
+        options = {k: v for k, v in options.items() if k in FSDP_OPTIONS}
+        sync = options.pop("sync_batchnorm", False)
+        if pipeline_stage:
             # Resharding after each micro-batch's forward would gather the stage's parameters again for the next.
-            reshard_after_forward = False
-        if reshard_after_forward is not None:
-            options["reshard_after_forward"] = reshard_after_forward
-        model = prepare_batchnorm(model, strategy, sync_batchnorm, params[0].device)
-        # Shard first, then count what was sharded: a refusal prints no line, and the blocks are picked once.
-        model = shard_blocks(model, mesh.dp_mesh, block_classes=classes or None, **options)
-        over = (f"HSDP over dp_replicate {shape.dp_replicate} x dp_shard {shape.dp_shard}" if strategy == "hsdp"
-                else f"FSDP over dp_shard {shape.dp_shard}")
-        rule = f"{block_names} ({block_source})" if classes else size_rule()
+            options.setdefault("reshard_after_forward", False)
+        device = next(model.parameters()).device
+        model = prepare_batchnorm(model, kind, sync, device)
+        # The one unit rule (fsdp.unit_rule, mg.wrap's too); shard first, then count what was sharded.
+        units, minimum, rule = unit_rule(model, block_classes, options.pop("min_block_params", None))
+        model = shard_blocks(model, layout.dp_mesh(device.type), block_classes=units, min_block_params=minimum,
+                             **options)
+        over = (f"HSDP over dp_replicate {layout.dp_replicate} x dp_shard {layout.dp_shard}" if kind == "hsdp"
+                else f"FSDP over dp_shard {layout.dp_shard}")
         say(f"mg.parallelize: {over}: {units_line(model, rule)}{extras}")
-        return _stamped(model, layout)
-    if shape.tp == 1 and shape.pp == 1:
+        return model
+    if layout.tp == 1 and layout.pp == 1:
         say(f"mg.parallelize: one process, nothing to spread (blocks: {block_names}){extras}")
     elif extras:
         say(f"mg.parallelize: blocks {block_names} ({block_source}){extras}")
-    return _stamped(model, layout)
+    return model

@@ -1,11 +1,10 @@
 """Pipelines without a hand split: ``mg.parallel.pipeline(model, layout, loss_fn, plan)`` cuts a model into
 balanced stages and returns the ``Pipeline`` that runs this rank's.
 
-What is cut: a transformers CausalLM by the split it declares (``_pp_plan``: embed_tokens / layers / norm,
-then lm_head outside the base model) or, where it declares none (GPT-2), the split found in it (the base
-model ``base_model_prefix`` names, its ModuleList of blocks, its modules before and after them, the
-head), or an ``nn.Sequential`` by its children. Tied parameters (GPT-2's head and token table) get a
-copy on each stage that uses them, kept equal by summing their gradients (``tied.py``). Balanced as torchtitan
+What is cut: a transformers CausalLM (``hf/split.py``: the split it declares or one found in it), a model
+whose blocks sit in a ModuleDict of the root as torchtitan cuts its models (the GPT recipe), or an
+``nn.Sequential`` by its children. Tied parameters (GPT-2's head and token table) get a copy on each
+stage that uses them, kept equal by summing their gradients (``hf/tied.py``). Balanced as torchtitan
 does: the embeddings and the head count as one block each, so the first and last stages take a block
 less when that evens them out. A stage is a copy of the full model with what it does not run removed,
 so parameter names stay as one process has them (``model.layers.3.mlp.up_proj.weight``): DCP reshards
@@ -22,10 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from ..runtime import compat
 from .layout import Layout
-from .standins import BlockOutput, Elsewhere, FeedFirstBlock, Skipped
-from .tied import tied_groups
 
 
 def balance(n_blocks: int, n_stages: int) -> list[range]:
@@ -40,6 +36,20 @@ def balance(n_blocks: int, n_stages: int) -> list[range]:
     return out
 
 
+def stage_ranges(n_blocks: int, n_stages: int, splits: list[int] | None = None) -> list[range]:
+    """Which blocks each stage runs: ``balance``d, or with ``splits`` the first block of every stage after
+    the first (``[2]``: blocks 0-1, then 2 on), checked."""
+    if splits is None:
+        return balance(n_blocks, n_stages)
+    splits = list(splits)
+    if len(splits) != n_stages - 1 or splits != sorted(set(splits)) or not all(0 < b < n_blocks for b in splits):
+        raise UsageError(f"pipeline split points must be {n_stages - 1} increasing block indices between 1 and "
+                         f"{n_blocks - 1} (where stages 2..{n_stages} begin), got {splits}; e.g. "
+                         f"{[round(i * n_blocks / n_stages) for i in range(1, n_stages)]}")
+    bounds = [0, *splits, n_blocks]
+    return [range(bounds[s], bounds[s + 1]) for s in range(n_stages)]
+
+
 def even(n: int, k: int) -> list[range]:
     """``n`` items in ``k`` contiguous parts whose sizes differ by at most one (the larger first)."""
     per, extra = divmod(n, k)
@@ -47,134 +57,74 @@ def even(n: int, k: int) -> list[range]:
     return [range(starts[s], starts[s + 1]) for s in range(k)]
 
 
-def _hf_split(model: nn.Module) -> tuple[str, str, list[str], list[str], list[str], str] | None:
-    """(the base model's name, its blocks' name, the base's modules before and after the blocks, the modules
-    after the base, where the split came from): from a declared ``_pp_plan``, else found in a transformers
-    CausalLM (``_found_split``)."""
-    plan = getattr(model, "pp_plan", None) or getattr(model, "_pp_plan", None)
-    if not isinstance(plan, dict) or not plan:
-        return _found_split(model)
-    held = {n for n, _ in model.named_modules()}
-    if any(n not in held for n in plan):  # a plan for another variant (HRM's two block stacks): not this model's
-        return _found_split(model)
-    names = list(plan)
-    blocks = next((n for n in names if isinstance(model.get_submodule(n), nn.ModuleList)), None)
-    if blocks is None:  # a plan of the head alone (OLMoE: its config declares no base_model_pp_plan)
-        return _found_split(model)
-    base = blocks.rpartition(".")[0]
-    inside = [n for n in names if n.rpartition(".")[0] == base]
-    before, inner_after = inside[:inside.index(blocks)], inside[inside.index(blocks) + 1:]
-    # The plan's order is not the forward's (transformers lists lm_head first): what lies outside the base
-    # model runs after it (a CausalLM's head).
-    after = [n for n in names if base and not n.startswith(base + ".")]
-    return base, blocks, before, inner_after, after, "declared _pp_plan"
-
-
 def _has_params(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
-def _found_split(model: nn.Module) -> tuple[str, str, list[str], list[str], list[str], str] | None:
-    """A transformers CausalLM that declares no ``_pp_plan`` (GPT-2 declares none in transformers 5.24):
-    its base model is the child ``base_model_prefix`` names, whose forward takes ``inputs_embeds``; its
-    blocks the base's longest ModuleList of the model's block class; before and after them the base's
-    children registered before and after it that hold parameters (wte, wpe; ln_f), and the head the
-    model's other children that hold parameters (lm_head). Parameterless children (dropout, rotary
-    embeddings) stay on every stage: the base calls them wherever it runs."""
-    import inspect
-
-    from ..runtime.compat import direct_child
+def _block_dict(model: nn.Module) -> str | None:
+    """The name of the root's ``nn.ModuleDict`` of blocks (torchtitan's models and the GPT recipe keep them
+    so: a stage deletes the others' entries and the names stay), or None."""
     from .auto import blocks_of
 
-    prefix = getattr(model, "base_model_prefix", "")
-    base = direct_child(model, prefix) if isinstance(prefix, str) and prefix else None
-    if base is None:
-        return None
-    try:
-        takes_embeds = "inputs_embeds" in inspect.signature(base.forward).parameters
-    except (TypeError, ValueError):
-        takes_embeds = False
     classes, _ = blocks_of(model)
-    children = list(base.named_children())
-    lists = [k for k, (_, c) in enumerate(children) if isinstance(c, nn.ModuleList) and len(c) > 0
-             and all(type(b) in classes for b in c)]
-    if not takes_embeds or not lists:
-        return None
-    at = max(lists, key=lambda k: len(children[k][1]))
-    before = [f"{prefix}.{n}" for n, c in children[:at] if _has_params(c)]
-    inner_after = [f"{prefix}.{n}" for n, c in children[at + 1:] if _has_params(c)]
-    after = [n for n, c in model.named_children() if n != prefix and _has_params(c)]
-    return prefix, f"{prefix}.{children[at][0]}", before, inner_after, after, "found split"
+    return next((n for n, c in model.named_children() if isinstance(c, nn.ModuleDict) and len(c) > 0
+                 and all(type(b) in classes for b in c.values())), None)
 
 
-def _causal_lm_forward(part: nn.Module, base: str, first: bool, last: bool, feed: FeedFirstBlock | None, x):
-    """A stage of a transformers CausalLM: token ids (first stage) or hidden states in. The last stage runs
-    the CausalLM's own forward (its base model, then the head and whatever the model does after it: Gemma's
-    logit soft-capping, Granite's logit scaling); the others run the base model's forward. Either way the
-    model's own code walks every block, this stage's and the stand-ins of the others' (``Skipped``)."""
-    kwargs = {"input_ids": x} if first else {"inputs_embeds": x}
-    if feed is not None:
-        feed.x = x
-    try:
-        if last:  # the class's forward: the instance's is this function
-            return type(part).forward(part, **kwargs, use_cache=False).logits
-        h = (part.get_submodule(base) if base else part)(**kwargs, use_cache=False).last_hidden_state
-    finally:
-        if feed is not None:
-            feed.x = None
-    # GPT-2 returns its hidden states through .view(); the schedules that split the backward into input and
-    # weight parts detach a stage's outputs in place, which torch refuses for a view.
-    return h.clone() if compat.is_view(h) else h
+def _dict_split(model: nn.Module, layout: Layout, n_stages: int, splits: list[int] | None, blocks_name: str):
+    """Cut as torchtitan cuts its models: each stage a copy of the model with the other stages' blocks deleted
+    from the ModuleDict and the modules before (after) it set to None on every stage but the first (last);
+    the model's forward skips what is None."""
+    children = [n for n, _ in model.named_children()]
+    at = children.index(blocks_name)
+    before = [n for n in children[:at] if _has_params(model.get_submodule(n))]
+    after = [n for n in children[at + 1:] if _has_params(model.get_submodule(n))]
+    keys = list(model.get_submodule(blocks_name).keys())
+    layout.check_sizes(blocks=len(keys), model=type(model).__name__)
+    ranges = stage_ranges(len(keys), n_stages, splits)
+
+    def dict_stage(i: int, share: bool = False) -> nn.Module:
+        part = copy.deepcopy(model, {id(t): t for t in (*model.parameters(), *model.buffers())} if share else None)
+        held = part.get_submodule(blocks_name)
+        for j, key in enumerate(keys):
+            if j not in ranges[i]:
+                del held[key]
+        for n in (before if i != 0 else []) + (after if i != n_stages - 1 else []):
+            setattr(part, n, None)
+        return part
+
+    return dict_stage, ranges, f"its {blocks_name} ModuleDict ({len(keys)} blocks; the others' deleted, " \
+                               f"{', '.join(before + after) or 'nothing'} on the first/last stage only)"
 
 
-def _set(model: nn.Module, name: str, value: nn.Module) -> None:
-    owner, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(owner) if owner else model, attr, value)
-
-
-def split(model: nn.Module, layout: Layout, n_stages: int) -> tuple[Callable[[int], nn.Module], int, str]:
-    """(stage i's module, the number of blocks, how the model was cut) for ``n_stages`` stages.
+def split(model: nn.Module, layout: Layout, n_stages: int, splits: list[int] | None = None
+          ) -> tuple[Callable[[int], nn.Module], list[range] | None, str]:
+    """(stage i's module, the blocks of each stage, how the model was cut) for ``n_stages`` stages;
+    ``splits``: the first block of every stage after the first (default: balanced).
 
     Tied parameters (GPT-2's head and token table) stay tied within a stage; a stage that uses one of
     the names holds a copy of its own (each stage is a copy of the model), kept equal to the others by
     the ``Pipeline`` (``tied.TiedGrads``)."""
     name = type(model).__name__
-    hf = _hf_split(model)
-    if hf is not None:
-        base, blocks_name, before, inner_after, after, source = hf
-        blocks = model.get_submodule(blocks_name)
-        layout.check_sizes(blocks=len(blocks), model=name)
-        ranges = balance(len(blocks), n_stages)
+    from .hf.split import causal_lm_split, causal_lm_stage
 
-        def hf_stage(i: int, share: bool = False) -> nn.Module:
-            """Stage i, a copy of the model; ``share``: the copy holds the model's own tensors (for ``probe``)."""
-            part = copy.deepcopy(model, {id(t): t for t in (*model.parameters(), *model.buffers())} if share else None)
-            held = part.get_submodule(blocks_name)
-            output = BlockOutput()
-            for j in range(len(held)):  # the other stages' blocks: stand-ins at their indices
-                if j in ranges[i]:
-                    held[j].register_forward_hook(output.hook)
-                else:
-                    held[j] = Skipped(held[j], j, output)
-            first, last = i == 0, i == n_stages - 1
-            feed = None
-            if not first:
-                for n in before:  # the first stage's (embeddings): zeros stand in, fed past (FeedFirstBlock)
-                    _set(part, n, Elsewhere(part.get_submodule(n)))
-                feed = FeedFirstBlock()
-                # Registered before FSDP's own pre-hooks (parallelize comes later), which then see the fed input.
-                held[ranges[i].start].register_forward_pre_hook(feed, with_kwargs=True)
-            if not last:
-                for n in inner_after:  # the base model calls its final norm always: a no-op before the last stage
-                    _set(part, n, nn.Identity())
-                for n in after:
-                    _set(part, n, None)
-            part.forward = functools.partial(_causal_lm_forward, part, base, first, last, feed)
-            return part
-
-        probe(model, hf_stage, n_stages)
-        return hf_stage, len(blocks), f"{source} ({blocks_name}: {len(blocks)} blocks)"
+    found = causal_lm_split(model)
+    if found is not None:
+        blocks_name = found[1]
+        n_blocks = len(model.get_submodule(blocks_name))
+        layout.check_sizes(blocks=n_blocks, model=name)
+        ranges = stage_ranges(n_blocks, n_stages, splits)
+        make = functools.partial(causal_lm_stage, model, found, ranges)
+        probe(model, make, n_stages)
+        return make, ranges, f"{found[5]} ({blocks_name}: {n_blocks} blocks)"
+    if (blocks_name := _block_dict(model)) is not None:
+        make, ranges, how = _dict_split(model, layout, n_stages, splits, blocks_name)
+        probe(model, make, n_stages)
+        return make, ranges, how
     if isinstance(model, nn.Sequential):
+        if splits is not None:
+            raise UsageError(f"splits= places stages by block index, but {name} is cut evenly by its children; "
+                             "leave splits out")
         layout.check_sizes(blocks=len(model), model=name)
         parts = even(len(model), n_stages)
 
@@ -185,7 +135,7 @@ def split(model: nn.Module, layout: Layout, n_stages: int) -> tuple[Callable[[in
                 part.add_module(str(j), copy.deepcopy(model[j], memo))
             return part
 
-        return seq_stage, len(model), f"nn.Sequential ({len(model)} children)"
+        return seq_stage, None, f"nn.Sequential ({len(model)} children)"
     from .auto import blocks_of
 
     classes, _ = blocks_of(model)
@@ -232,74 +182,77 @@ def probe(model: nn.Module, make: Callable[..., nn.Module], n_stages: int) -> No
                          "more than the stages run; use pp=1 for this model (DDP, FSDP and TP apply)")
 
 
-def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, verbose: bool = True):
+def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, tp_plan: dict[str, Any] | None = None,
+             splits: list[int] | None = None, verbose: bool = True):
     """This rank's stages of ``model`` cut by ``layout.pp`` (and its schedule), each tensor parallel over
-    ``layout.tp`` (the model's plan, the entries for what the stage holds) and FSDP-sharded over the
-    data-parallel ranks when there are several, in a ``Pipeline`` of ``plan.accum_steps`` micro-batches.
+    ``layout.tp`` (``tp_plan`` or the model's plan, the entries for what the stage holds) and FSDP-sharded
+    over the data-parallel ranks when there are several, in a ``Pipeline`` of ``plan.accum_steps``
+    micro-batches. ``splits``: the first block of every stage after the first (default: balanced, the
+    embeddings and the head counted as a block each).
 
     >>> pipe = mg.parallel.pipeline(model, layout, loss_fn, plan)
     >>> loss = pipe.step(micro_batches); pipe.clip_grad_norm_(1.0); opt.step()
     """
     import torch.distributed as tdist
 
+    from ..data.share import record
     from ..dist import print0
     from . import pp
-    from .spread import parallelize
+    from .auto import block_modules, blocks_of, head_counts
+    from .spread import parallelize, tensor_parallel_plan
 
-    world = tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
-    shape = layout.shape(world)
+    on = tdist.is_available() and tdist.is_initialized()
+    rank, world = (tdist.get_rank(), tdist.get_world_size()) if on else (0, 1)
+    layout = layout.resolve(world)
     name = type(model).__name__
-    if shape.pp == 1:
+    if layout.pp == 1:
         raise UsageError(f"mg.parallel.pipeline cuts {name} into pp stages but the layout has pp=1; "
                          "use mg.parallelize(model, layout), or Layout(pp=2)")
     accum_steps = plan.accum_steps
     # The model's own problems first (they need another model, not another flag), then the schedule's.
-    make, n_blocks, how = split(model, layout, shape.pp * pp.stages_per_rank(layout.schedule))
-    n_stages = pp.check(layout.schedule, shape.pp, accum_steps)
-    from .auto import block_modules, blocks_of, head_counts
-
+    make, ranges, how = split(model, layout, layout.stages, splits)
+    n_stages = pp.check(layout.schedule, layout.pp, accum_steps)
     classes, _ = blocks_of(model)
     styles: dict[str, Any] = {}
-    if shape.tp > 1:
-        from .spread import tensor_parallel_plan
-
-        # The plan of the whole model (declared, else found), refused here before any group work; each stage
-        # then takes the entries for the modules it holds (stage_plan).
+    if layout.tp > 1:
+        # The plan of the whole model (given, declared, else found), refused here before any group work; each
+        # stage then takes the entries for the modules it holds (stage_plan).
         heads = head_counts(model)
         layout.check_sizes(heads=heads.get("attention heads"), kv_heads=heads.get("KV heads"), model=name)
-        styles, source, _ = tensor_parallel_plan(model, layout, block_modules(model, classes), None)
-    params = list(model.parameters())
-    device = params[0].device
-    mesh = layout.mesh(world, device.type)
-    ids = pp.stage_ids(layout.schedule, mesh.pp_rank, shape.pp)
+        styles, source, _ = tensor_parallel_plan(model, layout, block_modules(model, classes), tp_plan)
+    device = next(model.parameters()).device
+    pp_mesh = layout.device_mesh(device.type)["pp"]
+    ids = pp.stage_ids(layout.schedule, pp_mesh.get_local_rank(), layout.pp)
     parts = [make(i) for i in ids]
-    if mesh.dp_mesh is not None or shape.tp > 1:
+    if layout.dp_size > 1 or layout.tp > 1:
         # mg.parallelize's TP and FSDP, the one way in; as a pipeline stage FSDP keeps the parameters gathered
         # between a step's micro-batches. This function prints its own line for all the stages.
-        parts = [parallelize(p, mesh, tp_plan=stage_plan(p, styles) if styles else None,
+        parts = [parallelize(p, layout, tp_plan=stage_plan(p, styles) if styles else None,
                              block_classes=classes or None, pipeline_stage=True, verbose=False) for p in parts]
+    record(layout.data_share(rank), rank, world)  # the schedule places the last stage: who counts (eval)
     if verbose:
         print0(f"mg.parallel.pipeline: {n_stages} stages of {name} by {how}, blocks per stage "
-               f"{'even' if how.startswith('nn.Sequential') else [len(r) for r in balance(n_blocks, n_stages)]}, "
+               f"{'even' if ranges is None else [len(r) for r in ranges]}, "
                f"schedule {layout.schedule}, {accum_steps} micro-batches"
-               + (f", each stage tensor parallel {shape.tp} (plan {source}, {len(styles)} modules)"
-                  if shape.tp > 1 else "")
-               + (f", each stage FSDP over {shape.dp} ranks" if mesh.dp_mesh is not None else ""))
+               + (f", each stage tensor parallel {layout.tp} (plan {source}, {len(styles)} modules)"
+                  if layout.tp > 1 else "")
+               + (f", each stage FSDP over {layout.dp_size} ranks" if layout.dp_size > 1 else ""))
+    from .hf.tied import tied_groups
+
     tied = tied_groups(model)  # each stage holds its own copy: the Pipeline sums their gradients
     if verbose and tied:
         print0(f"mg.parallel.pipeline: tied {'; '.join(' = '.join(g) for g in tied)}: a copy on each stage that uses "
                "it, gradients summed over the copies after each step")
-    return pp.Pipeline(parts, ids, n_stages, mesh.pp_mesh.get_group(), device, layout.schedule, accum_steps, loss_fn,
+    return pp.Pipeline(parts, ids, n_stages, pp_mesh.get_group(), device, layout.schedule, accum_steps, loss_fn,
                        tied=tied)
 
 
 def stage_plan(part: nn.Module, styles: dict[str, Any]) -> dict[str, Any]:
     """The entries of the whole model's tensor-parallel plan (expanded, torch styles) for the modules a stage
-    holds: those it kept with their own parameters (not a block of another stage, nor what stands in for
-    the embeddings or the norm elsewhere)."""
+    holds with parameters in them: not a block of another stage (deleted, or a stand-in that registers
+    nothing), nor what stands in for the embeddings or the norm elsewhere."""
     held = dict(part.named_modules())
-    return {n: s for n, s in styles.items()
-            if n in held and next(held[n].parameters(recurse=False), None) is not None}
+    return {n: s for n, s in styles.items() if n in held and next(held[n].parameters(), None) is not None}
 
 
 def gathered_state_dict(pipe: Any) -> dict:

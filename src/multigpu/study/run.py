@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import statistics
 import time
@@ -36,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..batch import POLICIES, policy_batch, same_samples_steps
+from ..batch import POLICIES, check_splits, policy_batch, same_samples_steps
 from ..errors import UsageError
 from .measure import TARGET_OPS, headline, measure_run, steps_asked, summarize
 
@@ -148,14 +147,14 @@ def series(cfg: StudyConfig) -> list[tuple[int, str, int, list[str]]]:
     sizes, or with ``layouts`` one worker and then each layout on the processes it spans."""
     if cfg.layouts is None:
         return [(w, "", w, []) for w in sorted(set(cfg.workers))]
-    from ..parallel.flags import describe, layout_flags, parse_layouts, world_of
+    from ..parallel.flags import parse_layouts
 
     layouts = parse_layouts(cfg.layouts)
-    labels = [describe(layout) for layout in layouts]
+    labels = [layout.label for layout in layouts]
     if "one process" in labels or len(set(labels)) < len(labels):
         raise UsageError(f"--layouts names a layout twice or one process itself ({cfg.layouts!r}); list each once "
                          "(one worker is always run, as the baseline)")
-    return [(1, "", 1, [])] + [(world_of(layout), label, world_of(layout) // (layout.tp * layout.pp), layout_flags(layout))
+    return [(1, "", 1, [])] + [(layout.world_size, label, layout.dp_size, layout.flags)
                                for layout, label in zip(layouts, labels)]
 
 
@@ -195,15 +194,10 @@ def check_batches(cfg: StudyConfig, base: int) -> None:
     """Refuse, before any run, a global batch that some group's data-parallel ranks cannot split into equal
     shares (under a layout only the data-parallel ranks take a share; TP and pipeline ranks share theirs)."""
     groups = series(cfg)
-    for pol in cfg.policies:
-        bad = [(w, label, dp) for w, label, dp, _ in groups if policy_batch(pol, base, dp) % dp]
-        if bad:
-            step = math.lcm(*(dp for _, _, dp, _ in groups))
-            near = sorted({m for m in (base // step * step, base // step * step + step) if m > 0})
-            where = f"{bad[0][2]} data-parallel ranks (layout {bad[0][1]})" if bad[0][1] else f"{bad[0][0]} workers"
-            raise UsageError(
-                f"global batch {base} cannot be split over {where} ({pol} keeps it at {base} at every world size); "
-                f"pass --global-batch as a multiple of {step}, e.g. {' or '.join(map(str, near))}")
+    if "keep-global" in cfg.policies:  # scale-global gives each data-parallel rank the base batch: it always splits
+        check_splits(base, [(f"{dp} data-parallel ranks (layout {label})" if label else
+                             f"{w} worker{'s' if w > 1 else ''}", dp) for w, label, dp, _ in groups],
+                     why=f" (keep-global keeps it at {base} at every world size)")
 
 
 def base_batch(cfg: StudyConfig, recipe: Recipe | None) -> int:

@@ -143,7 +143,7 @@ DDP_BUCKET = 25 * 2**20  # DDP's default bucket_cap_mb
 def family(layout: Layout) -> str:
     """Which wrapper a layout puts around the model (the key of the measured fixed costs): none, ddp, fsdp
     (HSDP too), tp or fsdp+tp."""
-    kind = layout.strategy(layout.world_size)
+    kind = layout.strategy
     if kind == "ddp":
         return "ddp"
     sharded = kind in ("fsdp", "hsdp")
@@ -165,8 +165,7 @@ def predict(layout: Layout, shape: Shape, global_batch: int, compute: dict, link
     ``sync[g]``: what one collective among g ranks costs inside a busy step (``probe.sync``), beyond its
     own transfer. Without them those parts are 0.
     """
-    world = layout.world_size
-    s, ddp = layout.shape(world), layout.strategy(world) == "ddp"
+    s, ddp = layout, layout.strategy == "ddp"
     held, share = shape.stage_params(layout)
     if not ddp:
         held /= s.dp_shard
@@ -191,8 +190,8 @@ def predict(layout: Layout, shape: Shape, global_batch: int, compute: dict, link
     if ddp:
         grads = 4.0 * held
         buckets = max(1, math.ceil(grads / DDP_BUCKET))
-        comm["all_reduce (gradients)"] = buckets * links.time("all_reduce", s.dp, grads / buckets)
-        called(s.dp, buckets)
+        comm["all_reduce (gradients)"] = buckets * links.time("all_reduce", s.dp_size, grads / buckets)
+        called(s.dp_size, buckets)
     else:
         # FSDP units: every block and the root. Without a pipeline each block is gathered in the forward and
         # again in the backward of every micro-batch (resharded after the forward), the root once per
@@ -224,7 +223,7 @@ def predict(layout: Layout, shape: Shape, global_batch: int, compute: dict, link
     if s.pp > 1:
         comm["send/recv (pipeline)"] = 2 * m * links.time("broadcast", 2, act)
         called(2, 2 * m + 1)  # and the gradient norm over the stages
-    called(world, 1)  # the step's token count (mg.token_divisor)
+    called(layout.world_size, 1)  # the step's token count (mg.token_divisor)
     comm_s = sum(comm.values())
     overhead = {}
     if fixed is not None:

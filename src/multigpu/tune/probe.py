@@ -27,7 +27,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from ..parallel.footprint import LiveActivations
+from ..meter.footprint import LiveActivations
 from ..runtime import compat
 from .model import Links
 

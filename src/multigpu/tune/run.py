@@ -29,7 +29,7 @@ from ..parallel.layout import Layout
 from ..report.page import Heading, Items, Page, Table, Text
 from . import model as cost
 from . import rounds
-from .space import candidates, name, recipe_args
+from .space import candidates, name
 
 RECIPE = "multigpu.recipes.gpt"
 # The flags tune chooses; the user's command line may not fix them.
@@ -105,7 +105,7 @@ def _measure(layout: Layout, cfg: TuneConfig, root: Path, round_: int) -> dict:
 
     where = root / "runs" / f"{rounds.slug(name(layout))}-r{round_}"
     result = where / "result.json"
-    argv = [*cfg.args, *recipe_args(layout), "--steps", str(cfg.steps), "--log-every", "2", "--eval-every",
+    argv = [*cfg.args, *layout.flags, "--steps", str(cfg.steps), "--log-every", "2", "--eval-every",
             str(10 * cfg.steps), "--eval-batches", "1", "--result-json", str(result)]
     done, failed = rounds.launch(RECIPE, argv, module=True, cfg=cfg, where=where)
     if failed is not None:
@@ -133,8 +133,8 @@ def measure_parts(model_cfg, found: list[Layout], nproc: int, device: str, threa
     t0 = time.perf_counter()
     compute = probe.compute(model_cfg, sorted({(c.micro_batch, c.activation_checkpointing) for c in found}), threads)
     probe_s = time.perf_counter() - t0
-    shapes = [c.shape(nproc) for c in found]
-    groups = {n for s in shapes for n in (s.dp, s.dp_shard, s.dp_replicate, s.tp)}
+    shapes = [c.resolve(nproc) for c in found]
+    groups = {n for s in shapes for n in (s.dp_size, s.dp_shard, s.dp_replicate, s.tp)}
     groups |= {2} if any(s.pp > 1 for s in shapes) else set()
     links, sources = probe.links(groups, device, threads, say=say)
     t0 = time.perf_counter()
@@ -177,7 +177,7 @@ def run_tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> tuple[Path,
         p = cost.predict(c, shape, args.global_batch, parts["compute"], parts["links"], slowdown, parts["fixed"],
                          parts["sync"])
         fits = budget is None or p["memory_bytes"] <= budget
-        rows.append({"candidate": name(c), "args": recipe_args(c), "predicted": p, "fits": fits, "measured": [],
+        rows.append({"candidate": name(c), "args": c.flags, "predicted": p, "fits": fits, "measured": [],
                      "pruned": None if fits else f"predicted {p['memory_bytes'] / 2**20:,.1f} MiB > budget {budget / 2**20:,.1f} MiB",
                      "_c": c})
     rows.sort(key=lambda r: r["predicted"]["step_time_s"])

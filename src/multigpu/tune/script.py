@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import UsageError
-from ..parallel.flags import FLAGS, describe, layout_flags
+from ..parallel.flags import FLAGS
 from ..report.page import Heading, Items, Page, Table, Text
 from . import rounds
 
@@ -53,8 +53,8 @@ def check_script_args(cfg) -> None:
 def _measure(layout, cfg, root: Path, round_: int) -> dict:
     from ..study.measure import measure_run
 
-    where = root / "runs" / f"{rounds.slug(describe(layout))}-r{round_}"
-    done, failed = rounds.launch(cfg.workload, [*cfg.args, *layout_flags(layout), "--steps", str(cfg.steps)],
+    where = root / "runs" / f"{rounds.slug(layout.label)}-r{round_}"
+    done, failed = rounds.launch(cfg.workload, [*cfg.args, *layout.flags, "--steps", str(cfg.steps)],
                                  module=False, cfg=cfg, where=where)
     if failed is not None:  # the script's own refusal (its UsageError's message) is the reason
         return failed
@@ -69,7 +69,7 @@ def _measure(layout, cfg, root: Path, round_: int) -> dict:
 
 
 def _row(layout) -> dict:
-    return {"candidate": describe(layout), "args": layout_flags(layout), "measured": [], "_l": layout}
+    return {"candidate": layout.label, "args": layout.flags, "measured": [], "_l": layout}
 
 
 def with_checkpointing(row: dict, m: dict) -> dict | None:

@@ -40,6 +40,11 @@ class GPTConfig:
                              f"use n_embd={self.n_embd // self.n_head * self.n_head} or another n_head")
 
     @property
+    def mlp_width(self) -> int:
+        """The MLP's hidden units (GPT-2's 4 x n_embd): what tensor parallelism splits in it."""
+        return 4 * self.n_embd
+
+    @property
     def parameters(self) -> int:
         """Parameters, embeddings included: 12·L·h² (blocks, weights) plus biases, norms, tables and head."""
         h, L, V = self.n_embd, self.n_layer, self.vocab_size
@@ -93,8 +98,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.up = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.down = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.up = nn.Linear(cfg.n_embd, cfg.mlp_width)
+        self.down = nn.Linear(cfg.mlp_width, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.gelu(self.up(x), approximate="tanh"))

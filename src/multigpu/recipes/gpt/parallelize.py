@@ -11,7 +11,7 @@ The plan is the user's (``tp_plan=``) to ``mg.parallelize`` rather than one
 the GPT declares: it depends on those two choices and on which modules a
 pipeline stage kept, which a fixed declaration cannot say.
 
->>> mg.parallelize(model, mesh, tp_plan=tp_plan(model, sequence_parallel=True), sequence_parallel=True)
+>>> model = spread(model, mg.parallel.Layout(tp=2, sequence_parallel=True), loss_parallel=True)
 """
 
 from __future__ import annotations
@@ -20,22 +20,22 @@ from typing import Any
 
 from torch import nn
 
-from ...errors import UsageError
+import multigpu as mg
+
 from .model import GPTConfig
 
 
-def check_tp(cfg: GPTConfig, tp: int, sequence_parallel: bool = False) -> None:
-    """Refuse a TP degree that does not divide what it shards: the Layout's one rule (heads, hidden units,
-    vocabulary, and the sequence under sequence parallelism)."""
-    from ...parallel.layout import Layout
-
-    Layout(tp=tp, sequence_parallel=sequence_parallel and tp > 1).check_sizes(
-        heads=cfg.n_head, hidden=4 * cfg.n_embd, vocab=cfg.vocab_size, seq=cfg.block_size, model="the GPT")
+def check_layout(cfg: GPTConfig, layout: mg.parallel.Layout) -> None:
+    """The Layout's one size rule on the GPT's sizes: TP divides the heads, the MLP width, the vocabulary (and
+    the sequence under sequence parallelism); no more pipeline stages than blocks; a pipeline only untied."""
+    layout.check_sizes(heads=cfg.n_head, hidden=cfg.mlp_width, vocab=cfg.vocab_size, seq=cfg.block_size,
+                       blocks=cfg.n_layer, tied=cfg.tie_embeddings, model="the GPT")
 
 
 def tp_plan(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, Any]:
-    """The plan for ``model``, a ``GPT`` or a pipeline stage of one (``pipeline.stage_module``): only the
-    modules it has (``mg.parallelize`` refuses a plan naming a module the model lacks)."""
+    """The plan for ``model``, a ``GPT`` or a pipeline stage of one: only the modules it has
+    (``mg.parallelize`` refuses a plan naming a module the model lacks; a pipeline takes the whole model's
+    and gives each stage the entries for what it holds)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                    RowwiseParallel, SequenceParallel)
@@ -65,15 +65,27 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel:
     return plan
 
 
-def spread(model: nn.Module, mesh: Any, *, sequence_parallel: bool = False, loss_parallel: bool = False,
-           **options: Any) -> nn.Module:
-    """``mg.parallelize`` with the GPT's plan (``options``: its other keywords, e.g. ``pipeline_stage``)."""
-    from ...parallel.spread import parallelize
+def spread(model: nn.Module, layout: mg.parallel.Layout, *, loss_parallel: bool = False, **options: Any) -> nn.Module:
+    """``mg.parallelize`` with the GPT's plan (``options``: its other keywords)."""
+    if layout.tp > 1:
+        check_layout(model.cfg, layout)
+        options["tp_plan"] = tp_plan(model, sequence_parallel=layout.sequence_parallel, loss_parallel=loss_parallel)
+    elif loss_parallel:
+        raise mg.UsageError("loss_parallel keeps the logits split over tensor-parallel ranks but tp is 1; "
+                            "use --tp 2 or drop --loss-parallel")
+    return mg.parallelize(model, layout, **options)
 
-    if mesh.shape.tp > 1:
-        check_tp(model.cfg, mesh.shape.tp, sequence_parallel)
-        options["tp_plan"] = tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    elif sequence_parallel or loss_parallel:
-        raise UsageError("sequence_parallel and loss_parallel split work over tensor-parallel ranks but tp is 1; "
-                         "use mg.parallel.mesh(dist, tp=2) or drop them")
-    return parallelize(model, mesh, sequence_parallel=sequence_parallel, **options)
+
+def pipeline(model: nn.Module, layout: mg.parallel.Layout, plan: mg.BatchPlan, splits: list[int] | None = None):
+    """``mg.parallel.pipeline`` with the GPT's plan; the loss is a micro-batch's mean token cross-entropy."""
+    import torch
+    import torch.nn.functional as F
+
+    check_layout(model.cfg, layout)
+    plan_ = tp_plan(model, sequence_parallel=layout.sequence_parallel) if layout.tp > 1 else None
+
+    def loss_fn(logits, y):
+        # at least float32 (autocast's half-precision logits), float64 kept
+        return F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)), y.flatten())
+
+    return mg.parallel.pipeline(model, layout, loss_fn, plan, tp_plan=plan_, splits=splits)

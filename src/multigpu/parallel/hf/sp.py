@@ -53,7 +53,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 SP_STYLES = ("SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput")
 
@@ -104,7 +104,7 @@ class StreamInput(PrepareModuleInput):
 
     def _prepare_input_arg(self, input, mesh, input_layout, desired_layout):
         if self.check and input_layout is not None and isinstance(input, torch.Tensor) and input.dim() >= 2:
-            from .layout import Layout
+            from ..layout import Layout
 
             tp, seq = mesh.size(), input.shape[1]
             try:

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..errors import UsageError
-from ..runtime import compat
+from ...errors import UsageError
+from ...runtime import compat
 
 
 def is_conv1d(module: nn.Module) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 
 class BlockOutput:

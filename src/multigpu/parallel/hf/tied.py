@@ -20,7 +20,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 
 def tied_groups(model: nn.Module) -> list[list[str]]:
