@@ -52,10 +52,8 @@ def _build(dist, args, layout):
     if layout is None:
         model, dp_size, dp_rank, sp = mg.wrap(model, "ddp"), dist.world_size, dist.rank, False
     else:
-        layout = dict(layout)
-        sp = layout.pop("sequence_parallel", False)
-        mesh = mg.parallel.mesh(dist, **layout)
-        model, dp_size, dp_rank = spread(model, mesh, sequence_parallel=sp), mesh.dp_size, mesh.dp_rank
+        layout = mg.parallel.Layout(**layout).resolve(dist.world_size)
+        model, dp_size, dp_rank = spread(model, layout), layout.dp_size, layout.dp_rank(dist.rank)
     g = torch.Generator().manual_seed(dp_rank)  # tensor-parallel peers read the same sequences
     per_rank = args.batch // dp_size
     seq = torch.randint(0, cfg.vocab_size, (per_rank, cfg.block_size + 1), generator=g)

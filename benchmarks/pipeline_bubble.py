@@ -31,10 +31,8 @@ import torch.nn.functional as F
 
 import multigpu as mg
 from multigpu.runtime.fingerprint import format_fingerprint
-from multigpu.parallel import pp
 from multigpu.meter.footprint import LiveActivations, state_bytes
 from multigpu.recipes.gpt.model import GPT, config
-from multigpu.recipes.gpt.pipeline import stage_module
 from multigpu.testing import spawn
 
 
@@ -45,15 +43,13 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _bench(dist, args):
     cfg = config("small", n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.block,
                  tie_embeddings=False)
-    mesh = mg.parallel.mesh(dist, pp=dist.world_size)
     variants = {}
     for schedule in ("gpipe", "1f1b"):
         for m in args.micro:
             torch.manual_seed(0)
-            n_stages = pp.check(schedule, mesh.shape.pp, m)
-            ids = pp.stage_ids(schedule, mesh.pp_rank, mesh.shape.pp)
-            parts = [stage_module(GPT(cfg), i, n_stages) for i in ids]
-            pipe = mg.parallel.Pipeline(parts, ids, n_stages, mesh.pp_mesh.get_group(), dist.device, schedule, m, _loss)
+            layout = mg.parallel.Layout(pp=dist.world_size, micro_batch=args.micro_batch, schedule=schedule)
+            plan = layout.plan(m * args.micro_batch, dist)  # m micro-batches per step
+            pipe = mg.parallel.pipeline(GPT(cfg), layout, _loss, plan, verbose=False)
             acts = LiveActivations(pipe.parameters())
             g = torch.Generator().manual_seed(0)
             seq = torch.randint(0, cfg.vocab_size, (m * args.micro_batch, cfg.block_size + 1), generator=g)

@@ -113,7 +113,7 @@ def test_verify_layouts_compares_each_layout_of_the_users_script_with_one_proces
 def test_bad_tune_input_for_a_script_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for argv, fragment in ((["missing.py"], "tune knows the layouts of the GPT recipe"),
-                           ([SCRIPT, "--tp", "2"], "tune chooses --tp itself; drop them"),
+                           ([SCRIPT, "--tp", "2"], "tune chooses --tp itself; drop it"),
                            ([SCRIPT, "--steps=3"], "tune chooses --steps itself"),
                            (["--memory-budget", "1GiB", SCRIPT], "drop --memory-budget")):
         code, err = run_cli(["tune", "--cpu", *argv], capsys)

@@ -78,7 +78,7 @@ def test_refusals_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
 
     monkeypatch.chdir(tmp_path)
     for argv, expected in (
-        (["gpt", "--tp", "2"], "tune chooses --tp itself; drop them"),
+        (["gpt", "--tp", "2"], "tune chooses --tp itself; drop it"),
         (["train.py"], "tune knows the layouts of the GPT recipe"),
         (["--top", "0", "gpt"], "--top takes a number of candidates (at least 1) or 'all', got '0'"),
         (["-n", "3", "gpt"], "no layout of 3 ranks fits this model and global batch 16"),

@@ -260,15 +260,12 @@ def _verify_layouts(target: str, args: Sequence[str], *, module: bool, layouts: 
                     global_batch: int | None, cpu: bool, rtol: float | None, out: str | None,
                     say: Callable[[str], None]) -> dict[str, Any]:
     """One process, then each layout on the processes its degrees multiply to, each compared with the one."""
-    from .parallel.flags import FLAGS, parse_layouts
+    from .parallel.flags import distinct, parse_layouts, refuse_fixed
 
-    chosen = parse_layouts(layouts) if isinstance(layouts, str) else list(layouts)
+    chosen = distinct(parse_layouts(layouts) if isinstance(layouts, str) else list(layouts), str(layouts))
     if not chosen:  # nothing compared would read as SAME
         raise UsageError('--layouts names no layout; use e.g. --layouts "tp=2;dp_shard=2"')
-    fixed = sorted({a.split("=")[0] for a in args if a.split("=")[0] in FLAGS})
-    if fixed:  # the script would read the last of two: the layout's, silently over the user's
-        raise UsageError(f"--layouts sets {', '.join(fixed)} itself; drop {'them' if len(fixed) > 1 else 'it'} from the "
-                         "script's arguments (or put it in the layouts)")
+    refuse_fixed(args, "--layouts sets", "from the script's arguments (or put it in the layouts)")
     _check_steps_and_rtol(steps, rtol)
     devices = _visible_gpus(cpu)
     for layout in chosen:
@@ -285,8 +282,6 @@ def _verify_layouts(target: str, args: Sequence[str], *, module: bool, layouts: 
         name = layout.label
         runs.append((name, f"layout {name} ({layout.world_size} processes)", layout.world_size, layout.flags,
                      f"l{i}-" + "".join(ch if ch.isalnum() else "-" for ch in name)))
-    if len({r[0] for r in runs}) != len(runs):
-        raise UsageError(f"--layouts names a layout twice or one process itself ({layouts!r}); list each once")
     return _run_and_compare(target, args, runs, module=module, steps=steps, global_batch=global_batch, cpu=cpu,
                             rtol=rtol, out=out, say=say, names={r[0]: r[1] for r in runs})
 

@@ -98,3 +98,20 @@ def parse_layouts(text: str, flag: str = "--layouts") -> list[Layout]:
     if not layouts:
         raise UsageError(f"{flag} names no layout, got {text!r}; {example}")
     return layouts
+
+
+def refuse_fixed(args, who: str, fix: str, extra: tuple[str, ...] = ()) -> None:
+    """A verb that sets a script's layout flags (and ``extra``) refuses them on the script's own command line:
+    the script would read the last of two, the verb's, silently over the user's."""
+    fixed = sorted({a.split("=", 1)[0] for a in args} & {*FLAGS, *extra})
+    if fixed:
+        raise UsageError(f"{who} {', '.join(fixed)} itself; drop {'them' if len(fixed) > 1 else 'it'} {fix}")
+
+
+def distinct(layouts: list[Layout], text: str, flag: str = "--layouts") -> list[Layout]:
+    """``layouts``, refused in one line when one is named twice or is one process (always run as the baseline)."""
+    labels = [layout.label for layout in layouts]
+    if "one process" in labels or len(set(labels)) < len(labels):
+        raise UsageError(f"{flag} names a layout twice or one process itself ({text!r}); list each once (one "
+                         "process is always run, as the baseline)")
+    return layouts

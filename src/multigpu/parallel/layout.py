@@ -185,10 +185,8 @@ class Layout:
     def device_mesh(self, device_type: str) -> Any:
         """The one device mesh over ``DIMS`` (collective the first time: every rank calls it; built once per
         shape), on the job's device type (gloo meshes are "cpu", NCCL meshes "cuda")."""
-        from .mesh import device_mesh
-
         r = self._at(None)
-        return device_mesh(device_type, (r.pp, r.dp_replicate, r.dp_shard, r.tp), DIMS)
+        return _device_mesh(device_type, (r.pp, r.dp_replicate, r.dp_shard, r.tp), DIMS)
 
     def dp_mesh(self, device_type: str) -> Any | None:
         """What FSDP shards over: 2-D (replicate, shard) for HSDP, 1-D (shard) for FSDP, None without data parallelism."""
@@ -219,3 +217,25 @@ class Layout:
             raise UsageError(f"{self.stages} pipeline stages (pp {self.pp} x {stages_per_rank(self.schedule)} per "
                              f"rank, schedule {self.schedule!r}) but {model} has {blocks} blocks; use pp <= "
                              f"{max(1, blocks // stages_per_rank(self.schedule))} or a deeper model")
+
+
+_MESHES: dict[Any, Any] = {}
+
+
+def _device_mesh(device_type: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """The one device-mesh builder (collective the first time: every rank calls it), on the job's device
+    type (gloo meshes are "cpu", NCCL meshes "cuda"). Built once per shape in a process group and reused:
+    each ``init_device_mesh`` creates new process groups that live as long as the job, so a process that
+    spreads many models (tune, verify, the test zoo) would otherwise gather hundreds of them, each
+    collective slower for it."""
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = tdist.group.WORLD  # another object after the group is torn down and started again
+    if _MESHES.get("world") is not world:
+        _MESHES.clear()
+        _MESHES["world"] = world
+    key = (device_type, tuple(sizes), tuple(names))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+    return _MESHES[key]

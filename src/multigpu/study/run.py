@@ -147,15 +147,10 @@ def series(cfg: StudyConfig) -> list[tuple[int, str, int, list[str]]]:
     sizes, or with ``layouts`` one worker and then each layout on the processes it spans."""
     if cfg.layouts is None:
         return [(w, "", w, []) for w in sorted(set(cfg.workers))]
-    from ..parallel.flags import parse_layouts
+    from ..parallel.flags import distinct, parse_layouts
 
-    layouts = parse_layouts(cfg.layouts)
-    labels = [layout.label for layout in layouts]
-    if "one process" in labels or len(set(labels)) < len(labels):
-        raise UsageError(f"--layouts names a layout twice or one process itself ({cfg.layouts!r}); list each once "
-                         "(one worker is always run, as the baseline)")
-    return [(1, "", 1, [])] + [(layout.world_size, label, layout.dp_size, layout.flags)
-                               for layout, label in zip(layouts, labels)]
+    layouts = distinct(parse_layouts(cfg.layouts), cfg.layouts)
+    return [(1, "", 1, [])] + [(layout.world_size, layout.label, layout.dp_size, layout.flags) for layout in layouts]
 
 
 def check(cfg: StudyConfig) -> None:
@@ -181,12 +176,9 @@ def check(cfg: StudyConfig) -> None:
         raise UsageError(f"--max-repeats {cfg.max_repeats} is below --repeats {cfg.repeats}; raise it or lower --repeats")
     parse_target(cfg.target)
     if cfg.layouts is not None:
-        from ..parallel.flags import FLAGS
+        from ..parallel.flags import refuse_fixed
 
-        fixed = sorted({a.split("=", 1)[0] for a in cfg.args} & set(FLAGS))
-        if fixed:
-            raise UsageError(f"--layouts sets {', '.join(fixed)} itself; drop {'them' if len(fixed) > 1 else 'it'} from "
-                             "the workload's arguments (or put it in the layouts)")
+        refuse_fixed(cfg.args, "--layouts sets", "from the workload's arguments (or put it in the layouts)")
     series(cfg)
 
 

@@ -32,9 +32,8 @@ from . import rounds
 from .space import candidates, name
 
 RECIPE = "multigpu.recipes.gpt"
-# The flags tune chooses; the user's command line may not fix them.
-LAYOUT_FLAGS = ("--tp", "--pp", "--dp-replicate", "--dp-shard", "--ddp", "--micro-batch", "--activation-checkpointing",
-                "--schedule", "--pp-splits", "--steps", "--result-json", "--log-dir")
+# Besides the layout's flags (parallel.flags), the recipe's flags tune sets itself.
+RUN_FLAGS = ("--pp-splits", "--steps", "--result-json", "--log-dir")
 
 
 @dataclass(frozen=True)
@@ -72,10 +71,10 @@ def check_args(cfg: TuneConfig) -> None:
     if cfg.workload not in ("gpt", RECIPE):
         raise UsageError(f"tune knows the layouts of the GPT recipe (`multigpu tune gpt [its flags]`), got {cfg.workload!r}; "
                          "a script of your own cannot be re-laid-out from outside: port its model to the recipe's flags")
-    fixed = [a for a in cfg.args if a.split("=")[0] in LAYOUT_FLAGS]
-    if fixed:
-        raise UsageError(f"tune chooses {', '.join(sorted(set(a.split('=')[0] for a in fixed)))} itself; drop them "
-                         "(pass the model and batch flags: --size, --block-size, --global-batch, --untied, ...)")
+    from ..parallel.flags import refuse_fixed
+
+    refuse_fixed(cfg.args, "tune chooses", "(pass the model and batch flags: --size, --block-size, --global-batch, "
+                 "--untied, ...)", extra=RUN_FLAGS)
 
 
 def _recipe_args(cfg: TuneConfig):

@@ -24,11 +24,9 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import UsageError
-from ..parallel.flags import FLAGS
+from ..parallel.flags import refuse_fixed
 from ..report.page import Heading, Items, Page, Table, Text
 from . import rounds
-
-SCRIPT_FLAGS = (*FLAGS, "--steps")  # tune sets them; the user's command line may not
 
 
 def is_script(workload: str) -> bool:
@@ -41,10 +39,7 @@ def check_script_args(cfg) -> None:
         raise UsageError(f"tune knows the layouts of the GPT recipe (`multigpu tune gpt [its flags]`) and of a script "
                          f"that reads them with mg.layout_from_args() (docs/your-model.md), got {cfg.workload!r}: "
                          "no such file; give the script's path")
-    fixed = sorted({a.split("=")[0] for a in cfg.args if a.split("=")[0] in SCRIPT_FLAGS})
-    if fixed:
-        raise UsageError(f"tune chooses {', '.join(fixed)} itself; drop them (pass the script's own flags: "
-                         "--global-batch, ...)")
+    refuse_fixed(cfg.args, "tune chooses", "(pass the script's own flags: --global-batch, ...)", extra=("--steps",))
     if cfg.memory_budget is not None:
         raise UsageError("--memory-budget prunes the recipe's predicted memory; a script's layouts are measured (one "
                          "that runs out of memory fails and is left out): drop --memory-budget")
