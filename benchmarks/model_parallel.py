@@ -50,7 +50,7 @@ def _build(dist, args, layout):
     cfg = config("small", n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.block)
     model = GPT(cfg)
     if layout is None:
-        model, dp_size, dp_rank, sp = mg.wrap(model, "ddp"), dist.world_size, dist.rank, False
+        model, dp_size, dp_rank = mg.wrap(model, "ddp"), dist.world_size, dist.rank
     else:
         layout = mg.parallel.Layout(**layout).resolve(dist.world_size)
         model, dp_size, dp_rank = spread(model, layout), layout.dp_size, layout.dp_rank(dist.rank)

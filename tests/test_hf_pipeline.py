@@ -19,7 +19,7 @@ from torch import nn
 
 import multigpu as mg
 from multigpu.parallel import stages
-from multigpu.parallel.hf import standins
+from multigpu.parallel.hf import split as hf_split
 from multigpu.parallel.hf.tied import tied_groups
 from multigpu.testing import spawn
 
@@ -161,7 +161,7 @@ def test_a_block_that_hands_the_next_more_than_the_hidden_states_is_refused_in_o
         def forward(self, h, carried=None):
             return self.lin(h), h.sum(-1)
 
-    skipped = standins.Skipped(Carry(), 3, standins.BlockOutput())
+    skipped = hf_split.Skipped(Carry(), 3, hf_split.BlockOutput())
     assert not list(skipped.parameters())
     with pytest.raises(mg.UsageError, match=r"^Carry returns Tensor beside the hidden states, which the next block "
                                             r"takes, but a pipeline stage passes on the hidden states only; use pp=1"):
