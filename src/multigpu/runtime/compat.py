@@ -226,3 +226,53 @@ def is_view(t: torch.Tensor) -> bool:
 
 # The logger of DTensor's redistribution advice (a private module's name): quieted where multigpu measures.
 REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+
+
+_FIRST_INPUT: list[type] = []
+
+
+def first_input_style_type() -> type:
+    """A ``PrepareModuleInput`` for a module's first input only, by overriding its private
+    ``_prepare_input_fn`` / ``_prepare_input_arg`` / ``_apply`` (torch 2.7-2.13): the class, built once."""
+    if _FIRST_INPUT:
+        return _FIRST_INPUT[0]
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    class FirstInput(PrepareModuleInput):
+        def __init__(self, name: str | None, src: Any, dst: Any, check: Callable[[Any, Any], None] | None,
+                     then: Any) -> None:
+            kwargs = {"input_kwarg_layouts": {name: src}, "desired_input_kwarg_layouts": {name: dst}} if name else {}
+            super().__init__(input_layouts=(src,), desired_input_layouts=(dst,), use_local_output=True, **kwargs)
+            self.check, self.then = check, then
+            self.label = f"PrepareModuleInput({src} -> {dst})"
+
+        def _prepare_input_fn(self, inputs, device_mesh):
+            if not isinstance(inputs, tuple):
+                inputs = (inputs,)
+            if not inputs:  # passed by name: _prepare_input_kwarg_fn prepares it
+                return inputs
+            first = self._prepare_input_arg(inputs[0], device_mesh, self.input_layouts[0],
+                                            self.desired_input_layouts[0])
+            return (first, *inputs[1:])
+
+        def _prepare_input_arg(self, input, mesh, input_layout, desired_layout):
+            if self.check is not None and input_layout is not None:
+                self.check(input, mesh)
+            return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
+
+        def _apply(self, module, device_mesh):
+            super()._apply(module, device_mesh)
+            if self.then is not None:
+                self.then._apply(module, device_mesh)
+            return module
+
+    _FIRST_INPUT.append(FirstInput)
+    return FirstInput
+
+
+def first_input_style(name: str | None, src: Any, dst: Any, check: Callable[[Any, Any], None] | None = None,
+                      then: Any = None) -> Any:
+    """``PrepareModuleInput`` of a module's first input only, passed by position or by ``name`` (the other
+    inputs pass through as they are); ``check(input, mesh)`` before the redistribution; ``then``: another
+    style applied to the module after this one."""
+    return first_input_style_type()(name, src, dst, check, then)

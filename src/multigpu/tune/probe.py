@@ -127,11 +127,11 @@ FAMILIES = ("none", "ddp", "fsdp", "tp", "fsdp+tp")
 def _wrapped(cfg, fam: str, ac: bool):
     """The GPT with ``fam``'s wrapper on one rank (a 1-rank mesh): the recipe's TP plan, FSDP2 per block and on
     the root, DDP; every hook, copy and DTensor dispatch the real wrapper runs, over a group of one."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     from ..parallel.ddp import wrap_ddp
     from ..parallel.fsdp import shard_blocks
+    from ..parallel.layout import Layout
     from ..recipes.gpt.model import GPT, Block
     from ..recipes.gpt.parallelize import tp_plan
 
@@ -141,7 +141,7 @@ def _wrapped(cfg, fam: str, ac: bool):
         block.checkpointed = ac
     if fam == "ddp":
         return wrap_ddp(model), model
-    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp"))
+    mesh = Layout(dp_shard=1).device_mesh("cpu")  # the one builder's mesh, every degree 1
     if "tp" in fam:
         parallelize_module(model, mesh["tp"], tp_plan(model))
     if "fsdp" in fam:

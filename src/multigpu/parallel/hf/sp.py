@@ -51,16 +51,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from ...errors import UsageError
+from ...runtime import compat
 
 SP_STYLES = ("SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput")
 
 
 def spells_sequence_parallel(styles: dict[str, Any]) -> bool:
     """Whether a plan already says how the sequence is split (the GPT recipe's, a user's own)."""
-    return any(type(s).__name__ in SP_STYLES or isinstance(s, StreamInput) for s in styles.values())
+    return any(type(s).__name__ in SP_STYLES or isinstance(s, compat.first_input_style_type()) for s in styles.values())
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -82,45 +82,25 @@ def _has_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
-class StreamInput(PrepareModuleInput):
+def StreamInput(name: str | None, src: Any, dst: Any, check: str | None = None, gather_output: bool = False):
     """``PrepareModuleInput`` for a module's first input only, passed by position or by its name (the
     other inputs, e.g. transformers' attention mask and rotary tables, pass through as they are);
-    ``check``: refuse a sequence length ``tp`` does not divide (the first block's split)."""
-
-    def __init__(self, name: str | None, src: Any, dst: Any, check: str | None = None,
-                 gather_output: bool = False) -> None:
-        kwargs = {"input_kwarg_layouts": {name: src}, "desired_input_kwarg_layouts": {name: dst}} if name else {}
-        super().__init__(input_layouts=(src,), desired_input_layouts=(dst,), use_local_output=True, **kwargs)
-        self.check, self.gather_output = check, gather_output
-        self.label = f"PrepareModuleInput({src} -> {dst})"
-
-    def _prepare_input_fn(self, inputs, device_mesh):
-        if not isinstance(inputs, tuple):
-            inputs = (inputs,)
-        if not inputs:  # passed by name: _prepare_input_kwarg_fn prepares it
-            return inputs
-        first = self._prepare_input_arg(inputs[0], device_mesh, self.input_layouts[0], self.desired_input_layouts[0])
-        return (first, *inputs[1:])
-
-    def _prepare_input_arg(self, input, mesh, input_layout, desired_layout):
-        if self.check and input_layout is not None and isinstance(input, torch.Tensor) and input.dim() >= 2:
+    ``check``: refuse a sequence length ``tp`` does not divide (the first block's split), naming that model;
+    ``gather_output``: the module's output gathered whole after it (the last block's)."""
+    def refuse_uneven(input: Any, mesh: Any) -> None:
+        if isinstance(input, torch.Tensor) and input.dim() >= 2:
             from ..layout import Layout
 
             tp, seq = mesh.size(), input.shape[1]
             try:
-                Layout(tp=tp, sequence_parallel=True).check_sizes(seq=seq, model=self.check)
+                Layout(tp=tp, sequence_parallel=True).check_sizes(seq=seq, model=check)
             except UsageError:
-                raise UsageError(f"sequence parallelism splits each sequence of {self.check} over {tp} "
-                                 f"tensor-parallel ranks, but this batch's sequence length {seq} does not divide by "
-                                 f"{tp}; make it a multiple of {tp} (pad or cut it), or drop sequence_parallel"
-                                 ) from None
-        return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
+                raise UsageError(f"sequence parallelism splits each sequence of {check} over {tp} tensor-parallel "
+                                 f"ranks, but this batch's sequence length {seq} does not divide by {tp}; make it a "
+                                 f"multiple of {tp} (pad or cut it), or drop sequence_parallel") from None
 
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        super()._apply(module, device_mesh)
-        if self.gather_output:
-            _gather_output()._apply(module, device_mesh)
-        return module
+    return compat.first_input_style(name, src, dst, check=refuse_uneven if check else None,
+                                    then=_gather_output() if gather_output else None)
 
 
 def _gather_output():
