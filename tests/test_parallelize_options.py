@@ -60,11 +60,14 @@ def test_ddp_zero1_and_fsdp_options_through_parallelize_train_as_one_process():
 
 @pytest.mark.parametrize("layout, options, line", [
     (Layout(dp_replicate=2), {"cpu_offload": True},
-     "cpu_offload is FSDP's, but layout dp_replicate=2 only replicates (DDP); use Layout(dp_shard=...) for FSDP"),
-    (Layout(dp_shard=2), {"comm_hook": "bf16", "zero1": True},
-     "comm_hook, zero1 are DDP's, but layout dp_shard=2 shards (FSDP, which reduces in reduce_dtype); use "
-     "Layout(dp_replicate=N) for DDP"),
-    (Layout(), {"bucket_size": 5}, "mg.parallelize has no option bucket_size; the data-parallel options are DDP's"),
+     "layout dp_replicate=2 (DDP) has no option cpu_offload: cpu_offload is FSDP's; shard (strategy 'fsdp', a "
+     "Layout with dp_shard > 1) with cpu_offload=True"),
+    (Layout(dp_shard=2), {"comm_hook": "bf16"},
+     "layout dp_shard=2 (FSDP) has no option comm_hook: comm hooks are DDP's; FSDP already reduces in reduce_dtype"),
+    (Layout(dp_shard=2), {"zero1": True}, "layout dp_shard=2 (FSDP) has no option zero1: ZeRO-1 shards the optimizer"),
+    (Layout(dp_replicate=2), {"zero1": True, "comm_hook": "bf16"},
+     "layout dp_replicate=2 (DDP with ZeRO-1) has no option comm_hook: comm hooks are registered on plain DDP"),
+    (Layout(), {"bucket_size": 5}, "layout dp_shard=2 (FSDP) has no option bucket_size; its options are: block_classes"),
 ])
 def test_the_other_strategys_option_is_refused_in_one_line_before_any_work(layout, options, line, monkeypatch):
     monkeypatch.setattr("multigpu.parallel.spread._world", lambda: (0, 2))
@@ -79,3 +82,5 @@ def test_the_other_strategys_option_is_refused_in_one_line_before_any_work(layou
 def test_one_process_takes_any_option_and_has_nothing_to_do():
     net = _net()
     assert mg.parallelize(net, Layout(), comm_hook="bf16", cpu_offload=True, verbose=False) is net
+    with pytest.raises(mg.UsageError, match="^mg.parallelize has no option bucket_size; the data-parallel options are"):
+        mg.parallelize(net, Layout(), bucket_size=5)

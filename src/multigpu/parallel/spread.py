@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any
 
 import torch.distributed as tdist
@@ -32,13 +33,6 @@ from .layout import Layout
 def _world() -> tuple[int, int]:
     on = tdist.is_available() and tdist.is_initialized()
     return (tdist.get_rank(), tdist.get_world_size()) if on else (0, 1)
-
-
-# The data-parallel step's options, by the strategy that takes them (one process takes any and needs none).
-DDP_OPTIONS = ("bucket_cap_mb", "static_graph", "find_unused_parameters", "gradient_as_bucket_view", "broadcast_buffers",
-               "comm_hook", "powersgd_rank", "powersgd_start_iter", "zero1", "sync_batchnorm")
-FSDP_OPTIONS = ("min_block_params", "reshard_after_forward", "param_dtype", "reduce_dtype", "cpu_offload",
-                "sync_batchnorm")
 
 
 def _short(plan: dict[str, Any], limit: int = 6) -> str:
@@ -122,19 +116,21 @@ def _resolved(model: nn.Module, layout: Any, sequence_parallel: bool | None) -> 
 
 
 def _check_options(layout: Layout, options: dict[str, Any]) -> None:
-    """Each option belongs to the data-parallel step of one strategy; one process takes any (the same script
-    runs on one process and on many)."""
-    unknown = sorted(set(options) - set(DDP_OPTIONS) - set(FSDP_OPTIONS))
-    if unknown:
-        raise UsageError(f"mg.parallelize has no option {', '.join(unknown)}; the data-parallel options are DDP's "
-                         f"{', '.join(DDP_OPTIONS)} and FSDP's {', '.join(FSDP_OPTIONS)}")
-    kind = layout.strategy
-    if kind == "ddp" and (bad := sorted(set(options) - set(DDP_OPTIONS))):
-        raise UsageError(f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} FSDP's, but layout {layout.label} only "
-                         "replicates (DDP); use Layout(dp_shard=...) for FSDP, or mg.Precision for DDP")
-    if kind in ("fsdp", "hsdp") and (bad := sorted(set(options) - set(FSDP_OPTIONS))):
-        raise UsageError(f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} DDP's, but layout {layout.label} shards "
-                         f"({kind.upper()}, which reduces in reduce_dtype); use Layout(dp_replicate=N) for DDP")
+    """The data-parallel step's options, by ``wrap.check_options`` (mg.wrap's one rule) for the strategy the
+    layout reads as; one process takes any of them (the same script runs on one process and on many)."""
+    from .wrap import STRATEGIES, check_options
+
+    kind = "zero1" if layout.strategy == "ddp" and options.get("zero1") else layout.strategy
+    if kind == "none":
+        known = {o for s in ("ddp", "zero1", "fsdp") for o in inspect.signature(STRATEGIES[s]).parameters} | {"zero1"}
+        if unknown := sorted(set(options) - known - {"model", "block_classes"}):
+            raise UsageError(f"mg.parallelize has no option {', '.join(unknown)}; the data-parallel options are "
+                             "mg.wrap's for 'ddp', 'zero1' and 'fsdp'")
+        return
+    named = {"ddp": "DDP", "zero1": "DDP with ZeRO-1", "fsdp": "FSDP", "hsdp": "HSDP"}[kind]
+    check_options("fsdp" if kind == "hsdp" else kind,
+                  {k: v for k, v in options.items() if not (k == "zero1" and kind == "zero1")},
+                  where=f"layout {layout.label} ({named})")
 
 
 def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict[str, Any] | None = None,
@@ -161,6 +157,7 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
     >>> model = mg.parallelize(net, mg.parallel.Layout(dp_replicate=dist.world_size), comm_hook="bf16")   # DDP
     """
     layout = _resolved(model, layout, sequence_parallel)
+    options = dict(options)
     _check_options(layout, options)
     name = type(model).__name__
     if layout.pp > 1 and not pipeline_stage:
@@ -230,22 +227,13 @@ def _data_parallel(model: nn.Module, layout: Layout, classes: list, block_source
     name, kind = type(model).__name__, layout.strategy
     block_names = ", ".join(c.__name__ for c in classes) or "none"
     if kind == "ddp":
-        options = dict(options)
-        if options.pop("zero1", False):
-            from .zero import wrap_zero1
+        from .wrap import STRATEGIES
 
-            if {"comm_hook", "broadcast_buffers", "powersgd_rank", "powersgd_start_iter"} & set(options):
-                raise UsageError("zero1 shards the optimizer over plain DDP, which takes no comm hook or "
-                                 "broadcast_buffers here; drop them, or zero1")
-            say(f"mg.parallelize: DDP over {layout.dp_size} ranks with the optimizer state sharded (ZeRO-1; build it "
-                f"with mg.optimizer): one unit, the whole {name}{extras}")
-            return wrap_zero1(model, **options)
-        from .ddp import wrap_ddp
-
-        say(f"mg.parallelize: DDP over {layout.dp_size} ranks (replicate only): one unit, the whole {name}{extras}")
-        return wrap_ddp(model, **options)
+        zero1 = bool(options.pop("zero1", False))
+        how = "with the optimizer state sharded (ZeRO-1; build it with mg.optimizer)" if zero1 else "(replicate only)"
+        say(f"mg.parallelize: DDP over {layout.dp_size} ranks {how}: one unit, the whole {name}{extras}")
+        return STRATEGIES["zero1" if zero1 else "ddp"](model, **options)  # mg.wrap's own DDP
     if kind in ("fsdp", "hsdp"):
-        options = {k: v for k, v in options.items() if k in FSDP_OPTIONS}
         sync = options.pop("sync_batchnorm", False)
         if pipeline_stage:
             # Resharding after each micro-batch's forward would gather the stage's parameters again for the next.

@@ -41,11 +41,14 @@ STRATEGIES: dict[str, Callable[..., nn.Module]] = {
 
 # Options that belong to another strategy: the error names the right one.
 _ELSEWHERE = {
-    ("fsdp", "comm_hook"): "comm hooks are DDP's; FSDP already reduces in reduce_dtype: use "
-                           "mg.wrap(model, 'fsdp', reduce_dtype='bf16'), or strategy 'ddp' with comm_hook",
-    ("zero1", "comm_hook"): "comm hooks are registered on plain DDP here; use strategy 'ddp' with comm_hook",
-    ("ddp", "param_dtype"): "param_dtype is FSDP's mixed precision; use mg.Precision for DDP, or strategy 'fsdp'",
-    ("ddp", "cpu_offload"): "cpu_offload is FSDP's; use strategy 'fsdp' with cpu_offload=True",
+    ("fsdp", "comm_hook"): "comm hooks are DDP's; FSDP already reduces in reduce_dtype: pass reduce_dtype='bf16', "
+                           "or replicate (strategy 'ddp', a Layout that only replicates) with comm_hook",
+    ("zero1", "comm_hook"): "comm hooks are registered on plain DDP here; use strategy 'ddp' (zero1 off) with comm_hook",
+    ("fsdp", "zero1"): "ZeRO-1 shards the optimizer state of a replicated model; FSDP shards it already",
+    ("ddp", "param_dtype"): "param_dtype is FSDP's mixed precision; use mg.Precision for DDP, or shard (strategy "
+                            "'fsdp', a Layout with dp_shard > 1)",
+    ("ddp", "cpu_offload"): "cpu_offload is FSDP's; shard (strategy 'fsdp', a Layout with dp_shard > 1) with "
+                            "cpu_offload=True",
 }
 
 
@@ -74,18 +77,22 @@ def wrap(model: nn.Module, strategy: str = "ddp", **options: Any) -> nn.Module:
         raise UsageError(f"mg.wrap expects a torch.nn.Module, got {type(model).__name__}")
     if strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
-    fn = STRATEGIES[strategy]
-    allowed = _options(fn)
+    check_options(strategy, options)
+    return STRATEGIES[strategy](model, **options)
+
+
+def check_options(strategy: str, options: dict[str, Any], where: str | None = None) -> None:
+    """The one rule for a data-parallel wrapper's options (``mg.wrap``'s and ``mg.parallelize``'s): each
+    strategy takes its own function's keywords; one that belongs to another strategy is refused with
+    where it belongs. ``where``: how the caller names the strategy (default ``strategy 'ddp'``)."""
+    allowed = _options(STRATEGIES[strategy])
+    where = where or f"strategy {strategy!r}"
     unknown = sorted(set(options) - set(allowed))
     for name in unknown:
         if (strategy, name) in _ELSEWHERE:
-            raise UsageError(f"strategy {strategy!r} has no option {name}: {_ELSEWHERE[strategy, name]}")
+            raise UsageError(f"{where} has no option {name}: {_ELSEWHERE[strategy, name]}")
     if unknown:
-        raise UsageError(
-            f"strategy {strategy!r} has no option {', '.join(unknown)}; "
-            f"its options are: {', '.join(allowed) or '(none)'}"
-        )
-    return fn(model, **options)
+        raise UsageError(f"{where} has no option {', '.join(unknown)}; its options are: {', '.join(allowed) or '(none)'}")
 
 
 def unwrap(model: nn.Module) -> nn.Module:
