@@ -35,13 +35,15 @@ from ..errors import UsageError
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The experts modules of ``model``: an ``int`` ``num_experts`` and own parameters that are all 3-D with
-    that many experts first (transformers 5's fused experts)."""
+    """The experts modules of ``model``: an ``int`` ``num_experts`` and own parameters that all have that many
+    experts first, 3-D weights among them (transformers 5's fused experts, with 2-D biases in some; a router's
+    2-D weight alone is not one)."""
     found = []
     for name, module in model.named_modules():
         n = getattr(module, "num_experts", None)
         params = list(module.parameters(recurse=False))
-        if isinstance(n, int) and n > 0 and params and all(p.dim() == 3 and p.shape[0] == n for p in params):
+        if (isinstance(n, int) and n > 0 and params and all(p.dim() >= 2 and p.shape[0] == n for p in params)
+                and any(p.dim() == 3 for p in params)):
             found.append((name, module))
     return found
 

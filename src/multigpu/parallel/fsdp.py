@@ -180,9 +180,12 @@ def wrap_fsdp(
 
 
 def _shard(model: nn.Module, blocks: list[nn.Module], mesh: Any, reshard_after_forward: bool,
-           pdt: torch.dtype | None, rdt: torch.dtype | None, cpu_offload: bool, device: torch.device) -> nn.Module:
+           pdt: torch.dtype | None, rdt: torch.dtype | None, cpu_offload: bool, device: torch.device,
+           ignored: set | None = None) -> nn.Module:
     fsdp2 = _fsdp2()
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if ignored:  # expert parallelism's own (experts.py): sharded over their ranks already
+        kwargs["ignored_params"] = ignored
     if pdt is not None or rdt is not None:
         kwargs["mp_policy"] = fsdp2.MixedPrecisionPolicy(param_dtype=pdt, reduce_dtype=rdt)
     if cpu_offload:
@@ -200,7 +203,7 @@ def _shard(model: nn.Module, blocks: list[nn.Module], mesh: Any, reshard_after_f
 def shard_blocks(model: nn.Module, mesh: Any, block_classes: Iterable[type] | None = None,
                  min_block_params: int = DEFAULT_MIN_BLOCK_PARAMS, reshard_after_forward: bool = True,
                  param_dtype: torch.dtype | str | None = None, reduce_dtype: torch.dtype | str | None = None,
-                 cpu_offload: bool = False) -> nn.Module:
+                 cpu_offload: bool = False, ignored_params: set | None = None) -> nn.Module:
     """FSDP2 per block and on the root over a given mesh: 1-D (FSDP) or 2-D (replicate, shard: HSDP).
 
     ``mg.parallelize``'s FSDP step, after tensor parallelism: the data-parallel dimensions
@@ -210,7 +213,7 @@ def shard_blocks(model: nn.Module, mesh: Any, block_classes: Iterable[type] | No
     pdt, rdt = _dtype("param_dtype", param_dtype), _dtype("reduce_dtype", reduce_dtype)
     blocks = _matched_blocks(model, block_classes, min_block_params)
     device = next(model.parameters()).device
-    return _shard(model, blocks, mesh, reshard_after_forward, pdt, rdt, cpu_offload, device)
+    return _shard(model, blocks, mesh, reshard_after_forward, pdt, rdt, cpu_offload, device, ignored_params)
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:

@@ -36,7 +36,7 @@ DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # the device mesh's dimensions,
 # The command-line flags of a script's layout (mg.layout_from_args reads them, Layout.flags writes them):
 # flag -> Layout field, the integer degrees first. Every flag is one of the frozen Layout's fields.
 INT_FLAGS = {"--tp": "tp", "--pp": "pp", "--dp-replicate": "dp_replicate", "--dp-shard": "dp_shard",
-             "--micro-batch": "micro_batch"}
+             "--ep": "ep", "--micro-batch": "micro_batch"}
 BOOL_FLAGS = {"--activation-checkpointing": "activation_checkpointing", "--compile": "compile",
               "--sequence-parallel": "sequence_parallel"}
 # Names a user may have called on a Layout that went (CHANGELOG.md): what to write instead.
@@ -59,9 +59,10 @@ class Layout:
     compile: bool = False
     sequence_parallel: bool = False
     schedule: str = "1f1b"
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "pp") + (("dp_shard",) if self.dp_shard is not None else ()):
+        for name in ("dp_replicate", "tp", "pp", "ep") + (("dp_shard",) if self.dp_shard is not None else ()):
             positive_int(getattr(self, name), f"layout {name}", f"e.g. mg.parallel.Layout({name}=2)")
         if self.micro_batch is not None and not is_positive_int(self.micro_batch):
             raise UsageError(f"layout micro_batch must be a positive integer or None, got {self.micro_batch!r}")
@@ -70,6 +71,10 @@ class Layout:
         if self.sequence_parallel and self.tp == 1:
             raise UsageError("sequence_parallel splits the sequence over tensor-parallel ranks but tp is 1; "
                              "use Layout(tp=2, sequence_parallel=True) or drop it")
+        if self.ep > 1 and self.dp_shard is not None and self.dp_shard % self.ep:
+            raise UsageError(f"ep {self.ep} borrows its ranks from dp_shard (dp_shard = efsdp x ep), but dp_shard "
+                             f"{self.dp_shard} is not a multiple of it; use ep in "
+                             f"{', '.join(str(d) for d in divisors(self.dp_shard))}, or another dp_shard")
 
     def __getattr__(self, name: str) -> Any:  # only for names a Layout does not have
         if name in _MOVED:
@@ -137,8 +142,8 @@ class Layout:
         """The layout as ``--layouts`` spells it, e.g. ``dp_shard=2,tp=2`` (``one process`` when nothing is set)."""
         base = Layout(dp_shard=1)
         parts = []
-        for f in ("pp", "dp_replicate", "dp_shard", "tp", "micro_batch", "activation_checkpointing", "compile",
-                  "sequence_parallel", "schedule"):
+        for f in ("pp", "dp_replicate", "dp_shard", "tp", "ep", "micro_batch", "activation_checkpointing",
+                  "compile", "sequence_parallel", "schedule"):
             value = getattr(self, f)
             if value != getattr(base, f) and not (f == "schedule" and self.pp == 1):
                 parts.append(f"{f}={str(value).lower() if isinstance(value, bool) else value}")
@@ -187,6 +192,10 @@ class Layout:
         shape), on the job's device type (gloo meshes are "cpu", NCCL meshes "cuda")."""
         r = self._at(None)
         return _device_mesh(device_type, (r.pp, r.dp_replicate, r.dp_shard, r.tp), DIMS)
+
+    def ep_mesh(self, device_type: str) -> Any:
+        """The expert-parallel ranks of this process: its dp_shard group (ep = dp_shard: efsdp 1)."""
+        return self.device_mesh(device_type)["dp_shard"]
 
     def dp_mesh(self, device_type: str) -> Any | None:
         """What FSDP shards over: 2-D (replicate, shard) for HSDP, 1-D (shard) for FSDP, None without data parallelism."""

@@ -173,6 +173,8 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
     say = print0 if verbose else (lambda *a, **k: None)
     if layout.tp > 1:
         _tensor_parallel(model, layout, blocks, tp_plan, pipeline_stage, device_type, say)
+    if layout.ep > 1:
+        options["ignored_params"] = _expert_parallel(model, layout, device_type, say)
     extras = _per_block(model, layout, blocks, activation_checkpointing, compile)
     model = _data_parallel(model, layout, classes, block_source, block_classes, pipeline_stage, options, extras, say)
     rank, world = _world()
@@ -201,6 +203,31 @@ def _tensor_parallel(model: nn.Module, layout: Layout, blocks: list, tp_plan: di
         probe.check(model, batch, expected, tp_mesh.get_group(), source)
     say(f"mg.parallelize: tensor parallel {layout.tp}: plan {source}, {len(written)} entries on "
         f"{len(styles)} modules: {_short(written)}")
+
+
+def _expert_parallel(model: nn.Module, layout: Layout, device_type: str, say: Any) -> set:
+    """Each rank keeps experts/ep of every experts module and the routed tokens travel to them (``experts.py``);
+    their parameters, for FSDP to leave out."""
+    from . import experts
+
+    name = type(model).__name__
+    if layout.ep != layout.dp_shard or layout.dp_replicate > 1 or layout.sequence_parallel:
+        raise UsageError(f"expert parallelism here takes every dp_shard rank (ep = dp_shard) with no dp_replicate "
+                         f"and no sequence_parallel, got layout {layout.label}; expert FSDP over what ep leaves, "
+                         "HSDP and SP around the experts are not built yet: use ep = dp_shard")
+    if "ignored_params" not in inspect.signature(_fsdp2_fully_shard()).parameters:
+        raise UsageError("expert parallelism needs FSDP2's ignored_params (torch >= 2.7); upgrade torch or use ep=1")
+    params = experts.apply(model, layout, layout.ep_mesh(device_type))
+    found = experts.expert_modules(model)
+    say(f"mg.parallelize: expert parallel {layout.ep}: {len(found)} experts modules of {name}, "
+        f"{found[0][1].num_experts // layout.ep} of {found[0][1].num_experts} experts per rank, dropless all-to-all")
+    return set(params)
+
+
+def _fsdp2_fully_shard() -> Any:
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard
 
 
 def _per_block(model: nn.Module, layout: Layout, blocks: list, activation_checkpointing: bool | None,
