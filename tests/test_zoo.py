@@ -2,7 +2,8 @@
 
 The families come from transformers itself (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, tests/_zoo.py), each
 built from a tiny config in float64 and trained 5 AdamW steps (clipping at 0.5) under TP 2, TP 2 + SP,
-PP 2 (2 ranks) and FSDP 2 x TP 2 (4 ranks), against one process; BERT, RoBERTa, ModernBERT and
+PP 2, EP 2 (2 ranks), FSDP 2 x TP 2 and EP 2 + TP 2 (4 ranks), against one process (a dense family's EP
+refusal, "no experts module", is not run again on 4 ranks); BERT, RoBERTa, ModernBERT and
 DistilBERT with a per-token head, and ViT, under the same layouts but PP: within 1e-9 on every parameter (or 1000
 times the family's own floor where it computes parts in float32: see _zoo.FLOOR_FACTOR), or refused by
 ``mg.UsageError`` in one line. Anything else is a crash, and the test fails on any wrong figure or crash.
@@ -59,7 +60,11 @@ def test_every_causal_lm_family_is_exact_or_refused_under_every_layout(tmp_path)
     jobs = [(n, label) for n in names for label in (_zoo.ENCODER_LAYOUTS if n in _zoo.ENCODERS else _zoo.LAYOUTS)]
     rows = _zoo.zoo(2, [job for job in jobs if job[1] in TWO], str(tmp_path / "two.jsonl"))
     skipped = {r["family"] for r in rows if "skipped" in r}
-    rows += _zoo.zoo(4, [job for job in jobs if job[1] in FOUR and job[0] not in skipped], str(tmp_path / "four.jsonl"))
+    dense = {r["family"]: r for r in rows if r["layout"] == "EP 2" and _zoo.NO_EXPERTS in r.get("refused", "")}
+    four = [job for job in jobs if job[1] in FOUR and job[0] not in skipped]
+    rows += _zoo.zoo(4, [job for job in four if not (job[0] in dense and job[1].startswith("EP"))],
+                     str(tmp_path / "four.jsonl"))
+    rows += [dict(dense[f], layout=label) for f, label in four if f in dense and label.startswith("EP")]
     table = _zoo.table(rows)
     print(table)
     if os.environ.get("MULTIGPU_ZOO_TABLE"):

@@ -92,15 +92,15 @@ class _Local:
         return local[name] if name in local else getattr(self.__dict__["_module"], name)
 
 
-def apply(model: nn.Module, layout: Any, mesh: Any) -> list[nn.Parameter]:
-    """Spread the experts of ``model`` over ``mesh`` (the expert-parallel ranks): each keeps its slice of every
-    experts module's weights (a DTensor ``Shard(0)``) and runs the dispatch above. Returns the expert
-    parameters (for FSDP to leave out)."""
+def apply(found: list[tuple[str, nn.Module]], layout: Any, mesh: Any) -> list[nn.Parameter]:
+    """Spread the experts modules ``found`` (``check``'s) over ``mesh`` (the expert-parallel ranks): each rank
+    keeps its slice of every module's weights (a DTensor ``Shard(0)``) and runs the dispatch above. Returns
+    the expert parameters (for FSDP to leave out)."""
     from torch.distributed.tensor import DTensor, Shard
 
     ep, rank = mesh.size(), mesh.get_local_rank()
     params = []
-    for _, module in check(model, layout):
+    for _, module in found:
         local = module.num_experts // ep
         for pname, p in list(module.named_parameters(recurse=False)):
             shard = p.detach()[rank * local:(rank + 1) * local].clone()
@@ -129,8 +129,11 @@ def _forward(module: nn.Module, forward: Any, group: Any, ep: int, local: int, g
     weights = {n: _ScaleGrad.apply(p.to_local(), grad_scale) for n, p in module.named_parameters(recurse=False)}
     out = forward(_Local(module, {**weights, "num_experts": local}), rows, ids[:, None],
                   torch.ones(len(ids), 1, dtype=top_k_weights.dtype, device=rows.device))
-    if len(ids) == 0:  # no token for this rank's experts: their gradient is zeros, as on one process, not None
-        out = out + sum(w.sum() for w in weights.values()) * 0
+    if len(ids) == 0:
+        # No token for this rank's experts. Their gradient is zeros, as on one process (not None), and the
+        # output still hangs on the rows received, so this rank's backward runs the dispatch's all-to-all as
+        # the others' do (without, the ranks' collectives no longer pair up: a hang).
+        out = out + (rows.sum() + sum(w.sum() for w in weights.values())) * 0
     back = all_to_all_single_autograd(out, send, recv, group)
     scores = top_k_weights.reshape(-1)[order]
     return torch.zeros_like(hidden).index_add_(0, token, (back * scores[:, None]).to(hidden.dtype))

@@ -217,8 +217,8 @@ def _expert_parallel(model: nn.Module, layout: Layout, device_type: str, say: An
                          "HSDP and SP around the experts are not built yet: use ep = dp_shard")
     if "ignored_params" not in inspect.signature(_fsdp2_fully_shard()).parameters:
         raise UsageError("expert parallelism needs FSDP2's ignored_params (torch >= 2.7); upgrade torch or use ep=1")
-    params = experts.apply(model, layout, layout.ep_mesh(device_type))
-    found = experts.expert_modules(model)
+    found = experts.check(model, layout)  # before any group work
+    params = experts.apply(found, layout, layout.ep_mesh(device_type))
     say(f"mg.parallelize: expert parallel {layout.ep}: {len(found)} experts modules of {name}, "
         f"{found[0][1].num_experts // layout.ep} of {found[0][1].num_experts} experts per rank, dropless all-to-all")
     return set(params)

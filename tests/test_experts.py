@@ -1,0 +1,73 @@
+"""Expert parallelism's pieces: PyTorch's all-to-all on gloo (uneven and empty splits, gradients through it),
+and its refusals, one line each before any group work. Whole models under EP against one process: the zoo
+(tests/test_zoo.py, layouts EP 2 and EP 2 + TP 2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import multigpu as mg
+from multigpu.testing import spawn
+
+import _hf_layouts as hf
+
+
+def _all_to_all(dist) -> dict:
+    """Rank 0 sends 0 rows to itself and 3 to rank 1; rank 1 sends 2 to rank 0 and 1 to itself."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    send = [[0, 3], [2, 1]][dist.rank]
+    recv = [send_r[dist.rank] for send_r in [[0, 3], [2, 1]]]
+    x = (torch.arange(sum(send) * 2, dtype=torch.float64).view(-1, 2) + 100 * dist.rank).requires_grad_()
+    y = all_to_all_single_autograd(x, recv, send, torch.distributed.group.WORLD)
+    weights = torch.arange(1, y.numel() + 1, dtype=torch.float64).view_as(y)
+    (y * weights).sum().backward()
+    return {"y": y.detach().tolist(), "grad": x.grad.tolist()}
+
+
+def test_gloo_all_to_all_takes_uneven_and_empty_splits_and_carries_gradients():
+    out = spawn(_all_to_all, 2)
+    # rank 0 receives rank 1's first 2 rows; rank 1 receives rank 0's 3 rows, then its own last one
+    assert out[0]["y"] == [[100.0, 101.0], [102.0, 103.0]]
+    assert out[1]["y"] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [104.0, 105.0]]
+    # each row's gradient is the weight its receiver gave it, sent back the way it came
+    assert out[0]["grad"] == [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]
+    assert out[1]["grad"] == [[1.0, 2.0], [3.0, 4.0], [7.0, 8.0]]
+
+
+def _moe(**overrides):
+    import _zoo
+
+    model = _zoo.build("mixtral")
+    for k, v in overrides.items():
+        setattr(model.config, k, v)
+    return model
+
+
+@pytest.mark.parametrize("layout, world, model, line", [
+    (mg.parallel.Layout(ep=2), 2, lambda: hf.build("llama"),
+     "expert parallelism (ep=2) spreads the experts of a mixture-of-experts model, but LlamaForCausalLM has no "
+     "experts module (3-D expert weights and num_experts); use ep=1"),
+    (mg.parallel.Layout(ep=3), 3, _moe, "ep=3 does not divide the 4 experts of MixtralForCausalLM; use ep=2"),
+    (mg.parallel.Layout(ep=2), 2, lambda: _moe(output_router_logits=True),
+     "MixtralForCausalLM adds the router's load-balancing loss (output_router_logits=True), which under ep"),
+    (mg.parallel.Layout(ep=2), 4, _moe, "expert parallelism here takes every dp_shard rank (ep = dp_shard)"),
+    (mg.parallel.Layout(ep=2, dp_replicate=2), 4, _moe, "with no dp_replicate and no sequence_parallel"),
+])
+def test_what_expert_parallelism_cannot_spread_is_refused_in_one_line(layout, world, model, line, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setattr("multigpu.parallel.spread._world", lambda: (0, world))
+    with pytest.raises(mg.UsageError) as err:
+        mg.parallelize(model(), layout, verbose=False)
+    assert line in str(err.value) and "\n" not in str(err.value)
+
+
+def test_ep_must_divide_dp_shard_and_is_a_layout_flag():
+    with pytest.raises(mg.UsageError, match=r"^ep 3 borrows its ranks from dp_shard \(dp_shard = efsdp x ep\), but "
+                                            r"dp_shard 4 is not a multiple of it; use ep in 1, 2, 4"):
+        mg.parallel.Layout(ep=3, dp_shard=4)
+    layout, rest = mg.layout_from_args(["--ep", "2", "--steps", "3"])
+    assert layout == mg.parallel.Layout(ep=2) and rest == ["--steps", "3"]
+    resolved = layout.resolve(4)
+    assert resolved.label == "dp_shard=4,ep=2" and mg.layout_from_args(resolved.flags)[0] == resolved
