@@ -71,3 +71,25 @@ def test_ep_must_divide_dp_shard_and_is_a_layout_flag():
     assert layout == mg.parallel.Layout(ep=2) and rest == ["--steps", "3"]
     resolved = layout.resolve(4)
     assert resolved.label == "dp_shard=4,ep=2" and mg.layout_from_args(resolved.flags)[0] == resolved
+
+
+def _mixtral(dist, layout, ckpt=None, stop_after=None):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return hf.train(dist, "zoo:mixtral", layout, accum=1, ckpt=ckpt, stop_after=stop_after)
+
+
+@pytest.mark.slow
+def test_expert_weights_reshard_from_ep_2_to_ep_4_to_one_process(tmp_path):
+    """Steps 0-1 under EP 2 (2 ranks), 2-3 under EP 4 (4 ranks, an expert each), 4 on one process, each from
+    the last one's checkpoint: the weights of one process trained alone for the 5 steps (DCP reshards the
+    experts' DTensor Shard(0) like any other)."""
+    pytest.importorskip("transformers")
+    reference = spawn(_mixtral, 1, None)[0]
+    ckpt = str(tmp_path / "ckpt")
+    spawn(_mixtral, 2, {"ep": 2}, ckpt, 1, timeout=300)
+    spawn(_mixtral, 4, {"ep": 4}, ckpt, 3, timeout=300)
+    last = spawn(_mixtral, 1, {}, ckpt, timeout=300)[0]
+    assert last["norms"] == pytest.approx(reference["norms"][4:], rel=1e-9)
+    assert hf.max_diff(last, reference) < 1e-9
