@@ -369,3 +369,15 @@ class StageClock:
         self._fold()
         out, self.compute, self.total, self.steps = (self.compute, self.total, self.steps), 0.0, 0.0, 0
         return out
+
+
+def gathered_state_dict(pipe: Any) -> dict:
+    """The full weights of every stage, under one process's names, on every rank (a collective)."""
+    import torch.distributed as tdist
+    from torch.distributed.tensor import DTensor
+
+    mine = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+            for part in pipe.modules for k, v in part.state_dict().items()}
+    gathered: list[Any] = [None] * tdist.get_world_size()
+    tdist.all_gather_object(gathered, mine)
+    return {k: v for d in gathered for k, v in d.items()}

@@ -253,15 +253,3 @@ def stage_plan(part: nn.Module, styles: dict[str, Any]) -> dict[str, Any]:
     nothing), nor what stands in for the embeddings or the norm elsewhere."""
     held = dict(part.named_modules())
     return {n: s for n, s in styles.items() if n in held and next(held[n].parameters(), None) is not None}
-
-
-def gathered_state_dict(pipe: Any) -> dict:
-    """The full weights of every stage, under one process's names, on every rank (a collective)."""
-    import torch.distributed as tdist
-    from torch.distributed.tensor import DTensor
-
-    mine = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-            for part in pipe.modules for k, v in part.state_dict().items()}
-    gathered: list[Any] = [None] * tdist.get_world_size()
-    tdist.all_gather_object(gathered, mine)
-    return {k: v for d in gathered for k, v in d.items()}

@@ -161,7 +161,7 @@ def full_state_dict(model: nn.Module, cpu: bool = True) -> dict[str, torch.Tenso
     from .pp import Pipeline
 
     if isinstance(model, Pipeline):  # every stage's weights, gathered from the ranks that hold them
-        from .stages import gathered_state_dict
+        from .pp import gathered_state_dict
 
         return gathered_state_dict(model)
     if not (tdist.is_available() and tdist.is_initialized()):
