@@ -79,3 +79,14 @@ def test_profiled_intervals_inside_the_span_are_named_and_left_out_with_their_ti
     assert m["left_out"] == [{"steps": [0, 4], "why": "warm-up"}, {"steps": [15, 19], "why": "profiled"}]
     assert summary["samples_per_s"] == pytest.approx(_recomputed(steps, summary), rel=1e-9)
     assert "(warm-up 0-4, profiled 15-19 left out)" in summary_line(summary)
+
+
+def test_the_time_shares_sum_to_one_when_the_ranks_compute_past_rank_0s_measured_time():
+    """A rank that leaves an evaluation first waits for the other in its next step's collectives and counts
+    that as compute: the ranks' mean wait and compute can pass rank 0's time less its pauses (seen: 1.012)."""
+    from multigpu.meter.records import _fractions
+
+    assert _fractions(0.1, 0.5, 1.0) == {"data_wait": 0.1, "compute": 0.5, "other": 0.4}
+    over = _fractions(0.2, 0.85, 1.0)
+    assert sum(over.values()) == pytest.approx(1.0, abs=1e-12) and over["other"] == 0.0
+    assert over["compute"] / over["data_wait"] == pytest.approx(0.85 / 0.2)

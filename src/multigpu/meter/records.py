@@ -111,6 +111,14 @@ def measured(records: list[dict[str, Any]]) -> list[tuple[int, float, dict[str, 
     return [s for s in spans if s[1] > 0]
 
 
+def _fractions(data_wait: float, compute: float, seconds: float) -> dict[str, float]:
+    """The measured time's shares, summing to 1. The ranks' mean data wait and compute can pass rank 0's
+    measured time: a rank that leaves ``meter.pause()`` (an evaluation) first waits for the other in its next
+    step's collectives, and counts that as compute. Then the two are shares of their own sum, other 0."""
+    whole = max(seconds, data_wait + compute)
+    return {"data_wait": data_wait / whole, "compute": compute / whole, "other": 1 - (data_wait + compute) / whole}
+
+
 def first_step(record: dict[str, Any]) -> int:
     """The first step of a ``step`` record's interval (``step`` is its last)."""
     return record["step"] - record["steps"] + 1
@@ -170,7 +178,7 @@ def run_summary(records: list[dict[str, Any]], *, steps: int, samples_per_step: 
         "intervals": {"samples_per_s": spread([s / t for s, t, _ in spans]),
                       "step_time": spread([t / r["steps"] for _, t, r in spans])},
         "paused_s": dict(paused or {}),
-        "fractions": {"data_wait": dw / seconds, "compute": cp / seconds, "other": max(0.0, 1 - (dw + cp) / seconds)},
+        "fractions": _fractions(dw, cp, seconds),
         "peak_mem_gb": max(r["peak_mem_gb"] for r in records),
         "stragglers": sorted({(s["rank"], s["cause"]) for r in records for s in r["stragglers"] if s["intervals"] >= 2}),
         "flops_per_sample": flops_per_sample, "peak_flops": peak_flops,
