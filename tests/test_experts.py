@@ -54,6 +54,8 @@ def _moe(**overrides):
      "MixtralForCausalLM adds the router's load-balancing loss (output_router_logits=True), which under ep"),
     (mg.parallel.Layout(ep=2), 4, _moe, "expert parallelism here takes every dp_shard rank (ep = dp_shard)"),
     (mg.parallel.Layout(ep=2, dp_replicate=2), 4, _moe, "with no dp_replicate and no sequence_parallel"),
+    # with TP too: refused before the TP step builds a mesh (no process group here) or changes the model
+    (mg.parallel.Layout(ep=2, tp=2), 8, _moe, "expert parallelism here takes every dp_shard rank (ep = dp_shard)"),
 ])
 def test_what_expert_parallelism_cannot_spread_is_refused_in_one_line(layout, world, model, line, monkeypatch):
     pytest.importorskip("transformers")
@@ -67,6 +69,8 @@ def test_ep_must_divide_dp_shard_and_is_a_layout_flag():
     with pytest.raises(mg.UsageError, match=r"^ep 3 borrows its ranks from dp_shard \(dp_shard = efsdp x ep\), but "
                                             r"dp_shard 4 is not a multiple of it; use ep in 1, 2, 4"):
         mg.parallel.Layout(ep=3, dp_shard=4)
+    with pytest.raises(mg.UsageError, match=r"^expert parallelism \(ep 2\) with pipeline stages \(pp 2\) is not built"):
+        mg.parallel.Layout(ep=2, pp=2)
     layout, rest = mg.layout_from_args(["--ep", "2", "--steps", "3"])
     assert layout == mg.parallel.Layout(ep=2) and rest == ["--steps", "3"]
     resolved = layout.resolve(4)

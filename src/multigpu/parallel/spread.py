@@ -171,10 +171,11 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
     classes, block_source = auto.blocks_of(model, block_classes)
     blocks = auto.block_modules(model, classes)
     say = print0 if verbose else (lambda *a, **k: None)
+    found = _experts_to_spread(model, layout)  # refused before TP changes the model or builds a mesh
     if layout.tp > 1:
         _tensor_parallel(model, layout, blocks, tp_plan, pipeline_stage, device_type, say)
-    if layout.ep > 1:
-        options["ignored_params"] = _expert_parallel(model, layout, device_type, say)
+    if found:
+        options["ignored_params"] = _expert_parallel(model, layout, found, device_type, say)
     extras = _per_block(model, layout, blocks, activation_checkpointing, compile)
     model = _data_parallel(model, layout, classes, block_source, block_classes, pipeline_stage, options, extras, say)
     rank, world = _world()
@@ -205,29 +206,33 @@ def _tensor_parallel(model: nn.Module, layout: Layout, blocks: list, tp_plan: di
         f"{len(styles)} modules: {_short(written)}")
 
 
-def _expert_parallel(model: nn.Module, layout: Layout, device_type: str, say: Any) -> set:
-    """Each rank keeps experts/ep of every experts module and the routed tokens travel to them (``experts.py``);
-    their parameters, for FSDP to leave out."""
+def _experts_to_spread(model: nn.Module, layout: Layout) -> list:
+    """The experts modules ``layout.ep`` spreads (none when ep is 1), or a one-line refusal of what this
+    release cannot: checked on the model as it came, before any step changes it."""
+    if layout.ep == 1:
+        return []
     from . import experts
+    from .fsdp import _fsdp2
 
-    name = type(model).__name__
     if layout.ep != layout.dp_shard or layout.dp_replicate > 1 or layout.sequence_parallel:
         raise UsageError(f"expert parallelism here takes every dp_shard rank (ep = dp_shard) with no dp_replicate "
                          f"and no sequence_parallel, got layout {layout.label}; expert FSDP over what ep leaves, "
                          "HSDP and SP around the experts are not built yet: use ep = dp_shard")
-    if "ignored_params" not in inspect.signature(_fsdp2_fully_shard()).parameters:
+    if "ignored_params" not in inspect.signature(_fsdp2().fully_shard).parameters:
         raise UsageError("expert parallelism needs FSDP2's ignored_params (torch >= 2.7); upgrade torch or use ep=1")
-    found = experts.check(model, layout)  # before any group work
+    return experts.check(model, layout)
+
+
+def _expert_parallel(model: nn.Module, layout: Layout, found: list, device_type: str, say: Any) -> set:
+    """Each rank keeps experts/ep of every experts module ``found`` and the routed tokens travel to them
+    (``experts.py``); their parameters, for FSDP to leave out."""
+    from . import experts
+
     params = experts.apply(found, layout, layout.ep_mesh(device_type))
-    say(f"mg.parallelize: expert parallel {layout.ep}: {len(found)} experts modules of {name}, "
-        f"{found[0][1].num_experts // layout.ep} of {found[0][1].num_experts} experts per rank, dropless all-to-all")
+    n = found[0][1].num_experts
+    say(f"mg.parallelize: expert parallel {layout.ep}: {len(found)} experts modules of {type(model).__name__}, "
+        f"{n // layout.ep} of {n} experts per rank, dropless all-to-all")
     return set(params)
-
-
-def _fsdp2_fully_shard() -> Any:
-    from torch.distributed.fsdp import fully_shard
-
-    return fully_shard
 
 
 def _per_block(model: nn.Module, layout: Layout, blocks: list, activation_checkpointing: bool | None,

@@ -82,7 +82,7 @@ def _has_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
-def StreamInput(name: str | None, src: Any, dst: Any, check: str | None = None, gather_output: bool = False):
+def stream_input(name: str | None, src: Any, dst: Any, check: str | None = None, gather_output: bool = False):
     """``PrepareModuleInput`` for a module's first input only, passed by position or by its name (the
     other inputs, e.g. transformers' attention mask and rotary tables, pass through as they are);
     ``check``: refuse a sequence length ``tp`` does not divide (the first block's split), naming that model;
@@ -161,7 +161,7 @@ def sequence_parallel_plan(model: nn.Module, blocks: list[tuple[str, nn.Module]]
                                          "drop one, or drop sequence_parallel")
                     if parent not in gathered:
                         gathered.append(parent)
-                        plan[parent] = StreamInput(_first_arg_name(owner), Shard(1), Replicate())
+                        plan[parent] = stream_input(_first_arg_name(owner), Shard(1), Replicate())
                 else:
                     # A plain container (or the block itself) leaves the block to call the projections: it may
                     # read the sequence length from the split stream (TinyLM's view(b, t, ...)) and apply it
@@ -199,7 +199,7 @@ def sequence_parallel_plan(model: nn.Module, blocks: list[tuple[str, nn.Module]]
     only_head = len(heads) == 1 and len(heads) + len(embeddings) == len(outside)
     final = _final_norm(model, containers[0]) if only_head else None
     # The split starts at the first block's input (why: the module docstring, the base model's mask and rotary tables).
-    plan[first_name] = StreamInput(_first_arg_name(first), Replicate(), Shard(1), check=name,
+    plan[first_name] = stream_input(_first_arg_name(first), Replicate(), Shard(1), check=name,
                                    gather_output=final is None and first_name == last_name)
     if final is not None:  # the final norm on the split stream, the head gathering it
         plan[final] = SequenceParallel(use_local_output=True)
