@@ -95,7 +95,10 @@ def build(kind: str, **overrides):
     if kind.startswith("zoo:"):  # a family of the zoo (tests/_zoo.py), from its tiny config
         import _zoo
 
-        return _zoo.build(kind[4:])
+        model = _zoo.build(kind[4:])
+        for k, v in overrides.items():  # read at run time (e.g. output_router_logits: the router's loss)
+            setattr(model.config, k, v)
+        return model
     import transformers
 
     if kind == "llama":
@@ -167,6 +170,16 @@ def logits_of(model, x: torch.Tensor) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
+def lm_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The next-token loss, plus the router's load-balancing loss where the model returns one (a mixture of
+    experts with output_router_logits)."""
+    out = model(x) if not hasattr(mg.unwrap(model), "config") else model(input_ids=x, use_cache=False)
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    aux = getattr(out, "aux_loss", None)
+    return loss if aux is None else loss + mg.unwrap(model).config.router_aux_loss_coef * aux
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -208,7 +221,7 @@ def train(dist, kind: str, layout: dict | None, steps: int = 5, accum: int = 2, 
             if image:
                 loss = F.cross_entropy(image_logits(model, x), y) / plan.accum_steps
             else:
-                loss = F.cross_entropy(logits_of(model, x).flatten(0, 1), y.flatten()) / plan.accum_steps
+                loss = lm_loss(model, x, y) / plan.accum_steps
             loss.backward()
             total += float(loss.detach())
         norms.append(float(mg.clip_grad_norm_(model, clip)))

@@ -50,12 +50,10 @@ def _moe(**overrides):
      "expert parallelism (ep=2) spreads the experts of a mixture-of-experts model, but LlamaForCausalLM has no "
      "experts module (3-D expert weights and num_experts); use ep=1"),
     (mg.parallel.Layout(ep=3), 3, _moe, "ep=3 does not divide the 4 experts of MixtralForCausalLM; use ep=2"),
-    (mg.parallel.Layout(ep=2), 2, lambda: _moe(output_router_logits=True),
-     "MixtralForCausalLM adds the router's load-balancing loss (output_router_logits=True), which under ep"),
-    (mg.parallel.Layout(ep=2), 4, _moe, "expert parallelism here takes every dp_shard rank (ep = dp_shard)"),
-    (mg.parallel.Layout(ep=2, dp_replicate=2), 4, _moe, "with no dp_replicate and no sequence_parallel"),
+    (mg.parallel.Layout(ep=2, dp_replicate=2), 4, _moe,
+     "expert parallelism takes its ranks from dp_shard alone, without dp_replicate or sequence_parallel"),
     # with TP too: refused before the TP step builds a mesh (no process group here) or changes the model
-    (mg.parallel.Layout(ep=2, tp=2), 8, _moe, "expert parallelism here takes every dp_shard rank (ep = dp_shard)"),
+    (mg.parallel.Layout(ep=2, tp=2, dp_replicate=2), 8, _moe, "HSDP and SP around the experts are not built yet"),
 ])
 def test_what_expert_parallelism_cannot_spread_is_refused_in_one_line(layout, world, model, line, monkeypatch):
     pytest.importorskip("transformers")
@@ -63,6 +61,29 @@ def test_what_expert_parallelism_cannot_spread_is_refused_in_one_line(layout, wo
     with pytest.raises(mg.UsageError) as err:
         mg.parallelize(model(), layout, verbose=False)
     assert line in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("factor", [0, -1.0, True, "1.25"])
+def test_a_capacity_factor_is_a_positive_number_under_ep(factor, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setattr("multigpu.parallel.spread._world", lambda: (0, 2))
+    with pytest.raises(mg.UsageError, match=r"^capacity_factor caps the tokens each expert takes under expert "
+                                            r"parallelism: a number > 0 with ep > 1, got .* with ep=2; leave it out"):
+        mg.parallelize(_moe(), mg.parallel.Layout(ep=2), capacity_factor=factor, verbose=False)
+    with pytest.raises(mg.UsageError, match=r"got 1.25 with ep=1"):
+        mg.parallelize(_moe(), mg.parallel.Layout(), capacity_factor=1.25, verbose=False)
+
+
+def test_a_capacity_keeps_each_experts_first_pairs_in_token_order():
+    from multigpu.parallel.experts import _kept
+
+    flat = torch.tensor([0, 1, 0, 0, 2, 0, 1, 1])  # 8 (token, slot) pairs over 4 experts: capacity ceil(1 x 8/4) = 2
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=4)
+    kept, kept_counts = _kept(flat, order, counts, 1.0)
+    assert kept.tolist() == [0, 2, 1, 6, 4]  # expert 0's first two pairs, expert 1's first two, expert 2's one
+    assert kept_counts.tolist() == [2, 2, 1, 0]
+    assert _kept(flat, order, counts, 2.0)[0].tolist() == order.tolist()  # capacity 4: nothing dropped
 
 
 def test_ep_must_divide_dp_shard_and_is_a_layout_flag():
@@ -77,23 +98,59 @@ def test_ep_must_divide_dp_shard_and_is_a_layout_flag():
     assert resolved.label == "dp_shard=4,ep=2" and mg.layout_from_args(resolved.flags)[0] == resolved
 
 
+ROUTER_LOSS = {"output_router_logits": True, "router_aux_loss_coef": 0.5}  # a large share of the loss
+
+
 def _mixtral(dist, layout, ckpt=None, stop_after=None):
     import transformers
 
     transformers.logging.set_verbosity_error()
-    return hf.train(dist, "zoo:mixtral", layout, accum=1, ckpt=ckpt, stop_after=stop_after)
+    return hf.train(dist, "zoo:mixtral", layout, accum=1, ckpt=ckpt, stop_after=stop_after, overrides=ROUTER_LOSS)
 
 
 @pytest.mark.slow
-def test_expert_weights_reshard_from_ep_2_to_ep_4_to_one_process(tmp_path):
-    """Steps 0-1 under EP 2 (2 ranks), 2-3 under EP 4 (4 ranks, an expert each), 4 on one process, each from
-    the last one's checkpoint: the weights of one process trained alone for the 5 steps (DCP reshards the
-    experts' DTensor Shard(0) like any other)."""
+def test_expert_weights_reshard_from_ep_2_to_ep_2_x_fsdp_2_to_ep_4_to_one_process(tmp_path):
+    """Steps 0-1 under EP 2 (2 ranks), 2 under EP 2 x FSDP 2 (4 ranks: the experts' FSDP over efsdp 2), 3
+    under EP 4 (an expert each), 4 on one process, each from the last one's checkpoint, the router's loss
+    included: the weights of one process trained alone for the 5 steps (DCP reshards the experts'
+    DTensors, Shard(0) over ep and FSDP's strided shard over efsdp, like any other)."""
     pytest.importorskip("transformers")
     reference = spawn(_mixtral, 1, None)[0]
     ckpt = str(tmp_path / "ckpt")
     spawn(_mixtral, 2, {"ep": 2}, ckpt, 1, timeout=300)
+    spawn(_mixtral, 4, {"ep": 2}, ckpt, 2, timeout=300)
     spawn(_mixtral, 4, {"ep": 4}, ckpt, 3, timeout=300)
     last = spawn(_mixtral, 1, {}, ckpt, timeout=300)[0]
     assert last["norms"] == pytest.approx(reference["norms"][4:], rel=1e-9)
     assert hf.max_diff(last, reference) < 1e-9
+
+
+FAMILIES = ["mixtral", "qwen3_moe", "olmoe"]  # three transformers MoE families, tiny configs (tests/_zoo.py)
+
+
+def _families_under(dist, layouts: list[dict]) -> dict:
+    """Each family trained 5 AdamW steps (clipping at 0.5) with its router loss, one process and each
+    layout: the largest parameter difference per (family, layout)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    out = {}
+    for family in FAMILIES:
+        kind = "zoo:" + family
+        reference = hf.train(dist, kind, None, accum=1, overrides=ROUTER_LOSS) if dist.rank == 0 else {}
+        for layout in layouts:
+            got = hf.train(dist, kind, layout, accum=1, overrides=ROUTER_LOSS)
+            out[f"{family} {layout} on {dist.world_size} ranks"] = hf.max_diff(got, reference) if dist.rank == 0 else None
+    return out
+
+
+@pytest.mark.slow
+def test_three_moe_families_with_their_router_loss_equal_one_process_under_ep_layouts():
+    """EP 2 (2 ranks); EP 2 x FSDP 2, EP 2 + TP 2 and FSDP 4 (4 ranks: the router's loss over the batch without
+    EP too), within 1e-9 of one process on every parameter. A planted bug fails it: the router loss averaged
+    per rank (7e-3), tokens returned to the wrong rank (1e-2), the experts' gradient not divided (1e-3)."""
+    pytest.importorskip("transformers")
+    diffs = spawn(_families_under, 2, [{"ep": 2}], timeout=600)[0]
+    diffs |= spawn(_families_under, 4, [{"ep": 2}, {"ep": 2, "tp": 2}, {}], timeout=600)[0]
+    assert len(diffs) == 3 * 4
+    assert all(d < 1e-9 for d in diffs.values()), diffs

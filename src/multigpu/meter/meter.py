@@ -28,7 +28,7 @@ from . import gpumon, sinks as _sinks
 from .flops import FlopCount, dtype_key, peak_flops
 from .interval import Interval
 from .probe import Probe, dp_rank, is_pipeline
-from .records import interval_record, run_summary, summary_line
+from .records import experts_stats, interval_record, run_summary, summary_line
 
 SCHEMA_VERSION = 2  # 2: summary throughput from totals, per-interval spreads under "intervals", pauses
 
@@ -107,6 +107,7 @@ class StepMeter:
         os.makedirs(self.log_dir, exist_ok=True)
 
         self._start_instruments(dist, model, gpu_monitor, watchdog, profile)
+        self._experts = experts_stats(model)  # expert parallelism's dispatch figures (None for other models)
         self.probe = Probe(model, self.log_dir, self.rank, self.world_size, dp_rank(plan, dist)) if verify_requested() else None
         self._open_sinks(dist, plan, sinks, progress, resume, fingerprint_extra, sink_options, flops_per_sample)
 
@@ -192,9 +193,8 @@ class StepMeter:
     def _grad_ready(self, _param) -> None:
         if self._in_step:
             if self._cuda:
-                # One event record per backward pass, not per parameter (a record costs a few us):
-                # when every hooked parameter has its gradient. A step where some parameters get
-                # none has no ready time and the straggler check falls back to compute time.
+                # One event record per backward pass (a record costs a few us), when every hooked parameter has
+                # its gradient; a step where some get none has no ready time (stragglers judged on compute).
                 self._hook_count += 1
                 if self._hook_count % len(self._hooks) == 0:
                     self._ready_ev.record()
@@ -313,13 +313,12 @@ class StepMeter:
             for s in self.sinks:
                 s.write(rec)
 
-    # -- log steps: one sync, one gather ----------------------------------------------
+    # -- log steps: one sync, one gather (and the expert dispatch's one all-reduce) -----
     def _log_interval(self) -> None:
         if self._iv.n == 0:
             return
         vec, keys = self._iv.vector(self.device, self.monitor)
-        comm_device = self.device if self._cuda else torch.device("cpu")
-        mine = torch.tensor(vec, dtype=torch.float64, device=comm_device)
+        mine = torch.tensor(vec, dtype=torch.float64, device=self.device if self._cuda else "cpu")
         if self._distributed:
             # Every rank must report the same metric names; a mismatch fails here, loudly.
             gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
@@ -329,16 +328,17 @@ class StepMeter:
             rows = [vec]
         n_steps = self._iv.n
         self._iv = Interval()
+        experts = self._experts.take() if self._experts is not None else None  # every rank: a collective
         if self.is_main:
-            self._write_record(rows, keys, n_steps)
+            self._write_record(rows, keys, n_steps, experts)
 
-    def _write_record(self, rows: list[list[float]], keys: list[str], n_steps: int) -> None:
+    def _write_record(self, rows: list[list[float]], keys: list[str], n_steps: int, experts: dict | None) -> None:
         rec, self._streak = interval_record(
             rows, keys, step=self.step - 1, n_steps=n_steps, samples_per_step=self.samples_per_step,
             elapsed=time.perf_counter() - self._t_start, lr=self._lr, world_size=self.world_size,
             tokens_per_sample=self.tokens_per_sample, flops_per_sample=self.flops_per_sample,
             peak_flops=self.peak_flops, hosts=self.hosts, gpu=self._cuda,
-            straggler_threshold=self.straggler_threshold, streak=self._streak)
+            straggler_threshold=self.straggler_threshold, streak=self._streak, experts=experts)
         if self.profiler is not None and self.step - n_steps < self.profiler.stop_step and \
                 self.step > self.profiler.start_step - 1:
             rec["profiled"] = True  # the profiler slowed these steps: left out of the summary

@@ -44,9 +44,10 @@ def interval_record(
     rows: list[list[float]], keys: list[str], *, step: int, n_steps: int, samples_per_step: int, elapsed: float,
     lr: float | None, world_size: int, tokens_per_sample: float | None, flops_per_sample: float | None,
     peak_flops: float | None, hosts: list[str], gpu: bool, straggler_threshold: float,
-    streak: dict[tuple[int, str], int],
+    streak: dict[tuple[int, str], int], experts: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[tuple[int, str], int]]:
-    """One ``step`` record from every rank's row; returns it and the updated straggler streaks."""
+    """One ``step`` record from every rank's row; returns it and the updated straggler streaks. ``experts``:
+    the expert-parallel dispatch's figures over the interval (``Stats.take``), with the all-to-all's share."""
     b = len(FIELDS)
     per = [dict(zip(FIELDS, r[:b])) for r in rows]
     # The job runs at its slowest rank's pace; time in meter.pause() (eval, checkpoints) is not step time.
@@ -78,6 +79,8 @@ def interval_record(
             rec.setdefault("ranks", {})[key[len(PER_RANK):]] = [r[b + i] / p["n"] for r, p in zip(rows, per)]
         else:
             rec[key] = sum(r[b + i] for r in rows) / sum(p["n"] for p in per)
+    if experts is not None:  # the all-to-all's seconds per rank over the interval's step time
+        rec["experts"] = dict(experts, a2a_share=experts["a2a_s"] / (step_time * n_steps))
     g = gpumon.across_ranks([r[b + len(keys):] for r in rows]) if gpu else None
     if g:
         rec["gpu"] = g
@@ -93,6 +96,15 @@ def interval_record(
     streak = {(s.rank, s.cause): streak.get((s.rank, s.cause), 0) + 1 for s in found}
     rec["stragglers"] = [dict(s.to_dict(), line=s.line(), intervals=streak[s.rank, s.cause]) for s in found]
     return rec, streak
+
+
+def experts_stats(model: Any) -> Any:
+    """The expert-parallel dispatch's figures of ``model`` (parallel/experts.py's ``Stats``), or None."""
+    if model is None:
+        return None
+    from ..parallel.experts import stats_of
+
+    return stats_of(model)
 
 
 def measured(records: list[dict[str, Any]]) -> list[tuple[int, float, dict[str, Any]]]:

@@ -1,12 +1,12 @@
 """Expert parallelism: each rank holds experts/ep of every MoE layer's experts, and the routed tokens travel to them.
 
 The ``ep`` degree borrows its ranks from the data-parallel shard degree (torchtitan's ``dp_shard = efsdp x
-ep``; here efsdp is 1: ``ep = dp_shard``), so a layout keeps its world and global batch. What it spreads
+ep``), so a layout keeps its world and global batch. What it spreads
 is transformers 5's experts modules (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ...): one module per MoE layer
 holding every expert's weights as 3-D parameters whose first dimension is the expert (``gate_up_proj``
 ``(E, 2F, D)``, ``down_proj`` ``(E, D, F)``), called as ``experts(hidden (T, D), top_k_index (T, K),
-top_k_weights (T, K))``. The router and everything else stay as the layout spreads them (FSDP over the
-dense parameters; the experts are left out of FSDP, ``ignored_params``).
+top_k_weights (T, K))``. The router and everything else stay as the layout spreads them (FSDP over every
+dp_shard rank); the experts modules get their own FSDP over the ranks that hold the same experts (efsdp).
 
 Dropless dispatch, on PyTorch's own collectives (functional ``all_to_all_single``, so autograd flows):
 
@@ -18,14 +18,18 @@ Dropless dispatch, on PyTorch's own collectives (functional ``all_to_all_single`
    module itself sums them.
 
 So every token meets the same expert weights in the same order as on one process. The weights are DTensors
-``Shard(0)`` on the expert-parallel mesh: ``mg.clip_grad_norm_`` and DCP see the whole expert set. Their
-gradient collects every rank's tokens through the all-to-all's backward and is divided by the data-parallel
-size, as FSDP divides the dense parameters' (each rank's loss is its share's mean).
+``Shard(0)`` on the expert-parallel mesh (and FSDP's shard of that over efsdp): ``mg.clip_grad_norm_`` and
+DCP see the whole expert set. Their gradient collects the ep group's tokens through the all-to-all's
+backward; FSDP averages it over efsdp, and the dispatch divides it by ep, so it is divided by the
+data-parallel size as FSDP divides the dense parameters' (each rank's loss is its share's mean).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,10 +64,6 @@ def check(model: nn.Module, layout: Any) -> list[tuple[str, nn.Module]]:
         fits = [d for d in range(1, layout.ep + 1) if all(n % d == 0 for n in counts)]
         raise UsageError(f"ep={layout.ep} does not divide the {', '.join(map(str, counts))} experts of {name}; use "
                          f"ep={max(fits)}")
-    config = getattr(model, "config", None)
-    if getattr(config, "output_router_logits", False):
-        raise UsageError(f"{name} adds the router's load-balancing loss (output_router_logits=True), which under ep "
-                         "would be each rank's tokens' loss, not the batch's; set output_router_logits=False, or ep=1")
     return found
 
 
@@ -92,41 +92,136 @@ class _Local:
         return local[name] if name in local else getattr(self.__dict__["_module"], name)
 
 
-def apply(found: list[tuple[str, nn.Module]], layout: Any, mesh: Any) -> list[nn.Parameter]:
+class Stats:
+    """What the dispatch saw since the meter last took it: tokens per expert per layer (this rank's, on the
+    device: no sync), (token, slot) pairs dropped by a capacity factor, and the seconds in the all-to-alls,
+    forward and backward (host clocks on CPU, where gloo's all-to-all is synchronous; CUDA events on GPU)."""
+
+    def __init__(self, layers: int, experts: int, duplicates: int, device: torch.device) -> None:
+        self.duplicates = duplicates  # tensor-parallel peers dispatch the same tokens: counted once
+        self.tokens = torch.zeros(layers, experts, dtype=torch.float64, device=device)
+        self.dropped = torch.zeros((), dtype=torch.float64, device=device)
+        self.seconds = 0.0
+        self._open: list[Any] = []  # the start marks of all-to-alls running now
+        self._spans: list[tuple[Any, Any]] = []  # CUDA event pairs, read at take()
+
+    def mark(self, start: bool, device: torch.device) -> None:
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            if start:
+                self._open.append(event)
+            else:
+                self._spans.append((self._open.pop(), event))
+        elif start:
+            self._open.append(time.perf_counter())
+        else:
+            self.seconds += time.perf_counter() - self._open.pop()
+
+    def take(self) -> dict[str, Any]:
+        """The interval's figures over every rank (a collective: every rank calls it), then zeroed."""
+        import torch.distributed as tdist
+
+        if self._spans:
+            self._spans[-1][1].synchronize()
+            self.seconds += sum(a.elapsed_time(b) for a, b in self._spans) / 1e3
+            self._spans = []
+        world = tdist.get_world_size()
+        packed = torch.cat([self.tokens.flatten(), self.dropped.view(1),
+                            torch.tensor([self.seconds], dtype=torch.float64, device=self.tokens.device)])
+        tdist.all_reduce(packed)
+        tokens = packed[:self.tokens.numel()].view_as(self.tokens) / self.duplicates
+        per_layer = tokens.max(1).values / tokens.mean(1).clamp(min=1e-30)
+        self.tokens.zero_(), self.dropped.zero_()
+        self.seconds = 0.0
+        return {"tokens": tokens.sum(0).tolist(), "imbalance": float(per_layer.max()),
+                "imbalance_by_layer": per_layer.tolist(), "dropped": float(packed[-2]) / self.duplicates,
+                "a2a_s": float(packed[-1]) / world}
+
+
+class _Clock(torch.autograd.Function):
+    """Identity; marks an all-to-all's start (``start``) or end in the forward, and the reverse in the
+    backward, where the all-to-all's own backward runs between the two marks."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, stats: Stats, start: bool) -> torch.Tensor:
+        ctx.stats, ctx.start = stats, start
+        stats.mark(start, x.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.stats.mark(not ctx.start, grad.device)
+        return grad, None, None
+
+
+def stats_of(model: nn.Module) -> Stats | None:
+    """The dispatch figures of a model spread with expert parallelism (None for any other model)."""
+    return next((m._multigpu_expert_stats for m in model.modules() if hasattr(m, "_multigpu_expert_stats")), None)
+
+
+@dataclass(frozen=True)
+class _Dispatch:
+    group: Any
+    ep: int
+    local: int
+    grad_scale: float  # FSDP (over efsdp) averages over efsdp; this makes it the data-parallel mean
+    capacity_factor: float | None
+    stats: Stats
+    layer: int
+
+
+def apply(found: list[tuple[str, nn.Module]], layout: Any, mesh: Any, capacity_factor: float | None = None) -> None:
     """Spread the experts modules ``found`` (``check``'s) over ``mesh`` (the expert-parallel ranks): each rank
-    keeps its slice of every module's weights (a DTensor ``Shard(0)``) and runs the dispatch above. Returns
-    the expert parameters (for FSDP to leave out)."""
+    keeps its slice of every module's weights (a DTensor ``Shard(0)``) and runs the dispatch above.
+    ``capacity_factor``: at most ceil(factor x pairs / experts) (token, slot) pairs of a rank's tokens per
+    expert, the rest dropped (counted in ``Stats``); None: dropless."""
     from torch.distributed.tensor import DTensor, Shard
 
     ep, rank = mesh.size(), mesh.get_local_rank()
-    params = []
-    for _, module in found:
+    n = found[0][1].num_experts
+    device = next(found[0][1].parameters()).device
+    stats = Stats(len(found), n, layout.tp, device)
+    for layer, (_, module) in enumerate(found):
         local = module.num_experts // ep
         for pname, p in list(module.named_parameters(recurse=False)):
             shard = p.detach()[rank * local:(rank + 1) * local].clone()
             new = nn.Parameter(DTensor.from_local(shard, mesh, [Shard(0)], run_check=False), p.requires_grad)
             setattr(module, pname, new)
-            params.append(new)
-        module.forward = functools.partial(_forward, module, type(module).forward, mesh.get_group(), ep, local,
-                                           1.0 / layout.dp_size)
-    return params
+        how = _Dispatch(mesh.get_group(), ep, local, layout.efsdp / layout.dp_size, capacity_factor, stats, layer)
+        module.forward = functools.partial(_forward, module, type(module).forward, how)
+        module._multigpu_expert_stats = stats
 
 
-def _forward(module: nn.Module, forward: Any, group: Any, ep: int, local: int, grad_scale: float,
+def _kept(flat: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, factor: float) -> tuple:
+    """(order, counts) without the pairs past each expert's capacity (the first ones in token order stay)."""
+    capacity = math.ceil(factor * flat.numel() / len(counts))
+    starts = torch.cumsum(counts, 0) - counts
+    place = torch.arange(len(order), device=order.device) - starts.repeat_interleave(counts)
+    return order[place < capacity], counts.clamp(max=capacity)
+
+
+def _forward(module: nn.Module, forward: Any, how: _Dispatch,
              hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
-    n_experts = ep * local
+    ep, local, group, stats = how.ep, how.local, how.group, how.stats
     k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)            # the (token, slot) pairs in expert order
+    counts = torch.bincount(flat, minlength=ep * local)  # rows per expert, this rank's tokens
+    stats.tokens[how.layer] += counts
+    if how.capacity_factor is not None:
+        order, kept = _kept(flat, order, counts, how.capacity_factor)
+        stats.dropped += (counts - kept).sum()
+        counts = kept
     token = order // k
-    counts = torch.bincount(flat, minlength=n_experts)  # rows per expert, this rank's tokens
     received = all_to_all_single(counts, None, None, group).wait()  # (ep, local): from each rank, per local expert
     send, recv = counts.view(ep, local).sum(1).tolist(), received.view(ep, local).sum(1).tolist()
-    rows = all_to_all_single_autograd(hidden[token], recv, send, group)
+    sent = _Clock.apply(hidden[token], stats, True)
+    rows = _Clock.apply(all_to_all_single_autograd(sent, recv, send, group), stats, False)
     ids = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(received)  # each row's local expert
-    weights = {n: _ScaleGrad.apply(p.to_local(), grad_scale) for n, p in module.named_parameters(recurse=False)}
+    weights = {n: _ScaleGrad.apply(p.to_local(), how.grad_scale) for n, p in module.named_parameters(recurse=False)}
     out = forward(_Local(module, {**weights, "num_experts": local}), rows, ids[:, None],
                   torch.ones(len(ids), 1, dtype=top_k_weights.dtype, device=rows.device))
     if len(ids) == 0:
@@ -134,6 +229,6 @@ def _forward(module: nn.Module, forward: Any, group: Any, ep: int, local: int, g
         # output still hangs on the rows received, so this rank's backward runs the dispatch's all-to-all as
         # the others' do (without, the ranks' collectives no longer pair up: a hang).
         out = out + (rows.sum() + sum(w.sum() for w in weights.values())) * 0
-    back = all_to_all_single_autograd(out, send, recv, group)
+    back = _Clock.apply(all_to_all_single_autograd(_Clock.apply(out, stats, True), send, recv, group), stats, False)
     scores = top_k_weights.reshape(-1)[order]
     return torch.zeros_like(hidden).index_add_(0, token, (back * scores[:, None]).to(hidden.dtype))

@@ -181,17 +181,20 @@ def wrap_fsdp(
 
 def _shard(model: nn.Module, blocks: list[nn.Module], mesh: Any, reshard_after_forward: bool,
            pdt: torch.dtype | None, rdt: torch.dtype | None, cpu_offload: bool, device: torch.device,
-           ignored: set | None = None) -> nn.Module:
+           experts: tuple[list, Any] | None = None) -> nn.Module:
     fsdp2 = _fsdp2()
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    if ignored:  # expert parallelism's own (experts.py): sharded over their ranks already
-        kwargs["ignored_params"] = ignored
     if pdt is not None or rdt is not None:
         kwargs["mp_policy"] = fsdp2.MixedPrecisionPolicy(param_dtype=pdt, reduce_dtype=rdt)
     if cpu_offload:
         # Pinned host memory makes the host<->GPU copies asynchronous; it
         # exists only with CUDA.
         kwargs["offload_policy"] = fsdp2.CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    # Expert parallelism's experts modules (experts.py) first, over the ranks that hold the same experts
+    # (efsdp): the blocks around them then take only the dense parameters, over every dp_shard rank.
+    modules, experts_mesh = experts or ([], None)
+    for module in modules:
+        fsdp2.fully_shard(module, **{**kwargs, "mesh": experts_mesh})
     for block in blocks:
         fsdp2.fully_shard(block, **kwargs)
     # The root takes whatever no block took (embeddings, heads, norms); FSDP2
@@ -203,17 +206,18 @@ def _shard(model: nn.Module, blocks: list[nn.Module], mesh: Any, reshard_after_f
 def shard_blocks(model: nn.Module, mesh: Any, block_classes: Iterable[type] | None = None,
                  min_block_params: int = DEFAULT_MIN_BLOCK_PARAMS, reshard_after_forward: bool = True,
                  param_dtype: torch.dtype | str | None = None, reduce_dtype: torch.dtype | str | None = None,
-                 cpu_offload: bool = False, ignored_params: set | None = None) -> nn.Module:
+                 cpu_offload: bool = False, experts: tuple[list, Any] | None = None) -> nn.Module:
     """FSDP2 per block and on the root over a given mesh: 1-D (FSDP) or 2-D (replicate, shard: HSDP).
 
     ``mg.parallelize``'s FSDP step, after tensor parallelism: the data-parallel dimensions
-    (``layout.dp_mesh``) shard what TP left on each rank.
+    (``layout.dp_mesh``) shard what TP left on each rank. ``experts``: (expert parallelism's experts
+    modules, the mesh they are sharded over first).
     """
     check_block_options(block_classes, min_block_params)
     pdt, rdt = _dtype("param_dtype", param_dtype), _dtype("reduce_dtype", reduce_dtype)
     blocks = _matched_blocks(model, block_classes, min_block_params)
     device = next(model.parameters()).device
-    return _shard(model, blocks, mesh, reshard_after_forward, pdt, rdt, cpu_offload, device, ignored_params)
+    return _shard(model, blocks, mesh, reshard_after_forward, pdt, rdt, cpu_offload, device, experts)
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:

@@ -33,6 +33,9 @@ from ..runtime.values import divisors, is_positive_int, positive_int
 from .pp import SCHEDULES, stage_ids, stages_per_rank
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # the device mesh's dimensions, outer to inner
+# With expert parallelism dp_shard is built as (efsdp, ep) and flattened back to "dp_shard" (torchtitan's
+# dp_shard = efsdp x ep): the experts shard over "ep" and FSDP over "efsdp", everything else over "dp_shard".
+EP_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "tp")
 # The command-line flags of a script's layout (mg.layout_from_args reads them, Layout.flags writes them):
 # flag -> Layout field, the integer degrees first. Every flag is one of the frozen Layout's fields.
 INT_FLAGS = {"--tp": "tp", "--pp": "pp", "--dp-replicate": "dp_replicate", "--dp-shard": "dp_shard",
@@ -194,18 +197,45 @@ class Layout:
         """The one device mesh over ``DIMS`` (collective the first time: every rank calls it; built once per
         shape), on the job's device type (gloo meshes are "cpu", NCCL meshes "cuda")."""
         r = self._at(None)
-        return _device_mesh(device_type, (r.pp, r.dp_replicate, r.dp_shard, r.tp), DIMS)
+        if r.ep == 1:
+            return _device_mesh(device_type, (r.pp, r.dp_replicate, r.dp_shard, r.tp), DIMS)
+        return _device_mesh(device_type, (r.pp, r.dp_replicate, r.dp_shard // r.ep, r.ep, r.tp), EP_DIMS)
+
+    @property
+    def efsdp(self) -> int:
+        """What expert parallelism leaves of dp_shard: the ranks FSDP shards each rank's experts over."""
+        return self._at(None).dp_shard // self.ep
 
     def ep_mesh(self, device_type: str) -> Any:
-        """The expert-parallel ranks of this process: its dp_shard group (ep = dp_shard: efsdp 1)."""
-        return self.device_mesh(device_type)["dp_shard"]
+        """The expert-parallel ranks of this process (its experts are Shard(0) over them)."""
+        return self.device_mesh(device_type)["ep"]
+
+    def efsdp_mesh(self, device_type: str) -> Any:
+        """The ranks that hold the same experts: FSDP shards them over these (``efsdp``, often 1)."""
+        return self.device_mesh(device_type)["efsdp"]
 
     def dp_mesh(self, device_type: str) -> Any | None:
         """What FSDP shards over: 2-D (replicate, shard) for HSDP, 1-D (shard) for FSDP, None without data parallelism."""
         mesh = self.device_mesh(device_type)
         if self.dp_replicate > 1:
             return mesh["dp_replicate", "dp_shard"]
+        if self.ep > 1:  # the flattened (efsdp, ep), kept by the builder (slicing it from the root is deprecated)
+            return _MESHES[("flat",) + _key(device_type, mesh)]
         return mesh["dp_shard"] if self.dp_shard > 1 else None
+
+    def dp_group(self, device_type: str) -> Any | None:
+        """The process group of this rank's data-parallel peers, in data-parallel rank order (None on one)."""
+        if self._at(None).dp_size == 1:
+            return None
+        mesh = self.dp_mesh(device_type)
+        if mesh is None:  # replicate only (DDP)
+            return self.device_mesh(device_type)["dp_replicate"].get_group()
+        if mesh.ndim == 2:  # HSDP: (replicate, shard) as one dimension
+            key = ("dp",) + _key(device_type, self.device_mesh(device_type))
+            if key not in _MESHES:
+                _MESHES[key] = mesh._flatten("dp")
+            mesh = _MESHES[key]
+        return mesh.get_group()
 
     def check_sizes(self, *, heads: int | None = None, kv_heads: int | None = None, hidden: int | None = None,
                     vocab: int | None = None, seq: int | None = None, blocks: int | None = None,
@@ -249,5 +279,12 @@ def _device_mesh(device_type: str, sizes: tuple[int, ...], names: tuple[str, ...
         _MESHES["world"] = world
     key = (device_type, tuple(sizes), tuple(names))
     if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+        mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+        if "ep" in names:  # dp_shard = efsdp x ep, one dimension again for what FSDP shards
+            _MESHES[("flat",) + key] = mesh["efsdp", "ep"]._flatten("dp_shard")
+        _MESHES[key] = mesh
     return _MESHES[key]
+
+
+def _key(device_type: str, mesh: Any) -> tuple:
+    return (device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh_dim_names))

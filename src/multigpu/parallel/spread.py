@@ -25,6 +25,7 @@ from ..data.share import record, remember
 from ..dist import print0
 from ..errors import UsageError
 from . import auto, probe
+from .hf import router
 from .batchnorm import prepare_batchnorm
 from .fsdp import shard_blocks, unit_rule, units_line
 from .layout import Layout
@@ -136,7 +137,7 @@ def _check_options(layout: Layout, options: dict[str, Any]) -> None:
 def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict[str, Any] | None = None,
                 block_classes: list[type] | None = None, activation_checkpointing: bool | None = None,
                 compile: bool | None = None, sequence_parallel: bool | None = None, pipeline_stage: bool = False,
-                verbose: bool = True, **options: Any) -> nn.Module:
+                capacity_factor: float | None = None, verbose: bool = True, **options: Any) -> nn.Module:
     """Spread ``model`` (the full model, built with the same seed on every rank, on ``dist.device``) by
     ``layout`` in torchtitan's order: TP, then activation checkpointing and compile per block, then the
     data-parallel step: FSDP/HSDP, or DDP when the layout only replicates. Returns the model to train (the
@@ -151,7 +152,11 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
     ``sequence_parallel``, ``activation_checkpointing`` and ``compile`` override the layout's.
     ``pipeline_stage``: ``model`` is one stage of a pipeline over ``layout`` (``mg.parallel.pipeline``):
     TP and FSDP apply inside the stage, and FSDP keeps the parameters gathered between a step's
-    micro-batches unless ``reshard_after_forward`` says so.
+    micro-batches unless ``reshard_after_forward`` says so. ``capacity_factor`` (under ``ep``): each rank
+    sends an expert at most ceil(factor x its routed pairs / experts) of its tokens, drops the rest and
+    counts them (``mg.StepMeter``'s ``experts.dropped``); None, the default, drops nothing (one process's
+    result). A mixture of experts' router loss (``output_router_logits``) is computed over every
+    data-parallel rank's tokens (``hf/router.py``).
 
     >>> model = mg.parallelize(LlamaForCausalLM(cfg).to(dist.device), mg.parallel.Layout(tp=2))
     >>> model = mg.parallelize(net, mg.parallel.Layout(dp_replicate=dist.world_size), comm_hook="bf16")   # DDP
@@ -171,12 +176,14 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
     classes, block_source = auto.blocks_of(model, block_classes)
     blocks = auto.block_modules(model, classes)
     say = print0 if verbose else (lambda *a, **k: None)
-    found = _experts_to_spread(model, layout)  # refused before TP changes the model or builds a mesh
+    found = _experts_to_spread(model, layout, capacity_factor)  # refused before TP changes the model or a mesh
     if layout.tp > 1:
         _tensor_parallel(model, layout, blocks, tp_plan, pipeline_stage, device_type, say)
     if found:
-        options["ignored_params"] = _expert_parallel(model, layout, found, device_type, say)
+        options["experts"] = _expert_parallel(model, layout, found, capacity_factor, device_type, say)
     extras = _per_block(model, layout, blocks, activation_checkpointing, compile)
+    if layout.dp_size > 1 and router.has_router_loss(model):  # the batch's load-balancing loss, not a rank's
+        router.over_ranks(model, layout.dp_group(device_type))
     model = _data_parallel(model, layout, classes, block_source, block_classes, pipeline_stage, options, extras, say)
     rank, world = _world()
     if not pipeline_stage:  # a pipeline records its own (mg.eval_loader and mg.all_reduce_sum read it)
@@ -206,33 +213,36 @@ def _tensor_parallel(model: nn.Module, layout: Layout, blocks: list, tp_plan: di
         f"{len(styles)} modules: {_short(written)}")
 
 
-def _experts_to_spread(model: nn.Module, layout: Layout) -> list:
+def _experts_to_spread(model: nn.Module, layout: Layout, capacity_factor: float | None) -> list:
     """The experts modules ``layout.ep`` spreads (none when ep is 1), or a one-line refusal of what this
     release cannot: checked on the model as it came, before any step changes it."""
+    if capacity_factor is not None and (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
+                                        or not capacity_factor > 0 or layout.ep == 1):
+        raise UsageError(f"capacity_factor caps the tokens each expert takes under expert parallelism: a number > 0 "
+                         f"with ep > 1, got {capacity_factor!r} with ep={layout.ep}; leave it out (dropless) or use ep")
     if layout.ep == 1:
         return []
     from . import experts
-    from .fsdp import _fsdp2
 
-    if layout.ep != layout.dp_shard or layout.dp_replicate > 1 or layout.sequence_parallel:
-        raise UsageError(f"expert parallelism here takes every dp_shard rank (ep = dp_shard) with no dp_replicate "
-                         f"and no sequence_parallel, got layout {layout.label}; expert FSDP over what ep leaves, "
-                         "HSDP and SP around the experts are not built yet: use ep = dp_shard")
-    if "ignored_params" not in inspect.signature(_fsdp2().fully_shard).parameters:
-        raise UsageError("expert parallelism needs FSDP2's ignored_params (torch >= 2.7); upgrade torch or use ep=1")
+    if layout.dp_replicate > 1 or layout.sequence_parallel:
+        raise UsageError(f"expert parallelism takes its ranks from dp_shard alone, without dp_replicate or "
+                         f"sequence_parallel, got layout {layout.label}; HSDP and SP around the experts are not built "
+                         "yet: use dp_shard and tp with ep")
     return experts.check(model, layout)
 
 
-def _expert_parallel(model: nn.Module, layout: Layout, found: list, device_type: str, say: Any) -> set:
+def _expert_parallel(model: nn.Module, layout: Layout, found: list, capacity_factor: float | None, device_type: str,
+                     say: Any) -> tuple:
     """Each rank keeps experts/ep of every experts module ``found`` and the routed tokens travel to them
-    (``experts.py``); their parameters, for FSDP to leave out."""
+    (``experts.py``); (the modules, the mesh FSDP shards them over: efsdp)."""
     from . import experts
 
-    params = experts.apply(found, layout, layout.ep_mesh(device_type))
+    experts.apply(found, layout, layout.ep_mesh(device_type), capacity_factor)
     n = found[0][1].num_experts
+    drops = "dropless" if capacity_factor is None else f"capacity factor {capacity_factor}"
     say(f"mg.parallelize: expert parallel {layout.ep}: {len(found)} experts modules of {type(model).__name__}, "
-        f"{n // layout.ep} of {n} experts per rank, dropless all-to-all")
-    return set(params)
+        f"{n // layout.ep} of {n} experts per rank, FSDP over efsdp {layout.efsdp}, {drops} all-to-all")
+    return [m for _, m in found], layout.efsdp_mesh(device_type)
 
 
 def _per_block(model: nn.Module, layout: Layout, blocks: list, activation_checkpointing: bool | None,

@@ -209,6 +209,9 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
         raise UsageError(f"mg.parallel.pipeline cuts {name} into pp stages but the layout has pp=1; "
                          "use mg.parallelize(model, layout), or Layout(pp=2)")
     accum_steps = plan.accum_steps
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise UsageError(f"{name} adds the router's load-balancing loss in its own forward (output_router_logits=True), "
+                         "which a pipeline's stages do not run; set output_router_logits=False, or pp=1")
     # The model's own problems first (they need another model, not another flag), then the schedule's.
     make, ranges, how = split(model, layout, layout.stages, splits)
     n_stages = pp.check(layout.schedule, layout.pp, accum_steps)
