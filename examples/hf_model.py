@@ -7,17 +7,22 @@
     multigpu run -n 2 --cpu examples/hf_model.py --pp 2            # two pipeline stages, 1F1B
     multigpu verify --cpu --layouts "tp=2;dp_shard=2;pp=2" examples/hf_model.py   # each the same as one process?
     multigpu tune -n 4 --cpu examples/hf_model.py                  # which layout is fastest here?
+    multigpu run -n 4 --cpu examples/hf_model.py --moe --ep 2      # a Mixtral: EP 2 x FSDP 2 (docs/experts.md)
+    multigpu verify --cpu --layouts "dp_shard=2,ep=2;dp_shard=4,ep=2;dp_shard=2,ep=2,tp=2" examples/hf_model.py --moe
+    multigpu tune -n 4 --cpu --experts examples/hf_model.py --moe  # the ep layouts weighed too
 
 It follows the layout contract (docs/your-model.md): its layout comes from ``mg.layout_from_args()``
-(--tp --pp --dp-replicate --dp-shard --micro-batch --activation-checkpointing --schedule --compile), it
+(--tp --pp --dp-replicate --dp-shard --ep --micro-batch --activation-checkpointing --schedule --compile), it
 takes --steps and --global-batch, and it measures its steps with mg.StepMeter, so tune, verify and
 study can run it in any layout. Needs ``pip install multigpu[hf]``. The lines marked ``# +layout`` are
-all that differ from one process.
+all that differ from one process. ``--moe`` builds a Mixtral of the same sizes instead (4 experts, 2 per
+token) whose loss includes its router's load-balancing loss.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -29,17 +34,26 @@ from multigpu.recipes.gpt.data import TokenWindows, prepare_tokens
 
 def main() -> None:
     with mg.init(seed=0) as dist:
-        layout, rest = mg.layout_from_args(default=mg.parallel.Layout(micro_batch=2))           # +layout
+        # A mixture of experts' router loss is a micro-batch's: one micro-batch a step (each rank's share
+        # whole) makes it the step's on every layout, as on one process (docs/experts.md).
+        moe = "--moe" in sys.argv
+        layout, rest = mg.layout_from_args(default=mg.parallel.Layout(micro_batch=None if moe else 2))  # +layout
         ap = argparse.ArgumentParser()
         ap.add_argument("--steps", type=int, default=20)
         ap.add_argument("--global-batch", type=int, default=16)
+        ap.add_argument("--moe", action="store_true", help="a Mixtral (4 experts, top 2) instead of a Llama")
         args = ap.parse_args(rest)
         data = TokenWindows(prepare_tokens("data/pydoc") / "train.bin", block_size=64, vocab_size=256)
-        config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                          bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+        sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
+                     tie_word_embeddings=False)
+        if args.moe:
+            config = transformers.MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2,
+                                                output_router_logits=True, router_aux_loss_coef=0.02)
+        else:
+            config = transformers.LlamaConfig(**sizes)
         torch.manual_seed(0)  # the same full model on every rank; mg.parallelize distributes it
-        model = transformers.LlamaForCausalLM(config).to(dist.device)
+        model = transformers.AutoModelForCausalLM.from_config(config).to(dist.device)
         plan = layout.plan(args.global_batch, dist)                                            # +layout
 
         def loss_fn(logits, y):
@@ -58,7 +72,11 @@ def main() -> None:
                 else:
                     loss = 0.0
                     for x, y in mg.accumulate(model, micro_batches):
-                        part = loss_fn(model(input_ids=x, use_cache=False).logits, y) / plan.accum_steps
+                        out = model(input_ids=x, use_cache=False)
+                        part = loss_fn(out.logits, y)
+                        if out.get("aux_loss") is not None:  # the router's loss (over every rank's tokens)
+                            part = part + config.router_aux_loss_coef * out.aux_loss
+                        part = part / plan.accum_steps
                         part.backward()
                         loss += float(part.detach())
                     mg.clip_grad_norm_(model, 1.0)

@@ -146,11 +146,69 @@ def _families_under(dist, layouts: list[dict]) -> dict:
 
 @pytest.mark.slow
 def test_three_moe_families_with_their_router_loss_equal_one_process_under_ep_layouts():
-    """EP 2 (2 ranks); EP 2 x FSDP 2, EP 2 + TP 2 and FSDP 4 (4 ranks: the router's loss over the batch without
-    EP too), within 1e-9 of one process on every parameter. A planted bug fails it: the router loss averaged
-    per rank (7e-3), tokens returned to the wrong rank (1e-2), the experts' gradient not divided (1e-3)."""
+    """EP 2 (2 ranks); EP 2 x FSDP 2, EP 2 + TP 2, and without EP HSDP 2 x 2 and DDP 4 (4 ranks: the router's
+    loss over the batch under every data-parallel group), within 1e-9 of one process on every parameter. A
+    planted bug fails it: the router loss averaged per rank (7e-3), tokens returned to the wrong rank (1e-2),
+    the experts' gradient not divided (1e-3)."""
     pytest.importorskip("transformers")
     diffs = spawn(_families_under, 2, [{"ep": 2}], timeout=600)[0]
-    diffs |= spawn(_families_under, 4, [{"ep": 2}, {"ep": 2, "tp": 2}, {}], timeout=600)[0]
-    assert len(diffs) == 3 * 4
+    diffs |= spawn(_families_under, 4, [{"ep": 2}, {"ep": 2, "tp": 2}, {"dp_replicate": 2}, {"dp_replicate": 4}],
+                   timeout=600)[0]
+    print(diffs)
+    assert len(diffs) == 3 * 5
     assert all(d < 1e-9 for d in diffs.values()), diffs
+
+
+def _metered(dist, log_dir: str, capacity_factor=None) -> dict:
+    """Mixtral under EP 2, 4 steps through mg.StepMeter (log every 2), with a capacity factor or dropless."""
+    import json
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    import torch.nn.functional as F
+
+    model = hf.build("zoo:mixtral")
+    layout = mg.parallel.Layout(ep=2)
+    model = mg.parallelize(model, layout, capacity_factor=capacity_factor, verbose=False)
+    plan = layout.plan(hf.GLOBAL_BATCH, dist)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with mg.StepMeter(dist, plan, log_every=2, log_dir=log_dir, model=model, progress=False, watchdog=None) as meter:
+        for _, micro_batches in meter.steps(mg.loader(hf.tokens(), plan, dist, seed=0)):
+            for x, y in micro_batches:
+                loss = F.cross_entropy(hf.logits_of(model, x).flatten(0, 1), y.flatten())
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            meter.step_end(loss=loss)
+            if meter.step == 4:
+                break
+    records = [json.loads(line) for line in open(f"{log_dir}/metrics.jsonl")] if dist.rank == 0 else []
+    config = mg.unwrap(model).config
+    state = {k: hf.full(v) for k, v in mg.unwrap(model).state_dict().items()}
+    return {"steps": [r for r in records if r.get("type") == "step"], "state": state,
+            "pairs": hf.GLOBAL_BATCH * hf.SEQ * config.num_experts_per_tok * config.num_hidden_layers}
+
+
+@pytest.mark.slow
+def test_the_meter_records_tokens_per_expert_imbalance_drops_and_the_all_to_all_share(tmp_path):
+    """Dropless: each interval's tokens per expert add up to every routed (token, slot) pair of its 2 steps
+    (summed over the layers, counted once), the imbalance is max/mean >= 1, nothing dropped, the all-to-all a
+    share of the step in (0, 1). A capacity factor of 0.5 drops pairs and counts them; one of 100 drops none
+    and trains exactly the dropless weights."""
+    pytest.importorskip("transformers")
+    dropless = spawn(_metered, 2, str(tmp_path / "a"), timeout=300)[0]
+    assert len(dropless["steps"]) == 2
+    for rec in dropless["steps"]:
+        e = rec["experts"]
+        assert sum(e["tokens"]) == 2 * dropless["pairs"] and len(e["tokens"]) == 4
+        assert e["imbalance"] == max(e["imbalance_by_layer"]) >= 1.0 and len(e["imbalance_by_layer"]) == 2
+        assert e["dropped"] == 0 and 0 < e["a2a_share"] < 1 and e["a2a_s"] > 0
+    capped = spawn(_metered, 2, str(tmp_path / "b"), 0.5, timeout=300)[0]
+    # each rank's expert takes at most ceil(half its pairs / 4 experts): at least half of the interval's pairs
+    # go, less one per (expert, layer, rank, step) for the rounding up
+    routed = 2 * capped["pairs"]
+    assert all(routed / 2 - 4 * 2 * 2 * 2 <= r["experts"]["dropped"] < routed for r in capped["steps"])
+    roomy = spawn(_metered, 2, str(tmp_path / "c"), 100.0, timeout=300)[0]
+    assert all(r["experts"]["dropped"] == 0 for r in roomy["steps"])
+    assert hf.max_diff(roomy, dropless) == 0.0 and hf.max_diff(capped, dropless) > 1e-6

@@ -201,7 +201,17 @@ def run_summary(records: list[dict[str, Any]], *, steps: int, samples_per_step: 
     stages = _stage_shares(spans, seconds)
     if stages:
         out["stages"] = stages
+    if all("experts" in r for _, _, r in spans):
+        out["experts"] = _experts_summary([r["experts"] for _, _, r in spans], seconds)
     return out
+
+
+def _experts_summary(intervals: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    """Expert parallelism over the measured intervals: tokens per expert (summed), the worst interval's
+    imbalance (max / mean tokens of an expert, its worst layer), the pairs dropped, the all-to-all's share."""
+    return {"tokens": [sum(t) for t in zip(*(e["tokens"] for e in intervals))],
+            "imbalance": max(e["imbalance"] for e in intervals), "dropped": sum(e["dropped"] for e in intervals),
+            "a2a_share": sum(e["a2a_s"] for e in intervals) / seconds}
 
 
 def _stage_shares(spans: list, seconds: float) -> list[dict[str, Any]]:

@@ -130,8 +130,11 @@ def size_rule(minimum: int = DEFAULT_MIN_BLOCK_PARAMS, why: str = "no repeated b
 
 
 def units_line(model: nn.Module, rule: str) -> str:
-    """``3 units of ViTLayer (declared _no_split_modules) + the root``, counted from what was sharded."""
-    return f"{len(fsdp_modules(model)) - 1} units of {rule} + the root"
+    """``3 units of ViTLayer (declared _no_split_modules) + the root``, counted from what was sharded (expert
+    parallelism's experts modules, sharded over efsdp, counted apart)."""
+    units = fsdp_modules(model)
+    experts = sum(hasattr(m, "_multigpu_expert_stats") for m in units)
+    return f"{len(units) - 1 - experts} units of {rule}{f' + {experts} experts modules' if experts else ''} + the root"
 
 
 def wrap_fsdp(

@@ -73,6 +73,15 @@ def run_page(run_dir: Path, records: list[dict[str, Any]], pngs: dict[str, bytes
             "time shares": ", ".join(f"{k} {100 * v:.0f} %" for k, v in (summary.get("fractions") or {}).items()),
             "peak memory (GB)": round(summary.get("peak_mem_gb") or 0.0, 3),
             "MFU": summary.get("mfu")}.items() if v is not None})]
+    experts = (summary or {}).get("experts")
+    if experts:  # expert parallelism's dispatch (mg.parallelize with ep)
+        tokens = experts["tokens"]
+        blocks += [Heading("Experts"), Pairs({
+            "tokens per expert": ", ".join(f"{t:,.0f}" for t in tokens),
+            "imbalance (max / mean tokens, worst layer and interval)": round(experts["imbalance"], 3),
+            "imbalance over the run": round(max(tokens) / (sum(tokens) / len(tokens)), 3) if sum(tokens) else None,
+            "dropped (token, expert) pairs": f"{experts['dropped']:,.0f}",
+            "all-to-all share of step time": f"{100 * experts['a2a_share']:.1f} %"})]
     blocks += [Heading("Plots"), Figures(pngs)] + ([Items(missing)] if missing else [])
     env = header.get("fingerprint") or {}
     if env:

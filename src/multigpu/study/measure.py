@@ -101,6 +101,9 @@ def measure_run(run_dir: Path, target: tuple[str, str, float] | None, steps: int
     out["noise"] = {"samples": [r["samples_seen"] for r in noise], "b_simple": [r["noise/b_simple"] for r in noise]}
     out["noise_scale"] = noise[-1]["noise/b_simple"] if noise else None
     out["breakdown"] = breakdown(summary.get("fractions") or {}, run_dir / "profile" / "summary.json")
+    if summary.get("experts"):  # expert parallelism: what the all-to-all costs, and how even the routing was
+        out["breakdown"]["all_to_all"] = summary["experts"]["a2a_share"]
+        out["expert_imbalance"] = summary["experts"]["imbalance"]
     return out
 
 

@@ -60,6 +60,8 @@ class TuneConfig:
     """CPU threads per worker on CPU (default %(default)s: a worker stands for a device)"""
     micro_batches: tuple[int, ...] | None = None
     """micro-batch sizes to consider (default: powers of 2 that divide a rank's share)"""
+    experts: bool = False
+    """the script's model is a mixture of experts: weigh its expert-parallel layouts too (ep of dp_shard)"""
 
 
 def check_args(cfg: TuneConfig) -> None:

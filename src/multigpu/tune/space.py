@@ -79,11 +79,13 @@ def _why_not(cfg, s, global_batch: int) -> str | None:
 
 
 def layouts(world: int, *, micro_batches: list[int] | None = None,
-            schedules: tuple[str, ...] = ("1f1b",)) -> list[Layout]:
+            schedules: tuple[str, ...] = ("1f1b",), experts: bool = False) -> list[Layout]:
     """Every ``Layout`` of ``world`` ranks, for a script that reads its layout from its command line: each
     factoring of the world into (pp, dp_replicate, dp_shard, tp) that the mesh itself accepts, times the
-    micro-batch sizes (None: the script's own) and, with a pipeline, the schedules. The script refuses
-    those its model or batch cannot take (heads tp does not divide, a batch that does not split)."""
+    micro-batch sizes (None: the script's own) and, with a pipeline, the schedules; with ``experts`` (a
+    mixture of experts) each ep > 1 that divides dp_shard too, where the layout has no pp or dp_replicate.
+    The script refuses those its model or batch cannot take (heads tp does not divide, a batch that does
+    not split, experts ep does not divide)."""
     if world < 1:
         raise UsageError(f"tune needs at least 1 rank, got {world}")
     found = []
@@ -92,6 +94,7 @@ def layouts(world: int, *, micro_batches: list[int] | None = None,
             for tp in divisors(world // (pp * rep)):
                 for m in micro_batches or [None]:
                     for schedule in (schedules if pp > 1 else ("1f1b",)):  # dp_shard takes the rest
-                        found.append(Layout(dp_replicate=rep, tp=tp, pp=pp, micro_batch=m,
-                                            schedule=schedule).resolve(world))
+                        layout = Layout(dp_replicate=rep, tp=tp, pp=pp, micro_batch=m, schedule=schedule).resolve(world)
+                        eps = [d for d in divisors(layout.dp_shard) if d > 1] if experts and pp == rep == 1 else []
+                        found += [layout] + [dataclasses.replace(layout, ep=ep) for ep in eps]
     return found
