@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 import multigpu as mg
 from multigpu.meter.footprint import state_bytes
-from multigpu.parallel.experts import stats_of
+from multigpu.parallel.experts import figures, stats_of
 from multigpu.runtime.fingerprint import format_fingerprint
 from multigpu.testing import spawn
 
@@ -69,7 +69,7 @@ def _expert_bytes(model) -> tuple[int, int]:
     params = [p for n, p in model.named_parameters() if ".experts." in n]
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params)
     layer = expert_modules(model)[0][1]
-    ep = 1 if stats_of(model) is None else torch.distributed.get_world_size()
+    ep = torch.distributed.get_world_size() if stats_of([model]) else 1
     return held, sum(p.numel() * p.element_size() for p in layer.parameters()) // ep
 
 
@@ -85,18 +85,16 @@ def _bench(dist, args):
     for run in runs.values():
         for _ in range(args.warmup):
             step(run)
-        if stats_of(run[0]) is not None:
-            stats_of(run[0]).take()  # the warm-up's dispatch left out
+        figures(stats_of([run[0]]))  # the warm-up's dispatch left out
     out = time_interleaved(runs, step, warmup=0, rounds=args.rounds, steps=args.steps)
     for name, (model, opt, _, _) in runs.items():
         out[name]["bytes"] = state_bytes(model, opt).as_dict()
         out[name]["expert_bytes"], out[name]["expert_layer_bytes"] = _expert_bytes(model)
-        stats = stats_of(model)
-        if stats is not None:
-            figures = stats.take()
-            out[name]["a2a_share"] = figures["a2a_s"] / sum(out[name]["times"])
-            out[name]["imbalance"], out[name]["dropped"] = figures["imbalance"], figures["dropped"]
-            out[name]["pairs"] = sum(figures["tokens"])
+        taken = figures(stats_of([model]))
+        if taken is not None:
+            out[name]["a2a_share"] = taken["a2a_s"] / sum(out[name]["times"])
+            out[name]["imbalance"], out[name]["dropped"] = taken["imbalance"], taken["dropped"]
+            out[name]["pairs"] = sum(taken["tokens"])
     return out
 
 

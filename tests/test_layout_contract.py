@@ -129,10 +129,10 @@ def test_tune_enumerates_every_layout_through_the_mesh_factoring():
     assert len(shapes) == 10 and all(a * b * c * d == 4 for a, b, c, d in shapes)  # ordered factorings of 4
     assert len(found) == 20 and {l.micro_batch for l in found} == {2, 4}
     assert [l.label for l in layouts(2)] == ["dp_shard=2", "tp=2", "dp_replicate=2", "pp=2"]
-    # a mixture of experts (tune --experts): each ep of dp_shard too, beside FSDP and TP (not yet PP or HSDP)
+    # a mixture of experts (tune --experts): each ep of dp_shard too, beside FSDP, TP and PP (not yet HSDP)
     moe = [l.label for l in layouts(4, experts=True) if l.ep > 1]
-    assert moe == ["dp_shard=4,ep=2", "dp_shard=4,ep=4", "dp_shard=2,tp=2,ep=2"]
-    assert len(layouts(4, experts=True)) == 10 + 3
+    assert moe == ["dp_shard=4,ep=2", "dp_shard=4,ep=4", "dp_shard=2,tp=2,ep=2", "pp=2,dp_shard=2,ep=2"]
+    assert len(layouts(4, experts=True)) == 10 + 4
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from . import gpumon, sinks as _sinks
 from .flops import FlopCount, dtype_key, peak_flops
 from .interval import Interval
 from .probe import Probe, dp_rank, is_pipeline
-from .records import experts_stats, interval_record, run_summary, summary_line
+from .records import experts_stats, figures, interval_record, run_summary, summary_line
 
 SCHEMA_VERSION = 2  # 2: summary throughput from totals, per-interval spreads under "intervals", pauses
 
@@ -107,7 +107,7 @@ class StepMeter:
         os.makedirs(self.log_dir, exist_ok=True)
 
         self._start_instruments(dist, model, gpu_monitor, watchdog, profile)
-        self._experts = experts_stats(model)  # expert parallelism's dispatch figures (None for other models)
+        self._experts = experts_stats(model)  # expert parallelism's dispatch figures (none for other models)
         self.probe = Probe(model, self.log_dir, self.rank, self.world_size, dp_rank(plan, dist)) if verify_requested() else None
         self._open_sinks(dist, plan, sinks, progress, resume, fingerprint_extra, sink_options, flops_per_sample)
 
@@ -328,7 +328,7 @@ class StepMeter:
             rows = [vec]
         n_steps = self._iv.n
         self._iv = Interval()
-        experts = self._experts.take() if self._experts is not None else None  # every rank: a collective
+        experts = figures(self._experts)  # every rank (a collective over its data-parallel ranks); None without EP
         if self.is_main:
             self._write_record(rows, keys, n_steps, experts)
 

@@ -98,13 +98,24 @@ def interval_record(
     return rec, streak
 
 
-def experts_stats(model: Any) -> Any:
-    """The expert-parallel dispatch's figures of ``model`` (parallel/experts.py's ``Stats``), or None."""
-    if model is None:
+def figures(stats: list) -> dict[str, Any] | None:
+    """The interval's expert figures (parallel/experts.py's ``figures``), None without expert parallelism."""
+    if not stats:
         return None
-    from ..parallel.experts import stats_of
+    from ..parallel.experts import figures as take
 
-    return stats_of(model)
+    return take(stats)
+
+
+def experts_stats(model: Any) -> list:
+    """The expert-parallel dispatch's figures of ``model`` or its pipeline's stages (parallel/experts.py's
+    ``Stats``); none for any other model."""
+    if model is None:
+        return []
+    from ..parallel.experts import stats_of
+    from .probe import is_pipeline
+
+    return stats_of(model.modules if is_pipeline(model) else [model])
 
 
 def measured(records: list[dict[str, Any]]) -> list[tuple[int, float, dict[str, Any]]]:

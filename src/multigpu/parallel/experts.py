@@ -97,8 +97,8 @@ class Stats:
     device: no sync), (token, slot) pairs dropped by a capacity factor, and the seconds in the all-to-alls,
     forward and backward (host clocks on CPU, where gloo's all-to-all is synchronous; CUDA events on GPU)."""
 
-    def __init__(self, layers: int, experts: int, duplicates: int, device: torch.device) -> None:
-        self.duplicates = duplicates  # tensor-parallel peers dispatch the same tokens: counted once
+    def __init__(self, layers: int, experts: int, group: Any, device: torch.device) -> None:
+        self.group = group  # the data-parallel ranks: each token once (tensor-parallel peers hold copies)
         self.tokens = torch.zeros(layers, experts, dtype=torch.float64, device=device)
         self.dropped = torch.zeros((), dtype=torch.float64, device=device)
         self.seconds = 0.0
@@ -119,24 +119,33 @@ class Stats:
             self.seconds += time.perf_counter() - self._open.pop()
 
     def take(self) -> dict[str, Any]:
-        """The interval's figures over every rank (a collective: every rank calls it), then zeroed."""
+        """The interval's figures over the data-parallel ranks (a collective over them), then zeroed."""
         import torch.distributed as tdist
 
         if self._spans:
             self._spans[-1][1].synchronize()
             self.seconds += sum(a.elapsed_time(b) for a, b in self._spans) / 1e3
             self._spans = []
-        world = tdist.get_world_size()
         packed = torch.cat([self.tokens.flatten(), self.dropped.view(1),
                             torch.tensor([self.seconds], dtype=torch.float64, device=self.tokens.device)])
-        tdist.all_reduce(packed)
-        tokens = packed[:self.tokens.numel()].view_as(self.tokens) / self.duplicates
-        per_layer = tokens.max(1).values / tokens.mean(1).clamp(min=1e-30)
+        tdist.all_reduce(packed, group=self.group)
+        tokens = packed[:self.tokens.numel()].view_as(self.tokens)
         self.tokens.zero_(), self.dropped.zero_()
         self.seconds = 0.0
-        return {"tokens": tokens.sum(0).tolist(), "imbalance": float(per_layer.max()),
-                "imbalance_by_layer": per_layer.tolist(), "dropped": float(packed[-2]) / self.duplicates,
-                "a2a_s": float(packed[-1]) / world}
+        return {"tokens": tokens, "dropped": float(packed[-2]), "a2a_s": float(packed[-1]) / tdist.get_world_size(self.group)}
+
+
+def figures(stats: list[Stats]) -> dict[str, Any] | None:
+    """The interval's figures of every ``Stats`` this rank holds (one per pipeline stage; a collective over
+    each one's data-parallel ranks): the layers of its stages, the seconds of all its all-to-alls."""
+    if not stats:
+        return None
+    taken = [s.take() for s in stats]
+    tokens = torch.cat([t["tokens"] for t in taken])  # (layers, experts)
+    per_layer = tokens.max(1).values / tokens.mean(1).clamp(min=1e-30)
+    return {"tokens": tokens.sum(0).tolist(), "imbalance": float(per_layer.max()),
+            "imbalance_by_layer": per_layer.tolist(), "dropped": sum(t["dropped"] for t in taken),
+            "a2a_s": sum(t["a2a_s"] for t in taken)}
 
 
 class _Clock(torch.autograd.Function):
@@ -155,9 +164,11 @@ class _Clock(torch.autograd.Function):
         return grad, None, None
 
 
-def stats_of(model: nn.Module) -> Stats | None:
-    """The dispatch figures of a model spread with expert parallelism (None for any other model)."""
-    return next((m._multigpu_expert_stats for m in model.modules() if hasattr(m, "_multigpu_expert_stats")), None)
+def stats_of(modules: list[nn.Module]) -> list[Stats]:
+    """The dispatch figures of models spread with expert parallelism (one per model that is: a pipeline's
+    stages each have theirs), in order; none for any other model."""
+    found = [m._multigpu_expert_stats for root in modules for m in root.modules() if hasattr(m, "_multigpu_expert_stats")]
+    return list(dict.fromkeys(found))  # each once (every experts module of a model points at its model's)
 
 
 @dataclass(frozen=True)
@@ -181,7 +192,7 @@ def apply(found: list[tuple[str, nn.Module]], layout: Any, mesh: Any, capacity_f
     ep, rank = mesh.size(), mesh.get_local_rank()
     n = found[0][1].num_experts
     device = next(found[0][1].parameters()).device
-    stats = Stats(len(found), n, layout.tp, device)
+    stats = Stats(len(found), n, layout.dp_group(device.type), device)
     for layer, (_, module) in enumerate(found):
         local = module.num_experts // ep
         for pname, p in list(module.named_parameters(recurse=False)):

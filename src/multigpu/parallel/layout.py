@@ -74,9 +74,6 @@ class Layout:
         if self.sequence_parallel and self.tp == 1:
             raise UsageError("sequence_parallel splits the sequence over tensor-parallel ranks but tp is 1; "
                              "use Layout(tp=2, sequence_parallel=True) or drop it")
-        if self.ep > 1 and self.pp > 1:
-            raise UsageError(f"expert parallelism (ep {self.ep}) with pipeline stages (pp {self.pp}) is not built yet; "
-                             "use pp=1 with ep, or ep=1 with pp")
         if self.ep > 1 and self.dp_shard is not None and self.dp_shard % self.ep:
             raise UsageError(f"ep {self.ep} borrows its ranks from dp_shard (dp_shard = efsdp x ep), but dp_shard "
                              f"{self.dp_shard} is not a multiple of it; use ep in "

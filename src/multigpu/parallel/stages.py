@@ -239,7 +239,8 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
                f"schedule {layout.schedule}, {accum_steps} micro-batches"
                + (f", each stage tensor parallel {layout.tp} (plan {source}, {len(styles)} modules)"
                   if layout.tp > 1 else "")
-               + (f", each stage FSDP over {layout.dp_size} ranks" if layout.dp_size > 1 else ""))
+               + (f", each stage FSDP over {layout.dp_size} ranks" if layout.dp_size > 1 else "")
+               + (f", its experts over ep {layout.ep}" if layout.ep > 1 else ""))
     from .hf.tied import tied_groups
 
     tied = tied_groups(model)  # each stage holds its own copy: the Pipeline sums their gradients
