@@ -235,3 +235,37 @@ def test_the_meter_records_tokens_per_expert_imbalance_drops_and_the_all_to_all_
     roomy = spawn(_metered, 2, str(tmp_path / "c"), 100.0, timeout=300)[0]
     assert all(r["experts"]["dropped"] == 0 for r in roomy["steps"])
     assert hf.max_diff(roomy, dropless) == 0.0 and hf.max_diff(capped, dropless) > 1e-6
+
+
+def _router_loss(dist) -> dict:
+    """Each rank's router logits (1 and 2 sequences of 4 tokens: uneven), a mask, through the gathered loss."""
+    import contextvars
+
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as original
+
+    from multigpu.parallel.hf import router
+
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(12, 4, generator=g, dtype=torch.float64) for _ in range(2)]  # 2 layers, 12 tokens, 4 experts
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1], [0, 1, 1, 1]])  # one process: 3 sequences of 4 tokens
+    rows, seqs = (slice(0, 4), slice(0, 1)) if dist.rank == 0 else (slice(4, 12), slice(1, 3))
+    mine = tuple(f[rows].clone().requires_grad_() for f in full)
+    ctx = contextvars.copy_context()
+    ctx.run(router._GROUP.set, torch.distributed.group.WORLD)
+    import inspect
+
+    loss = ctx.run(router._global, original, inspect.signature(original), mine, 4, 2, mask[seqs])
+    loss.backward()
+    whole = tuple(f.clone().requires_grad_() for f in full)
+    expected = original(whole, 4, 2, mask)
+    expected.backward()
+    return {"loss": float(loss), "expected": float(expected),
+            "grad": max(float((m.grad - 2 * w.grad[rows]).abs().max()) for m, w in zip(mine, whole))}
+
+
+def test_the_router_loss_is_the_familys_own_over_every_ranks_tokens_and_mask():
+    """The family's own function on the ranks' logits gathered in rank order (with the attention mask),
+    each rank's gradient the batch loss's times the ranks (the data-parallel mean divides it again)."""
+    pytest.importorskip("transformers")
+    for out in spawn(_router_loss, 2):
+        assert out["loss"] == out["expected"] and out["grad"] < 1e-15

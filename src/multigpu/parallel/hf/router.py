@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import sys
 from typing import Any
 
@@ -28,8 +29,10 @@ _GROUP: contextvars.ContextVar = contextvars.ContextVar("multigpu_router_group",
 
 
 def has_router_loss(model: nn.Module) -> bool:
-    """Whether ``model``'s family adds a router load-balancing loss (its modeling module defines one)."""
-    return hasattr(sys.modules.get(type(model).__module__), FUNCTION)
+    """Whether ``model``'s family adds a router load-balancing loss of the router logits (its modeling module
+    defines one taking ``gate_logits``: 33 families of transformers 5.24; Switch's takes probabilities)."""
+    function = getattr(sys.modules.get(type(model).__module__), FUNCTION, None)
+    return function is not None and "gate_logits" in inspect.signature(function).parameters
 
 
 def over_ranks(model: nn.Module, group: Any) -> None:
@@ -39,7 +42,7 @@ def over_ranks(model: nn.Module, group: Any) -> None:
     module = sys.modules[type(model).__module__]
     original = getattr(module, FUNCTION)
     if not getattr(original, "_multigpu_global", False):
-        wrapped = functools.partial(_global, original)
+        wrapped = functools.partial(_global, original, inspect.signature(original))
         wrapped._multigpu_global = True
         setattr(module, FUNCTION, wrapped)
     tokens: list = []
@@ -54,16 +57,18 @@ def over_ranks(model: nn.Module, group: Any) -> None:
     model.register_forward_hook(leave, always_call=True)
 
 
-def _global(original: Any, gate_logits: Any, num_experts: int | None = None, top_k: int = 2,
-            attention_mask: torch.Tensor | None = None) -> Any:
+def _global(original: Any, signature: inspect.Signature, *args: Any, **kwargs: Any) -> Any:
     group = _GROUP.get()
+    bound = signature.bind(*args, **kwargs)
+    gate_logits, mask = bound.arguments.get("gate_logits"), bound.arguments.get("attention_mask")
     if group is None or not isinstance(gate_logits, tuple) or not gate_logits:
-        return original(gate_logits, num_experts, top_k, attention_mask)
+        return original(*args, **kwargs)
     layers = len(gate_logits)
     rows = _gather(torch.stack(gate_logits), group, grad=True)  # per rank: (layers, tokens, experts)
-    gathered = tuple(torch.cat([r[i] for r in rows]) for i in range(layers))
-    mask = None if attention_mask is None else torch.cat(_gather(attention_mask, group, grad=False))
-    return original(gathered, num_experts, top_k, mask)
+    bound.arguments["gate_logits"] = tuple(torch.cat([r[i] for r in rows]) for i in range(layers))
+    if mask is not None:
+        bound.arguments["attention_mask"] = torch.cat(_gather(mask, group, grad=False))
+    return original(*bound.args, **bound.kwargs)
 
 
 def _gather(x: torch.Tensor, group: Any, grad: bool) -> list[torch.Tensor]:
