@@ -32,6 +32,7 @@ def has_router_loss(model: nn.Module) -> bool:
     """Whether ``model``'s family adds a router load-balancing loss of the router logits (its modeling module
     defines one taking ``gate_logits``: 33 families of transformers 5.24; Switch's takes probabilities)."""
     function = getattr(sys.modules.get(type(model).__module__), FUNCTION, None)
+    function = getattr(function, "_multigpu_original", function)  # the family's own, once wrapped
     return function is not None and "gate_logits" in inspect.signature(function).parameters
 
 
@@ -43,7 +44,7 @@ def over_ranks(model: nn.Module, group: Any) -> None:
     original = getattr(module, FUNCTION)
     if not getattr(original, "_multigpu_global", False):
         wrapped = functools.partial(_global, original, inspect.signature(original))
-        wrapped._multigpu_global = True
+        wrapped._multigpu_global, wrapped._multigpu_original = True, original
         setattr(module, FUNCTION, wrapped)
     tokens: list = []
 
