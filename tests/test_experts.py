@@ -4,7 +4,11 @@ and its refusals, one line each before any group work. Whole models under EP aga
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -108,21 +112,50 @@ def _mixtral(dist, layout, ckpt=None, stop_after=None):
     return hf.train(dist, "zoo:mixtral", layout, accum=1, ckpt=ckpt, stop_after=stop_after, overrides=ROUTER_LOSS)
 
 
+# The slow proofs below run in one spawn per world size (on 2 cores a spawn's start-up, torch and
+# transformers imported on every rank, costs as much as the runs): 2 ranks, 4 ranks, then one process.
+_DIR = tempfile.mkdtemp(prefix="multigpu-experts-")  # made here: the workers import this module anew
+atexit.register(shutil.rmtree, _DIR, True)
+
+
+def _two(dist, where: str) -> dict:
+    """EP 2: the families with their router loss; the meter dropless (a), capacity 0.5 (b) and 100 (c);
+    steps 0-1 of the reshard chain."""
+    out = {"families": _families_under(dist, [{"ep": 2}]),
+           "meter": {name: _metered(dist, f"{where}/{name}", factor) for name, factor in (("a", None), ("b", 0.5),
+                                                                                         ("c", 100.0))}}
+    _mixtral(dist, {"ep": 2}, f"{where}/ckpt", 1)
+    return out
+
+
+def _four_ranks(dist, where: str) -> dict:
+    """The 4-rank layouts (``_four``); steps 2 (EP 2 x FSDP 2) and 3 (EP 4) of the reshard chain."""
+    out = _four(dist)
+    _mixtral(dist, {"ep": 2}, f"{where}/ckpt", 2)
+    _mixtral(dist, {"ep": 4}, f"{where}/ckpt", 3)
+    return out
+
+
+def _last(dist, where: str) -> dict:
+    """One process: trained alone for 5 steps, and step 4 of the reshard chain."""
+    return {"reference": _mixtral(dist, None), "last": _mixtral(dist, {}, f"{where}/ckpt")}
+
+
+@functools.cache
+def _runs() -> dict:
+    return {"two": spawn(_two, 2, _DIR, timeout=900)[0], "four": spawn(_four_ranks, 4, _DIR, timeout=900)[0],
+            "one": spawn(_last, 1, _DIR, timeout=300)[0]}
+
+
 @pytest.mark.slow
-def test_expert_weights_reshard_from_ep_2_to_ep_2_x_fsdp_2_to_ep_4_to_one_process(tmp_path):
+def test_expert_weights_reshard_from_ep_2_to_ep_2_x_fsdp_2_to_ep_4_to_one_process():
     """Steps 0-1 under EP 2 (2 ranks), 2 under EP 2 x FSDP 2 (4 ranks: the experts' FSDP over efsdp 2), 3
     under EP 4 (an expert each), 4 on one process, each from the last one's checkpoint, the router's loss
     included: the weights of one process trained alone for the 5 steps (DCP reshards the experts'
     DTensors, Shard(0) over ep and FSDP's strided shard over efsdp, like any other)."""
     pytest.importorskip("transformers")
-    reference = spawn(_mixtral, 1, None)[0]
-    ckpt = str(tmp_path / "ckpt")
-    spawn(_mixtral, 2, {"ep": 2}, ckpt, 1, timeout=300)
-    spawn(_mixtral, 4, {"ep": 2}, ckpt, 2, timeout=300)
-    spawn(_mixtral, 4, {"ep": 4}, ckpt, 3, timeout=300)
-    last = spawn(_mixtral, 1, {}, ckpt, timeout=300)[0]
-    assert last["norms"] == pytest.approx(reference["norms"][4:], rel=1e-9)
-    print("reshard", hf.max_diff(last, reference))
+    reference, last = _runs()["one"]["reference"], _runs()["one"]["last"]
+    assert last["start"] == 4 and last["norms"] == pytest.approx(reference["norms"][4:], rel=1e-9)
     assert hf.max_diff(last, reference) < 1e-9
 
 
@@ -164,11 +197,9 @@ def test_three_moe_families_with_their_router_loss_equal_one_process_under_ep_la
     planted bug fails it: the router loss averaged per rank (7e-3), tokens returned to the wrong rank (1e-2),
     the experts' gradient not divided (1e-3)."""
     pytest.importorskip("transformers")
-    diffs = spawn(_families_under, 2, [{"ep": 2}], timeout=600)[0]
-    diffs |= spawn(_four, 4, timeout=600)[0]
+    diffs = _runs()["two"]["families"] | _runs()["four"]
     print(diffs)
     assert len(diffs) == 3 * 5 + 1
-
     assert all(d < 1e-9 for d in diffs.values()), diffs
 
 
@@ -202,13 +233,18 @@ def _metered(dist, log_dir: str, capacity_factor=None) -> dict:
 
 
 @pytest.mark.slow
-def test_the_meter_records_tokens_per_expert_imbalance_drops_and_the_all_to_all_share(tmp_path):
+def test_the_meter_records_tokens_per_expert_imbalance_drops_and_the_all_to_all_share():
     """Dropless: each interval's tokens per expert add up to every routed (token, slot) pair of its 2 steps
     (summed over the layers, counted once), the imbalance is max/mean >= 1, nothing dropped, the all-to-all a
     share of the step in (0, 1). A capacity factor of 0.5 drops pairs and counts them; one of 100 drops none
     and trains exactly the dropless weights. The run's summary and `multigpu report` carry the figures."""
     pytest.importorskip("transformers")
-    dropless = spawn(_metered, 2, str(tmp_path / "a"), timeout=300)[0]
+    from pathlib import Path
+
+    from multigpu.report.run import write_run_report
+
+    runs, where = _runs()["two"]["meter"], Path(_DIR)
+    dropless, capped, roomy = runs["a"], runs["b"], runs["c"]
     assert len(dropless["steps"]) == 2
     for rec in dropless["steps"]:
         e = rec["experts"]
@@ -216,23 +252,17 @@ def test_the_meter_records_tokens_per_expert_imbalance_drops_and_the_all_to_all_
         assert e["imbalance"] == max(e["imbalance_by_layer"]) >= 1.0 and len(e["imbalance_by_layer"]) == 2
         assert e["dropped"] == 0 and 0 < e["a2a_share"] < 1 and e["a2a_s"] > 0
     # the summary adds up the measured intervals (the second: the first is the warm-up) and the report says so
-    from pathlib import Path
-
-    from multigpu.report.run import write_run_report
-
-    summary = json.loads((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[-1])
+    summary = json.loads((where / "a" / "metrics.jsonl").read_text().splitlines()[-1])
     assert summary["experts"]["tokens"] == dropless["steps"][1]["experts"]["tokens"]
     assert summary["experts"]["a2a_share"] == pytest.approx(dropless["steps"][1]["experts"]["a2a_s"]
                                                             / summary["measured"]["time_s"])
-    _, md = write_run_report(tmp_path / "a", tmp_path / "a" / "report.html")
+    _, md = write_run_report(where / "a", where / "a" / "report.html")
     page = Path(md).read_text()
     assert "Experts" in page and "tokens per expert" in page and "all-to-all share of step time" in page
-    capped = spawn(_metered, 2, str(tmp_path / "b"), 0.5, timeout=300)[0]
     # each rank's expert takes at most ceil(half its pairs / 4 experts): at least half of the interval's pairs
     # go, less one per (expert, layer, rank, step) for the rounding up
     routed = 2 * capped["pairs"]
     assert all(routed / 2 - 4 * 2 * 2 * 2 <= r["experts"]["dropped"] < routed for r in capped["steps"])
-    roomy = spawn(_metered, 2, str(tmp_path / "c"), 100.0, timeout=300)[0]
     assert all(r["experts"]["dropped"] == 0 for r in roomy["steps"])
     assert hf.max_diff(roomy, dropless) == 0.0 and hf.max_diff(capped, dropless) > 1e-6
 
