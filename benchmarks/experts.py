@@ -36,7 +36,7 @@ from multigpu.runtime.fingerprint import format_fingerprint
 from multigpu.testing import spawn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from interleave import slowest_rank, time_interleaved  # noqa: E402 - beside this file
+from interleave import environment, slowest_rank, time_interleaved, timing_arguments  # noqa: E402 - beside this file
 
 VARIANTS = {"fsdp": ({}, None), "ep": ({"ep": None}, None), "ep, capacity 1.0": ({"ep": None}, 1.0)}
 
@@ -124,13 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--block", type=int, default=128, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=8, help="global batch in sequences (divisible by --ranks)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--json", help="also write the raw results here")
+    timing_arguments(p)
     args = p.parse_args(argv)
-    env = mg.fingerprint(None, world_size=args.ranks, backend="gloo", threads_per_rank=1,
-                         load_average_1min=round(os.getloadavg()[0], 2))
+    env = environment(args.ranks)
     results = spawn(_bench, args.ranks, args, timeout=3600)
     print("environment:", format_fingerprint(env))
     print(f"model: Mixtral {args.layers} layers x {args.width}, {args.experts} experts (2 per token), {args.block} "

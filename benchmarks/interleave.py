@@ -8,6 +8,7 @@ interquartile range.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any, Callable
@@ -44,3 +45,19 @@ def slowest_rank(results: list[dict], name: str) -> dict[str, float]:
             "iqr": max(_quartile(r["times"], 2) - _quartile(r["times"], 0) for r in rows),
             "cpu": max(statistics.median(r["cpu"]) for r in rows),
             "bytes": max(r["bytes"]["total"] for r in rows)}
+
+
+def timing_arguments(parser: Any, *, warmup: int = 2, steps: int = 3, rounds: int = 4) -> None:
+    """The interleaved benchmarks' shared flags: warm-up steps, timed steps per round, rounds, --json."""
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--json", help="also write the raw results here")
+
+
+def environment(world_size: int) -> dict:
+    """The fingerprint a benchmark prints and saves: gloo ranks of one thread, and the machine's load."""
+    import multigpu as mg
+
+    return mg.fingerprint(None, world_size=world_size, backend="gloo", threads_per_rank=1,
+                          load_average_1min=round(os.getloadavg()[0], 2))

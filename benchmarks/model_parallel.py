@@ -32,7 +32,7 @@ from multigpu.recipes.gpt.parallelize import spread
 from multigpu.testing import spawn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from interleave import slowest_rank, time_interleaved  # noqa: E402 - beside this file
+from interleave import environment, slowest_rank, time_interleaved, timing_arguments  # noqa: E402 - beside this file
 
 # name -> mesh degrees (None: plain DDP through mg.wrap), for 4 ranks.
 LAYOUTS = {
@@ -96,13 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--block", type=int, default=128, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=16, help="global batch in sequences (divisible by 4)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--json", help="also write the raw results here")
+    timing_arguments(p)
     args = p.parse_args(argv)
-    env = mg.fingerprint(None, world_size=4, backend="gloo", threads_per_rank=1,
-                         load_average_1min=round(os.getloadavg()[0], 2))
+    env = environment(4)
     cfg = config("small", n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.block)
     results = spawn(_bench, 4, args, timeout=3600)
     print("environment:", format_fingerprint(env))

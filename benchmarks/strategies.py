@@ -31,7 +31,7 @@ from multigpu.meter.footprint import state_bytes
 from multigpu.testing import spawn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from interleave import slowest_rank, time_interleaved  # noqa: E402 - beside this file
+from interleave import environment, slowest_rank, time_interleaved, timing_arguments  # noqa: E402 - beside this file
 
 STRATEGIES = [
     ("none", "none", {}),
@@ -106,13 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=32, help="per-rank batch")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--json", help="also write the raw results here")
+    timing_arguments(p, warmup=5, steps=5, rounds=6)
     args = p.parse_args(argv)
-    env = mg.fingerprint(None, world_size=args.world_size, backend="gloo", threads_per_rank=1,
-                         load_average_1min=round(os.getloadavg()[0], 2))
+    env = environment(args.world_size)
     params = sum(q.numel() for q in make_model(args.width, args.depth).parameters())
     results = spawn(_bench, args.world_size, args, timeout=1800)
     print("environment:", json.dumps(env))

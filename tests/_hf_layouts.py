@@ -62,6 +62,44 @@ class TinyLM(nn.Module):
         return self.head(self.norm(h))
 
 
+class OwnExperts(nn.Module):
+    """A user's own experts module in the convention expert parallelism spreads (docs/experts.md): an int
+    ``num_experts``, 3-D weights with the expert first, ``forward(hidden, top_k_index, top_k_weights)``."""
+
+    def __init__(self, dim: int, width: int, experts: int) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.w_in = nn.Parameter(torch.randn(experts, width, dim) * dim ** -0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, dim, width) * width ** -0.5)
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for e in range(self.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            h = F.silu(hidden[token] @ self.w_in[e].T) @ self.w_out[e].T
+            out.index_add_(0, token, h * top_k_weights[token, slot, None])
+        return out
+
+
+class OwnMoE(nn.Module):
+    """TinyLM's shape with a routed MLP of 4 experts, 2 per token: nothing transformers declares."""
+
+    def __init__(self, dim: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.routers = nn.ModuleList(nn.Linear(dim, 4, bias=False) for _ in range(layers))
+        self.experts = nn.ModuleList(OwnExperts(dim, 2 * dim, 4) for _ in range(layers))
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for router, experts in zip(self.routers, self.experts):
+            flat = h.flatten(0, 1)
+            weights, index = router(flat).softmax(-1).topk(2, dim=-1)
+            h = h + experts(flat, index, weights).view_as(h)
+        return self.head(h)
+
+
 MOE_SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=None,
                  tie_word_embeddings=False, num_experts_per_tok=2)
@@ -92,6 +130,8 @@ def build(kind: str, **overrides):
     torch.manual_seed(0)
     if kind == "own":
         return TinyLM(**overrides).double()
+    if kind == "own_moe":
+        return OwnMoE(**overrides).double()
     if kind.startswith("zoo:"):  # a family of the zoo (tests/_zoo.py), from its tiny config
         import _zoo
 

@@ -121,7 +121,9 @@ atexit.register(shutil.rmtree, _DIR, True)
 def _two(dist, where: str) -> dict:
     """EP 2: the families with their router loss; the meter dropless (a), capacity 0.5 (b) and 100 (c);
     steps 0-1 of the reshard chain."""
-    out = {"families": _families_under(dist, [{"ep": 2}]),
+    reference = hf.train(dist, "own_moe", None, accum=1) if dist.rank == 0 else {}  # a user's own experts
+    own = hf.max_diff(hf.train(dist, "own_moe", {"ep": 2}, accum=1), reference) if dist.rank == 0 else None
+    out = {"families": _families_under(dist, [{"ep": 2}]) | {"own MoE module {'ep': 2} on 2 ranks": own},
            "meter": {name: _metered(dist, f"{where}/{name}", factor) for name, factor in (("a", None), ("b", 0.5),
                                                                                          ("c", 100.0))}}
     _mixtral(dist, {"ep": 2}, f"{where}/ckpt", 1)
@@ -191,7 +193,8 @@ def _four(dist) -> dict:
 
 @pytest.mark.slow
 def test_three_moe_families_with_their_router_loss_equal_one_process_under_ep_layouts():
-    """EP 2 (2 ranks); EP 2 x FSDP 2, EP 2 + TP 2, and without EP HSDP 2 x 2 and DDP 4 (4 ranks: the router's
+    """EP 2 (2 ranks; and a user's own experts module, tests/_hf_layouts.py's OwnMoE); EP 2 x FSDP 2, EP 2 +
+    TP 2, and without EP HSDP 2 x 2 and DDP 4 (4 ranks: the router's
     loss over the batch under every data-parallel group); EP 2 inside 2 pipeline stages (Mixtral): within
     1e-9 of one process on every parameter. A
     planted bug fails it: the router loss averaged per rank (7e-3), tokens returned to the wrong rank (1e-2),
@@ -199,7 +202,7 @@ def test_three_moe_families_with_their_router_loss_equal_one_process_under_ep_la
     pytest.importorskip("transformers")
     diffs = _runs()["two"]["families"] | _runs()["four"]
     print(diffs)
-    assert len(diffs) == 3 * 5 + 1
+    assert len(diffs) == 3 * 5 + 2
     assert all(d < 1e-9 for d in diffs.values()), diffs
 
 

@@ -198,7 +198,7 @@ def _shard(model: nn.Module, blocks: list[nn.Module], mesh: Any, reshard_after_f
     modules, experts_mesh = experts or ([], None)
     for module in modules:
         fsdp2.fully_shard(module, **{**kwargs, "mesh": experts_mesh})
-    for block in blocks:
+    for block in (b for b in blocks if all(b is not m for m in modules)):  # an experts module is no block unit
         fsdp2.fully_shard(block, **kwargs)
     # The root takes whatever no block took (embeddings, heads, norms); FSDP2
     # itself keeps the root unsharded between forward and backward.
