@@ -36,6 +36,22 @@ def test_init_on_real_ranks_seeds_alike_and_reduces():
     assert all(o[7] == {"sum": 45.0, "count": 10.0} for o in out)
 
 
+def _one_rank_raises(dist):
+    if dist.rank == 1:
+        raise ValueError("planted on rank 1")
+    tdist.barrier()  # rank 0 waits for rank 1, which has gone: its error is a consequence
+
+
+def test_spawn_reports_the_rank_that_failed_first_and_what_the_others_saw():
+    """A rank that skips a collective leaves the others failing with a gloo read error; the cause is the
+    first failure in, wherever its rank, so it leads, and every rank's traceback follows it."""
+    with pytest.raises(RuntimeError) as err:
+        spawn(_one_rank_raises, 2, timeout=60)
+    text = str(err.value)
+    assert text.startswith("rank 1 failed:\n") and "ValueError: planted on rank 1" in text.split("--- rank 0 too:")[0]
+    assert "--- rank 0 too:" in text
+
+
 def test_single_process_has_a_process_group_and_tears_it_down(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)

@@ -122,7 +122,8 @@ def _two(dist, where: str) -> dict:
     """EP 2: the families with their router loss; the meter dropless (a), capacity 0.5 (b) and 100 (c);
     steps 0-1 of the reshard chain."""
     reference = hf.train(dist, "own_moe", None, accum=1) if dist.rank == 0 else {}  # a user's own experts
-    own = hf.max_diff(hf.train(dist, "own_moe", {"ep": 2}, accum=1), reference) if dist.rank == 0 else None
+    own = hf.train(dist, "own_moe", {"ep": 2}, accum=1)  # every rank: a collective run
+    own = hf.max_diff(own, reference) if dist.rank == 0 else None
     out = {"families": _families_under(dist, [{"ep": 2}]) | {"own MoE module {'ep': 2} on 2 ranks": own},
            "meter": {name: _metered(dist, f"{where}/{name}", factor) for name, factor in (("a", None), ("b", 0.5),
                                                                                          ("c", 100.0))}}

@@ -85,7 +85,11 @@ def _worker(fn, rank, world_size, port, seed, env, args, kwargs, out, stdio=None
         from .dist import init
 
         with init(backend="gloo", seed=seed, device="cpu", timeout=120) as dist:
-            result = fn(dist, *args, **kwargs)
+            try:
+                result = fn(dist, *args, **kwargs)
+            except BaseException:  # noqa: BLE001 - reported before the group goes: the others fail when it does
+                out.put((rank, False, traceback.format_exc()))
+                return
         # Plain pickle (not torch's shared-memory reductions): the result must
         # outlive this process.
         out.put((rank, True, pickle.dumps(result)))
@@ -155,6 +159,11 @@ def spawn(
             if time.monotonic() > deadline:
                 missing = [r for r in range(world_size) if r not in results]
                 raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s")
+        if errors:  # the others' fate too: the first failure's cause is often on another rank
+            drain(2.0)
+            for r, p in enumerate(procs):
+                if p.exitcode not in (None, 0) and r not in results and r not in errors:
+                    errors[r] = f"rank {r} exited with code {p.exitcode} without a result"
     finally:
         for p in procs:
             p.join(timeout=0.5 if errors else 5)
@@ -163,6 +172,7 @@ def spawn(
                 p.kill()
                 p.join()
     if errors:
-        rank = min(errors)
-        raise RuntimeError(f"rank {rank} failed:\n{errors[rank]}")
+        first = next(iter(errors))  # the first to report: the others usually failed because it did
+        others = "".join(f"\n--- rank {r} too:\n{errors[r]}" for r in errors if r != first)
+        raise RuntimeError(f"rank {first} failed:\n{errors[first]}{others}")
     return [results[r] for r in range(world_size)]
