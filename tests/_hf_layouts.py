@@ -147,6 +147,12 @@ def build(kind: str, **overrides):
                    bos_token_id=0, eos_token_id=1, pad_token_id=None, tie_word_embeddings=False)
         config = transformers.LlamaConfig(**(cfg | overrides))
         cls = transformers.LlamaForCausalLM
+    elif kind == "mistral":  # a sliding window (6) shorter than the sequence
+        cfg = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=64, sliding_window=6, bos_token_id=0,
+                   eos_token_id=1, pad_token_id=None, tie_word_embeddings=False)
+        config = transformers.MistralConfig(**(cfg | overrides))
+        cls = transformers.MistralForCausalLM
     elif kind == "qwen3":  # per-head RMSNorms on q and k (their weights shared by the heads each TP rank holds)
         cfg = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
@@ -210,11 +216,23 @@ def logits_of(model, x: torch.Tensor) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def lm_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def documents(x: torch.Tensor) -> torch.Tensor:
+    """Position ids of packed documents: one starts at every token divisible by 7 (and at the first)."""
+    t = torch.arange(x.shape[1]).expand_as(x)
+    starts = (x % 7 == 0) | (t == 0)
+    return t - torch.where(starts, t, torch.zeros_like(t)).cummax(-1).values
+
+
+def lm_loss(model, x: torch.Tensor, y: torch.Tensor, divisor: torch.Tensor | None = None) -> torch.Tensor:
     """The next-token loss, plus the router's load-balancing loss where the model returns one (a mixture of
-    experts with output_router_logits)."""
-    out = model(x) if not hasattr(mg.unwrap(model), "config") else model(input_ids=x, use_cache=False)
+    experts with output_router_logits). ``divisor``: the rows are packed documents (position ids restart,
+    the targets across a boundary ignored) and the loss is their sum over it (``mg.token_divisor``)."""
+    more = {"position_ids": documents(x)} if divisor is not None else {}
+    out = model(x) if not hasattr(mg.unwrap(model), "config") else model(input_ids=x, use_cache=False, **more)
     logits = out if isinstance(out, torch.Tensor) else out.logits
+    y = mg.context_share(model, y)                                             # +layout (context parallelism)
+    if divisor is not None:
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / divisor
     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
     aux = getattr(out, "aux_loss", None)
     return loss if aux is None else loss + mg.unwrap(model).config.router_aux_loss_coef * aux
@@ -233,7 +251,8 @@ def max_diff(got: dict, ref: dict) -> float:
 
 
 def train(dist, kind: str, layout: dict | None, steps: int = 5, accum: int = 2, clip: float = 0.5,
-          ckpt: str | None = None, stop_after: int | None = None, overrides: dict | None = None) -> dict:
+          ckpt: str | None = None, stop_after: int | None = None, overrides: dict | None = None,
+          docs: bool = False) -> dict:
     """``layout``: the ``Layout``'s fields; every rank returns the same full weights after ``steps`` steps.
     ``layout=None``: the one-process script itself (no collective, so one rank of a larger world can run it).
     ``overrides``: the model's config beside build's defaults; ``ckpt``: resume from and save to that
@@ -256,10 +275,17 @@ def train(dist, kind: str, layout: dict | None, steps: int = 5, accum: int = 2, 
         start = checkpointer.resume()
     losses, norms = [], []
     for step, micro_batches in zip(range(start, steps), train_loader):
-        total = 0.0
+        total, divisor = 0.0, None
+        if docs:  # a target across a document boundary is ignored: shares count unequal tokens
+            micro_batches = [(x, y.masked_fill(y % 7 == 0, -100)) for x, y in micro_batches]
+            shares = [mg.context_share(model, y) for _, y in micro_batches]
+            # one process among other ranks (layout None) counts alone: token_divisor's count on one process
+            divisor = mg.token_divisor(shares) if layout is not None else sum((y != -100).sum() for y in shares).double()
         for x, y in mg.accumulate(model, micro_batches):
             if image:
                 loss = F.cross_entropy(image_logits(model, x), y) / plan.accum_steps
+            elif docs:
+                loss = lm_loss(model, x, y, divisor)
             else:
                 loss = lm_loss(model, x, y) / plan.accum_steps
             loss.backward()

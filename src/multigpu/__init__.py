@@ -14,7 +14,7 @@ from .runtime.fingerprint import fingerprint
 from .loss import token_divisor
 from .meter import StepMeter, profile
 from .noise import NoiseScale
-from .parallel import accumulate, clip_grad_norm_, full_state_dict, optimizer, parallelize, unwrap, wrap
+from .parallel import accumulate, clip_grad_norm_, context_share, full_state_dict, optimizer, parallelize, unwrap, wrap
 from .parallel.flags import layout_from_args
 from .planner import ScaledRecipe, scale_recipe
 from .precision import Precision
@@ -35,6 +35,7 @@ __all__ = [
     "accumulate",
     "all_reduce_sum",
     "clip_grad_norm_",
+    "context_share",
     "eval_loader",
     "find_batch_requested",
     "find_micro_batch",

@@ -13,6 +13,7 @@ FSDP it applies, not a second way in (so not exported here).
 """
 
 from .clip import clip_grad_norm_
+from .context import context_share
 from .layout import Layout
 from .spread import parallelize
 from .stages import pipeline

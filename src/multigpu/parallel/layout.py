@@ -36,10 +36,14 @@ DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # the device mesh's dimensions,
 # With expert parallelism dp_shard is built as (efsdp, ep) and flattened back to "dp_shard" (torchtitan's
 # dp_shard = efsdp x ep): the experts shard over "ep" and FSDP over "efsdp", everything else over "dp_shard".
 EP_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "tp")
+# With context parallelism the cp ranks of a data-parallel rank read the same samples, each a share of every
+# sequence; they hold the same parameters, so FSDP shards over (dp_shard, cp) flattened ("dp_shard_cp", as
+# torchtitan does) and averages the gradients over them too.
+CP_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # The command-line flags of a script's layout (mg.layout_from_args reads them, Layout.flags writes them):
 # flag -> Layout field, the integer degrees first. Every flag is one of the frozen Layout's fields.
 INT_FLAGS = {"--tp": "tp", "--pp": "pp", "--dp-replicate": "dp_replicate", "--dp-shard": "dp_shard",
-             "--ep": "ep", "--micro-batch": "micro_batch"}
+             "--ep": "ep", "--cp": "cp", "--micro-batch": "micro_batch"}
 BOOL_FLAGS = {"--activation-checkpointing": "activation_checkpointing", "--compile": "compile",
               "--sequence-parallel": "sequence_parallel"}
 # Names a user may have called on a Layout that went (CHANGELOG.md): what to write instead.
@@ -50,7 +54,7 @@ _MOVED = {"shape": "layout.resolve(world_size): the same Layout with every degre
 
 @dataclass(frozen=True)
 class Layout:
-    """Mesh degrees (outer to inner: pp, dp_replicate, dp_shard, tp), the micro-batch, activation
+    """Mesh degrees (outer to inner: pp, dp_replicate, dp_shard, cp, tp), the micro-batch, activation
     checkpointing per block, ``torch.compile`` per block, sequence parallelism and the pipeline schedule."""
 
     dp_replicate: int = 1
@@ -63,9 +67,10 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "pp", "ep") + (("dp_shard",) if self.dp_shard is not None else ()):
+        for name in ("dp_replicate", "tp", "pp", "ep", "cp") + (("dp_shard",) if self.dp_shard is not None else ()):
             positive_int(getattr(self, name), f"layout {name}", f"e.g. mg.parallel.Layout({name}=2)")
         if self.micro_batch is not None and not is_positive_int(self.micro_batch):
             raise UsageError(f"layout micro_batch must be a positive integer or None, got {self.micro_batch!r}")
@@ -79,6 +84,11 @@ class Layout:
                              f"{self.dp_shard} is not a multiple of it; use ep in "
                              f"{', '.join(str(d) for d in divisors(self.dp_shard))}, or another dp_shard")
 
+        if self.cp > 1 and (self.ep > 1 or self.pp > 1 or self.sequence_parallel):
+            other = "ep" if self.ep > 1 else "pp" if self.pp > 1 else "sequence_parallel"
+            raise UsageError(f"context parallelism (cp {self.cp}) with {other} is not built yet; use cp with "
+                             "dp_shard, dp_replicate and tp, or drop one of them")
+
     def __getattr__(self, name: str) -> Any:  # only for names a Layout does not have
         if name in _MOVED:
             raise AttributeError(f"Layout.{name} is gone; use {_MOVED[name]}")
@@ -89,20 +99,23 @@ class Layout:
         """This layout on ``world_size`` processes, every degree set (``dp_shard`` takes what the others
         leave); degrees that do not multiply to the world are refused in one line, with the ones that would."""
         positive_int(world_size, "world size", "run on 1 or more processes")
-        fixed = self.tp * self.dp_replicate * self.pp
-        given = f"{'pp ' + str(self.pp) + ' x ' if self.pp > 1 else ''}dp_replicate {self.dp_replicate} x tp {self.tp}"
+        fixed = self.tp * self.dp_replicate * self.pp * self.cp
+        given = (f"{'pp ' + str(self.pp) + ' x ' if self.pp > 1 else ''}dp_replicate {self.dp_replicate} x "
+                 f"{'cp ' + str(self.cp) + ' x ' if self.cp > 1 else ''}tp {self.tp}")
         if self.dp_shard is None:
             if world_size % fixed:
                 outer = self.dp_replicate * self.pp
                 fix = (f"use dp_replicate{' x pp' if self.pp > 1 else ''} in {', '.join(map(str, divisors(world_size)))}"
-                       if world_size % outer else f"use tp in {', '.join(map(str, divisors(world_size // outer)))}")
+                       if world_size % outer else f"use {'cp x ' if self.cp > 1 else ''}tp in "
+                       f"{', '.join(map(str, divisors(world_size // outer)))}")
                 raise UsageError(f"world size {world_size} is not divisible by {given} = {fixed}; {fix}, or run on a "
                                  f"multiple of {fixed} processes")
             return dataclasses.replace(self, dp_shard=world_size // fixed)
         if self.world_size != world_size:
             raise UsageError(
                 f"mesh {'pp ' + str(self.pp) + ' x ' if self.pp > 1 else ''}dp_replicate {self.dp_replicate} x "
-                f"dp_shard {self.dp_shard} x tp {self.tp} = {self.world_size} processes, but this job has {world_size}; "
+                f"dp_shard {self.dp_shard} x {'cp ' + str(self.cp) + ' x ' if self.cp > 1 else ''}tp {self.tp} = "
+                f"{self.world_size} processes, but this job has {world_size}; "
                 f"run on {self.world_size} processes or leave dp_shard out to fill the world")
         return self
 
@@ -118,20 +131,20 @@ class Layout:
     @property
     def world_size(self) -> int | None:
         """The processes this layout spans when every degree is set (None while ``dp_shard`` is left to the world)."""
-        return None if self.dp_shard is None else self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return None if self.dp_shard is None else self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: the number of distinct sample streams (replicate x shard)."""
+        """Data-parallel ranks: the number of distinct sample streams (replicate x shard; cp peers read the same)."""
         return self.dp_replicate * self._at(None).dp_shard
 
     @property
     def strategy(self) -> str:
         """How the data-parallel degrees are applied: ``none``, ``ddp`` (replicate only, nothing else
         parallel), ``fsdp`` (shard) or ``hsdp`` (replicate x shard, or replicate beside TP/PP)."""
-        if self.dp_size == 1:
+        if self.dp_size == 1 and self.cp == 1:
             return "none"
-        if self.dp_shard == 1 and self.tp == 1 and self.pp == 1:
+        if self.dp_shard == 1 and self.tp == 1 and self.pp == 1 and self.cp == 1:
             return "ddp"
         return "hsdp" if self.dp_replicate > 1 else "fsdp"
 
@@ -145,7 +158,7 @@ class Layout:
         """The layout as ``--layouts`` spells it, e.g. ``dp_shard=2,tp=2`` (``one process`` when nothing is set)."""
         base = Layout(dp_shard=1)
         parts = []
-        for f in ("pp", "dp_replicate", "dp_shard", "tp", "ep", "micro_batch", "activation_checkpointing",
+        for f in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "micro_batch", "activation_checkpointing",
                   "compile", "sequence_parallel", "schedule"):
             value = getattr(self, f)
             if value != getattr(base, f) and not (f == "schedule" and self.pp == 1):
@@ -166,7 +179,12 @@ class Layout:
     def dp_rank(self, rank: int, world_size: int | None = None) -> int:
         """The data-parallel rank of global ``rank``: the mesh's flattened (replicate, shard) coordinate."""
         r = self._at(world_size)
-        return (rank // r.tp) % r.dp_size
+        return (rank // (r.tp * r.cp)) % r.dp_size
+
+    def cp_rank(self, rank: int, world_size: int | None = None) -> int:
+        """Which share of every sequence global ``rank`` holds (0 to cp - 1)."""
+        r = self._at(world_size)
+        return (rank // r.tp) % r.cp
 
     def data_share(self, rank: int, world_size: int | None = None) -> DataShare:
         """What global ``rank`` evaluates and counts: its data-parallel rank's share (its tensor-parallel
@@ -194,6 +212,8 @@ class Layout:
         """The one device mesh over ``DIMS`` (collective the first time: every rank calls it; built once per
         shape), on the job's device type (gloo meshes are "cpu", NCCL meshes "cuda")."""
         r = self._at(None)
+        if r.cp > 1:
+            return _device_mesh(device_type, (r.pp, r.dp_replicate, r.dp_shard, r.cp, r.tp), CP_DIMS)
         if r.ep == 1:
             return _device_mesh(device_type, (r.pp, r.dp_replicate, r.dp_shard, r.tp), DIMS)
         return _device_mesh(device_type, (r.pp, r.dp_replicate, r.dp_shard // r.ep, r.ep, r.tp), EP_DIMS)
@@ -211,9 +231,17 @@ class Layout:
         """The ranks that hold the same experts: FSDP shards them over these (``efsdp``, often 1)."""
         return self.device_mesh(device_type)["efsdp"]
 
+    def cp_mesh(self, device_type: str) -> Any:
+        """The context-parallel ranks of this process: each holds a share of the same sequences."""
+        return self.device_mesh(device_type)["cp"]
+
     def dp_mesh(self, device_type: str) -> Any | None:
-        """What FSDP shards over: 2-D (replicate, shard) for HSDP, 1-D (shard) for FSDP, None without data parallelism."""
+        """What FSDP shards over: 2-D (replicate, shard) for HSDP, 1-D (shard) for FSDP, None without data
+        parallelism; with cp the shard dimension is (dp_shard, cp) flattened."""
         mesh = self.device_mesh(device_type)
+        if self.cp > 1:
+            flat = _MESHES[("flat",) + _key(device_type, mesh)]
+            return mesh["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else flat
         if self.dp_replicate > 1:
             return mesh["dp_replicate", "dp_shard"]
         if self.ep > 1:  # the flattened (efsdp, ep), kept by the builder (slicing it from the root is deprecated)
@@ -221,8 +249,9 @@ class Layout:
         return mesh["dp_shard"] if self.dp_shard > 1 else None
 
     def dp_group(self, device_type: str) -> Any | None:
-        """The process group of this rank's data-parallel peers, in data-parallel rank order (None on one)."""
-        if self._at(None).dp_size == 1:
+        """The process group of this rank's data-parallel peers, in data-parallel rank order (None on one);
+        with cp, of the ranks that average gradients (dp x cp), whose tokens together make the batch."""
+        if self._at(None).dp_size * self.cp == 1:
             return None
         mesh = self.dp_mesh(device_type)
         if mesh is None:  # replicate only (DDP)
@@ -279,6 +308,8 @@ def _device_mesh(device_type: str, sizes: tuple[int, ...], names: tuple[str, ...
         mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
         if "ep" in names:  # dp_shard = efsdp x ep, one dimension again for what FSDP shards
             _MESHES[("flat",) + key] = mesh["efsdp", "ep"]._flatten("dp_shard")
+        if "cp" in names:  # the ranks holding the same parameters: (dp_shard, cp) as one dimension
+            _MESHES[("flat",) + key] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         _MESHES[key] = mesh
     return _MESHES[key]
 

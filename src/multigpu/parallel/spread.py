@@ -177,10 +177,14 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
     blocks = auto.block_modules(model, classes)
     say = print0 if verbose else (lambda *a, **k: None)
     found = _experts_to_spread(model, layout, capacity_factor)  # refused before TP changes the model or a mesh
+    if layout.cp > 1:
+        _check_context(model, layout)
     if layout.tp > 1:
         _tensor_parallel(model, layout, blocks, tp_plan, pipeline_stage, device_type, say)
     if found:
         options["experts"] = _expert_parallel(model, layout, found, capacity_factor, device_type, say)
+    if layout.cp > 1:
+        _context_parallel(model, layout, device_type, say)
     extras = _per_block(model, layout, blocks, activation_checkpointing, compile)
     if layout.dp_size > 1 and router.has_router_loss(model):  # the batch's load-balancing loss, not a rank's
         router.over_ranks(model, layout.dp_group(device_type))
@@ -245,6 +249,22 @@ def _expert_parallel(model: nn.Module, layout: Layout, found: list, capacity_fac
     return [m for _, m in found], layout.efsdp_mesh(device_type)
 
 
+def _check_context(model: nn.Module, layout: Layout) -> None:
+    from . import context
+
+    if router.has_router_loss(model):
+        raise UsageError(f"context parallelism with a mixture of experts' router loss ({type(model).__name__}) is not "
+                         "built yet: the loss would count one share's tokens; use cp=1 or output_router_logits=False")
+    context.check(model, layout, auto.head_counts(model))
+
+
+def _context_parallel(model: nn.Module, layout: Layout, device_type: str, say: Any) -> None:
+    """Each cp rank keeps a share of every sequence; attention sees the whole one (``context.py``)."""
+    from . import context
+
+    say(f"mg.parallelize: {context.apply(model, layout, layout.cp_mesh(device_type))}")
+
+
 def _per_block(model: nn.Module, layout: Layout, blocks: list, activation_checkpointing: bool | None,
                compile: bool | None) -> str:
     """Activation checkpointing and ``torch.compile`` per block; what was done, for the closing line."""
@@ -286,8 +306,8 @@ def _data_parallel(model: nn.Module, layout: Layout, classes: list, block_source
         units, minimum, rule = unit_rule(model, block_classes, options.pop("min_block_params", None))
         model = shard_blocks(model, layout.dp_mesh(device.type), block_classes=units, min_block_params=minimum,
                              **options)
-        over = (f"HSDP over dp_replicate {layout.dp_replicate} x dp_shard {layout.dp_shard}" if kind == "hsdp"
-                else f"FSDP over dp_shard {layout.dp_shard}")
+        shard = f"dp_shard {layout.dp_shard}" + (f" x cp {layout.cp}" if layout.cp > 1 else "")
+        over = (f"HSDP over dp_replicate {layout.dp_replicate} x {shard}" if kind == "hsdp" else f"FSDP over {shard}")
         say(f"mg.parallelize: {over}: {units_line(model, rule)}{extras}")
         return model
     if layout.tp == 1 and layout.pp == 1:

@@ -1,0 +1,250 @@
+"""Context parallelism: each of ``cp`` ranks holds a load-balanced share of every sequence.
+
+The cp ranks of a data-parallel rank read the same samples. The parallelized model takes the whole
+sequences (``input_ids``, optional ``position_ids``) and keeps this rank's share of them: the sequence cut
+into 2 x cp chunks, rank r holding chunks r and 2cp - 1 - r (head-tail, so under causal attention every
+rank has the same work: torchtitan's and Megatron's balance). Everything but attention is per token, so it
+runs on the share as it is; RoPE reads the tokens' original positions (the share of ``position_ids``).
+
+Attention needs the whole sequence. Around it, an all-to-all trades the sequence split for a head split
+(DeepSpeed's Ulysses): every rank gets heads/cp heads of the whole sequence, back in its original order,
+runs the model's own attention (eager or SDPA, transformers' attention interface) under the same mask one
+process builds (causal, documents packed by ``position_ids`` restarting, a sliding window), and a second
+all-to-all takes the output back to the share. It runs on any kernel and on gloo; the heads (and KV heads)
+each tensor-parallel rank holds must divide by cp.
+
+The logits come out in the share's token order: ``mg.context_share(model, labels)`` is the labels'
+share in that order, so a per-token loss pairs up. ``mg.token_divisor`` counts every rank's targets, so
+the summed loss over it is exact; a mean loss per rank is exact when every share counts alike.
+Parameters are not split by cp: FSDP shards them over (dp_shard, cp) and averages the gradients there.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import UsageError
+
+NAME = "multigpu_context_parallel"  # the attention implementation registered with transformers
+_MODELS: "weakref.WeakKeyDictionary[nn.Module, _Context]" = weakref.WeakKeyDictionary()  # parallelized model
+_ATTENTION: "weakref.WeakKeyDictionary[nn.Module, _Context]" = weakref.WeakKeyDictionary()  # its attention modules
+
+
+def share_index(seq: int, cp: int, rank: int) -> torch.Tensor:
+    """The positions of the sequence that ``rank`` of ``cp`` holds: chunks rank and 2cp - 1 - rank of 2cp."""
+    chunk = seq // (2 * cp)
+    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                      torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
+
+
+class _Context:
+    """One parallelized model's context parallelism: its group and, for the forward under way, where its
+    share sits in the sequence and which tokens may see which."""
+
+    def __init__(self, model: nn.Module, cp: int, rank: int, group: Any, inner: str) -> None:
+        self.cp, self.rank, self.group, self.inner = cp, rank, group, inner
+        self.name = type(model).__name__
+        self.layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+        self.seq = 0
+        self.docs: torch.Tensor | None = None  # (B, S) document of each token, None when one per row
+        self.calls = 0
+
+    # -- the share ----------------------------------------------------------------------------------
+    def begin(self, seq: int, positions: torch.Tensor) -> torch.Tensor:
+        """Start a forward over sequences of ``seq`` tokens at ``positions`` (B, S); this rank's index."""
+        if seq % (2 * self.cp):
+            raise UsageError(f"context parallelism cuts each sequence into 2 x cp = {2 * self.cp} equal chunks, but "
+                             f"the sequence has {seq} tokens; pad or pack the sequences to a multiple of {2 * self.cp}")
+        self.seq, self.calls = seq, 0
+        # transformers' rule for packed documents (masking_utils.find_packed_sequence_indices): a new one
+        # starts wherever the position does not follow the previous one.
+        step = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
+        docs = (step != 1).cumsum(-1)
+        self.docs = docs if bool((docs != docs[:, :1]).any()) else None
+        self.index = share_index(seq, self.cp, self.rank).to(positions.device)
+        order = torch.cat([share_index(seq, self.cp, r) for r in range(self.cp)]).to(positions.device)
+        self.order, self.restore = order, torch.argsort(order)  # gathered -> original and back
+        return self.index
+
+    # -- around attention ---------------------------------------------------------------------------
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, s, D), this rank's share of every head -> (B, H/cp, S, D), its heads over the whole sequence."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        b, h, s, d = x.shape
+        x = x.reshape(b, self.cp, h // self.cp, s, d).transpose(0, 1).contiguous()  # piece j goes to rank j
+        x = all_to_all_single_autograd(x, None, None, self.group)  # piece j came from rank j: its share
+        x = x.permute(1, 2, 0, 3, 4).reshape(b, h // self.cp, self.cp * s, d)
+        return x.index_select(2, self.restore)
+
+    def to_share(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, H/cp, D), the attention output of this rank's heads -> (B, s, H, D), every head of its share."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        b, seq, h, d = x.shape
+        x = x.index_select(1, self.order).reshape(b, self.cp, seq // self.cp, h, d).transpose(0, 1).contiguous()
+        x = all_to_all_single_autograd(x, None, None, self.group)  # piece j: rank j's heads of this share
+        return x.permute(1, 2, 0, 3, 4).reshape(b, seq // self.cp, self.cp * h, d)
+
+    def mask(self, like: torch.Tensor, window: int | None) -> torch.Tensor:
+        """(B, 1, S, S) True where a token may attend: causal, within its document and the sliding window."""
+        i = torch.arange(self.seq, device=like.device)
+        allowed = i[None, :] <= i[:, None]
+        if window is not None:
+            allowed = allowed & (i[None, :] > i[:, None] - window)
+        allowed = allowed[None, None]
+        if self.docs is not None:
+            allowed = allowed & (self.docs[:, None, :, None] == self.docs[:, None, None, :])
+        return allowed
+
+
+class _Ungrouped:
+    """An attention module as its attention function sees it with its KV heads already repeated per query head."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.__dict__["_module"] = module
+
+    num_key_value_groups = 1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_module"], name)
+
+
+def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface under context parallelism: the model's own attention (``inner``)
+    over the whole sequence for heads/cp heads, between the two all-to-alls."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ctx = _ATTENTION[module]
+    ctx.calls += 1
+    if ctx.inner == "eager":  # the family's own eager attention, beside its module
+        import sys
+
+        inner = sys.modules[type(module).__module__].eager_attention_forward
+    else:
+        inner = ALL_ATTENTION_FUNCTIONS[ctx.inner]
+    if key.shape[1] % ctx.cp:  # fewer KV heads than cp splits: each query head gets its own copy
+        groups = query.shape[1] // key.shape[1]
+        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+        module = _Ungrouped(module)
+    q, k, v = (ctx.to_heads(t) for t in (query, key, value))
+    allowed = ctx.mask(q, kwargs.pop("sliding_window", None))
+    mask = allowed
+    if ctx.inner == "eager":  # an additive mask, as transformers' eager_mask builds it
+        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, torch.finfo(q.dtype).min)
+    out, _ = inner(module, q, k, v, mask, **kwargs)
+    return ctx.to_share(out), None
+
+
+def _before(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The model's forward gets this rank's share of the sequences it was given."""
+    ctx = _MODELS[model]
+    bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+    given = dict(bound.arguments)
+    given.update(given.pop("kwargs", {}))
+    for refused, why in (("labels", "compute the loss from the logits against mg.context_share(model, labels) "
+                                    "(the shifted targets), e.g. with mg.token_divisor"),
+                         ("past_key_values", "generate without cp")):
+        if given.get(refused) is not None:
+            raise UsageError(f"context parallelism gives {ctx.name} a share of each sequence; {refused}= is not "
+                             f"taken under it: {why}")
+    mask = given.pop("attention_mask", None)
+    if mask is not None and not bool(mask.all()):
+        raise UsageError(f"context parallelism takes causal attention over whole or packed sequences, but {ctx.name} "
+                         "got an attention_mask with padding; pack the documents (position_ids restarting at 0 "
+                         "mark them) and leave attention_mask out")
+    tokens = given.get("input_ids")
+    if tokens is None:
+        tokens = given.get("inputs_embeds")
+    if tokens is None:
+        raise UsageError(f"context parallelism needs input_ids or inputs_embeds of {ctx.name}, got neither")
+    b, seq = tokens.shape[:2]
+    positions = given.get("position_ids")
+    if positions is None:
+        positions = torch.arange(seq, device=tokens.device)
+    positions = positions.expand(b, seq)
+    index = ctx.begin(seq, positions)
+    for name in ("input_ids", "inputs_embeds"):
+        if given.get(name) is not None:
+            given[name] = given[name].index_select(1, index)
+    given["position_ids"] = positions.index_select(1, index)
+    given["use_cache"] = False  # a cache of one share's keys is nothing generation could use
+    return (), given
+
+
+def _after(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    ctx = _MODELS[model]
+    expected = ctx.layers or 1
+    if ctx.calls < expected:
+        raise UsageError(f"context parallelism saw {ctx.calls} of {ctx.name}'s {expected} attention layers call "
+                         "transformers' attention interface; the others would attend within a share only: use cp=1")
+    return output
+
+
+def check(model: nn.Module, layout: Any, heads: dict[str, int]) -> None:
+    """Refuse in one line what context parallelism cannot split exactly (before any step changes the model)."""
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    inner = getattr(config, "_attn_implementation", None)
+    if config is None or inner not in ("eager", "sdpa"):
+        what = f"its attention implementation is {inner!r}" if config is not None else "it is not a transformers model"
+        raise UsageError(f"context parallelism wraps a transformers model's eager or SDPA attention, but {what} "
+                         f"({name}); load it with attn_implementation='sdpa' or 'eager', or use cp=1")
+    if getattr(config, "is_encoder_decoder", False) or any(getattr(m, "is_causal", True) is False
+                                                           for m in model.modules()):
+        raise UsageError(f"context parallelism is built for causal attention; {name} has bidirectional attention: "
+                         "use cp=1")
+    # Query heads split over cp; KV heads too, or are repeated per query head where cp does not divide them.
+    local = {k: v // layout.tp for k, v in heads.items() if v and k == "attention heads"}
+    bad = [f"{k} {v}" for k, v in local.items() if v % layout.cp]
+    if bad:
+        raise UsageError(f"context parallelism trades the sequence for the heads: cp {layout.cp} must divide the "
+                         f"{', '.join(bad)} each tensor-parallel rank holds of {name}; use cp in "
+                         f"{', '.join(str(d) for d in range(1, layout.cp + 1) if all(v % d == 0 for v in local.values()))}")
+
+
+def apply(model: nn.Module, layout: Any, mesh: Any) -> str:
+    """Spread every sequence ``model`` is given over the cp ranks of ``mesh`` (``check``ed first); what was
+    done, for ``mg.parallelize``'s line."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    config = model.config
+    inner = config._attn_implementation
+    ALL_ATTENTION_FUNCTIONS.register(NAME, _attention)
+    ctx = _Context(model, layout.cp, mesh.get_local_rank(), mesh.get_group(), inner)
+    _MODELS[model] = ctx
+    for module in model.modules():
+        if getattr(module, "config", None) is config:
+            _ATTENTION[module] = ctx
+    config._attn_implementation = NAME
+    model.register_forward_pre_hook(_before, with_kwargs=True)
+    model.register_forward_hook(_after, with_kwargs=True)
+    return f"context parallel {layout.cp}: each sequence in {2 * layout.cp} chunks, head-tail; {inner} attention " \
+           f"between all-to-alls over heads"
+
+
+def context_share(model: nn.Module, *tensors: torch.Tensor, dim: int = 1) -> Any:
+    """This rank's share of per-token ``tensors`` (the labels; the sequence along ``dim``), in the order
+    ``model``'s outputs come; the tensors themselves when ``model`` is not context-parallel.
+
+    >>> logits = model(input_ids=x).logits
+    >>> y = mg.context_share(model, y)
+    """
+    from .wrap import unwrap
+
+    ctx = _MODELS.get(unwrap(model))
+    if ctx is None:
+        return tensors[0] if len(tensors) == 1 else tensors
+    out = []
+    for t in tensors:
+        if t.shape[dim] % (2 * ctx.cp):
+            raise UsageError(f"context_share cuts the sequence (dim {dim}) into 2 x cp = {2 * ctx.cp} chunks, but it "
+                             f"has {t.shape[dim]}; give the tensor the model's sequence length, or the right dim=")
+        out.append(t.index_select(dim, share_index(t.shape[dim], ctx.cp, ctx.rank).to(t.device)))
+    return out[0] if len(out) == 1 else tuple(out)
