@@ -78,6 +78,7 @@ def _worker(fn, rank, world_size, port, seed, env, args, kwargs, out, stdio=None
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
+    reported = False
     try:
         import torch
 
@@ -87,14 +88,18 @@ def _worker(fn, rank, world_size, port, seed, env, args, kwargs, out, stdio=None
         with init(backend="gloo", seed=seed, device="cpu", timeout=120) as dist:
             try:
                 result = fn(dist, *args, **kwargs)
-            except BaseException:  # noqa: BLE001 - reported before the group goes: the others fail when it does
+            except BaseException:  # reported before the group goes: the other ranks fail when it does
                 out.put((rank, False, traceback.format_exc()))
-                return
+                reported = True
+                raise
         # Plain pickle (not torch's shared-memory reductions): the result must
         # outlive this process.
         out.put((rank, True, pickle.dumps(result)))
-    except BaseException:  # noqa: BLE001 - report everything, including SystemExit
+    except SystemExit:  # mg.init's verdict on a UsageError (exit 2), after its cause
         out.put((rank, False, traceback.format_exc()))
+    except BaseException:  # noqa: BLE001 - report everything
+        if not reported:
+            out.put((rank, False, traceback.format_exc()))
 
 
 def spawn(
@@ -143,8 +148,8 @@ def spawn(
                 return
             if ok:
                 results[rank] = pickle.loads(payload)
-            else:
-                errors[rank] = payload
+            else:  # a rank's cause, then what mg.init made of it
+                errors[rank] = errors[rank] + payload if rank in errors else payload
             block = 0.01
 
     try:

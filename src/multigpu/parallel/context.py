@@ -134,9 +134,12 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
         key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
         module = _Ungrouped(module)
     q, k, v = (ctx.to_heads(t) for t in (query, key, value))
-    allowed = ctx.mask(q, kwargs.pop("sliding_window", None))
+    window = kwargs.pop("sliding_window", None)
+    allowed = ctx.mask(q, window)
     mask = allowed
-    if ctx.inner == "eager":  # an additive mask, as transformers' eager_mask builds it
+    if ctx.inner == "sdpa" and window is None and ctx.docs is None:
+        mask = None  # causal alone: the kernel's own is_causal, no (S, S) mask held
+    elif ctx.inner == "eager":  # an additive mask, as transformers' eager_mask builds it
         mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, torch.finfo(q.dtype).min)
     out, _ = inner(module, q, k, v, mask, **kwargs)
     return ctx.to_share(out), None
