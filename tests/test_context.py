@@ -4,7 +4,10 @@ HSDP 2 x CP 2 against one process in float64, on causal and on packed-document b
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -109,13 +112,24 @@ def _families(dist, jobs: list[tuple[str, dict]]) -> dict:
     return out
 
 
+def _chain(dist, where: str, layout: dict | None, stop_after: int) -> dict:
+    """Llama on packed documents from the checkpoint in ``where`` (if any) to step ``stop_after``, saved."""
+    return hf.train(dist, "llama", layout, docs=True, ckpt=where, stop_after=stop_after)
+
+
 @functools.cache
 def _runs() -> dict:
+    where = tempfile.mkdtemp(prefix="mg-cp-")
+    atexit.register(shutil.rmtree, where, True)
     two = spawn(_families, 2, [(k, {"cp": 2}) for k in ("llama", "qwen3", "mistral")], timeout=900)[0]
+    spawn(_chain, 2, where, {"cp": 2}, 1, timeout=300)
     four = spawn(_families, 4, [(k, layout) for k in ("llama", "qwen3") for layout in ({"cp": 2, "dp_shard": 2},
                                                                                        {"cp": 2, "tp": 2})]
                  + [("llama", {"cp": 2, "dp_replicate": 2})], timeout=900)[0]
-    return two | four
+    spawn(_chain, 4, where, {"cp": 4}, 2, timeout=300)
+    spawn(_chain, 4, where, {"cp": 2, "dp_shard": 2}, 3, timeout=300)
+    last = spawn(_chain, 1, where, {}, 4, timeout=300)[0]
+    return {"families": two | four, "chain": last, "reference": spawn(_chain, 1, None, None, 4, timeout=300)[0]}
 
 
 @pytest.mark.slow
@@ -126,7 +140,7 @@ def test_llama_qwen3_and_mistral_under_cp_layouts_equal_one_process():
     mask, and the loss summed over mg.token_divisor of the shares: the shares count unequal targets). A
     planted bug fails it: RoPE at the share's own positions (5e-2), the loss averaged per cp rank (2e-3)."""
     pytest.importorskip("transformers")
-    diffs = _runs()
+    diffs = dict(_runs()["families"])
     print(diffs)
     assert diffs.pop("documents change llama by") > 1e-3
     assert len(diffs) == 2 * (3 + 2 * 2 + 1)
@@ -163,3 +177,14 @@ def test_activation_memory_per_rank_falls_with_cp_on_a_4k_token_sequence():
     one = peaks[0][1]
     assert all(p[1] == one for p in peaks)
     assert max(p[2] for p in peaks) <= 0.6 * one and max(p[4] for p in peaks) <= 0.35 * one, peaks
+
+
+@pytest.mark.slow
+def test_checkpoints_resume_across_cp_degrees():
+    """Packed documents, steps 0-1 under CP 2 (2 ranks), 2 under CP 4, 3 under CP 2 x FSDP 2 (4 ranks), 4 on one
+    process, each from the last one's DCP checkpoint: one process's weights trained alone (cp shards no
+    parameter; FSDP's shards over (dp_shard, cp) reshard like any other)."""
+    pytest.importorskip("transformers")
+    last, reference = _runs()["chain"], _runs()["reference"]
+    assert last["start"] == 4 and last["norms"] == pytest.approx(reference["norms"][4:], rel=1e-9)
+    assert hf.max_diff(last, reference) < 1e-9
