@@ -10,6 +10,7 @@
     multigpu run -n 4 --cpu examples/hf_model.py --moe --ep 2      # a Mixtral: EP 2 x FSDP 2 (docs/experts.md)
     multigpu verify --cpu --layouts "dp_shard=2,ep=2;dp_shard=4,ep=2;dp_shard=2,ep=2,tp=2" examples/hf_model.py --moe
     multigpu tune -n 4 --cpu --experts examples/hf_model.py --moe  # the ep layouts weighed too
+    multigpu verify --cpu --layouts "cp=2;dp_shard=2,cp=2;cp=2,tp=2" examples/hf_model.py  # long sequences (docs/context.md)
 
 It follows the layout contract (docs/your-model.md): its layout comes from ``mg.layout_from_args()``
 (--tp --pp --dp-replicate --dp-shard --ep --micro-batch --activation-checkpointing --schedule --compile), it
@@ -73,7 +74,7 @@ def main() -> None:
                     loss = 0.0
                     for x, y in mg.accumulate(model, micro_batches):
                         out = model(input_ids=x, use_cache=False)
-                        part = loss_fn(out.logits, y)
+                        part = loss_fn(out.logits, mg.context_share(model, y))  # +layout (cp: this rank's share)
                         if out.get("aux_loss") is not None:  # the router's loss (over every rank's tokens)
                             part = part + config.router_aux_loss_coef * out.aux_loss
                         part = part / plan.accum_steps

@@ -133,6 +133,9 @@ def test_tune_enumerates_every_layout_through_the_mesh_factoring():
     moe = [l.label for l in layouts(4, experts=True) if l.ep > 1]
     assert moe == ["dp_shard=4,ep=2", "dp_shard=4,ep=4", "dp_shard=2,tp=2,ep=2", "pp=2,dp_shard=2,ep=2"]
     assert len(layouts(4, experts=True)) == 10 + 4
+    # long sequences (tune --context): each cp of what dp_replicate and tp leave, without a pipeline
+    long = [l.label for l in layouts(4, context=True) if l.cp > 1]
+    assert long == ["dp_shard=2,cp=2", "cp=4", "cp=2,tp=2", "dp_replicate=2,cp=2"]
 
 
 @pytest.mark.slow

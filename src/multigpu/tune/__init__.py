@@ -31,6 +31,7 @@ def add_arguments(parser) -> None:
     tune("--steps", field="steps", type=int)
     tune("--micro-batches", field="micro_batches", metavar="M,M,...")
     tune("--experts", field="experts", action="store_true")
+    tune("--context", field="context", action="store_true")
     tune("--threads", field="threads", type=int)
     tune("--out", field="out")
     parser.add_argument("workload", help="gpt (the GPT recipe, multigpu.recipes.gpt), or a script.py that reads its "
@@ -68,6 +69,6 @@ def main(args) -> int:
                      top=0 if args.top == "all" else int(args.top), repeats=args.repeats, steps=args.steps,
                      out=args.out, threads=args.threads,
                      micro_batches=ints(args.micro_batches, "--micro-batches") if args.micro_batches else None,
-                     experts=args.experts)
+                     experts=args.experts, context=args.context)
     _, report = run_tune(cfg)
     return 0 if report["winner"] else 1

@@ -62,6 +62,8 @@ class TuneConfig:
     """micro-batch sizes to consider (default: powers of 2 that divide a rank's share)"""
     experts: bool = False
     """the script's model is a mixture of experts: weigh its expert-parallel layouts too (ep of dp_shard)"""
+    context: bool = False
+    """weigh context-parallel layouts too (cp: each rank a share of every sequence; a transformers model)"""
 
 
 def check_args(cfg: TuneConfig) -> None:

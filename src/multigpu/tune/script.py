@@ -84,7 +84,7 @@ def run_script_tune(cfg, say: Callable[[str], None] = print) -> tuple[Path, dict
     t_start = time.perf_counter()
     cfg, _ = rounds.device_of(cfg)
     found = layouts(cfg.nproc, micro_batches=list(cfg.micro_batches) if cfg.micro_batches else None,
-                    experts=cfg.experts)
+                    experts=cfg.experts, context=cfg.context)
     out = rounds.out_dir(cfg)
     say(f"multigpu tune: {cfg.workload} on {cfg.nproc} {'CPU workers' if cfg.cpu else 'GPUs'}: {len(found)} layouts, "
         f"each measured for {cfg.steps} steps (with activation checkpointing where one runs out of memory without), "
