@@ -46,8 +46,8 @@ MAX_PARAMS = 3_000_000  # a config whose other sizes (a vision or audio tower) t
 MAX_STEP_S = 0.2  # most tiny models take 5-30 ms
 CHUNK = 36  # jobs per worker
 LAYOUTS = {"TP 2": {"tp": 2}, "TP 2 + SP": {"tp": 2, "sequence_parallel": True}, "PP 2": {"pp": 2},
-           "FSDP 2 x TP 2": {"tp": 2}, "EP 2": {"ep": 2}, "EP 2 + TP 2": {"ep": 2, "tp": 2}}
-WORLD = {"TP 2": 2, "TP 2 + SP": 2, "PP 2": 2, "FSDP 2 x TP 2": 4, "EP 2": 2, "EP 2 + TP 2": 4}
+           "FSDP 2 x TP 2": {"tp": 2}, "EP 2": {"ep": 2}, "EP 2 + TP 2": {"ep": 2, "tp": 2}, "CP 2": {"cp": 2}}
+WORLD = {"TP 2": 2, "TP 2 + SP": 2, "PP 2": 2, "FSDP 2 x TP 2": 4, "EP 2": 2, "EP 2 + TP 2": 4, "CP 2": 2}
 NO_EXPERTS = "has no experts module"  # a dense family's EP refusal: the same on 4 ranks, not run again
 
 
