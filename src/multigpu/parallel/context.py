@@ -53,6 +53,7 @@ class _Context:
         self.seq = 0
         self.docs: torch.Tensor | None = None  # (B, S) document of each token, None when one per row
         self.calls = 0
+        self.no_documents: str | None = None  # why packed documents are refused (the probe's finding)
 
     # -- the share ----------------------------------------------------------------------------------
     def begin(self, seq: int, positions: torch.Tensor) -> torch.Tensor:
@@ -173,6 +174,9 @@ def _before(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         positions = torch.arange(seq, device=tokens.device)
     positions = positions.expand(b, seq)
     index = ctx.begin(seq, positions)
+    if ctx.docs is not None and ctx.no_documents:
+        raise UsageError(f"context parallelism does not give {ctx.name} packed documents (position_ids restarting) as "
+                         f"one process computes them ({ctx.no_documents}); give it whole sequences, or use cp=1")
     for name in ("input_ids", "inputs_embeds"):
         if given.get(name) is not None:
             given[name] = given[name].index_select(1, index)
@@ -230,6 +234,51 @@ def apply(model: nn.Module, layout: Any, mesh: Any) -> str:
     model.register_forward_hook(_after, with_kwargs=True)
     return f"context parallel {layout.cp}: each sequence in {2 * layout.cp} chunks, head-tail; {inner} attention " \
            f"between all-to-alls over heads"
+
+
+def _gathered(model: nn.Module, ctx: _Context, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's output on ``batch`` put back together from every cp rank's share (collective)."""
+    import torch.distributed as tdist
+
+    from . import probe
+
+    share = probe.run(model, batch, backward=False)
+    pieces = [torch.empty_like(share) for _ in range(ctx.cp)]
+    tdist.all_gather(pieces, share.contiguous(), group=ctx.group)
+    seq = batch["input_ids"].shape[1]
+    full = share.new_empty((share.shape[0], seq) + tuple(share.shape[2:]))
+    for r, piece in enumerate(pieces):
+        full[:, share_index(seq, ctx.cp, r).to(full.device)] = piece
+    return full
+
+
+def probe(model: nn.Module, batch: dict[str, torch.Tensor], expected: torch.Tensor,
+          documents: dict[str, torch.Tensor], expected_documents: torch.Tensor | None) -> None:
+    """The whole model checked on a probe batch under cp against its output before (``parallel/probe.py``):
+    a forward that fails or differs is refused in one line; one that differs only on packed documents (a
+    family that keeps no documents apart on one process, or not by transformers' rule) refuses them later."""
+    from .probe import TOLERANCE, cause, relative_error
+
+    ctx, name = _MODELS[model], type(model).__name__
+    tol = TOLERANCE.get(expected.dtype, 1e-4)
+    try:
+        error = relative_error(_gathered(model, ctx, batch), expected)
+    except Exception as e:  # noqa: BLE001 - any failure of the forward under cp is the refusal's reason
+        raise UsageError(f"context parallelism breaks {name}'s forward on a probe batch ({cause(e)}); use cp=1 for "
+                         "this model") from None
+    if not error <= tol:
+        raise UsageError(f"context parallelism changes {name}'s output on a probe batch (relative error {error:.1e}, "
+                         f"{expected.dtype} allows {tol:.0e}): its attention or positions do not follow the shares "
+                         "(a mask or position of its own); use cp=1 for this model")
+    try:
+        error = None if expected_documents is None else relative_error(_gathered(model, ctx, documents),
+                                                                        expected_documents)
+    except Exception as e:  # noqa: BLE001
+        ctx.no_documents = f"the probe's forward fails: {cause(e)}"
+        return
+    if error is None or not error <= tol:
+        ctx.no_documents = ("its forward on one process fails on them" if error is None else
+                            f"a probe batch of two documents is off by {error:.1e}")
 
 
 def context_share(model: nn.Module, *tensors: torch.Tensor, dim: int = 1) -> Any:

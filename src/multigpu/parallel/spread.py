@@ -18,6 +18,7 @@ import functools
 import inspect
 from typing import Any
 
+import torch
 import torch.distributed as tdist
 from torch import nn
 
@@ -262,7 +263,18 @@ def _context_parallel(model: nn.Module, layout: Layout, device_type: str, say: A
     """Each cp rank keeps a share of every sequence; attention sees the whole one (``context.py``)."""
     from . import context
 
-    say(f"mg.parallelize: {context.apply(model, layout, layout.cp_mesh(device_type))}")
+    batch = probe.probe_input(model, 2 * layout.cp)  # 2 sequences of 16 x cp tokens: 2cp chunks of 8
+    expected = None if batch is None else probe.expected(model, batch)
+    if expected is None:
+        raise UsageError(f"context parallelism checks {type(model).__name__} on a probe batch of token ids first, but "
+                         "it does not run on one; use cp=1 for this model")
+    seq = batch["input_ids"].shape[1]
+    documents = batch | {"position_ids": torch.cat([torch.arange(seq // 2 - 3), torch.arange(seq // 2 + 3)])
+                         .to(batch["input_ids"].device).expand_as(batch["input_ids"])}
+    expected_documents = probe.expected(model, documents)
+    done = context.apply(model, layout, layout.cp_mesh(device_type))
+    context.probe(model, batch, expected, documents, expected_documents)  # exact or refused
+    say(f"mg.parallelize: {done}")
 
 
 def _per_block(model: nn.Module, layout: Layout, blocks: list, activation_checkpointing: bool | None,
