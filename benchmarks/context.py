@@ -16,7 +16,6 @@ bytes autograd saves for the backward in one micro-batch (``mg.meter.LiveActivat
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -25,11 +24,10 @@ import torch.nn.functional as F
 
 import multigpu as mg
 from multigpu.meter import LiveActivations
-from multigpu.runtime.fingerprint import format_fingerprint
 from multigpu.testing import spawn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from interleave import environment, slowest_rank, time_interleaved, timing_arguments  # noqa: E402 - beside this file
+from interleave import environment, finish, slowest_rank, time_interleaved, timing_arguments  # noqa: E402 - beside this file
 
 
 def _build(dist, args, seq: int, cp: int):
@@ -103,15 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     args.cps = [int(c) for c in args.cps.split(",")]
     env = environment(args.ranks)
     results = spawn(_bench, args.ranks, args, timeout=3600)
-    print("environment:", format_fingerprint(env))
-    print(f"model: Llama {args.layers} layers x {args.width}, 4 heads (2 KV), SDPA, float32, AdamW; {args.ranks} "
-          f"sequences a step, one a micro-batch; n = {args.rounds * args.steps} timed steps per row ({args.rounds} "
-          f"interleaved rounds), slowest rank's median; {args.ranks} gloo ranks")
-    print("\n".join(table(results, args)))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": env, "args": vars(args), "results": results}, f)
-    return 0
+    return finish(env, f"model: Llama {args.layers} layers x {args.width}, 4 heads (2 KV), SDPA, float32, AdamW; "
+                       f"{args.ranks} sequences a step, one a micro-batch; n = {args.rounds * args.steps} timed steps "
+                       f"per row ({args.rounds} interleaved rounds), slowest rank's median; {args.ranks} gloo ranks",
+                  table(results, args), results, args)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ the two hold the same share of the experts; in the step FSDP gathers them all, E
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -32,11 +31,10 @@ import torch.nn.functional as F
 import multigpu as mg
 from multigpu.meter.footprint import state_bytes
 from multigpu.parallel.experts import figures, stats_of
-from multigpu.runtime.fingerprint import format_fingerprint
 from multigpu.testing import spawn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from interleave import environment, slowest_rank, time_interleaved, timing_arguments  # noqa: E402 - beside this file
+from interleave import environment, finish, slowest_rank, time_interleaved, timing_arguments  # noqa: E402 - beside this file
 
 VARIANTS = {"fsdp": ({}, None), "ep": ({"ep": None}, None), "ep, capacity 1.0": ({"ep": None}, 1.0)}
 
@@ -128,15 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     env = environment(args.ranks)
     results = spawn(_bench, args.ranks, args, timeout=3600)
-    print("environment:", format_fingerprint(env))
-    print(f"model: Mixtral {args.layers} layers x {args.width}, {args.experts} experts (2 per token), {args.block} "
-          f"tokens per sequence, float32, AdamW; global batch {args.batch} sequences; n = {args.rounds * args.steps} "
-          f"timed steps per layout ({args.rounds} interleaved rounds), slowest rank's median; {args.ranks} gloo ranks")
-    print("\n".join(table(results)))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": env, "args": vars(args), "results": results}, f)
-    return 0
+    return finish(env, f"model: Mixtral {args.layers} layers x {args.width}, {args.experts} experts (2 per token), "
+                       f"{args.block} tokens per sequence, float32, AdamW; global batch {args.batch} sequences; n = "
+                       f"{args.rounds * args.steps} timed steps per layout ({args.rounds} interleaved rounds), slowest "
+                       f"rank's median; {args.ranks} gloo ranks", table(results), results, args)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ interquartile range.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -61,3 +62,16 @@ def environment(world_size: int) -> dict:
 
     return mg.fingerprint(None, world_size=world_size, backend="gloo", threads_per_rank=1,
                           load_average_1min=round(os.getloadavg()[0], 2))
+
+
+def finish(env: dict, header: str, lines: list[str], results: list[dict], args: Any) -> int:
+    """Print the environment, what was measured and the table; the raw results to ``--json`` if asked."""
+    from multigpu.runtime.fingerprint import format_fingerprint
+
+    print("environment:", format_fingerprint(env))
+    print(header)
+    print("\n".join(lines))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "args": vars(args), "results": results}, f)
+    return 0
