@@ -223,6 +223,11 @@ def documents(x: torch.Tensor) -> torch.Tensor:
     return t - torch.where(starts, t, torch.zeros_like(t)).cummax(-1).values
 
 
+def own_loss(model, x: torch.Tensor) -> torch.Tensor:
+    """The model's own loss: ``labels=`` the inputs (transformers shifts them; under cp, multigpu does)."""
+    return model(input_ids=x, labels=x, use_cache=False).loss
+
+
 def lm_loss(model, x: torch.Tensor, y: torch.Tensor, divisor: torch.Tensor | None = None) -> torch.Tensor:
     """The next-token loss, plus the router's load-balancing loss where the model returns one (a mixture of
     experts with output_router_logits). ``divisor``: the rows are packed documents (position ids restart,
@@ -252,7 +257,7 @@ def max_diff(got: dict, ref: dict) -> float:
 
 def train(dist, kind: str, layout: dict | None, steps: int = 5, accum: int = 2, clip: float = 0.5,
           ckpt: str | None = None, stop_after: int | None = None, overrides: dict | None = None,
-          docs: bool = False) -> dict:
+          docs: bool = False, labels: bool = False) -> dict:
     """``layout``: the ``Layout``'s fields; every rank returns the same full weights after ``steps`` steps.
     ``layout=None``: the one-process script itself (no collective, so one rank of a larger world can run it).
     ``overrides``: the model's config beside build's defaults; ``ckpt``: resume from and save to that
@@ -286,6 +291,8 @@ def train(dist, kind: str, layout: dict | None, steps: int = 5, accum: int = 2, 
                 loss = F.cross_entropy(image_logits(model, x), y) / plan.accum_steps
             elif docs:
                 loss = lm_loss(model, x, y, divisor)
+            elif labels:
+                loss = own_loss(model, x) / plan.accum_steps
             else:
                 loss = lm_loss(model, x, y) / plan.accum_steps
             loss.backward()

@@ -68,11 +68,11 @@ def test_cp_is_a_layout_degree_with_its_flag_label_and_ranks():
 
 
 def _inputs_refused(dist) -> list[str]:
-    """What a context-parallel model's forward refuses: padding, labels=, a sequence not in 2 x cp chunks."""
+    """What a context-parallel model's forward refuses: padding, a cache, a sequence not in 2 x cp chunks."""
     model = mg.parallelize(hf.build("llama"), mg.parallel.Layout(cp=2), verbose=False)
     x = torch.randint(0, hf.VOCAB, (2, 16))
     out = []
-    for kwargs in ({"attention_mask": torch.ones(2, 16).tril()}, {"labels": x},
+    for kwargs in ({"attention_mask": torch.ones(2, 16).tril()}, {"past_key_values": object()},
                    {"input_ids": torch.randint(0, hf.VOCAB, (2, 14))}):
         try:
             model(**({"input_ids": x} | kwargs))
@@ -84,18 +84,19 @@ def _inputs_refused(dist) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_context_parallel_forward_refuses_padding_labels_and_uneven_sequences_in_one_line():
+def test_a_context_parallel_forward_refuses_padding_a_cache_and_uneven_sequences_in_one_line():
     pytest.importorskip("transformers")
-    padding, labels, uneven = spawn(_inputs_refused, 2)[0]
+    padding, cache, uneven = spawn(_inputs_refused, 2)[0]
     assert "got an attention_mask with padding; pack the documents" in padding
-    assert "labels= is not taken under it: compute the loss from the logits against mg.context_share" in labels
+    assert "past_key_values= is not taken under it: generate without cp" in cache
     assert "2 x cp = 4 equal chunks, but the sequence has 14 tokens" in uneven
-    assert all("\n" not in line for line in (padding, labels, uneven))
+    assert all("\n" not in line for line in (padding, cache, uneven))
 
 
-def _families(dist, jobs: list[tuple[str, dict]]) -> dict:
+def _families(dist, jobs: list[tuple[str, dict]], own_loss: tuple[str, ...] = ()) -> dict:
     """Each (family, layout) trained 5 AdamW steps (clipping at 0.5, 2 micro-batches) on causal and on
-    packed-document batches, against one process: the largest parameter difference each."""
+    packed-document batches, against one process: the largest parameter difference each; ``own_loss``: these
+    families also under CP 2 with their own loss of ``labels=`` (shifted by multigpu on the whole sequence)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -107,6 +108,11 @@ def _families(dist, jobs: list[tuple[str, dict]]) -> dict:
             got = hf.train(dist, kind, layout, docs=docs)  # every rank: its collectives
             if dist.rank == 0:
                 out[f"{kind} {layout} {'documents' if docs else 'causal'}"] = hf.max_diff(got, references[kind, docs])
+    for kind in own_loss:
+        reference = hf.train(dist, kind, None, labels=True) if dist.rank == 0 else None
+        got = hf.train(dist, kind, {"cp": 2}, labels=True)
+        if dist.rank == 0:
+            out[f"{kind} {{'cp': 2}} labels="] = hf.max_diff(got, reference)
     if dist.rank == 0:  # the documents matter: their mask and ignored targets change what one process trains
         out["documents change llama by"] = hf.max_diff(references["llama", True], references["llama", False])
     return out
@@ -121,7 +127,8 @@ def _chain(dist, where: str, layout: dict | None, stop_after: int) -> dict:
 def _runs() -> dict:
     where = tempfile.mkdtemp(prefix="mg-cp-")
     atexit.register(shutil.rmtree, where, True)
-    two = spawn(_families, 2, [(k, {"cp": 2}) for k in ("llama", "qwen3", "mistral")], timeout=900)[0]
+    two = spawn(_families, 2, [(k, {"cp": 2}) for k in ("llama", "qwen3", "mistral")], ("llama", "qwen3"),
+                timeout=900)[0]
     spawn(_chain, 2, where, {"cp": 2}, 1, timeout=300)
     four = spawn(_families, 4, [(k, layout) for k in ("llama", "qwen3") for layout in ({"cp": 2, "dp_shard": 2},
                                                                                        {"cp": 2, "tp": 2})]
@@ -137,14 +144,15 @@ def test_llama_qwen3_and_mistral_under_cp_layouts_equal_one_process():
     """CP 2 (Llama, Qwen3, Mistral with a sliding window of 6 in 16 tokens), CP 2 x FSDP 2 and CP 2 x TP 2
     (Llama, Qwen3: one KV head per TP rank, repeated per query head for the split), HSDP 2 x CP 2 (Llama):
     within 1e-9 of one process on every parameter after 5 steps, causal and with packed documents (their
-    mask, and the loss summed over mg.token_divisor of the shares: the shares count unequal targets). A
+    mask, and the loss summed over mg.token_divisor of the shares: the shares count unequal targets); Llama
+    and Qwen3 under CP 2 with their own loss of labels= (transformers' loss of the shifted labels). A
     planted bug fails it: RoPE at the share's own positions (9.3e-3), the loss averaged per cp rank on documents
     (4.4e-3; docs/context.md)."""
     pytest.importorskip("transformers")
     diffs = dict(_runs()["families"])
     print(diffs)
     assert diffs.pop("documents change llama by") > 1e-3
-    assert len(diffs) == 2 * (3 + 2 * 2 + 1)
+    assert len(diffs) == 2 * (3 + 2 * 2 + 1) + 2
     assert all(d < 1e-9 for d in diffs.values()), diffs
 
 

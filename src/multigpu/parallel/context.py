@@ -14,7 +14,8 @@ all-to-all takes the output back to the share. It runs on any kernel and on gloo
 each tensor-parallel rank holds must divide by cp.
 
 The logits come out in the share's token order: ``mg.context_share(model, labels)`` is the labels'
-share in that order, so a per-token loss pairs up. ``mg.token_divisor`` counts every rank's targets, so
+share in that order, so a per-token loss pairs up; ``labels=`` (the model's own loss) is shifted on the
+whole sequence first. ``mg.token_divisor`` counts every rank's targets, so
 the summed loss over it is exact; a mean loss per rank is exact when every share counts alike.
 Parameters are not split by cp: FSDP shards them over (dp_shard, cp) and averages the gradients there.
 """
@@ -54,6 +55,7 @@ class _Context:
         self.docs: torch.Tensor | None = None  # (B, S) document of each token, None when one per row
         self.calls = 0
         self.no_documents: str | None = None  # why packed documents are refused (the probe's finding)
+        self.no_labels: str | None = None  # why labels= (the model's own loss) is refused (the probe's finding)
 
     # -- the share ----------------------------------------------------------------------------------
     def begin(self, seq: int, positions: torch.Tensor) -> torch.Tensor:
@@ -152,12 +154,12 @@ def _before(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
     given = dict(bound.arguments)
     given.update(given.pop("kwargs", {}))
-    for refused, why in (("labels", "compute the loss from the logits against mg.context_share(model, labels) "
-                                    "(the shifted targets), e.g. with mg.token_divisor"),
-                         ("past_key_values", "generate without cp")):
-        if given.get(refused) is not None:
-            raise UsageError(f"context parallelism gives {ctx.name} a share of each sequence; {refused}= is not "
-                             f"taken under it: {why}")
+    if given.get("past_key_values") is not None:
+        raise UsageError(f"context parallelism gives {ctx.name} a share of each sequence; past_key_values= is not "
+                         "taken under it: generate without cp")
+    if given.get("labels") is not None and ctx.no_labels:
+        raise UsageError(f"context parallelism does not give {ctx.name}'s own loss of labels= as one process computes it "
+                         f"({ctx.no_labels}); compute the loss from the logits against mg.context_share(model, y)")
     mask = given.pop("attention_mask", None)
     if mask is not None and not bool(mask.all()):
         raise UsageError(f"context parallelism takes causal attention over whole or packed sequences, but {ctx.name} "
@@ -181,8 +183,24 @@ def _before(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if given.get(name) is not None:
             given[name] = given[name].index_select(1, index)
     given["position_ids"] = positions.index_select(1, index)
+    if given.get("labels") is not None:
+        _share_labels(ctx, given, index)
     given["use_cache"] = False  # a cache of one share's keys is nothing generation could use
     return (), given
+
+
+def _share_labels(ctx: _Context, given: dict[str, Any], index: torch.Tensor) -> None:
+    """``labels=``: the model's own loss over this rank's share. transformers shifts the labels inside its loss,
+    which a share cannot (its next token may be on another rank): they are shifted here, on the whole
+    sequence, and passed as ``shift_labels``. Its mean would be over this share's targets; the divisor is
+    the whole sequences' count over cp instead, so the cp ranks' average is one process's mean."""
+    labels = given["labels"]
+    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    given["labels"] = given["shift_labels"] = shifted.index_select(1, index)
+    count = given.get("num_items_in_batch")
+    if count is None:
+        count = (shifted != -100).sum().clamp(min=1)
+    given["num_items_in_batch"] = count / ctx.cp
 
 
 def _after(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -253,7 +271,8 @@ def _gathered(model: nn.Module, ctx: _Context, batch: dict[str, torch.Tensor]) -
 
 
 def probe(model: nn.Module, batch: dict[str, torch.Tensor], expected: torch.Tensor,
-          documents: dict[str, torch.Tensor], expected_documents: torch.Tensor | None) -> None:
+          documents: dict[str, torch.Tensor], expected_documents: torch.Tensor | None,
+          expected_loss: torch.Tensor | None) -> None:
     """The whole model checked on a probe batch under cp against its output before (``parallel/probe.py``):
     a forward that fails or differs is refused in one line; one that differs only on packed documents (a
     family that keeps no documents apart on one process, or not by transformers' rule) refuses them later."""
@@ -275,10 +294,43 @@ def probe(model: nn.Module, batch: dict[str, torch.Tensor], expected: torch.Tens
                                                                         expected_documents)
     except Exception as e:  # noqa: BLE001
         ctx.no_documents = f"the probe's forward fails: {cause(e)}"
-        return
-    if error is None or not error <= tol:
-        ctx.no_documents = ("its forward on one process fails on them" if error is None else
-                            f"a probe batch of two documents is off by {error:.1e}")
+    else:
+        if error is None or not error <= tol:
+            ctx.no_documents = ("its forward on one process fails on them" if error is None else
+                                f"a probe batch of two documents is off by {error:.1e}")
+    ctx.no_labels = _labels_differ(model, ctx, batch, expected_loss, tol)
+
+
+def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The model's own loss with ``labels=`` the probe's tokens (eval mode, no gradient); None if it has none."""
+    from .probe import _probing
+
+    with _probing(model), torch.no_grad():
+        out = model(**batch, labels=batch["input_ids"], use_cache=False)
+    return getattr(out, "loss", None)
+
+
+def _labels_differ(model: nn.Module, ctx: _Context, batch: dict[str, torch.Tensor], expected: torch.Tensor | None,
+                   tol: float) -> str | None:
+    """Why the model's own loss of ``labels=`` under cp is not one process's (None when it is): the cp ranks'
+    losses averaged against ``expected``, the unsplit model's."""
+    import torch.distributed as tdist
+
+    from .probe import TOLERANCE, cause
+
+    if expected is None:
+        return "it returns no loss of labels= on one process"
+    try:
+        got = _loss(model, batch)
+        if got is None:
+            return "it returns no loss under cp"
+        got = got.detach().double().reshape(1)
+        tdist.all_reduce(got, group=ctx.group)
+    except Exception as e:  # noqa: BLE001
+        return f"the probe's loss fails: {cause(e)}"
+    tol = max(tol, TOLERANCE.get(expected.dtype, 1e-4))  # transformers computes the loss in float32
+    error = abs(got.item() / ctx.cp - expected.item()) / max(abs(expected.item()), 1e-30)
+    return None if error <= tol else f"a probe batch's loss is off by {error:.1e}"
 
 
 def context_share(model: nn.Module, *tensors: torch.Tensor, dim: int = 1) -> Any:

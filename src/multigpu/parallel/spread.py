@@ -272,8 +272,12 @@ def _context_parallel(model: nn.Module, layout: Layout, device_type: str, say: A
     documents = batch | {"position_ids": torch.cat([torch.arange(seq // 2 - 3), torch.arange(seq // 2 + 3)])
                          .to(batch["input_ids"].device).expand_as(batch["input_ids"])}
     expected_documents = probe.expected(model, documents)
+    try:
+        expected_loss = context._loss(model, batch)
+    except Exception:  # noqa: BLE001 - a model without a loss of labels= is refused them later
+        expected_loss = None
     done = context.apply(model, layout, layout.cp_mesh(device_type))
-    context.probe(model, batch, expected, documents, expected_documents)  # exact or refused
+    context.probe(model, batch, expected, documents, expected_documents, expected_loss)  # exact or refused
     say(f"mg.parallelize: {done}")
 
 
