@@ -55,11 +55,26 @@ class TinyLM(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, VOCAB, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(x) if positions is None else self.embed(x) + self.pos(positions)
         for block in self.blocks:
             h = block(h)
         return self.head(self.norm(h))
+
+
+class PositionLM(TinyLM):
+    """TinyLM with learned positions, read from ``position_ids`` when given (what context parallelism passes:
+    each token's place in the whole sequence), else from the input's own length."""
+
+    def __init__(self, arange_only: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.pos = nn.Embedding(64, self.embed.embedding_dim)
+        if arange_only:  # a forward without position_ids: positions from its input's length, whatever it is
+            self.forward = lambda x: TinyLM.forward(self, x, torch.arange(x.shape[1]))
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        positions = torch.arange(x.shape[1]) if position_ids is None else position_ids
+        return TinyLM.forward(self, x, positions)
 
 
 class OwnExperts(nn.Module):
@@ -130,6 +145,8 @@ def build(kind: str, **overrides):
     torch.manual_seed(0)
     if kind == "own":
         return TinyLM(**overrides).double()
+    if kind in ("own_positions", "own_arange"):
+        return PositionLM(arange_only=kind == "own_arange", **overrides).double()
     if kind == "own_moe":
         return OwnMoE(**overrides).double()
     if kind.startswith("zoo:"):  # a family of the zoo (tests/_zoo.py), from its tiny config

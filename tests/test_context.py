@@ -45,7 +45,8 @@ def test_context_parallelism_refuses_in_one_line_what_it_cannot_split(monkeypatc
                         ({"tp": 2, "sequence_parallel": True}, "with sequence_parallel is not built yet")):
         with pytest.raises(mg.UsageError, match=line):
             mg.parallel.Layout(cp=2, **other)
-    assert "not a transformers model" in _refused(hf.build("own"), mg.parallel.Layout(cp=2), 2, monkeypatch)
+    line = _refused(hf.build("own"), mg.parallel.Layout(cp=2, activation_checkpointing=True), 2, monkeypatch)
+    assert "(not a transformers model) with activation checkpointing is not built yet" in line
     line = _refused(hf.build("llama", num_attention_heads=2, num_key_value_heads=2), mg.parallel.Layout(cp=4), 4,
                     monkeypatch)
     assert line.startswith("context parallelism trades the sequence for the heads: cp 4 must divide the attention "
@@ -80,17 +81,23 @@ def _inputs_refused(dist) -> list[str]:
         except mg.UsageError as e:
             out.append(str(e))
     model(input_ids=x, attention_mask=torch.ones(2, 16))  # no padding: taken
+    try:  # a model of the user's whose positions come from its input's length: the probe sees the shares differ
+        mg.parallelize(hf.build("own_arange"), mg.parallel.Layout(cp=2), verbose=False)
+        out.append("accepted")
+    except mg.UsageError as e:
+        out.append(str(e))
     return out
 
 
 @pytest.mark.slow
 def test_a_context_parallel_forward_refuses_padding_a_cache_and_uneven_sequences_in_one_line():
     pytest.importorskip("transformers")
-    padding, cache, uneven = spawn(_inputs_refused, 2)[0]
+    padding, cache, uneven, arange = spawn(_inputs_refused, 2)[0]
     assert "got an attention_mask with padding; pack the documents" in padding
     assert "past_key_values= is not taken under it: generate without cp" in cache
     assert "2 x cp = 4 equal chunks, but the sequence has 14 tokens" in uneven
-    assert all("\n" not in line for line in (padding, cache, uneven))
+    assert arange.startswith("context parallelism changes PositionLM's output on a probe batch (relative error")
+    assert all("\n" not in line for line in (padding, cache, uneven, arange))
 
 
 def _families(dist, jobs: list[tuple[str, dict]], own_loss: tuple[str, ...] = ()) -> dict:
@@ -102,7 +109,7 @@ def _families(dist, jobs: list[tuple[str, dict]], own_loss: tuple[str, ...] = ()
     transformers.logging.set_verbosity_error()
     references, out = {}, {}
     for kind, layout in jobs:
-        for docs in (False, True):
+        for docs in (False,) if kind.startswith("own") else (False, True):  # a user's model: causal SDPA
             if (kind, docs) not in references and dist.rank == 0:  # one process's run: no collective
                 references[kind, docs] = hf.train(dist, kind, None, docs=docs)
             got = hf.train(dist, kind, layout, docs=docs)  # every rank: its collectives
@@ -127,12 +134,13 @@ def _chain(dist, where: str, layout: dict | None, stop_after: int) -> dict:
 def _runs() -> dict:
     where = tempfile.mkdtemp(prefix="mg-cp-")
     atexit.register(shutil.rmtree, where, True)
-    two = spawn(_families, 2, [(k, {"cp": 2}) for k in ("llama", "qwen3", "mistral")], ("llama", "qwen3"),
-                timeout=900)[0]
+    two = spawn(_families, 2, [(k, {"cp": 2}) for k in ("llama", "qwen3", "mistral", "own", "own_positions")],
+                ("llama", "qwen3"), timeout=900)[0]
     spawn(_chain, 2, where, {"cp": 2}, 1, timeout=300)
     four = spawn(_families, 4, [(k, layout) for k in ("llama", "qwen3") for layout in ({"cp": 2, "dp_shard": 2},
                                                                                        {"cp": 2, "tp": 2})]
-                 + [("llama", {"cp": 2, "dp_replicate": 2})], timeout=900)[0]
+                 + [("llama", {"cp": 2, "dp_replicate": 2}), ("own_positions", {"cp": 2, "dp_shard": 2})],
+                 timeout=900)[0]
     spawn(_chain, 4, where, {"cp": 4}, 2, timeout=300)
     spawn(_chain, 4, where, {"cp": 2, "dp_shard": 2}, 3, timeout=300)
     last = spawn(_chain, 1, where, {}, 4, timeout=300)[0]
@@ -145,14 +153,16 @@ def test_llama_qwen3_and_mistral_under_cp_layouts_equal_one_process():
     (Llama, Qwen3: one KV head per TP rank, repeated per query head for the split), HSDP 2 x CP 2 (Llama):
     within 1e-9 of one process on every parameter after 5 steps, causal and with packed documents (their
     mask, and the loss summed over mg.token_divisor of the shares: the shares count unequal targets); Llama
-    and Qwen3 under CP 2 with their own loss of labels= (transformers' loss of the shifted labels). A
+    and Qwen3 under CP 2 with their own loss of labels= (transformers' loss of the shifted labels); a user's
+    own models calling F.scaled_dot_product_attention (TinyLM; PositionLM, learned positions read from
+    position_ids) under CP 2 and CP 2 x FSDP 2, causal. A
     planted bug fails it: RoPE at the share's own positions (9.3e-3), the loss averaged per cp rank on documents
     (4.4e-3; docs/context.md)."""
     pytest.importorskip("transformers")
     diffs = dict(_runs()["families"])
     print(diffs)
     assert diffs.pop("documents change llama by") > 1e-3
-    assert len(diffs) == 2 * (3 + 2 * 2 + 1) + 2
+    assert len(diffs) == 2 * (3 + 2 * 2 + 1) + 2 + 3
     assert all(d < 1e-9 for d in diffs.values()), diffs
 
 

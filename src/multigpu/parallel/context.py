@@ -217,12 +217,17 @@ def check(model: nn.Module, layout: Any, heads: dict[str, int]) -> None:
     name = type(model).__name__
     config = getattr(model, "config", None)
     inner = getattr(config, "_attn_implementation", None)
-    if config is None or inner not in ("eager", "sdpa"):
-        what = f"its attention implementation is {inner!r}" if config is not None else "it is not a transformers model"
+    if config is None:  # a user's own model: its F.scaled_dot_product_attention calls (context_sdpa.py)
+        from . import context_sdpa
+
+        context_sdpa.check(model, layout)
+        heads = {}
+    elif inner not in ("eager", "sdpa"):
+        what = f"its attention implementation is {inner!r}"
         raise UsageError(f"context parallelism wraps a transformers model's eager or SDPA attention, but {what} "
                          f"({name}); load it with attn_implementation='sdpa' or 'eager', or use cp=1")
-    if getattr(config, "is_encoder_decoder", False) or any(getattr(m, "is_causal", True) is False
-                                                           for m in model.modules()):
+    if config is not None and (getattr(config, "is_encoder_decoder", False)
+                               or any(getattr(m, "is_causal", True) is False for m in model.modules())):
         raise UsageError(f"context parallelism is built for causal attention; {name} has bidirectional attention: "
                          "use cp=1")
     # Query heads split over cp; KV heads too, or are repeated per query head where cp does not divide them.
@@ -237,9 +242,17 @@ def check(model: nn.Module, layout: Any, heads: dict[str, int]) -> None:
 def apply(model: nn.Module, layout: Any, mesh: Any) -> str:
     """Spread every sequence ``model`` is given over the cp ranks of ``mesh`` (``check``ed first); what was
     done, for ``mg.parallelize``'s line."""
+    config = getattr(model, "config", None)
+    if config is None:  # a user's own model
+        from . import context_sdpa
+
+        ctx = _Context(model, layout.cp, mesh.get_local_rank(), mesh.get_group(), "sdpa")
+        _MODELS[model] = ctx
+        context_sdpa.apply(model, ctx)
+        return (f"context parallel {layout.cp}: each sequence in {2 * layout.cp} chunks, head-tail; its "
+                "F.scaled_dot_product_attention between all-to-alls over heads")
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    config = model.config
     inner = config._attn_implementation
     ALL_ATTENTION_FUNCTIONS.register(NAME, _attention)
     ctx = _Context(model, layout.cp, mesh.get_local_rank(), mesh.get_group(), inner)
@@ -263,7 +276,7 @@ def _gathered(model: nn.Module, ctx: _Context, batch: dict[str, torch.Tensor]) -
     share = probe.run(model, batch, backward=False)
     pieces = [torch.empty_like(share) for _ in range(ctx.cp)]
     tdist.all_gather(pieces, share.contiguous(), group=ctx.group)
-    seq = batch["input_ids"].shape[1]
+    seq = next(iter(batch.values())).shape[1]
     full = share.new_empty((share.shape[0], seq) + tuple(share.shape[2:]))
     for r, piece in enumerate(pieces):
         full[:, share_index(seq, ctx.cp, r).to(full.device)] = piece

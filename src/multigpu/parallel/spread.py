@@ -263,17 +263,23 @@ def _context_parallel(model: nn.Module, layout: Layout, device_type: str, say: A
     """Each cp rank keeps a share of every sequence; attention sees the whole one (``context.py``)."""
     from . import context
 
-    batch = probe.probe_input(model, 2 * layout.cp)  # 2 sequences of 16 x cp tokens: 2cp chunks of 8
+    from . import context_sdpa
+
+    own = getattr(model, "config", None) is None  # a user's own model (context_sdpa.py)
+    # 2 sequences of 16 x cp tokens: 2cp chunks of 8
+    batch = context_sdpa.probe_input(model, layout.cp) if own else probe.probe_input(model, 2 * layout.cp)
     expected = None if batch is None else probe.expected(model, batch)
     if expected is None:
         raise UsageError(f"context parallelism checks {type(model).__name__} on a probe batch of token ids first, but "
                          "it does not run on one; use cp=1 for this model")
-    seq = batch["input_ids"].shape[1]
-    documents = batch | {"position_ids": torch.cat([torch.arange(seq // 2 - 3), torch.arange(seq // 2 + 3)])
-                         .to(batch["input_ids"].device).expand_as(batch["input_ids"])}
-    expected_documents = probe.expected(model, documents)
+    tokens = next(iter(batch.values()))
+    documents = batch | {"position_ids": torch.cat([torch.arange(tokens.shape[1] // 2 - 3),
+                                                    torch.arange(tokens.shape[1] // 2 + 3)]).to(tokens.device)
+                         .expand_as(tokens)}
+    positional = not own or context_sdpa.takes_positions(model)
+    expected_documents = probe.expected(model, documents) if positional else None
     try:
-        expected_loss = context._loss(model, batch)
+        expected_loss = None if own else context._loss(model, batch)
     except Exception:  # noqa: BLE001 - a model without a loss of labels= is refused them later
         expected_loss = None
     done = context.apply(model, layout, layout.cp_mesh(device_type))

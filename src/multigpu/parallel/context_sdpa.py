@@ -1,0 +1,116 @@
+"""Context parallelism for a user's own model: one that calls ``F.scaled_dot_product_attention``.
+
+The contract (docs/context.md): the model's forward takes the token ids (B, S) as its first argument and,
+if its positions matter, a ``position_ids`` keyword (B, S) or (S,); its attention is causal SDPA
+(``is_causal=True``, no ``attn_mask``). The parallelized forward gets this rank's share of the tokens and
+their original positions; while it runs, a ``TorchFunctionMode`` takes every
+``F.scaled_dot_product_attention`` call through the two all-to-alls over heads (``context.py``), under
+the causal mask and, with packed documents in ``position_ids``, their document mask. A model whose
+positions come from elsewhere (``torch.arange`` of its input length) computes something else under the
+shares: the probe batch ``mg.parallelize`` runs first sees it and refuses the model in one line.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..errors import UsageError
+
+
+def first_input(model: nn.Module) -> str:
+    """The name of the forward's first argument: the token ids."""
+    params = [p for p in inspect.signature(model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not params or any(p.kind == p.VAR_POSITIONAL for p in inspect.signature(model.forward).parameters.values()):
+        raise UsageError(f"context parallelism gives {type(model).__name__}'s forward a share of its token ids, its "
+                         "first argument, but the forward takes none by position; use cp=1")
+    return params[0].name
+
+
+def takes_positions(model: nn.Module) -> bool:
+    return "position_ids" in inspect.signature(model.forward).parameters
+
+
+def check(model: nn.Module, layout: Any) -> None:
+    name = type(model).__name__
+    first_input(model)
+    if layout.activation_checkpointing:  # the recompute runs outside the forward, where no mode catches SDPA
+        raise UsageError(f"context parallelism on {name} (not a transformers model) with activation checkpointing is "
+                         "not built yet: its recomputed attention would see one share; drop one of them")
+    if not any(isinstance(m, nn.Embedding) for m in model.modules()):
+        raise UsageError(f"context parallelism checks {name} on a probe batch of token ids first, but it has no "
+                         "nn.Embedding to read their range from; use cp=1")
+
+
+def probe_input(model: nn.Module, cp: int) -> dict[str, torch.Tensor]:
+    """2 sequences of 16 x cp token ids below the first embedding's size, as the forward's first argument."""
+    table = next(m for m in model.modules() if isinstance(m, nn.Embedding))
+    device = table.weight.device
+    g = torch.Generator().manual_seed(0)
+    return {first_input(model): torch.randint(0, table.num_embeddings, (2, 16 * cp), generator=g).to(device)}
+
+
+class _Attention(TorchFunctionMode):
+    """Every ``F.scaled_dot_product_attention`` of the forward under way, between the all-to-alls."""
+
+    def __init__(self, ctx: Any, name: str) -> None:
+        super().__init__()
+        self.ctx, self.name = ctx, name
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        return self.attend(*args, **kwargs)
+
+    def attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):
+        ctx = self.ctx
+        if attn_mask is not None or not is_causal:
+            raise UsageError(f"context parallelism takes {self.name}'s scaled_dot_product_attention as causal "
+                             f"(is_causal=True, no attn_mask), got {'an attn_mask' if attn_mask is not None else 'is_causal=False'}; "
+                             "pass packed documents by position_ids, or use cp=1")
+        ctx.calls += 1
+        if key.shape[1] % ctx.cp:  # fewer KV heads than cp splits: each query head gets its own copy
+            groups = query.shape[1] // key.shape[1]
+            key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+            enable_gqa = False
+        q, k, v = (ctx.to_heads(t) for t in (query, key, value))
+        mask = None if ctx.docs is None else ctx.mask(q, None)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
+                                             scale=scale, enable_gqa=enable_gqa)
+        return ctx.to_share(out.transpose(1, 2)).transpose(1, 2)
+
+
+def apply(model: nn.Module, ctx: Any) -> None:
+    """Replace the forward on the instance (its parameter names stay): the share in, the mode around it."""
+    inner, first, positional = model.forward, first_input(model), takes_positions(model)
+    name = type(model).__name__
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        given = dict(inspect.signature(inner).bind_partial(*args, **kwargs).arguments)
+        given.update(given.pop("kwargs", {}))
+        tokens = given[first]
+        b, seq = tokens.shape[:2]
+        positions = given.get("position_ids")
+        positions = (torch.arange(seq, device=tokens.device) if positions is None else positions).expand(b, seq)
+        index = ctx.begin(seq, positions)
+        given[first] = tokens.index_select(1, index)
+        if positional:
+            given["position_ids"] = positions.index_select(1, index)
+        with _Attention(ctx, name):
+            out = inner(**given)
+        if ctx.calls == 0:
+            raise UsageError(f"context parallelism saw no F.scaled_dot_product_attention in {name}'s forward: its "
+                             "attention would see one share; use cp=1")
+        return out
+
+    model.forward = forward
