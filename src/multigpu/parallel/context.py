@@ -18,6 +18,10 @@ share in that order, so a per-token loss pairs up; ``labels=`` (the model's own 
 whole sequence first. ``mg.token_divisor`` counts every rank's targets, so
 the summed loss over it is exact; a mean loss per rank is exact when every share counts alike.
 Parameters are not split by cp: FSDP shards them over (dp_shard, cp) and averages the gradients there.
+
+A user's own model (not transformers) takes the same path through its ``F.scaled_dot_product_attention``
+calls (``context_sdpa.py``). Either way ``mg.parallelize`` checks the whole model on a probe batch first
+(``probe``): a forward under cp that fails or differs from the model's own is refused in one line.
 """
 
 from __future__ import annotations
