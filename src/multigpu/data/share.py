@@ -6,7 +6,9 @@ its pipeline stages only the one with the last stage holds outputs. So every
 process reads its data-parallel rank's share, and one process per
 data-parallel rank counts: tensor-parallel peer 0 on the rank that holds the
 last stage. ``mg.all_reduce_sum`` sums over the world with the others'
-numbers left out, so every rank gets the dataset-level figure.
+numbers left out, so every rank gets the dataset-level figure. Context-parallel
+peers each hold a share of every sequence's tokens: they all count, so
+per-token sums add up (docs/context.md).
 
 The share comes from the ``Layout`` (``Layout.data_share``) or the model
 ``mg.parallelize`` spread (the Layout it was spread by, kept here, not on the
