@@ -11,6 +11,7 @@ import tempfile
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import multigpu as mg
 from multigpu.parallel.context import share_index
@@ -81,6 +82,14 @@ def _inputs_refused(dist) -> list[str]:
         except mg.UsageError as e:
             out.append(str(e))
     model(input_ids=x, attention_mask=torch.ones(2, 16))  # no padding: taken
+    # evaluation: every cp rank's per-token sums count, so mg.all_reduce_sum gives the sequences' totals
+    with torch.no_grad():
+        y = torch.roll(x, -1, 1)
+        whole = F.cross_entropy(hf.build("llama")(input_ids=x).logits.flatten(0, 1), y.flatten(), reduction="sum")
+        share = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), mg.context_share(model, y).flatten(),
+                                reduction="sum")
+    totals = mg.all_reduce_sum({"loss": float(share), "targets": mg.context_share(model, y).numel()})
+    out.append(f"eval {abs(totals['loss'] - float(whole)) / float(whole):.1e} {totals['targets']:.0f}")
     try:  # a model of the user's whose positions come from its input's length: the probe sees the shares differ
         mg.parallelize(hf.build("own_arange"), mg.parallel.Layout(cp=2), verbose=False)
         out.append("accepted")
@@ -90,9 +99,11 @@ def _inputs_refused(dist) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_context_parallel_forward_refuses_padding_a_cache_and_uneven_sequences_in_one_line():
+def test_a_context_parallel_forward_refuses_padding_a_cache_and_uneven_sequences_and_evaluates_whole_sums():
     pytest.importorskip("transformers")
-    padding, cache, uneven, arange = spawn(_inputs_refused, 2)[0]
+    padding, cache, uneven, evaluated, arange = spawn(_inputs_refused, 2)[0]
+    error, targets = evaluated.split()[1:]
+    assert float(error) < 1e-12 and targets == "32", evaluated  # 2 sequences of 16 tokens
     assert "got an attention_mask with padding; pack the documents" in padding
     assert "past_key_values= is not taken under it: generate without cp" in cache
     assert "2 x cp = 4 equal chunks, but the sequence has 14 tokens" in uneven

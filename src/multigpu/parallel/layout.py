@@ -191,7 +191,7 @@ class Layout:
         peers and pipeline stages read the same), and its sums count when it is tensor-parallel peer 0 on
         the rank that holds the last pipeline stage (placed by the schedule): each data-parallel rank once."""
         r = self._at(world_size)
-        holds_last = r.stages - 1 in stage_ids(r.schedule, rank // (r.dp_size * r.tp), r.pp)
+        holds_last = r.stages - 1 in stage_ids(r.schedule, rank // (r.dp_size * r.cp * r.tp), r.pp)
         return DataShare(r.dp_rank(rank), r.dp_size, counts=holds_last and rank % r.tp == 0, pp=r.pp, layout=r.label)
 
     def accum_steps(self, global_batch: int, world_size: int | None = None) -> int:
