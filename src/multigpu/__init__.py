@@ -9,7 +9,7 @@ from .batch import BatchPlan, scale_lr, warmup
 from .data import TokenShards, all_reduce_sum, eval_loader, loader, stream_eval_loader, stream_loader
 from .dist import Dist, init, print0
 from .errors import UsageError
-from .finder import MicroBatchSearch, find_batch_requested, find_micro_batch
+from .finder import MicroBatchSearch, SequenceSearch, find_batch_requested, find_micro_batch, find_sequence_length
 from .runtime.fingerprint import fingerprint
 from .loss import token_divisor
 from .meter import StepMeter, profile
@@ -26,6 +26,7 @@ __all__ = [
     "Checkpointer",
     "Dist",
     "MicroBatchSearch",
+    "SequenceSearch",
     "NoiseScale",
     "Precision",
     "ScaledRecipe",
@@ -39,6 +40,7 @@ __all__ = [
     "eval_loader",
     "find_batch_requested",
     "find_micro_batch",
+    "find_sequence_length",
     "fingerprint",
     "full_state_dict",
     "init",

@@ -43,7 +43,7 @@ from .runtime.values import positive_int
 from .runtime.contract import find_batch_requested, write_find_batch
 from .runtime.contract import memory_budget as _launcher_budget, run_dir as _run_dir
 
-__all__ = ["MicroBatchSearch", "find_batch_requested", "find_micro_batch"]
+__all__ = ["MicroBatchSearch", "SequenceSearch", "find_batch_requested", "find_micro_batch", "find_sequence_length"]
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,21 @@ def _trial(step_fn: Callable[[int], object], device: torch.device, memory_budget
     return fits
 
 
-def _largest(fits: Callable[..., bool], start: int, max_micro_batch: int | None) -> int:
+@dataclass(frozen=True)
+class SequenceSearch:
+    """Result of ``find_sequence_length``: the agreed longest sequence and the trials."""
+
+    length: int
+    trials: tuple[tuple[int, bool, int | None], ...]  # (tokens, fits on all ranks, this rank's peak bytes)
+    limit: str
+
+    def summary(self) -> str:
+        tried = ", ".join(f"{n}{'' if ok else ' x'}" for n, ok, _ in self.trials)
+        return f"longest sequence that fits: {self.length} tokens (tried {tried}; limit: {self.limit})"
+
+
+def _largest(fits: Callable[..., bool], start: int, max_micro_batch: int | None, what: str = "micro-batch",
+             unit: int = 1) -> int:
     """Double from ``start`` until a trial misses (or ``max_micro_batch``), then bisect."""
     # One unmeasured call first: the first backward pays one-time costs (gradient
     # buffers, lazy library and thread-pool initialisation) that no batch size needs again.
@@ -212,7 +226,7 @@ def _largest(fits: Callable[..., bool], start: int, max_micro_batch: int | None)
         else:
             bad = m
     if good is None:
-        raise UsageError(f"micro-batch {start} does not fit in memory on some rank; lower start, shrink the model, "
+        raise UsageError(f"{what} {start * unit} does not fit in memory on some rank; lower start, shrink the model, "
                          "or use a sharded strategy")
     while bad is not None and bad - good > 1:
         mid = (good + bad) // 2
@@ -260,3 +274,45 @@ def find_micro_batch(
     if find_batch_requested():
         _write_result(found, dist, memory_budget)
     return found
+
+
+def find_sequence_length(
+    step_fn: Callable[[int], object],
+    dist=None,
+    *,
+    multiple: int = 128,
+    start: int = 1024,
+    max_length: int | None = None,
+    memory_budget: int | None = None,
+    group=None,
+) -> SequenceSearch:
+    """Longest sequence ``n`` (a multiple of ``multiple``) for which ``step_fn(n)`` (one forward and backward
+    of one sequence of ``n`` tokens) fits, agreed by every rank; ``find_micro_batch``'s search over lengths.
+
+    Under context parallelism (``Layout(cp=N)``) each rank holds n / cp of the sequence: run the search on
+    the cp ranks to see how much longer a sequence fits than on one (docs/context.md). The step's all-to-alls
+    are collectives, so on CUDA give ``memory_budget`` (decided by the peak after the step) rather than
+    relying on an out-of-memory error, which one rank can hit while its peers wait in the all-to-all.
+    ``multiple``: what the length must divide by (2 x cp at least: the head-tail chunks).
+
+    >>> def step(n):
+    ...     model.zero_grad(set_to_none=True)
+    ...     x = tokens[:, :n]
+    ...     loss_fn(model(input_ids=x).logits, mg.context_share(model, targets[:, :n])).backward()
+    >>> mg.find_sequence_length(step, dist, multiple=2 * layout.cp, memory_budget=8 << 30).length
+    """
+    positive_int(multiple, "find_sequence_length multiple")
+    if start % multiple:
+        raise UsageError(f"find_sequence_length start {start} is not a multiple of {multiple}; use "
+                         f"start={max(multiple, start // multiple * multiple)}")
+    device = torch.device(dist.device) if dist is not None else torch.device("cpu")
+    if memory_budget is None:
+        memory_budget = _launcher_budget()
+    _check_arguments(device, None, start, max_length, memory_budget)
+    limit = "cpu-budget" if device.type == "cpu" else ("cuda-budget" if memory_budget else "cuda-oom")
+    trials: list[tuple[int, bool, int | None]] = []
+    _free(device, collect=True)
+    fits = _trial(lambda k: step_fn(k * multiple), device, memory_budget, group, trials)
+    units = _largest(fits, start // multiple, None if max_length is None else max_length // multiple,
+                     what="sequence length", unit=multiple)
+    return SequenceSearch(units * multiple, tuple((k * multiple, ok, peak) for k, ok, peak in trials), limit)
