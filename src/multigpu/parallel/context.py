@@ -86,8 +86,11 @@ class _Context:
         b, h, s, d = x.shape
         x = x.reshape(b, self.cp, h // self.cp, s, d).transpose(0, 1).contiguous()  # piece j goes to rank j
         x = all_to_all_single_autograd(x, None, None, self.group)  # piece j came from rank j: its share
-        x = x.permute(1, 2, 0, 3, 4).reshape(b, h // self.cp, self.cp * s, d)
-        return x.index_select(2, self.restore)
+        # (B, S, H/cp, D) in order, then viewed as (B, H/cp, S, D): the strides one process's attention gets
+        # from its (B, S, H, D) projection, so a kernel that picks its path by layout picks the same one
+        # (GPT-J computes its scores in float32: another path rounds differently).
+        x = x.permute(1, 0, 3, 2, 4).reshape(b, self.cp * s, h // self.cp, d)
+        return x.index_select(1, self.restore).transpose(1, 2)
 
     def to_share(self, x: torch.Tensor) -> torch.Tensor:
         """(B, S, H/cp, D), the attention output of this rank's heads -> (B, s, H, D), every head of its share."""
