@@ -21,7 +21,7 @@ Parameters are not split by cp: FSDP shards them over (dp_shard, cp) and average
 
 A user's own model (not transformers) takes the same path through its ``F.scaled_dot_product_attention``
 calls (``context_sdpa.py``). Either way ``mg.parallelize`` checks the whole model on a probe batch first
-(``probe``): a forward under cp that fails or differs from the model's own is refused in one line.
+(``context_probe.py``): a forward under cp that fails or differs from the model's own is refused in one line.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from torch import nn
 from ..errors import UsageError
 
 NAME = "multigpu_context_parallel"  # the attention implementation registered with transformers
-_MODELS: "weakref.WeakKeyDictionary[nn.Module, _Context]" = weakref.WeakKeyDictionary()  # parallelized model
-_ATTENTION: "weakref.WeakKeyDictionary[nn.Module, _Context]" = weakref.WeakKeyDictionary()  # its attention modules
+MODELS: "weakref.WeakKeyDictionary[nn.Module, Context]" = weakref.WeakKeyDictionary()  # parallelized model
+_ATTENTION: "weakref.WeakKeyDictionary[nn.Module, Context]" = weakref.WeakKeyDictionary()  # its attention modules
 
 
 def share_index(seq: int, cp: int, rank: int) -> torch.Tensor:
@@ -47,7 +47,7 @@ def share_index(seq: int, cp: int, rank: int) -> torch.Tensor:
                       torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
 
 
-class _Context:
+class Context:
     """One parallelized model's context parallelism: its group and, for the forward under way, where its
     share sits in the sequence and which tokens may see which."""
 
@@ -60,6 +60,7 @@ class _Context:
         self.calls = 0
         self.no_documents: str | None = None  # why packed documents are refused (the probe's finding)
         self.no_labels: str | None = None  # why labels= (the model's own loss) is refused (the probe's finding)
+        self.ring, self.mesh = False, None  # PyTorch's ring attention for causal SDPA on CUDA (_ring)
 
     # -- the share ----------------------------------------------------------------------------------
     def begin(self, seq: int, positions: torch.Tensor) -> torch.Tensor:
@@ -139,25 +140,41 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
         inner = sys.modules[type(module).__module__].eager_attention_forward
     else:
         inner = ALL_ATTENTION_FUNCTIONS[ctx.inner]
+    window = kwargs.pop("sliding_window", None)
+    causal = ctx.inner == "sdpa" and window is None and ctx.docs is None  # the kernel's is_causal, no mask
+    if causal and ctx.ring:
+        return _ring(ctx, query, key, value, kwargs), None
     if key.shape[1] % ctx.cp:  # fewer KV heads than cp splits: each query head gets its own copy
         groups = query.shape[1] // key.shape[1]
         key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
         module = _Ungrouped(module)
     q, k, v = (ctx.to_heads(t) for t in (query, key, value))
-    window = kwargs.pop("sliding_window", None)
-    allowed = ctx.mask(q, window)
-    mask = allowed
-    if ctx.inner == "sdpa" and window is None and ctx.docs is None:
-        mask = None  # causal alone: the kernel's own is_causal, no (S, S) mask held
-    elif ctx.inner == "eager":  # an additive mask, as transformers' eager_mask builds it
-        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, torch.finfo(q.dtype).min)
+    mask = None if causal else ctx.mask(q, window)
+    if ctx.inner == "eager":  # an additive mask, as transformers' eager_mask builds it
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
     out, _ = inner(module, q, k, v, mask, **kwargs)
     return ctx.to_share(out), None
 
 
+def _ring(ctx: "Context", query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """Causal SDPA on CUDA by PyTorch's own ring attention (``context_parallel``'s dispatcher: each rank's
+    query share meets every rank's keys in turn, merged by log-sum-exp; its head-tail balance is this
+    module's share). The shares go in as DTensors sharded on the sequence; (B, s, H, D) comes out."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Shard
+
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: the ring kernels take equal head counts
+        groups = query.shape[1] // key.shape[1]
+        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    q, k, v = (DTensor.from_local(t.contiguous(), ctx.mesh, [Shard(2)], run_check=False) for t in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=kwargs.get("dropout", 0.0), is_causal=True,
+                                         scale=kwargs.get("scaling"))
+    return out.to_local().transpose(1, 2)
+
+
 def _before(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The model's forward gets this rank's share of the sequences it was given."""
-    ctx = _MODELS[model]
+    ctx = MODELS[model]
     bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
     given = dict(bound.arguments)
     given.update(given.pop("kwargs", {}))
@@ -196,7 +213,7 @@ def _before(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return (), given
 
 
-def _share_labels(ctx: _Context, given: dict[str, Any], index: torch.Tensor) -> None:
+def _share_labels(ctx: Context, given: dict[str, Any], index: torch.Tensor) -> None:
     """``labels=``: the model's own loss over this rank's share. transformers shifts the labels inside its loss,
     which a share cannot (its next token may be on another rank): they are shifted here, on the whole
     sequence, and passed as ``shift_labels``. Its mean would be over this share's targets; the divisor is
@@ -211,7 +228,7 @@ def _share_labels(ctx: _Context, given: dict[str, Any], index: torch.Tensor) -> 
 
 
 def _after(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    ctx = _MODELS[model]
+    ctx = MODELS[model]
     expected = ctx.layers or 1
     if ctx.calls < expected:
         raise UsageError(f"context parallelism saw {ctx.calls} of {ctx.name}'s {expected} attention layers call "
@@ -253,8 +270,8 @@ def apply(model: nn.Module, layout: Any, mesh: Any) -> str:
     if config is None:  # a user's own model
         from . import context_sdpa
 
-        ctx = _Context(model, layout.cp, mesh.get_local_rank(), mesh.get_group(), "sdpa")
-        _MODELS[model] = ctx
+        ctx = Context(model, layout.cp, mesh.get_local_rank(), mesh.get_group(), "sdpa")
+        MODELS[model] = ctx
         context_sdpa.apply(model, ctx)
         return (f"context parallel {layout.cp}: each sequence in {2 * layout.cp} chunks, head-tail; its "
                 "F.scaled_dot_product_attention between all-to-alls over heads")
@@ -262,95 +279,30 @@ def apply(model: nn.Module, layout: Any, mesh: Any) -> str:
 
     inner = config._attn_implementation
     ALL_ATTENTION_FUNCTIONS.register(NAME, _attention)
-    ctx = _Context(model, layout.cp, mesh.get_local_rank(), mesh.get_group(), inner)
-    _MODELS[model] = ctx
+    ctx = Context(model, layout.cp, mesh.get_local_rank(), mesh.get_group(), inner)
+    ctx.mesh, ctx.ring = mesh, inner == "sdpa" and mesh.device_type == "cuda" and _ring_dispatcher()
+    MODELS[model] = ctx
     for module in model.modules():
         if getattr(module, "config", None) is config:
             _ATTENTION[module] = ctx
     config._attn_implementation = NAME
     model.register_forward_pre_hook(_before, with_kwargs=True)
     model.register_forward_hook(_after, with_kwargs=True)
-    return f"context parallel {layout.cp}: each sequence in {2 * layout.cp} chunks, head-tail; {inner} attention " \
-           f"between all-to-alls over heads"
+    how = "causal SDPA by PyTorch's ring attention, else " if ctx.ring else ""
+    return f"context parallel {layout.cp}: each sequence in {2 * layout.cp} chunks, head-tail; {how}{inner} " \
+           f"attention between all-to-alls over heads"
 
 
-def _gathered(model: nn.Module, ctx: _Context, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The model's output on ``batch`` put back together from every cp rank's share (collective)."""
-    import torch.distributed as tdist
-
-    from . import probe
-
-    share = probe.run(model, batch, backward=False)
-    pieces = [torch.empty_like(share) for _ in range(ctx.cp)]
-    tdist.all_gather(pieces, share.contiguous(), group=ctx.group)
-    seq = next(iter(batch.values())).shape[1]
-    full = share.new_empty((share.shape[0], seq) + tuple(share.shape[2:]))
-    for r, piece in enumerate(pieces):
-        full[:, share_index(seq, ctx.cp, r).to(full.device)] = piece
-    return full
-
-
-def probe(model: nn.Module, batch: dict[str, torch.Tensor], expected: torch.Tensor,
-          documents: dict[str, torch.Tensor], expected_documents: torch.Tensor | None,
-          expected_loss: torch.Tensor | None) -> None:
-    """The whole model checked on a probe batch under cp against its output before (``parallel/probe.py``):
-    a forward that fails or differs is refused in one line; one that differs only on packed documents (a
-    family that keeps no documents apart on one process, or not by transformers' rule) refuses them later."""
-    from .probe import TOLERANCE, cause, relative_error
-
-    ctx, name = _MODELS[model], type(model).__name__
-    tol = TOLERANCE.get(expected.dtype, 1e-4)
+def _ring_dispatcher() -> bool:
+    """Turn on PyTorch's context-parallel SDPA dispatch for DTensors (a prototype API: False where this
+    torch has none, and the all-to-all path serves)."""
     try:
-        error = relative_error(_gathered(model, ctx, batch), expected)
-    except Exception as e:  # noqa: BLE001 - any failure of the forward under cp is the refusal's reason
-        raise UsageError(f"context parallelism breaks {name}'s forward on a probe batch ({cause(e)}); use cp=1 for "
-                         "this model") from None
-    if not error <= tol:
-        raise UsageError(f"context parallelism changes {name}'s output on a probe batch (relative error {error:.1e}, "
-                         f"{expected.dtype} allows {tol:.0e}): its attention or positions do not follow the shares "
-                         "(a mask or position of its own); use cp=1 for this model")
-    try:
-        error = None if expected_documents is None else relative_error(_gathered(model, ctx, documents),
-                                                                        expected_documents)
-    except Exception as e:  # noqa: BLE001
-        ctx.no_documents = f"the probe's forward fails: {cause(e)}"
-    else:
-        if error is None or not error <= tol:
-            ctx.no_documents = ("its forward on one process fails on them" if error is None else
-                                f"a probe batch of two documents is off by {error:.1e}")
-    ctx.no_labels = _labels_differ(model, ctx, batch, expected_loss, tol)
-
-
-def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """The model's own loss with ``labels=`` the probe's tokens (eval mode, no gradient); None if it has none."""
-    from .probe import _probing
-
-    with _probing(model), torch.no_grad():
-        out = model(**batch, labels=batch["input_ids"], use_cache=False)
-    return getattr(out, "loss", None)
-
-
-def _labels_differ(model: nn.Module, ctx: _Context, batch: dict[str, torch.Tensor], expected: torch.Tensor | None,
-                   tol: float) -> str | None:
-    """Why the model's own loss of ``labels=`` under cp is not one process's (None when it is): the cp ranks'
-    losses averaged against ``expected``, the unsplit model's."""
-    import torch.distributed as tdist
-
-    from .probe import TOLERANCE, cause
-
-    if expected is None:
-        return "it returns no loss of labels= on one process"
-    try:
-        got = _loss(model, batch)
-        if got is None:
-            return "it returns no loss under cp"
-        got = got.detach().double().reshape(1)
-        tdist.all_reduce(got, group=ctx.group)
-    except Exception as e:  # noqa: BLE001
-        return f"the probe's loss fails: {cause(e)}"
-    tol = max(tol, TOLERANCE.get(expected.dtype, 1e-4))  # transformers computes the loss in float32
-    error = abs(got.item() / ctx.cp - expected.item()) / max(abs(expected.item()), 1e-30)
-    return None if error <= tol else f"a probe batch's loss is off by {error:.1e}"
+        from torch.distributed.tensor.experimental._context_parallel._attention import (
+            _enable_context_parallel_dispatcher)
+    except ImportError:
+        return False
+    _enable_context_parallel_dispatcher()
+    return True
 
 
 def context_share(model: nn.Module, *tensors: torch.Tensor, dim: int = 1) -> Any:
@@ -362,7 +314,7 @@ def context_share(model: nn.Module, *tensors: torch.Tensor, dim: int = 1) -> Any
     """
     from .wrap import unwrap
 
-    ctx = _MODELS.get(unwrap(model))
+    ctx = MODELS.get(unwrap(model))
     if ctx is None:
         return tensors[0] if len(tensors) == 1 else tensors
     out = []

@@ -263,7 +263,7 @@ def _context_parallel(model: nn.Module, layout: Layout, device_type: str, say: A
     """Each cp rank keeps a share of every sequence; attention sees the whole one (``context.py``)."""
     from . import context
 
-    from . import context_sdpa
+    from . import context_probe, context_sdpa
 
     own = getattr(model, "config", None) is None  # a user's own model (context_sdpa.py)
     # 2 sequences of 16 x cp tokens: 2cp chunks of 8
@@ -279,11 +279,11 @@ def _context_parallel(model: nn.Module, layout: Layout, device_type: str, say: A
     positional = not own or context_sdpa.takes_positions(model)
     expected_documents = probe.expected(model, documents) if positional else None
     try:
-        expected_loss = None if own else context._loss(model, batch)
+        expected_loss = None if own else context_probe.own_loss(model, batch)
     except Exception:  # noqa: BLE001 - a model without a loss of labels= is refused them later
         expected_loss = None
     done = context.apply(model, layout, layout.cp_mesh(device_type))
-    context.probe(model, batch, expected, documents, expected_documents, expected_loss)  # exact or refused
+    context_probe.probe(model, batch, expected, documents, expected_documents, expected_loss)  # exact or refused
     say(f"mg.parallelize: {done}")
 
 
