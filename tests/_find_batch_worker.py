@@ -2,6 +2,7 @@
 
 ``search``: runs the search when the launcher asks, each trial touching 2 MiB per sample;
 ``ignore``: never calls mg.find_micro_batch. Either way it prints the plan it trains with.
+``sequence``: runs mg.find_sequence_length, each trial touching 16 KiB per token, and prints what fits.
 """
 
 import sys
@@ -21,6 +22,9 @@ def step(m: int) -> None:
 if __name__ == "__main__":
     with mg.init(seed=0) as dist:
         plan = mg.BatchPlan(global_batch=128, world_size=dist.world_size)
+        if sys.argv[1] == "sequence" and mg.find_batch_requested():
+            found = mg.find_sequence_length(lambda n: step(n // 128), dist, multiple=128, start=128)
+            mg.print0(f"longest: {found.length}")
         if sys.argv[1] == "search" and mg.find_batch_requested():
             plan = mg.find_micro_batch(step, dist, plan=plan).plan
         mg.print0(f"plan: {plan.world_size} ranks x {plan.micro_batch} x {plan.accum_steps} accumulation")

@@ -504,7 +504,8 @@ def test_launcher_failure_is_one_line(tmp_path, monkeypatch, capsys):
 
 
 def test_find_batch_reported_by_the_launcher(tmp_path):
-    # Three real launches at once: a script that runs the search, one that ignores the request,
+    # Four real launches at once: a script that runs the search, one that searches sequence lengths, one
+    # that ignores the request,
     # and a bad budget from the command line (one line, exit 2, nothing started).
     script = Path(__file__).with_name("_find_batch_worker.py")
     logs = tmp_path / "logs"
@@ -512,9 +513,10 @@ def test_find_batch_reported_by_the_launcher(tmp_path):
     # 2 MiB per sample against 75 MiB: about 37 per rank fits (CPU peaks are exact to a few hundred KB).
     search = _start([*common, "--memory-budget", "75MiB", str(script), "search"], tmp_path, "search")
     ignore = _start([*common, "--memory-budget", "75MiB", str(script), "ignore"], tmp_path, "ignore")
+    sequence = _start([*common, "--memory-budget", "75MiB", str(script), "sequence"], tmp_path, "sequence")
     bad = _start(["--cpu", "--find-batch", "--memory-budget", "75 MiB", "--log-dir", str(tmp_path / "bad-logs"), str(script)],
                  tmp_path, "bad")
-    _wait_all([search[0], ignore[0], bad[0]])
+    _wait_all([search[0], ignore[0], sequence[0], bad[0]])
 
     err = search[2].read_text()
     assert search[0].returncode == 0, err
@@ -538,8 +540,16 @@ def test_find_batch_reported_by_the_launcher(tmp_path):
     assert not (_run_dir(err) / "find_batch.json").exists()
     assert ignore[1].read_text().splitlines() == ["plan: 2 ranks x 64 x 1 accumulation"]
     assert err.splitlines()[-1] == (
-        "multigpu run: --find-batch: _find_batch_worker.py did not call mg.find_micro_batch, so no micro-batch was searched; "
-        "in the script, call it when mg.find_batch_requested() is true (docs/batch-size.md)")
+        "multigpu run: --find-batch: _find_batch_worker.py did not call mg.find_micro_batch (or mg.find_sequence_length), so "
+        "nothing was searched; in the script, call it when mg.find_batch_requested() is true (docs/batch-size.md)")
+
+    err = sequence[2].read_text()  # mg.find_sequence_length: 16 KiB per token against 75 MiB: 37 x 128 tokens
+    assert sequence[0].returncode == 0, err
+    result = json.loads((_run_dir(err) / "find_batch.json").read_text())
+    assert result["sequence_length"] == 37 * 128 and sequence[1].read_text().splitlines()[0] == "longest: 4736", result
+    assert err.splitlines()[-1] == (
+        f"multigpu run: --find-batch: a sequence of 4736 tokens fits on all 2 ranks (limit: cpu-budget, budget 75.0 MiB, "
+        f"{len(result['trials'])} trials); details: {_run_dir(err) / 'find_batch.json'}")
 
     assert bad[0].returncode == 2
     assert bad[2].read_text().splitlines() == [

@@ -111,7 +111,7 @@ def _free(device: torch.device, collect: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def _write_result(found: MicroBatchSearch, dist, memory_budget: int | None) -> None:
+def _write_result(found: "MicroBatchSearch | SequenceSearch", dist, memory_budget: int | None) -> None:
     """``find_batch.json`` in the run directory, for the launcher's closing line."""
     run_dir = _run_dir()
     local_rank = getattr(dist, "local_rank", None)
@@ -121,12 +121,17 @@ def _write_result(found: MicroBatchSearch, dist, memory_budget: int | None) -> N
     # launcher (one run directory per node) finds it, not only the node of global rank 0.
     if not run_dir or local_rank != 0:
         return
-    plan = found.plan
-    record = {
-        "micro_batch": found.micro_batch,
-        "plan": None if plan is None else {"global_batch": plan.global_batch, "world_size": plan.world_size,
-                                           "micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps},
-        "trials": [{"micro_batch": m, "fits": ok, "peak_bytes": peak} for m, ok, peak in found.trials],
+    if isinstance(found, SequenceSearch):
+        record = {"sequence_length": found.length,
+                  "trials": [{"sequence_length": n, "fits": ok, "peak_bytes": peak} for n, ok, peak in found.trials]}
+    else:
+        plan = found.plan
+        record = {
+            "micro_batch": found.micro_batch,
+            "plan": None if plan is None else {"global_batch": plan.global_batch, "world_size": plan.world_size,
+                                               "micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps},
+            "trials": [{"micro_batch": m, "fits": ok, "peak_bytes": peak} for m, ok, peak in found.trials]}
+    record |= {
         "limit": found.limit,
         "memory_budget": memory_budget,
         "world_size": getattr(dist, "world_size", 1),
@@ -289,6 +294,7 @@ def find_sequence_length(
     """Longest sequence ``n`` (a multiple of ``multiple``) for which ``step_fn(n)`` (one forward and backward
     of one sequence of ``n`` tokens) fits, agreed by every rank; ``find_micro_batch``'s search over lengths.
 
+    Under ``multigpu run --find-batch`` the launcher's closing line reports it, as for the micro-batch.
     Under context parallelism (``Layout(cp=N)``) each rank holds n / cp of the sequence: run the search on
     the cp ranks to see how much longer a sequence fits than on one (docs/context.md). The step's all-to-alls
     are collectives, so on CUDA give ``memory_budget`` (decided by the peak after the step) rather than
@@ -315,4 +321,7 @@ def find_sequence_length(
     fits = _trial(lambda k: step_fn(k * multiple), device, memory_budget, group, trials)
     units = _largest(fits, start // multiple, None if max_length is None else max_length // multiple,
                      what="sequence length", unit=multiple)
-    return SequenceSearch(units * multiple, tuple((k * multiple, ok, peak) for k, ok, peak in trials), limit)
+    found = SequenceSearch(units * multiple, tuple((k * multiple, ok, peak) for k, ok, peak in trials), limit)
+    if find_batch_requested():  # under multigpu run --find-batch: the launcher's closing line says it
+        _write_result(found, dist, memory_budget)
+    return found

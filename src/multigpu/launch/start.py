@@ -246,12 +246,15 @@ def find_batch_line(run_dir: str, script: str, exit_code: int) -> str | None:
         # The exit code stays the workers' 0: the script trained to the end with its own batch
         # plan, and a job scheduler or a CI step should not see a finished run as failed; the
         # launcher's exit code is always the workers' (docs/launcher.md). This line says what to fix.
-        return (f"--find-batch: {script} did not call mg.find_micro_batch, so no micro-batch was searched; in the script, "
-                f"call it when mg.find_batch_requested() is true (docs/batch-size.md)")
+        return (f"--find-batch: {script} did not call mg.find_micro_batch (or mg.find_sequence_length), so nothing was "
+                f"searched; in the script, call it when mg.find_batch_requested() is true (docs/batch-size.md)")
     except (OSError, ValueError) as err:
         return f"--find-batch: cannot read {path}: {err}"
     trials = rec["trials"]
     budget = f", budget {rec['memory_budget'] / 2**20:,.1f} MiB" if rec.get("memory_budget") else ""
+    if "sequence_length" in rec:  # mg.find_sequence_length's search (long sequences, docs/context.md)
+        return (f"--find-batch: a sequence of {rec['sequence_length']} tokens fits on all {rec['world_size']} ranks "
+                f"(limit: {rec['limit']}{budget}, {len(trials)} trials); details: {path}")
     line = (f"--find-batch: micro-batch {rec['micro_batch']} per rank fits on all {rec['world_size']} ranks "
             f"(limit: {rec['limit']}{budget}, {len(trials)} trials); ")
     plan = rec["plan"]
