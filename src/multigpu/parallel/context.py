@@ -10,8 +10,9 @@ Attention needs the whole sequence. Around it, an all-to-all trades the sequence
 (DeepSpeed's Ulysses): every rank gets heads/cp heads of the whole sequence, back in its original order,
 runs the model's own attention (eager or SDPA, transformers' attention interface) under the same mask one
 process builds (causal, documents packed by ``position_ids`` restarting, a sliding window), and a second
-all-to-all takes the output back to the share. It runs on any kernel and on gloo; the heads (and KV heads)
-each tensor-parallel rank holds must divide by cp.
+all-to-all takes the output back to the share. It runs on any kernel and on gloo; the query heads each
+tensor-parallel rank holds must divide by cp (KV heads it does not divide are repeated per query head). On
+CUDA, causal SDPA calls go to PyTorch's own ring attention instead (``_ring``).
 
 The logits come out in the share's token order: ``mg.context_share(model, labels)`` is the labels'
 share in that order, so a per-token loss pairs up; ``labels=`` (the model's own loss) is shifted on the
