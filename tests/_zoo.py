@@ -54,7 +54,7 @@ NO_EXPERTS = "has no experts module"  # a dense family's EP refusal: the same on
 # Encoders with a per-token head and a ViT (tests/_hf_layouts.py builds them), beside the causal LMs: no
 # pipeline for them (mg.parallel.pipeline cuts causal LMs and nn.Sequential).
 ENCODERS = ["encoder:bert", "encoder:roberta", "encoder:modernbert", "encoder:distilbert", "encoder:vit"]
-ENCODER_LAYOUTS = ["TP 2", "TP 2 + SP", "FSDP 2 x TP 2"]
+ENCODER_LAYOUTS = ["TP 2", "TP 2 + SP", "FSDP 2 x TP 2", "CP 2"]
 
 
 def families() -> dict[str, str]:
