@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
+from .context_sdpa import batch_and_length, repeated_kv
 
 NAME = "multigpu_context_parallel"  # the attention implementation registered with transformers
 MODELS: "weakref.WeakKeyDictionary[nn.Module, Context]" = weakref.WeakKeyDictionary()  # parallelized model
@@ -62,6 +63,8 @@ class Context:
         self.no_documents: str | None = None  # why packed documents are refused (the probe's finding)
         self.no_labels: str | None = None  # why labels= (the model's own loss) is refused (the probe's finding)
         self.ring, self.mesh = False, None  # PyTorch's ring attention for causal SDPA on CUDA (_ring)
+        self._orders: dict[tuple, tuple[torch.Tensor, ...]] = {}  # (length, device) -> index, order, restore
+        self.signature = inspect.signature(model.forward)  # read once: every forward binds its arguments by it
 
     # -- the share ----------------------------------------------------------------------------------
     def begin(self, seq: int, positions: torch.Tensor) -> torch.Tensor:
@@ -75,9 +78,11 @@ class Context:
         step = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
         docs = (step != 1).cumsum(-1)
         self.docs = docs if bool((docs != docs[:, :1]).any()) else None
-        self.index = share_index(seq, self.cp, self.rank).to(positions.device)
-        order = torch.cat([share_index(seq, self.cp, r) for r in range(self.cp)]).to(positions.device)
-        self.order, self.restore = order, torch.argsort(order)  # gathered -> original and back
+        key = (seq, positions.device)
+        if key not in self._orders:  # a run's sequences mostly share one length: built once for it
+            order = torch.cat([share_index(seq, self.cp, r) for r in range(self.cp)]).to(positions.device)
+            self._orders[key] = share_index(seq, self.cp, self.rank).to(positions.device), order, torch.argsort(order)
+        self.index, self.order, self.restore = self._orders[key]  # this rank's; gathered -> original and back
         return self.index
 
     # -- around attention ---------------------------------------------------------------------------
@@ -146,8 +151,7 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     if causal and ctx.ring:
         return _ring(ctx, query, key, value, kwargs), None
     if key.shape[1] % ctx.cp:  # fewer KV heads than cp splits: each query head gets its own copy
-        groups = query.shape[1] // key.shape[1]
-        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+        key, value = repeated_kv(query, key, value)
         module = _Ungrouped(module)
     q, k, v = (ctx.to_heads(t) for t in (query, key, value))
     mask = None if causal else ctx.mask(q, window)
@@ -165,8 +169,7 @@ def _ring(ctx: "Context", query: torch.Tensor, key: torch.Tensor, value: torch.T
     from torch.distributed.tensor import DTensor, Shard
 
     if key.shape[1] != query.shape[1]:  # grouped-query attention: the ring kernels take equal head counts
-        groups = query.shape[1] // key.shape[1]
-        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+        key, value = repeated_kv(query, key, value)
     q, k, v = (DTensor.from_local(t.contiguous(), ctx.mesh, [Shard(2)], run_check=False) for t in (query, key, value))
     out = F.scaled_dot_product_attention(q, k, v, dropout_p=kwargs.get("dropout", 0.0), is_causal=True,
                                          scale=kwargs.get("scaling"))
@@ -176,7 +179,7 @@ def _ring(ctx: "Context", query: torch.Tensor, key: torch.Tensor, value: torch.T
 def _before(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The model's forward gets this rank's share of the sequences it was given."""
     ctx = MODELS[model]
-    bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+    bound = ctx.signature.bind_partial(*args, **kwargs)
     given = dict(bound.arguments)
     given.update(given.pop("kwargs", {}))
     if given.get("past_key_values") is not None:
@@ -195,7 +198,7 @@ def _before(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         tokens = given.get("inputs_embeds")
     if tokens is None:
         raise UsageError(f"context parallelism needs input_ids or inputs_embeds of {ctx.name}, got neither")
-    b, seq = tokens.shape[:2]
+    b, seq = batch_and_length(tokens, ctx.name)
     positions = given.get("position_ids")
     if positions is None:
         positions = torch.arange(seq, device=tokens.device)

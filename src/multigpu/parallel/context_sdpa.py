@@ -1,5 +1,7 @@
 """Context parallelism for a user's own model: one that calls ``F.scaled_dot_product_attention``.
 
+Also the helpers both paths share (the input's batch and length, KV heads repeated per query head).
+
 The contract (docs/context.md): the model's forward takes the token ids (B, S) as its first argument and,
 if its positions matter, a ``position_ids`` keyword (B, S) or (S,); its attention is causal SDPA
 (``is_causal=True``, no ``attn_mask``). The parallelized forward gets this rank's share of the tokens and
@@ -22,6 +24,20 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import UsageError
+
+
+def batch_and_length(tokens: torch.Tensor, name: str) -> tuple[int, int]:
+    """(batch, sequence length) of the tokens a forward got, or a one-line refusal of an unbatched input."""
+    if tokens.dim() < 2:
+        raise UsageError(f"context parallelism cuts {name}'s input along its sequence, dimension 1 of (batch, "
+                         f"sequence), but got shape {tuple(tokens.shape)}; add the batch dimension (x[None])")
+    return tokens.shape[0], tokens.shape[1]
+
+
+def repeated_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key`` and ``value`` (B, H_kv, s, D) with each KV head repeated for its query heads: (B, H, s, D)."""
+    groups = query.shape[1] // key.shape[1]
+    return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
 
 
 def first_input(model: nn.Module) -> str:
@@ -79,8 +95,7 @@ class _Attention(TorchFunctionMode):
                              "pass packed documents by position_ids, or use cp=1")
         ctx.calls += 1
         if key.shape[1] % ctx.cp:  # fewer KV heads than cp splits: each query head gets its own copy
-            groups = query.shape[1] // key.shape[1]
-            key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+            key, value = repeated_kv(query, key, value)
             enable_gqa = False
         q, k, v = (ctx.to_heads(t) for t in (query, key, value))
         mask = None if ctx.docs is None else ctx.mask(q, None)
@@ -92,14 +107,14 @@ class _Attention(TorchFunctionMode):
 def apply(model: nn.Module, ctx: Any) -> None:
     """Replace the forward on the instance (its parameter names stay): the share in, the mode around it."""
     inner, first, positional = model.forward, first_input(model), takes_positions(model)
-    name = type(model).__name__
+    name, signature = type(model).__name__, inspect.signature(model.forward)
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        given = dict(inspect.signature(inner).bind_partial(*args, **kwargs).arguments)
+        given = dict(signature.bind_partial(*args, **kwargs).arguments)
         given.update(given.pop("kwargs", {}))
         tokens = given[first]
-        b, seq = tokens.shape[:2]
+        b, seq = batch_and_length(tokens, name)
         positions = given.get("position_ids")
         positions = (torch.arange(seq, device=tokens.device) if positions is None else positions).expand(b, seq)
         index = ctx.begin(seq, positions)
