@@ -38,6 +38,8 @@ VERBS = [
     ("report", "write the HTML report and Markdown summary of a study's results or of one run", "multigpu.report"),
     ("verify", "run a script on 1 and N ranks with the same global batch; compare losses, samples and parameters",
      "multigpu.verify"),
+    ("forecast", "predict memory per GPU and speed of every layout of a model on a cluster you describe, ranked",
+     "multigpu.forecast"),
     ("tune", "find the fastest layout that fits N devices, of the GPT recipe or your script: predicted, then measured",
      "multigpu.tune"),
 ]

@@ -1,0 +1,111 @@
+"""`multigpu forecast`: memory per GPU and speed of every layout of a model on a cluster you describe
+(or do not have yet), ranked, with the command that runs the best (docs/forecast.md).
+
+    hardware.py   GPU kinds (data/gpus.json: public spec figures, sources) and the cluster around them
+    models.py     --model: a known name (data/models.json), a transformers config.json, or module:function
+    counts.py     the model counted on fake tensors: parameters per block, FLOPs and saved bytes per token
+    cost.py       one layout's memory and step time, by part, and every assumption they rest on
+    plan.py       every layout of the cluster, forecast and ranked
+    published.py  the published runs it is checked against, the calibration fitted on one source of them
+    report.py     forecast.json, report.md, report.html
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .cost import Assumptions
+
+    d = Assumptions()
+    add = parser.add_argument
+    add("--model", required=True, help="a known model (llama3-8b, llama3-70b, llama3-405b, llama2-13b, llama2-70b), "
+                                       "a transformers config.json (or its folder), or module:function / file.py:function "
+                                       "returning your nn.Module")
+    add("--gpus", type=int, required=True, help="GPUs in the cluster")
+    add("--gpu", default="h100", help="GPU kind: h100, h100-pcie, h200, b200, a100-40gb, a100-80gb, mi300x (default %(default)s)")
+    add("--gpus-per-node", type=int, default=8, help="GPUs per node (default %(default)s)")
+    add("--seq-len", type=int, default=4096, help="tokens per sequence (default %(default)s)")
+    add("--global-batch", type=int, help="sequences per step (default: one per GPU)")
+    add("--precision", choices=("bf16", "fp8"), default="bf16", help="the matmuls' precision (default %(default)s)")
+    add("--compile", action="store_true", help="torch.compile the blocks (the calibration's speedup)")
+    add("--async-tp", action="store_true", help="async tensor parallelism (hides --async-tp-overlap of its traffic)")
+    add("--micro-batches", default="1,2,4,8", metavar="M,M,...", help="micro-batch sizes to weigh (default %(default)s)")
+    add("--top", type=int, default=10, help="layouts to show (default %(default)s)")
+    add("--out", help="folder for forecast.json, report.md, report.html (default: studies/forecast-<time>)")
+    add("--script", default="train.py", help="the training script the printed command runs (default %(default)s)")
+    add("--hbm-gb", type=float, help="GPU memory in GB (1e9 bytes), replacing the kind's")
+    add("--peak-tflops", type=float, help="dense bf16 peak in TFLOP/s, replacing the kind's (fp8 scaled alike)")
+    add("--scale-up-gb-s", type=float, help="a node's all-reduce bus bandwidth in GB/s (nccl-tests busbw)")
+    add("--scale-out-gb-s", type=float, help="the bus bandwidth across nodes per GPU in GB/s")
+    add("--efficiency", type=float, help="achieved fraction of the bf16 peak (default: the calibration's)")
+    add("--dp-overlap", type=float, default=d.dp_overlap,
+        help="fraction of compute that hides data-parallel collectives (default %(default)s)")
+    add("--async-tp-overlap", type=float, default=d.async_tp_overlap,
+        help="fraction of tensor-parallel traffic async TP hides (default %(default)s)")
+    add("--runtime-gib", type=float, default=d.runtime_gib,
+        help="CUDA context, NCCL and cuBLAS memory per GPU (default %(default)s)")
+
+
+def main(args) -> int:
+    from ..errors import UsageError
+    from ..runtime.values import int_list
+    from .cost import GiB, Run
+    from .hardware import cluster
+    from .models import counted
+    from .plan import plan
+    from .published import assumptions
+    from .report import HEADER, row, write_all
+
+    for flag, value in (("--gpus", args.gpus), ("--top", args.top), ("--seq-len", args.seq_len),
+                        ("--global-batch", args.global_batch)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    for flag, value in (("--efficiency", args.efficiency), ("--dp-overlap", args.dp_overlap),
+                        ("--async-tp-overlap", args.async_tp_overlap)):
+        if value is not None and not 0 <= value <= 1:
+            raise UsageError(f"{flag} is a fraction between 0 and 1, got {value}")
+    micro = int_list(args.micro_batches, "--micro-batches takes comma-separated integers like 1,2,4")
+    if any(m < 1 for m in micro):
+        raise UsageError(f"--micro-batches values must be at least 1, got {args.micro_batches!r}")
+    machine = cluster(args.gpu, args.gpus, args.gpus_per_node, hbm_gb=args.hbm_gb, peak_tflops=args.peak_tflops,
+                      scale_up_gb_s=args.scale_up_gb_s, scale_out_gb_s=args.scale_out_gb_s)
+    machine.peak(args.precision)  # an fp8 run on a GPU without fp8: refused before counting
+    a = assumptions()
+    a = dataclasses.replace(a, dp_overlap=args.dp_overlap, async_tp_overlap=args.async_tp_overlap,
+                            runtime_gib=args.runtime_gib, **({"efficiency": args.efficiency} if args.efficiency else {}))
+    run = Run(args.global_batch or args.gpus, args.seq_len, compile=args.compile, precision=args.precision,
+              async_tp=args.async_tp)
+    counts = counted(args.model, args.seq_len)
+    ranked, left_out = plan(counts, machine, run, a, micro_batches=tuple(micro))
+    best = ranked[0]
+    launch = f"multigpu run --nnodes {machine.nodes} -n {min(machine.gpus, machine.gpus_per_node)}"
+    command = " ".join([launch, args.script, *best["layout"].flags])
+    print(f"{counts.name}: {counts.params / 1e9:.2f} B parameters, {counts.flops_per_token / 1e9:.1f} GFLOP per token "
+          f"at {args.seq_len} tokens; {machine.gpus} x {machine.gpu.name} ({machine.gpu.hbm_bytes / 1e9:.0f} GB), "
+          f"{machine.gpus_per_node} per node; global batch {run.global_batch} x {run.seq_len} tokens, {run.precision}"
+          + (", compiled" if run.compile else ""))
+    widths = [max(len(h), *(len(row(f)[i]) for f in ranked[:args.top])) for i, h in enumerate(HEADER)]
+    for cells in [HEADER] + [row(f) for f in ranked[:args.top]]:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))))
+    fitting = sum(f["fits"] for f in ranked)
+    print(f"{fitting} of {len(ranked)} layouts fit {machine.gpu.hbm_bytes / GiB:.1f} GiB; {len(left_out)} left out "
+          "(see the report)")
+    print("assumptions: " + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(a).items()))
+    print(f"run the best: {command}" if best["fits"] else "no layout fits: more GPUs, fp8, a shorter sequence or "
+          "a smaller micro-batch")
+    out = Path(args.out or f"studies/forecast-{time.strftime('%Y%m%d-%H%M%S')}")
+    context = {"model": counts.name, "parameters": counts.params, "gpus": machine.gpus, "gpu": machine.gpu.name,
+               "gpus_per_node": machine.gpus_per_node, "global_batch": run.global_batch, "seq_len": run.seq_len,
+               "precision": run.precision, "compile": run.compile}
+    try:
+        html = write_all(out, f"Forecast: {counts.name} on {machine.gpus} x {machine.gpu.name}", ranked, left_out,
+                         args.top, a, context, command)
+        print(f"report: {html}")
+    except UsageError as err:  # matplotlib missing: the table above stands, forecast.json is written
+        print(f"no HTML report: {err}")
+    return 0 if best["fits"] else 1

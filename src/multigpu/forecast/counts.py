@@ -1,0 +1,209 @@
+"""What one sequence costs a model, counted without memory: the model is built and run on fake tensors.
+
+``FakeTensorMode`` gives every parameter and activation its shape and dtype and no storage, so a 405B model
+is built and run forward in seconds on a laptop. One forward of one sequence (micro-batch 1) with its loss
+is watched by ``FlopCounterMode`` (FLOPs, PyTorch's own per-op formulas: a matmul's 2mnk, attention's
+full s x s whatever its mask, as torchtitan counts) and by autograd's saved-tensor hooks (the bytes kept for
+the backward, each storage once, the weights left out); forward hooks on each repeated block split both
+per block. Nothing here is a formula of a family: a model the library never saw is counted the same way.
+
+Everything is per token of a sequence of ``seq_len`` (FLOPs of attention grow with it; saved bytes do
+not, with a fused attention kernel, which is what the count runs: ``sdpa``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..errors import UsageError
+
+
+@dataclass(frozen=True)
+class Counts:
+    name: str
+    seq_len: int
+    dtype_bytes: int                      # bytes per element of the compute dtype (bf16: 2)
+    block_params: tuple[int, ...]          # per repeated block (the unit FSDP, TP and PP cut at)
+    block_sharded: tuple[int, ...]         # of those, in weights of 2+ dimensions (what TP shards)
+    embed_params: int                      # input tables outside the blocks
+    head_params: int                       # the output projection (0 when tied to the input table)
+    other_params: int                      # the rest (final norm, ...)
+    block_flops: tuple[float, ...]         # forward FLOPs per token of each block
+    other_flops: float                     # forward FLOPs per token outside the blocks (the head)
+    block_saved: tuple[float, ...]         # bytes autograd saves per token in each block
+    other_saved: float                     # outside the blocks (embedding output, logits, the loss)
+    block_input: float                     # bytes per token of a block's input (what full recompute keeps)
+    hidden: int
+    block_kept: tuple[float, ...]          # bytes per token selective recompute keeps besides the input (torchtitan op policy:
+                                           # the input, attention's outputs, every other matmul's output)
+    block_attention: tuple[float, ...]     # of block_flops, the attention kernel's (not matmuls: no fp8)
+    block_kv: tuple[float, ...]            # bytes per token of the keys and values attention reads
+    heads: int = 0                         # attention's query heads (what tp and cp must divide); 0: none seen
+
+    @property
+    def layers(self) -> int:
+        return len(self.block_params)
+
+    @property
+    def params(self) -> int:
+        return sum(self.block_params) + self.embed_params + self.head_params + self.other_params
+
+    @property
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token, torchtitan's convention: 3 x the forward's (no recompute counted)."""
+        return 3.0 * (sum(self.block_flops) + self.other_flops)
+
+
+def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The repeated blocks: the longest ``nn.ModuleList`` of modules with parameters."""
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)
+             and any(True for _ in m[0].parameters())]
+    if not lists:
+        raise UsageError(f"{type(model).__name__} has no repeated blocks (an nn.ModuleList of layers) to cut; "
+                         "forecast plans models built as a stack of blocks")
+    return max(lists, key=lambda nm: len(nm[1]))
+
+
+def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfloat16) -> Counts:
+    """Count the model ``build()`` returns (built inside fake mode, so it allocates nothing) on one sequence
+    of ``seq_len`` tokens. Its forward takes ``input_ids`` (and ``labels`` where a transformers model has them)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    if seq_len < 1:
+        raise UsageError(f"--seq-len must be at least 1, got {seq_len}")
+    default = torch.get_default_dtype()
+    with FakeTensorMode():
+        torch.set_default_dtype(dtype)  # built in the compute dtype (casting fake parameters cannot swap them)
+        try:
+            model = build()
+        except UsageError:
+            raise
+        except Exception as err:  # the user's builder or a config transformers cannot build
+            raise UsageError(f"building {name or 'the model'} failed: {type(err).__name__}: "
+                             f"{' '.join(str(err).split())[:200]}") from None
+        finally:
+            torch.set_default_dtype(default)
+        label, blocks = _blocks(model)
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        block_params, block_sharded = [], []
+        for block in blocks:
+            ps = list(block.parameters())
+            block_params.append(sum(p.numel() for p in ps))
+            block_sharded.append(sum(p.numel() for p in ps if p.dim() >= 2))
+        inside = {id(p) for p in blocks.parameters()}
+        embed = sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding)
+                    for p in m.parameters(recurse=False) if id(p) not in inside)
+        out = getattr(model, "get_output_embeddings", lambda: None)()
+        tied = out is not None and any(p is q for p in out.parameters() for q in model.get_input_embeddings().parameters())
+        head = 0 if out is None or tied else sum(p.numel() for p in out.parameters())
+        total = sum(p.numel() for p in model.parameters())
+        tally = _Tally(params, _flop_counter())
+        per_block, inputs = [], []
+
+        def pre(module, args, kwargs):
+            x = args[0] if args else next(iter(kwargs.values()))
+            inputs.append(x.numel() * x.element_size() / seq_len)
+            per_block.append(tally.snapshot())
+
+        def post(module, args, output):
+            per_block[-1] = [b - a for a, b in zip(per_block[-1], tally.snapshot())]
+
+        handles = [h for b in blocks for h in (b.register_forward_pre_hook(pre, with_kwargs=True),
+                                                b.register_forward_hook(post))]
+        ids = torch.zeros(1, seq_len, dtype=torch.long)
+        try:
+            with tally.flops, tally, torch.autograd.graph.saved_tensors_hooks(tally.pack, lambda t: t):
+                _loss(model, ids)
+        except Exception as err:  # a forward that needs real values (data-dependent routing) cannot be faked
+            raise UsageError(f"counting {name or type(model).__name__} on fake tensors failed: "
+                             f"{type(err).__name__}: {str(err).splitlines()[0][:200]} (forecast needs a forward "
+                             "whose shapes do not depend on the data; mixtures of experts are not forecast yet)") from None
+        finally:
+            for h in handles:
+                h.remove()
+    if len(per_block) != len(blocks):
+        raise UsageError(f"{name}: the forward ran {len(per_block)} of its {len(blocks)} blocks ({label}); "
+                         "forecast needs every block run once per forward")
+    n, total_all = seq_len, tally.snapshot()
+    col = lambda i: tuple(b[i] / n for b in per_block)  # noqa: E731 - one column of the per-block tallies
+    return Counts(name or type(model).__name__, seq_len, torch.finfo(dtype).bits // 8, tuple(block_params),
+                  tuple(block_sharded), embed, head, total - sum(block_params) - embed - head,
+                  col(0), (total_all[0] - sum(b[0] for b in per_block)) / n,
+                  col(1), (total_all[1] - sum(b[1] for b in per_block)) / n,
+                  max(inputs), _hidden(model), col(2), col(3), col(4), tally.heads)
+
+
+def _flop_counter():
+    """FlopCounterMode, with CPU's fused attention counted as CUDA's flash kernel is (PyTorch registers the
+    CUDA kernels only; fake tensors here are CPU tensors)."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    def attention(query, key, value, *args, out_val=None, **kwargs) -> int:
+        return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+    attention._get_raw = True  # FlopCounterMode's flag: hands the tensors over as they are
+    cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    return FlopCounterMode(display=False, custom_mapping={cpu: attention} if cpu else {})
+
+
+def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    try:
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        return out.loss
+    except TypeError:
+        logits = model(ids)
+        logits = getattr(logits, "logits", logits)
+        return nn.functional.cross_entropy(logits.flatten(0, -2).float(), ids.flatten())
+
+
+def _hidden(model: nn.Module) -> int:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is None:
+        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return 0 if emb is None else emb.embedding_dim
+
+
+_MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
+_ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+
+
+class _Tally(TorchDispatchMode):
+    """The running totals the block hooks difference: FLOPs, saved bytes (each storage once, the weights left
+    out: they are held anyway), what selective recompute keeps, attention's FLOPs and its K/V bytes."""
+
+    def __init__(self, params: set, flops) -> None:
+        super().__init__()
+        self.params, self.seen, self.flops = params, set(), flops
+        self.saved = self.kept = self.attention = self.kv = 0.0
+        self.matmuls = self.heads = 0
+
+    def snapshot(self) -> list[float]:
+        return [float(self.flops.get_total_flops()), self.saved, self.kept, self.attention, self.kv]
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        if key not in self.params and key not in self.seen:
+            self.seen.add(key)
+            self.saved += t.untyped_storage().nbytes()
+        return t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in _MATMULS:
+            self.matmuls += 1
+            if self.matmuls % 2:  # torchtitan's op-level policy recomputes every second matmul
+                self.kept += out.numel() * out.element_size()
+        elif name in _ATTENTION:
+            from torch.utils.flop_counter import sdpa_flop_count
+
+            q, k, v = args[:3]
+            self.heads = max(self.heads, q.shape[1])
+            self.attention += sdpa_flop_count(q.shape, k.shape, v.shape)
+            self.kv += k.numel() * k.element_size() + v.numel() * v.element_size()
+            self.kept += sum(o.numel() * o.element_size() for o in out[:2])  # output and log-sum-exp
+        return out

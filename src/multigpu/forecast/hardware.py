@@ -1,0 +1,104 @@
+"""The machine a forecast is for: a GPU kind from a table of public spec figures, and the cluster around it.
+
+The table (``data/gpus.json``) holds, per kind, the vendor's dense peak (half the "with sparsity" figure)
+for bf16 and fp8, the HBM's size and bandwidth, and the collective bus bandwidth nccl-tests reaches on the
+node's scale-up link (NVLink, Infinity Fabric) and on one scale-out NIC per GPU; each figure names its
+source there. ``Cluster`` is that kind times a GPU count and a node size, with every figure overridable
+(a forecast for a machine the table does not describe exactly: 96 GB H100s, 200 Gb/s NICs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from ..errors import UsageError
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    kind: str
+    name: str
+    hbm_bytes: float
+    hbm_bandwidth: float      # bytes/s
+    bf16_flops: float         # dense peak, FLOP/s
+    fp8_flops: float | None   # dense peak, FLOP/s (None: no fp8 tensor cores)
+    scale_up_busbw: float     # bytes/s, a large all-reduce's busbw inside a node (nccl-tests)
+    scale_out_busbw: float    # bytes/s, per GPU across nodes (one NIC per GPU)
+
+
+@cache
+def table() -> dict[str, dict]:
+    """The GPU kinds as stored: figures in the units of ``data/gpus.json`` (GB, TB/s, TFLOP/s, GB/s), sources."""
+    return json.loads((DATA / "gpus.json").read_text())["gpus"]
+
+
+def gpu(kind: str) -> Gpu:
+    """The spec figures of ``kind`` (``h100``, ``a100-80gb``, ...); an unknown kind is one line naming the known."""
+    row = table().get(kind.lower())
+    if row is None:
+        raise UsageError(f"unknown GPU kind {kind!r}; expected one of {', '.join(table())} "
+                         "(or describe yours: --gpu h100 --hbm-gb 96 --peak-tflops 800 ...)")
+    return Gpu(kind.lower(), row["name"], row["hbm_gb"] * 1e9, row["hbm_tb_s"] * 1e12, row["bf16_tflops"] * 1e12,
+               None if row["fp8_tflops"] is None else row["fp8_tflops"] * 1e12, row["scale_up_busbw_gb_s"] * 1e9,
+               row["scale_out_busbw_gb_s"] * 1e9)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpu: Gpu
+    gpus: int
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise UsageError(f"a cluster needs at least 1 GPU and 1 per node, got {self.gpus} GPUs, "
+                             f"{self.gpus_per_node} per node")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise UsageError(f"{self.gpus} GPUs do not fill nodes of {self.gpus_per_node}; give --gpus as a multiple "
+                             f"of --gpus-per-node")
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.gpus // self.gpus_per_node)
+
+    def busbw(self, span: int) -> float:
+        """Bus bandwidth of a collective whose group's ranks lie ``span`` consecutive GPUs apart at most
+        (inner mesh dimensions are consecutive ranks): the NIC's once the group leaves a node."""
+        return self.gpu.scale_up_busbw if span <= self.gpus_per_node else self.gpu.scale_out_busbw
+
+    def peak(self, precision: str) -> float:
+        if precision == "fp8":
+            if self.gpu.fp8_flops is None:
+                raise UsageError(f"{self.gpu.name} has no fp8 tensor cores; use --precision bf16")
+            return self.gpu.fp8_flops
+        return self.gpu.bf16_flops
+
+
+def cluster(kind: str, gpus: int, gpus_per_node: int = 8, *, hbm_gb: float | None = None,
+            peak_tflops: float | None = None, scale_up_gb_s: float | None = None,
+            scale_out_gb_s: float | None = None) -> Cluster:
+    """A cluster of ``gpus`` GPUs of ``kind``, with any spec figure replaced (GB and GB/s are 1e9 bytes;
+    ``peak_tflops`` replaces the bf16 peak and scales fp8's alike)."""
+    g = gpu(kind)
+    changes = {}
+    for value, name in ((hbm_gb, "--hbm-gb"), (peak_tflops, "--peak-tflops"), (scale_up_gb_s, "--scale-up-gb-s"),
+                        (scale_out_gb_s, "--scale-out-gb-s")):
+        if value is not None and not value > 0:
+            raise UsageError(f"{name} must be a positive number, got {value}")
+    if hbm_gb is not None:
+        changes["hbm_bytes"] = hbm_gb * 1e9
+    if peak_tflops is not None:
+        ratio = peak_tflops * 1e12 / g.bf16_flops
+        changes["bf16_flops"] = peak_tflops * 1e12
+        changes["fp8_flops"] = None if g.fp8_flops is None else g.fp8_flops * ratio
+    if scale_up_gb_s is not None:
+        changes["scale_up_busbw"] = scale_up_gb_s * 1e9
+    if scale_out_gb_s is not None:
+        changes["scale_out_busbw"] = scale_out_gb_s * 1e9
+    return Cluster(dataclasses.replace(g, **changes), gpus, gpus_per_node)

@@ -1,0 +1,78 @@
+"""``--model``: a name from ``data/models.json``, a transformers ``config.json`` (or its folder), or
+``module:function`` / ``path.py:function`` returning the user's own ``nn.Module`` (built on fake tensors)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+from functools import cache
+from pathlib import Path
+
+from ..errors import UsageError
+from .counts import Counts, count
+from .hardware import DATA
+
+
+@cache
+def presets() -> dict[str, dict]:
+    return json.loads((DATA / "models.json").read_text())["models"]
+
+
+def config_builder(config: dict, name: str):
+    """A builder of the transformers causal LM ``config`` describes (attention through SDPA, no cache)."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise UsageError("forecasting a transformers config needs transformers; pip install 'multigpu[hf]'") from None
+    fields = dict(config)
+    kind = fields.pop("model_type", None)
+    if not kind:
+        raise UsageError(f"{name} has no \"model_type\"; expected a transformers config.json (model_type: llama, ...)")
+    try:
+        cfg = AutoConfig.for_model(kind, **fields)
+    except Exception as err:  # transformers' validators raise their own kinds
+        raise UsageError(f"{name}: transformers cannot read this config ({' '.join(str(err).split())[:200]})") from None
+    cfg._attn_implementation = "sdpa"
+    return lambda: AutoModelForCausalLM.from_config(cfg)
+
+
+def builder(spec: str):
+    """(a builder, its display name) for ``--model``."""
+    if spec in presets():
+        return config_builder(presets()[spec], spec), spec
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json":
+        if not path.is_file():
+            raise UsageError(f"--model {spec}: no such file; expected one of {', '.join(presets())}, a config.json "
+                             "or module:function")
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise UsageError(f"--model {spec} is not a JSON config ({str(err)[:120]}); expected a transformers "
+                             "config.json") from None
+        if not isinstance(config, dict):
+            raise UsageError(f"--model {spec} holds a {type(config).__name__}, expected a JSON object (config.json)")
+        return config_builder(config, str(path)), path.parent.name or path.stem
+    if ":" in spec:
+        where, fn = spec.rsplit(":", 1)
+        try:
+            if where.endswith(".py"):
+                loaded = importlib.util.spec_from_file_location(Path(where).stem, where)
+                module = importlib.util.module_from_spec(loaded)
+                loaded.loader.exec_module(module)
+            else:
+                module = importlib.import_module(where)
+            return getattr(module, fn), fn
+        except (ImportError, AttributeError, FileNotFoundError) as err:
+            raise UsageError(f"--model {spec}: cannot load {fn} from {where} ({err})") from None
+    raise UsageError(f"--model {spec!r} is not a known model ({', '.join(presets())}), a config.json or "
+                     "module:function")
+
+
+@cache
+def counted(spec: str, seq_len: int) -> Counts:
+    build, name = builder(spec)
+    return count(build, seq_len, name=name)

@@ -1,0 +1,75 @@
+"""Every layout of a cluster for one counted model, forecast and ranked: what fits first, fastest first.
+
+The layouts are ``tune``'s own enumeration of the mesh (``tune.space.layouts``: pp x dp_replicate x
+dp_shard x tp, and cp without a pipeline), times the micro-batch sizes, full recompute on or off, and the
+pipeline schedules; a layout the model cannot take (tp or cp not dividing the heads, more stages than
+blocks, fewer micro-batches than stages, a sequence cp cannot cut in 2 cp chunks) is left out with its reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import UsageError
+from ..parallel.layout import Layout
+from .cost import Assumptions, Run, predict
+from .counts import Counts
+from .hardware import Cluster
+
+
+def name(layout: Layout, recompute: str) -> str:
+    """The table's label: ``FSDP 8 x TP 8 x PP 4 interleaved_1f1b, mb 1, full recompute``."""
+    s = layout
+    parts = []
+    if s.dp_replicate > 1:
+        parts.append(f"HSDP {s.dp_replicate}x{s.dp_shard}" if s.dp_shard > 1 else f"DDP {s.dp_replicate}")
+    elif s.dp_shard > 1 or s.cp > 1:
+        parts.append(f"FSDP {s.dp_shard}")
+    for degree, label in ((s.cp, "CP"), (s.tp, "TP")):
+        if degree > 1:
+            parts.append(f"{label} {degree}")
+    if s.pp > 1:
+        parts.append(f"PP {s.pp} {s.schedule}")
+    return " x ".join(parts or ["1 GPU"]) + f", mb {s.micro_batch}" + (f", {recompute} recompute" if recompute != "none" else "")
+
+
+def _why_not(counts: Counts, layout: Layout, run: Run) -> str | None:
+    s = layout
+    heads = counts.heads or 1
+    if heads % (s.tp * s.cp):
+        return f"tp x cp = {s.tp * s.cp} does not divide the {heads} attention heads"
+    if s.pp > counts.layers:
+        return f"pp {s.pp} exceeds the {counts.layers} blocks"
+    if s.cp > 1 and run.seq_len % (2 * s.cp):
+        return f"sequence {run.seq_len} does not cut into 2 x cp = {2 * s.cp} chunks"
+    if run.global_batch % (s.dp_size * s.micro_batch):
+        return f"global batch {run.global_batch} does not split into {s.dp_size} ranks x micro-batch {s.micro_batch}"
+    m = run.global_batch // (s.dp_size * s.micro_batch)
+    if s.pp > 1 and m < s.pp:
+        return f"{m} micro-batches, fewer than the {s.pp} stages"
+    return None
+
+
+def plan(counts: Counts, cluster: Cluster, run: Run, a: Assumptions, *, micro_batches=(1, 2, 4, 8),
+         recompute=("none", "full"), schedules=("1f1b", "interleaved_1f1b")) -> tuple[list[dict], list[dict]]:
+    """(forecasts ranked: fitting first, then tokens/s per GPU; the layouts left out with their reason)."""
+    from ..tune.space import layouts
+
+    ranked, out = [], []
+    for base in layouts(cluster.gpus, schedules=schedules, context=True):
+        for mb in micro_batches:
+            layout = dataclasses.replace(base, micro_batch=mb)
+            why = _why_not(counts, layout, run)
+            if why:
+                out.append({"layout": name(layout, "none"), "reason": why})
+                continue
+            for rc in recompute:
+                got = predict(counts, cluster, layout, dataclasses.replace(run, recompute=rc), a)
+                ranked.append({"name": name(layout, rc), "layout": dataclasses.replace(
+                    layout, activation_checkpointing=rc == "full"), "recompute": rc, **got})
+    if not ranked:
+        reasons = sorted({o["reason"] for o in out})
+        raise UsageError(f"no layout of {cluster.gpus} GPUs fits {counts.name} with global batch {run.global_batch}: "
+                         + "; ".join(reasons[:3]))
+    ranked.sort(key=lambda f: (not f["fits"], -f["tokens_per_s_per_gpu"]))
+    return ranked, out

@@ -1,0 +1,122 @@
+"""The published runs a forecast is checked against (``data/published.json``), the calibration fitted on
+some of them (``data/calibration.json``), and the held-out error on the rest.
+
+The calibration set names the rows it was fitted on; ``fit`` reproduces it (each constant solved on its
+row by bisection, in order: the eager bf16 row gives the achieved fraction of peak, the compiled row the
+compile speedup, the fp8 row fp8's); ``check`` predicts every row and splits the errors into fitted and
+held out. A pair is two rows of one table, model, GPU count and kernel options (precision, compile, async TP,
+recompute) whose published speeds differ by more than 5 %: the forecast ranks it right when it predicts the faster one faster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from functools import cache
+
+from .cost import GiB, Assumptions, Degrees, Run, predict
+from .hardware import DATA, cluster
+from .models import counted
+
+
+@cache
+def rows() -> list[dict]:
+    return json.loads((DATA / "published.json").read_text())["rows"]
+
+
+@cache
+def calibration() -> dict:
+    return json.loads((DATA / "calibration.json").read_text())
+
+
+def assumptions() -> Assumptions:
+    """The stored calibration's constants, the rest at their defaults."""
+    cal = calibration()
+    return Assumptions(**cal["constants"], calibration=cal["name"])
+
+
+def forecast(row: dict, a: Assumptions) -> dict:
+    layout = Degrees(row["dp_replicate"], row["dp_shard"], row["tp"], row["pp"], row["cp"], row["micro_batch"],
+                     row["schedule"])
+    run = Run(row["global_batch"], row["seq_len"], row["recompute"], row["compile"], row["precision"], row["async_tp"])
+    machine = cluster(row["gpu"], row["gpus"], row["gpus_per_node"], hbm_gb=row.get("hbm_gb"))
+    return predict(counted(row["model"], row["seq_len"]), machine, layout, run, a)
+
+
+def key(row: dict) -> str:
+    return f"{row['table']} | {row['model']} {row['gpus']} GPUs dp_shard {row['dp_shard']} tp {row['tp']} pp " \
+           f"{row['pp']} cp {row['cp']} {row['schedule'] if row['pp'] > 1 else ''} {row['precision']}" \
+           f"{' compile' if row['compile'] else ''}{' async-tp' if row['async_tp'] else ''} s {row['seq_len']}"
+
+
+def fit(base: Assumptions | None = None) -> Assumptions:
+    """The calibration's constants solved on its named rows (in the order efficiency, compile, fp8)."""
+    cal = calibration()
+    a = base or Assumptions(calibration=cal["name"])
+    by_key = {key(r): r for r in rows()}
+    for field, k in cal["fitted_on"].items():
+        row = by_key[k]
+        lo, hi = 0.0, 5.0
+        for _ in range(60):  # tokens/s (memory) grows with each constant: bisect to the published figure
+            mid = (lo + hi) / 2
+            got = forecast(row, dataclasses.replace(a, **{field: mid}))
+            low = got["memory_bytes"] / GiB < row["peak_memory_gib"] if field == "allocator_overhead" \
+                else got["tokens_per_s_per_gpu"] < row["tokens_per_s_per_gpu"]
+            lo, hi = (mid, hi) if low else (lo, mid)
+        a = dataclasses.replace(a, **{field: round((lo + hi) / 2, 4)})
+    return a
+
+
+def check(a: Assumptions | None = None) -> dict:
+    """Every row predicted: {"rows": [...], "held_out": summary, "fitted": summary, "pairs": ...}."""
+    a = a or assumptions()
+    fitted = set(calibration()["fitted_on"].values())
+    out = []
+    for row in rows():
+        got = forecast(row, a)
+        entry = {"key": key(row), "source": row["source"], "fitted": key(row) in fitted,
+                 "tokens_per_s_per_gpu": row["tokens_per_s_per_gpu"], "predicted_tokens": got["tokens_per_s_per_gpu"],
+                 "peak_memory_gib": row["peak_memory_gib"], "predicted_memory_gib": got["memory_bytes"] / GiB,
+                 "mfu": row["mfu"], "predicted_mfu": got["mfu"], "row": row}
+        entry["tokens_error"] = got["tokens_per_s_per_gpu"] / row["tokens_per_s_per_gpu"] - 1 \
+            if row["tokens_per_s_per_gpu"] else None
+        entry["memory_error"] = entry["predicted_memory_gib"] / row["peak_memory_gib"] - 1 \
+            if row["peak_memory_gib"] else None
+        out.append(entry)
+    return {"rows": out, "held_out": _summary([e for e in out if not e["fitted"]]),
+            "fitted": _summary([e for e in out if e["fitted"]]), "pairs": _pairs([e for e in out if not e["fitted"]]),
+            "assumptions": dataclasses.asdict(a)}
+
+
+def _summary(entries: list[dict]) -> dict:
+    tok = sorted(abs(e["tokens_error"]) for e in entries if e["tokens_error"] is not None)
+    mem = sorted(abs(e["memory_error"]) for e in entries if e["memory_error"] is not None)
+
+    def share(errs, bound):
+        return sum(x <= bound for x in errs) / len(errs) if errs else None
+
+    def median(errs):
+        return errs[len(errs) // 2] if errs else None
+
+    return {"tokens_rows": len(tok), "tokens_within_25": share(tok, 0.25), "tokens_median": median(tok),
+            "tokens_worst": tok[-1] if tok else None, "memory_rows": len(mem), "memory_within_15": share(mem, 0.15),
+            "memory_median": median(mem), "memory_worst": mem[-1] if mem else None}
+
+
+# A pair differs in its layout only (degrees, schedule, the sequence cp makes possible): same run otherwise.
+_SAME = ("source", "table", "model", "gpus", "precision", "compile", "async_tp", "recompute")
+
+
+def _pairs(entries: list[dict]) -> dict:
+    right, pairs = 0, []
+    for i, x in enumerate(entries):
+        for y in entries[i + 1:]:
+            same = all(x["row"][k] == y["row"][k] for k in _SAME)
+            tx, ty = x["tokens_per_s_per_gpu"], y["tokens_per_s_per_gpu"]
+            if not same or not tx or not ty or abs(tx / ty - 1) <= 0.05:
+                continue
+            ok = (tx > ty) == (x["predicted_tokens"] > y["predicted_tokens"])
+            right += ok
+            pairs.append({"faster": x["key"] if tx > ty else y["key"], "slower": y["key"] if tx > ty else x["key"],
+                          "ranked_right": ok})
+    return {"count": len(pairs), "ranked_right": right, "share": right / len(pairs) if pairs else None, "pairs": pairs}
