@@ -24,6 +24,9 @@ FLAGS = {
     "ckpt ls": ["<dir>"],
     "ckpt verify": ["<dir>"],
     "doctor": ["--backend", "--json", "--no-smoke", "--nproc", "--port", "--timeout", "-n"],
+    "forecast": ["--async-tp", "--async-tp-overlap", "--compile", "--dp-overlap", "--efficiency", "--global-batch", "--gpu",
+                 "--gpus", "--gpus-per-node", "--hbm-gb", "--micro-batches", "--model", "--out", "--peak-tflops",
+                 "--precision", "--runtime-gib", "--scale-out-gb-s", "--scale-up-gb-s", "--script", "--seq-len", "--top"],
     "plan": ["--batch", "--checkpoint-every", "--eval-every", "--gpus", "--lr", "--noise-scale", "--optimizer",
              "--per-gpu-batch", "--policy", "--steps", "--warmup-steps"],
     "report": ["--output", "-o", "<results>"],
@@ -129,7 +132,7 @@ LAYERS = [
     ("loop pieces", ["batch", "data", "loss", "precision"]),
     ("parallelism", ["parallel"]),
     ("instruments and state", ["meter", "noise", "checkpoint", "finder"]),
-    ("tools and decisions", ["launch", "planner", "study", "report", "verify", "doctor", "commbench", "recipes", "tune",
+    ("tools and decisions", ["launch", "planner", "study", "report", "verify", "doctor", "commbench", "recipes", "tune", "forecast",
                              "testing", "cli", "__main__"]),
 ]
 

@@ -92,9 +92,8 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
 
     # Parameters this rank's TP/PP position owns; the largest stage (the first holds the table, the last the head).
     block_held = sum(counts.block_sharded[i] / t + counts.block_params[i] - counts.block_sharded[i] for i in blocks)
-    ends = max(counts.embed_params, counts.head_params + counts.other_params) if p > 1 else \
-        counts.embed_params + counts.head_params + counts.other_params
-    held = block_held + ends / t
+    first, last = counts.embed_params / t, counts.head_params / t + counts.other_params  # TP cuts the tables
+    held = block_held + (max(first, last) if p > 1 else first + last)
     shards = f if layout.dp_shard > 1 or c > 1 else 1  # DDP (dp_shard 1, cp 1) keeps whole states
     biggest = max(counts.block_params) / t
     memory = {"parameters": 4.0 * held / shards, "gradients": 4.0 * held / shards, "optimizer": 8.0 * held / shards}

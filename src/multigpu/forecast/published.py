@@ -5,7 +5,7 @@ The calibration set names the rows it was fitted on; ``fit`` reproduces it (each
 row by bisection, in order: the eager bf16 row gives the achieved fraction of peak, the compiled row the
 compile speedup, the fp8 row fp8's); ``check`` predicts every row and splits the errors into fitted and
 held out. A pair is two rows of one table, model, GPU count and kernel options (precision, compile, async TP,
-recompute) whose published speeds differ by more than 5 %: the forecast ranks it right when it predicts the faster one faster.
+recompute) and different layouts, whose published speeds differ by more than 5 %: the forecast ranks it right when it predicts the faster one faster.
 """
 
 from __future__ import annotations
@@ -78,8 +78,10 @@ def check(a: Assumptions | None = None) -> dict:
                  "tokens_per_s_per_gpu": row["tokens_per_s_per_gpu"], "predicted_tokens": got["tokens_per_s_per_gpu"],
                  "peak_memory_gib": row["peak_memory_gib"], "predicted_memory_gib": got["memory_bytes"] / GiB,
                  "mfu": row["mfu"], "predicted_mfu": got["mfu"], "row": row}
+        # Speed: tokens/s per GPU, or the MFU where only that is published (the same ratio when both count
+        # FLOPs alike: 6 x parameters + attention, no recompute).
         entry["tokens_error"] = got["tokens_per_s_per_gpu"] / row["tokens_per_s_per_gpu"] - 1 \
-            if row["tokens_per_s_per_gpu"] else None
+            if row["tokens_per_s_per_gpu"] else (got["mfu"] / row["mfu"] - 1 if row["mfu"] else None)
         entry["memory_error"] = entry["predicted_memory_gib"] / row["peak_memory_gib"] - 1 \
             if row["peak_memory_gib"] else None
         out.append(entry)
@@ -105,13 +107,15 @@ def _summary(entries: list[dict]) -> dict:
 
 # A pair differs in its layout only (degrees, schedule, the sequence cp makes possible): same run otherwise.
 _SAME = ("source", "table", "model", "gpus", "precision", "compile", "async_tp", "recompute")
+_LAYOUT = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "schedule", "micro_batch", "seq_len")
 
 
 def _pairs(entries: list[dict]) -> dict:
     right, pairs = 0, []
     for i, x in enumerate(entries):
         for y in entries[i + 1:]:
-            same = all(x["row"][k] == y["row"][k] for k in _SAME)
+            same = all(x["row"][k] == y["row"][k] for k in _SAME) and \
+                any(x["row"][k] != y["row"][k] for k in _LAYOUT)
             tx, ty = x["tokens_per_s_per_gpu"], y["tokens_per_s_per_gpu"]
             if not same or not tx or not ty or abs(tx / ty - 1) <= 0.05:
                 continue

@@ -1,0 +1,50 @@
+"""Predicted vs published for every row of src/multigpu/forecast/data/published.json: the tables of
+docs/forecast.md (fitted rows marked; every other row held out), then the summary and the pairs.
+
+    PYTHONPATH=src python benchmarks/forecast_published.py [--refit]
+
+--refit solves the calibration's constants on its named rows again and reports with those (the stored
+ones are what tests/test_forecast.py checks it reproduces).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from multigpu.forecast import published
+
+
+def pct(x):
+    return "" if x is None else f"{100 * x:+.0f} %"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--refit", action="store_true")
+    a = published.fit() if parser.parse_args().refit else published.assumptions()
+    result = published.check(a)
+    print("| row | published tokens/s/GPU (MFU) | predicted | error | published GiB | predicted GiB | error |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for e in result["rows"]:
+        r = e["row"]
+        pub = f"{r['tokens_per_s_per_gpu']:,}" if r["tokens_per_s_per_gpu"] else f"({100 * r['mfu']:.0f} % MFU)"
+        pred = f"{e['predicted_tokens']:,.0f}" if r["tokens_per_s_per_gpu"] else f"({100 * e['predicted_mfu']:.0f} % MFU)"
+        mem = "" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']}"
+        pmem = "" if r["peak_memory_gib"] is None else f"{e['predicted_memory_gib']:.1f}"
+        print(f"| {'**fitted** ' if e['fitted'] else ''}{e['key']} | {pub} | {pred} | {pct(e['tokens_error'])} | {mem} | "
+              f"{pmem} | {pct(e['memory_error'])} |")
+    for part in ("held_out", "fitted"):
+        s = result[part]
+        print(f"\n{part}: speed rows {s['tokens_rows']}, within 25 %: {s['tokens_within_25']:.0%}, median "
+              f"{s['tokens_median']:.1%}, worst {s['tokens_worst']:.1%}; memory rows {s['memory_rows']}, within 15 %: "
+              f"{s['memory_within_15']:.0%}, median {s['memory_median']:.1%}, worst {s['memory_worst']:.1%}")
+    p = result["pairs"]
+    print(f"\npairs (held out): {p['ranked_right']} of {p['count']} ranked right")
+    for pair in p["pairs"]:
+        if not pair["ranked_right"]:
+            print(f"  wrong: published faster {pair['faster']}  vs  {pair['slower']}")
+    print(f"\nassumptions: {result['assumptions']}")
+
+
+if __name__ == "__main__":
+    main()
