@@ -44,7 +44,7 @@ def forecast(row: dict, a: Assumptions) -> dict:
 
 
 def key(row: dict) -> str:
-    return f"{row['table']} | {row['model']} {row['gpus']} GPUs dp_shard {row['dp_shard']} tp {row['tp']} pp " \
+    return f"{row['table']} / {row['model']} {row['gpus']} GPUs dp_shard {row['dp_shard']} tp {row['tp']} pp " \
            f"{row['pp']} cp {row['cp']} {row['schedule'] if row['pp'] > 1 else ''} {row['precision']}" \
            f"{' compile' if row['compile'] else ''}{' async-tp' if row['async_tp'] else ''} s {row['seq_len']}"
 
