@@ -1,4 +1,4 @@
-"""Predicted vs published for every row of src/multigpu/forecast/data/published.json: the tables of
+"""Predicted vs published for every row of src/multigpu/forecast/tables/published.json: the tables of
 docs/forecast.md (fitted rows marked; every other row held out), then the summary and the pairs.
 
     PYTHONPATH=src python benchmarks/forecast_published.py [--refit]

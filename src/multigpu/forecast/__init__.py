@@ -1,8 +1,8 @@
 """`multigpu forecast`: memory per GPU and speed of every layout of a model on a cluster you describe
 (or do not have yet), ranked, with the command that runs the best (docs/forecast.md).
 
-    hardware.py   GPU kinds (data/gpus.json: public spec figures, sources) and the cluster around them
-    models.py     --model: a known name (data/models.json), a transformers config.json, or module:function
+    hardware.py   GPU kinds (tables/gpus.json: public spec figures, sources) and the cluster around them
+    models.py     --model: a known name (tables/models.json), a transformers config.json, or module:function
     counts.py     the model counted on fake tensors: parameters per block, FLOPs and saved bytes per token
     cost.py       one layout's memory and step time, by part, and every assumption they rest on
     plan.py       every layout of the cluster, forecast and ranked

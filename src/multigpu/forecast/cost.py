@@ -37,7 +37,7 @@ GiB = 2**30
 @dataclass(frozen=True)
 class Assumptions:
     """Every constant a forecast rests on; each is a flag of ``multigpu forecast`` and named in its output.
-    ``efficiency`` and the two speedups come from a calibration set (``data/calibration.json``)."""
+    ``efficiency`` and the two speedups come from a calibration set (``tables/calibration.json``)."""
 
     efficiency: float = 0.45         # achieved fraction of the dense bf16 peak in eager mode
     compile_speedup: float = 1.0     # compute time / this with torch.compile

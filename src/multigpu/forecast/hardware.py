@@ -1,6 +1,6 @@
 """The machine a forecast is for: a GPU kind from a table of public spec figures, and the cluster around it.
 
-The table (``data/gpus.json``) holds, per kind, the vendor's dense peak (half the "with sparsity" figure)
+The table (``tables/gpus.json``) holds, per kind, the vendor's dense peak (half the "with sparsity" figure)
 for bf16 and fp8, the HBM's size and bandwidth, and the collective bus bandwidth nccl-tests reaches on the
 node's scale-up link (NVLink, Infinity Fabric) and on one scale-out NIC per GPU; each figure names its
 source there. ``Cluster`` is that kind times a GPU count and a node size, with every figure overridable
@@ -34,7 +34,7 @@ class Gpu:
 
 @cache
 def table() -> dict[str, dict]:
-    """The GPU kinds as stored: figures in the units of ``data/gpus.json`` (GB, TB/s, TFLOP/s, GB/s), sources."""
+    """The GPU kinds as stored: figures in the units of ``tables/gpus.json`` (GB, TB/s, TFLOP/s, GB/s), sources."""
     return json.loads((DATA / "gpus.json").read_text())["gpus"]
 
 

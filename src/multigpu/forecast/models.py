@@ -1,4 +1,4 @@
-"""``--model``: a name from ``data/models.json``, a transformers ``config.json`` (or its folder), or
+"""``--model``: a name from ``tables/models.json``, a transformers ``config.json`` (or its folder), or
 ``module:function`` / ``path.py:function`` returning the user's own ``nn.Module`` (built on fake tensors)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The published runs a forecast is checked against (``data/published.json``), the calibration fitted on
-some of them (``data/calibration.json``), and the held-out error on the rest.
+"""The published runs a forecast is checked against (``tables/published.json``), the calibration fitted on
+some of them (``tables/calibration.json``), and the held-out error on the rest.
 
 The calibration set names the rows it was fitted on; ``fit`` reproduces it (each constant solved on its
 row by bisection, in order: the eager bf16 row gives the achieved fraction of peak, the compiled row the
