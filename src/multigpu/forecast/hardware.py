@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parent / "tables"  # not data/: .gitignore leaves data/ folders out
 
 
 @dataclass(frozen=True)
