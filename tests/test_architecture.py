@@ -25,7 +25,7 @@ FLAGS = {
     "ckpt verify": ["<dir>"],
     "doctor": ["--backend", "--json", "--no-smoke", "--nproc", "--port", "--timeout", "-n"],
     "forecast": ["--async-tp", "--async-tp-overlap", "--compile", "--dp-overlap", "--efficiency", "--global-batch", "--gpu",
-                 "--gpus", "--gpus-per-node", "--hbm-gb", "--micro-batches", "--model", "--out", "--peak-tflops",
+                 "--gpus", "--gpus-per-node", "--hbm-gib", "--micro-batches", "--model", "--out", "--peak-tflops",
                  "--precision", "--runtime-gib", "--scale-out-gb-s", "--scale-up-gb-s", "--script", "--seq-len", "--top"],
     "plan": ["--batch", "--checkpoint-every", "--eval-every", "--gpus", "--lr", "--noise-scale", "--optimizer",
              "--per-gpu-batch", "--policy", "--steps", "--warmup-steps"],

@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--top", type=int, default=10, help="layouts to show (default %(default)s)")
     add("--out", help="folder for forecast.json, report.md, report.html (default: studies/forecast-<time>)")
     add("--script", default="train.py", help="the training script the printed command runs (default %(default)s)")
-    add("--hbm-gb", type=float, help="GPU memory in GB (1e9 bytes), replacing the kind's")
+    add("--hbm-gib", type=float, help="GPU memory in GiB, replacing the kind's")
     add("--peak-tflops", type=float, help="dense bf16 peak in TFLOP/s, replacing the kind's (fp8 scaled alike)")
     add("--scale-up-gb-s", type=float, help="a node's all-reduce bus bandwidth in GB/s (nccl-tests busbw)")
     add("--scale-out-gb-s", type=float, help="the bus bandwidth across nodes per GPU in GB/s")
@@ -67,17 +67,19 @@ def main(args) -> int:
             raise UsageError(f"{flag} must be at least 1, got {value}")
     for flag, value in (("--efficiency", args.efficiency), ("--dp-overlap", args.dp_overlap),
                         ("--async-tp-overlap", args.async_tp_overlap)):
-        if value is not None and not 0 <= value <= 1:
+        if value is not None and not 0 <= value <= 1 or (flag == "--efficiency" and value == 0):
             raise UsageError(f"{flag} is a fraction between 0 and 1, got {value}")
+    if args.runtime_gib < 0:
+        raise UsageError(f"--runtime-gib must be at least 0, got {args.runtime_gib}")
     micro = int_list(args.micro_batches, "--micro-batches takes comma-separated integers like 1,2,4")
     if any(m < 1 for m in micro):
         raise UsageError(f"--micro-batches values must be at least 1, got {args.micro_batches!r}")
-    machine = cluster(args.gpu, args.gpus, args.gpus_per_node, hbm_gb=args.hbm_gb, peak_tflops=args.peak_tflops,
+    machine = cluster(args.gpu, args.gpus, args.gpus_per_node, hbm_gib=args.hbm_gib, peak_tflops=args.peak_tflops,
                       scale_up_gb_s=args.scale_up_gb_s, scale_out_gb_s=args.scale_out_gb_s)
     machine.peak(args.precision)  # an fp8 run on a GPU without fp8: refused before counting
     a = assumptions()
     a = dataclasses.replace(a, dp_overlap=args.dp_overlap, async_tp_overlap=args.async_tp_overlap,
-                            runtime_gib=args.runtime_gib, **({"efficiency": args.efficiency} if args.efficiency else {}))
+                            runtime_gib=args.runtime_gib, **({"efficiency": args.efficiency} if args.efficiency is not None else {}))
     run = Run(args.global_batch or args.gpus, args.seq_len, compile=args.compile, precision=args.precision,
               async_tp=args.async_tp)
     counts = counted(args.model, args.seq_len)
@@ -86,7 +88,7 @@ def main(args) -> int:
     launch = f"multigpu run --nnodes {machine.nodes} -n {min(machine.gpus, machine.gpus_per_node)}"
     command = " ".join([launch, args.script, *best["layout"].flags])
     print(f"{counts.name}: {counts.params / 1e9:.2f} B parameters, {counts.flops_per_token / 1e9:.1f} GFLOP per token "
-          f"at {args.seq_len} tokens; {machine.gpus} x {machine.gpu.name} ({machine.gpu.hbm_bytes / 1e9:.0f} GB), "
+          f"at {args.seq_len} tokens; {machine.gpus} x {machine.gpu.name} ({machine.gpu.hbm_bytes / GiB:.0f} GiB), "
           f"{machine.gpus_per_node} per node; global batch {run.global_batch} x {run.seq_len} tokens, {run.precision}"
           + (", compiled" if run.compile else ""))
     widths = [max(len(h), *(len(row(f)[i]) for f in ranked[:args.top])) for i, h in enumerate(HEADER)]
@@ -102,6 +104,8 @@ def main(args) -> int:
     context = {"model": counts.name, "parameters": counts.params, "gpus": machine.gpus, "gpu": machine.gpu.name,
                "gpus_per_node": machine.gpus_per_node, "global_batch": run.global_batch, "seq_len": run.seq_len,
                "precision": run.precision, "compile": run.compile}
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a folder for forecast.json and the report")
     try:
         html = write_all(out, f"Forecast: {counts.name} on {machine.gpus} x {machine.gpu.name}", ranked, left_out,
                          args.top, a, context, command)

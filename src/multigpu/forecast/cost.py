@@ -92,7 +92,8 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
 
     # Parameters this rank's TP/PP position owns; the largest stage (the first holds the table, the last the head).
     block_held = sum(counts.block_sharded[i] / t + counts.block_params[i] - counts.block_sharded[i] for i in blocks)
-    first, last = counts.embed_params / t, counts.head_params / t + counts.other_params  # TP cuts the tables
+    first = counts.embed_params / t  # TP cuts the tables; a tied table's copy sits on the last stage too
+    last = (counts.embed_params if counts.tied and p > 1 else counts.head_params) / t + counts.other_params
     held = block_held + (max(first, last) if p > 1 else first + last)
     shards = f if layout.dp_shard > 1 or c > 1 else 1  # DDP (dp_shard 1, cp 1) keeps whole states
     biggest = max(counts.block_params) / t
@@ -107,7 +108,8 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     stage_bytes = sum(per_block) * tokens / t
     if run.recompute == "full":
         stage_bytes += max(counts.block_saved) * tokens / t  # the block being recomputed
-    in_flight = 1.0 if p == 1 else {"gpipe": m}.get(layout.schedule, min(p, m) * (1 + (p - 1) / (p * v) if v > 1 else 1))
+    interleaving = (1 + (p - 1) / (p * v)) if v > 1 else 1.0
+    in_flight = 1.0 if p == 1 else (m if layout.schedule == "gpipe" else min(p, m) * interleaving)
     last = 2 * counts.other_saved * tokens / t  # what the head and loss saved, and at the backward's start
     # their gradients of the same size (the logits' float32 and 16-bit gradients), with every block's saved
     memory["activations"] = max(stage_bytes * in_flight, stage_bytes + last) if p > 1 else stage_bytes + last
@@ -121,7 +123,7 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     head = counts.other_flops  # with a pipeline the stage counted is the last (blocks and the head): the slowest
     redo = {"none": 0.0, "selective": 0.5, "full": 1.0}[run.recompute]  # forwards of the blocks run again
     matmul = (3 + redo) * (flops_mm * tokens / t) + 3 * head * tokens / t
-    attention = (3 + (1.0 if run.recompute != "none" else 0.0)) * flops_at * tokens / t
+    attention = (3 + (1.0 if run.recompute == "full" else 0.0)) * flops_at * tokens / t  # selective keeps its output
     rate = cluster.peak("bf16") * a.efficiency * (a.compile_speedup if run.compile else 1.0)
     fp8 = a.fp8_speedup if run.precision == "fp8" else 1.0
     micro_s = (matmul / fp8 + attention) / rate
@@ -154,7 +156,7 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
         time["context-parallel ring (exposed)"] = max(0.0, ring - m * attention / rate)
     if p > 1:
         hop = width * tokens * counts.hidden / t
-        time["pipeline send/recv"] = 2 * slots * v * hop / cluster.busbw(cluster.gpus)
+        time["pipeline send/recv"] = 2 * slots * v * hop / cluster.busbw(cluster.gpus // p + 1)  # next stage: world/p on
     time["optimizer"] = a.optimizer_bytes * held / shards / cluster.gpu.hbm_bandwidth
     step = sum(time.values())
     tps = run.global_batch * run.seq_len / step / cluster.gpus

@@ -46,6 +46,7 @@ class Counts:
     block_attention: tuple[float, ...]     # of block_flops, the attention kernel's (not matmuls: no fp8)
     block_kv: tuple[float, ...]            # bytes per token of the keys and values attention reads
     heads: int = 0                         # attention's query heads (what tp and cp must divide); 0: none seen
+    tied: bool = False                     # the head is the input table (a pipeline's last stage holds a copy)
 
     @property
     def layers(self) -> int:
@@ -89,6 +90,8 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
                              f"{' '.join(str(err).split())[:200]}") from None
         finally:
             torch.set_default_dtype(default)
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"{name or 'the builder'} returned a {type(model).__name__}, expected an nn.Module")
         label, blocks = _blocks(model)
         params = {p.untyped_storage()._cdata for p in model.parameters()}
         block_params, block_sharded = [], []
@@ -100,12 +103,11 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         embed = sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding)
                     for p in m.parameters(recurse=False) if id(p) not in inside)
         out = getattr(model, "get_output_embeddings", lambda: None)()
-        if out is not None:  # a transformers model names its head; tied to the input table, it adds nothing
-            tied = any(p is q for p in out.parameters() for q in model.get_input_embeddings().parameters())
-            head = 0 if tied else sum(p.numel() for p in out.parameters())
-        else:  # a user's model: the linear layers outside the blocks
-            head = sum(p.numel() for m in model.modules() if isinstance(m, nn.Linear)
-                       for p in m.parameters(recurse=False) if id(p) not in inside)
+        tables = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+        heads = [p for p in out.parameters()] if out is not None else [  # a user's model: linears outside the blocks
+            p for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False) if id(p) not in inside]
+        tied = any(id(p) in tables for p in heads)  # tied to the input table, the head adds no parameters
+        head = sum(p.numel() for p in heads if id(p) not in tables)
         total = sum(p.numel() for p in model.parameters())
         tally = _Tally(params, _flop_counter())
         per_block, inputs = [], []
@@ -114,6 +116,7 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
             x = args[0] if args else next(iter(kwargs.values()))
             inputs.append(x.numel() * x.element_size() / seq_len)
             per_block.append(tally.snapshot())
+            tally.matmuls = 0  # torchtitan's policy counts matmuls per block
 
         def post(module, args, output):
             per_block[-1] = [b - a for a, b in zip(per_block[-1], tally.snapshot())]
@@ -126,7 +129,7 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
                 _loss(model, ids)
         except Exception as err:  # a forward that needs real values (data-dependent routing) cannot be faked
             raise UsageError(f"counting {name or type(model).__name__} on fake tensors failed: "
-                             f"{type(err).__name__}: {str(err).splitlines()[0][:200]} (forecast needs a forward "
+                             f"{type(err).__name__}: {' '.join(str(err).split())[:200]} (forecast needs a forward "
                              "whose shapes do not depend on the data; mixtures of experts are not forecast yet)") from None
         finally:
             for h in handles:
@@ -140,7 +143,7 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
                   tuple(block_sharded), embed, head, total - sum(block_params) - embed - head,
                   col(0), (total_all[0] - sum(b[0] for b in per_block)) / n,
                   col(1), (total_all[1] - sum(b[1] for b in per_block)) / n,
-                  max(inputs), _hidden(model), col(2), col(3), col(4), tally.heads)
+                  max(inputs), _hidden(model), col(2), col(3), col(4), tally.heads, tied)
 
 
 def _flop_counter():

@@ -4,7 +4,9 @@ The table (``tables/gpus.json``) holds, per kind, the vendor's dense peak (half 
 for bf16 and fp8, the HBM's size and bandwidth, and the collective bus bandwidth nccl-tests reaches on the
 node's scale-up link (NVLink, Infinity Fabric) and on one scale-out NIC per GPU; each figure names its
 source there. ``Cluster`` is that kind times a GPU count and a node size, with every figure overridable
-(a forecast for a machine the table does not describe exactly: 96 GB H100s, 200 Gb/s NICs).
+(a forecast for a machine the table does not describe exactly: 96 GB H100s, 200 Gb/s NICs). The vendors'
+memory figure is read as GiB: that is about what the device reports (an "80 GB" H100: 79.6 GiB, a "141 GB"
+H200: 140 GiB), where 1e9 bytes would make every layout look 7 % tighter than it is.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 
+GiB = 2**30
 DATA = Path(__file__).resolve().parent / "tables"  # not data/: .gitignore leaves data/ folders out
 
 
@@ -43,8 +46,8 @@ def gpu(kind: str) -> Gpu:
     row = table().get(kind.lower())
     if row is None:
         raise UsageError(f"unknown GPU kind {kind!r}; expected one of {', '.join(table())} "
-                         "(or describe yours: --gpu h100 --hbm-gb 96 --peak-tflops 800 ...)")
-    return Gpu(kind.lower(), row["name"], row["hbm_gb"] * 1e9, row["hbm_tb_s"] * 1e12, row["bf16_tflops"] * 1e12,
+                         "(or describe yours: --gpu h100 --hbm-gib 96 --peak-tflops 800 ...)")
+    return Gpu(kind.lower(), row["name"], row["hbm_gb"] * GiB, row["hbm_tb_s"] * 1e12, row["bf16_tflops"] * 1e12,
                None if row["fp8_tflops"] is None else row["fp8_tflops"] * 1e12, row["scale_up_busbw_gb_s"] * 1e9,
                row["scale_out_busbw_gb_s"] * 1e9)
 
@@ -70,7 +73,8 @@ class Cluster:
     def busbw(self, span: int) -> float:
         """Bus bandwidth of a collective whose group's ranks lie ``span`` consecutive GPUs apart at most
         (inner mesh dimensions are consecutive ranks): the NIC's once the group leaves a node."""
-        return self.gpu.scale_up_busbw if span <= self.gpus_per_node else self.gpu.scale_out_busbw
+        inside = span <= self.gpus_per_node and self.gpus_per_node % span == 0  # else some group straddles nodes
+        return self.gpu.scale_up_busbw if inside else self.gpu.scale_out_busbw
 
     def peak(self, precision: str) -> float:
         if precision == "fp8":
@@ -80,19 +84,19 @@ class Cluster:
         return self.gpu.bf16_flops
 
 
-def cluster(kind: str, gpus: int, gpus_per_node: int = 8, *, hbm_gb: float | None = None,
+def cluster(kind: str, gpus: int, gpus_per_node: int = 8, *, hbm_gib: float | None = None,
             peak_tflops: float | None = None, scale_up_gb_s: float | None = None,
             scale_out_gb_s: float | None = None) -> Cluster:
-    """A cluster of ``gpus`` GPUs of ``kind``, with any spec figure replaced (GB and GB/s are 1e9 bytes;
+    """A cluster of ``gpus`` GPUs of ``kind``, with any spec figure replaced (memory in GiB, GB/s 1e9 bytes;
     ``peak_tflops`` replaces the bf16 peak and scales fp8's alike)."""
     g = gpu(kind)
     changes = {}
-    for value, name in ((hbm_gb, "--hbm-gb"), (peak_tflops, "--peak-tflops"), (scale_up_gb_s, "--scale-up-gb-s"),
+    for value, name in ((hbm_gib, "--hbm-gib"), (peak_tflops, "--peak-tflops"), (scale_up_gb_s, "--scale-up-gb-s"),
                         (scale_out_gb_s, "--scale-out-gb-s")):
         if value is not None and not value > 0:
             raise UsageError(f"{name} must be a positive number, got {value}")
-    if hbm_gb is not None:
-        changes["hbm_bytes"] = hbm_gb * 1e9
+    if hbm_gib is not None:
+        changes["hbm_bytes"] = hbm_gib * GiB
     if peak_tflops is not None:
         ratio = peak_tflops * 1e12 / g.bf16_flops
         changes["bf16_flops"] = peak_tflops * 1e12

@@ -66,8 +66,9 @@ def builder(spec: str):
             else:
                 module = importlib.import_module(where)
             return getattr(module, fn), fn
-        except (ImportError, AttributeError, FileNotFoundError) as err:
-            raise UsageError(f"--model {spec}: cannot load {fn} from {where} ({err})") from None
+        except Exception as err:  # the user's file may raise anything while it is imported
+            raise UsageError(f"--model {spec}: cannot load {fn} from {where} ({type(err).__name__}: "
+                             f"{' '.join(str(err).split())[:160]})") from None
     raise UsageError(f"--model {spec!r} is not a known model ({', '.join(presets())}), a config.json or "
                      "module:function")
 

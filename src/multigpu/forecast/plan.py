@@ -12,6 +12,7 @@ import dataclasses
 
 from ..errors import UsageError
 from ..parallel.layout import Layout
+from ..parallel.pp import stages_per_rank
 from .cost import Assumptions, Run, predict
 from .counts import Counts
 from .hardware import Cluster
@@ -35,11 +36,12 @@ def name(layout: Layout, recompute: str) -> str:
 
 def _why_not(counts: Counts, layout: Layout, run: Run) -> str | None:
     s = layout
-    heads = counts.heads or 1
-    if heads % (s.tp * s.cp):
-        return f"tp x cp = {s.tp * s.cp} does not divide the {heads} attention heads"
-    if s.pp > counts.layers:
-        return f"pp {s.pp} exceeds the {counts.layers} blocks"
+    if counts.heads and counts.heads % (s.tp * s.cp):
+        return f"tp x cp = {s.tp * s.cp} does not divide the {counts.heads} attention heads"
+    if s.cp > 1 and not counts.heads:
+        return "cp needs attention through F.scaled_dot_product_attention; the count saw none"
+    if s.pp * stages_per_rank(s.schedule) > counts.layers and s.pp > 1:
+        return f"{s.pp * stages_per_rank(s.schedule)} pipeline stages ({s.schedule}) exceed the {counts.layers} blocks"
     if s.cp > 1 and run.seq_len % (2 * s.cp):
         return f"sequence {run.seq_len} does not cut into 2 x cp = {2 * s.cp} chunks"
     if run.global_batch % (s.dp_size * s.micro_batch):
