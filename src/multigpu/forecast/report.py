@@ -26,14 +26,14 @@ def _bars(forecasts: list[dict], part: str, scale: float, unit: str) -> bytes:
     plt = pyplot()
     names = [f["name"] for f in forecasts][::-1]
     parts = list(dict.fromkeys(k for f in forecasts for k in f[part]))
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(names) + 1.5))
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(names) + 2.2))
     left = [0.0] * len(names)
     for k in parts:
         widths = [f[part].get(k, 0.0) / scale for f in forecasts][::-1]
         ax.barh(names, widths, left=left, label=k)
         left = [a + b for a, b in zip(left, widths)]
     ax.set_xlabel(unit)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3, frameon=False)  # below the bars
     fig.tight_layout()
     return png(fig)
 
