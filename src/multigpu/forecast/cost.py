@@ -4,8 +4,9 @@ Memory per GPU (bytes), on the stage that holds the most:
 - parameters, gradients, optimizer: fp32 weights, fp32 gradients and AdamW's two fp32 moments (4 + 4 + 8
   bytes per parameter, ZeRO's 16 with the 16-bit copy counted under buffers), of what tensor and pipeline
   parallelism leave the rank, divided over the ranks FSDP shards across (dp_shard x cp; DDP: 1);
-- buffers: the 16-bit weights FSDP gathers (two blocks in flight: the one computing and the prefetch) and one
-  block's unsharded float32 gradient; a pipeline stage keeps all its weights gathered and gradients unsharded;
+- buffers: the 16-bit weights FSDP gathers (two blocks in flight: the one computing and the prefetch; the
+  root unit, tables and head, for the whole step) and one block's unsharded float32 gradient; a pipeline
+  stage keeps all its weights gathered and gradients unsharded;
 - activations: the bytes autograd saves per token and block (``counts``) x tokens per micro-batch / (tp x cp)
   (sequence parallelism and cp cut every saved tensor), for the blocks of the stage and the micro-batches in
   flight (1; 1F1B p on the first stage, x (1 + (p-1)/(p v)) interleaved; GPipe m); full recompute keeps the
@@ -100,7 +101,9 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     memory = {"parameters": 4.0 * held / shards, "gradients": 4.0 * held / shards, "optimizer": 8.0 * held / shards}
     # A pipeline stage keeps its weights gathered and its gradients unsharded in float32 across the
     # micro-batches (PyTorch's pipelining turns FSDP's resharding and gradient sync off until the last).
-    gathered = (width + 4.0) * held if p > 1 else (width * 2 + 4.0) * biggest
+    # Without a pipeline FSDP's root unit (tables, final norm, head) stays gathered from the forward's first
+    # op to the backward's last (FSDP2 does not reshard the root after the forward).
+    gathered = (width + 4.0) * held if p > 1 else (width * 2 + 4.0) * biggest + width * (first + last)
     memory["buffers"] = gathered if shards > 1 else 0.0
     per_block = {"none": [counts.block_saved[i] for i in blocks],
                  "selective": [counts.block_input + counts.block_kept[i] for i in blocks],
