@@ -203,6 +203,8 @@ def test_too_big_is_predicted_not_to_fit(tmp_path, capsys):
     (["--model", "llama3-8b", "--gpus", "8", "--dp-overlap", "2"], "fraction between 0 and 1"),
     (["--model", "llama3-8b", "--gpus", "8", "--efficiency", "0"], "fraction between 0 and 1"),
     (["--model", "nowhere.py:build", "--gpus", "8"], "cannot load build from nowhere.py"),
+    (["--model", "llama3-8b", "--gpus", "8", "--dp-overlap", "-0.5"], "fraction between 0 and 1"),
+    (["--model", "llama3-8b", "--gpus", "8", "--out", "{file}"], "is a file; give a folder"),
     (["--model", "{moe}", "--gpus", "8"], "mixtures of experts are not forecast yet"),
 ])
 def test_bad_input_is_one_line(argv, says, tmp_path, capsys):
@@ -214,7 +216,12 @@ def test_bad_input_is_one_line(argv, says, tmp_path, capsys):
             path = tmp_path / "config.json"
             path.write_text(json.dumps(config))
             argv = [str(path) if a == mark else a for a in argv]
-    code, err = run_cli(["forecast", *argv, "--out", str(tmp_path / "out")], capsys)
+    if "{file}" in argv:  # --out naming a file: refused before anything is counted
+        (tmp_path / "taken").write_text("")
+        argv = [str(tmp_path / "taken") if a == "{file}" else a for a in argv]
+    else:
+        argv = [*argv, "--out", str(tmp_path / "out")]
+    code, err = run_cli(["forecast", *argv], capsys)
     assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
 
 

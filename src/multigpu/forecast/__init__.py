@@ -67,13 +67,16 @@ def main(args) -> int:
             raise UsageError(f"{flag} must be at least 1, got {value}")
     for flag, value in (("--efficiency", args.efficiency), ("--dp-overlap", args.dp_overlap),
                         ("--async-tp-overlap", args.async_tp_overlap)):
-        if value is not None and not 0 <= value <= 1 or (flag == "--efficiency" and value == 0):
+        zero_ok = flag != "--efficiency"  # an overlap may be none; an efficiency of 0 would compute nothing
+        if value is not None and not (0 <= value <= 1 and (zero_ok or value > 0)):
             raise UsageError(f"{flag} is a fraction between 0 and 1, got {value}")
     if args.runtime_gib < 0:
         raise UsageError(f"--runtime-gib must be at least 0, got {args.runtime_gib}")
     micro = int_list(args.micro_batches, "--micro-batches takes comma-separated integers like 1,2,4")
     if any(m < 1 for m in micro):
         raise UsageError(f"--micro-batches values must be at least 1, got {args.micro_batches!r}")
+    out = Path(args.out or f"studies/forecast-{time.strftime('%Y%m%d-%H%M%S')}")
+    _check_out(out)  # before the count: a folder that cannot be written is said at once
     machine = cluster(args.gpu, args.gpus, args.gpus_per_node, hbm_gib=args.hbm_gib, peak_tflops=args.peak_tflops,
                       scale_up_gb_s=args.scale_up_gb_s, scale_out_gb_s=args.scale_out_gb_s)
     machine.peak(args.precision)  # an fp8 run on a GPU without fp8: refused before counting
@@ -100,12 +103,9 @@ def main(args) -> int:
     print("assumptions: " + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(a).items()))
     print(f"run the best: {command}" if best["fits"] else "no layout fits: more GPUs, fp8, a shorter sequence or "
           "a smaller micro-batch")
-    out = Path(args.out or f"studies/forecast-{time.strftime('%Y%m%d-%H%M%S')}")
     context = {"model": counts.name, "parameters": counts.params, "gpus": machine.gpus, "gpu": machine.gpu.name,
                "gpus_per_node": machine.gpus_per_node, "global_batch": run.global_batch, "seq_len": run.seq_len,
                "precision": run.precision, "compile": run.compile}
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file; give a folder for forecast.json and the report")
     try:
         html = write_all(out, f"Forecast: {counts.name} on {machine.gpus} x {machine.gpu.name}", ranked, left_out,
                          args.top, a, context, command)
@@ -113,3 +113,16 @@ def main(args) -> int:
     except UsageError as err:  # matplotlib missing: the table above stands, forecast.json is written
         print(f"no HTML report: {err}")
     return 0 if best["fits"] else 1
+
+
+def _check_out(out: Path) -> None:
+    """``--out`` must be a folder this user can create or write into."""
+    import os
+
+    from ..errors import UsageError
+
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a folder for forecast.json and the report")
+    parent = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"cannot write the forecast to {out}: {parent} is not writable; give --out a writable folder")

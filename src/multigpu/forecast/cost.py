@@ -96,7 +96,7 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     first = counts.embed_params / t  # TP cuts the tables; a tied table's copy sits on the last stage too
     last = (counts.embed_params if counts.tied and p > 1 else counts.head_params) / t + counts.other_params
     held = block_held + (max(first, last) if p > 1 else first + last)
-    shards = f if layout.dp_shard > 1 or c > 1 else 1  # DDP (dp_shard 1, cp 1) keeps whole states
+    shards = f  # FSDP shards over dp_shard x cp; DDP (both 1) keeps whole states
     biggest = max(counts.block_params) / t
     memory = {"parameters": 4.0 * held / shards, "gradients": 4.0 * held / shards, "optimizer": 8.0 * held / shards}
     # A pipeline stage keeps its weights gathered and its gradients unsharded in float32 across the
@@ -113,9 +113,9 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
         stage_bytes += max(counts.block_saved) * tokens / t  # the block being recomputed
     interleaving = (1 + (p - 1) / (p * v)) if v > 1 else 1.0
     in_flight = 1.0 if p == 1 else (m if layout.schedule == "gpipe" else min(p, m) * interleaving)
-    last = 2 * counts.other_saved * tokens / t  # what the head and loss saved, and at the backward's start
+    loss_bytes = 2 * counts.other_saved * tokens / t  # what the head and loss saved, and at the backward's start
     # their gradients of the same size (the logits' float32 and 16-bit gradients), with every block's saved
-    memory["activations"] = max(stage_bytes * in_flight, stage_bytes + last) if p > 1 else stage_bytes + last
+    memory["activations"] = max(stage_bytes * in_flight, stage_bytes + loss_bytes) if p > 1 else stage_bytes + loss_bytes
     memory["allocator"] = a.allocator_overhead * sum(memory.values())
     memory["runtime"] = a.runtime_gib * GiB
     total = sum(memory.values())
@@ -150,7 +150,7 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     hidden_under = a.dp_overlap * time["compute"]
     time["data-parallel collectives (exposed)"] = max(0.0, dp_s - hidden_under)
     if t > 1:
-        per_layer = (8 + (4 if run.recompute == "full" else 0)) * tokens * counts.hidden * width
+        per_layer = (8 + (4 if run.recompute == "full" else 0)) * tokens * counts.block_input
         tp_s = m * per_stage * coll(per_layer, t, t, 1)
         time["tensor-parallel collectives"] = tp_s * (1 - (a.async_tp_overlap if run.async_tp else 0.0))
     if c > 1:
@@ -158,7 +158,7 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
         ring = m * 3 * coll(kv, c, inner, 1)  # gathered in forward, gradients scattered back (x2) in backward
         time["context-parallel ring (exposed)"] = max(0.0, ring - m * attention / rate)
     if p > 1:
-        hop = width * tokens * counts.hidden / t
+        hop = tokens * counts.block_input / t
         time["pipeline send/recv"] = 2 * slots * v * hop / cluster.busbw(cluster.gpus // p + 1)  # next stage: world/p on
     time["optimizer"] = a.optimizer_bytes * held / shards / cluster.gpu.hbm_bandwidth
     step = sum(time.values())

@@ -16,6 +16,7 @@ bytes of a grouped-query model count up to a few % above eager transformers' (7 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -40,13 +41,17 @@ class Counts:
     block_saved: tuple[float, ...]         # bytes autograd saves per token in each block
     other_saved: float                     # outside the blocks (embedding output, logits, the loss)
     block_input: float                     # bytes per token of a block's input (what full recompute keeps)
-    hidden: int
     block_kept: tuple[float, ...]          # bytes per token selective recompute keeps besides the input (torchtitan op policy:
                                            # the input, attention's outputs, every other matmul's output)
     block_attention: tuple[float, ...]     # of block_flops, the attention kernel's (not matmuls: no fp8)
     block_kv: tuple[float, ...]            # bytes per token of the keys and values attention reads
     heads: int = 0                         # attention's query heads (what tp and cp must divide); 0: none seen
     tied: bool = False                     # the head is the input table (a pipeline's last stage holds a copy)
+
+    @property
+    def hidden(self) -> float:
+        """The width of what passes between blocks (what TP and PP move per token)."""
+        return self.block_input / self.dtype_bytes
 
     @property
     def layers(self) -> int:
@@ -100,14 +105,13 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
             block_params.append(sum(p.numel() for p in ps))
             block_sharded.append(sum(p.numel() for p in ps if p.dim() >= 2))
         inside = {id(p) for p in blocks.parameters()}
-        embed = sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding)
-                    for p in m.parameters(recurse=False) if id(p) not in inside)
+        tables = {id(p): p for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+        embed = sum(p.numel() for i, p in tables.items() if i not in inside)
         out = getattr(model, "get_output_embeddings", lambda: None)()
-        tables = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
-        heads = [p for p in out.parameters()] if out is not None else [  # a user's model: linears outside the blocks
+        outputs = list(out.parameters()) if out is not None else [  # a user's model: linears outside the blocks
             p for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False) if id(p) not in inside]
-        tied = any(id(p) in tables for p in heads)  # tied to the input table, the head adds no parameters
-        head = sum(p.numel() for p in heads if id(p) not in tables)
+        tied = any(id(p) in tables for p in outputs)  # tied to the input table, the head adds no parameters
+        head = sum(p.numel() for p in outputs if id(p) not in tables)
         total = sum(p.numel() for p in model.parameters())
         tally = _Tally(params, _flop_counter())
         per_block, inputs = [], []
@@ -147,7 +151,7 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
                   tuple(block_sharded), embed, head, total - sum(block_params) - embed - head,
                   col(0), (total_all[0] - sum(b[0] for b in per_block)) / n,
                   col(1), (total_all[1] - sum(b[1] for b in per_block)) / n,
-                  max(inputs), _hidden(model), col(2), col(3), col(4), tally.heads, tied)
+                  max(inputs), col(2), col(3), col(4), tally.heads, tied)
 
 
 def _flop_counter():
@@ -164,20 +168,14 @@ def _flop_counter():
 
 
 def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    try:
-        out = model(input_ids=ids, labels=ids, use_cache=False)
-        return out.loss
-    except TypeError:
-        logits = model(ids)
-        logits = getattr(logits, "logits", logits)
-        return nn.functional.cross_entropy(logits.flatten(0, -2).float(), ids.flatten())
-
-
-def _hidden(model: nn.Module) -> int:
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if emb is None:
-        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    return 0 if emb is None else emb.embedding_dim
+    """One forward with its loss: the model's own where its forward takes ``labels`` (transformers), else
+    cross-entropy on what it returns. Decided by the signature: a TypeError inside the forward must not
+    run it a second time (the block tallies would count twice)."""
+    if "labels" in inspect.signature(model.forward).parameters:
+        return model(input_ids=ids, labels=ids, use_cache=False).loss
+    logits = model(ids)
+    logits = getattr(logits, "logits", logits)
+    return nn.functional.cross_entropy(logits.flatten(0, -2).float(), ids.flatten())
 
 
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")

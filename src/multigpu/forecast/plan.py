@@ -18,22 +18,6 @@ from .counts import Counts
 from .hardware import Cluster
 
 
-def name(layout: Layout, recompute: str) -> str:
-    """The table's label: ``FSDP 8 x TP 8 x PP 4 interleaved_1f1b, mb 1, full recompute``."""
-    s = layout
-    parts = []
-    if s.dp_replicate > 1:
-        parts.append(f"HSDP {s.dp_replicate}x{s.dp_shard}" if s.dp_shard > 1 else f"DDP {s.dp_replicate}")
-    elif s.dp_shard > 1 or s.cp > 1:
-        parts.append(f"FSDP {s.dp_shard}")
-    for degree, label in ((s.cp, "CP"), (s.tp, "TP")):
-        if degree > 1:
-            parts.append(f"{label} {degree}")
-    if s.pp > 1:
-        parts.append(f"PP {s.pp} {s.schedule}")
-    return " x ".join(parts or ["1 GPU"]) + f", mb {s.micro_batch}" + (f", {recompute} recompute" if recompute != "none" else "")
-
-
 def _why_not(counts: Counts, layout: Layout, run: Run) -> str | None:
     s = layout
     if counts.heads and counts.heads % (s.tp * s.cp):
@@ -55,7 +39,7 @@ def _why_not(counts: Counts, layout: Layout, run: Run) -> str | None:
 def plan(counts: Counts, cluster: Cluster, run: Run, a: Assumptions, *, micro_batches=(1, 2, 4, 8),
          recompute=("none", "full"), schedules=("1f1b", "interleaved_1f1b")) -> tuple[list[dict], list[dict]]:
     """(forecasts ranked: fitting first, then tokens/s per GPU; the layouts left out with their reason)."""
-    from ..tune.space import layouts
+    from ..tune.space import layouts, name
 
     ranked, out = [], []
     for base in layouts(cluster.gpus, schedules=schedules, context=True):
@@ -63,12 +47,12 @@ def plan(counts: Counts, cluster: Cluster, run: Run, a: Assumptions, *, micro_ba
             layout = dataclasses.replace(base, micro_batch=mb)
             why = _why_not(counts, layout, run)
             if why:
-                out.append({"layout": name(layout, "none"), "reason": why})
+                out.append({"layout": name(layout), "reason": why})
                 continue
             for rc in recompute:
                 got = predict(counts, cluster, layout, dataclasses.replace(run, recompute=rc), a)
-                ranked.append({"name": name(layout, rc), "layout": dataclasses.replace(
-                    layout, activation_checkpointing=rc == "full"), "recompute": rc, **got})
+                chosen = dataclasses.replace(layout, activation_checkpointing=rc == "full")
+                ranked.append({"name": name(chosen), "layout": chosen, "recompute": rc, **got})
     if not ranked:
         reasons = sorted({o["reason"] for o in out})
         raise UsageError(f"no layout of {cluster.gpus} GPUs fits {counts.name} with global batch {run.global_batch}: "

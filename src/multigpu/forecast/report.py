@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 from ..report.page import Figures, Heading, Items, Page, Table, Text, write
-from ..errors import UsageError
 from .cost import GiB
 
 
@@ -40,10 +39,7 @@ def _bars(forecasts: list[dict], part: str, scale: float, unit: str) -> bytes:
 
 def write_all(out: Path, title: str, ranked: list[dict], left_out: list[dict], top: int, assumptions,
               context: dict, command: str) -> Path:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UsageError(f"cannot write the forecast to {out}: {err.strerror}; give --out a writable folder") from None
+    out.mkdir(parents=True, exist_ok=True)  # forecast's main checked it can
     best = ranked[:top]
     data = {"context": context, "assumptions": dataclasses.asdict(assumptions), "command": command,
             "forecasts": [{k: (v.flags if k == "layout" else v) for k, v in f.items()} for f in ranked],

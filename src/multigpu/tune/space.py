@@ -23,8 +23,9 @@ def name(layout: Layout) -> str:
     s, kind = layout, layout.strategy
     parts = [{"ddp": f"DDP {s.dp_size}", "hsdp": f"HSDP {s.dp_replicate}x{s.dp_shard}"}.get(kind, f"FSDP {s.dp_shard}")] \
         if s.dp_size > 1 or s.tp == s.pp == 1 else []
-    if s.tp > 1:
-        parts.append(f"TP {s.tp}")
+    for degree, label in ((s.cp, "CP"), (s.tp, "TP")):
+        if degree > 1:
+            parts.append(f"{label} {degree}")
     if s.pp > 1:
         parts.append(f"PP {s.pp} {layout.schedule}")
     return " x ".join(parts) + f", micro-batch {layout.micro_batch}" + (", AC" if layout.activation_checkpointing else "")
