@@ -56,10 +56,9 @@ def _moe(**overrides):
      "expert parallelism (ep=2) spreads the experts of a mixture-of-experts model, but LlamaForCausalLM has no "
      "experts module (3-D expert weights and num_experts); use ep=1"),
     (mg.parallel.Layout(ep=3), 3, _moe, "ep=3 does not divide the 4 experts of MixtralForCausalLM; use ep=2"),
-    (mg.parallel.Layout(ep=2, dp_replicate=2), 4, _moe,
-     "expert parallelism takes its ranks from dp_shard alone, without dp_replicate or sequence_parallel"),
-    # with TP too: refused before the TP step builds a mesh (no process group here) or changes the model
-    (mg.parallel.Layout(ep=2, tp=2, dp_replicate=2), 8, _moe, "HSDP and SP around the experts are not built yet"),
+    # with TP: refused before the TP step builds a mesh (no process group here) or changes the model
+    (mg.parallel.Layout(ep=2, tp=2, sequence_parallel=True), 4, _moe,
+     "expert parallelism with sequence_parallel is not built yet"),
 ])
 def test_what_expert_parallelism_cannot_spread_is_refused_in_one_line(layout, world, model, line, monkeypatch):
     pytest.importorskip("transformers")
@@ -136,12 +135,14 @@ def _four_ranks(dist, where: str) -> dict:
     out = _four(dist)
     _mixtral(dist, {"ep": 2}, f"{where}/ckpt", 2)
     _mixtral(dist, {"ep": 4}, f"{where}/ckpt", 3)
+    _mixtral(dist, {"ep": 2, "dp_replicate": 2}, f"{where}/ckpt-hsdp", 2)  # steps 0-2 under HSDP 2 x EP 2
     return out
 
 
 def _last(dist, where: str) -> dict:
-    """One process: trained alone for 5 steps, and step 4 of the reshard chain."""
-    return {"reference": _mixtral(dist, None), "last": _mixtral(dist, {}, f"{where}/ckpt")}
+    """One process: trained alone for 5 steps, step 4 of the reshard chain, and steps 3-4 after HSDP x EP."""
+    return {"reference": _mixtral(dist, None), "last": _mixtral(dist, {}, f"{where}/ckpt"),
+            "after_hsdp": _mixtral(dist, {}, f"{where}/ckpt-hsdp")}
 
 
 @functools.cache
@@ -160,6 +161,9 @@ def test_expert_weights_reshard_from_ep_2_to_ep_2_x_fsdp_2_to_ep_4_to_one_proces
     reference, last = _runs()["one"]["reference"], _runs()["one"]["last"]
     assert last["start"] == 4 and last["norms"] == pytest.approx(reference["norms"][4:], rel=1e-9)
     assert hf.max_diff(last, reference) < 1e-9
+    # and from HSDP 2 x EP 2 (the experts' Replicate over dp_replicate, Shard(0) over ep) to one process
+    after = _runs()["one"]["after_hsdp"]
+    assert after["start"] == 3 and hf.max_diff(after, reference) < 1e-9
 
 
 FAMILIES = ["mixtral", "qwen3_moe", "olmoe"]  # three transformers MoE families, tiny configs (tests/_zoo.py)
@@ -182,10 +186,11 @@ def _families_under(dist, layouts: list[dict]) -> dict:
 
 
 def _four(dist) -> dict:
-    """On 4 ranks: the families under EP 2 x FSDP 2, EP 2 + TP 2, HSDP 2 x 2 and DDP 4 with their router
+    """On 4 ranks: the families under EP 2 x FSDP 2, EP 2 + TP 2, HSDP 2 x EP 2, HSDP 2 x 2 and DDP 4 with their router
     loss; and Mixtral through 2 pipeline stages with EP 2 inside each, 2 micro-batches a step (without the
     router loss, which a pipeline refuses)."""
-    out = _families_under(dist, [{"ep": 2}, {"ep": 2, "tp": 2}, {"dp_replicate": 2}, {"dp_replicate": 4}])
+    out = _families_under(dist, [{"ep": 2}, {"ep": 2, "tp": 2}, {"ep": 2, "dp_replicate": 2}, {"dp_replicate": 2},
+                                 {"dp_replicate": 4}])
     reference = hf.train(dist, "zoo:mixtral", None, accum=2) if dist.rank == 0 else {}
     got = hf.train_pipeline(dist, "zoo:mixtral", {"pp": 2, "ep": 2}, accum=2)
     out["mixtral {'pp': 2, 'ep': 2}, no router loss"] = hf.max_diff(got, reference) if dist.rank == 0 else None
@@ -195,15 +200,15 @@ def _four(dist) -> dict:
 @pytest.mark.slow
 def test_three_moe_families_with_their_router_loss_equal_one_process_under_ep_layouts():
     """EP 2 (2 ranks; and a user's own experts module, tests/_hf_layouts.py's OwnMoE); EP 2 x FSDP 2, EP 2 +
-    TP 2, and without EP HSDP 2 x 2 and DDP 4 (4 ranks: the router's
+    TP 2, HSDP 2 x EP 2, and without EP HSDP 2 x 2 and DDP 4 (4 ranks: the router's
     loss over the batch under every data-parallel group); EP 2 inside 2 pipeline stages (Mixtral): within
     1e-9 of one process on every parameter. A
     planted bug fails it: the router loss averaged per rank (7e-3), tokens returned to the wrong rank (1e-2),
-    the experts' gradient not divided (1e-3)."""
+    the experts' gradient not divided (1e-3), under HSDP x EP divided as without the replicas (1.7e-4)."""
     pytest.importorskip("transformers")
     diffs = _runs()["two"]["families"] | _runs()["four"]
     print(diffs)
-    assert len(diffs) == 3 * 5 + 2
+    assert len(diffs) == 3 * 6 + 2
     assert all(d < 1e-9 for d in diffs.values()), diffs
 
 

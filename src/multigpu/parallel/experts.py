@@ -6,7 +6,8 @@ is transformers 5's experts modules (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ...):
 holding every expert's weights as 3-D parameters whose first dimension is the expert (``gate_up_proj``
 ``(E, 2F, D)``, ``down_proj`` ``(E, D, F)``), called as ``experts(hidden (T, D), top_k_index (T, K),
 top_k_weights (T, K))``. The router and everything else stay as the layout spreads them (FSDP over every
-dp_shard rank); the experts modules get their own FSDP over the ranks that hold the same experts (efsdp).
+dp_shard rank); the experts modules get their own FSDP over the ranks that hold the same experts (efsdp; with
+dp_replicate, HSDP over dp_replicate x efsdp).
 
 Dropless dispatch, on PyTorch's own collectives (functional ``all_to_all_single``, so autograd flows):
 
@@ -20,8 +21,9 @@ Dropless dispatch, on PyTorch's own collectives (functional ``all_to_all_single`
 So every token meets the same expert weights in the same order as on one process. The weights are DTensors
 ``Shard(0)`` on the expert-parallel mesh (and FSDP's shard of that over efsdp): ``mg.clip_grad_norm_`` and
 DCP see the whole expert set. Their gradient collects the ep group's tokens through the all-to-all's
-backward; FSDP averages it over efsdp, and the dispatch divides it by ep, so it is divided by the
-data-parallel size as FSDP divides the dense parameters' (each rank's loss is its share's mean).
+backward; FSDP averages it over efsdp (and dp_replicate: HSDP), and the dispatch divides it by ep, so it
+is divided by the data-parallel size as FSDP divides the dense parameters' (each rank's loss is its
+share's mean).
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ class _Dispatch:
     group: Any
     ep: int
     local: int
-    grad_scale: float  # FSDP (over efsdp) averages over efsdp; this makes it the data-parallel mean
+    grad_scale: float  # FSDP averages over (dp_replicate x) efsdp; this makes it the data-parallel mean
     capacity_factor: float | None
     stats: Stats
     layer: int
@@ -199,7 +201,8 @@ def apply(found: list[tuple[str, nn.Module]], layout: Any, mesh: Any, capacity_f
             shard = p.detach()[rank * local:(rank + 1) * local].clone()
             new = nn.Parameter(DTensor.from_local(shard, mesh, [Shard(0)], run_check=False), p.requires_grad)
             setattr(module, pname, new)
-        how = _Dispatch(mesh.get_group(), ep, local, layout.efsdp / layout.dp_size, capacity_factor, stats, layer)
+        how = _Dispatch(mesh.get_group(), ep, local, layout.dp_replicate * layout.efsdp / layout.dp_size, capacity_factor,
+                        stats, layer)
         module.forward = functools.partial(_forward, module, type(module).forward, how)
         module._multigpu_expert_stats = stats
 

@@ -228,8 +228,10 @@ class Layout:
         return self.device_mesh(device_type)["ep"]
 
     def efsdp_mesh(self, device_type: str) -> Any:
-        """The ranks that hold the same experts: FSDP shards them over these (``efsdp``, often 1)."""
-        return self.device_mesh(device_type)["efsdp"]
+        """The ranks that hold the same experts: FSDP shards them over these (``efsdp``, often 1); with
+        dp_replicate 2-D (replicate, efsdp), HSDP of the experts as of everything else."""
+        mesh = self.device_mesh(device_type)
+        return mesh["dp_replicate", "efsdp"] if self.dp_replicate > 1 else mesh["efsdp"]
 
     def cp_mesh(self, device_type: str) -> Any:
         """The context-parallel ranks of this process: each holds a share of the same sequences."""

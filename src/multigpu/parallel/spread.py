@@ -229,10 +229,9 @@ def _experts_to_spread(model: nn.Module, layout: Layout, capacity_factor: float 
         return []
     from . import experts
 
-    if layout.dp_replicate > 1 or layout.sequence_parallel:
-        raise UsageError(f"expert parallelism takes its ranks from dp_shard alone, without dp_replicate or "
-                         f"sequence_parallel, got layout {layout.label}; HSDP and SP around the experts are not built "
-                         "yet: use dp_shard and tp with ep")
+    if layout.sequence_parallel:
+        raise UsageError(f"expert parallelism with sequence_parallel is not built yet, got layout {layout.label}: "
+                         "the experts would see a share of each sequence's tokens; use sequence_parallel=False with ep")
     return experts.check(model, layout)
 
 
