@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     d = Assumptions()
     add = parser.add_argument
-    add("--model", required=True, help="a known model (llama3-8b, llama3-70b, llama3-405b, llama2-13b, llama2-70b), "
+    add("--model", required=True, help="a known model (llama3-8b, llama3-70b, llama3-405b, llama2-13b, llama2-70b, "
+                                       "mixtral-8x7b, qwen3-30b-a3b), "
                                        "a transformers config.json (or its folder), or module:function / file.py:function "
                                        "returning your nn.Module")
     add("--gpus", type=int, required=True, help="GPUs in the cluster")
@@ -47,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fraction of compute that hides data-parallel collectives (default %(default)s)")
     add("--async-tp-overlap", type=float, default=d.async_tp_overlap,
         help="fraction of tensor-parallel traffic async TP hides (default %(default)s)")
+    add("--expert-imbalance", type=float, default=d.expert_imbalance,
+        help="a mixture of experts under ep: the busiest rank's routed rows over the mean (default %(default)s)")
     add("--runtime-gib", type=float, default=d.runtime_gib,
         help="CUDA context, NCCL and cuBLAS memory per GPU (default %(default)s)")
 
@@ -72,6 +75,8 @@ def main(args) -> int:
             raise UsageError(f"{flag} is a fraction between 0 and 1, got {value}")
     if args.runtime_gib < 0:
         raise UsageError(f"--runtime-gib must be at least 0, got {args.runtime_gib}")
+    if not args.expert_imbalance >= 1:
+        raise UsageError(f"--expert-imbalance is the busiest rank's rows over the mean, at least 1, got {args.expert_imbalance}")
     micro = int_list(args.micro_batches, "--micro-batches takes comma-separated integers like 1,2,4")
     if any(m < 1 for m in micro):
         raise UsageError(f"--micro-batches values must be at least 1, got {args.micro_batches!r}")
@@ -82,7 +87,7 @@ def main(args) -> int:
     machine.peak(args.precision)  # an fp8 run on a GPU without fp8: refused before counting
     a = assumptions()
     a = dataclasses.replace(a, dp_overlap=args.dp_overlap, async_tp_overlap=args.async_tp_overlap,
-                            runtime_gib=args.runtime_gib, **({"efficiency": args.efficiency} if args.efficiency is not None else {}))
+                            runtime_gib=args.runtime_gib, expert_imbalance=args.expert_imbalance, **({"efficiency": args.efficiency} if args.efficiency is not None else {}))
     run = Run(args.global_batch or args.gpus, args.seq_len, compile=args.compile, precision=args.precision,
               async_tp=args.async_tp)
     counts = counted(args.model, args.seq_len)

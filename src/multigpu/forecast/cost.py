@@ -17,6 +17,12 @@ Memory per GPU (bytes), on the stage that holds the most:
   fraction of them (``Assumptions.allocator_overhead``; published peaks are reserved bytes);
 - runtime: the CUDA context, NCCL's buffers and cuBLAS's workspace (``Assumptions.runtime_gib``).
 
+A mixture of experts under ``ep`` (as ``mg.parallelize`` spreads it): each rank holds 1/ep of the experts,
+whole (TP leaves them to EP), their states sharded by FSDP over efsdp = dp_shard / ep; each TP rank routes
+its tokens whole through them, the busiest rank ``expert_imbalance`` x the mean; the dispatch's all-to-all
+(the top-k rows out and back, twice again in the backward) is exposed. Saved activations stay the counted
+ones / tp (the experts' rows are not cut by tp: an underestimate under ep x tp).
+
 Step time: compute (FLOPs / (peak x achieved fraction)), recompute included, the pipeline's bubble; the
 collectives by the alpha-beta model with nccl-tests' bus bandwidth of the link the group spans, exposed as
 ``Assumptions`` says (data-parallel traffic hidden under compute up to ``dp_overlap``, tensor-parallel not,
@@ -48,6 +54,7 @@ class Assumptions:
     runtime_gib: float = 2.0         # CUDA context, NCCL buffers, cuBLAS workspace per GPU
     allocator_overhead: float = 0.0  # what the caching allocator reserves beyond the tensors, x their bytes
     optimizer_bytes: float = 36.0    # HBM bytes AdamW moves per held parameter (read/write fp32 p, g, m, v)
+    expert_imbalance: float = 1.0    # the busiest expert-parallel rank's routed rows over the mean (1: balanced)
     calibration: str = "none"
 
 
@@ -63,6 +70,7 @@ class Degrees:
     cp: int
     micro_batch: int
     schedule: str = "1f1b"
+    ep: int = 1
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,7 @@ class Run:
 def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run, a: Assumptions) -> dict:
     """The forecast of one layout: {"memory": parts (bytes), "time": parts (s), "step_s", "tokens_per_s_per_gpu",
     "mfu", "memory_bytes", "fits"}. ``layout`` is resolved (every degree given) and has its micro-batch."""
-    t, p, c, f = layout.tp, layout.pp, layout.cp, layout.dp_shard * layout.cp
+    t, p, c, f, e = layout.tp, layout.pp, layout.cp, layout.dp_shard * layout.cp, layout.ep
     dp = layout.dp_replicate * layout.dp_shard
     b = layout.micro_batch
     m = run.global_batch // (dp * b)
@@ -92,13 +100,20 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     width = counts.dtype_bytes
 
     # Parameters this rank's TP/PP position owns; the largest stage (the first holds the table, the last the head).
-    block_held = sum(counts.block_sharded[i] / t + counts.block_params[i] - counts.block_sharded[i] for i in blocks)
+    # A mixture of experts' experts: 1/ep of them, whole (TP leaves them to EP), FSDP-sharded over what ep
+    # leaves of dp_shard (efsdp); everything else over dp_shard x cp.
+    experts = [counts.block_experts[i] if counts.block_experts else 0 for i in range(L)]
+    block_held = sum((counts.block_sharded[i] - experts[i]) / t + counts.block_params[i] - counts.block_sharded[i]
+                     for i in blocks)
+    experts_held = sum(experts[i] for i in blocks) / e
     first = counts.embed_params / t  # TP cuts the tables; a tied table's copy sits on the last stage too
     last = (counts.embed_params if counts.tied and p > 1 else counts.head_params) / t + counts.other_params
-    held = block_held + (max(first, last) if p > 1 else first + last)
+    dense = block_held + (max(first, last) if p > 1 else first + last)
+    held = dense + experts_held
     shards = f  # FSDP shards over dp_shard x cp; DDP (both 1) keeps whole states
-    biggest = max(counts.block_params) / t
-    memory = {"parameters": 4.0 * held / shards, "gradients": 4.0 * held / shards, "optimizer": 8.0 * held / shards}
+    stored = dense / f + experts_held * e / f  # the states' parameters per rank: experts over efsdp = f / e
+    biggest = max((counts.block_params[i] - experts[i]) / t + experts[i] / e for i in range(L))
+    memory = {"parameters": 4.0 * stored, "gradients": 4.0 * stored, "optimizer": 8.0 * stored}
     # A pipeline stage keeps its weights gathered and its gradients unsharded in float32 across the
     # micro-batches (PyTorch's pipelining turns FSDP's resharding and gradient sync off until the last).
     # Without a pipeline FSDP's root unit (tables, final norm, head) stays gathered from the forward's first
@@ -121,11 +136,15 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     total = sum(memory.values())
 
     # Compute: training FLOPs of the stage's share, recompute added, at the achieved rate.
-    flops_mm = sum(counts.block_flops[i] - counts.block_attention[i] for i in blocks)
+    expert_flops = sum(counts.block_expert_flops[i] for i in blocks) if counts.block_expert_flops else 0.0
+    flops_mm = sum(counts.block_flops[i] - counts.block_attention[i] for i in blocks) - expert_flops
     flops_at = sum(counts.block_attention[i] for i in blocks)
     head = counts.other_flops  # with a pipeline the stage counted is the last (blocks and the head): the slowest
     redo = {"none": 0.0, "selective": 0.5, "full": 1.0}[run.recompute]  # forwards of the blocks run again
-    matmul = (3 + redo) * (flops_mm * tokens / t) + 3 * head * tokens / t
+    # The experts' rows: each TP rank routes its tokens whole (EP, not TP, spreads the experts); the busiest
+    # expert-parallel rank gets expert_imbalance x the mean.
+    routed = expert_flops * tokens * (a.expert_imbalance if e > 1 else 1.0)
+    matmul = (3 + redo) * (flops_mm * tokens / t + routed) + 3 * head * tokens / t
     attention = (3 + (1.0 if run.recompute == "full" else 0.0)) * flops_at * tokens / t  # selective keeps its output
     rate = cluster.peak("bf16") * a.efficiency * (a.compile_speedup if run.compile else 1.0)
     fp8 = a.fp8_speedup if run.precision == "fp8" else 1.0
@@ -142,9 +161,11 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     inner = c * t
     if shards > 1:
         gathers = 2 * m if p == 1 else 1  # FSDP gathers each block in forward and backward, per micro-batch
-        dp_s = coll(gathers * width * held, f, f * t, 1) + coll(4.0 * held, f, f * t, 1)
+        ef = f // e  # the experts' FSDP group (efsdp: outside ep in the mesh, so it spans f x t as dp_shard does)
+        dp_s = coll(gathers * width * dense, f, f * t, 1) + coll(4.0 * dense, f, f * t, 1) \
+            + coll(gathers * width * experts_held, ef, f * t, 1) + coll(4.0 * experts_held, ef, f * t, 1)
         if layout.dp_replicate > 1:
-            dp_s += coll(4.0 * held / f, layout.dp_replicate, layout.dp_replicate * f * t, 2)
+            dp_s += coll(4.0 * stored, layout.dp_replicate, layout.dp_replicate * f * t, 2)
     else:
         dp_s = coll(4.0 * held, dp, dp * inner, 2)
     hidden_under = a.dp_overlap * time["compute"]
@@ -153,6 +174,11 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
         per_layer = (8 + (4 if run.recompute == "full" else 0)) * tokens * counts.block_input
         tp_s = m * per_stage * coll(per_layer, t, t, 1)
         time["tensor-parallel collectives"] = tp_s * (1 - (a.async_tp_overlap if run.async_tp else 0.0))
+    if e > 1:
+        # Per MoE layer and micro-batch: the rows out and back (dispatch, combine), twice again in the backward
+        # (and once more under full recompute), on the critical path; the group spans ep x tp (ep inside efsdp).
+        rows = sum(counts.block_routed[i] for i in blocks) * tokens * a.expert_imbalance
+        time["expert all-to-all"] = m * coll(rows * (4 + (2 if run.recompute == "full" else 0)), e, e * t, 1)
     if c > 1:
         kv = sum(counts.block_kv[i] for i in blocks) * b * run.seq_len / t  # the whole sequence's K, V per rank
         ring = m * 3 * coll(kv, c, inner, 1)  # gathered in forward, gradients scattered back (x2) in backward
@@ -160,7 +186,7 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     if p > 1:
         hop = tokens * counts.block_input / t
         time["pipeline send/recv"] = 2 * slots * v * hop / cluster.busbw(cluster.gpus // p + 1)  # next stage: world/p on
-    time["optimizer"] = a.optimizer_bytes * held / shards / cluster.gpu.hbm_bandwidth
+    time["optimizer"] = a.optimizer_bytes * stored / cluster.gpu.hbm_bandwidth
     step = sum(time.values())
     tps = run.global_batch * run.seq_len / step / cluster.gpus
     return {"memory": memory, "memory_bytes": total, "fits": total <= cluster.gpu.hbm_bytes, "time": time,

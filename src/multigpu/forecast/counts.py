@@ -6,6 +6,10 @@ is watched by ``FlopCounterMode`` (FLOPs, PyTorch's own per-op formulas: a matmu
 full s x s whatever its mask, as torchtitan counts) and by autograd's saved-tensor hooks (the bytes kept for
 the backward, each storage once, the weights left out); forward hooks on each repeated block split both
 per block. Nothing here is a formula of a family: a model the library never saw is counted the same way.
+A mixture of experts' experts modules (what ``mg.parallelize`` spreads under ``ep``: ``parallel/experts.py``
+finds them) are counted apart too: their parameters, FLOPs (transformers 5 runs them through
+``torch._grouped_mm``, given its formula here: 2 x rows x in x out, each row one expert's) and the bytes
+their dispatch would send (the top-k rows of every token).
 
 Everything is per token of a sequence of ``seq_len`` (FLOPs of attention grow with it; saved bytes do
 not, with a fused attention kernel, which is what the count runs: ``sdpa``). On fake tensors transformers
@@ -47,6 +51,10 @@ class Counts:
     block_kv: tuple[float, ...]            # bytes per token of the keys and values attention reads
     heads: int = 0                         # attention's query heads (what tp and cp must divide); 0: none seen
     tied: bool = False                     # the head is the input table (a pipeline's last stage holds a copy)
+    experts: int = 0                       # a mixture of experts: the experts per MoE layer (what ep must divide)
+    block_experts: tuple[int, ...] = ()    # per block, the parameters of its experts modules (ep's to spread)
+    block_expert_flops: tuple[float, ...] = ()  # of block_flops, the experts' (per token, top-k included)
+    block_routed: tuple[float, ...] = ()   # bytes per token the dispatch sends to the experts (top-k rows x width)
 
     @property
     def hidden(self) -> float:
@@ -115,6 +123,20 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         total = sum(p.numel() for p in model.parameters())
         tally = _Tally(params, _flop_counter())
         per_block, inputs = [], []
+        from ..parallel.experts import expert_modules
+
+        moe = [m for _, m in expert_modules(model)]
+        experts_in = [sum(p.numel() for m in moe for p in m.parameters() if any(p is q for q in b.parameters()))
+                      for b in blocks]
+        routed, expert_flops = [0.0] * len(blocks), [0.0] * len(blocks)
+
+        def experts_pre(module, args, kwargs):
+            hidden, top_k = (list(args) + list(kwargs.values()))[:2]
+            routed[len(per_block) - 1] += top_k.numel() * hidden.shape[-1] * hidden.element_size() / seq_len
+            module._count_from = tally.snapshot()[0]
+
+        def experts_post(module, args, output):
+            expert_flops[len(per_block) - 1] += (tally.snapshot()[0] - module._count_from) / seq_len
 
         def pre(module, args, kwargs):
             x = args[0] if args else next(iter(kwargs.values()))
@@ -127,6 +149,8 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
 
         handles = [h for b in blocks for h in (b.register_forward_pre_hook(pre, with_kwargs=True),
                                                 b.register_forward_hook(post))]
+        handles += [h for m in moe for h in (m.register_forward_pre_hook(experts_pre, with_kwargs=True),
+                                             m.register_forward_hook(experts_post))]
         ids = torch.zeros(1, seq_len, dtype=torch.long)
         try:
             with tally.flops, tally, torch.autograd.graph.saved_tensors_hooks(tally.pack, lambda t: t):
@@ -134,14 +158,14 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         except Exception as err:  # a forward that needs real values (data-dependent routing) cannot be faked
             raise UsageError(f"counting {name or type(model).__name__} on fake tensors failed: "
                              f"{type(err).__name__}: {' '.join(str(err).split())[:200]} (forecast needs a forward "
-                             "whose shapes do not depend on the data; mixtures of experts are not forecast yet)") from None
+                             "whose shapes do not depend on the data: experts run through grouped matmuls, as "
+                             "transformers 5 runs them, not a loop over the tokens each expert got)") from None
         finally:
             for h in handles:
                 h.remove()
-    if tally.uncounted:
-        raise UsageError(f"{name or type(model).__name__} runs {', '.join(sorted(tally.uncounted))} (a mixture of "
-                         "experts' grouped matmuls), which PyTorch's FLOP counter does not count: its forecast would "
-                         "be too fast, so it is refused; mixtures of experts are not forecast yet")
+    if sum(experts_in) != sum(p.numel() for m in moe for p in m.parameters()):
+        raise UsageError(f"{name or type(model).__name__}: some of its experts modules lie outside its repeated "
+                         "blocks; forecast spreads experts that sit in the blocks")
     if len(per_block) != len(blocks):
         raise UsageError(f"{name}: the forward ran {len(per_block)} of its {len(blocks)} blocks ({label}); "
                          "forecast needs every block run once per forward")
@@ -151,20 +175,31 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
                   tuple(block_sharded), embed, head, total - sum(block_params) - embed - head,
                   col(0), (total_all[0] - sum(b[0] for b in per_block)) / n,
                   col(1), (total_all[1] - sum(b[1] for b in per_block)) / n,
-                  max(inputs), col(2), col(3), col(4), tally.heads, tied)
+                  max(inputs), col(2), col(3), col(4), tally.heads, tied,
+                  min((m.num_experts for m in moe), default=0), tuple(experts_in), tuple(expert_flops), tuple(routed))
 
 
 def _flop_counter():
     """FlopCounterMode, with CPU's fused attention counted as CUDA's flash kernel is (PyTorch registers the
-    CUDA kernels only; fake tensors here are CPU tensors)."""
+    CUDA kernels only; fake tensors here are CPU tensors), and the grouped matmuls of a mixture of experts
+    (no formula in PyTorch's counter as of torch 2.13)."""
     from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
     def attention(query, key, value, *args, out_val=None, **kwargs) -> int:
         return sdpa_flop_count(query.shape, key.shape, value.shape)
 
-    attention._get_raw = True  # FlopCounterMode's flag: hands the tensors over as they are
-    cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    return FlopCounterMode(display=False, custom_mapping={cpu: attention} if cpu else {})
+    def grouped(mat_a, mat_b, *args, out_val=None, **kwargs) -> int:
+        # (rows, in) x (groups, in, out) -> (rows, out), or batched (groups, rows, in) x (groups, in, out): each
+        # output element one dot product of length ``in``; (rows, in_total) x (in_total, out) with the groups
+        # along ``in`` (a weight gradient) sums groups x (rows, out) products over in_total.
+        inner = mat_a.shape[-1]
+        outputs = mat_a.shape[0] * mat_b.shape[-1] if mat_b.dim() == 2 else mat_a.numel() // inner * mat_b.shape[-1]
+        return 2 * outputs * inner
+
+    attention._get_raw = grouped._get_raw = True  # FlopCounterMode's flag: hands the tensors over as they are
+    ops = {getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None): attention}
+    ops |= {getattr(torch.ops.aten, op, None): grouped for op in _GROUPED}
+    return FlopCounterMode(display=False, custom_mapping={k: v for k, v in ops.items() if k is not None})
 
 
 def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -179,8 +214,7 @@ def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
-# Matmuls FlopCounterMode has no formula for (torch 2.13): a model that runs them would be undercounted.
-_UNCOUNTED = ("_grouped_mm", "grouped_mm", "_scaled_grouped_mm")
+_GROUPED = ("_grouped_mm", "_scaled_grouped_mm")  # a mixture of experts' matmuls (counted by ``grouped`` above)
 _ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
 
@@ -194,7 +228,6 @@ class _Tally(TorchDispatchMode):
         self.params, self.seen, self.flops = params, set(), flops
         self.saved = self.kept = self.attention = self.kv = 0.0
         self.matmuls = self.heads = 0
-        self.uncounted: set[str] = set()
 
     def snapshot(self) -> list[float]:
         return [float(self.flops.get_total_flops()), self.saved, self.kept, self.attention, self.kv]
@@ -209,8 +242,6 @@ class _Tally(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if name in _UNCOUNTED:
-            self.uncounted.add(name)
         if name in _MATMULS:
             self.matmuls += 1
             if self.matmuls % 2:  # torchtitan's op-level policy recomputes every second matmul

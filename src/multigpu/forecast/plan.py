@@ -1,9 +1,10 @@
 """Every layout of a cluster for one counted model, forecast and ranked: what fits first, fastest first.
 
 The layouts are ``tune``'s own enumeration of the mesh (``tune.space.layouts``: pp x dp_replicate x
-dp_shard x tp, and cp without a pipeline), times the micro-batch sizes, full recompute on or off, and the
-pipeline schedules; a layout the model cannot take (tp or cp not dividing the heads, more stages than
-blocks, fewer micro-batches than stages, a sequence cp cannot cut in 2 cp chunks) is left out with its reason.
+dp_shard x tp, cp without a pipeline, and for a mixture of experts each ep of dp_shard), times the
+micro-batch sizes, full recompute on or off, and the pipeline schedules; a layout the model cannot take (tp or cp not dividing the heads, more stages than
+blocks, fewer micro-batches than stages, a sequence cp cannot cut in 2 cp chunks, ep not dividing the
+experts) is left out with its reason.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ def _why_not(counts: Counts, layout: Layout, run: Run) -> str | None:
     s = layout
     if counts.heads and counts.heads % (s.tp * s.cp):
         return f"tp x cp = {s.tp * s.cp} does not divide the {counts.heads} attention heads"
+    if s.ep > 1 and counts.experts % s.ep:
+        return f"ep {s.ep} does not divide the {counts.experts} experts"
     if s.cp > 1 and not counts.heads:
         return "cp needs attention through F.scaled_dot_product_attention; the count saw none"
     if s.pp * stages_per_rank(s.schedule) > counts.layers and s.pp > 1:
@@ -42,7 +45,7 @@ def plan(counts: Counts, cluster: Cluster, run: Run, a: Assumptions, *, micro_ba
     from ..tune.space import layouts, name
 
     ranked, out = [], []
-    for base in layouts(cluster.gpus, schedules=schedules, context=True):
+    for base in layouts(cluster.gpus, schedules=schedules, context=True, experts=counts.experts > 0):
         for mb in micro_batches:
             layout = dataclasses.replace(base, micro_batch=mb)
             why = _why_not(counts, layout, run)

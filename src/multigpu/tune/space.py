@@ -19,7 +19,8 @@ from ..runtime.values import divisors
 
 
 def name(layout: Layout) -> str:
-    """The report's label of a candidate, e.g. ``HSDP 2x2, micro-batch 4, AC`` (one rank: ``FSDP 1``)."""
+    """The report's label of a candidate, e.g. ``HSDP 2x2, micro-batch 4, AC`` or ``FSDP 8 x TP 2, EP 4,
+    micro-batch 1`` (one rank: ``FSDP 1``)."""
     s, kind = layout, layout.strategy
     parts = [{"ddp": f"DDP {s.dp_size}", "hsdp": f"HSDP {s.dp_replicate}x{s.dp_shard}"}.get(kind, f"FSDP {s.dp_shard}")] \
         if s.dp_size > 1 or s.tp == s.pp == 1 else []
@@ -28,7 +29,8 @@ def name(layout: Layout) -> str:
             parts.append(f"{label} {degree}")
     if s.pp > 1:
         parts.append(f"PP {s.pp} {layout.schedule}")
-    return " x ".join(parts) + f", micro-batch {layout.micro_batch}" + (", AC" if layout.activation_checkpointing else "")
+    experts = f", EP {s.ep}" if s.ep > 1 else ""  # borrowed from dp_shard: no factor of the world of its own
+    return " x ".join(parts) + experts + f", micro-batch {layout.micro_batch}" + (", AC" if layout.activation_checkpointing else "")
 
 
 def candidates(world: int, cfg, global_batch: int, *, micro_batches: list[int] | None = None,
