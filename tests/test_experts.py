@@ -92,9 +92,18 @@ def test_a_capacity_keeps_each_experts_first_pairs_in_token_order():
 
 
 def test_ep_must_divide_dp_shard_and_is_a_layout_flag():
-    with pytest.raises(mg.UsageError, match=r"^ep 3 borrows its ranks from dp_shard \(dp_shard = efsdp x ep\), but "
-                                            r"dp_shard 4 is not a multiple of it; use ep in 1, 2, 4"):
+    with pytest.raises(mg.UsageError, match=r"^ep 3 borrows its ranks from dp_shard \(dp_shard x tp = efsdp x ep\), "
+                                            r"but dp_shard 4 is not a multiple of it; use ep in 1, 2, 4"):
         mg.parallel.Layout(ep=3, dp_shard=4)
+    # beside tensor parallelism ep takes every tp rank: a multiple of tp, the rest from dp_shard
+    with pytest.raises(mg.UsageError, match=r"^ep 3 takes every tensor-parallel rank .*not a multiple of tp 2; "
+                                            r"use ep in 2, 4, 8, ... or ep=1$"):
+        mg.parallel.Layout(ep=3, tp=2)
+    with pytest.raises(mg.UsageError, match=r"^ep / tp = 4 borrows its ranks from dp_shard .*dp_shard 2 is not a "
+                                            r"multiple of it; use ep in 2, 4, or another dp_shard$"):
+        mg.parallel.Layout(ep=8, tp=2, dp_shard=2)
+    wide = mg.parallel.Layout(ep=4, tp=2, dp_shard=4)
+    assert (wide.ep_dp, wide.efsdp) == (2, 2)
     layout, rest = mg.layout_from_args(["--ep", "2", "--steps", "3"])
     assert layout == mg.parallel.Layout(ep=2) and rest == ["--steps", "3"]
     resolved = layout.resolve(4)
@@ -132,7 +141,7 @@ def _two(dist, where: str) -> dict:
 
 def _four_ranks(dist, where: str) -> dict:
     """The 4-rank layouts (``_four``); steps 2 (EP 2 x FSDP 2) and 3 (EP 4) of the reshard chain."""
-    out = _four(dist)
+    out = {"families": _four(dist), "meter_tp": _metered(dist, f"{where}/d", None, {"ep": 2, "tp": 2})}
     _mixtral(dist, {"ep": 2}, f"{where}/ckpt", 2)
     _mixtral(dist, {"ep": 4}, f"{where}/ckpt", 3)
     _mixtral(dist, {"ep": 2, "dp_replicate": 2}, f"{where}/ckpt-hsdp", 2)  # steps 0-2 under HSDP 2 x EP 2
@@ -186,11 +195,12 @@ def _families_under(dist, layouts: list[dict]) -> dict:
 
 
 def _four(dist) -> dict:
-    """On 4 ranks: the families under EP 2 x FSDP 2, EP 2 + TP 2, HSDP 2 x EP 2, HSDP 2 x 2 and DDP 4 with their router
+    """On 4 ranks: the families under EP 2 x FSDP 2, EP 2 over TP 2 (x FSDP 2), EP 4 over FSDP 2 x TP 2, HSDP 2 x
+    EP 2, HSDP 2 x 2 and DDP 4 with their router
     loss; and Mixtral through 2 pipeline stages with EP 2 inside each, 2 micro-batches a step (without the
     router loss, which a pipeline refuses)."""
-    out = _families_under(dist, [{"ep": 2}, {"ep": 2, "tp": 2}, {"ep": 2, "dp_replicate": 2}, {"dp_replicate": 2},
-                                 {"dp_replicate": 4}])
+    out = _families_under(dist, [{"ep": 2}, {"ep": 2, "tp": 2}, {"ep": 4, "tp": 2}, {"ep": 2, "dp_replicate": 2},
+                                 {"dp_replicate": 2}, {"dp_replicate": 4}])
     reference = hf.train(dist, "zoo:mixtral", None, accum=2) if dist.rank == 0 else {}
     got = hf.train_pipeline(dist, "zoo:mixtral", {"pp": 2, "ep": 2}, accum=2)
     out["mixtral {'pp': 2, 'ep': 2}, no router loss"] = hf.max_diff(got, reference) if dist.rank == 0 else None
@@ -200,27 +210,30 @@ def _four(dist) -> dict:
 @pytest.mark.slow
 def test_three_moe_families_with_their_router_loss_equal_one_process_under_ep_layouts():
     """EP 2 (2 ranks; and a user's own experts module, tests/_hf_layouts.py's OwnMoE); EP 2 x FSDP 2, EP 2 +
-    TP 2, HSDP 2 x EP 2, and without EP HSDP 2 x 2 and DDP 4 (4 ranks: the router's
+    TP 2 (ep over the tp ranks), EP 4 over dp_shard 2 x tp 2, HSDP 2 x EP 2, and without EP HSDP 2 x 2 and DDP 4
+    (4 ranks: the router's
     loss over the batch under every data-parallel group); EP 2 inside 2 pipeline stages (Mixtral): within
     1e-9 of one process on every parameter. A
     planted bug fails it: the router loss averaged per rank (7e-3), tokens returned to the wrong rank (1e-2),
-    the experts' gradient not divided (1e-3), under HSDP x EP divided as without the replicas (1.7e-4)."""
+    the experts' gradient not divided (1e-3), under HSDP x EP divided as without the replicas (1.7e-4), under
+    EP over TP the shares' input gradient not gathered back (5.9e-3)."""
     pytest.importorskip("transformers")
-    diffs = _runs()["two"]["families"] | _runs()["four"]
+    diffs = _runs()["two"]["families"] | _runs()["four"]["families"]
     print(diffs)
-    assert len(diffs) == 3 * 6 + 2
+    assert len(diffs) == 3 * 7 + 2
     assert all(d < 1e-9 for d in diffs.values()), diffs
 
 
-def _metered(dist, log_dir: str, capacity_factor=None) -> dict:
-    """Mixtral under EP 2, 4 steps through mg.StepMeter (log every 2), with a capacity factor or dropless."""
+def _metered(dist, log_dir: str, capacity_factor=None, degrees: dict | None = None) -> dict:
+    """Mixtral under EP 2 (or ``degrees``), 4 steps through mg.StepMeter (log every 2), with a capacity factor
+    or dropless."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     import torch.nn.functional as F
 
     model = hf.build("zoo:mixtral")
-    layout = mg.parallel.Layout(ep=2)
+    layout = mg.parallel.Layout(**(degrees or {"ep": 2}))
     model = mg.parallelize(model, layout, capacity_factor=capacity_factor, verbose=False)
     plan = layout.plan(hf.GLOBAL_BATCH, dist)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -255,6 +268,9 @@ def test_the_meter_records_tokens_per_expert_imbalance_drops_and_the_all_to_all_
     runs, where = _runs()["two"]["meter"], Path(_DIR)
     dropless, capped, roomy = runs["a"], runs["b"], runs["c"]
     assert len(dropless["steps"]) == 2
+    # under EP over the tp ranks each tp rank routes a share of their common tokens: still each pair once
+    over_tp = _runs()["four"]["meter_tp"]
+    assert [sum(r["experts"]["tokens"]) for r in over_tp["steps"]] == [2 * over_tp["pairs"]] * 2
     for rec in dropless["steps"]:
         e = rec["experts"]
         assert sum(e["tokens"]) == 2 * dropless["pairs"] and len(e["tokens"]) == 4

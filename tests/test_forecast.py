@@ -145,6 +145,13 @@ def test_a_mixture_of_experts_is_counted_and_spread_over_ep():
     rows = 3 * k * d * 2 * tokens  # bytes out per micro-batch, over the layers
     assert ep["time"]["expert all-to-all"] == pytest.approx(m * rows * 4 * (1 / 2) / machine.busbw(2))
     assert "expert all-to-all" not in fsdp["time"] and ep["time"]["compute"] == pytest.approx(fsdp["time"]["compute"])
+    # Beside TP 2 ep takes the tp ranks: their copies of the experts become halves, their tokens shares.
+    whole = predict(c, machine, Degrees(1, 4, 2, 1, 1, 2), run, a)
+    over_tp = predict(c, machine, Degrees(1, 4, 2, 1, 1, 2, ep=2), run, a)
+    assert states(whole["memory"]) - states(over_tp["memory"]) == pytest.approx(16 * sum(c.block_experts) * (1 / 4 - 1 / 8))
+    assert states(over_tp["memory"]) == pytest.approx(states(predict(c, machine, Degrees(1, 4, 2, 1, 1, 2, ep=4), run,
+                                                                     a)["memory"]))
+    assert over_tp["time"]["compute"] < whole["time"]["compute"]
     from multigpu.forecast.plan import plan
 
     ranked, out = plan(c, machine, run, a)

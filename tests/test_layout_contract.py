@@ -129,11 +129,13 @@ def test_tune_enumerates_every_layout_through_the_mesh_factoring():
     assert len(shapes) == 10 and all(a * b * c * d == 4 for a, b, c, d in shapes)  # ordered factorings of 4
     assert len(found) == 20 and {l.micro_batch for l in found} == {2, 4}
     assert [l.label for l in layouts(2)] == ["dp_shard=2", "tp=2", "dp_replicate=2", "pp=2"]
-    # a mixture of experts (tune --experts): each ep of dp_shard too, beside FSDP, TP, HSDP and PP
+    # a mixture of experts (tune --experts): each ep of tp x a divisor of dp_shard too, beside FSDP, TP, HSDP
+    # and PP
     moe = [l.label for l in layouts(4, experts=True) if l.ep > 1]
-    assert moe == ["dp_shard=4,ep=2", "dp_shard=4,ep=4", "dp_shard=2,tp=2,ep=2", "dp_replicate=2,dp_shard=2,ep=2",
-                   "pp=2,dp_shard=2,ep=2"]
-    assert len(layouts(4, experts=True)) == 10 + 5
+    assert moe == ["dp_shard=4,ep=2", "dp_shard=4,ep=4", "dp_shard=2,tp=2,ep=2", "dp_shard=2,tp=2,ep=4", "tp=4,ep=4",
+                   "dp_replicate=2,dp_shard=2,ep=2", "dp_replicate=2,tp=2,ep=2", "pp=2,dp_shard=2,ep=2",
+                   "pp=2,tp=2,ep=2"]
+    assert len(layouts(4, experts=True)) == 10 + 9
     # long sequences (tune --context): each cp of what dp_replicate and tp leave, without a pipeline
     long = [l.label for l in layouts(4, context=True) if l.cp > 1]
     assert long == ["dp_shard=2,cp=2", "cp=4", "cp=2,tp=2", "dp_replicate=2,cp=2"]

@@ -17,11 +17,10 @@ Memory per GPU (bytes), on the stage that holds the most:
   fraction of them (``Assumptions.allocator_overhead``; published peaks are reserved bytes);
 - runtime: the CUDA context, NCCL's buffers and cuBLAS's workspace (``Assumptions.runtime_gib``).
 
-A mixture of experts under ``ep`` (as ``mg.parallelize`` spreads it): each rank holds 1/ep of the experts,
-whole (TP leaves them to EP), their states sharded by FSDP over efsdp = dp_shard / ep; each TP rank routes
-its tokens whole through them, the busiest rank ``expert_imbalance`` x the mean; the dispatch's all-to-all
-(the top-k rows out and back, twice again in the backward) is exposed. Saved activations stay the counted
-ones / tp (the experts' rows are not cut by tp: an underestimate under ep x tp).
+A mixture of experts under ``ep`` (as ``mg.parallelize`` spreads it: ep takes every tp rank and ep / tp of
+dp_shard): each rank holds 1/ep of the experts, whole, their states sharded by FSDP over efsdp = dp_shard x
+tp / ep; each tp rank routes its share (1/tp) of the tokens, the busiest rank ``expert_imbalance`` x the
+mean; the dispatch's all-to-all (the top-k rows out and back, twice again in the backward) is exposed.
 
 Step time: compute (FLOPs / (peak x achieved fraction)), recompute included, the pipeline's bubble; the
 collectives by the alpha-beta model with nccl-tests' bus bandwidth of the link the group spans, exposed as
@@ -100,7 +99,7 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     width = counts.dtype_bytes
 
     # Parameters this rank's TP/PP position owns; the largest stage (the first holds the table, the last the head).
-    # A mixture of experts' experts: 1/ep of them, whole (TP leaves them to EP), FSDP-sharded over what ep
+    # A mixture of experts' experts: 1/ep of them, whole (ep spans the tp ranks), FSDP-sharded over what ep
     # leaves of dp_shard (efsdp); everything else over dp_shard x cp.
     experts = [counts.block_experts[i] if counts.block_experts else 0 for i in range(L)]
     block_held = sum((counts.block_sharded[i] - experts[i]) / t + counts.block_params[i] - counts.block_sharded[i]
@@ -111,7 +110,8 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     dense = block_held + (max(first, last) if p > 1 else first + last)
     held = dense + experts_held
     shards = f  # FSDP shards over dp_shard x cp; DDP (both 1) keeps whole states
-    stored = dense / f + experts_held * e / f  # the states' parameters per rank: experts over efsdp = f / e
+    ef = f // (e // t if e > 1 and t > 1 else e)  # efsdp: ep takes every tp rank and ep / tp of dp_shard
+    stored = dense / f + experts_held / ef  # the states' parameters per rank
     biggest = max((counts.block_params[i] - experts[i]) / t + experts[i] / e for i in range(L))
     memory = {"parameters": 4.0 * stored, "gradients": 4.0 * stored, "optimizer": 8.0 * stored}
     # A pipeline stage keeps its weights gathered and its gradients unsharded in float32 across the
@@ -141,9 +141,9 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     flops_at = sum(counts.block_attention[i] for i in blocks)
     head = counts.other_flops  # with a pipeline the stage counted is the last (blocks and the head): the slowest
     redo = {"none": 0.0, "selective": 0.5, "full": 1.0}[run.recompute]  # forwards of the blocks run again
-    # The experts' rows: each TP rank routes its tokens whole (EP, not TP, spreads the experts); the busiest
-    # expert-parallel rank gets expert_imbalance x the mean.
-    routed = expert_flops * tokens * (a.expert_imbalance if e > 1 else 1.0)
+    # The experts' rows: under ep each tp rank routes its share of the tokens, the busiest expert-parallel
+    # rank expert_imbalance x the mean; without ep every tp rank runs them all (mg.parallelize keeps them whole).
+    routed = expert_flops * tokens / t * a.expert_imbalance if e > 1 else expert_flops * tokens
     matmul = (3 + redo) * (flops_mm * tokens / t + routed) + 3 * head * tokens / t
     attention = (3 + (1.0 if run.recompute == "full" else 0.0)) * flops_at * tokens / t  # selective keeps its output
     rate = cluster.peak("bf16") * a.efficiency * (a.compile_speedup if run.compile else 1.0)
@@ -161,7 +161,7 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     inner = c * t
     if shards > 1:
         gathers = 2 * m if p == 1 else 1  # FSDP gathers each block in forward and backward, per micro-batch
-        ef = f // e  # the experts' FSDP group (efsdp: outside ep in the mesh, so it spans f x t as dp_shard does)
+        # the experts' FSDP group, efsdp: outside ep in the mesh, so it spans f x t as dp_shard does
         dp_s = coll(gathers * width * dense, f, f * t, 1) + coll(4.0 * dense, f, f * t, 1) \
             + coll(gathers * width * experts_held, ef, f * t, 1) + coll(4.0 * experts_held, ef, f * t, 1)
         if layout.dp_replicate > 1:
@@ -176,9 +176,9 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
         time["tensor-parallel collectives"] = tp_s * (1 - (a.async_tp_overlap if run.async_tp else 0.0))
     if e > 1:
         # Per MoE layer and micro-batch: the rows out and back (dispatch, combine), twice again in the backward
-        # (and once more under full recompute), on the critical path; the group spans ep x tp (ep inside efsdp).
-        rows = sum(counts.block_routed[i] for i in blocks) * tokens * a.expert_imbalance
-        time["expert all-to-all"] = m * coll(rows * (4 + (2 if run.recompute == "full" else 0)), e, e * t, 1)
+        # (and once more under full recompute), on the critical path; the group is ep consecutive ranks.
+        rows = sum(counts.block_routed[i] for i in blocks) * tokens / t * a.expert_imbalance
+        time["expert all-to-all"] = m * coll(rows * (4 + (2 if run.recompute == "full" else 0)), e, e, 1)
     if c > 1:
         kv = sum(counts.block_kv[i] for i in blocks) * b * run.seq_len / t  # the whole sequence's K, V per rank
         ring = m * 3 * coll(kv, c, inner, 1)  # gathered in forward, gradients scattered back (x2) in backward

@@ -211,7 +211,7 @@ def found_plan(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[st
 
 
 # transformers' styles for a mixture of experts' fused expert weights (3-D parameters inside one module):
-# multigpu keeps the experts whole on every TP rank until expert parallelism exists.
+# multigpu leaves them to expert parallelism (ep spans the TP ranks) and, without it, keeps them whole.
 EXPERT_STYLES = {"moe_tp_experts", "packed_colwise", "packed_rowwise", "moe_identity_expert"}
 
 

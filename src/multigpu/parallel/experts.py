@@ -100,7 +100,7 @@ class Stats:
     forward and backward (host clocks on CPU, where gloo's all-to-all is synchronous; CUDA events on GPU)."""
 
     def __init__(self, layers: int, experts: int, group: Any, device: torch.device) -> None:
-        self.group = group  # the data-parallel ranks: each token once (tensor-parallel peers hold copies)
+        self.group = group  # the ranks of a micro-batch's tokens, each once (Layout.tokens_group)
         self.tokens = torch.zeros(layers, experts, dtype=torch.float64, device=device)
         self.dropped = torch.zeros((), dtype=torch.float64, device=device)
         self.seconds = 0.0
@@ -182,6 +182,59 @@ class _Dispatch:
     capacity_factor: float | None
     stats: Stats
     layer: int
+    tp: tuple[Any, int, int] | None = None  # (group, size, rank) of the tp ranks ep spans, each routing a share
+
+
+def _shares(n: int, parts: int) -> list[int]:
+    """``n`` rows cut into ``parts`` contiguous shares, the first ``n % parts`` one row longer."""
+    return [n // parts + (i < n % parts) for i in range(parts)]
+
+
+class _Share(torch.autograd.Function):
+    """This tp rank's share of rows every tp rank holds alike; the gradient gathered back from every share
+    (so each rank again holds the whole, as the replicated rows' gradients are on every tp rank)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: tuple) -> torch.Tensor:
+        group, size, rank = tp
+        sizes = _shares(x.shape[0], size)
+        ctx.tp, ctx.n = tp, x.shape[0]
+        return x[sum(sizes[:rank]):sum(sizes[:rank + 1])].clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather(grad, ctx.tp, ctx.n), None
+
+
+class _Gathered(torch.autograd.Function):
+    """Every tp rank's share, in order: the whole rows; the gradient of the whole (alike on every tp rank) cut
+    back to this rank's share."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: tuple, n: int) -> torch.Tensor:
+        ctx.tp, ctx.n = tp, n
+        return _gather(x, tp, n)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        group, size, rank = ctx.tp
+        sizes = _shares(ctx.n, size)
+        return grad[sum(sizes[:rank]):sum(sizes[:rank + 1])].contiguous(), None, None
+
+
+def _gather(x: torch.Tensor, tp: tuple, n: int) -> torch.Tensor:
+    """The tp ranks' shares of ``n`` rows (this rank's ``x`` among them) concatenated; shares are padded to the
+    longest for the all-gather (gloo's takes equal sizes only)."""
+    import torch.distributed as tdist
+
+    group, size, rank = tp
+    sizes = _shares(n, size)
+    longest = max(sizes)
+    padded = torch.zeros((longest, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    padded[:x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in range(size)]
+    tdist.all_gather(parts, padded, group=group)
+    return torch.cat([part[:k] for part, k in zip(parts, sizes)])
 
 
 def apply(found: list[tuple[str, nn.Module]], layout: Any, mesh: Any, capacity_factor: float | None = None) -> None:
@@ -194,7 +247,11 @@ def apply(found: list[tuple[str, nn.Module]], layout: Any, mesh: Any, capacity_f
     ep, rank = mesh.size(), mesh.get_local_rank()
     n = found[0][1].num_experts
     device = next(found[0][1].parameters()).device
-    stats = Stats(len(found), n, layout.dp_group(device.type), device)
+    stats = Stats(len(found), n, layout.tokens_group(device.type), device)
+    tp = None
+    if layout.tp > 1:  # ep spans the tp ranks: each routes its share of the tokens they all hold
+        tp_mesh = layout.device_mesh(device.type)["tp"]
+        tp = (tp_mesh.get_group(), layout.tp, tp_mesh.get_local_rank())
     for layer, (_, module) in enumerate(found):
         local = module.num_experts // ep
         for pname, p in list(module.named_parameters(recurse=False)):
@@ -202,7 +259,7 @@ def apply(found: list[tuple[str, nn.Module]], layout: Any, mesh: Any, capacity_f
             new = nn.Parameter(DTensor.from_local(shard, mesh, [Shard(0)], run_check=False), p.requires_grad)
             setattr(module, pname, new)
         how = _Dispatch(mesh.get_group(), ep, local, layout.dp_replicate * layout.efsdp / layout.dp_size, capacity_factor,
-                        stats, layer)
+                        stats, layer, tp)
         module.forward = functools.partial(_forward, module, type(module).forward, how)
         module._multigpu_expert_stats = stats
 
@@ -217,6 +274,19 @@ def _kept(flat: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, factor:
 
 def _forward(module: nn.Module, forward: Any, how: _Dispatch,
              hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    if how.tp is None:
+        return _dispatch(module, forward, how, hidden, top_k_index, top_k_weights)
+    # Every tp rank holds the same tokens (and their routing): each sends its share to the experts, and the
+    # shares' outputs are gathered back, so each token meets its experts once over the ep x tp ranks.
+    sizes = _shares(hidden.shape[0], how.tp[1])
+    start = sum(sizes[:how.tp[2]])
+    out = _dispatch(module, forward, how, _Share.apply(hidden, how.tp), top_k_index[start:start + sizes[how.tp[2]]],
+                    _Share.apply(top_k_weights, how.tp))
+    return _Gathered.apply(out, how.tp, hidden.shape[0])
+
+
+def _dispatch(module: nn.Module, forward: Any, how: _Dispatch,
+              hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
     ep, local, group, stats = how.ep, how.local, how.group, how.stats

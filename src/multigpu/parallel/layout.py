@@ -34,8 +34,11 @@ from .pp import SCHEDULES, stage_ids, stages_per_rank
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # the device mesh's dimensions, outer to inner
 # With expert parallelism dp_shard is built as (efsdp, ep) and flattened back to "dp_shard" (torchtitan's
-# dp_shard = efsdp x ep): the experts shard over "ep" and FSDP over "efsdp", everything else over "dp_shard".
+# dp_shard x tp = efsdp x ep): the experts shard over "ep" and FSDP over "efsdp", everything else over
+# "dp_shard". Beside tensor parallelism ep takes every tp rank too: dp_shard is (efsdp, ep_dp) and "ep" the
+# flattened (ep_dp, tp), so the tp ranks hold different experts instead of copies of the same.
 EP_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "tp")
+EP_TP_DIMS = ("pp", "dp_replicate", "efsdp", "ep_dp", "tp")
 # With context parallelism the cp ranks of a data-parallel rank read the same samples, each a share of every
 # sequence; they hold the same parameters, so FSDP shards over (dp_shard, cp) flattened ("dp_shard_cp", as
 # torchtitan does) and averages the gradients over them too.
@@ -79,10 +82,14 @@ class Layout:
         if self.sequence_parallel and self.tp == 1:
             raise UsageError("sequence_parallel splits the sequence over tensor-parallel ranks but tp is 1; "
                              "use Layout(tp=2, sequence_parallel=True) or drop it")
-        if self.ep > 1 and self.dp_shard is not None and self.dp_shard % self.ep:
-            raise UsageError(f"ep {self.ep} borrows its ranks from dp_shard (dp_shard = efsdp x ep), but dp_shard "
+        if self.ep > 1 and self.tp > 1 and self.ep % self.tp:
+            raise UsageError(f"ep {self.ep} takes every tensor-parallel rank (dp_shard x tp = efsdp x ep), but it is not "
+                             f"a multiple of tp {self.tp}; use ep in {self.tp}, {2 * self.tp}, {4 * self.tp}, ... or ep=1")
+        if self.ep > 1 and self.dp_shard is not None and self.dp_shard % self.ep_dp:
+            whole = f"ep / tp = {self.ep_dp}" if self.tp > 1 else f"ep {self.ep}"
+            raise UsageError(f"{whole} borrows its ranks from dp_shard (dp_shard x tp = efsdp x ep), but dp_shard "
                              f"{self.dp_shard} is not a multiple of it; use ep in "
-                             f"{', '.join(str(d) for d in divisors(self.dp_shard))}, or another dp_shard")
+                             f"{', '.join(str(d * self.tp) for d in divisors(self.dp_shard))}, or another dp_shard")
 
         if self.cp > 1 and (self.ep > 1 or self.pp > 1 or self.sequence_parallel):
             other = "ep" if self.ep > 1 else "pp" if self.pp > 1 else "sequence_parallel"
@@ -216,16 +223,30 @@ class Layout:
             return _device_mesh(device_type, (r.pp, r.dp_replicate, r.dp_shard, r.cp, r.tp), CP_DIMS)
         if r.ep == 1:
             return _device_mesh(device_type, (r.pp, r.dp_replicate, r.dp_shard, r.tp), DIMS)
-        return _device_mesh(device_type, (r.pp, r.dp_replicate, r.dp_shard // r.ep, r.ep, r.tp), EP_DIMS)
+        return _device_mesh(device_type, (r.pp, r.dp_replicate, r.efsdp, r.ep_dp, r.tp),
+                            EP_TP_DIMS if r.tp > 1 else EP_DIMS)
+
+    @property
+    def ep_dp(self) -> int:
+        """What expert parallelism borrows of dp_shard (ep, or ep / tp beside tensor parallelism)."""
+        return self.ep // self.tp if self.ep > 1 else 1
 
     @property
     def efsdp(self) -> int:
         """What expert parallelism leaves of dp_shard: the ranks FSDP shards each rank's experts over."""
-        return self._at(None).dp_shard // self.ep
+        return self._at(None).dp_shard // self.ep_dp
 
     def ep_mesh(self, device_type: str) -> Any:
-        """The expert-parallel ranks of this process (its experts are Shard(0) over them)."""
-        return self.device_mesh(device_type)["ep"]
+        """The expert-parallel ranks of this process (its experts are Shard(0) over them): ep_dp x tp ranks."""
+        mesh = self.device_mesh(device_type)
+        return _MESHES[("ep",) + _key(device_type, mesh)] if self.tp > 1 else mesh["ep"]
+
+    def tokens_group(self, device_type: str) -> Any | None:
+        """The ranks whose tokens together make a micro-batch, each token once: the data-parallel ranks and,
+        where expert parallelism takes the tp ranks (each routing its share of their common tokens), those."""
+        if self.ep == 1 or self.tp == 1:
+            return self.dp_group(device_type)
+        return _MESHES[("tokens",) + _key(device_type, self.device_mesh(device_type))].get_group()
 
     def efsdp_mesh(self, device_type: str) -> Any:
         """The ranks that hold the same experts: FSDP shards them over these (``efsdp``, often 1); with
@@ -308,8 +329,11 @@ def _device_mesh(device_type: str, sizes: tuple[int, ...], names: tuple[str, ...
     key = (device_type, tuple(sizes), tuple(names))
     if key not in _MESHES:
         mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
-        if "ep" in names:  # dp_shard = efsdp x ep, one dimension again for what FSDP shards
-            _MESHES[("flat",) + key] = mesh["efsdp", "ep"]._flatten("dp_shard")
+        if "efsdp" in names:  # dp_shard = efsdp x ep (or ep_dp), one dimension again for what FSDP shards
+            _MESHES[("flat",) + key] = mesh["efsdp", names[3]]._flatten("dp_shard")
+        if "ep_dp" in names:  # the experts' ranks (ep_dp, tp), and every rank of a micro-batch's tokens
+            _MESHES[("ep",) + key] = mesh["ep_dp", "tp"]._flatten("ep")
+            _MESHES[("tokens",) + key] = mesh["dp_replicate", "efsdp", "ep_dp", "tp"]._flatten("dp_tp")
         if "cp" in names:  # the ranks holding the same parameters: (dp_shard, cp) as one dimension
             _MESHES[("flat",) + key] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         _MESHES[key] = mesh

@@ -86,7 +86,7 @@ def layouts(world: int, *, micro_batches: list[int] | None = None,
     """Every ``Layout`` of ``world`` ranks, for a script that reads its layout from its command line: each
     factoring of the world into (pp, dp_replicate, dp_shard, tp) that the mesh itself accepts, times the
     micro-batch sizes (None: the script's own) and, with a pipeline, the schedules; with ``experts`` (a
-    mixture of experts) each ep > 1 that divides dp_shard too; with ``context`` each cp > 1 that divides
+    mixture of experts) each ep > 1 of tp x a divisor of dp_shard too; with ``context`` each cp > 1 that divides
     what dp_replicate and tp leave, without a pipeline.
     The script refuses those its model or batch cannot take (heads tp does not divide, a batch that does
     not split, experts ep does not divide)."""
@@ -99,7 +99,8 @@ def layouts(world: int, *, micro_batches: list[int] | None = None,
                 for m in micro_batches or [None]:
                     for schedule in (schedules if pp > 1 else ("1f1b",)):  # dp_shard takes the rest
                         layout = Layout(dp_replicate=rep, tp=tp, pp=pp, micro_batch=m, schedule=schedule).resolve(world)
-                        eps = [d for d in divisors(layout.dp_shard) if d > 1] if experts else []
+                        # ep takes every tp rank and a divisor of dp_shard (dp_shard x tp = efsdp x ep)
+                        eps = [d * tp for d in divisors(layout.dp_shard) if d * tp > 1] if experts else []
                         found += [layout] + [dataclasses.replace(layout, ep=ep) for ep in eps]
                     if context and pp == 1:
                         found += [Layout(dp_replicate=rep, tp=tp, cp=cp, micro_batch=m).resolve(world)
