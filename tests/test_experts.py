@@ -197,13 +197,14 @@ def _families_under(dist, layouts: list[dict]) -> dict:
 def _four(dist) -> dict:
     """On 4 ranks: the families under EP 2 x FSDP 2, EP 2 over TP 2 (x FSDP 2), EP 4 over FSDP 2 x TP 2, HSDP 2 x
     EP 2, HSDP 2 x 2 and DDP 4 with their router
-    loss; and Mixtral through 2 pipeline stages with EP 2 inside each, 2 micro-batches a step (without the
-    router loss, which a pipeline refuses)."""
+    loss; and Mixtral through 2 pipeline stages with EP 2 inside each (over dp_shard 2, and over TP 2), 2
+    micro-batches a step (without the router loss, which a pipeline refuses)."""
     out = _families_under(dist, [{"ep": 2}, {"ep": 2, "tp": 2}, {"ep": 4, "tp": 2}, {"ep": 2, "dp_replicate": 2},
                                  {"dp_replicate": 2}, {"dp_replicate": 4}])
     reference = hf.train(dist, "zoo:mixtral", None, accum=2) if dist.rank == 0 else {}
-    got = hf.train_pipeline(dist, "zoo:mixtral", {"pp": 2, "ep": 2}, accum=2)
-    out["mixtral {'pp': 2, 'ep': 2}, no router loss"] = hf.max_diff(got, reference) if dist.rank == 0 else None
+    for degrees in ({"pp": 2, "ep": 2}, {"pp": 2, "tp": 2, "ep": 2}):  # EP over dp_shard; over each stage's tp
+        got = hf.train_pipeline(dist, "zoo:mixtral", degrees, accum=2)
+        out[f"mixtral {degrees}, no router loss"] = hf.max_diff(got, reference) if dist.rank == 0 else None
     return out
 
 
@@ -220,7 +221,7 @@ def test_three_moe_families_with_their_router_loss_equal_one_process_under_ep_la
     pytest.importorskip("transformers")
     diffs = _runs()["two"]["families"] | _runs()["four"]["families"]
     print(diffs)
-    assert len(diffs) == 3 * 7 + 2
+    assert len(diffs) == 3 * 7 + 3
     assert all(d < 1e-9 for d in diffs.values()), diffs
 
 
