@@ -91,6 +91,22 @@ def test_a_capacity_keeps_each_experts_first_pairs_in_token_order():
     assert _kept(flat, order, counts, 2.0)[0].tolist() == order.tolist()  # capacity 4: nothing dropped
 
 
+def test_the_meter_says_when_accumulation_changes_the_router_loss(capsys):
+    """Each micro-batch's load-balancing loss: with several a step on several ranks it is not one process's."""
+    pytest.importorskip("transformers")
+    from multigpu.meter.records import experts_stats
+
+    model = _moe(output_router_logits=True)
+    experts_stats(model, mg.BatchPlan(16, 2, micro_batch=2))
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("mg.StepMeter: note: the router's load-balancing loss is each micro-batch's") and \
+        "micro_batch=8" in out and "\n" not in out
+    for plan, m in ((mg.BatchPlan(16, 2), model), (mg.BatchPlan(16, 1, micro_batch=2), model),
+                    (mg.BatchPlan(16, 2, micro_batch=2), _moe(output_router_logits=False))):
+        experts_stats(m, plan)  # one micro-batch a step, one rank, no router loss: nothing to say
+        assert capsys.readouterr().out == ""
+
+
 def test_ep_must_divide_dp_shard_and_is_a_layout_flag():
     with pytest.raises(mg.UsageError, match=r"^ep 3 borrows its ranks from dp_shard \(dp_shard x tp = efsdp x ep\), "
                                             r"but dp_shard 4 is not a multiple of it; use ep in 1, 2, 4"):

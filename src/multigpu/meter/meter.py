@@ -107,7 +107,7 @@ class StepMeter:
         os.makedirs(self.log_dir, exist_ok=True)
 
         self._start_instruments(dist, model, gpu_monitor, watchdog, profile)
-        self._experts = experts_stats(model)  # expert parallelism's dispatch figures (none for other models)
+        self._experts = experts_stats(model, plan)  # expert parallelism's dispatch figures (none for other models)
         self.probe = Probe(model, self.log_dir, self.rank, self.world_size, dp_rank(plan, dist)) if verify_requested() else None
         self._open_sinks(dist, plan, sinks, progress, resume, fingerprint_extra, sink_options, flops_per_sample)
 
