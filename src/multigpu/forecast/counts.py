@@ -76,9 +76,11 @@ class Counts:
 
 
 def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The repeated blocks: the longest ``nn.ModuleList`` of modules with parameters."""
-    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)
-             and any(True for _ in m[0].parameters())]
+    """The repeated blocks: the longest ``nn.ModuleList`` (or ``nn.ModuleDict``, as the GPT recipe keeps them)
+    of modules with parameters."""
+    lists = [(name, nn.ModuleList(m.values()) if isinstance(m, nn.ModuleDict) else m)
+             for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m)]
+    lists = [(name, m) for name, m in lists if any(True for _ in m[0].parameters())]
     if not lists:
         raise UsageError(f"{type(model).__name__} has no repeated blocks (an nn.ModuleList of layers) to cut; "
                          "forecast plans models built as a stack of blocks")
