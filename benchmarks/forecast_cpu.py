@@ -17,6 +17,9 @@ on a quiet machine):
 - the links: gloo's all-reduce of 16 MiB on all the ranks, as bus bandwidth (median of 5);
 - the memory bandwidth: AdamW's step over the model (forecast charges 36 bytes per parameter);
 - no overlap of collectives and compute (on CPU they share the cores), no allocator overhead or runtime.
+A third prediction adds the machine's measured overheads (forecast's ``Overheads``), read from the tune
+run's own probe: each wrapper's work per micro-batch and per step (x the probe's busy-step slowdown, as tune
+charges them) and each collective's wait in a busy step among n ranks (less a 1 KiB all-reduce's transfer).
 Memory compared: the recipe's count of its training state and peak saved activations (what tune measures).
 """
 
@@ -91,6 +94,21 @@ def _busbw(dist, size: int) -> float:
     return 2 * (n - 1) / n * size / statistics.median(times)
 
 
+def overheads_of(report: dict, layout) -> "Overheads":
+    """The measured overheads tune's probe recorded, for ``layout`` (its wrapper family, with or without AC)."""
+    from multigpu.forecast.cost import Overheads
+    from multigpu.tune.model import family
+    from multigpu.tune.probe import links
+
+    probe = report["probe"]
+    busy = probe["busy"]
+    sizes = {int(n) for n in busy["wait_s"]}
+    measured, _ = links(sizes, "cpu", report["threads_per_worker"] or 1, say=lambda _: None)  # the cached points
+    fixed = probe["fixed"][family(layout) + ("+ac" if layout.activation_checkpointing else "")]
+    waits = {int(n): max(0.0, w - measured.time("all_reduce", int(n), 1024)) for n, w in busy["wait_s"].items()}
+    return Overheads(fixed["micro_s"] * busy["slowdown"], fixed["step_s"] * busy["slowdown"], waits)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune-json", required=True, help="a `multigpu tune ... gpt` run's tune.json")
@@ -125,23 +143,26 @@ def main() -> None:
           f"ranks x {threads} thread(s) on {cores} cores; per rank: "
           + ", ".join(f"micro-batch {m} {r / 1e9:.2f} GFLOP/s" for m, r in rates.items())
           + f"; all-reduce busbw {busbw / 1e9:.2f} GB/s; AdamW {bandwidth / 1e9:.2f} GB/s\n")
-    print("| layout | measured ms/step | forecast ms | error | tune's model ms | error | measured MiB | forecast MiB "
-          "| error | tune's MiB | error |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    errs: dict[str, list[float]] = {"forecast time": [], "tune time": [], "forecast memory": [], "tune memory": []}
+    print("| layout | measured ms/step | forecast ms | error | + overheads ms | error | tune's model ms | error | "
+          "measured MiB | forecast MiB | error | tune's MiB | error |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    errs: dict[str, list[float]] = {"forecast time": [], "forecast + overheads time": [], "tune time": [],
+                                    "forecast memory": [], "tune memory": []}
     for r in sorted(rows, key=lambda r: r["result"]["step_time_s"]):
         lay = layouts[r["candidate"]]
         gpu = Gpu("cpu", "this CPU (measured)", 64 * GiB, bandwidth, rates[lay.micro_batch], None, busbw, busbw)
-        got = predict(counts, Cluster(gpu, ranks, ranks), lay,
-                      Run(report["global_batch"], cfg.block_size, "full" if lay.activation_checkpointing else "none"), a)
+        run = Run(report["global_batch"], cfg.block_size, "full" if lay.activation_checkpointing else "none")
+        got = predict(counts, Cluster(gpu, ranks, ranks), lay, run, a)
+        full = predict(counts, Cluster(gpu, ranks, ranks), lay, run, a, overheads_of(report, lay))
         measured, mem = r["result"]["step_time_s"], r["result"]["memory_bytes"]
         tune_t, tune_m = r["predicted"]["step_time_s"], r["predicted"]["memory_bytes"]
-        e = {"forecast time": got["step_s"] / measured - 1, "tune time": tune_t / measured - 1,
+        e = {"forecast time": got["step_s"] / measured - 1, "forecast + overheads time": full["step_s"] / measured - 1,
+             "tune time": tune_t / measured - 1,
              "forecast memory": got["memory_bytes"] / mem - 1, "tune memory": tune_m / mem - 1}
         for k, v in e.items():
             errs[k].append(abs(v))
         print(f"| {r['candidate']} | {measured * 1e3:,.0f} | {got['step_s'] * 1e3:,.0f} | {e['forecast time']:+.0%} | "
-              f"{tune_t * 1e3:,.0f} | {e['tune time']:+.0%} | {mem / 2**20:,.1f} | {got['memory_bytes'] / 2**20:,.1f} | "
+              f"{full['step_s'] * 1e3:,.0f} | {e['forecast + overheads time']:+.0%} | {tune_t * 1e3:,.0f} | {e['tune time']:+.0%} | {mem / 2**20:,.1f} | {got['memory_bytes'] / 2**20:,.1f} | "
               f"{e['forecast memory']:+.0%} | {tune_m / 2**20:,.1f} | {e['tune memory']:+.0%} |")
     print()
     for k, v in errs.items():

@@ -12,7 +12,7 @@ import torch
 from _cli import run_cli
 
 from multigpu.forecast import published
-from multigpu.forecast.cost import GiB, Assumptions, Degrees, Run, predict
+from multigpu.forecast.cost import GiB, Assumptions, Degrees, Overheads, Run, predict
 from multigpu.forecast.counts import count
 from multigpu.forecast.hardware import cluster
 from multigpu.forecast.models import config_builder, counted
@@ -170,6 +170,21 @@ def test_a_mixture_of_experts_is_counted_and_spread_over_ep():
     assert any(o["reason"] == "ep 8 does not divide the 4 experts" for o in out)
     dense, _ = plan(_counts(), machine, run, a)
     assert not any(r["layout"].ep > 1 for r in dense)
+
+
+def test_a_measured_machines_overheads_are_charged_per_micro_batch_step_and_collective():
+    """Where a machine's overheads are measured (benchmarks/forecast_cpu.py reads tune's probe): the wrapper's
+    work per micro-batch and step, and each collective's wait, counted per group size."""
+    c = _counts()
+    machine, run, a = cluster("h100", 8), Run(32, 64), Assumptions()
+    costs = Overheads(micro_s=0.01, step_s=0.1, wait_s={8: 0.001})
+    ddp = predict(c, machine, Degrees(8, 1, 1, 1, 1, 2), run, a, costs)
+    assert ddp["collectives"] == {8: 2}  # one bucket of gradients, the token count
+    assert ddp["time"]["fixed costs"] == pytest.approx(2 * 0.01 + 0.1 + 2 * 0.001)  # 2 micro-batches a step
+    fsdp = predict(c, machine, Degrees(1, 8, 1, 1, 1, 2), run, a, costs)
+    # per micro-batch each of 3 blocks gathered twice and the root once; a reduce-scatter per unit; the norm, the count
+    assert fsdp["collectives"] == {8: 2 * (2 * 3 + 1) + (3 + 1) + 2}
+    assert "fixed costs" not in predict(c, machine, Degrees(1, 8, 1, 1, 1, 2), run, a)["time"]
 
 
 def test_bubble_and_scaling():

@@ -25,12 +25,14 @@ mean; the dispatch's all-to-all (the top-k rows out and back, twice again in the
 Step time: compute (FLOPs / (peak x achieved fraction)), recompute included, the pipeline's bubble; the
 collectives by the alpha-beta model with nccl-tests' bus bandwidth of the link the group spans, exposed as
 ``Assumptions`` says (data-parallel traffic hidden under compute up to ``dp_overlap``, tensor-parallel not,
-cp's ring under attention); the optimizer step by HBM bandwidth.
+cp's ring under attention); the optimizer step by HBM bandwidth; and, for a machine whose ``Overheads`` are
+measured, the wrapper's work per micro-batch and step and each collective's wait (counted per group size).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from ..parallel.layout import Layout
 from ..parallel.pp import stages_per_rank
@@ -73,6 +75,17 @@ class Degrees:
 
 
 @dataclass(frozen=True)
+class Overheads:
+    """Seconds a machine spends beyond its FLOPs and bytes, for one layout, where they are measured (tune's
+    probe on this machine: the wrapper's work per micro-batch and per step, what one collective among n
+    ranks waits in a busy step; ``benchmarks/forecast_cpu.py``). A cluster described by spec figures has none."""
+
+    micro_s: float = 0.0
+    step_s: float = 0.0
+    wait_s: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Run:
     """What a forecast needs besides the layout: the training's shape and the kernels' options."""
 
@@ -84,9 +97,11 @@ class Run:
     async_tp: bool = False
 
 
-def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run, a: Assumptions) -> dict:
+def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run, a: Assumptions,
+            overheads: Overheads | None = None) -> dict:
     """The forecast of one layout: {"memory": parts (bytes), "time": parts (s), "step_s", "tokens_per_s_per_gpu",
-    "mfu", "memory_bytes", "fits"}. ``layout`` is resolved (every degree given) and has its micro-batch."""
+    "mfu", "memory_bytes", "fits", "collectives": {group size: calls per step}}. ``layout`` is resolved (every
+    degree given) and has its micro-batch."""
     t, p, c, f, e = layout.tp, layout.pp, layout.cp, layout.dp_shard * layout.cp, layout.ep
     dp = layout.dp_replicate * layout.dp_shard
     b = layout.micro_batch
@@ -154,41 +169,58 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     if p > 1:
         time["pipeline bubble"] = (slots - m) * micro_s
 
-    # Collectives: seconds = bytes moved per rank x the busbw factor / busbw of the span the group covers.
-    def coll(nbytes: float, n: int, span: int, factor: float) -> float:
-        return 0.0 if n <= 1 else nbytes * factor * (n - 1) / n / cluster.busbw(span)
+    # Collectives: seconds = bytes moved per rank x the busbw factor / busbw of the span the group covers;
+    # ``calls`` counts them per group size (each one waits where a machine's overheads say so).
+    calls: dict[int, float] = {}
+
+    def coll(nbytes: float, n: int, span: int, factor: float, count: float = 1.0) -> float:
+        if n <= 1:
+            return 0.0
+        calls[n] = calls.get(n, 0.0) + count
+        return nbytes * factor * (n - 1) / n / cluster.busbw(span)
 
     inner = c * t
+    moe = sum(1 for i in blocks if experts[i])
     if shards > 1:
-        gathers = 2 * m if p == 1 else 1  # FSDP gathers each block in forward and backward, per micro-batch
-        # the experts' FSDP group, efsdp: outside ep in the mesh, so it spans f x t as dp_shard does
-        dp_s = coll(gathers * width * dense, f, f * t, 1) + coll(4.0 * dense, f, f * t, 1) \
-            + coll(gathers * width * experts_held, ef, f * t, 1) + coll(4.0 * experts_held, ef, f * t, 1)
+        # FSDP gathers each block in forward and backward per micro-batch, the root once (a pipeline stage
+        # once a step); a reduce-scatter per unit a step. The experts' FSDP group, efsdp, is outside ep in
+        # the mesh, so it spans f x t as dp_shard does.
+        gathers, units = (2 * m, 2 * m * per_stage + m) if p == 1 else (1, per_stage + 1)
+        dp_s = coll(gathers * width * dense, f, f * t, 1, units) + coll(4.0 * dense, f, f * t, 1, per_stage + 1) \
+            + coll(gathers * width * experts_held, ef, f * t, 1, gathers * moe) + coll(4.0 * experts_held, ef, f * t, 1, moe)
         if layout.dp_replicate > 1:
-            dp_s += coll(4.0 * stored, layout.dp_replicate, layout.dp_replicate * f * t, 2)
-    else:
-        dp_s = coll(4.0 * held, dp, dp * inner, 2)
+            dp_s += coll(4.0 * stored, layout.dp_replicate, layout.dp_replicate * f * t, 2, per_stage + 1)
+    else:  # DDP: one all-reduce per 25 MiB bucket
+        dp_s = coll(4.0 * held, dp, dp * inner, 2, max(1, math.ceil(4.0 * held / 2**20 / 25)))
     hidden_under = a.dp_overlap * time["compute"]
     time["data-parallel collectives (exposed)"] = max(0.0, dp_s - hidden_under)
     if t > 1:
         per_layer = (8 + (4 if run.recompute == "full" else 0)) * tokens * counts.block_input
-        tp_s = m * per_stage * coll(per_layer, t, t, 1)
+        tp_s = m * per_stage * coll(per_layer, t, t, 1, m * per_stage * (4 + (2 if run.recompute == "full" else 0)))
         time["tensor-parallel collectives"] = tp_s * (1 - (a.async_tp_overlap if run.async_tp else 0.0))
     if e > 1:
         # Per MoE layer and micro-batch: the rows out and back (dispatch, combine), twice again in the backward
         # (and once more under full recompute), on the critical path; the group is ep consecutive ranks.
         rows = sum(counts.block_routed[i] for i in blocks) * tokens / t * a.expert_imbalance
-        time["expert all-to-all"] = m * coll(rows * (4 + (2 if run.recompute == "full" else 0)), e, e, 1)
+        per = 4 + (2 if run.recompute == "full" else 0)
+        time["expert all-to-all"] = m * coll(rows * per, e, e, 1, m * moe * per)
     if c > 1:
         kv = sum(counts.block_kv[i] for i in blocks) * b * run.seq_len / t  # the whole sequence's K, V per rank
-        ring = m * 3 * coll(kv, c, inner, 1)  # gathered in forward, gradients scattered back (x2) in backward
+        ring = m * 3 * coll(kv, c, inner, 1, m * 3 * per_stage)  # gathered forward, gradients back (x2) backward
         time["context-parallel ring (exposed)"] = max(0.0, ring - m * attention / rate)
     if p > 1:
         hop = tokens * counts.block_input / t
         time["pipeline send/recv"] = 2 * slots * v * hop / cluster.busbw(cluster.gpus // p + 1)  # next stage: world/p on
+        calls[2] = calls.get(2, 0.0) + 2 * slots * v
     time["optimizer"] = a.optimizer_bytes * stored / cluster.gpu.hbm_bandwidth
+    for n in (f, cluster.gpus):  # the gradient norm's all-reduce (over the shards), the step's token count
+        if n > 1:
+            calls[n] = calls.get(n, 0.0) + 1
+    if overheads is not None:
+        time["fixed costs"] = m * overheads.micro_s * (per_stage / L if p > 1 else 1.0) + overheads.step_s \
+            + sum(k * overheads.wait_s.get(n, 0.0) for n, k in calls.items())
     step = sum(time.values())
     tps = run.global_batch * run.seq_len / step / cluster.gpus
     return {"memory": memory, "memory_bytes": total, "fits": total <= cluster.gpu.hbm_bytes, "time": time,
-            "step_s": step, "tokens_per_s_per_gpu": tps,
+            "step_s": step, "tokens_per_s_per_gpu": tps, "collectives": calls,
             "mfu": tps * counts.flops_per_token / cluster.peak("bf16")}  # against bf16's peak, fp8 or not
