@@ -1,7 +1,8 @@
 """Expert parallelism: each rank holds experts/ep of every MoE layer's experts, and the routed tokens travel to them.
 
-The ``ep`` degree borrows its ranks from the data-parallel shard degree (torchtitan's ``dp_shard = efsdp x
-ep``), so a layout keeps its world and global batch. What it spreads
+The ``ep`` degree borrows its ranks from the data-parallel shard degree and, beside tensor parallelism,
+every tensor-parallel rank (torchtitan's ``dp_shard x tp = efsdp x ep``), so a layout keeps its world and
+global batch. What it spreads
 is transformers 5's experts modules (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ...): one module per MoE layer
 holding every expert's weights as 3-D parameters whose first dimension is the expert (``gate_up_proj``
 ``(E, 2F, D)``, ``down_proj`` ``(E, D, F)``), called as ``experts(hidden (T, D), top_k_index (T, K),
@@ -21,9 +22,10 @@ Dropless dispatch, on PyTorch's own collectives (functional ``all_to_all_single`
 So every token meets the same expert weights in the same order as on one process. The weights are DTensors
 ``Shard(0)`` on the expert-parallel mesh (and FSDP's shard of that over efsdp): ``mg.clip_grad_norm_`` and
 DCP see the whole expert set. Their gradient collects the ep group's tokens through the all-to-all's
-backward; FSDP averages it over efsdp (and dp_replicate: HSDP), and the dispatch divides it by ep, so it
-is divided by the data-parallel size as FSDP divides the dense parameters' (each rank's loss is its
-share's mean).
+backward; FSDP averages it over efsdp (and dp_replicate: HSDP), and the dispatch divides it by what ep
+borrows of dp_shard, so it is divided by the data-parallel size as FSDP divides the dense parameters'
+(each rank's loss is its share's mean). Beside tensor parallelism the tp ranks hold the same tokens: each
+routes its share, and the shares' outputs are gathered back (``_Share``, ``_Gathered``).
 """
 
 from __future__ import annotations
@@ -190,16 +192,20 @@ def _shares(n: int, parts: int) -> list[int]:
     return [n // parts + (i < n % parts) for i in range(parts)]
 
 
+def _span(n: int, tp: tuple) -> slice:
+    """This tp rank's share of ``n`` rows."""
+    sizes = _shares(n, tp[1])
+    return slice(sum(sizes[:tp[2]]), sum(sizes[:tp[2] + 1]))
+
+
 class _Share(torch.autograd.Function):
     """This tp rank's share of rows every tp rank holds alike; the gradient gathered back from every share
     (so each rank again holds the whole, as the replicated rows' gradients are on every tp rank)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, tp: tuple) -> torch.Tensor:
-        group, size, rank = tp
-        sizes = _shares(x.shape[0], size)
         ctx.tp, ctx.n = tp, x.shape[0]
-        return x[sum(sizes[:rank]):sum(sizes[:rank + 1])].clone()
+        return x[_span(x.shape[0], tp)].clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -217,17 +223,15 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        group, size, rank = ctx.tp
-        sizes = _shares(ctx.n, size)
-        return grad[sum(sizes[:rank]):sum(sizes[:rank + 1])].contiguous(), None, None
+        return grad[_span(ctx.n, ctx.tp)].contiguous(), None, None
 
 
 def _gather(x: torch.Tensor, tp: tuple, n: int) -> torch.Tensor:
     """The tp ranks' shares of ``n`` rows (this rank's ``x`` among them) concatenated; shares are padded to the
-    longest for the all-gather (gloo's takes equal sizes only)."""
+    longest for the all-gather (which takes equal sizes)."""
     import torch.distributed as tdist
 
-    group, size, rank = tp
+    group, size, _ = tp
     sizes = _shares(n, size)
     longest = max(sizes)
     padded = torch.zeros((longest, *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -278,9 +282,7 @@ def _forward(module: nn.Module, forward: Any, how: _Dispatch,
         return _dispatch(module, forward, how, hidden, top_k_index, top_k_weights)
     # Every tp rank holds the same tokens (and their routing): each sends its share to the experts, and the
     # shares' outputs are gathered back, so each token meets its experts once over the ep x tp ranks.
-    sizes = _shares(hidden.shape[0], how.tp[1])
-    start = sum(sizes[:how.tp[2]])
-    out = _dispatch(module, forward, how, _Share.apply(hidden, how.tp), top_k_index[start:start + sizes[how.tp[2]]],
+    out = _dispatch(module, forward, how, _Share.apply(hidden, how.tp), top_k_index[_span(hidden.shape[0], how.tp)],
                     _Share.apply(top_k_weights, how.tp))
     return _Gathered.apply(out, how.tp, hidden.shape[0])
 
