@@ -245,6 +245,9 @@ def test_cli_ranks_layouts_and_writes_the_report(tmp_path, capsys):
     speeds = [f["tokens_per_s_per_gpu"] for f in data["forecasts"] if f["fits"]]
     assert speeds == sorted(speeds, reverse=True) and len(speeds) > 10
     assert data["command"].startswith("multigpu run --nnodes 2 -n 8 train.py")
+    # a layout with tp asks for sequence parallelism, which the model's activations (cut by tp) assume
+    tp = [f for f in data["forecasts"] if "TP" in f["name"] and "CP" not in f["name"]]
+    assert tp and all("--sequence-parallel" in f["layout"] for f in tp)
     html = (tmp_path / "report.html").read_text()
     assert "data:image/png;base64" in html and "efficiency" in html
 
