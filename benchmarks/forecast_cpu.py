@@ -36,14 +36,12 @@ import torch
 GiB = 2**30
 
 
-def compute_rate(cfg, micro_batches: list[int], threads: int, rounds: int = 7) -> dict[int, float]:
+def compute_rate(cfg, counts, micro_batches: list[int], threads: int, rounds: int = 7) -> dict[int, float]:
     """FLOP/s of one micro-batch's forward and backward in this process, per micro-batch size."""
     import torch.nn.functional as F
 
-    from multigpu.forecast.counts import count
     from multigpu.recipes.gpt.model import GPT
 
-    counts = count(lambda: GPT(cfg), cfg.block_size, dtype=torch.float32)
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -133,10 +131,10 @@ def main() -> None:
     layouts = {r["candidate"]: layout_from_args(r["args"])[0].resolve(ranks) for r in rows}
     micro = sorted({lay.micro_batch for lay in layouts.values()})
     share = cores / max(cores, ranks * threads)
-    rates = {m: r * share for m, r in compute_rate(cfg, micro, threads).items()}
+    counts = count(lambda: GPT(cfg), cfg.block_size, dtype=torch.float32)
+    rates = {m: r * share for m, r in compute_rate(cfg, counts, micro, threads).items()}
     busbw = statistics.median(spawn(_busbw, ranks, 16 * 2**20))
     bandwidth = optimizer_bandwidth(cfg, threads) * share
-    counts = count(lambda: GPT(cfg), cfg.block_size, dtype=torch.float32)
     a = Assumptions(efficiency=1.0, dp_overlap=0.0, runtime_gib=0.0, allocator_overhead=0.0,
                     calibration="measured on this machine (benchmarks/forecast_cpu.py)")
     print(f"gpt {size}: {counts.params:,} parameters, {counts.flops_per_token / 1e6:.1f} MFLOP per token; {ranks} "

@@ -94,16 +94,16 @@ def test_a_capacity_keeps_each_experts_first_pairs_in_token_order():
 def test_the_meter_says_when_accumulation_changes_the_router_loss(capsys):
     """Each micro-batch's load-balancing loss: with several a step on several ranks it is not one process's."""
     pytest.importorskip("transformers")
-    from multigpu.meter.records import experts_stats
+    from multigpu.meter.records import router_note
 
     model = _moe(output_router_logits=True)
-    experts_stats(model, mg.BatchPlan(16, 2, micro_batch=2))
+    router_note(model, mg.BatchPlan(16, 2, micro_batch=2))
     out = capsys.readouterr().out.strip()
     assert out.startswith("mg.StepMeter: note: the router's load-balancing loss is each micro-batch's") and \
         "micro_batch=8" in out and "\n" not in out
     for plan, m in ((mg.BatchPlan(16, 2), model), (mg.BatchPlan(16, 1, micro_batch=2), model),
                     (mg.BatchPlan(16, 2, micro_batch=2), _moe(output_router_logits=False))):
-        experts_stats(m, plan)  # one micro-batch a step, one rank, no router loss: nothing to say
+        router_note(m, plan)  # one micro-batch a step, one rank, no router loss: nothing to say
         assert capsys.readouterr().out == ""
 
 

@@ -125,7 +125,7 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     dense = block_held + (max(first, last) if p > 1 else first + last)
     held = dense + experts_held
     shards = f  # FSDP shards over dp_shard x cp; DDP (both 1) keeps whole states
-    ef = f // (e // t if e > 1 and t > 1 else e)  # efsdp: ep takes every tp rank and ep / tp of dp_shard
+    ef = f // (e // t if e > 1 else 1)  # efsdp: ep takes every tp rank and ep / tp of dp_shard (Layout.ep_dp)
     stored = dense / f + experts_held / ef  # the states' parameters per rank
     biggest = max((counts.block_params[i] - experts[i]) / t + experts[i] / e for i in range(L))
     memory = {"parameters": 4.0 * stored, "gradients": 4.0 * stored, "optimizer": 8.0 * stored}

@@ -128,17 +128,17 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         from ..parallel.experts import expert_modules
 
         moe = [m for _, m in expert_modules(model)]
-        experts_in = [sum(p.numel() for m in moe for p in m.parameters() if any(p is q for q in b.parameters()))
-                      for b in blocks]
-        routed, expert_flops = [0.0] * len(blocks), [0.0] * len(blocks)
+        inside = [{id(m) for m in b.modules()} for b in blocks]
+        experts_in = [sum(p.numel() for m in moe if id(m) in ids for p in m.parameters()) for ids in inside]
+        routed, expert_flops = [0.0] * len(blocks), [0.0] * len(blocks)  # per block, of the block running now
 
         def experts_pre(module, args, kwargs):
             hidden, top_k = (list(args) + list(kwargs.values()))[:2]
             routed[len(per_block) - 1] += top_k.numel() * hidden.shape[-1] * hidden.element_size() / seq_len
-            module._count_from = tally.snapshot()[0]
+            expert_flops[len(per_block) - 1] -= tally.snapshot()[0] / seq_len
 
         def experts_post(module, args, output):
-            expert_flops[len(per_block) - 1] += (tally.snapshot()[0] - module._count_from) / seq_len
+            expert_flops[len(per_block) - 1] += tally.snapshot()[0] / seq_len
 
         def pre(module, args, kwargs):
             x = args[0] if args else next(iter(kwargs.values()))

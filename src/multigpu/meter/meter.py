@@ -28,7 +28,7 @@ from . import gpumon, sinks as _sinks
 from .flops import FlopCount, dtype_key, peak_flops
 from .interval import Interval
 from .probe import Probe, dp_rank, is_pipeline
-from .records import experts_stats, figures, interval_record, run_summary, summary_line
+from .records import experts_stats, figures, interval_record, router_note, run_summary, summary_line
 
 SCHEMA_VERSION = 2  # 2: summary throughput from totals, per-interval spreads under "intervals", pauses
 
@@ -67,8 +67,7 @@ class StepMeter:
         positive_int(log_every, "log_every", "use e.g. log_every=10")
         log_every = 1 if verify_requested() else log_every  # `multigpu verify` compares every step's loss
         _sinks.check_sinks(sinks)
-        self.rank = getattr(dist, "rank", 0)
-        self.world_size = getattr(dist, "world_size", 1)
+        self.rank, self.world_size = getattr(dist, "rank", 0), getattr(dist, "world_size", 1)
         self.device = torch.device(getattr(dist, "device", "cpu"))
         self.is_main = self.rank == 0
         self.log_every = log_every
@@ -107,7 +106,8 @@ class StepMeter:
         os.makedirs(self.log_dir, exist_ok=True)
 
         self._start_instruments(dist, model, gpu_monitor, watchdog, profile)
-        self._experts = experts_stats(model, plan)  # expert parallelism's dispatch figures (none for other models)
+        self._experts = experts_stats(model)  # expert parallelism's dispatch figures (none for other models)
+        router_note(model, plan)
         self.probe = Probe(model, self.log_dir, self.rank, self.world_size, dp_rank(plan, dist)) if verify_requested() else None
         self._open_sinks(dist, plan, sinks, progress, resume, fingerprint_extra, sink_options, flops_per_sample)
 

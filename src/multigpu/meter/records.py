@@ -107,28 +107,34 @@ def figures(stats: list) -> dict[str, Any] | None:
     return take(stats)
 
 
-def experts_stats(model: Any, plan: Any = None) -> list:
+def experts_stats(model: Any) -> list:
     """The expert-parallel dispatch's figures of ``model`` or its pipeline's stages (parallel/experts.py's
-    ``Stats``); none for any other model. Says in one line when the run's router loss is not one process's:
-    a mixture of experts' load-balancing loss is each micro-batch's (over every data-parallel rank's part of
-    it), so under accumulation the ranks' k-th micro-batches make another batch than one process's k-th."""
+    ``Stats``); none for any other model."""
     if model is None:
         return []
     from ..parallel.experts import stats_of
     from .probe import is_pipeline
 
+    return stats_of(model.modules if is_pipeline(model) else [model])
+
+
+def router_note(model: Any, plan: Any) -> None:
+    """Say in one line when the run's router loss is not one process's: a mixture of experts' load-balancing
+    loss is each micro-batch's (over every data-parallel rank's part of it), so under accumulation the
+    ranks' k-th micro-batches make another batch than one process's k-th."""
+    if model is None or plan is None or plan.accum_steps == 1 or plan.world_size == 1:
+        return
     from ..parallel.wrap import unwrap
+    from .probe import is_pipeline
 
     inner = model if is_pipeline(model) else unwrap(model)
-    if (plan is not None and plan.accum_steps > 1 and plan.world_size > 1
-            and getattr(getattr(inner, "config", None), "output_router_logits", False)):
+    if getattr(getattr(inner, "config", None), "output_router_logits", False):
         from ..dist import print0
 
         print0(f"mg.StepMeter: note: the router's load-balancing loss is each micro-batch's, and this run takes "
                f"{plan.accum_steps} a step on {plan.world_size} data-parallel ranks: it trains another loss than one "
                f"process with the same global batch; for the same, give each rank's share in one micro-batch "
                f"(micro_batch={plan.global_batch // plan.world_size}) or output_router_logits=False")
-    return stats_of(model.modules if is_pipeline(model) else [model])
 
 
 def measured(records: list[dict[str, Any]]) -> list[tuple[int, float, dict[str, Any]]]:

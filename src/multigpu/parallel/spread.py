@@ -87,8 +87,9 @@ def tensor_parallel_plan(model: nn.Module, layout: Layout, blocks: list[tuple[st
     if declared:
         written, experts = auto.without_experts(written)
         if experts:
-            source += (f", its {len(experts)} entries for the experts left out (spread by ep over the TP ranks "
-                       f"{'and more' if layout.ep > 1 else 'when ep > 1; kept whole on every TP rank here'})")
+            source += (f", its {len(experts)} entries for the experts left out ("
+                       + (f"ep {layout.ep} spreads them over the TP ranks" if layout.ep > 1
+                          else "kept whole on every TP rank: ep is 1") + ")")
     expanded = auto.expand(model, written, declared=declared)
     styles = {k: auto.translate(v, k) for k, v in expanded.items()}
     styles = {k: v for k, v in styles.items() if v is not None}

@@ -29,7 +29,7 @@ def name(layout: Layout) -> str:
             parts.append(f"{label} {degree}")
     if s.pp > 1:
         parts.append(f"PP {s.pp} {layout.schedule}")
-    experts = f", EP {s.ep}" if s.ep > 1 else ""  # borrowed from dp_shard: no factor of the world of its own
+    experts = f", EP {s.ep}" if s.ep > 1 else ""  # borrowed from dp_shard and tp: no factor of the world of its own
     return " x ".join(parts) + experts + f", micro-batch {layout.micro_batch}" + (", AC" if layout.activation_checkpointing else "")
 
 
