@@ -1,6 +1,7 @@
 """Forecast vs measured on this machine's CPU ranks: every GPT-recipe layout `multigpu tune` measured, predicted by
-`multigpu forecast`'s model (src/multigpu/forecast/cost.py) for a machine described by measurement, beside tune's
-own model's prediction of the same runs.
+`multigpu forecast`'s model (src/multigpu/forecast/cost.py) for this machine described as a GPU would be (a
+peak, a bus bandwidth, a memory bandwidth), beside tune's prediction of the same runs (the same model, with the
+probe's rates per micro-batch, its measured links and overheads: tune/machine.py).
 
     PYTHONPATH=src python benchmarks/forecast_cpu.py --tune-json studies/tune-.../tune.json
 
@@ -95,7 +96,7 @@ def _busbw(dist, size: int) -> float:
 def overheads_of(report: dict, layout) -> "Overheads":
     """The measured overheads tune's probe recorded, for ``layout`` (its wrapper family, with or without AC)."""
     from multigpu.forecast.cost import Overheads
-    from multigpu.tune.model import family
+    from multigpu.tune.machine import family
     from multigpu.tune.probe import links
 
     probe = report["probe"]
@@ -141,7 +142,7 @@ def main() -> None:
           f"ranks x {threads} thread(s) on {cores} cores; per rank: "
           + ", ".join(f"micro-batch {m} {r / 1e9:.2f} GFLOP/s" for m, r in rates.items())
           + f"; all-reduce busbw {busbw / 1e9:.2f} GB/s; AdamW {bandwidth / 1e9:.2f} GB/s\n")
-    print("| layout | measured ms/step | forecast ms | error | + overheads ms | error | tune's model ms | error | "
+    print("| layout | measured ms/step | forecast ms | error | + overheads ms | error | tune's prediction ms | error | "
           "measured MiB | forecast MiB | error | tune's MiB | error |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     errs: dict[str, list[float]] = {"forecast time": [], "forecast + overheads time": [], "tune time": [],

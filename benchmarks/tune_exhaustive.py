@@ -41,8 +41,8 @@ from multigpu.tune import TuneConfig, run_tune
 def repredict(report: dict, a) -> dict:
     """``report``'s candidates predicted again by the current model (a fresh probe, the cached links), re-sorted."""
     from multigpu.recipes.gpt.model import config
-    from multigpu.tune.model import Shape, predict
-    from multigpu.tune.run import measure_parts
+    from multigpu.tune import machine
+    from multigpu.tune.run import _counts, measure_parts
     from multigpu.tune.space import candidates, name
 
     cfg = config(a.size)
@@ -50,9 +50,10 @@ def repredict(report: dict, a) -> dict:
     by_name = {name(c): c for c in found}
     # Measured again: the probe is part of the model under test.
     parts = measure_parts(cfg, found, a.n, "cpu", 1, recipe_args=("--size", a.size), root=Path(a.measured) / "reprobe")
+    counts = _counts(cfg, "fp32")
+    here = machine.measured_cluster(counts, parts, a.n, None)
     for r in report["candidates"]:
-        r["predicted"] = predict(by_name[r["candidate"]], Shape.of(cfg), a.global_batch, parts["compute"], parts["links"],
-                                 parts["slowdown"], parts["fixed"], parts["sync"])
+        r["predicted"] = machine.predict(by_name[r["candidate"]].resolve(a.n), counts, here, parts, a.global_batch)
         if r.get("result"):
             r["error"] = {"step_time": r["predicted"]["step_time_s"] / r["result"]["step_time_s"] - 1,
                           "memory": r["predicted"]["memory_bytes"] / r["result"]["memory_bytes"] - 1}

@@ -33,6 +33,17 @@ import multigpu as mg
 from multigpu.recipes.gpt.data import TokenWindows, prepare_tokens
 
 
+def model_config(moe: bool = False) -> transformers.PretrainedConfig:
+    """The Llama (or, with ``moe``, the Mixtral) this script trains: 64-token sequences of a 256-token vocabulary."""
+    sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
+                 tie_word_embeddings=False)
+    if moe:
+        return transformers.MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2,
+                                          output_router_logits=True, router_aux_loss_coef=0.02)
+    return transformers.LlamaConfig(**sizes)
+
+
 def main() -> None:
     with mg.init(seed=0) as dist:
         # A mixture of experts' router loss is a micro-batch's: one micro-batch a step (each rank's share
@@ -45,14 +56,7 @@ def main() -> None:
         ap.add_argument("--moe", action="store_true", help="a Mixtral (4 experts, top 2) instead of a Llama")
         args = ap.parse_args(rest)
         data = TokenWindows(prepare_tokens("data/pydoc") / "train.bin", block_size=64, vocab_size=256)
-        sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
-                     tie_word_embeddings=False)
-        if args.moe:
-            config = transformers.MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2,
-                                                output_router_logits=True, router_aux_loss_coef=0.02)
-        else:
-            config = transformers.LlamaConfig(**sizes)
+        config = model_config(args.moe)
         torch.manual_seed(0)  # the same full model on every rank; mg.parallelize distributes it
         model = transformers.AutoModelForCausalLM.from_config(config).to(dist.device)
         plan = layout.plan(args.global_batch, dist)                                            # +layout

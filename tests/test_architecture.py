@@ -25,6 +25,7 @@ FLAGS = {
     "ckpt verify": ["<dir>"],
     "doctor": ["--backend", "--json", "--no-smoke", "--nproc", "--port", "--timeout", "-n"],
     "forecast": ["--async-tp", "--async-tp-overlap", "--compile", "--dp-overlap", "--efficiency", "--expert-imbalance",
+                 "--loss-parallel",
                  "--global-batch", "--gpu",
                  "--gpus", "--gpus-per-node", "--hbm-gib", "--micro-batches", "--model", "--out", "--peak-tflops",
                  "--precision", "--runtime-gib", "--scale-out-gb-s", "--scale-up-gb-s", "--script", "--seq-len", "--top"],

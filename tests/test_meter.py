@@ -422,3 +422,23 @@ def test_paused_time_is_not_step_time(tmp_path):
     steps, summary = [r for r in recs if r["type"] == "step"], recs[-1]
     assert steps[1]["paused_s"] >= 0.3 and steps[1]["step_time"] < 0.05
     assert summary["paused_s"]["eval"] >= 0.3 and summary["measured"]["time_s"] < 0.1
+
+
+def test_step_peak_is_the_highest_the_window_held_on_top_of_the_state():
+    """mg.meter.StepPeak on CPU: the profiler's running total at its highest (not at the end), on the base."""
+    import torch
+    from torch import nn
+
+    from multigpu.meter import StepPeak, ddp_buckets
+
+    mib = 2**20
+    with StepPeak(torch.device("cpu"), base=1000) as peak:
+        big = torch.empty(10 * mib, dtype=torch.uint8)
+        del big
+        kept = torch.empty(4 * mib, dtype=torch.uint8)
+    assert 1000 + 10 * mib <= peak.total < 1000 + 10 * mib + 64 * 1024, peak.total
+    assert kept.numel() == 4 * mib
+    with StepPeak(torch.device("cpu"), base=0) as second:  # what the first window left allocated is not this one's
+        torch.empty(mib)  # 4 MiB of float32, freed at once
+    assert 4 * mib <= second.total < 4 * mib + 64 * 1024, second.total
+    assert ddp_buckets(nn.Linear(4, 4)) == 0  # not DDP: no buckets

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from multigpu.errors import UsageError
-from multigpu.recipes.gpt.model import config
+from multigpu.recipes.gpt.model import GPT, config
 from multigpu.tune import TuneConfig, run_tune
-from multigpu.tune.model import Links, Shape, predict
+from multigpu.forecast.hardware import Links
 from multigpu.parallel.layout import Layout
 from multigpu.tune.space import candidates, name
 
@@ -37,40 +38,63 @@ def test_candidates_cover_every_layout_that_computes_the_same_training_and_say_w
         candidates(3, config("tiny"), 16)
 
 
-def test_the_cost_model_counts_sharding_bubbles_and_communication():
+def _parts(slowdown: float = 1.0, fixed: dict | None = None, sync: dict | None = None) -> dict:
+    """A probe's measured parts, made up: 10 ms a micro-batch whatever its size, 2 ms the optimizer, 1 ms
+    latency below 1 KB then 1 GB/s for every op and group size."""
+    part = {"time_s": 0.010, "optimizer_s": 0.002}
+    zero = {"micro_s": 0.0, "step_s": 0.0}
+    return {"compute": {(m, ac): part for m in (1, 2, 4, 8) for ac in (False, True)},
+            "links": Links({(op, n): [(1000, 1e-3), (10**6, 1e-3 + 1e-3)]
+                            for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast") for n in (2, 4)}),
+            "slowdown": slowdown, "sync": sync or {},
+            "fixed": fixed or {f"{f}{ac}": zero for f in ("none", "ddp", "fsdp", "tp", "fsdp+tp") for ac in ("", "+ac")}}
+
+
+def _tune_predict(cfg, parts, world: int = 4):
+    import torch
+
+    from multigpu.forecast.counts import count
+    from multigpu.tune import machine
+
+    counts = count(lambda: GPT(cfg), cfg.block_size, dtype=torch.float32)
+    here = machine.measured_cluster(counts, parts, world, None)
+    return counts, lambda layout: machine.predict(layout.resolve(world), counts, here, parts, 16)
+
+
+def test_tune_predicts_with_the_forecast_model_on_this_machines_measured_rates_and_links():
     cfg = config("tiny", tie_embeddings=False)
-    shape = Shape.of(cfg)
-    assert shape.parameters == cfg.parameters
-    part = {"time_s": 0.010, "optimizer_s": 0.002, "activation_bytes": 1000}
-    compute = {(m, ac): part for m in (1, 2, 4, 8) for ac in (False, True)}
-    # 1 ms latency below 1 KB, then 1 GB/s, for every op and group size.
-    links = Links({(op, n): [(1000, 1e-3), (10**6, 1e-3 + 1e-3)] for op in ("all_reduce", "all_gather", "reduce_scatter",
-                                                                          "broadcast") for n in (2, 4)})
-    ddp = predict(Layout(dp_replicate=4, dp_shard=1, micro_batch=2), shape, 16, compute, links)
-    fsdp = predict(Layout(dp_shard=4, micro_batch=2), shape, 16, compute, links)
-    assert ddp["state_bytes"] == 16 * shape.parameters and fsdp["state_bytes"] == pytest.approx(4 * shape.parameters)
+    parts = _parts()
+    counts, predict = _tune_predict(cfg, parts)
+    links = parts["links"]
+    assert counts.params == cfg.parameters and counts.block_linears == (6, 6) and counts.vocab == cfg.vocab_size
+    ddp = predict(Layout(dp_replicate=4, dp_shard=1, micro_batch=2))
+    fsdp = predict(Layout(dp_shard=4, micro_batch=2))
+    states = lambda p: sum(p["memory"][k] for k in ("parameters", "gradients", "optimizer"))  # noqa: E731
+    assert states(ddp) == pytest.approx(16 * cfg.parameters) and states(fsdp) == pytest.approx(4 * cfg.parameters)
+    # The rate is the forecast's own count over the measured time: a micro-batch costs what the probe measured.
     assert ddp["compute_s"] == pytest.approx(2 * 0.010 + 0.002)  # 2 micro-batches of 2 per rank, one optimizer step
-    grads = 4 * shape.parameters
-    assert ddp["comm"]["all_reduce (gradients)"] == pytest.approx(links.time("all_reduce", 4, grads))
-    # FSDP per micro-batch (2 here): each of the 2 blocks gathered twice (forward, backward), the root once.
-    block = 4 * (shape.block_sharded + shape.block_replicated)
-    root = grads - 2 * block
-    assert fsdp["comm"]["all_gather (weights)"] == pytest.approx(
-        2 * (4 * links.time("all_gather", 4, block) + links.time("all_gather", 4, root)))
-    assert fsdp["comm"]["reduce_scatter (gradients)"] == pytest.approx(
-        2 * links.time("reduce_scatter", 4, block) + links.time("reduce_scatter", 4, root))
-    slow = predict(Layout(dp_replicate=4, dp_shard=1, micro_batch=2), shape, 16, compute, links, slowdown=2.0)
+    assert ddp["time"]["data-parallel collectives (exposed)"] == pytest.approx(links.time("all_reduce", 4, 4 * cfg.parameters))
+    # FSDP per micro-batch (2 here): each of the 2 blocks gathered twice (forward, backward), the root once; each
+    # unit reduce-scattered once a step.
+    block = sum(p.numel() for n, p in GPT(cfg).named_parameters() if n.startswith("blocks.0."))
+    root = cfg.parameters - 2 * block
+    assert fsdp["time"]["data-parallel collectives (exposed)"] == pytest.approx(
+        2 * (4 * links.time("all_gather", 4, 4 * block) + links.time("all_gather", 4, 4 * root))
+        + 2 * links.time("reduce_scatter", 4, 4 * block) + links.time("reduce_scatter", 4, 4 * root))
+    slow = _tune_predict(cfg, _parts(slowdown=2.0))[1](Layout(dp_replicate=4, dp_shard=1, micro_batch=2))
     assert slow["compute_s"] == pytest.approx(2 * ddp["compute_s"])  # 4 one-thread workers on 2 cores
-    pipe = predict(Layout(dp_shard=2, pp=2, micro_batch=2, schedule="1f1b"), shape, 16, compute, links)
-    gpipe = predict(Layout(dp_shard=2, pp=2, micro_batch=2, schedule="gpipe"), shape, 16, compute, links)
-    assert pipe["compute_s"] > 0.5 * (4 * 0.010)  # (m + p - 1) slots of half the model: the bubble
-    assert gpipe["activation_bytes"] == 2 * pipe["activation_bytes"]  # 4 micro-batches in flight against 2
-    tp = predict(Layout(dp_shard=2, tp=2, micro_batch=2), shape, 16, compute, links)
-    assert tp["activation_bytes"] == pytest.approx(ddp["activation_bytes"] / 2) and "all_reduce (tensor parallel)" in tp["comm"]
+    pipe = predict(Layout(dp_shard=2, pp=2, micro_batch=2, schedule="1f1b"))
+    gpipe = predict(Layout(dp_shard=2, pp=2, micro_batch=2, schedule="gpipe"))
+    assert pipe["time"]["pipeline bubble"] > 0 and pipe["time"]["pipeline send/recv"] > 0
+    assert gpipe["memory"]["activations"] > pipe["memory"]["activations"]  # 4 micro-batches in flight against 2
+    tp = predict(Layout(dp_shard=2, tp=2, micro_batch=2))
+    assert tp["memory"]["activations"] < ddp["memory"]["activations"] and tp["time"]["tensor-parallel collectives"] > 0
     # Beyond the largest size: the bandwidth between the two largest; inside: log-log; below: the smallest's time.
     assert links.time("all_reduce", 2, 10**7) == pytest.approx(2e-3 + 9e6 * 1e-3 / 999_000)
     assert links.time("all_reduce", 2, 10**4.5 * 10**0) == pytest.approx(10 ** (-3 + 0.5 * 0.30103), rel=1e-3)
     assert links.time("all_reduce", 2, 10) == 1e-3 and links.time("all_reduce", 1, 10**6) == 0.0
+    with pytest.raises(UsageError, match="no measurement of all_to_all on 4 ranks"):
+        links.time("all_to_all", 4, 10)
 
 
 def test_refusals_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
@@ -115,47 +139,48 @@ def test_tune_on_two_cpu_ranks_measures_the_top_candidates_and_writes_the_report
 
 
 def test_the_measured_fixed_costs_and_the_collectives_waits_add_in():
-    from multigpu.tune.model import family
+    from multigpu.tune.machine import family
 
-    shape = Shape.of(config("tiny"))
-    part = {"time_s": 0.010, "optimizer_s": 0.002, "activation_bytes": 1000}
-    compute = {(m, ac): part for m in (2, 4) for ac in (False, True)}
-    links = Links({(op, n): [(1000, 1e-3), (10**6, 2e-3)] for op in ("all_reduce", "all_gather", "reduce_scatter",
-                                                                     "broadcast") for n in (2, 4)})
     fixed = {f"{f}{ac}": {"micro_s": 0.001 * (i + 1), "step_s": 0.01 * (i + 1)}
              for i, f in enumerate(("none", "ddp", "fsdp", "tp", "fsdp+tp")) for ac in ("", "+ac")}
     sync = {2: 0.004, 4: 0.006}
+    _, bare_of = _tune_predict(config("tiny"), _parts(2.0))
+    _, full_of = _tune_predict(config("tiny"), _parts(2.0, fixed, sync))
+    links = _parts()["links"]
     floor = links.time("all_reduce", 4, 1024)  # the sync probe's own 1 KiB transfer, which the links count
     layouts = {"ddp": Layout(dp_replicate=4, dp_shard=1, micro_batch=2), "fsdp": Layout(dp_shard=4, micro_batch=2),
                "hsdp": Layout(dp_replicate=2, dp_shard=2, micro_batch=2), "tp": Layout(dp_shard=1, tp=4, micro_batch=4),
                "fsdp+tp": Layout(dp_shard=2, tp=2, micro_batch=4, activation_checkpointing=True)}
-    assert {k: family(v) for k, v in layouts.items()} == {"ddp": "ddp", "fsdp": "fsdp", "hsdp": "fsdp", "tp": "tp",
-                                                          "fsdp+tp": "fsdp+tp"}
+    assert {k: family(v.resolve(4)) for k, v in layouts.items()} == {"ddp": "ddp", "fsdp": "fsdp", "hsdp": "fsdp",
+                                                                     "tp": "tp", "fsdp+tp": "fsdp+tp"}
     for key, layout in layouts.items():
-        bare = predict(layout, shape, 16, compute, links, 2.0)
-        full = predict(layout, shape, 16, compute, links, 2.0, fixed, sync)
-        assert bare["overhead_s"] == 0.0 and bare["overhead"] == {}
-        m = layout.accum_steps(16)
-        f = fixed[family(layout) + ("+ac" if layout.activation_checkpointing else "")]
-        assert full["overhead"]["wrapper (per micro-batch)"] == pytest.approx(m * f["micro_s"] * 2.0)  # slowdown 2
-        assert full["overhead"]["loop and wrapper (per step)"] == pytest.approx(f["step_s"] * 2.0)
+        bare, full = bare_of(layout), full_of(layout)
+        m = layout.accum_steps(16, world_size=4)
+        f = fixed[family(layout.resolve(4)) + ("+ac" if layout.activation_checkpointing else "")]
         waits = sum(n * (sync[g] - links.time("all_reduce", g, 1024)) for g, n in full["collectives"].items())
-        assert full["overhead"]["collectives' waits"] == pytest.approx(waits)
+        # slowdown 2: the wrapper's work is CPU work, as slow as the compute
+        assert full["overhead_s"] == pytest.approx(m * f["micro_s"] * 2.0 + f["step_s"] * 2.0 + waits), key
+        assert bare["overhead_s"] == 0.0
         assert full["step_time_s"] == pytest.approx(bare["step_time_s"] + full["overhead_s"])
-        assert full["compute_s"] == bare["compute_s"] and full["comm_s"] == bare["comm_s"]
+        assert full["compute_s"] == bare["compute_s"] and full["comm_s"] == pytest.approx(bare["comm_s"])
     # The collectives counted per step: DDP one bucket and the token count, on the 4 ranks.
-    ddp = predict(layouts["ddp"], shape, 16, compute, links, 1.0, fixed, sync)
-    assert ddp["collectives"] == {4: 2} and ddp["overhead"]["collectives' waits"] == pytest.approx(2 * (0.006 - floor))
+    ddp = full_of(layouts["ddp"])
+    assert ddp["collectives"] == {4: 2} and ddp["overhead_s"] == pytest.approx(2 * 0.002 * 2 + 0.02 * 2 + 2 * (0.006 - floor))
     # FSDP 4, 2 micro-batches of 2 blocks: 5 gathers each, 3 reduce-scatters, the norm, the token count.
-    assert predict(layouts["fsdp"], shape, 16, compute, links, 1.0, fixed, sync)["collectives"] == {4: 2 * 5 + 3 + 1 + 1}
+    assert full_of(layouts["fsdp"])["collectives"] == {4: 2 * 5 + 3 + 1 + 1}
     # HSDP 2x2: the same on the shard groups of 2, an all-reduce per unit on the replica groups, the count on 4.
-    assert predict(layouts["hsdp"], shape, 16, compute, links, 1.0, fixed, sync)["collectives"] == {2: 2 * 5 + 3 + 1 + 3,
-                                                                                                    4: 1}
-    # TP 4, 4 micro-batches: per block 6 all-reduces, 2 for the table and head, the logits' gather; the norm.
-    assert predict(layouts["tp"], shape, 16, compute, links, 1.0, fixed, sync)["collectives"] == {4: 4 * (6 * 2 + 3) + 1 + 1}
+    assert full_of(layouts["hsdp"])["collectives"] == {2: 2 * 5 + 3 + 1 + 3, 4: 1}
+    # TP 4, 4 micro-batches (the recipe's plan, no sequence parallelism): per block an all-reduce after each of
+    # the 2 row-wise linears and of each of the 4 column-wise ones' input gradient, the table's and the head's,
+    # the logits' gather; the norm over tp, the token count.
+    assert full_of(layouts["tp"])["collectives"] == {4: 4 * (6 * 2 + 2 + 1) + 1 + 1}
     # Under activation checkpointing the forward's 2 all-reduces per block run again in the backward.
-    tp_ac = predict(layouts["fsdp+tp"], shape, 16, compute, links, 1.0, fixed, sync)["collectives"]
-    assert tp_ac[2] == (2 * 5 + 3 + 1) + (2 * (8 * 2 + 3) + 1) and tp_ac[4] == 1  # 2 micro-batches of 4
+    tp_ac = full_of(layouts["fsdp+tp"])["collectives"]
+    assert tp_ac[2] == (2 * 5 + 3 + 1) + (2 * (8 * 2 + 2 + 1) + 1) and tp_ac[4] == 1  # 2 micro-batches of 4
+    # With sequence parallelism (the forecast's published layouts and its printed commands): per sub-layer an
+    # all-gather in, a reduce-scatter out, mirrored in the backward.
+    sp = full_of(dataclasses.replace(layouts["tp"], sequence_parallel=True))["collectives"]
+    assert sp == {4: 4 * (8 * 2 + 2 + 2 + 1) + 1 + 1}
 
 
 def test_the_rounds_interleave_retry_with_checkpointing_and_read_the_workers_refusal(tmp_path):

@@ -5,14 +5,17 @@ Memory per GPU (bytes), on the stage that holds the most:
   bytes per parameter, ZeRO's 16 with the 16-bit copy counted under buffers), of what tensor and pipeline
   parallelism leave the rank, divided over the ranks FSDP shards across (dp_shard x cp; DDP: 1);
 - buffers: the 16-bit weights FSDP gathers (two blocks in flight: the one computing and the prefetch; the
-  root unit, tables and head, for the whole step) and one block's unsharded float32 gradient; a pipeline
-  stage keeps all its weights gathered and gradients unsharded;
+  root unit, tables and head, for the whole step) and one block's unsharded float32 gradient (every block's
+  when micro-batches accumulate: the reduce-scatter waits for the last); a pipeline
+  stage keeps all its weights gathered and gradients unsharded; DDP's gradient buckets (a float32 copy);
 - activations: the bytes autograd saves per token and block (``counts``) x tokens per micro-batch / (tp x cp)
   (sequence parallelism and cp cut every saved tensor), for the blocks of the stage and the micro-batches in
   flight (1; 1F1B p on the first stage, x (1 + (p-1)/(p v)) interleaved; GPipe m); full recompute keeps the
   block input and one block's working set, selective the input, attention's outputs and every other matmul's
   output; the last stage adds the embedding output, the logits and the loss's float32 copy, twice: the
   backward starts by making their gradients while all of the above is still held;
+- optimizer step: where the step's own peak tops the backward's (small activations): the states, DDP's
+  buckets and foreach AdamW's float32 temporary of what it steps (4 bytes per parameter);
 - allocator: what PyTorch's caching allocator reserves beyond the live tensors (fragmentation), as a
   fraction of them (``Assumptions.allocator_overhead``; published peaks are reserved bytes);
 - runtime: the CUDA context, NCCL's buffers and cuBLAS's workspace (``Assumptions.runtime_gib``).
@@ -32,6 +35,7 @@ measured, the wrapper's work per micro-batch and step and each collective's wait
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ..parallel.layout import Layout
@@ -40,6 +44,7 @@ from .counts import Counts
 from .hardware import Cluster
 
 GiB = 2**30
+DDP_BUCKET = 25 * 2**20  # DDP's default bucket_cap_mb
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,7 @@ class Run:
     compile: bool = False
     precision: str = "bf16"          # bf16 or fp8 (matmuls)
     async_tp: bool = False
+    loss_parallel: bool = False      # the logits stay cut by vocabulary into the loss (torchtitan's); else gathered
 
 
 def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run, a: Assumptions,
@@ -117,8 +123,11 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     # A mixture of experts' experts: 1/ep of them, whole (ep spans the tp ranks), FSDP-sharded over what ep
     # leaves of dp_shard (efsdp); everything else over dp_shard x cp.
     experts = [counts.block_experts[i] if counts.block_experts else 0 for i in range(L)]
-    block_held = sum((counts.block_sharded[i] - experts[i]) / t + counts.block_params[i] - counts.block_sharded[i]
-                     for i in blocks)
+
+    def dense_of(i: int) -> float:  # a block's parameters besides its experts that this tp rank holds
+        return (counts.block_sharded[i] - experts[i]) / t + counts.block_params[i] - counts.block_sharded[i]
+
+    block_held = sum(dense_of(i) for i in blocks)
     experts_held = sum(experts[i] for i in blocks) / e
     first = counts.embed_params / t  # TP cuts the tables; a tied table's copy sits on the last stage too
     last = (counts.embed_params if counts.tied and p > 1 else counts.head_params) / t + counts.other_params
@@ -133,35 +142,45 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     # micro-batches (PyTorch's pipelining turns FSDP's resharding and gradient sync off until the last).
     # Without a pipeline FSDP's root unit (tables, final norm, head) stays gathered from the forward's first
     # op to the backward's last (FSDP2 does not reshard the root after the forward).
-    gathered = (width + 4.0) * held if p > 1 else (width * 2 + 4.0) * biggest + width * (first + last)
-    memory["buffers"] = gathered if shards > 1 else 0.0
-    per_block = {"none": [counts.block_saved[i] for i in blocks],
-                 "selective": [counts.block_input + counts.block_kept[i] for i in blocks],
-                 "full": [counts.block_input] * len(blocks)}[run.recompute]
-    stage_bytes = sum(per_block) * tokens / t
+    # Accumulating (m > 1) FSDP skips the reduce-scatter until the last micro-batch (mg.accumulate): every
+    # block's unsharded float32 gradient is held meanwhile, not one block's at a time.
+    grads = 4.0 * (held if m > 1 else biggest)
+    gathered = (width + 4.0) * held if p > 1 else width * 2 * biggest + width * (first + last) + grads
+    # DDP's reducer keeps a float32 bucket copy of every gradient (PyTorch's default, no gradient_as_bucket_view).
+    memory["buffers"] = gathered if shards > 1 else (4.0 * held if dp > 1 else 0.0)
+    # Sequence parallelism cuts every saved tensor by tp; without it the residual stream stays whole on each tp
+    # rank: a block's input and its two norms' inputs and outputs (4 of a block's saved tensors), and the block
+    # input full recompute keeps. The logits are cut by vocabulary only under a parallel loss.
+    sp = t == 1 or getattr(layout, "sequence_parallel", True)  # published layouts (``Degrees``) run SP
+    whole = 0.0 if sp else 4.0 * counts.block_input
+
+    def cut(saved: float) -> float:
+        return (saved - min(whole, saved)) / t + min(whole, saved)
+
+    per_block = {"none": [cut(counts.block_saved[i]) for i in blocks],
+                 "selective": [counts.block_input / (t if sp else 1) + counts.block_kept[i] / t for i in blocks],
+                 "full": [counts.block_input / (t if sp else 1)] * len(blocks)}[run.recompute]
+    stage_bytes = sum(per_block) * tokens
     if run.recompute == "full":
-        stage_bytes += max(counts.block_saved) * tokens / t  # the block being recomputed
+        stage_bytes += max(cut(x) for x in counts.block_saved) * tokens  # the block being recomputed
     interleaving = (1 + (p - 1) / (p * v)) if v > 1 else 1.0
     in_flight = 1.0 if p == 1 else (m if layout.schedule == "gpipe" else min(p, m) * interleaving)
-    loss_bytes = 2 * counts.other_saved * tokens / t  # what the head and loss saved, and at the backward's start
-    # their gradients of the same size (the logits' float32 and 16-bit gradients), with every block's saved
+    loss_bytes = 2 * counts.other_saved * tokens / (t if run.loss_parallel else 1)  # what the head and loss saved,
+    # and at the backward's start their gradients of the same size (the logits' float32 and 16-bit gradients)
     memory["activations"] = max(stage_bytes * in_flight, stage_bytes + loss_bytes) if p > 1 else stage_bytes + loss_bytes
+    # The optimizer's step, after the activations are freed: the states, DDP's buckets, and foreach AdamW's
+    # float32 temporary of everything it steps (its sqrt of the second moments); counted where it tops the above.
+    at_step = 16.0 * stored + (memory["buffers"] if shards == 1 else 0.0) + 4.0 * stored
+    memory["optimizer step"] = max(0.0, at_step - sum(memory.values()))
     memory["allocator"] = a.allocator_overhead * sum(memory.values())
     memory["runtime"] = a.runtime_gib * GiB
     total = sum(memory.values())
 
-    # Compute: training FLOPs of the stage's share, recompute added, at the achieved rate.
-    expert_flops = sum(counts.block_expert_flops[i] for i in blocks) if counts.block_expert_flops else 0.0
-    flops_mm = sum(counts.block_flops[i] - counts.block_attention[i] for i in blocks) - expert_flops
-    flops_at = sum(counts.block_attention[i] for i in blocks)
-    head = counts.other_flops  # with a pipeline the stage counted is the last (blocks and the head): the slowest
-    redo = {"none": 0.0, "selective": 0.5, "full": 1.0}[run.recompute]  # forwards of the blocks run again
-    # The experts' rows: under ep each tp rank routes its share of the tokens, the busiest expert-parallel
-    # rank expert_imbalance x the mean; without ep every tp rank runs them all (mg.parallelize keeps them whole).
-    routed = expert_flops * tokens / t * a.expert_imbalance if e > 1 else expert_flops * tokens
-    matmul = (3 + redo) * (flops_mm * tokens / t + routed) + 3 * head * tokens / t
-    attention = (3 + (1.0 if run.recompute == "full" else 0.0)) * flops_at * tokens / t  # selective keeps its output
-    rate = cluster.peak("bf16") * a.efficiency * (a.compile_speedup if run.compile else 1.0)
+    # Compute: training FLOPs of the stage's share, recompute added, at the achieved rate (a measured machine's
+    # own rate for this micro-batch).
+    matmul, attention = micro_flops(counts, blocks, tokens, t, run.recompute, a.expert_imbalance if e > 1 else None)
+    measured = cluster.rate(b, run.recompute)
+    rate = measured or cluster.peak("bf16") * a.efficiency * (a.compile_speedup if run.compile else 1.0)
     fp8 = a.fp8_speedup if run.precision == "fp8" else 1.0
     micro_s = (matmul / fp8 + attention) / rate
     slots = m + (p - 1) / v if p > 1 else m
@@ -169,51 +188,64 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     if p > 1:
         time["pipeline bubble"] = (slots - m) * micro_s
 
-    # Collectives: seconds = bytes moved per rank x the busbw factor / busbw of the span the group covers;
-    # ``calls`` counts them per group size (each one waits where a machine's overheads say so).
+    # Collectives: ``cluster.collective_s`` (bus bandwidth of the span the group covers, or the measured
+    # links); ``calls`` counts them per group size (each one waits where a machine's overheads say so).
     calls: dict[int, float] = {}
 
-    def coll(nbytes: float, n: int, span: int, factor: float, count: float = 1.0) -> float:
-        if n <= 1:
+    def coll(op: str, nbytes: float, n: int, span: int, count: float) -> float:
+        if n <= 1 or count <= 0:
             return 0.0
         calls[n] = calls.get(n, 0.0) + count
-        return nbytes * factor * (n - 1) / n / cluster.busbw(span)
+        return cluster.collective_s(op, n, span, nbytes, count)
 
     inner = c * t
-    moe = sum(1 for i in blocks if experts[i])
+    # FSDP's units: each block's dense part (its experts a unit of their own, over efsdp) and the root
+    # (tables, final norm, head: the stage's). Sizes repeat, so each size is costed once with its count.
+    units = Counter(dense_of(i) for i in blocks)
+    expert_units = Counter(experts[i] / e for i in blocks if experts[i])
+    root = max(first, last) if p > 1 else first + last
     if shards > 1:
-        # FSDP gathers each block in forward and backward per micro-batch, the root once (a pipeline stage
-        # once a step); a reduce-scatter per unit a step. The experts' FSDP group, efsdp, is outside ep in
-        # the mesh, so it spans f x t as dp_shard does.
-        gathers, units = (2 * m, 2 * m * per_stage + m) if p == 1 else (1, per_stage + 1)
-        dp_s = coll(gathers * width * dense, f, f * t, 1, units) + coll(4.0 * dense, f, f * t, 1, per_stage + 1) \
-            + coll(gathers * width * experts_held, ef, f * t, 1, gathers * moe) + coll(4.0 * experts_held, ef, f * t, 1, moe)
-        if layout.dp_replicate > 1:
-            dp_s += coll(4.0 * stored, layout.dp_replicate, layout.dp_replicate * f * t, 2, per_stage + 1)
+        # Each block gathered in the forward and the backward of every micro-batch, the root once per
+        # micro-batch (a pipeline stage: all once a step); every unit reduce-scattered once a step. The
+        # experts' FSDP group, efsdp, is outside ep in the mesh, so it spans f x t as dp_shard does.
+        g_block, g_root = (2 * m, m) if p == 1 else (1, 1)
+        dp_s = coll("all_gather", width * root, f, f * t, g_root) + coll("reduce_scatter", 4.0 * root, f, f * t, 1)
+        for size, k in units.items():
+            dp_s += coll("all_gather", width * size, f, f * t, g_block * k) + coll("reduce_scatter", 4.0 * size, f, f * t, k)
+        for size, k in expert_units.items():
+            dp_s += coll("all_gather", width * size, ef, f * t, g_block * k) + coll("reduce_scatter", 4.0 * size, ef, f * t, k)
+        if layout.dp_replicate > 1:  # HSDP: each unit's shard all-reduced over the replicas
+            r = layout.dp_replicate
+            dp_s += coll("all_reduce", 4.0 * root / f, r, r * f * t, 1)
+            for size, k in units.items():
+                dp_s += coll("all_reduce", 4.0 * size / f, r, r * f * t, k)
+            for size, k in expert_units.items():
+                dp_s += coll("all_reduce", 4.0 * size / ef, r, r * f * t, k)
     else:  # DDP: one all-reduce per 25 MiB bucket
-        dp_s = coll(4.0 * held, dp, dp * inner, 2, max(1, math.ceil(4.0 * held / 2**20 / 25)))
+        buckets = max(1, math.ceil(4.0 * held / DDP_BUCKET))
+        dp_s = coll("all_reduce", 4.0 * held / buckets, dp, dp * inner, buckets)
     hidden_under = a.dp_overlap * time["compute"]
     time["data-parallel collectives (exposed)"] = max(0.0, dp_s - hidden_under)
     if t > 1:
-        per_layer = (8 + (4 if run.recompute == "full" else 0)) * tokens * counts.block_input
-        tp_s = m * per_stage * coll(per_layer, t, t, 1, m * per_stage * (4 + (2 if run.recompute == "full" else 0)))
-        time["tensor-parallel collectives"] = tp_s * (1 - (a.async_tp_overlap if run.async_tp else 0.0))
+        time["tensor-parallel collectives"] = tp_collectives(counts, layout, blocks, tokens, m, run, coll, p) \
+            * (1 - (a.async_tp_overlap if run.async_tp else 0.0))
     if e > 1:
         # Per MoE layer and micro-batch: the rows out and back (dispatch, combine), twice again in the backward
         # (and once more under full recompute), on the critical path; the group is ep consecutive ranks.
-        rows = sum(counts.block_routed[i] for i in blocks) * tokens / t * a.expert_imbalance
+        moe = sum(1 for i in blocks if experts[i])
+        rows = sum(counts.block_routed[i] for i in blocks) * tokens / t * a.expert_imbalance / max(moe, 1)
         per = 4 + (2 if run.recompute == "full" else 0)
-        time["expert all-to-all"] = m * coll(rows * per, e, e, 1, m * moe * per)
+        time["expert all-to-all"] = coll("all_to_all", rows, e, e, m * moe * per)
     if c > 1:
-        kv = sum(counts.block_kv[i] for i in blocks) * b * run.seq_len / t  # the whole sequence's K, V per rank
-        ring = m * 3 * coll(kv, c, inner, 1, m * 3 * per_stage)  # gathered forward, gradients back (x2) backward
+        kv = sum(counts.block_kv[i] for i in blocks) * b * run.seq_len / t / per_stage  # a block's whole K, V
+        ring = coll("all_gather", kv, c, inner, m * 3 * per_stage)  # gathered forward, gradients back (x2) backward
         time["context-parallel ring (exposed)"] = max(0.0, ring - m * attention / rate)
     if p > 1:
         hop = tokens * counts.block_input / t
-        time["pipeline send/recv"] = 2 * slots * v * hop / cluster.busbw(cluster.gpus // p + 1)  # next stage: world/p on
-        calls[2] = calls.get(2, 0.0) + 2 * slots * v
+        time["pipeline send/recv"] = coll("send", hop, 2, cluster.gpus // p + 1, 2 * slots * v)  # next stage: world/p on
     time["optimizer"] = a.optimizer_bytes * stored / cluster.gpu.hbm_bandwidth
-    for n in (f, cluster.gpus):  # the gradient norm's all-reduce (over the shards), the step's token count
+    # The gradient norm's all-reduce over each dimension the parameters are cut along, the step's token count.
+    for n in (f, t, p, cluster.gpus):
         if n > 1:
             calls[n] = calls.get(n, 0.0) + 1
     if overheads is not None:
@@ -224,3 +256,44 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     return {"memory": memory, "memory_bytes": total, "fits": total <= cluster.gpu.hbm_bytes, "time": time,
             "step_s": step, "tokens_per_s_per_gpu": tps, "collectives": calls,
             "mfu": tps * counts.flops_per_token / cluster.peak("bf16")}  # against bf16's peak, fp8 or not
+
+
+def micro_flops(counts: Counts, blocks, tokens: float, t: int, recompute: str,
+                imbalance: float | None = None) -> tuple[float, float]:
+    """(matmul, attention) training FLOPs of one micro-batch of ``tokens`` tokens through ``blocks`` and the head
+    on one of ``t`` tensor-parallel ranks, the recomputed forwards included. A mixture of experts' routed rows:
+    under ep (``imbalance`` given) each tp rank routes its share, the busiest rank ``imbalance`` x the mean;
+    without, every tp rank runs them all (``mg.parallelize`` keeps the experts whole)."""
+    expert_flops = sum(counts.block_expert_flops[i] for i in blocks) if counts.block_expert_flops else 0.0
+    flops_mm = sum(counts.block_flops[i] - counts.block_attention[i] for i in blocks) - expert_flops
+    flops_at = sum(counts.block_attention[i] for i in blocks)
+    redo = {"none": 0.0, "selective": 0.5, "full": 1.0}[recompute]  # forwards of the blocks run again
+    routed = expert_flops * tokens / t * imbalance if imbalance is not None else expert_flops * tokens
+    matmul = (3 + redo) * (flops_mm * tokens / t + routed) + 3 * counts.other_flops * tokens / t
+    attention = (3 + (1.0 if recompute == "full" else 0.0)) * flops_at * tokens / t  # selective keeps its output
+    return matmul, attention
+
+
+def tp_collectives(counts: Counts, layout, blocks, tokens: float, m: int, run: Run, coll, p: int) -> float:
+    """Seconds of a step's tensor-parallel collectives, as PyTorch's plans issue them, each moving a
+    micro-batch's hidden states (``coll(op, bytes, n, span, calls)``). With sequence parallelism, per sub-layer
+    an all-gather in and a reduce-scatter out, mirrored in the backward; without, an all-reduce after each
+    row-wise linear (one per sub-layer) and, in the backward, one of each column-wise linear's input gradient
+    (q, k and v each one). Full recompute runs the forward's again. The token table's output is reduced, the
+    head's input gathered (SP) or its gradient reduced, and the logits gathered unless the loss is parallel.
+    With a pipeline the stage counted is the last (the head's)."""
+    t, full = layout.tp, run.recompute == "full"
+    act = tokens * counts.block_input
+    fwd = 2 if full else 1
+    if getattr(layout, "sequence_parallel", True):  # published layouts (``Degrees``) run torchtitan's SP
+        each = 2 * (fwd + 1) * len(blocks)  # all-gathers, as many reduce-scatters
+        s = coll("all_gather", act, t, t, m * (each + 1)) + coll("reduce_scatter", act, t, t, m * (each + 1))
+        if p == 1:
+            s += coll("all_reduce", act, t, t, m) + coll("all_gather", act, t, t, m)  # the table's, its gradient
+    else:
+        linears = [counts.block_linears[i] if counts.block_linears else 4 for i in blocks]
+        reduces = sum(2 * fwd + max(n - 2, 2) for n in linears) + 1 + (1 if p == 1 else 0)  # + head, table
+        s = coll("all_reduce", act, t, t, m * reduces)
+    if not run.loss_parallel and counts.vocab:
+        s += coll("all_gather", tokens * counts.vocab * counts.dtype_bytes, t, t, m)
+    return s

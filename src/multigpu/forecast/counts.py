@@ -55,6 +55,9 @@ class Counts:
     block_experts: tuple[int, ...] = ()    # per block, the parameters of its experts modules (ep's to spread)
     block_expert_flops: tuple[float, ...] = ()  # of block_flops, the experts' (per token, top-k included)
     block_routed: tuple[float, ...] = ()   # bytes per token the dispatch sends to the experts (top-k rows x width)
+    block_linears: tuple[int, ...] = ()    # per block, its nn.Linear modules outside the experts (TP cuts each:
+                                           # two row-wise, one per sub-layer, the rest column-wise)
+    vocab: int = 0                         # the head's outputs per token (the logits' width)
 
     @property
     def hidden(self) -> float:
@@ -130,6 +133,9 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         moe = [m for _, m in expert_modules(model)]
         inside = [{id(m) for m in b.modules()} for b in blocks]
         experts_in = [sum(p.numel() for m in moe if id(m) in ids for p in m.parameters()) for ids in inside]
+        in_experts = {id(sub) for m in moe for sub in m.modules()}
+        linears = [sum(1 for sub in b.modules() if isinstance(sub, nn.Linear) and id(sub) not in in_experts) for b in blocks]
+        vocab = max((p.shape[0] for p in outputs if p.dim() == 2), default=0)
         routed, expert_flops = [0.0] * len(blocks), [0.0] * len(blocks)  # per block, of the block running now
 
         def experts_pre(module, args, kwargs):
@@ -178,7 +184,8 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
                   col(0), (total_all[0] - sum(b[0] for b in per_block)) / n,
                   col(1), (total_all[1] - sum(b[1] for b in per_block)) / n,
                   max(inputs), col(2), col(3), col(4), tally.heads, tied,
-                  min((m.num_experts for m in moe), default=0), tuple(experts_in), tuple(expert_flops), tuple(routed))
+                  min((m.num_experts for m in moe), default=0), tuple(experts_in), tuple(expert_flops), tuple(routed),
+                  tuple(linears), vocab)
 
 
 def _flop_counter():

@@ -7,13 +7,20 @@ source there. ``Cluster`` is that kind times a GPU count and a node size, with e
 (a forecast for a machine the table does not describe exactly: 96 GB H100s, 200 Gb/s NICs). The vendors'
 memory figure is read as GiB: that is about what the device reports (an "80 GB" H100: 79.6 GiB, a "141 GB"
 H200: 140 GiB), where 1e9 bytes would make every layout look 7 % tighter than it is.
+
+A machine known by measurement rather than by its spec sheet (``multigpu tune``'s probe of this one) is a
+``Cluster`` too: its ``rates`` (FLOP/s a micro-batch's forward and backward achieved, per micro-batch size and
+recompute) replace peak x efficiency, its ``links`` (each collective timed at a few sizes on each group size)
+replace the bus-bandwidth model.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
@@ -52,11 +59,43 @@ def gpu(kind: str) -> Gpu:
                row["scale_out_busbw_gb_s"] * 1e9)
 
 
+class Links:
+    """Seconds of a collective of ``nbytes`` (the whole buffer: what an all-gather gathers, an all-reduce
+    reduces) on ``n`` ranks, interpolated from measured points (log-log); ``send`` is a broadcast on 2."""
+
+    def __init__(self, points: dict[tuple[str, int], list[tuple[int, float]]]) -> None:
+        self.points = {k: sorted(v) for k, v in points.items()}
+
+    def time(self, op: str, n: int, nbytes: float) -> float:
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        pts = self.points.get(("broadcast", 2) if op == "send" else (op, n))
+        if not pts:
+            raise UsageError(f"no measurement of {op} on {n} ranks on this machine")
+        sizes = [s for s, _ in pts]
+        i = bisect.bisect_left(sizes, nbytes)
+        if i == 0:
+            return pts[0][1]  # latency-bound below the smallest size
+        if i == len(pts):
+            (s0, t0), (s1, t1) = pts[-2], pts[-1]
+            return t1 + (nbytes - s1) * (t1 - t0) / (s1 - s0)  # the largest sizes' bandwidth
+        (s0, t0), (s1, t1) = pts[i - 1], pts[i]
+        w = (math.log(nbytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
+        return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
+
+
+# What one rank moves per byte of the buffer, of (n - 1) / n (nccl-tests' bus bandwidth convention); a send
+# moves the buffer once.
+_BUS = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
+
+
 @dataclass(frozen=True)
 class Cluster:
     gpu: Gpu
     gpus: int
     gpus_per_node: int = 8
+    rates: dict | None = field(default=None, compare=False)  # measured FLOP/s per (micro_batch, recompute)
+    links: Links | None = field(default=None, compare=False)  # measured collectives
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -75,6 +114,24 @@ class Cluster:
         (inner mesh dimensions are consecutive ranks): the NIC's once the group leaves a node."""
         inside = span <= self.gpus_per_node and self.gpus_per_node % span == 0  # else some group straddles nodes
         return self.gpu.scale_up_busbw if inside else self.gpu.scale_out_busbw
+
+    def collective_s(self, op: str, n: int, span: int, nbytes: float, calls: float = 1.0) -> float:
+        """Seconds of ``calls`` collectives ``op`` among ``n`` ranks lying ``span`` GPUs apart, each of ``nbytes``:
+        measured where the links are, else the buffer x the op's bus factor / the span's bus bandwidth."""
+        if n <= 1 or calls <= 0 or nbytes <= 0:
+            return 0.0
+        if self.links is not None:
+            return calls * self.links.time(op, n, nbytes)
+        bus = _BUS[op] * (n - 1) / n if op != "send" else 1.0
+        return calls * nbytes * bus / self.busbw(span)
+
+    def rate(self, micro_batch: int, recompute: str) -> float | None:
+        """The measured FLOP/s of that micro-batch (None: a described GPU, whose peak x efficiency serves)."""
+        if self.rates is None:
+            return None
+        if (micro_batch, recompute) not in self.rates:
+            raise UsageError(f"micro-batch {micro_batch} with recompute {recompute} was not measured on this machine")
+        return self.rates[(micro_batch, recompute)]
 
     def peak(self, precision: str) -> float:
         if precision == "fp8":

@@ -53,11 +53,11 @@ def plan(counts: Counts, cluster: Cluster, run: Run, a: Assumptions, *, micro_ba
                 out.append({"layout": name(layout), "reason": why})
                 continue
             for rc in recompute:
-                got = predict(counts, cluster, layout, dataclasses.replace(run, recompute=rc), a)
                 # The model cuts every saved tensor by tp, as sequence parallelism does: the command asks for it
                 # (not beside ep or cp, which multigpu does not compose with it yet: there it is optimistic).
                 sp = layout.tp > 1 and layout.ep == layout.cp == 1
                 chosen = dataclasses.replace(layout, activation_checkpointing=rc == "full", sequence_parallel=sp)
+                got = predict(counts, cluster, chosen, dataclasses.replace(run, recompute=rc), a)
                 ranked.append({"name": name(chosen), "layout": chosen, "recompute": rc, **got})
     if not ranked:
         reasons = sorted({o["reason"] for o in out})

@@ -8,10 +8,13 @@ besides these (DDP's gradient buckets, FSDP's transient all-gather buffers)
 are not included: they are transient or implementation-defined, and the
 CUDA allocator (``mg`` meters) sees them.
 
+``StepPeak`` measures what a training step holds at most, on any device: the
+state at its start plus the most the step allocated at once (CUDA: the
+caching allocator's peak; CPU: the profiler's memory reporter). ``multigpu
+tune`` compares its prediction with it.
+
 ``LiveActivations`` counts the other half of training memory on any device:
-the peak storage bytes of the tensors autograd saves for the backward
-(``multigpu tune`` compares its prediction with it on CPU, where no allocator
-keeps a peak). A storage counts once per saved tensor that refers to it, so
+the peak storage bytes of the tensors autograd saves for the backward. A storage counts once per saved tensor that refers to it, so
 an input saved by several ops counts several times: an upper bound.
 """
 
@@ -72,6 +75,80 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         inner = getattr(optimizer, "optim", optimizer)
         o = _storage_bytes([v for s in inner.state.values() for v in s.values()], seen)
     return StateBytes(p, g, o)
+
+
+def ddp_buckets(model: nn.Module) -> int:
+    """Bytes DDP's reducer keeps beside the gradients: a bucket copy of each (none under
+    ``gradient_as_bucket_view``, where the gradients are views into the buckets); 0 for other models."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel) or model.gradient_as_bucket_view:
+        return 0
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+class StepPeak:
+    """The most bytes this rank held in tensors during a window (one training step), on any device.
+
+    CUDA: the caching allocator's peak of allocated bytes over the window (reset at its start). CPU, where no
+    allocator keeps a peak: what was live at the start that ``state_bytes`` sees (``base``: parameters,
+    gradients, optimizer state) plus the highest running total of the allocations and frees PyTorch's
+    profiler records inside the window (its CPU memory reporter sees every tensor the CPU allocator makes,
+    a wrapper's buffers and the collectives' outputs too). Blind spot on CPU: tensors made before the window
+    that are neither state nor in ``base`` (add DDP's buckets: ``ddp_buckets``). ``total`` is None where the
+    profiler cannot run (another one active).
+
+    >>> with StepPeak(device, state_bytes(model, opt).total + ddp_buckets(model)) as peak:
+    ...     train_step()
+    >>> peak.total
+    """
+
+    def __init__(self, device: torch.device, base: int) -> None:
+        self.device, self.base, self.total = device, base, None
+        self._prof = None
+
+    def __enter__(self) -> "StepPeak":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return self
+        from torch.profiler import ProfilerActivity, profile
+
+        try:
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        except RuntimeError:  # a profiler is already running (the user's): no measurement
+            self._prof = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.total = torch.cuda.max_memory_allocated(self.device)
+            return
+        if self._prof is None:
+            return
+        self._prof.__exit__(*exc)
+        if exc[0] is None:
+            self.total = self.base + _highest_total(self._prof)
+
+
+def _highest_total(prof) -> int:
+    """The most bytes allocated at once inside the profiled window beyond what was allocated at its start: the
+    memory reporter's running total (kept across windows, so read against its value before the first event)."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.Allocation:
+            events.append((event.start_time_ns, event.extra_fields.total_allocated, event.extra_fields.alloc_size))
+        stack.extend(event.children)
+    if not events:
+        return 0
+    events.sort()
+    _, total, size = events[0]
+    return max(0, max(t for _, t, _ in events) - (total - size))
 
 
 class LiveActivations:

@@ -4,7 +4,7 @@ or of a script that reads its layout with ``mg.layout_from_args()``, measured (`
     space.py   the candidates, mg.parallel.Layouts: DDP / FSDP / HSDP x TP x PP, micro-batch, checkpointing, schedule
     probe.py   the measured parts: one micro-batch on one process, the links (cached), the wrappers' and the
                loop's fixed costs (one process), the collectives' waits in a busy step (the real ranks, cached)
-    model.py   memory per rank and step time from those parts (docs/tune.md)
+    machine.py this machine as multigpu forecast describes a cluster: its model predicts each candidate
     run.py     predict, prune, measure the top K interleaved, report (tune.json, report.md, report.html)
     script.py  a script's layouts, measured
     rounds.py  what both measure alike: the device, one launch and its failure, the rounds, the summary, the files

@@ -1,8 +1,7 @@
 """The measured parts of the cost model: one micro-batch on one process, the links, the fixed costs.
 
 ``compute`` times a micro-batch's forward and backward of the GPT recipe's
-model in this process (with the threads one worker gets) and counts the bytes
-autograd saves for it. ``links`` measures all-reduce, all-gather,
+model in this process (with the threads one worker gets). ``links`` measures all-reduce, all-gather,
 reduce-scatter and broadcast at sizes 4 KiB..16 MiB on each group size the
 candidates use, through ``multigpu bench``'s measurement, and keeps the result
 in a cache file per machine, device kind, group size and thread count.
@@ -27,9 +26,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from ..meter.footprint import LiveActivations
 from ..runtime import compat
-from .model import Links
+from ..forecast.hardware import Links
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 SIZES = tuple(4096 * 4 ** k for k in range(7))  # 4 KiB .. 16 MiB
@@ -37,8 +35,7 @@ SIZES = tuple(4096 * 4 ** k for k in range(7))  # 4 KiB .. 16 MiB
 
 def compute(cfg, keys, threads: int, rounds: int = 7) -> dict:
     """For each (micro_batch, activation_checkpointing) in ``keys``: {"time_s": median forward+backward of
-    one micro-batch, "optimizer_s": clipping and AdamW's step of the whole model, "activation_bytes": saved
-    for its backward}. The keys are timed in turn (A B C A B C ...), ``rounds`` times, after a warm-up
+    one micro-batch, "optimizer_s": clipping and AdamW's step of the whole model}. The keys are timed in turn (A B C A B C ...), ``rounds`` times, after a warm-up
     each, so machine noise falls on all alike."""
     from ..recipes.gpt.model import GPT
 
@@ -60,10 +57,8 @@ def compute(cfg, keys, threads: int, rounds: int = 7) -> dict:
             loss.backward()
 
         for m, ac in keys:
-            acts = LiveActivations(model.parameters())
-            with acts.hooks():
-                step(m, ac)  # warm-up, and the count of saved bytes
-            out[(m, ac)] = {"activation_bytes": acts.peak}
+            step(m, ac)  # warm-up
+            out[(m, ac)] = {}
         for _ in range(rounds):
             for key in keys:
                 t0 = time.perf_counter()
@@ -333,7 +328,10 @@ def sync(group_sizes: set[int], nproc: int, device: str, threads: int, say=print
     if alone is not None:
         alone = statistics.median([alone, _work_alone(threads)])  # before and after: the machine's load moves
     waits = {int(g): v for g, v in result["wait_s"].items() if int(g) > 1}
-    slowdown = max(1.0, result["work_s"] / alone) if alone else 1.0  # devices do not share compute
+    # Devices do not share compute. On CPU, N workers of T threads on C cores cannot run faster than C / (N T)
+    # of their speed alone: the measured matmul (cache-resident, the least slowed work) is floored there.
+    bound = nproc * threads / len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1.0
+    slowdown = max(1.0, result["work_s"] / alone, bound) if alone else 1.0
     return {"wait_s": waits, "slowdown": slowdown, "work_s": result["work_s"], "alone_s": alone}
 
 

@@ -1,7 +1,8 @@
 """``multigpu tune``: predict every layout, measure the most promising, pick the fastest that fits.
 
 1. the candidates (``space.py``) and the measured parts (``probe.py``);
-2. each candidate's predicted memory and step time (``model.py``); those over
+2. each candidate's predicted memory and step time (``multigpu forecast``'s model with this machine's
+   measured rates, links and overheads: ``machine.py``); those over
    the memory budget (``--memory-budget``, or the GPU's memory) are pruned;
 3. the ``top`` fastest predicted are run through the launcher for ``steps``
    steps each, in ``repeats`` interleaved rounds (A B C A B C): the step time is
@@ -27,8 +28,7 @@ from typing import Callable
 from ..errors import UsageError
 from ..parallel.layout import Layout
 from ..report.page import Heading, Items, Page, Table, Text
-from . import model as cost
-from . import rounds
+from . import machine, rounds
 from .space import candidates, name
 
 RECIPE = "multigpu.recipes.gpt"
@@ -90,6 +90,17 @@ def _recipe_args(cfg: TuneConfig):
     model_cfg = config(args.size, **({"block_size": args.block_size} if args.block_size else {}),
                        **({"tie_embeddings": False} if args.untied else {}))
     return args, model_cfg
+
+
+def _counts(model_cfg, precision: str):
+    """The forecast's count of the recipe's model, its activations in the recipe's compute dtype."""
+    import torch
+
+    from ..forecast.counts import count
+    from ..recipes.gpt.model import GPT
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return count(lambda: GPT(model_cfg), model_cfg.block_size, name="gpt", dtype=dtype)
 
 
 def _budget(cfg: TuneConfig, device: str) -> tuple[int | None, str]:
@@ -170,15 +181,14 @@ def run_tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> tuple[Path,
     out = rounds.out_dir(cfg)
     say(f"multigpu tune: gpt {args.size} on {cfg.nproc} {'CPU workers' if device == 'cpu' else 'GPUs'}, global batch "
         f"{args.global_batch}: {len(found)} candidates ({len(left_out)} layouts left out) -> {out}")
-    shape = cost.Shape.of(model_cfg)
+    counts = _counts(model_cfg, args.precision)
     parts = measure_parts(model_cfg, found, cfg.nproc, device, cfg.threads, say, recipe_args=cfg.args,
                           root=out / "probe", cpu=cfg.cpu)
     budget, budget_text = _budget(cfg, device)
+    here = machine.measured_cluster(counts, parts, cfg.nproc, budget)
     rows = []
-    slowdown = parts["slowdown"]  # measured on the busy ranks (1 on GPUs: devices do not share compute)
     for c in found:
-        p = cost.predict(c, shape, args.global_batch, parts["compute"], parts["links"], slowdown, parts["fixed"],
-                         parts["sync"])
+        p = machine.predict(c, counts, here, parts, args.global_batch)
         fits = budget is None or p["memory_bytes"] <= budget
         rows.append({"candidate": name(c), "args": c.flags, "predicted": p, "fits": fits, "measured": [],
                      "pruned": None if fits else f"predicted {p['memory_bytes'] / 2**20:,.1f} MiB > budget {budget / 2**20:,.1f} MiB",
@@ -265,5 +275,6 @@ def tune_page(report: dict) -> Page:
                     Table(HEAD, [_cells(r) for r in report["candidates"]])]
     if report["left_out"]:
         blocks += [Heading("Left out"), Items([f"{o['layout']}: {o['reason']}" for o in report["left_out"]])]
-    blocks.append(Text("The model: docs/tune.md (no overlap of communication and compute is assumed)."))
+    blocks.append(Text("The model: multigpu forecast's (docs/forecast.md) with this machine's measured rates, links and "
+                       "overheads (docs/tune.md); no overlap of communication and compute is assumed."))
     return Page(f"multigpu tune: {report['workload']} on {report['world_size']} ranks ({report['device']})", blocks)

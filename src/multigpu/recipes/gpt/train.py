@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import multigpu as mg
-from multigpu.meter import LiveActivations, state_bytes
+from multigpu.meter import StepPeak, ddp_buckets, state_bytes
 
 from .data import prepare_tokens, token_sets
 from .model import GPT, SIZES, config
@@ -106,8 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="write checkpoints in the background: the loop waits only for the host copy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-json", default=None, metavar="PATH",
-                   help="write the result, with each rank's training-state and peak activation bytes (max over ranks), "
-                        "to PATH (rank 0; `multigpu tune` reads it)")
+                   help="write the result, with the training state's bytes and the most a step held (mg.meter.StepPeak, "
+                        "the largest rank), to PATH (rank 0; `multigpu tune` reads it)")
     args = p.parse_args(rest)
     args.layout = layout
     args.schedule_given = any(a == "--schedule" or a.startswith("--schedule=") for a in argv)
@@ -247,14 +247,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                    async_save=args.async_checkpoint)
             start = ckpt.resume()
         metrics: dict[str, float] = {}
-        # Saved tensors are counted in the first step only (a warm-up step, outside the throughput).
-        acts = LiveActivations(model.parameters()) if args.result_json else None
+        # Memory is measured over the second step (the optimizer's state exists by then), in the meter's first
+        # interval, left out of the throughput as warm-up (the CPU measurement profiles the step).
+        peak = None
+        measured_step = start + 1 if args.steps > start + 1 else start
         with meter:
             for step, micro_batches in meter.steps(_forever(train), start=start):
                 if step >= args.steps:
                     break  # resumed from the end
                 done = step + 1 == args.steps
-                with acts.hooks() if acts is not None and step == start else contextlib.nullcontext():
+                if args.result_json and step == measured_step:
+                    peak = StepPeak(dist.device, state_bytes(model, opt).total + ddp_buckets(model))
+                with peak if peak is not None and step == measured_step else contextlib.nullcontext():
                     if pipe is not None:
                         # Stage times at log steps only (the meter sums a metric over its interval's steps):
                         # on a GPU each read waits for the device.
@@ -274,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     break
         if ckpt is not None:
             ckpt.finish()
-        return _finish(args, cfg, dist, layout, meter, metrics, acts, model, opt)
+        return _finish(args, cfg, dist, layout, meter, metrics, peak, model, opt)
 
 
 def _build(args, cfg, layout, plan, dist):
@@ -296,7 +300,7 @@ def _evaluate(model, pipe, val_set, layout, dist, plan, args) -> dict[str, float
     return evaluate(model, val_set, layout, dist, plan.micro_batch, sequences, args.loss_parallel)
 
 
-def _finish(args, cfg, dist, layout, meter, metrics, acts, model, opt) -> dict[str, float]:
+def _finish(args, cfg, dist, layout, meter, metrics, step_peak, model, opt) -> dict[str, float]:
     """The run's result (and --result-json's file, collective), and its closing line."""
     summary = meter.summary() or {}
     sps = summary.get("samples_per_s")
@@ -307,8 +311,9 @@ def _finish(args, cfg, dist, layout, meter, metrics, acts, model, opt) -> dict[s
     mfu = f", MFU {result['mfu']:.1%}" if result["mfu"] is not None else ""
     mem = f", peak memory {peak / 2**30:.2f} GiB" if peak is not None else ""
     tps = f"{result['tokens_per_s']:,.0f} tokens/s" if result["tokens_per_s"] else "tokens/s n/a"
-    if acts is not None:
-        _write_result(args.result_json, result, state_bytes(model, opt).total, acts.peak, dist)
+    if args.result_json:
+        _write_result(args.result_json, result, state_bytes(model, opt).total,
+                      step_peak.total if step_peak is not None else None, dist)
     mg.print0(f"gpt {args.size}: val loss {metrics.get('loss', float('nan')):.4f} "
               f"({metrics.get('bits_per_byte', float('nan')):.3f} bits/byte); {tps}{mfu}{mem} | {layout.label}")
     return result
@@ -348,16 +353,17 @@ def _model_step(model, opt, sched, amp, args, micro_batches):
     return step_loss, {}
 
 
-def _write_result(path: str, result: dict, state: int, activations: int, dist) -> None:
-    """Rank 0 writes ``result`` with the largest rank's memory (collective: every rank calls it)."""
-    peak = [float(state), float(activations), float(state + activations)]
+def _write_result(path: str, result: dict, state: int, peak: int | None, dist) -> None:
+    """Rank 0 writes ``result`` with the largest rank's memory: its training state and the most a step held
+    (``StepPeak``; None where it could not be measured). Collective: every rank calls it."""
+    sizes = [float(state), float(peak if peak is not None else -1)]
     if torch.distributed.is_initialized():
-        t = torch.tensor(peak, dtype=torch.float64, device=dist.device)  # NCCL reduces device tensors only
+        t = torch.tensor(sizes, dtype=torch.float64, device=dist.device)  # NCCL reduces device tensors only
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        peak = t.cpu().tolist()
+        sizes = t.cpu().tolist()
     if dist.is_main:
         with open(path, "w") as fp:
-            json.dump(dict(result, memory={"state_bytes": peak[0], "activation_bytes": peak[1], "total_bytes": peak[2]}),
+            json.dump(dict(result, memory={"state_bytes": sizes[0], "total_bytes": sizes[1] if sizes[1] >= 0 else None}),
                       fp, indent=1, default=str)
 
 

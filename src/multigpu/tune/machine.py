@@ -1,0 +1,80 @@
+"""This machine as ``multigpu forecast`` describes a cluster, from tune's probe: one cost model for both.
+
+The forecast's model (``forecast/cost.py``) predicts every candidate; what it would read from a GPU's spec
+sheet it reads here from measurement (``probe.py``):
+
+- the rate: the forecast's own count of a micro-batch's training FLOPs (recompute included) over the
+  probe's time of that micro-batch on one process, per micro-batch size and checkpointing, divided by the
+  busy ranks' slowdown (on CPU the workers share the cores) and used as achieved (efficiency 1);
+- the collectives: the probe's links (each op timed at 4 KiB..16 MiB on each group size), interpolated;
+- the optimizer: AdamW's and clipping's measured time as a memory bandwidth (the forecast's 36 bytes per
+  parameter);
+- the overheads: what each wrapper and the recipe's loop add per micro-batch and per step, and what one
+  collective waits in a busy step beyond its own transfer (``forecast.cost.Overheads``).
+
+Assumed (named in the report): no overlap of communication and compute (on CPU gloo competes with the
+backward for the cores), no CUDA runtime or allocator overhead beyond the tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..forecast.cost import Assumptions, Overheads, Run, micro_flops
+from ..forecast.counts import Counts
+from ..forecast.hardware import Cluster, Gpu
+from ..parallel.layout import Layout
+
+ASSUMPTIONS = Assumptions(efficiency=1.0, dp_overlap=0.0, runtime_gib=0.0, allocator_overhead=0.0,
+                          calibration="measured on this machine (tune's probe)")
+
+
+def family(layout: Layout) -> str:
+    """Which wrapper a layout puts around the model (the key of the measured fixed costs): none, ddp, fsdp
+    (HSDP too), tp or fsdp+tp."""
+    kind = layout.strategy
+    if kind == "ddp":
+        return "ddp"
+    sharded = kind in ("fsdp", "hsdp")
+    if layout.tp > 1:
+        return "fsdp+tp" if sharded else "tp"
+    return "fsdp" if sharded else "none"
+
+
+def measured_cluster(counts: Counts, parts: dict, nproc: int, memory: float | None) -> Cluster:
+    """This machine's ``nproc`` ranks as a forecast cluster: the probe's rates and links (``parts``:
+    ``run.measure_parts``), ``memory`` per rank (None: no limit)."""
+    slowdown = parts["slowdown"]
+    rates = {}
+    for (mb, ac), got in parts["compute"].items():
+        recompute = "full" if ac else "none"
+        flops = sum(micro_flops(counts, range(counts.layers), mb * counts.seq_len, 1, recompute))
+        rates[(mb, recompute)] = flops / (got["time_s"] * slowdown)
+    optimizer_s = next(iter(parts["compute"].values()))["optimizer_s"] * slowdown
+    gpu = Gpu("measured", "this machine (measured)", math.inf if memory is None else memory,
+              ASSUMPTIONS.optimizer_bytes * counts.params / optimizer_s, max(rates.values()), None, 0.0, 0.0)
+    return Cluster(gpu, nproc, nproc, rates=rates, links=parts["links"])
+
+
+def overheads(layout: Layout, parts: dict) -> Overheads:
+    """The measured fixed costs of ``layout``'s wrapper (x the busy ranks' slowdown: they are CPU work) and each
+    collective's wait in a busy step, less a 1 KiB all-reduce's transfer (the links count it)."""
+    fixed = parts["fixed"][family(layout) + ("+ac" if layout.activation_checkpointing else "")]
+    links, slowdown = parts["links"], parts["slowdown"]
+    floor = {n: links.time("all_reduce", n, 1024) if ("all_reduce", n) in links.points else 0.0 for n in parts["sync"]}
+    return Overheads(fixed["micro_s"] * slowdown, fixed["step_s"] * slowdown,
+                     {n: max(0.0, w - floor[n]) for n, w in parts["sync"].items()})
+
+
+def predict(layout: Layout, counts: Counts, cluster: Cluster, parts: dict, global_batch: int) -> dict:
+    """The forecast of one candidate on this machine, in tune's terms: memory per rank, step time and its
+    parts (compute: micro-batches, bubble, optimizer; communication; fixed costs), the forecast's own parts."""
+    from ..forecast.cost import predict as forecast
+
+    run = Run(global_batch, counts.seq_len, "full" if layout.activation_checkpointing else "none")  # logits gathered
+    got = forecast(counts, cluster, layout, run, ASSUMPTIONS, overheads(layout, parts))
+    compute = sum(v for k, v in got["time"].items() if k in ("compute", "pipeline bubble", "optimizer"))
+    fixed = got["time"].get("fixed costs", 0.0)
+    return {"step_time_s": got["step_s"], "memory_bytes": got["memory_bytes"], "compute_s": compute,
+            "comm_s": got["step_s"] - compute - fixed, "overhead_s": fixed, "time": got["time"],
+            "memory": got["memory"], "collectives": got["collectives"]}
