@@ -12,8 +12,9 @@ What the prediction reads, and from where:
   the threads a worker gets, per micro-batch size (A B A B, median of 7), / the busy ranks' slowdown;
 - the optimizer: clipping and AdamW's step over the model, timed here;
 - the machine: the GPT tune's probe (run on this machine): its links (the cached measurements), its busy-step
-  slowdown and collective waits, and the wrappers' fixed costs it measured on the GPT (a machine figure here:
-  the Llama's own wrappers are not probed).
+  slowdown and collective waits, and the wrappers' fixed costs it measured on the GPT (DDP, FSDP2, DTensor's
+  TP: taken as this machine's, though they grow with a model's modules; the Llama's own are not probed). Not
+  the GPT recipe's loop (its loader and loss per micro-batch): that is the recipe's, not the script's.
 Memory is not compared: a script's tune measures step time only.
 """
 
@@ -104,7 +105,7 @@ def main() -> None:
     groups |= {2} if any(lay.pp > 1 for lay in layouts.values()) else set()
     measured, _ = links(groups, "cpu", threads, say=lambda _: None)
     parts = {"compute": {(m, False): {"time_s": s, "optimizer_s": optimizer_s} for m, s in seconds.items()},
-             "links": measured, "slowdown": busy["slowdown"], "fixed": probe["probe"]["fixed"],
+             "links": measured, "slowdown": busy["slowdown"], "fixed": probe["probe"]["wrappers"],
              "sync": {int(n): w for n, w in busy["wait_s"].items()}}
     here = machine.measured_cluster(counts, parts, ranks, None)
     print(f"{counts.name}: {counts.params:,} parameters, {counts.flops_per_token / 1e6:.2f} MFLOP per token; {ranks} ranks "

@@ -58,6 +58,7 @@ class Counts:
     block_linears: tuple[int, ...] = ()    # per block, its nn.Linear modules outside the experts (TP cuts each:
                                            # two row-wise, one per sub-layer, the rest column-wise)
     vocab: int = 0                         # the head's outputs per token (the logits' width)
+    kv_heads: int = 0                      # key/value heads, where the config names them (tp must divide them)
 
     @property
     def hidden(self) -> float:
@@ -136,6 +137,7 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         in_experts = {id(sub) for m in moe for sub in m.modules()}
         linears = [sum(1 for sub in b.modules() if isinstance(sub, nn.Linear) and id(sub) not in in_experts) for b in blocks]
         vocab = max((p.shape[0] for p in outputs if p.dim() == 2), default=0)
+        kv_heads = getattr(getattr(model, "config", None), "num_key_value_heads", None) or 0
         routed, expert_flops = [0.0] * len(blocks), [0.0] * len(blocks)  # per block, of the block running now
 
         def experts_pre(module, args, kwargs):
@@ -185,7 +187,7 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
                   col(1), (total_all[1] - sum(b[1] for b in per_block)) / n,
                   max(inputs), col(2), col(3), col(4), tally.heads, tied,
                   min((m.num_experts for m in moe), default=0), tuple(experts_in), tuple(expert_flops), tuple(routed),
-                  tuple(linears), vocab)
+                  tuple(linears), vocab, kv_heads)
 
 
 def _flop_counter():

@@ -23,6 +23,8 @@ def _why_not(counts: Counts, layout: Layout, run: Run) -> str | None:
     s = layout
     if counts.heads and counts.heads % (s.tp * s.cp):
         return f"tp x cp = {s.tp * s.cp} does not divide the {counts.heads} attention heads"
+    if counts.kv_heads and counts.kv_heads % s.tp:
+        return f"tp {s.tp} does not divide the {counts.kv_heads} key/value heads"
     if s.ep > 1 and counts.experts % s.ep:
         return f"ep {s.ep} does not divide the {counts.experts} experts"
     if s.cp > 1 and not counts.heads:
