@@ -134,6 +134,9 @@ def _measure(layout: Layout, cfg: TuneConfig, root: Path, round_: int) -> dict:
         return {"status": "failed", "exit_code": 0, "error": f"unreadable results: {err}", "wall_s": wall}
     if measured["thin"]:
         return {"status": "failed", "exit_code": 0, "error": f"too short to judge: {measured['thin']}", "wall_s": wall}
+    if mem["total_bytes"] is None:  # mg.meter.StepPeak could not profile the step (a profiler of the user's ran)
+        return {"status": "failed", "exit_code": 0, "wall_s": wall,
+                "error": "the run's memory was not measured (another profiler was running: drop --profile)"}
     return {"status": "ok", "step_time_s": measured["step_time_s"], "memory_bytes": mem["total_bytes"], "wall_s": wall}
 
 
