@@ -25,7 +25,6 @@ import importlib.util
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -40,36 +39,24 @@ def _example():
     return module
 
 
-def timed(config, micro_batches: list[int], threads: int, seq: int, rounds: int = 7) -> tuple[dict[int, float], float]:
-    """(seconds of one micro-batch's forward and backward per size, seconds of clipping and AdamW's step)."""
+def timed(config, micro_batches: list[int], threads: int, seq: int) -> tuple[dict[int, float], float]:
+    """(seconds of one micro-batch's forward and backward per size, seconds of clipping and AdamW's step), timed
+    as tune's probe times the GPT's (``probe.timed``: A B A B, median of 7)."""
     import torch.nn.functional as F
     import transformers
+
+    from multigpu.tune.probe import timed as interleaved
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, config.vocab_size, (max(micro_batches), seq + 1))
 
     def step(m: int) -> None:
         logits = model(input_ids=x[:m, :-1], use_cache=False).logits
         F.cross_entropy(logits.flatten(0, 1), x[:m, 1:].flatten()).backward()
 
-    for m in micro_batches:
-        step(m)  # warm-up
-    times: dict[int, list[float]] = {m: [] for m in micro_batches}
-    opt_times = []
-    for _ in range(rounds):
-        for m in micro_batches:
-            t0 = time.perf_counter()
-            step(m)
-            times[m].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        opt_times.append(time.perf_counter() - t0)
-    return {m: statistics.median(v) for m, v in times.items()}, statistics.median(opt_times)
+    return interleaved(model, step, micro_batches)
 
 
 def main() -> None:

@@ -35,8 +35,7 @@ SIZES = tuple(4096 * 4 ** k for k in range(7))  # 4 KiB .. 16 MiB
 
 def compute(cfg, keys, threads: int, rounds: int = 7) -> dict:
     """For each (micro_batch, activation_checkpointing) in ``keys``: {"time_s": median forward+backward of
-    one micro-batch, "optimizer_s": clipping and AdamW's step of the whole model}. The keys are timed in turn (A B C A B C ...), ``rounds`` times, after a warm-up
-    each, so machine noise falls on all alike."""
+    one micro-batch, "optimizer_s": clipping and AdamW's step of the whole model} (``timed``)."""
     from ..recipes.gpt.model import GPT
 
     before = torch.get_num_threads()
@@ -44,37 +43,40 @@ def compute(cfg, keys, threads: int, rounds: int = 7) -> dict:
     try:
         torch.manual_seed(0)
         model = GPT(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         x = torch.randint(0, cfg.vocab_size, (max(m for m, _ in keys), cfg.block_size + 1))
-        out: dict = {}
-        times: dict = {key: [] for key in keys}
-        opt_times = []
 
-        def step(m: int, ac: bool) -> None:
+        def step(key) -> None:
+            m, ac = key
             for block in model.blocks.values():
                 block.checkpointed = ac
-            loss = F.cross_entropy(model(x[:m, :-1]).flatten(0, 1), x[:m, 1:].flatten())
-            loss.backward()
+            F.cross_entropy(model(x[:m, :-1]).flatten(0, 1), x[:m, 1:].flatten()).backward()
 
-        for m, ac in keys:
-            step(m, ac)  # warm-up
-            out[(m, ac)] = {}
-        for _ in range(rounds):
-            for key in keys:
-                t0 = time.perf_counter()
-                step(*key)
-                times[key].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-            opt_times.append(time.perf_counter() - t0)
-        for key in keys:
-            out[key] |= {"time_s": statistics.median(times[key]), "optimizer_s": statistics.median(opt_times),
-                         "rounds": rounds}
-        return out
+        times, optimizer_s = timed(model, step, keys, rounds)
+        return {key: {"time_s": t, "optimizer_s": optimizer_s, "rounds": rounds} for key, t in times.items()}
     finally:
         torch.set_num_threads(before)
+
+
+def timed(model, step, keys, rounds: int = 7) -> tuple[dict, float]:
+    """({key: median seconds of ``step(key)``}, median seconds of clipping and AdamW's step over ``model``): the
+    keys timed in turn (A B C A B C ...), ``rounds`` times, after a warm-up each, so machine noise falls on all
+    alike; the optimizer after each round (its state exists from the first)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for key in keys:
+        step(key)  # warm-up
+    times: dict = {key: [] for key in keys}
+    opt_times = []
+    for _ in range(rounds):
+        for key in keys:
+            t0 = time.perf_counter()
+            step(key)
+            times[key].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        opt_times.append(time.perf_counter() - t0)
+    return {key: statistics.median(v) for key, v in times.items()}, statistics.median(opt_times)
 
 
 def cache_path(n: int, device: str, threads: int) -> str:
