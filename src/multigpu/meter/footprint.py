@@ -13,9 +13,10 @@ state at its start plus the most the step allocated at once (CUDA: the
 caching allocator's peak; CPU: the profiler's memory reporter). ``multigpu
 tune`` compares its prediction with it.
 
-``LiveActivations`` counts the other half of training memory on any device:
-the peak storage bytes of the tensors autograd saves for the backward. A storage counts once per saved tensor that refers to it, so
-an input saved by several ops counts several times: an upper bound.
+``LiveActivations`` counts the peak storage bytes of the tensors autograd
+saves for the backward, on any device. A storage counts once per saved tensor
+that refers to it, so an input saved by several ops counts several times: an
+upper bound.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The measured parts of the cost model: one micro-batch on one process, the links, the fixed costs.
 
 ``compute`` times a micro-batch's forward and backward of the GPT recipe's
-model in this process (with the threads one worker gets). ``links`` measures all-reduce, all-gather,
-reduce-scatter and broadcast at sizes 4 KiB..16 MiB on each group size the
-candidates use, through ``multigpu bench``'s measurement, and keeps the result
+model in this process (with the threads one worker gets). ``links`` measures
+all-reduce, all-gather, reduce-scatter and broadcast at sizes 4 KiB..16 MiB on
+each group size the candidates use, through ``multigpu bench``'s measurement, and keeps the result
 in a cache file per machine, device kind, group size and thread count.
 The fixed costs, measured each time (they move with the machine's load):
 ``loop`` runs the recipe itself on one rank (what its loop adds per
