@@ -119,7 +119,8 @@ def _measure(layout: Layout, cfg: TuneConfig, root: Path, round_: int) -> dict:
 
     where = root / "runs" / f"{rounds.slug(name(layout))}-r{round_}"
     result = where / "result.json"
-    argv = [*cfg.args, *layout.flags, "--steps", str(cfg.steps), "--log-every", "2", "--eval-every",
+    # The first interval (3 steps: warm-up, and the third's memory measured) is left out of the step time.
+    argv = [*cfg.args, *layout.flags, "--steps", str(cfg.steps), "--log-every", "3", "--eval-every",
             str(10 * cfg.steps), "--eval-batches", "1", "--result-json", str(result)]
     done, failed = rounds.launch(RECIPE, argv, module=True, cfg=cfg, where=where)
     if failed is not None:

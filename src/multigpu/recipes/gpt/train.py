@@ -247,10 +247,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                    async_save=args.async_checkpoint)
             start = ckpt.resume()
         metrics: dict[str, float] = {}
-        # Memory is measured over the second step (the optimizer's state exists by then), in the meter's first
-        # interval, left out of the throughput as warm-up (the CPU measurement profiles the step).
+        # Memory is measured over the third step: the optimizer's state exists by then, and DDP has rebuilt its
+        # buckets (in the second step's forward, allocating new ones while the old are live), which a steady step
+        # does not; within the meter's first interval, left out of the throughput as warm-up (the CPU
+        # measurement profiles the step), so never past its last step.
         peak = None
-        measured_step = start + 1 if args.steps > start + 1 else start
+        measured_step = start + max(0, min(2, args.log_every - 1, args.steps - 1 - start))
         with meter:
             for step, micro_batches in meter.steps(_forever(train), start=start):
                 if step >= args.steps:
