@@ -73,47 +73,42 @@ def main() -> None:
     from multigpu import layout_from_args
     from multigpu.forecast.counts import count
     from multigpu.tune import machine
-    from multigpu.tune.probe import links
 
     ranks, threads = report["world_size"], report.get("threads_per_worker") or 1
     if probe["world_size"] != ranks:
         sys.exit(f"the probe ran on {probe['world_size']} ranks, the script's tune on {ranks}: run both on the same")
     rows = [r for r in report["candidates"] if r.get("result")]
     layouts = {r["candidate"]: layout_from_args(r["args"])[0].resolve(ranks) for r in rows}
-    global_batch = args.global_batch
     config = _example().model_config()
     seq = 64  # the script's windows
     counts = count(lambda: transformers.AutoModelForCausalLM.from_config(config), seq, name="hf_model Llama",
                    dtype=torch.float32)
     micro = sorted({lay.micro_batch for lay in layouts.values()})
     seconds, optimizer_s = timed(config, micro, threads, seq)
-    busy = probe["probe"]["busy"]
-    groups = {n for lay in layouts.values() for n in (lay.dp_size, lay.dp_shard, lay.dp_replicate, lay.tp, ranks)}
-    groups |= {2} if any(lay.pp > 1 for lay in layouts.values()) else set()
-    measured, _ = links(groups, "cpu", threads, say=lambda _: None)
-    parts = {"compute": {(m, False): {"time_s": s, "optimizer_s": optimizer_s} for m, s in seconds.items()},
-             "links": measured, "slowdown": busy["slowdown"], "fixed": probe["probe"]["wrappers"],
-             "sync": {int(n): w for n, w in busy["wait_s"].items()}}
+    # The GPT tune's machine (its links, slowdown, waits), this model's compute, the wrappers' costs without the
+    # GPT recipe's loop (that is the recipe's, not the script's).
+    parts = machine.parts_of(probe) | {
+        "compute": {(m, False): {"time_s": t, "optimizer_s": optimizer_s} for m, t in seconds.items()}}
+    parts["fixed"] = parts["wrappers"]
     here = machine.measured_cluster(counts, parts, ranks, None)
     print(f"{counts.name}: {counts.params:,} parameters, {counts.flops_per_token / 1e6:.2f} MFLOP per token; {ranks} ranks "
           f"x {threads} thread(s); one process: " + ", ".join(f"micro-batch {m} {s * 1e3:.1f} ms" for m, s in seconds.items())
-          + f", optimizer {optimizer_s * 1e3:.1f} ms; the probe's slowdown {busy['slowdown']:.2f}\n")
+          + f", optimizer {optimizer_s * 1e3:.1f} ms; the probe's slowdown {parts['slowdown']:.2f}\n")
     print("| layout | measured ms/step | predicted ms | error | compute + comm + fixed ms |")
     print("|---|---:|---:|---:|---|")
+    predicted = {r["candidate"]: machine.predict(layouts[r["candidate"]], counts, here, parts, args.global_batch)
+                 for r in rows}
     errors = []
     for r in sorted(rows, key=lambda r: r["result"]["step_time_s"]):
-        got = machine.predict(layouts[r["candidate"]], counts, here, parts, global_batch)
-        step = r["result"]["step_time_s"]
+        got, step = predicted[r["candidate"]], r["result"]["step_time_s"]
         errors.append(got["step_time_s"] / step - 1)
         print(f"| {r['candidate']} | {step * 1e3:,.1f} | {got['step_time_s'] * 1e3:,.1f} | {errors[-1]:+.0%} | "
               f"{got['compute_s'] * 1e3:,.1f} + {got['comm_s'] * 1e3:,.1f} + {got['overhead_s'] * 1e3:,.1f} |")
     size = [abs(e) for e in errors]
     print(f"\nstep time error over {len(size)} layouts: median {statistics.median(size):.0%}, worst {max(size):.0%}, "
           f"within 15 %: {sum(e <= 0.15 for e in size)}, within 30 %: {sum(e <= 0.30 for e in size)}")
-    fast = sorted(rows, key=lambda r: r["result"]["step_time_s"])[0]["candidate"]
-    best = min(rows, key=lambda r: machine.predict(layouts[r["candidate"]], counts, here, parts, global_batch)["step_time_s"])
-    print(f"fastest measured: {fast}; fastest predicted: {best['candidate']}")
-
+    fast = min(rows, key=lambda r: r["result"]["step_time_s"])["candidate"]
+    print(f"fastest measured: {fast}; fastest predicted: {min(predicted, key=lambda c: predicted[c]['step_time_s'])}")
 
 if __name__ == "__main__":
     main()

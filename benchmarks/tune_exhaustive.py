@@ -42,7 +42,7 @@ def repredict(report: dict, a) -> dict:
     """``report``'s candidates predicted again by the current model (a fresh probe, the cached links), re-sorted."""
     from multigpu.recipes.gpt.model import config
     from multigpu.tune import machine
-    from multigpu.tune.run import _counts, measure_parts
+    from multigpu.tune.run import measure_parts
     from multigpu.tune.space import candidates, name
 
     cfg = config(a.size)
@@ -50,7 +50,7 @@ def repredict(report: dict, a) -> dict:
     by_name = {name(c): c for c in found}
     # Measured again: the probe is part of the model under test.
     parts = measure_parts(cfg, found, a.n, "cpu", 1, recipe_args=("--size", a.size), root=Path(a.measured) / "reprobe")
-    counts = _counts(cfg, "fp32")
+    counts = machine.count_recipe(cfg)
     here = machine.measured_cluster(counts, parts, a.n, None)
     for r in report["candidates"]:
         r["predicted"] = machine.predict(by_name[r["candidate"]].resolve(a.n), counts, here, parts, a.global_batch)

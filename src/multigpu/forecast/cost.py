@@ -77,6 +77,7 @@ class Degrees:
     micro_batch: int
     schedule: str = "1f1b"
     ep: int = 1
+    sequence_parallel: bool = True  # the published runs' (torchtitan, Megatron) beside tp
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     # Sequence parallelism cuts every saved tensor by tp; without it the residual stream stays whole on each tp
     # rank: a block's input and its two norms' inputs and outputs (4 of a block's saved tensors), and the block
     # input full recompute keeps. The logits are cut by vocabulary only under a parallel loss.
-    sp = t == 1 or getattr(layout, "sequence_parallel", True)  # published layouts (``Degrees``) run SP
+    sp = t == 1 or layout.sequence_parallel
     whole = 0.0 if sp else 4.0 * counts.block_input
 
     def cut(saved: float) -> float:
@@ -179,8 +180,9 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     # Compute: training FLOPs of the stage's share, recompute added, at the achieved rate (a measured machine's
     # own rate for this micro-batch).
     matmul, attention = micro_flops(counts, blocks, tokens, t, run.recompute, a.expert_imbalance if e > 1 else None)
-    measured = cluster.rate(b, run.recompute)
-    rate = measured or cluster.peak("bf16") * a.efficiency * (a.compile_speedup if run.compile else 1.0)
+    rate = cluster.rate(b, run.recompute)
+    if rate is None:  # a described GPU: its peak at the calibrated fraction
+        rate = cluster.peak("bf16") * a.efficiency * (a.compile_speedup if run.compile else 1.0)
     fp8 = a.fp8_speedup if run.precision == "fp8" else 1.0
     micro_s = (matmul / fp8 + attention) / rate
     slots = m + (p - 1) / v if p > 1 else m
@@ -227,7 +229,7 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     hidden_under = a.dp_overlap * time["compute"]
     time["data-parallel collectives (exposed)"] = max(0.0, dp_s - hidden_under)
     if t > 1:
-        time["tensor-parallel collectives"] = tp_collectives(counts, layout, blocks, tokens, m, run, coll, p) \
+        time["tensor-parallel collectives"] = tp_collectives(counts, layout, blocks, tokens, m, run, coll) \
             * (1 - (a.async_tp_overlap if run.async_tp else 0.0))
     if e > 1:
         # Per MoE layer and micro-batch: the rows out and back (dispatch, combine), twice again in the backward
@@ -274,7 +276,7 @@ def micro_flops(counts: Counts, blocks, tokens: float, t: int, recompute: str,
     return matmul, attention
 
 
-def tp_collectives(counts: Counts, layout, blocks, tokens: float, m: int, run: Run, coll, p: int) -> float:
+def tp_collectives(counts: Counts, layout, blocks, tokens: float, m: int, run: Run, coll) -> float:
     """Seconds of a step's tensor-parallel collectives, as PyTorch's plans issue them, each moving a
     micro-batch's hidden states (``coll(op, bytes, n, span, calls)``). With sequence parallelism, per sub-layer
     an all-gather in and a reduce-scatter out, mirrored in the backward; without, an all-reduce after each
@@ -282,17 +284,17 @@ def tp_collectives(counts: Counts, layout, blocks, tokens: float, m: int, run: R
     (q, k and v each one). Full recompute runs the forward's again. The token table's output is reduced, the
     head's input gathered (SP) or its gradient reduced, and the logits gathered unless the loss is parallel.
     With a pipeline the stage counted is the last (the head's)."""
-    t, full = layout.tp, run.recompute == "full"
+    t, p, full = layout.tp, layout.pp, run.recompute == "full"
     act = tokens * counts.block_input
     fwd = 2 if full else 1
-    if getattr(layout, "sequence_parallel", True):  # published layouts (``Degrees``) run torchtitan's SP
+    if layout.sequence_parallel:
         each = 2 * (fwd + 1) * len(blocks)  # all-gathers, as many reduce-scatters
         s = coll("all_gather", act, t, t, m * (each + 1)) + coll("reduce_scatter", act, t, t, m * (each + 1))
         if p == 1:
             s += coll("all_reduce", act, t, t, m) + coll("all_gather", act, t, t, m)  # the table's, its gradient
     else:
-        linears = [counts.block_linears[i] if counts.block_linears else 4 for i in blocks]
-        reduces = sum(2 * fwd + max(n - 2, 2) for n in linears) + 1 + (1 if p == 1 else 0)  # + head, table
+        colwise = sum(max(counts.block_linears[i] - 2, 0) for i in blocks)  # all but the 2 row-wise
+        reduces = 2 * fwd * len(blocks) + colwise + 1 + (1 if p == 1 else 0)  # + head, table
         s = coll("all_reduce", act, t, t, m * reduces)
     if not run.loss_parallel and counts.vocab:
         s += coll("all_gather", tokens * counts.vocab * counts.dtype_bytes, t, t, m)

@@ -58,7 +58,7 @@ class Counts:
     block_linears: tuple[int, ...] = ()    # per block, its nn.Linear modules outside the experts (TP cuts each:
                                            # two row-wise, one per sub-layer, the rest column-wise)
     vocab: int = 0                         # the head's outputs per token (the logits' width)
-    kv_heads: int = 0                      # key/value heads, where the config names them (tp must divide them)
+    kv_heads: int = 0                      # key/value heads, where the model names them (tp must divide them)
 
     @property
     def hidden(self) -> float:
@@ -129,6 +129,7 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         total = sum(p.numel() for p in model.parameters())
         tally = _Tally(params, _flop_counter())
         per_block, inputs = [], []
+        from ..parallel.auto import head_counts
         from ..parallel.experts import expert_modules
 
         moe = [m for _, m in expert_modules(model)]
@@ -137,7 +138,7 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         in_experts = {id(sub) for m in moe for sub in m.modules()}
         linears = [sum(1 for sub in b.modules() if isinstance(sub, nn.Linear) and id(sub) not in in_experts) for b in blocks]
         vocab = max((p.shape[0] for p in outputs if p.dim() == 2), default=0)
-        kv_heads = getattr(getattr(model, "config", None), "num_key_value_heads", None) or 0
+        kv_heads = head_counts(model).get("KV heads", 0)  # what mg.parallelize checks tp against
         routed, expert_flops = [0.0] * len(blocks), [0.0] * len(blocks)  # per block, of the block running now
 
         def experts_pre(module, args, kwargs):

@@ -91,7 +91,9 @@ def ddp_buckets(model: nn.Module) -> int:
 class StepPeak:
     """The most bytes this rank held in tensors during a window (one training step), on any device.
 
-    CUDA: the caching allocator's peak of allocated bytes over the window (reset at its start). CPU, where no
+    CUDA: the caching allocator's peak of allocated bytes over the window (reset at its start, so a later
+    ``torch.cuda.max_memory_allocated`` reads the peak since the window: the StepMeter's interval that holds
+    it too). CPU, where no
     allocator keeps a peak: what was live at the start that ``state_bytes`` sees (``base``: parameters,
     gradients, optimizer state) plus the highest running total of the allocations and frees PyTorch's
     profiler records inside the window (its CPU memory reporter sees every tensor the CPU allocator makes,

@@ -41,6 +41,29 @@ def family(layout: Layout) -> str:
     return "fsdp" if sharded else "none"
 
 
+def count_recipe(model_cfg, precision: str = "fp32") -> Counts:
+    """The forecast's count of the GPT recipe's model, its activations in the recipe's compute dtype."""
+    import torch
+
+    from ..forecast.counts import count
+    from ..recipes.gpt.model import GPT
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return count(lambda: GPT(model_cfg), model_cfg.block_size, name="gpt", dtype=dtype)
+
+
+def parts_of(report: dict) -> dict:
+    """The measured parts a tune run recorded in its tune.json, as ``run.measure_parts`` returned them (the
+    links read again from this machine's cache, where tune keeps them)."""
+    from .probe import links
+
+    probe, threads = report["probe"], report.get("threads_per_worker") or 1
+    measured, _ = links({int(n) for n in probe["links"]}, report["device"], threads, say=lambda _: None)
+    return {"compute": {(int(k.removesuffix("+ac")), k.endswith("+ac")): v for k, v in probe["compute"].items()},
+            "links": measured, "slowdown": probe["busy"]["slowdown"], "fixed": probe["fixed"],
+            "wrappers": probe["wrappers"], "sync": {int(n): w for n, w in probe["busy"]["wait_s"].items()}}
+
+
 def measured_cluster(counts: Counts, parts: dict, nproc: int, memory: float | None) -> Cluster:
     """This machine's ``nproc`` ranks as a forecast cluster: the probe's rates and links (``parts``:
     ``run.measure_parts``), ``memory`` per rank (None: no limit)."""

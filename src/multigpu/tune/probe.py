@@ -332,7 +332,9 @@ def sync(group_sizes: set[int], nproc: int, device: str, threads: int, say=print
     waits = {int(g): v for g, v in result["wait_s"].items() if int(g) > 1}
     # Devices do not share compute. On CPU, N workers of T threads on C cores cannot run faster than C / (N T)
     # of their speed alone: the measured matmul (cache-resident, the least slowed work) is floored there.
-    bound = nproc * threads / len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1.0
+    from ..launch.config import cpu_count
+
+    bound = nproc * threads / cpu_count()
     slowdown = max(1.0, result["work_s"] / alone, bound) if alone else 1.0
     return {"wait_s": waits, "slowdown": slowdown, "work_s": result["work_s"], "alone_s": alone}
 

@@ -92,17 +92,6 @@ def _recipe_args(cfg: TuneConfig):
     return args, model_cfg
 
 
-def _counts(model_cfg, precision: str):
-    """The forecast's count of the recipe's model, its activations in the recipe's compute dtype."""
-    import torch
-
-    from ..forecast.counts import count
-    from ..recipes.gpt.model import GPT
-
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    return count(lambda: GPT(model_cfg), model_cfg.block_size, name="gpt", dtype=dtype)
-
-
 def _budget(cfg: TuneConfig, device: str) -> tuple[int | None, str]:
     if cfg.memory_budget is not None:
         return cfg.memory_budget, f"--memory-budget {cfg.memory_budget / 2**20:,.0f} MiB"
@@ -185,7 +174,7 @@ def run_tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> tuple[Path,
     out = rounds.out_dir(cfg)
     say(f"multigpu tune: gpt {args.size} on {cfg.nproc} {'CPU workers' if device == 'cpu' else 'GPUs'}, global batch "
         f"{args.global_batch}: {len(found)} candidates ({len(left_out)} layouts left out) -> {out}")
-    counts = _counts(model_cfg, args.precision)
+    counts = machine.count_recipe(model_cfg, args.precision)
     parts = measure_parts(model_cfg, found, cfg.nproc, device, cfg.threads, say, recipe_args=cfg.args,
                           root=out / "probe", cpu=cfg.cpu)
     budget, budget_text = _budget(cfg, device)

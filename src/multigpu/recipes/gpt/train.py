@@ -251,16 +251,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         # buckets (in the second step's forward, allocating new ones while the old are live), which a steady step
         # does not; within the meter's first interval, left out of the throughput as warm-up (the CPU
         # measurement profiles the step), so never past its last step.
-        peak = None
+        step_peak = None
         measured_step = start + max(0, min(2, args.log_every - 1, args.steps - 1 - start))
         with meter:
             for step, micro_batches in meter.steps(_forever(train), start=start):
                 if step >= args.steps:
                     break  # resumed from the end
                 done = step + 1 == args.steps
-                if args.result_json and step == measured_step:
-                    peak = StepPeak(dist.device, state_bytes(model, opt).total + ddp_buckets(model))
-                with peak if peak is not None and step == measured_step else contextlib.nullcontext():
+                measuring = args.result_json and step == measured_step
+                if measuring:
+                    step_peak = StepPeak(dist.device, state_bytes(model, opt).total + ddp_buckets(model))
+                with step_peak if measuring else contextlib.nullcontext():
                     if pipe is not None:
                         # Stage times at log steps only (the meter sums a metric over its interval's steps):
                         # on a GPU each read waits for the device.
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     break
         if ckpt is not None:
             ckpt.finish()
-        return _finish(args, cfg, dist, layout, meter, metrics, peak, model, opt)
+        return _finish(args, cfg, dist, layout, meter, metrics, step_peak, model, opt)
 
 
 def _build(args, cfg, layout, plan, dist):
