@@ -8,14 +8,15 @@ recipe's (forecast's model, this machine described by measurement: tune/machine.
 
 What the prediction reads, and from where:
 - the model: forecast's count of the script's own config (``model_config``), on fake tensors, float32;
-- the rate: that count's FLOPs of one micro-batch over its forward and backward timed here, in one process with
-  the threads a worker gets, per micro-batch size (A B A B, median of 7), / the busy ranks' slowdown;
-- the optimizer: clipping and AdamW's step over the model, timed here;
+- measured here on the script's own model, as tune's probe measures the GPT's (``tune/probe.py``,
+  ``tune/wrappers.py``): one micro-batch's forward and backward per size and the optimizer's step (one
+  process, the threads a worker gets, A B A B, median of 7), the fixed costs of each wrapper (DDP, FSDP2,
+  TP's DTensors with the plan mg.parallelize takes, FSDP x TP; over a group of one rank), and the script's
+  own loop (the script run on one rank with 1 and 3 micro-batches a step);
 - the machine: the GPT tune's probe (run on this machine): its links (the cached measurements), its busy-step
-  slowdown and collective waits, and the wrappers' fixed costs it measured on the GPT (DDP, FSDP2, DTensor's
-  TP: taken as this machine's, though they grow with a model's modules; the Llama's own are not probed). Not
-  the GPT recipe's loop (its loader and loss per micro-batch): that is the recipe's, not the script's.
-Memory is not compared: a script's tune measures step time only.
+  slowdown and collective waits.
+``--gpt-fixed`` predicts with the wrappers' costs the GPT tune measured instead (and no loop), as this benchmark did
+before the probe could take another model. Memory is not compared: a script's tune measures step time only.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import importlib.util
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -39,44 +41,25 @@ def _example():
     return module
 
 
-def timed(config, micro_batches: list[int], threads: int, seq: int) -> tuple[dict[int, float], float]:
-    """(seconds of one micro-batch's forward and backward per size, seconds of clipping and AdamW's step), timed
-    as tune's probe times the GPT's (``probe.timed``: A B A B, median of 7)."""
-    import torch.nn.functional as F
-    import transformers
-
-    from multigpu.tune.probe import timed as interleaved
-
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    x = torch.randint(0, config.vocab_size, (max(micro_batches), seq + 1))
-
-    def step(m: int) -> None:
-        logits = model(input_ids=x[:m, :-1], use_cache=False).logits
-        F.cross_entropy(logits.flatten(0, 1), x[:m, 1:].flatten()).backward()
-
-    return interleaved(model, step, micro_batches)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune-json", required=True, help="`multigpu tune ... examples/hf_model.py`'s tune.json")
     parser.add_argument("--probe-json", required=True, help="`multigpu tune ... gpt`'s tune.json on this machine")
     parser.add_argument("--global-batch", type=int, default=16, help="the script tune's --global-batch")
+    parser.add_argument("--gpt-fixed", action="store_true", help="the wrappers' costs measured on the GPT, no loop")
     args = parser.parse_args()
     report = json.loads(Path(args.tune_json).read_text())
-    probe = json.loads(Path(args.probe_json).read_text())
+    probe_report = json.loads(Path(args.probe_json).read_text())
 
     import transformers
 
     from multigpu import layout_from_args
     from multigpu.forecast.counts import count
-    from multigpu.tune import machine
+    from multigpu.tune import machine, probe, wrappers
 
     ranks, threads = report["world_size"], report.get("threads_per_worker") or 1
-    if probe["world_size"] != ranks:
-        sys.exit(f"the probe ran on {probe['world_size']} ranks, the script's tune on {ranks}: run both on the same")
+    if probe_report["world_size"] != ranks:
+        sys.exit(f"the probe ran on {probe_report['world_size']} ranks, the script's tune on {ranks}: run both on the same")
     rows = [r for r in report["candidates"] if r.get("result")]
     layouts = {r["candidate"]: layout_from_args(r["args"])[0].resolve(ranks) for r in rows}
     config = _example().model_config()
@@ -84,16 +67,27 @@ def main() -> None:
     counts = count(lambda: transformers.AutoModelForCausalLM.from_config(config), seq, name="hf_model Llama",
                    dtype=torch.float32)
     micro = sorted({lay.micro_batch for lay in layouts.values()})
-    seconds, optimizer_s = timed(config, micro, threads, seq)
-    # The GPT tune's machine (its links, slowdown, waits), this model's compute, the wrappers' costs without the
-    # GPT recipe's loop (that is the recipe's, not the script's).
-    parts = machine.parts_of(probe) | {
-        "compute": {(m, False): {"time_s": t, "optimizer_s": optimizer_s} for m, t in seconds.items()}}
-    parts["fixed"] = parts["wrappers"]
+    acs = sorted({lay.activation_checkpointing for lay in layouts.values()})
+    subject = wrappers.causal_lm(config, seq)
+    compute = probe.compute(subject, [(m, ac) for m in micro for ac in acs], threads)
+    parts = machine.parts_of(probe_report) | {"compute": compute}
+    if args.gpt_fixed:
+        parts["fixed"] = parts["wrappers"]
+    else:
+        with tempfile.TemporaryDirectory() as root:
+            loop = probe.loop(str(ROOT / "examples" / "hf_model.py"), [], compute, micro[0], True, threads, root,
+                              module=False)
+        costs = wrappers.overheads(subject, micro[0], threads, acs=tuple(acs))
+        parts["fixed"] = {k: {"micro_s": v["micro_s"] + loop["micro_s"], "step_s": v["step_s"] + loop["step_s"]}
+                          for k, v in costs.items()}
+        print("fixed costs measured on this model (ms per micro-batch / per step): loop "
+              f"{loop['micro_s'] * 1e3:.1f} / {loop['step_s'] * 1e3:.1f}; "
+              + ", ".join(f"{k} {v['micro_s'] * 1e3:.1f} / {v['step_s'] * 1e3:.1f}" for k, v in costs.items()))
     here = machine.measured_cluster(counts, parts, ranks, None)
     print(f"{counts.name}: {counts.params:,} parameters, {counts.flops_per_token / 1e6:.2f} MFLOP per token; {ranks} ranks "
-          f"x {threads} thread(s); one process: " + ", ".join(f"micro-batch {m} {s * 1e3:.1f} ms" for m, s in seconds.items())
-          + f", optimizer {optimizer_s * 1e3:.1f} ms; the probe's slowdown {parts['slowdown']:.2f}\n")
+          f"x {threads} thread(s); one process: " + ", ".join(f"micro-batch {m}{' AC' if ac else ''} {v['time_s'] * 1e3:.1f} ms"
+                                                            for (m, ac), v in compute.items())
+          + f", optimizer {next(iter(compute.values()))['optimizer_s'] * 1e3:.1f} ms; the probe's slowdown {parts['slowdown']:.2f}\n")
     print("| layout | measured ms/step | predicted ms | error | compute + comm + fixed ms |")
     print("|---|---:|---:|---:|---|")
     predicted = {r["candidate"]: machine.predict(layouts[r["candidate"]], counts, here, parts, args.global_batch)

@@ -473,8 +473,11 @@ def train_pipeline(dist, kind: str, layout: dict, steps: int = 5, accum: int = 4
             if step == stop_after:
                 break
     held = sorted({n for m in pipe.modules for n, _ in m.named_parameters(remove_duplicate=False)})
+    # Blocks whose forward mg.parallelize replaced by a recomputing one (activation checkpointing, spread.py).
+    checkpointed = sum("forward" in vars(b) for m in pipe.modules for b in m.modules() if type(b).__name__.endswith(
+        ("Block", "DecoderLayer")))
     return {"state": mg.full_state_dict(pipe), "losses": losses, "norms": norms, "stages": pipe.ids, "held": held,
-            "tied": pipe.tied.sums != [], "counted_once": len(pipe.tied.skip)}
+            "tied": pipe.tied.sums != [], "counted_once": len(pipe.tied.skip), "checkpointed": checkpointed}
 
 
 def train_pipelines(dist, jobs: list[tuple[str, dict]]) -> list[dict]:

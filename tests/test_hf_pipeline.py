@@ -37,7 +37,8 @@ TWO = [("gpt2", {}, {"pp": 2}),                                          # 1F1B:
        ("gpt2", DEEP_GPT2, {"pp": 2, "schedule": "interleaved_1f1b"}),   # stages 0, 2 | 1, 3
        ("gpt2", DEEP_GPT2, {"pp": 2, "schedule": "zbv"}),                # stages 0, 3 | 1, 2: both copies on rank 0
        ("llama", DEEP_LLAMA, {"pp": 2, "schedule": "zbv"}),              # untied, declared _pp_plan, V placement
-       ("gemma2", {}, {"pp": 2})]                        # a mask per layer by index, logits soft-capped after the head
+       ("gemma2", {}, {"pp": 2}),                        # a mask per layer by index, logits soft-capped after the head
+       ("llama", DEEP_LLAMA, {"pp": 2, "activation_checkpointing": True})]  # pp alone still checkpoints each block
 FOUR = [("gpt2", {}, {"pp": 2}),                                         # PP 2 x FSDP 2
         ("gpt2", DEEP_GPT2, {"pp": 4}),                                  # the middle ranks take no part in the sum
         ("llama", {}, {"pp": 2, "tp": 2}),                               # TP inside the stages (declared plan)
@@ -82,13 +83,16 @@ def test_gpt2_and_llama_pipelines_on_two_ranks_equal_one_process(reference):
     print(f"2 ranks, {len(TWO)} pipelines: {time.perf_counter() - start:.1f} s")
     _check(TWO, out, reference)
     assert [[r[j]["stages"] for r in out] for j in range(len(TWO))] == [
-        [[0], [1]], [[0, 2], [1, 3]], [[0, 3], [1, 2]], [[0, 3], [1, 2]], [[0], [1]]]
+        [[0], [1]], [[0, 2], [1, 3]], [[0, 3], [1, 2]], [[0, 3], [1, 2]], [[0], [1]], [[0], [1]]]
     # Who holds the tied pair: the table on stage 0, the head on the last stage, both on rank 0 under zbv.
     assert [[r[j]["tied_held"] for r in out] for j in range(3)] == [
         [["transformer.wte.weight"], ["lm_head.weight"]]] * 2 + [[["lm_head.weight", "transformer.wte.weight"], []]]
     # One copy left out of the norm per pipeline: on the head's rank, or on rank 0 holding both.
     assert [[r[j]["counted_once"] for r in out] for j in range(3)] == [[0, 1], [0, 1], [1, 0]]
     assert [[r[3]["tied"], r[3]["counted_once"]] for r in out] == [[False, 0]] * 2  # Llama: untied, nothing summed
+    # The layout's activation checkpointing reaches every block of every stage (each rank: 2 of the 4 layers),
+    # with no data-parallel or TP step to carry it; the others recompute nothing.
+    assert [[r[j]["checkpointed"] for r in out] for j in range(len(TWO))] == [[0, 0]] * 5 + [[2, 2]]
 
 
 @pytest.mark.slow

@@ -227,3 +227,35 @@ def test_the_rounds_interleave_retry_with_checkpointing_and_read_the_workers_ref
     assert rounds.first_failure(tmp_path / "run", 2)["message"] == "tensor-parallel degree 4 does not divide KV heads 2"
     assert rounds.first_failure(tmp_path / "run", 1)["type"] == "RuntimeError" and rounds.first_failure(None, 2) is None
     assert rounds.slug("HSDP 2x2, micro-batch 4, AC") == "hsdp-2x2-micro-batch-4-ac"
+
+
+def test_the_wrappers_fixed_costs_are_measured_on_the_model_itself_with_mg_parallelizes_pieces():
+    """tune/wrappers.py puts each family's real wrapper on the model it is given (here a transformers Llama,
+    which the GPT-only probe could not take): DTensor weights under TP (the plan the model declares), FSDP2
+    units per decoder layer, DDP, every block recomputing under checkpointing; and times them all."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    import torch.distributed as tdist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from multigpu.tune import wrappers
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    subject = wrappers.causal_lm(cfg, 16)
+    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        layers = lambda m: list(m.model.layers)  # noqa: E731
+        tp, fsdp, both = (wrappers.wrapped(subject, f, False) for f in ("tp", "fsdp", "fsdp+tp"))
+        assert isinstance(tp.model.layers[0].self_attn.q_proj.weight, DTensor)
+        assert not isinstance(tp, FSDPModule) and all(isinstance(x, FSDPModule) for x in [fsdp, *layers(fsdp)])
+        assert isinstance(both.model.layers[0].mlp.down_proj.weight, DTensor) and isinstance(both.model.layers[1], FSDPModule)
+        assert isinstance(wrappers.wrapped(subject, "ddp", False), torch.nn.parallel.DistributedDataParallel)
+        ac = wrappers.wrapped(subject, "none", True)
+        assert all("forward" in vars(layer) for layer in layers(ac))  # mg.parallelize's checkpointing, per layer
+        assert not any("forward" in vars(layer) for layer in layers(wrappers.wrapped(subject, "none", False)))
+        got = wrappers.overheads(subject, 2, 1, acs=(False,), rounds=1)
+    finally:
+        tdist.destroy_process_group()
+    assert set(got) == set(wrappers.FAMILIES) and all(v["micro_s"] >= 0 and v["step_s"] >= 0 for v in got.values())

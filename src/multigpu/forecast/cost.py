@@ -161,14 +161,15 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     per_block = {"none": [cut(counts.block_saved[i]) for i in blocks],
                  "selective": [counts.block_input / (t if sp else 1) + counts.block_kept[i] / t for i in blocks],
                  "full": [counts.block_input / (t if sp else 1)] * len(blocks)}[run.recompute]
-    stage_bytes = sum(per_block) * tokens
-    if run.recompute == "full":
-        stage_bytes += max(cut(x) for x in counts.block_saved) * tokens  # the block being recomputed
+    stage_bytes = sum(per_block) * tokens  # kept per micro-batch in flight
+    # Full recompute: one block's whole activations while it is recomputed, once (a micro-batch's backward at a time).
+    transient = max(cut(x) for x in counts.block_saved) * tokens if run.recompute == "full" else 0.0
     interleaving = (1 + (p - 1) / (p * v)) if v > 1 else 1.0
     in_flight = 1.0 if p == 1 else (m if layout.schedule == "gpipe" else min(p, m) * interleaving)
     loss_bytes = 2 * counts.other_saved * tokens / (t if run.loss_parallel else 1)  # what the head and loss saved,
     # and at the backward's start their gradients of the same size (the logits' float32 and 16-bit gradients)
-    memory["activations"] = max(stage_bytes * in_flight, stage_bytes + loss_bytes) if p > 1 else stage_bytes + loss_bytes
+    memory["activations"] = transient + (max(stage_bytes * in_flight, stage_bytes + loss_bytes) if p > 1
+                                         else stage_bytes + loss_bytes)
     # The optimizer's step, after the activations are freed: the states, DDP's buckets, and foreach AdamW's
     # float32 temporary of everything it steps (its sqrt of the second moments); counted where it tops the above.
     at_step = 16.0 * stored + (memory["buffers"] if shards == 1 else 0.0) + 4.0 * stored

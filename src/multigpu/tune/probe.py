@@ -1,57 +1,48 @@
 """The measured parts of the cost model: one micro-batch on one process, the links, the fixed costs.
 
-``compute`` times a micro-batch's forward and backward of the GPT recipe's
-model in this process (with the threads one worker gets). ``links`` measures
-all-reduce, all-gather, reduce-scatter and broadcast at sizes 4 KiB..16 MiB on
-each group size the candidates use, through ``multigpu bench``'s measurement, and keeps the result
-in a cache file per machine, device kind, group size and thread count.
-The fixed costs, measured each time (they move with the machine's load):
-``loop`` runs the recipe itself on one rank (what its loop adds per
-micro-batch and per step), ``overheads`` times each wrapper (DDP, FSDP2, TP's
-DTensors, FSDP x TP) on one process over a group of one rank against the
-plain model, and ``sync`` runs a busy step on the real ranks (what one
-collective adds when every rank computes, and the compute's slowdown there).
+``compute`` times a micro-batch's forward and backward of the model (a ``wrappers.Subject``) in this
+process (with the threads one worker gets). ``links`` measures all-reduce, all-gather, reduce-scatter and
+broadcast at sizes 4 KiB..16 MiB on each group size the candidates use, through ``multigpu bench``'s
+measurement, and keeps the result in a cache file per machine, device kind, group size and thread count.
+The fixed costs, measured each time (they move with the machine's load): ``loop`` runs the training
+script itself on one rank (what its loop adds per micro-batch and per step), ``wrappers.overheads`` times
+each wrapper on the model, and ``sync`` runs a busy step on the real ranks (what one collective adds when
+every rank computes, and the compute's slowdown there).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import statistics
 import time
-import warnings
 
 import torch
 import torch.nn.functional as F
 
-from ..runtime import compat
 from ..forecast.hardware import Links
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 SIZES = tuple(4096 * 4 ** k for k in range(7))  # 4 KiB .. 16 MiB
 
 
-def compute(cfg, keys, threads: int, rounds: int = 7) -> dict:
+def compute(subject, keys, threads: int, rounds: int = 7) -> dict:
     """For each (micro_batch, activation_checkpointing) in ``keys``: {"time_s": median forward+backward of
-    one micro-batch, "optimizer_s": clipping and AdamW's step of the whole model} (``timed``)."""
-    from ..recipes.gpt.model import GPT
-
+    one micro-batch of ``subject`` (``wrappers.Subject``), "optimizer_s": clipping and AdamW's step of the
+    whole model} (``timed``)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        torch.manual_seed(0)
-        model = GPT(cfg)
-        x = torch.randint(0, cfg.vocab_size, (max(m for m, _ in keys), cfg.block_size + 1))
+        models = {ac: subject.model(ac) for ac in sorted({ac for _, ac in keys})}  # the same seed: the same weights
+        x, y = subject.batch(max(m for m, _ in keys))
 
         def step(key) -> None:
             m, ac = key
-            for block in model.blocks.values():
-                block.checkpointed = ac
-            F.cross_entropy(model(x[:m, :-1]).flatten(0, 1), x[:m, 1:].flatten()).backward()
+            logits = subject.logits(models[ac], x[:m])
+            F.cross_entropy(logits.flatten(0, 1), y[:m].flatten()).backward()
 
-        times, optimizer_s = timed(model, step, keys, rounds)
+        times, optimizer_s = timed(models[keys[0][1]], step, keys, rounds)
         return {key: {"time_s": t, "optimizer_s": optimizer_s, "rounds": rounds} for key, t in times.items()}
     finally:
         torch.set_num_threads(before)
@@ -115,129 +106,6 @@ def links(group_sizes: set[int], device: str, threads: int, say=print) -> tuple[
         for r in rows:
             points.setdefault((r["op"], n), []).append((r["size"], r["time_s"]))
     return Links(points), sources
-
-
-# -- the fixed costs: what a layout's wrapper and loop add to each micro-batch and each step ------------------
-FAMILIES = ("none", "ddp", "fsdp", "tp", "fsdp+tp")
-
-
-def _wrapped(cfg, fam: str, ac: bool):
-    """The GPT with ``fam``'s wrapper on one rank (a 1-rank mesh): the recipe's TP plan, FSDP2 per block and on
-    the root, DDP; every hook, copy and DTensor dispatch the real wrapper runs, over a group of one."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from ..parallel.ddp import wrap_ddp
-    from ..parallel.fsdp import shard_blocks
-    from ..parallel.layout import Layout
-    from ..recipes.gpt.model import GPT, Block
-    from ..recipes.gpt.parallelize import tp_plan
-
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    for block in model.blocks.values():
-        block.checkpointed = ac
-    if fam == "ddp":
-        return wrap_ddp(model), model
-    mesh = Layout(dp_shard=1).device_mesh("cpu")  # the one builder's mesh, every degree 1
-    if "tp" in fam:
-        parallelize_module(model, mesh["tp"], tp_plan(model))
-    if "fsdp" in fam:
-        shard_blocks(model, mesh["dp_shard"], block_classes=[Block])
-    return model, model
-
-
-def overheads(cfg, micro_batch: int, threads: int, acs=(False, True), rounds: int = 7) -> dict:
-    """What each wrapper family adds, measured in this process over a process group of one rank.
-
-    Per family and activation checkpointing: a training step of the recipe's loop (token count, the
-    micro-batches under ``mg.accumulate``, ``mg.clip_grad_norm_``, AdamW, ``zero_grad``) is timed with 1
-    and 3 micro-batches of ``micro_batch`` sequences. ``micro_s`` = a further micro-batch's time less the
-    plain model's (the wrapper's hooks, copies and dispatch per micro-batch), ``step_s`` = the rest of
-    the step less the plain model's clip and AdamW (the loop's and the wrapper's own per-step work: the
-    gradients' synchronisation machinery, the token count, clipping and AdamW over DTensors). Families
-    and counts are timed in turn, ``rounds`` times (median). The collectives' time on real groups is not
-    here: the links and ``sync`` measure that.
-    """
-    import torch.distributed as tdist
-
-    import multigpu as mg
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    own_group = not tdist.is_initialized()
-    if own_group:
-        tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
-    # The wrappers' advice to a training script (FSDP2's view-output warning, DTensor's two-mesh norm) is
-    # not the user's business here: the probe measures what they cost.
-    quiet = logging.getLogger(compat.REDISTRIBUTE_LOGGER)
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    caught = warnings.catch_warnings()
-    caught.__enter__()
-    warnings.simplefilter("ignore", UserWarning)
-    try:
-        x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.block_size + 1))
-        batch = (x[:, :-1], x[:, 1:])
-        keys = [(fam, ac) for fam in FAMILIES for ac in acs]
-        built = {}
-        for key in keys:
-            model, inner = _wrapped(cfg, *key)
-            built[key] = (model, inner, torch.optim.AdamW(model.parameters(), lr=1e-4))
-
-        def step(key, k: int) -> None:
-            model, inner, opt = built[key]
-            micro = [batch] * k
-            tokens = mg.token_divisor([y for _, y in micro])
-            for xb, yb in mg.accumulate(model, micro):
-                loss = F.cross_entropy(model(xb).flatten(0, 1).float(), yb.flatten(), reduction="sum") / tokens
-                loss.backward()
-            mg.clip_grad_norm_(model, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        def plain_optimizer(key) -> None:
-            model, _, opt = built[key]
-            loss = F.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten())
-            loss.backward()
-            t0 = time.perf_counter()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            elapsed = time.perf_counter() - t0
-            opt.zero_grad(set_to_none=True)
-            return elapsed
-
-        times: dict = {(key, k): [] for key in keys for k in (1, 3)}
-        opt_times: dict = {ac: [] for ac in acs}
-        for key in keys:
-            step(key, 1)  # warm-up
-        for _ in range(rounds):
-            for key in keys:
-                for k in (1, 3):
-                    t0 = time.perf_counter()
-                    step(key, k)
-                    times[(key, k)].append(time.perf_counter() - t0)
-            for ac in acs:
-                opt_times[ac].append(plain_optimizer(("none", ac)))
-        out: dict = {}
-        for fam, ac in keys:
-            # Paired within each round (the plain model's step was timed beside it), then the median.
-            micro, rest = [], []
-            for r in range(rounds):
-                one, three = times[((fam, ac), 1)][r], times[((fam, ac), 3)][r]
-                plain = (times[(("none", ac), 3)][r] - times[(("none", ac), 1)][r]) / 2
-                per = (three - one) / 2
-                micro.append(per - plain)
-                rest.append(one - per - opt_times[ac][r])
-            out[f"{fam}{'+ac' if ac else ''}"] = {"micro_s": 0.0 if fam == "none" else max(0.0, statistics.median(micro)),
-                                                  "step_s": max(0.0, statistics.median(rest)),
-                                                  "micro_batch": micro_batch, "rounds": rounds}
-        return out
-    finally:
-        caught.__exit__(None, None, None)
-        quiet.setLevel(level)
-        if own_group:
-            tdist.destroy_process_group()
-        torch.set_num_threads(before)
 
 
 # -- the collectives' cost inside a step: every rank busy, each collective waits for its group's slowest -------
@@ -339,26 +207,29 @@ def sync(group_sizes: set[int], nproc: int, device: str, threads: int, say=print
     return {"wait_s": waits, "slowdown": slowdown, "work_s": result["work_s"], "alone_s": alone}
 
 
-def loop(recipe: str, args: list[str], compute_parts: dict, micro_batch: int, cpu: bool, threads: int, root,
-         steps: int = 16, accums=(1, 3)) -> dict:
-    """The recipe's own loop on one process, measured: what it adds to the probe's forward+backward and
+def loop(workload: str, args: list[str], compute_parts: dict, micro_batch: int, cpu: bool, threads: int, root,
+         steps: int = 16, accums=(1, 3), module: bool = True) -> dict:
+    """The training loop's own cost on one process, measured: what it adds to the probe's forward+backward and
     optimizer (the loader, the step meter, the loss's reduction, Python per micro-batch).
 
-    The recipe runs through the launcher on 1 rank for ``steps`` steps of ``micro_batch`` sequences with 1
-    and with 3 micro-batches per step (its StepMeter's step time, as a candidate's run is measured):
-    {"micro_s": a further micro-batch's time less the probe's forward+backward, "step_s": the rest of the
-    step less the probe's clipping and AdamW}."""
+    ``workload`` (the recipe's module, or with ``module=False`` a script that follows the layout contract)
+    runs through the launcher on 1 rank for ``steps`` steps of ``micro_batch`` sequences with 1 and with 3
+    micro-batches per step (its StepMeter's step time, as a candidate's run is measured): {"micro_s": a
+    further micro-batch's time less the probe's forward+backward, "step_s": the rest of the step less the
+    probe's clipping and AdamW}."""
     from pathlib import Path
 
     from ..launch.once import run_once
     from ..study.measure import measure_run
 
+    # The recipe's evaluation is pushed past the run and its log kept frequent; a script takes the contract's flags.
+    own = ["--log-every", "2", "--eval-every", str(10 * steps), "--eval-batches", "1"] if module else []
     measured = {}
     for k in accums:
         where = Path(root) / f"loop-accum{k}"
         argv = [*args, "--global-batch", str(micro_batch * k), "--micro-batch", str(micro_batch), "--steps", str(steps),
-                "--log-every", "2", "--eval-every", str(10 * steps), "--eval-batches", "1"]
-        done = run_once(recipe, argv, module=True, log_dir=where, nproc=1, cpu=cpu,
+                *own]
+        done = run_once(workload, argv, module=module, log_dir=where, nproc=1, cpu=cpu,
                         env={"OMP_NUM_THREADS": str(threads) if cpu else None})
         if done.exit_code != 0 or done.run_dir is None:
             raise RuntimeError(f"the loop probe failed: {done.failure() or 'no output'} (console {done.console})")

@@ -135,10 +135,11 @@ def measure_parts(model_cfg, found: list[Layout], nproc: int, device: str, threa
     """The cost model's measured parts for ``found``: the micro-batches' compute, the links, the recipe's
     loop on one rank and the wrappers' fixed costs (one process), the collectives' waits and the compute's
     slowdown in a busy step (the real ranks), with the time each took."""
-    from . import probe
+    from . import probe, wrappers
 
+    subject = wrappers.gpt(model_cfg)
     t0 = time.perf_counter()
-    compute = probe.compute(model_cfg, sorted({(c.micro_batch, c.activation_checkpointing) for c in found}), threads)
+    compute = probe.compute(subject, sorted({(c.micro_batch, c.activation_checkpointing) for c in found}), threads)
     probe_s = time.perf_counter() - t0
     shapes = [c.resolve(nproc) for c in found]
     groups = {n for s in shapes for n in (s.dp_size, s.dp_shard, s.dp_replicate, s.tp)}
@@ -149,14 +150,14 @@ def measure_parts(model_cfg, found: list[Layout], nproc: int, device: str, threa
     say("multigpu tune: measuring the recipe's loop on one rank and the wrappers' fixed costs on one process")
     # The user's model flags; the loop probe's --global-batch comes after theirs (the last one counts).
     loop = probe.loop(RECIPE, list(recipe_args), compute, micro, cpu, threads, root or Path(tempfile.mkdtemp(prefix="multigpu-tune-")))
-    wrappers = probe.overheads(model_cfg, micro, threads, acs=tuple(sorted({c.activation_checkpointing for c in found})))
+    fixed_costs = wrappers.overheads(subject, micro, threads, acs=tuple(sorted({c.activation_checkpointing for c in found})))
     fixed = {k: {"micro_s": v["micro_s"] + loop["micro_s"], "step_s": v["step_s"] + loop["step_s"]}
-             for k, v in wrappers.items()}
+             for k, v in fixed_costs.items()}
     fixed_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     busy = probe.sync(groups | {nproc}, nproc, device, threads, say=say)
     return {"compute": compute, "probe_s": probe_s, "links": links, "sources": sources, "fixed": fixed,
-            "loop": loop, "wrappers": wrappers, "fixed_s": fixed_s, "sync": busy["wait_s"], "slowdown": busy["slowdown"],
+            "loop": loop, "wrappers": fixed_costs, "fixed_s": fixed_s, "sync": busy["wait_s"], "slowdown": busy["slowdown"],
             "busy": busy | {"measure_s": time.perf_counter() - t0}}
 
 

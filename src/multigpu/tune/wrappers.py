@@ -1,0 +1,186 @@
+"""The fixed costs of a layout's wrapper, measured on the model itself: what DDP, FSDP2, TP's DTensors and
+FSDP x TP add to each micro-batch and each step, on one process over a group of one rank.
+
+The model is a ``Subject``: how to build it, its logits for token ids, its TP plan (None: the one
+``mg.parallelize`` takes: declared by the model or found in its blocks). Each family is applied by the
+same pieces ``mg.parallelize`` runs (``parallel/spread.py``: its plan, its activation checkpointing per
+block, FSDP's unit rule), on meshes of one rank, so every hook, copy and DTensor dispatch of the real
+wrapper runs while no transfer does (the links and ``probe.sync`` measure those). The costs grow with the
+model's modules, so they are measured on the model that will run, not carried over from another.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..runtime import compat
+
+FAMILIES = ("none", "ddp", "fsdp", "tp", "fsdp+tp")
+
+
+@dataclass(frozen=True)
+class Subject:
+    """A model the probes time: ``build()`` (seeded by the caller), ``logits(model, ids)``, its vocabulary and
+    sequence length, and ``tp_plan(model)`` (None: mg.parallelize's own choice)."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    vocab: int
+    seq_len: int
+    tp_plan: Callable[[nn.Module], dict[str, Any]] | None = None
+
+    def batch(self, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randint(0, self.vocab, (micro_batch, self.seq_len + 1))
+        return x[:, :-1], x[:, 1:]
+
+    def model(self, ac: bool = False) -> nn.Module:
+        """The model, seeded, its blocks checkpointed as ``mg.parallelize`` checkpoints them when ``ac``."""
+        from ..parallel import auto
+        from ..parallel.spread import _checkpointed
+
+        torch.manual_seed(0)
+        model = self.build()
+        if ac:
+            for _, block in auto.block_modules(model, auto.blocks_of(model)[0]):
+                _checkpointed(block)
+        return model
+
+
+def gpt(cfg) -> Subject:
+    """The GPT recipe's model, with the recipe's TP plan."""
+    from ..recipes.gpt.model import GPT
+    from ..recipes.gpt.parallelize import tp_plan
+
+    return Subject("gpt", lambda: GPT(cfg), lambda m, x: m(x), cfg.vocab_size, cfg.block_size, tp_plan)
+
+
+def causal_lm(config, seq_len: int) -> Subject:
+    """A transformers causal LM built from ``config`` (no download), with the plan mg.parallelize takes."""
+    import transformers
+
+    return Subject(type(config).__name__, lambda: transformers.AutoModelForCausalLM.from_config(config),
+                   lambda m, x: m(input_ids=x, use_cache=False).logits, config.vocab_size, seq_len)
+
+
+def wrapped(subject: Subject, fam: str, ac: bool) -> nn.Module:
+    """``subject``'s model with ``fam``'s wrapper on one rank (every mesh dimension of size 1)."""
+    from ..parallel import auto
+    from ..parallel.ddp import wrap_ddp
+    from ..parallel.fsdp import shard_blocks, unit_rule
+    from ..parallel.layout import Layout
+    from ..parallel.spread import tensor_parallel_plan
+    from ..parallel.tp import apply_tp
+
+    model = subject.model(ac)
+    if fam == "ddp":
+        return wrap_ddp(model)
+    mesh = Layout(dp_shard=1).device_mesh("cpu")  # the one builder's mesh, every degree 1
+    if "tp" in fam:
+        blocks = auto.block_modules(model, auto.blocks_of(model)[0])
+        given = subject.tp_plan(model) if subject.tp_plan else None
+        styles, _, _ = tensor_parallel_plan(model, Layout(), blocks, given)
+        apply_tp(model, mesh["tp"], styles)
+    if "fsdp" in fam:
+        units, minimum, _ = unit_rule(model, None, None)
+        shard_blocks(model, mesh["dp_shard"], block_classes=units, min_block_params=minimum)
+    return model
+
+
+def overheads(subject: Subject, micro_batch: int, threads: int, acs=(False, True), rounds: int = 7) -> dict:
+    """What each wrapper family adds, measured in this process over a process group of one rank.
+
+    Per family and activation checkpointing: a training step (token count, the micro-batches under
+    ``mg.accumulate``, ``mg.clip_grad_norm_``, AdamW, ``zero_grad``) is timed with 1 and 3 micro-batches of
+    ``micro_batch`` sequences. ``micro_s`` = a further micro-batch's time less the plain model's (the
+    wrapper's hooks, copies and dispatch per micro-batch), ``step_s`` = the rest of the step less the plain
+    model's clip and AdamW (the wrapper's own per-step work: the gradients' synchronisation machinery, the
+    token count, clipping and AdamW over DTensors). Families and counts are timed in turn, ``rounds`` times
+    (median, each paired with the plain model's step of the same round)."""
+    import torch.distributed as tdist
+
+    import multigpu as mg
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    own_group = not tdist.is_initialized()
+    if own_group:
+        tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    # The wrappers' advice to a training script (FSDP2's view-output warning, DTensor's two-mesh norm) is
+    # not the user's business here: the probe measures what they cost.
+    quiet = logging.getLogger(compat.REDISTRIBUTE_LOGGER)
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    caught = warnings.catch_warnings()
+    caught.__enter__()
+    warnings.simplefilter("ignore", UserWarning)
+    try:
+        batch = subject.batch(micro_batch)
+        keys = [(fam, ac) for fam in FAMILIES for ac in acs]
+        built = {}
+        for key in keys:
+            model = wrapped(subject, *key)
+            built[key] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+        def step(key, k: int) -> None:
+            model, opt = built[key]
+            micro = [batch] * k
+            tokens = mg.token_divisor([y for _, y in micro])
+            for xb, yb in mg.accumulate(model, micro):
+                logits = subject.logits(model, xb)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), yb.flatten(), reduction="sum") / tokens
+                loss.backward()
+            mg.clip_grad_norm_(model, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        def plain_optimizer(key) -> float:
+            model, opt = built[key]
+            F.cross_entropy(subject.logits(model, batch[0]).flatten(0, 1), batch[1].flatten()).backward()
+            t0 = time.perf_counter()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            elapsed = time.perf_counter() - t0
+            opt.zero_grad(set_to_none=True)
+            return elapsed
+
+        times: dict = {(key, k): [] for key in keys for k in (1, 3)}
+        opt_times: dict = {ac: [] for ac in acs}
+        for key in keys:
+            step(key, 1)  # warm-up
+        for _ in range(rounds):
+            for key in keys:
+                for k in (1, 3):
+                    t0 = time.perf_counter()
+                    step(key, k)
+                    times[(key, k)].append(time.perf_counter() - t0)
+            for ac in acs:
+                opt_times[ac].append(plain_optimizer(("none", ac)))
+        out: dict = {}
+        for fam, ac in keys:
+            micro, rest = [], []
+            for r in range(rounds):
+                one, three = times[((fam, ac), 1)][r], times[((fam, ac), 3)][r]
+                plain = (times[(("none", ac), 3)][r] - times[(("none", ac), 1)][r]) / 2
+                per = (three - one) / 2
+                micro.append(per - plain)
+                rest.append(one - per - opt_times[ac][r])
+            out[f"{fam}{'+ac' if ac else ''}"] = {"micro_s": 0.0 if fam == "none" else max(0.0, statistics.median(micro)),
+                                                  "step_s": max(0.0, statistics.median(rest)),
+                                                  "micro_batch": micro_batch, "rounds": rounds}
+        return out
+    finally:
+        caught.__exit__(None, None, None)
+        quiet.setLevel(level)
+        if own_group:
+            tdist.destroy_process_group()
+        torch.set_num_threads(before)
