@@ -16,7 +16,8 @@ What the prediction reads, and from where:
 - the machine: the GPT tune's probe (run on this machine): its links (the cached measurements), its busy-step
   slowdown and collective waits.
 ``--gpt-fixed`` predicts with the wrappers' costs the GPT tune measured instead (and no loop), as this benchmark did
-before the probe could take another model. Memory is not compared: a script's tune measures step time only.
+before the probe could take another model. Memory: the forecast's against each run's real peak, where tune recorded
+one (the script's StepMeter takes a warm-up step's when tune asks: ``MULTIGPU_MEMORY_STEP``).
 """
 
 from __future__ import annotations
@@ -88,19 +89,27 @@ def main() -> None:
           f"x {threads} thread(s); one process: " + ", ".join(f"micro-batch {m}{' AC' if ac else ''} {v['time_s'] * 1e3:.1f} ms"
                                                             for (m, ac), v in compute.items())
           + f", optimizer {next(iter(compute.values()))['optimizer_s'] * 1e3:.1f} ms; the probe's slowdown {parts['slowdown']:.2f}\n")
-    print("| layout | measured ms/step | predicted ms | error | compute + comm + fixed ms |")
-    print("|---|---:|---:|---:|---|")
+    print("| layout | measured ms/step | predicted ms | error | compute + comm + fixed ms | measured MiB | predicted MiB "
+          "| error |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|")
     predicted = {r["candidate"]: machine.predict(layouts[r["candidate"]], counts, here, parts, args.global_batch)
                  for r in rows}
-    errors = []
+    errors, memory_errors = [], []
     for r in sorted(rows, key=lambda r: r["result"]["step_time_s"]):
         got, step = predicted[r["candidate"]], r["result"]["step_time_s"]
         errors.append(got["step_time_s"] / step - 1)
+        peak = r["result"].get("memory_bytes")  # the script's StepMeter's warm-up step (MULTIGPU_MEMORY_STEP)
+        if peak:
+            memory_errors.append(got["memory_bytes"] / peak - 1)
+        memory = f"{peak / 2**20:,.2f} | {got['memory_bytes'] / 2**20:,.2f} | {memory_errors[-1]:+.0%}" if peak \
+            else "- | - | -"
         print(f"| {r['candidate']} | {step * 1e3:,.1f} | {got['step_time_s'] * 1e3:,.1f} | {errors[-1]:+.0%} | "
-              f"{got['compute_s'] * 1e3:,.1f} + {got['comm_s'] * 1e3:,.1f} + {got['overhead_s'] * 1e3:,.1f} |")
-    size = [abs(e) for e in errors]
-    print(f"\nstep time error over {len(size)} layouts: median {statistics.median(size):.0%}, worst {max(size):.0%}, "
-          f"within 15 %: {sum(e <= 0.15 for e in size)}, within 30 %: {sum(e <= 0.30 for e in size)}")
+              f"{got['compute_s'] * 1e3:,.1f} + {got['comm_s'] * 1e3:,.1f} + {got['overhead_s'] * 1e3:,.1f} | {memory} |")
+    for what, errs in (("step time", errors), ("memory", memory_errors)):
+        size = [abs(e) for e in errs]
+        if size:
+            print(f"\n{what} error over {len(size)} layouts: median {statistics.median(size):.0%}, worst {max(size):.0%}, "
+                  f"within 15 %: {sum(e <= 0.15 for e in size)}, within 30 %: {sum(e <= 0.30 for e in size)}")
     fast = min(rows, key=lambda r: r["result"]["step_time_s"])["candidate"]
     print(f"fastest measured: {fast}; fastest predicted: {min(predicted, key=lambda c: predicted[c]['step_time_s'])}")
 

@@ -159,6 +159,12 @@ def test_tune_measures_every_layout_of_the_users_script_and_picks_the_fastest(tm
     assert rows == sorted(rows, key=lambda r: r["result"]["step_time_s"]) and saved["winner"] == rows[0]["candidate"]
     assert saved["command"].startswith(f"multigpu run -n 2 --cpu {SCRIPT} --global-batch 16")
     assert saved["command"].endswith(" ".join(rows[0]["args"])) and report["verdict"] in said
+    # Each run's memory: a warm-up step's real peak, the largest rank's (its StepMeter, asked by tune). DDP keeps
+    # whole float64 states (weights, gradients, their bucket copy, AdamW's two moments: 5 x 8 x 1,120 bytes) and
+    # the data beside them.
+    memory = {r["candidate"]: r["result"]["memory_bytes"] for r in rows}
+    assert memory["dp_replicate=2"] >= 5 * 8 * 1120 + 256 * 8 * 8 * 2, memory
+    assert all(0 < m < 2**20 for m in memory.values()), memory
 
 
 def test_noise_scale_reads_the_layout_instead_of_inferring_tp():

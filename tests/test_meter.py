@@ -442,3 +442,44 @@ def test_step_peak_is_the_highest_the_window_held_on_top_of_the_state():
         torch.empty(mib)  # 4 MiB of float32, freed at once
     assert 4 * mib <= second.total < 4 * mib + 64 * 1024, second.total
     assert ddp_buckets(nn.Linear(4, 4)) == 0  # not DDP: no buckets
+
+
+def test_a_launch_that_asks_gets_a_warm_up_steps_real_peak_in_the_summary(tmp_path, monkeypatch):
+    """MULTIGPU_MEMORY_STEP=1 (`multigpu tune`'s runs of a script): the StepMeter takes step min(2, log_every - 1)'s
+    real peak (every live tensor at its start, plus the most it allocated at once) into its summary; unasked, none."""
+    from torch import nn
+
+    from multigpu.meter.footprint import live_tensor_bytes
+
+    mib = 2**20
+    model = nn.Linear(64, 64)
+    kept = torch.empty(3 * mib, dtype=torch.uint8)  # live at every step's start: in the base
+
+    def run(log_dir) -> dict:
+        with StepMeter(samples_per_step=4, log_every=5, log_dir=str(log_dir), model=model, progress=False,
+                       gpu_monitor=False, watchdog=None) as meter:
+            for step, x in meter.steps(torch.randn(4, 64) for _ in range(7)):
+                model(x).sum().backward()
+                if step == 2:
+                    spike = torch.empty(10 * mib, dtype=torch.uint8)  # allocated and freed inside the step
+                    del spike
+                meter.step_end()
+        return read_jsonl(log_dir / "metrics.jsonl")[-1]
+
+    assert "step_peak" not in run(tmp_path / "unasked")
+    monkeypatch.setenv("MULTIGPU_MEMORY_STEP", "1")
+    base = live_tensor_bytes(torch.device("cpu"))
+    got = run(tmp_path / "asked")["step_peak"]
+    assert got["step"] == 2 and 13 * mib <= got["bytes"] < base + 10 * mib + mib, (got, base)
+    assert kept.numel() == 3 * mib
+    # DDP's bucket copy of the gradients lives in C++ only: counted from every DDP module alive.
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        before = live_tensor_bytes(torch.device("cpu"))
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        assert live_tensor_bytes(torch.device("cpu")) - before == 4 * (64 * 64 + 64)
+        del ddp
+    finally:
+        tdist.destroy_process_group()

@@ -11,7 +11,8 @@ CUDA allocator (``mg`` meters) sees them.
 ``StepPeak`` measures what a training step holds at most, on any device: the
 state at its start plus the most the step allocated at once (CUDA: the
 caching allocator's peak; CPU: the profiler's memory reporter). ``multigpu
-tune`` compares its prediction with it.
+tune`` compares its prediction with it; ``MemoryStep`` takes it inside a
+StepMeter (any script's step) when the launch asks.
 
 ``LiveActivations`` counts the peak storage bytes of the tensors autograd
 saves for the backward, on any device. A storage counts once per saved tensor
@@ -134,6 +135,71 @@ class StepPeak:
         self._prof.__exit__(*exc)
         if exc[0] is None:
             self.total = self.base + _highest_total(self._prof)
+
+
+def live_tensor_bytes(device: torch.device) -> int:
+    """Bytes of every tensor storage on ``device``'s kind that Python objects hold now, each storage once (a
+    DTensor's local shard): parameters, gradients, optimizer state, a wrapper's buffers, the batch; and the
+    buckets of every DDP module alive, which only C++ holds (``ddp_buckets``)."""
+    import gc
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    found, buckets = [], 0
+    with warnings.catch_warnings():  # the scan touches deprecated objects (torch.distributed.reduce_op)
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, torch.Tensor) and obj.device.type == device.type:
+                    found.append(obj)
+                elif isinstance(obj, DistributedDataParallel):
+                    buckets += ddp_buckets(obj)
+            except Exception:  # noqa: BLE001 - a half-built or exotic tensor subclass: not counted
+                continue
+    try:
+        return _storage_bytes(found, set()) + buckets
+    finally:
+        del found
+
+
+class MemoryStep:
+    """A StepMeter's measurement of one step's real peak memory (``StepPeak``), when the launch asks
+    (``MULTIGPU_MEMORY_STEP``: ``multigpu tune`` runs a script so), or its owner asks (``StepMeter(step_peak=True)``):
+    the meter's ``min(2, log_every - 1, total_steps - 1)``-th step from its start, in its first interval, which the step time leaves out as
+    warm-up (the profiler the CPU measurement runs slows it). The base is every live tensor at the step's
+    start and DDP's buckets (``live_tensor_bytes``); ``bytes`` is the largest rank's (None: not measured, or
+    the profiler was busy on some rank), ``step`` the step's index."""
+
+    def __init__(self, device: torch.device, log_every: int, total_steps: int | None = None) -> None:
+        # The third step: the optimizer's state exists, and DDP has rebuilt its buckets (in the second step's
+        # forward, new ones allocated while the old are live, which a steady step does not hold).
+        self.device, self._at = device, min(2, log_every - 1, (total_steps or 3) - 1)
+        self._seen = 0
+        self._peak: StepPeak | None = None
+        self.bytes: int | None = None
+        self.step: int | None = None
+
+    def begin(self, step: int) -> None:
+        self._seen += 1
+        if self._seen - 1 == self._at:  # CUDA's allocator counts everything itself: no base to find
+            base = 0 if self.device.type == "cuda" else live_tensor_bytes(self.device)
+            self.step, self._peak = step, StepPeak(self.device, base).__enter__()
+
+    def end(self, distributed: bool) -> None:
+        """Collective at the measured step's end (every rank ends it)."""
+        if self._peak is None:
+            return
+        self._peak.__exit__(None, None, None)
+        got = float(self._peak.total if self._peak.total is not None else -1)  # -1: this rank could not measure
+        self._peak = None
+        both = torch.tensor([got, -got], dtype=torch.float64, device=self.device)
+        if distributed:
+            import torch.distributed as tdist
+
+            tdist.all_reduce(both, op=tdist.ReduceOp.MAX)  # the largest peak, and minus the smallest
+        largest, smallest = both[0].item(), -both[1].item()
+        self.bytes = int(largest) if smallest >= 0 else None
 
 
 def _highest_total(prof) -> int:

@@ -11,7 +11,6 @@ for the record schema.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import socket
 import time
@@ -22,10 +21,11 @@ import torch.distributed as tdist
 
 from ..errors import UsageError
 from ..runtime.fingerprint import fingerprint
-from ..runtime.contract import attempt, launch_id, profile_window, run_dir, verify_requested
+from ..runtime.contract import attempt, launch_id, memory_step_requested, profile_window, run_dir, verify_requested
 from ..runtime.values import positive_int
 from . import gpumon, sinks as _sinks
 from .flops import FlopCount, dtype_key, peak_flops
+from .footprint import MemoryStep
 from .interval import Interval
 from .probe import Probe, dp_rank, is_pipeline
 from .records import experts_stats, figures, interval_record, router_note, run_summary, summary_line
@@ -33,7 +33,8 @@ from .records import experts_stats, figures, interval_record, router_note, run_s
 SCHEMA_VERSION = 2  # 2: summary throughput from totals, per-interval spreads under "intervals", pauses
 
 class StepMeter:
-    """Times data wait and compute per step; logs throughput, MFU, memory, loss, stragglers.
+    """Times data wait and compute per step; logs throughput, MFU, memory, loss, stragglers; with ``step_peak``
+    (None: when the launch asks) one warm-up step's real peak memory into the summary (``MemoryStep``).
 
     >>> with mg.StepMeter(dist, plan, log_every=10, log_dir="runs/x", model=model) as meter:
     ...     for step, micro_batches in meter.steps(train):
@@ -63,6 +64,7 @@ class StepMeter:
         resume: bool = False,
         fingerprint_extra: dict[str, Any] | None = None,
         sink_options: dict[str, dict[str, Any]] | None = None,
+        step_peak: bool | None = None,
     ) -> None:
         positive_int(log_every, "log_every", "use e.g. log_every=10")
         log_every = 1 if verify_requested() else log_every  # `multigpu verify` compares every step's loss
@@ -102,13 +104,15 @@ class StepMeter:
         ranks = self._gather_objects((socket.gethostname(), launch_id(), attempt()))
         self.hosts = [host for host, _, _ in ranks]
         self._launch = {lid: n for _, lid, n in ranks if lid} or None
-        self.log_dir = self._agree_log_dir(log_dir)
+        self.log_dir = _sinks.agree_log_dir(log_dir, self._distributed)
         os.makedirs(self.log_dir, exist_ok=True)
 
         self._start_instruments(dist, model, gpu_monitor, watchdog, profile)
         self._experts = experts_stats(model)  # expert parallelism's dispatch figures (none for other models)
         router_note(model, plan)
         self.probe = Probe(model, self.log_dir, self.rank, self.world_size, dp_rank(plan, dist)) if verify_requested() else None
+        asked = memory_step_requested() if step_peak is None else step_peak  # a warm-up step's real peak (tune's runs)
+        self._memory = MemoryStep(self.device, log_every, total_steps) if asked else None
         self._open_sinks(dist, plan, sinks, progress, resume, fingerprint_extra, sink_options, flops_per_sample)
 
     def _start_instruments(self, dist: Any, model: torch.nn.Module | None, gpu_monitor: bool,
@@ -177,18 +181,6 @@ class StepMeter:
             tdist.all_gather_object(out, obj)
         return out
 
-    def _agree_log_dir(self, log_dir: str | None) -> str:
-        # `multigpu run`'s, else a fresh one; a restart appends to its metrics.jsonl (sinks.continues_launch)
-        log_dir = log_dir if log_dir is not None else run_dir()
-        if log_dir is None:
-            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-            log_dir = os.path.join("runs", stamp)
-            if self._distributed:  # every rank must write into rank 0's directory
-                box = [log_dir]
-                tdist.broadcast_object_list(box, src=0)
-                log_dir = box[0]
-        return log_dir
-
     # -- per step: timestamps only ------------------------------------------------------
     def _grad_ready(self, _param) -> None:
         if self._in_step:
@@ -247,6 +239,8 @@ class StepMeter:
             start, self._ready_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             self._iv.events.append((start, self._ready_ev, None))
+        if self._memory is not None:
+            self._memory.begin(self.step)
         self._t_step = time.perf_counter()
         if self._flops_auto and self.flops_per_sample is None and self._flop_count is None:
             self._flop_count = FlopCount()
@@ -274,6 +268,8 @@ class StepMeter:
             rank_samples = self.samples_per_step / self.world_size
             self.flops_per_sample = self._flop_count.stop() / rank_samples or None
         self._iv.add(loss, metrics)
+        if self._memory is not None:
+            self._memory.end(self._distributed)
         if lr is not None:
             self._lr = float(lr.param_groups[0]["lr"]) if hasattr(lr, "param_groups") else float(lr)
         self.step += 1
@@ -356,9 +352,12 @@ class StepMeter:
 
         The first interval (``warmup``: FLOP counting) and profiled ones are left out when there are
         others; ``rate_steps`` and ``measured.left_out`` name the steps."""
-        return run_summary(self._records, steps=self.step, samples_per_step=self.samples_per_step,
-                           wall_time=time.perf_counter() - self._t_start, flops_per_sample=self.flops_per_sample,
-                           peak_flops=self.peak_flops, world_size=self.world_size, paused=self._paused)
+        out = run_summary(self._records, steps=self.step, samples_per_step=self.samples_per_step,
+                          wall_time=time.perf_counter() - self._t_start, flops_per_sample=self.flops_per_sample,
+                          peak_flops=self.peak_flops, world_size=self.world_size, paused=self._paused)
+        if out is not None and self._memory is not None and self._memory.bytes is not None:
+            out["step_peak"] = {"step": self._memory.step, "bytes": self._memory.bytes}  # the largest rank's
+        return out
 
     def close(self) -> dict[str, Any] | None:
         """Log the last partial interval, write the summary (rank 0), stop threads. Collective."""

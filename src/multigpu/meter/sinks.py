@@ -19,6 +19,26 @@ from typing import Any
 from ..errors import UsageError
 
 
+def agree_log_dir(log_dir: str | None, distributed: bool) -> str:
+    """Where every rank's meter logs: ``log_dir``, else `multigpu run`'s run directory, else a fresh one that
+    rank 0 names (a restart appends to its metrics.jsonl: ``continues_launch``). Collective when distributed
+    and neither is given."""
+    import datetime
+
+    from ..runtime.contract import run_dir
+
+    log_dir = log_dir if log_dir is not None else run_dir()
+    if log_dir is None:
+        log_dir = os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+        if distributed:  # every rank must write into rank 0's directory
+            import torch.distributed as tdist
+
+            box = [log_dir]
+            tdist.broadcast_object_list(box, src=0)
+            log_dir = box[0]
+    return log_dir
+
+
 def flatten(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
     """Numeric leaves of ``record`` as ``{"a/b": value}`` (bools and strings dropped)."""
     out: dict[str, float] = {}

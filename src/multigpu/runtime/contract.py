@@ -14,6 +14,8 @@ file in the run directory::
     MULTIGPU_LAUNCH_ID       always: a fresh id per `multigpu run` (per node), the same in all its attempts
                              (a StepMeter appends to a metrics.jsonl only after an earlier attempt of it: sinks.py)
     MULTIGPU_HANG_TIMEOUT    --hang-timeout S: every StepMeter's watchdog reports a stall after S seconds at most
+    MULTIGPU_MEMORY_STEP     "1" under `multigpu tune`: every StepMeter takes one warm-up step's real peak memory
+                             (meter/footprint.py's MemoryStep) into its summary
     <run dir>/find_batch.json  the agreed search result (local rank 0 of each node), for the launcher's last line
     <attempt dir>/rank<r>.failure.json  the exception that ended a worker, with the time it was raised and the
                                         exit code it ends with (written by worker.py, read by the failure summary)
@@ -21,7 +23,7 @@ file in the run directory::
                                         (written by worker.py, read by the launcher at the end of a run)
 
 Launcher side: ``worker_env`` and ``read_find_batch``. Worker side: ``run_dir``,
-``attempt``, ``launch_id``, ``profile_window``, ``find_batch_requested``, ``memory_budget``, ``hang_timeout`` and
+``attempt``, ``launch_id``, ``profile_window``, ``memory_step_requested``, ``find_batch_requested``, ``memory_budget``, ``hang_timeout`` and
 ``write_find_batch``; ``failure_path`` and ``no_group_path`` for both. The standard library and ``errors`` only: meter/, the finder and the
 recipes read it in every worker, so it sits in the runtime, below the launcher (``multigpu.launch``) that writes it.
 """
@@ -42,6 +44,7 @@ FIND_BATCH_ENV = "MULTIGPU_FIND_BATCH"
 MEMORY_BUDGET_ENV = "MULTIGPU_MEMORY_BUDGET"
 VERIFY_ENV = "MULTIGPU_VERIFY"  # "1" under `multigpu verify`: every StepMeter probes (meter/probe.py)
 HANG_TIMEOUT_ENV = "MULTIGPU_HANG_TIMEOUT"
+MEMORY_STEP_ENV = "MULTIGPU_MEMORY_STEP"  # "1": StepMeters measure a warm-up step's peak memory (tune's runs)
 ATTEMPT_ENV = "MULTIGPU_ATTEMPT"  # set per attempt by launch/logs.py (torch's restart count misses joins)
 LAUNCH_ID_ENV = "MULTIGPU_LAUNCH_ID"  # set with it: which launch the attempt belongs to
 VERIFY_DIR = "verify"  # <run dir>/verify/: the probe's records
@@ -195,6 +198,11 @@ def attempt() -> int:
 def launch_id() -> str | None:
     """The id of the ``multigpu run`` that started this worker, the same in each of its attempts (None outside it)."""
     return os.environ.get(LAUNCH_ID_ENV) or None
+
+
+def memory_step_requested() -> bool:
+    """Whether the launch asked StepMeters for a step's real peak memory (``multigpu tune``'s runs of a script)."""
+    return os.environ.get(MEMORY_STEP_ENV) == "1"
 
 
 def profile_window() -> str | None:

@@ -90,6 +90,7 @@ def measure_run(run_dir: Path, target: tuple[str, str, float] | None, steps: int
         "step_time_s": summary.get("step_time"),
         "wall_s": summary.get("wall_time"),
         "samples_seen": summary.get("samples_seen"),
+        "step_peak_bytes": (summary.get("step_peak") or {}).get("bytes"),  # MULTIGPU_MEMORY_STEP's (tune's runs)
         "curve": {"samples": [r["samples_seen"] for r in steps_recs if r.get("loss") is not None],
                   "loss": [r["loss"] for r in steps_recs if r.get("loss") is not None],
                   "wall_s": [r["time"] for r in steps_recs if r.get("loss") is not None]},

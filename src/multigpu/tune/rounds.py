@@ -59,13 +59,14 @@ def first_failure(run_dir: Path | None, nproc: int) -> dict | None:
     return min(records, key=lambda r: (r.get("type") != "UsageError", r.get("time", 0.0)))
 
 
-def launch(target: str, argv: list[str], *, module: bool, cfg, where: Path):
-    """Run one layout: (the launch, None) when it ran to the end, else (the launch, its failure for the
-    report: the launcher's refusal, a worker's UsageError, else the launcher's summary line)."""
+def launch(target: str, argv: list[str], *, module: bool, cfg, where: Path, env: dict | None = None):
+    """Run one layout (``env``: more variables for the workers): (the launch, None) when it ran to the end, else
+    (the launch, its failure for the report: the launcher's refusal, a worker's UsageError, else the launcher's
+    summary line)."""
     from ..launch.once import run_once
 
     done = run_once(target, argv, module=module, log_dir=where, nproc=cfg.nproc, cpu=cfg.cpu,
-                    env={"OMP_NUM_THREADS": str(cfg.threads) if cfg.cpu else None})
+                    env={"OMP_NUM_THREADS": str(cfg.threads) if cfg.cpu else None, **(env or {})})
     if done.refusal is not None:
         return done, {"status": "failed", "error": str(done.refusal)}
     if done.exit_code != 0 or done.run_dir is None:

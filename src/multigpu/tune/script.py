@@ -8,7 +8,9 @@ is left out with the script's own line (its ``UsageError``'s message, from the w
 records); a layout that runs out of memory is tried again at once with ``--activation-checkpointing``
 (where memory does not bind, checkpointing only adds recomputation); the ``--top`` K fastest run again
 in the ``--repeats`` - 1 further rounds, interleaved (A B C A B C). The step time is the script's
-``mg.StepMeter``'s (total time / steps over the measured intervals; its first interval is the warm-up); a
+``mg.StepMeter``'s (total time / steps over the measured intervals; its first interval is the warm-up), the
+memory the largest rank's real peak in a step of that warm-up (``MULTIGPU_MEMORY_STEP``: the meter's
+``MemoryStep``); a
 run that recorded fewer steps than asked, or none after the warm-up, is left out with that line
 (``study.measure.thin_evidence``).
 The winner is the fastest median. The rounds, the launch, the summary and the report's files are the
@@ -25,6 +27,7 @@ from typing import Callable
 
 from ..errors import UsageError
 from ..parallel.flags import refuse_fixed
+from ..runtime.contract import MEMORY_STEP_ENV
 from ..report.page import Heading, Items, Page, Table, Text
 from . import rounds
 
@@ -50,7 +53,7 @@ def _measure(layout, cfg, root: Path, round_: int) -> dict:
 
     where = root / "runs" / f"{rounds.slug(layout.label)}-r{round_}"
     done, failed = rounds.launch(cfg.workload, [*cfg.args, *layout.flags, "--steps", str(cfg.steps)],
-                                 module=False, cfg=cfg, where=where)
+                                 module=False, cfg=cfg, where=where, env={MEMORY_STEP_ENV: "1"})
     if failed is not None:  # the script's own refusal (its UsageError's message) is the reason
         return failed
     try:
@@ -60,7 +63,9 @@ def _measure(layout, cfg, root: Path, round_: int) -> dict:
     if measured["thin"]:  # too short to time: no evidence for the fastest layout
         return {"status": "failed", "exit_code": 0, "error": f"too short to judge: {measured['thin']}",
                 "wall_s": done.elapsed_s}
-    return {"status": "ok", "step_time_s": measured["step_time_s"], "wall_s": done.elapsed_s}
+    peak = measured["step_peak_bytes"]  # a warm-up step's real peak, the largest rank's (its StepMeter's)
+    return {"status": "ok", "step_time_s": measured["step_time_s"], "wall_s": done.elapsed_s} | (
+        {"memory_bytes": peak} if peak is not None else {})
 
 
 def _row(layout) -> dict:
@@ -99,7 +104,10 @@ def run_script_tune(cfg, say: Callable[[str], None] = print) -> tuple[Path, dict
         return ok if cfg.top == 0 else ok[:cfg.top]  # the fastest of the first round, again, interleaved
 
     def show(r: dict, m: dict) -> str:
-        return f"{m['step_time_s'] * 1e3:,.1f} ms/step" if m["status"] == "ok" else f"left out: {m['error']}"
+        if m["status"] != "ok":
+            return f"left out: {m['error']}"
+        mem = f", {m['memory_bytes'] / 2**20:,.1f} MiB" if "memory_bytes" in m else ""
+        return f"{m['step_time_s'] * 1e3:,.1f} ms/step{mem}"
 
     rounds.measure_rounds(rows, cfg.repeats, pick, lambda r, i: _measure(r["_l"], cfg, out, i), show, say,
                           retry=with_checkpointing)
@@ -132,14 +140,16 @@ def _report(cfg, rows: list[dict], wall_s: float) -> dict:
 def _page(report: dict) -> Page:
     def cells(r: dict) -> list[str]:
         res = r["result"]
+        mem = f"{res['memory_bytes'] / 2**20:,.1f}" if "memory_bytes" in res else "-"
         return [r["candidate"], f"{res['step_time_s'] * 1e3:,.1f} ({res['min_s'] * 1e3:,.1f}-{res['max_s'] * 1e3:,.1f})",
-                str(res["runs"]), " ".join(r["args"]) or "(none)"]
+                mem, str(res["runs"]), " ".join(r["args"]) or "(none)"]
 
     blocks: list = [Text(report["verdict"].removeprefix("multigpu tune: ") + ".", lead=True),
                     Text(f"Every layout of {report['world_size']} ranks ran the script for {report['steps']} steps; the "
-                         f"fastest again in {report['repeats'] - 1} more round(s). Step time: the script's StepMeter. "
+                         f"fastest again in {report['repeats'] - 1} more round(s). Step time: the script's StepMeter; peak "
+                         "memory: the largest rank's in a warm-up step (its StepMeter's MemoryStep). "
                          f"Tune took {report['wall_s']:.0f} s."),
-                    Table(["layout", "measured ms/step (min-max)", "runs", "flags"],
+                    Table(["layout", "measured ms/step (min-max)", "peak MiB", "runs", "flags"],
                           [cells(r) for r in report["candidates"] if r["result"]])]
     if report["left_out"]:
         blocks += [Heading("Left out (the script's own refusal or failure)"),

@@ -28,7 +28,6 @@ byte).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -38,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import multigpu as mg
-from multigpu.meter import StepPeak, ddp_buckets, state_bytes
+from multigpu.meter import state_bytes
 
 from .data import prepare_tokens, token_sets
 from .model import GPT, SIZES, config
@@ -106,8 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="write checkpoints in the background: the loop waits only for the host copy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-json", default=None, metavar="PATH",
-                   help="write the result, with the training state's bytes and the most a step held (mg.meter.StepPeak, "
-                        "the largest rank), to PATH (rank 0; `multigpu tune` reads it)")
+                   help="write the result, with the training state's bytes and the most a warm-up step held (the "
+                        "StepMeter's step_peak: mg.meter.MemoryStep, the largest rank), to PATH (rank 0; `multigpu tune` reads it)")
     args = p.parse_args(rest)
     args.layout = layout
     args.schedule_given = any(a == "--schedule" or a.startswith("--schedule=") for a in argv)
@@ -238,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                tokens_per_step=plan.global_batch * cfg.block_size))
         meter = mg.StepMeter(dist, plan, log_every=args.log_every, log_dir=args.log_dir, total_steps=args.steps,
                              flops_per_sample=cfg.flops_per_token() * cfg.block_size, tokens_per_sample=cfg.block_size,
-                             dtype=amp.name, profile=args.profile,
+                             dtype=amp.name, profile=args.profile, step_peak=True if args.result_json else None,
                              fingerprint_extra={"recipe": "gpt", "size": args.size, "layout": layout.label})
         ckpt, start = None, 0
         if args.checkpoint_dir:
@@ -247,28 +246,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                    async_save=args.async_checkpoint)
             start = ckpt.resume()
         metrics: dict[str, float] = {}
-        # Memory is measured over the third step: the optimizer's state exists by then, and DDP has rebuilt its
-        # buckets (in the second step's forward, allocating new ones while the old are live), which a steady step
-        # does not; within the meter's first interval, left out of the throughput as warm-up (the CPU
-        # measurement profiles the step), so never past its last step.
-        step_peak = None
-        measured_step = start + max(0, min(2, args.log_every - 1, args.steps - 1 - start))
         with meter:
             for step, micro_batches in meter.steps(_forever(train), start=start):
                 if step >= args.steps:
                     break  # resumed from the end
                 done = step + 1 == args.steps
-                measuring = args.result_json and step == measured_step
-                if measuring:
-                    step_peak = StepPeak(dist.device, state_bytes(model, opt).total + ddp_buckets(model))
-                with step_peak if measuring else contextlib.nullcontext():
-                    if pipe is not None:
-                        # Stage times at log steps only (the meter sums a metric over its interval's steps):
-                        # on a GPU each read waits for the device.
-                        step_loss, extra = _pipeline_step(pipe, opt, sched, args, micro_batches, dist.device,
-                                                          stage_times=meter.will_log or done)
-                    else:
-                        step_loss, extra = _model_step(model, opt, sched, amp, args, micro_batches)
+                if pipe is not None:
+                    # Stage times at log steps only (the meter sums a metric over its interval's steps):
+                    # on a GPU each read waits for the device.
+                    step_loss, extra = _pipeline_step(pipe, opt, sched, args, micro_batches, dist.device,
+                                                      stage_times=meter.will_log or done)
+                else:
+                    step_loss, extra = _model_step(model, opt, sched, amp, args, micro_batches)
                 meter.step_end(loss=step_loss, lr=opt, **extra)
                 if ckpt is not None:
                     with meter.pause("checkpoint"):  # with --async-checkpoint, only the host copy
@@ -281,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     break
         if ckpt is not None:
             ckpt.finish()
-        return _finish(args, cfg, dist, layout, meter, metrics, step_peak, model, opt)
+        return _finish(args, cfg, dist, layout, meter, metrics, model, opt)
 
 
 def _build(args, cfg, layout, plan, dist):
@@ -303,7 +292,7 @@ def _evaluate(model, pipe, val_set, layout, dist, plan, args) -> dict[str, float
     return evaluate(model, val_set, layout, dist, plan.micro_batch, sequences, args.loss_parallel)
 
 
-def _finish(args, cfg, dist, layout, meter, metrics, step_peak, model, opt) -> dict[str, float]:
+def _finish(args, cfg, dist, layout, meter, metrics, model, opt) -> dict[str, float]:
     """The run's result (and --result-json's file, collective), and its closing line."""
     summary = meter.summary() or {}
     sps = summary.get("samples_per_s")
@@ -316,7 +305,7 @@ def _finish(args, cfg, dist, layout, meter, metrics, step_peak, model, opt) -> d
     tps = f"{result['tokens_per_s']:,.0f} tokens/s" if result["tokens_per_s"] else "tokens/s n/a"
     if args.result_json:
         _write_result(args.result_json, result, state_bytes(model, opt).total,
-                      step_peak.total if step_peak is not None else None, dist)
+                      (summary.get("step_peak") or {}).get("bytes"), dist)  # rank 0's summary: the largest rank's
     mg.print0(f"gpt {args.size}: val loss {metrics.get('loss', float('nan')):.4f} "
               f"({metrics.get('bits_per_byte', float('nan')):.3f} bits/byte); {tps}{mfu}{mem} | {layout.label}")
     return result
@@ -357,8 +346,9 @@ def _model_step(model, opt, sched, amp, args, micro_batches):
 
 
 def _write_result(path: str, result: dict, state: int, peak: int | None, dist) -> None:
-    """Rank 0 writes ``result`` with the largest rank's memory: its training state and the most a step held
-    (``StepPeak``; None where it could not be measured). Collective: every rank calls it."""
+    """Rank 0 writes ``result`` with the largest rank's memory: its training state and the most a warm-up step
+    held (the StepMeter's ``step_peak``, on rank 0; None where it could not be measured). Collective: every rank
+    calls it."""
     sizes = [float(state), float(peak if peak is not None else -1)]
     if torch.distributed.is_initialized():
         t = torch.tensor(sizes, dtype=torch.float64, device=dist.device)  # NCCL reduces device tensors only
