@@ -21,8 +21,11 @@ def pct(x):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--refit", action="store_true")
-    a = published.fit() if parser.parse_args().refit else published.assumptions()
-    result = published.check(a)
+    if parser.parse_args().refit:
+        a = published.fit()
+        result = published.check(a, published.fit_by_gpu(a))
+    else:
+        result = published.check()
     print("| row | published tokens/s/GPU (MFU) | predicted | error | published GiB | predicted GiB | error |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for e in result["rows"]:
@@ -43,7 +46,7 @@ def main() -> None:
     for pair in p["pairs"]:
         if not pair["ranked_right"]:
             print(f"  wrong: published faster {pair['faster']}  vs  {pair['slower']}")
-    print(f"\nassumptions: {result['assumptions']}")
+    print(f"\nassumptions: {result['assumptions']}; each GPU kind's own efficiency: {result['by_gpu']}")
 
 
 if __name__ == "__main__":

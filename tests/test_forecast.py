@@ -240,6 +240,12 @@ def test_bubble_and_scaling():
     kept, transient = 2 * c.block_input * 64, max(c.block_saved) * 64  # 2 blocks a stage, 64 tokens a micro-batch
     assert gpipe == pytest.approx(transient + kept * 32)  # 32 micro-batches in flight
     assert one_f == pytest.approx(transient + kept + 2 * c.other_saved * 64)  # the last stage: one, and the loss
+    # PyTorch's pipelining keeps a receive buffer per micro-batch at each boundary a stage receives across (a
+    # middle stage: its input and its output's gradient); twice the micro-batches, twice the buffers (on 2 CPU
+    # ranks, GPipe over 8 micro-batches of the GPT recipe: 6.0 MiB, the measured peak's step from 127.4 to 133.1
+    # MiB once the step's base counted every live tensor).
+    buffers = [predict(c, machine, Degrees(1, 2, 1, 3, 1, 1), Run(n, 64), a)["memory"]["buffers"] for n in (16, 32)]
+    assert buffers[1] - buffers[0] == pytest.approx(2 * 8 * c.block_input * 64)
     # Twice the data-parallel ranks at the same batch per rank: the same compute per GPU.
     one = predict(c, cluster("h100", 8), Degrees(1, 8, 1, 1, 1, 2), Run(16, 64), a)["time"]["compute"]
     two = predict(c, cluster("h100", 16), Degrees(1, 16, 1, 1, 1, 2), Run(32, 64), a)["time"]["compute"]
@@ -247,17 +253,25 @@ def test_bubble_and_scaling():
 
 
 def test_calibration_reproduced_from_its_source():
-    """The stored constants are what fitting the named rows gives, and those rows are then exact."""
+    """The stored constants are what fitting the named rows gives, and those rows are then exact: one source
+    (torchtitan's), the shared constants on one table, each GPU kind's own achieved fraction on one row."""
     pytest.importorskip("transformers")
     cal = published.calibration()
     got = published.fit()
     for k, v in cal["constants"].items():
         assert getattr(got, k) == pytest.approx(v, abs=2e-4), k
-    result = published.check(got)
-    assert result["fitted"]["tokens_worst"] < 1e-3
-    assert len(cal["fitted_on"]) <= 4 and {published.key(r)[:40] for r in published.rows()
-                                             if published.key(r) in cal["fitted_on"].values()} == \
-        {list(cal["fitted_on"].values())[0][:40]}  # one source, one table
+    by_gpu = published.fit_by_gpu(got)
+    assert by_gpu == {k: pytest.approx(g["efficiency"], abs=2e-4) for g in cal["by_gpu"] for k in g["kinds"]}
+    result = published.check(got, by_gpu)
+    named = set(cal["fitted_on"].values()) | {g["fitted_on"] for g in cal["by_gpu"]}
+    last = {published.key(r): r for r in published.rows()}  # a name's row: the last of its key, as fit reads it
+    rows = [e for e in result["rows"] if e["key"] in named and e["row"] is last[e["key"]]]
+    assert len(rows) == len(named) and all(abs(e["tokens_error"]) < 1e-3 for e in rows), rows
+    assert {e["source"].split()[0] for e in rows} == {"pytorch/torchtitan"}
+    assert len(cal["fitted_on"]) <= 4 and len({k[:40] for k in cal["fitted_on"].values()}) == 1  # one table
+    # A kind with its own fraction forecasts with it; the others with the shared one.
+    assert published.assumptions("a100-40gb").efficiency == cal["by_gpu"][0]["efficiency"]
+    assert published.assumptions("h200").efficiency == cal["constants"]["efficiency"]
 
 
 def test_held_out_error_is_what_the_docs_say():
@@ -267,11 +281,11 @@ def test_held_out_error_is_what_the_docs_say():
     result = published.check()
     held = result["held_out"]
     assert held["tokens_rows"] >= 45 and held["memory_rows"] >= 14
-    # Measured: speed within 25 % on 25 of 49 rows (median 24.9 %), memory within 15 % on 13 of 17 (median
-    # 9.8 %), layout pairs 13 of 13. A planted bug (FSDP gathering f x the weights) drops speed to 29 % of
-    # rows (median 33 %); the recomputed block counted per micro-batch in flight, memory to 10 of 17.
-    assert held["tokens_within_25"] >= 0.45 and held["tokens_median"] < 0.28, held
-    assert held["memory_within_15"] >= 0.7 and held["memory_median"] < 0.12, held
+    # Measured: speed within 25 % on 30 of 47 rows (median 19.9 %), memory within 15 % on 11 of 17 (median
+    # 9.8 %), layout pairs 13 of 13. A planted bug (FSDP gathering f x the weights) drops speed to 34 % of
+    # rows (median 31 %); the recomputed block counted per micro-batch in flight, memory to 9 of 17 (median 13 %).
+    assert held["tokens_within_25"] >= 0.6 and held["tokens_median"] < 0.22, held
+    assert held["memory_within_15"] >= 0.6 and held["memory_median"] < 0.12, held
     assert result["pairs"]["count"] >= 10 and result["pairs"]["share"] >= 0.9, result["pairs"]
 
 

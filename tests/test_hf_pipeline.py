@@ -93,6 +93,8 @@ def test_gpt2_and_llama_pipelines_on_two_ranks_equal_one_process(reference):
     # The layout's activation checkpointing reaches every block of every stage (each rank: 2 of the 4 layers),
     # with no data-parallel or TP step to carry it; the others recompute nothing.
     assert [[r[j]["checkpointed"] for r in out] for j in range(len(TWO))] == [[0, 0]] * 5 + [[2, 2]]
+    # The last stage keeps no micro-batch's logits past the step (they were kept to be returned, unused: 4 here).
+    assert all(r[j]["kept_outputs"] == 0 for r in out for j in range(len(TWO)))
 
 
 @pytest.mark.slow

@@ -87,7 +87,7 @@ def main(args) -> int:
     machine = cluster(args.gpu, args.gpus, args.gpus_per_node, hbm_gib=args.hbm_gib, peak_tflops=args.peak_tflops,
                       scale_up_gb_s=args.scale_up_gb_s, scale_out_gb_s=args.scale_out_gb_s)
     machine.peak(args.precision)  # an fp8 run on a GPU without fp8: refused before counting
-    a = assumptions()
+    a = assumptions(args.gpu.lower())  # the kind's own achieved fraction where the calibration has one
     a = dataclasses.replace(a, dp_overlap=args.dp_overlap, async_tp_overlap=args.async_tp_overlap,
                             runtime_gib=args.runtime_gib, expert_imbalance=args.expert_imbalance, **({"efficiency": args.efficiency} if args.efficiency is not None else {}))
     run = Run(args.global_batch or args.gpus, args.seq_len, compile=args.compile, precision=args.precision,

@@ -170,6 +170,12 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     # and at the backward's start their gradients of the same size (the logits' float32 and 16-bit gradients)
     memory["activations"] = transient + (max(stage_bytes * in_flight, stage_bytes + loss_bytes) if p > 1
                                          else stage_bytes + loss_bytes)
+    if p > 1:
+        # PyTorch's pipelining allocates a receive buffer per micro-batch at each stage boundary: a stage's input
+        # (forward) and its output's gradient (backward); the first stage receives only the one, the last only
+        # the other. A rank of 2 stages holds one boundary's buffers; of more, or of several stages, up to two each.
+        boundary = counts.block_input * tokens / (t if sp else 1)
+        memory["buffers"] += m * boundary * (1 if p == 2 and v == 1 else 2 * v)
     # The optimizer's step, after the activations are freed: the states, DDP's buckets, and foreach AdamW's
     # float32 temporary of everything it steps (its sqrt of the second moments); counted where it tops the above.
     at_step = 16.0 * stored + (memory["buffers"] if shards == 1 else 0.0) + 4.0 * stored

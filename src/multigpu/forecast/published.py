@@ -3,8 +3,9 @@ some of them (``tables/calibration.json``), and the held-out error on the rest.
 
 The calibration set names the rows it was fitted on; ``fit`` reproduces it (each constant solved on its
 row by bisection, in order: the eager bf16 row gives the achieved fraction of peak, the compiled row the
-compile speedup, the fp8 row fp8's); ``check`` predicts every row and splits the errors into fitted and
-held out. A pair is two rows of one table, model, GPU count and kernel options (precision, compile, async TP,
+compile speedup, the fp8 row fp8's), ``fit_by_gpu`` the achieved fraction of the GPU kinds that have their
+own (``by_gpu``: one row each, of the same source); ``check`` predicts every row and splits the errors into
+fitted and held out. A pair is two rows of one table, model, GPU count and kernel options (precision, compile, async TP,
 recompute) and different layouts, whose published speeds differ by more than 5 %: the forecast ranks it right when it predicts the faster one faster.
 """
 
@@ -29,10 +30,23 @@ def calibration() -> dict:
     return json.loads((DATA / "calibration.json").read_text())
 
 
-def assumptions() -> Assumptions:
-    """The stored calibration's constants, the rest at their defaults."""
+def assumptions(kind: str | None = None) -> Assumptions:
+    """The stored calibration's constants, the rest at their defaults; for a GPU ``kind`` the calibration has an
+    achieved fraction of its own (``by_gpu``), that one."""
     cal = calibration()
-    return Assumptions(**cal["constants"], calibration=cal["name"])
+    return for_gpu(Assumptions(**cal["constants"], calibration=cal["name"]), kind, by_gpu())
+
+
+def by_gpu() -> dict[str, float]:
+    """The stored achieved fraction of peak of each GPU kind that has its own: {kind: efficiency}."""
+    return {k: g["efficiency"] for g in calibration()["by_gpu"] for k in g["kinds"]}
+
+
+def for_gpu(a: Assumptions, kind: str | None, efficiency: dict[str, float]) -> Assumptions:
+    """``a`` with ``kind``'s own achieved fraction of peak where ``efficiency`` has one."""
+    if kind not in efficiency:
+        return a
+    return dataclasses.replace(a, efficiency=efficiency[kind], calibration=f"{a.calibration}, {kind}'s efficiency")
 
 
 def forecast(row: dict, a: Assumptions) -> dict:
@@ -50,31 +64,48 @@ def key(row: dict) -> str:
            f"{' compile' if row['compile'] else ''}{' async-tp' if row['async_tp'] else ''} s {row['seq_len']}"
 
 
+def _solve(row: dict, a: Assumptions, field: str) -> Assumptions:
+    """``a`` with ``field`` set so that ``row``'s forecast meets its published figure (tokens/s, or memory for the
+    allocator's overhead: each grows with the constant, so bisection finds it)."""
+    lo, hi = 0.0, 5.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        got = forecast(row, dataclasses.replace(a, **{field: mid}))
+        low = got["memory_bytes"] / GiB < row["peak_memory_gib"] if field == "allocator_overhead" \
+            else got["tokens_per_s_per_gpu"] < row["tokens_per_s_per_gpu"]
+        lo, hi = (mid, hi) if low else (lo, mid)
+    return dataclasses.replace(a, **{field: round((lo + hi) / 2, 4)})
+
+
 def fit(base: Assumptions | None = None) -> Assumptions:
     """The calibration's constants solved on its named rows (in the order efficiency, compile, fp8)."""
     cal = calibration()
     a = base or Assumptions(calibration=cal["name"])
     by_key = {key(r): r for r in rows()}
     for field, k in cal["fitted_on"].items():
-        row = by_key[k]
-        lo, hi = 0.0, 5.0
-        for _ in range(60):  # tokens/s (memory) grows with each constant: bisect to the published figure
-            mid = (lo + hi) / 2
-            got = forecast(row, dataclasses.replace(a, **{field: mid}))
-            low = got["memory_bytes"] / GiB < row["peak_memory_gib"] if field == "allocator_overhead" \
-                else got["tokens_per_s_per_gpu"] < row["tokens_per_s_per_gpu"]
-            lo, hi = (mid, hi) if low else (lo, mid)
-        a = dataclasses.replace(a, **{field: round((lo + hi) / 2, 4)})
+        a = _solve(by_key[k], a, field)
     return a
 
 
-def check(a: Assumptions | None = None) -> dict:
-    """Every row predicted: {"rows": [...], "held_out": summary, "fitted": summary, "pairs": ...}."""
+def fit_by_gpu(a: Assumptions) -> dict[str, float]:
+    """Each GPU kind's own achieved fraction of peak (``by_gpu``), solved on its named row with ``a``'s other
+    constants: {kind: efficiency}."""
+    by_key = {key(r): r for r in rows()}
+    return {kind: _solve(by_key[g["fitted_on"]], a, "efficiency").efficiency
+            for g in calibration()["by_gpu"] for kind in g["kinds"]}
+
+
+def check(a: Assumptions | None = None, kinds: dict[str, float] | None = None) -> dict:
+    """Every row predicted: {"rows": [...], "held_out": summary, "fitted": summary, "pairs": ...}; ``a`` (default:
+    the stored constants) with each GPU kind's own efficiency from ``kinds`` (default: the stored ``by_gpu``).
+    A row with the key of a row fitted on counts as fitted (the forecast cannot tell them apart)."""
+    cal = calibration()
     a = a or assumptions()
-    fitted = set(calibration()["fitted_on"].values())
+    kinds = by_gpu() if kinds is None else kinds
+    fitted = set(cal["fitted_on"].values()) | {g["fitted_on"] for g in cal["by_gpu"]}
     out = []
     for row in rows():
-        got = forecast(row, a)
+        got = forecast(row, for_gpu(a, row["gpu"], kinds))
         entry = {"key": key(row), "source": row["source"], "fitted": key(row) in fitted,
                  "tokens_per_s_per_gpu": row["tokens_per_s_per_gpu"], "predicted_tokens": got["tokens_per_s_per_gpu"],
                  "peak_memory_gib": row["peak_memory_gib"], "predicted_memory_gib": got["memory_bytes"] / GiB,
@@ -88,7 +119,7 @@ def check(a: Assumptions | None = None) -> dict:
         out.append(entry)
     return {"rows": out, "held_out": _summary([e for e in out if not e["fitted"]]),
             "fitted": _summary([e for e in out if e["fitted"]]), "pairs": _pairs([e for e in out if not e["fitted"]]),
-            "assumptions": dataclasses.asdict(a)}
+            "assumptions": dataclasses.asdict(a), "by_gpu": kinds}
 
 
 def _summary(entries: list[dict]) -> dict:

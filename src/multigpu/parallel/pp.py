@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import operator
 import time
 from typing import Any, Callable, Iterable
@@ -213,7 +214,9 @@ class Pipeline:
         x = torch.cat([mb[0] for mb in micro_batches]) if self.has_first else None
         y = torch.cat([mb[1] for mb in micro_batches]) if self.has_last else None
         losses: list[torch.Tensor] = []
-        call(*((x,) if self.has_first else ()), target=y, losses=losses if self.has_last else None)
+        # The last stage would keep every micro-batch's output (the logits) to return them merged: unused here.
+        extra = {"return_outputs": False} if "return_outputs" in inspect.signature(call).parameters else {}
+        call(*((x,) if self.has_first else ()), target=y, losses=losses if self.has_last else None, **extra)
         return torch.stack([loss.detach() for loss in losses]).mean() if self.has_last else None
 
     def stage_times(self) -> dict[str, float]:
