@@ -233,8 +233,9 @@ def test_bubble_and_scaling():
                     for s in ("1f1b", "gpipe"))
     assert gpipe == pytest.approx(one_f * m / 3)
     # Full recompute keeps each block's input per micro-batch in flight, and one block's whole activations
-    # while it is recomputed, once (measured on 2 CPU ranks, GPT small, 8 micro-batches: GPipe 127.4 MiB, 1F1B
-    # 107.6; predicted 114.2 and 105.3; with the transient counted per micro-batch in flight, 198.4 and 112.8).
+    # while it is recomputed, once (measured on 2 CPU ranks, GPT small, 8 micro-batches: GPipe 133.1 MiB, 1F1B
+    # 113.7; predicted 120.2 and 111.3; with the transient counted per micro-batch in flight and no receive
+    # buffers, 198.4 and 112.8).
     one_f, gpipe = (predict(c, machine, Degrees(1, 2, 1, 3, 1, 1, s), Run(64, 64, recompute="full"), a)["memory"]
                     ["activations"] for s in ("1f1b", "gpipe"))
     kept, transient = 2 * c.block_input * 64, max(c.block_saved) * 64  # 2 blocks a stage, 64 tokens a micro-batch
@@ -242,8 +243,8 @@ def test_bubble_and_scaling():
     assert one_f == pytest.approx(transient + kept + 2 * c.other_saved * 64)  # the last stage: one, and the loss
     # PyTorch's pipelining keeps a receive buffer per micro-batch at each boundary a stage receives across (a
     # middle stage: its input and its output's gradient); twice the micro-batches, twice the buffers (on 2 CPU
-    # ranks, GPipe over 8 micro-batches of the GPT recipe: 6.0 MiB, the measured peak's step from 127.4 to 133.1
-    # MiB once the step's base counted every live tensor).
+    # ranks, GPipe over 8 micro-batches of the GPT recipe: 6.0 MiB, what the measured peak rose by, 127.4 to
+    # 133.1 MiB, once the step's base counted every live tensor).
     buffers = [predict(c, machine, Degrees(1, 2, 1, 3, 1, 1), Run(n, 64), a)["memory"]["buffers"] for n in (16, 32)]
     assert buffers[1] - buffers[0] == pytest.approx(2 * 8 * c.block_input * 64)
     # Twice the data-parallel ranks at the same batch per rank: the same compute per GPU.
