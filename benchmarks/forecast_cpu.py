@@ -39,7 +39,7 @@ def main() -> None:
     import dataclasses
 
     from multigpu import layout_from_args
-    from multigpu.forecast.cost import Assumptions, Run, micro_flops, predict
+    from multigpu.forecast.cost import Assumptions, Run, predict
     from multigpu.forecast.hardware import Cluster, Gpu
     from multigpu.recipes.gpt.model import config
     from multigpu.tune import machine
@@ -52,12 +52,11 @@ def main() -> None:
     counts = machine.count_recipe(cfg)
     parts = machine.parts_of(report)
     slowdown = parts["slowdown"]
-    rates = {m: sum(micro_flops(counts, range(counts.layers), m * cfg.block_size, 1, "none")) / (got["time_s"] * slowdown)
-             for (m, ac), got in parts["compute"].items() if not ac}
+    here = machine.measured_cluster(counts, parts, ranks, None)  # tune's description: its rates and bandwidth
+    rates = {m: rate for (m, recompute), rate in here.rates.items() if recompute == "none"}
     n, size16 = ranks, 16 * 2**20
     busbw = 2 * (n - 1) / n * size16 / parts["links"].time("all_reduce", n, size16)
-    optimizer_s = next(iter(parts["compute"].values()))["optimizer_s"] * slowdown
-    bandwidth = 36.0 * counts.params / optimizer_s
+    bandwidth = here.gpu.hbm_bandwidth
     a = Assumptions(efficiency=1.0, dp_overlap=0.0, runtime_gib=0.0, allocator_overhead=0.0,
                     calibration="this machine's probe as a spec sheet (benchmarks/forecast_cpu.py)")
     print(f"gpt {size}: {counts.params:,} parameters, {counts.flops_per_token / 1e6:.1f} MFLOP per token; {ranks} "

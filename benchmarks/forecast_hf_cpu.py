@@ -79,8 +79,7 @@ def main() -> None:
             loop = probe.loop(str(ROOT / "examples" / "hf_model.py"), [], compute, micro[0], True, threads, root,
                               module=False)
         costs = wrappers.overheads(subject, micro[0], threads, acs=tuple(acs))
-        parts["fixed"] = {k: {"micro_s": v["micro_s"] + loop["micro_s"], "step_s": v["step_s"] + loop["step_s"]}
-                          for k, v in costs.items()}
+        parts["fixed"] = wrappers.plus_loop(costs, loop)
         print("fixed costs measured on this model (ms per micro-batch / per step): loop "
               f"{loop['micro_s'] * 1e3:.1f} / {loop['step_s'] * 1e3:.1f}; "
               + ", ".join(f"{k} {v['micro_s'] * 1e3:.1f} / {v['step_s'] * 1e3:.1f}" for k, v in costs.items()))

@@ -475,8 +475,7 @@ def train_pipeline(dist, kind: str, layout: dict, steps: int = 5, accum: int = 4
     held = sorted({n for m in pipe.modules for n, _ in m.named_parameters(remove_duplicate=False)})
     # What the schedule's stages kept of the last step's outputs (the last stage's logits of every micro-batch,
     # unless the schedule is told not to return them).
-    stages = getattr(pipe.schedule, "_stages", None) or [pipe.schedule._stage]
-    kept = sum(len(stage.output_chunks) for stage in stages)
+    kept = sum(len(stage.output_chunks) for stage in pipe.stages)
     # Blocks whose forward mg.parallelize replaced by a recomputing one (activation checkpointing, spread.py).
     checkpointed = sum("forward" in vars(b) for m in pipe.modules for b in m.modules() if type(b).__name__.endswith(
         ("Block", "DecoderLayer")))

@@ -157,10 +157,7 @@ def live_tensor_bytes(device: torch.device) -> int:
                     buckets += ddp_buckets(obj)
             except Exception:  # noqa: BLE001 - a half-built or exotic tensor subclass: not counted
                 continue
-    try:
-        return _storage_bytes(found, set()) + buckets
-    finally:
-        del found
+    return _storage_bytes(found, set()) + buckets
 
 
 class MemoryStep:

@@ -168,6 +168,10 @@ class Pipeline:
         stages = self.stages[0] if schedule in SINGLE_STAGE else self.stages
         self.schedule = cls(stages, n_microbatches=accum_steps, loss_fn=loss_fn, scale_grads=True)
         self.accum_steps, self.schedule_name = accum_steps, schedule
+        # The last stage would keep every micro-batch's output (the logits) to return them merged: unused here
+        # (where this torch's schedules can be told so).
+        takes = "return_outputs" in inspect.signature(self.schedule.step).parameters
+        self._step = functools.partial(self.schedule.step, return_outputs=False) if takes else self.schedule.step
         self.has_first, self.has_last = 0 in ids, n_stages - 1 in ids
         self.clock = StageClock(device)
         for stage in self.stages:
@@ -190,7 +194,7 @@ class Pipeline:
             raise UsageError(f"the pipeline was built for {self.accum_steps} micro-batches per step but got "
                              f"{len(micro_batches)}; build it with the plan's accum_steps")
         with self.clock.step():
-            loss = self._run(self.schedule.step, micro_batches)
+            loss = self._run(self._step, micro_batches)
             self.tied.sum_()  # the copies of a tied tensor: one process's gradient on each
             return loss
 
@@ -214,9 +218,7 @@ class Pipeline:
         x = torch.cat([mb[0] for mb in micro_batches]) if self.has_first else None
         y = torch.cat([mb[1] for mb in micro_batches]) if self.has_last else None
         losses: list[torch.Tensor] = []
-        # The last stage would keep every micro-batch's output (the logits) to return them merged: unused here.
-        extra = {"return_outputs": False} if "return_outputs" in inspect.signature(call).parameters else {}
-        call(*((x,) if self.has_first else ()), target=y, losses=losses if self.has_last else None, **extra)
+        call(*((x,) if self.has_first else ()), target=y, losses=losses if self.has_last else None)
         return torch.stack([loss.detach() for loss in losses]).mean() if self.has_last else None
 
     def stage_times(self) -> dict[str, float]:

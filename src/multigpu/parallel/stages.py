@@ -227,12 +227,11 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
     pp_mesh = layout.device_mesh(device.type)["pp"]
     ids = pp.stage_ids(layout.schedule, pp_mesh.get_local_rank(), layout.pp)
     parts = [make(i) for i in ids]
-    if layout.dp_size > 1 or layout.tp > 1 or layout.activation_checkpointing or layout.compile:
-        # mg.parallelize's TP, activation checkpointing, compile and FSDP, the one way in (on pp alone, the
-        # per-block options too); as a pipeline stage FSDP keeps the parameters gathered between a step's
-        # micro-batches. This function prints its own line for all the stages.
-        parts = [parallelize(p, layout, tp_plan=stage_plan(p, styles) if styles else None,
-                             block_classes=classes or None, pipeline_stage=True, verbose=False) for p in parts]
+    # mg.parallelize's TP, activation checkpointing, compile and FSDP, the one way in, on every stage (on pp
+    # alone it applies the per-block options only); as a pipeline stage FSDP keeps the parameters gathered
+    # between a step's micro-batches. This function prints its own line for all the stages.
+    parts = [parallelize(p, layout, tp_plan=stage_plan(p, styles) if styles else None,
+                         block_classes=classes or None, pipeline_stage=True, verbose=False) for p in parts]
     record(layout.data_share(rank), rank, world)  # the schedule places the last stage: who counts (eval)
     if verbose:
         print0(f"mg.parallel.pipeline: {n_stages} stages of {name} by {how}, blocks per stage "

@@ -124,7 +124,7 @@ def _measure(layout: Layout, cfg: TuneConfig, root: Path, round_: int) -> dict:
         return {"status": "failed", "exit_code": 0, "error": f"unreadable results: {err}", "wall_s": wall}
     if measured["thin"]:
         return {"status": "failed", "exit_code": 0, "error": f"too short to judge: {measured['thin']}", "wall_s": wall}
-    if mem["total_bytes"] is None:  # mg.meter.StepPeak could not profile the step (a profiler of the user's ran)
+    if mem["total_bytes"] is None:  # the StepMeter's MemoryStep could not profile the step (a profiler of the user's ran)
         return {"status": "failed", "exit_code": 0, "wall_s": wall,
                 "error": "the run's memory was not measured (another profiler was running: drop --profile)"}
     return {"status": "ok", "step_time_s": measured["step_time_s"], "memory_bytes": mem["total_bytes"], "wall_s": wall}
@@ -151,8 +151,7 @@ def measure_parts(model_cfg, found: list[Layout], nproc: int, device: str, threa
     # The user's model flags; the loop probe's --global-batch comes after theirs (the last one counts).
     loop = probe.loop(RECIPE, list(recipe_args), compute, micro, cpu, threads, root or Path(tempfile.mkdtemp(prefix="multigpu-tune-")))
     fixed_costs = wrappers.overheads(subject, micro, threads, acs=tuple(sorted({c.activation_checkpointing for c in found})))
-    fixed = {k: {"micro_s": v["micro_s"] + loop["micro_s"], "step_s": v["step_s"] + loop["step_s"]}
-             for k, v in fixed_costs.items()}
+    fixed = wrappers.plus_loop(fixed_costs, loop)
     fixed_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     busy = probe.sync(groups | {nproc}, nproc, device, threads, say=say)

@@ -32,7 +32,6 @@ class Subject:
     """A model the probes time: ``build()`` (seeded by the caller), ``logits(model, ids)``, its vocabulary and
     sequence length, and ``tp_plan(model)`` (None: mg.parallelize's own choice)."""
 
-    name: str
     build: Callable[[], nn.Module]
     logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     vocab: int
@@ -61,14 +60,14 @@ def gpt(cfg) -> Subject:
     from ..recipes.gpt.model import GPT
     from ..recipes.gpt.parallelize import tp_plan
 
-    return Subject("gpt", lambda: GPT(cfg), lambda m, x: m(x), cfg.vocab_size, cfg.block_size, tp_plan)
+    return Subject(lambda: GPT(cfg), lambda m, x: m(x), cfg.vocab_size, cfg.block_size, tp_plan)
 
 
 def causal_lm(config, seq_len: int) -> Subject:
     """A transformers causal LM built from ``config`` (no download), with the plan mg.parallelize takes."""
     import transformers
 
-    return Subject(type(config).__name__, lambda: transformers.AutoModelForCausalLM.from_config(config),
+    return Subject(lambda: transformers.AutoModelForCausalLM.from_config(config),
                    lambda m, x: m(input_ids=x, use_cache=False).logits, config.vocab_size, seq_len)
 
 
@@ -94,6 +93,12 @@ def wrapped(subject: Subject, fam: str, ac: bool) -> nn.Module:
         units, minimum, _ = unit_rule(model, None, None)
         shard_blocks(model, mesh["dp_shard"], block_classes=units, min_block_params=minimum)
     return model
+
+
+def plus_loop(costs: dict, loop: dict) -> dict:
+    """A layout's fixed costs per family: its wrapper's (``overheads``) and the training loop's (``probe.loop``)."""
+    return {k: {"micro_s": v["micro_s"] + loop["micro_s"], "step_s": v["step_s"] + loop["step_s"]}
+            for k, v in costs.items()}
 
 
 def overheads(subject: Subject, micro_batch: int, threads: int, acs=(False, True), rounds: int = 7) -> dict:
