@@ -9,7 +9,8 @@ Memory per GPU (bytes), on the stage that holds the most:
   when micro-batches accumulate: the reduce-scatter waits for the last); a pipeline
   stage keeps all its weights gathered and gradients unsharded; DDP's gradient buckets (a float32 copy);
 - activations: the bytes autograd saves per token and block (``counts``) x tokens per micro-batch / (tp x cp)
-  (sequence parallelism and cp cut every saved tensor), for the blocks of the stage and the micro-batches in
+  (cp cuts every saved tensor, tp all but the sub-layers' inputs and, without sequence parallelism, what the
+  norms save: ``saved_under_tp``), for the blocks of the stage and the micro-batches in
   flight (1; 1F1B p on the first stage, x (1 + (p-1)/(p v)) interleaved; GPipe m); full recompute keeps the
   block input and one block's working set, selective the input, attention's outputs and every other matmul's
   output; the last stage adds the embedding output, the logits and the loss's float32 copy, twice: the
@@ -149,21 +150,19 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     gathered = (width + 4.0) * held if p > 1 else width * 2 * biggest + width * (first + last) + grads
     # DDP's reducer keeps a float32 bucket copy of every gradient (PyTorch's default, no gradient_as_bucket_view).
     memory["buffers"] = gathered if shards > 1 else (4.0 * held if dp > 1 else 0.0)
-    # Sequence parallelism cuts every saved tensor by tp; without it the residual stream stays whole on each tp
-    # rank: a block's input and its two norms' inputs and outputs (4 of a block's saved tensors), and the block
-    # input full recompute keeps. The logits are cut by vocabulary only under a parallel loss.
+    # Sequence parallelism cuts the block input full recompute keeps; without it that stays whole. The logits are
+    # cut by vocabulary only under a parallel loss.
     sp = t == 1 or layout.sequence_parallel
-    whole = 0.0 if sp else 4.0 * counts.block_input
 
-    def cut(saved: float) -> float:
-        return (saved - min(whole, saved)) / t + min(whole, saved)
+    def cut(i: int) -> float:
+        return saved_under_tp(counts, i, t, sp)
 
-    per_block = {"none": [cut(counts.block_saved[i]) for i in blocks],
+    per_block = {"none": [cut(i) for i in blocks],
                  "selective": [counts.block_input / (t if sp else 1) + counts.block_kept[i] / t for i in blocks],
                  "full": [counts.block_input / (t if sp else 1)] * len(blocks)}[run.recompute]
     stage_bytes = sum(per_block) * tokens  # kept per micro-batch in flight
     # Full recompute: one block's whole activations while it is recomputed, once (a micro-batch's backward at a time).
-    transient = max(cut(x) for x in counts.block_saved) * tokens if run.recompute == "full" else 0.0
+    transient = max(cut(i) for i in range(L)) * tokens if run.recompute == "full" else 0.0
     interleaving = (1 + (p - 1) / (p * v)) if v > 1 else 1.0
     in_flight = 1.0 if p == 1 else (m if layout.schedule == "gpipe" else min(p, m) * interleaving)
     loss_bytes = 2 * counts.other_saved * tokens / (t if run.loss_parallel else 1)  # what the head and loss saved,
@@ -265,6 +264,19 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     return {"memory": memory, "memory_bytes": total, "fits": total <= cluster.gpu.hbm_bytes, "time": time,
             "step_s": step, "tokens_per_s_per_gpu": tps, "collectives": calls,
             "mfu": tps * counts.flops_per_token / cluster.peak("bf16")}  # against bf16's peak, fp8 or not
+
+
+def saved_under_tp(counts: Counts, i: int, t: int, sequence_parallel: bool) -> float:
+    """Bytes per token block ``i`` saves on one of ``t`` tensor-parallel ranks: its one-process bytes cut by t,
+    except those every rank holds whole (as counted: ``Counts.block_gathered``, ``block_unsplit``). Each
+    sub-layer's input (attention's, the MLP's) is whole on every rank, replicated without sequence parallelism
+    and all-gathered with it, and saved by its column-wise linears; without sequence parallelism what the norms
+    save outside the sub-layers is whole too."""
+    if t == 1:
+        return counts.block_saved[i]
+    whole = min(counts.block_gathered[i] + (0.0 if sequence_parallel else counts.block_unsplit[i]),
+                counts.block_saved[i])
+    return (counts.block_saved[i] - whole) / t + whole
 
 
 def micro_flops(counts: Counts, blocks, tokens: float, t: int, recompute: str,

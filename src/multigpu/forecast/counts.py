@@ -13,9 +13,11 @@ their dispatch would send (the top-k rows of every token).
 
 Everything is per token of a sequence of ``seq_len`` (FLOPs of attention grow with it; saved bytes do
 not, with a fused attention kernel, which is what the count runs: ``sdpa``). On fake tensors transformers
-takes its tracing path: an explicit causal mask (saved once) and the K/V heads repeated before attention
-(as torchtitan's Llama does), where eager transformers passes ``is_causal`` and ``enable_gqa``: the saved
-bytes of a grouped-query model count up to a few % above eager transformers' (7 % on tests' tiny Llama).
+takes its tracing path: an explicit causal mask and the K/V heads repeated before attention (as torchtitan's
+Llama does), where eager transformers passes ``is_causal`` and ``enable_gqa``. The mask is left out (s bytes
+and more per token: at 262,144 tokens it alone was 8 GiB a GPU); the repeated heads stay, so the saved bytes of
+a grouped-query model count a few % above eager transformers' (5 % on tests' tiny Llama). Each block's saved
+bytes are also split by where tensor parallelism leaves them whole (``block_unsplit``, ``block_gathered``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ class Counts:
                                            # the input, attention's outputs, every other matmul's output)
     block_attention: tuple[float, ...]     # of block_flops, the attention kernel's (not matmuls: no fp8)
     block_kv: tuple[float, ...]            # bytes per token of the keys and values attention reads
+    block_unsplit: tuple[float, ...]       # of block_saved, saved outside the sub-layers (a block's children that
+                                           # hold weight matrices: attention, MLP): the norms' (tp leaves them whole
+                                           # without sequence parallelism)
+    block_gathered: tuple[float, ...]      # bytes per token of the sub-layers' inputs (whole on every tp rank: replicated
+                                           # without sequence parallelism, all-gathered with it)
     heads: int = 0                         # attention's query heads (what tp and cp must divide); 0: none seen
     tied: bool = False                     # the head is the input table (a pipeline's last stage holds a copy)
     experts: int = 0                       # a mixture of experts: the experts per MoE layer (what ep must divide)
@@ -158,8 +165,19 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         def post(module, args, output):
             per_block[-1] = [b - a for a, b in zip(per_block[-1], tally.snapshot())]
 
+        def enter(module, args, kwargs):
+            x = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            tally.gathered += 0.0 if x is None else x.numel() * x.element_size()
+            tally.depth += 1
+
+        def leave(module, args, output):
+            tally.depth -= 1
+
+        sublayers = [m for b in blocks for m in b.children() if any(p.dim() >= 2 for p in m.parameters())]
         handles = [h for b in blocks for h in (b.register_forward_pre_hook(pre, with_kwargs=True),
                                                 b.register_forward_hook(post))]
+        handles += [h for m in sublayers for h in (m.register_forward_pre_hook(enter, with_kwargs=True),
+                                                    m.register_forward_hook(leave))]
         handles += [h for m in moe for h in (m.register_forward_pre_hook(experts_pre, with_kwargs=True),
                                              m.register_forward_hook(experts_post))]
         ids = torch.zeros(1, seq_len, dtype=torch.long)
@@ -186,7 +204,8 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
                   tuple(block_sharded), embed, head, total - sum(block_params) - embed - head,
                   col(0), (total_all[0] - sum(b[0] for b in per_block)) / n,
                   col(1), (total_all[1] - sum(b[1] for b in per_block)) / n,
-                  max(inputs), col(2), col(3), col(4), tally.heads, tied,
+                  max(inputs), col(2), col(3), col(4), tuple(s - i for s, i in zip(col(1), col(5))), col(6),
+                  tally.heads, tied,
                   min((m.num_experts for m in moe), default=0), tuple(experts_in), tuple(expert_flops), tuple(routed),
                   tuple(linears), vocab, kv_heads)
 
@@ -233,23 +252,38 @@ _ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_produc
 
 class _Tally(TorchDispatchMode):
     """The running totals the block hooks difference: FLOPs, saved bytes (each storage once, the weights left
-    out: they are held anyway), what selective recompute keeps, attention's FLOPs and its K/V bytes."""
+    out: they are held anyway), what selective recompute keeps, attention's FLOPs and its K/V bytes, the saved
+    bytes inside a sub-layer (``depth``: the sub-layer hooks' nesting) and the sub-layers' input bytes."""
 
     def __init__(self, params: set, flops) -> None:
         super().__init__()
         self.params, self.seen, self.flops = params, set(), flops
-        self.saved = self.kept = self.attention = self.kv = 0.0
-        self.matmuls = self.heads = 0
+        self.saved = self.kept = self.attention = self.kv = self.inner = self.gathered = 0.0
+        self.matmuls = self.heads = self.depth = 0
 
     def snapshot(self) -> list[float]:
-        return [float(self.flops.get_total_flops()), self.saved, self.kept, self.attention, self.kv]
+        return [float(self.flops.get_total_flops()), self.saved, self.kept, self.attention, self.kv, self.inner,
+                self.gathered]
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage()._cdata
         if key not in self.params and key not in self.seen:
             self.seen.add(key)
             self.saved += t.untyped_storage().nbytes()
+            self.inner += t.untyped_storage().nbytes() if self.depth else 0.0
         return t
+
+    def _drop_mask(self, q: torch.Tensor, k: torch.Tensor, rest) -> None:
+        """Leave out the s x s mask the tracing path hands attention: the causal kernel torchtitan and eager
+        transformers run (``is_causal``) keeps none, and its bytes per token grow with the sequence. Autograd
+        saves an op's inputs before it runs: a mask already counted is taken back."""
+        for m in rest:
+            if isinstance(m, torch.Tensor) and m.dim() >= 2 and tuple(m.shape[-2:]) == (q.shape[-2], k.shape[-2]):
+                key = m.untyped_storage()._cdata
+                if key in self.seen and key not in self.params:
+                    self.saved -= m.untyped_storage().nbytes()
+                    self.inner -= m.untyped_storage().nbytes() if self.depth else 0.0
+                self.params.add(key)  # never counted again
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -262,6 +296,7 @@ class _Tally(TorchDispatchMode):
             from torch.utils.flop_counter import sdpa_flop_count
 
             q, k, v = args[:3]
+            self._drop_mask(q, k, list(args[3:]) + list((kwargs or {}).values()))
             self.heads = max(self.heads, q.shape[1])
             self.attention += sdpa_flop_count(q.shape, k.shape, v.shape)
             self.kv += k.numel() * k.element_size() + v.numel() * v.element_size()
