@@ -42,14 +42,15 @@ def repredict(report: dict, a) -> dict:
     """``report``'s candidates predicted again by the current model (a fresh probe, the cached links), re-sorted."""
     from multigpu.recipes.gpt.model import config
     from multigpu.tune import machine
-    from multigpu.tune.run import measure_parts
+    from multigpu.tune.machine import measure_parts
+    from multigpu.tune.wrappers import gpt
     from multigpu.tune.space import candidates, name
 
     cfg = config(a.size)
     found, _ = candidates(a.n, cfg, a.global_batch, micro_batches=[int(v) for v in a.micro_batches.split(",")])
     by_name = {name(c): c for c in found}
     # Measured again: the probe is part of the model under test.
-    parts = measure_parts(cfg, found, a.n, "cpu", 1, recipe_args=("--size", a.size), root=Path(a.measured) / "reprobe")
+    parts = measure_parts(gpt(cfg), found, a.n, "cpu", 1, recipe_args=("--size", a.size), root=Path(a.measured) / "reprobe")
     counts = machine.count_recipe(cfg)
     here = machine.measured_cluster(counts, parts, a.n, None)
     for r in report["candidates"]:

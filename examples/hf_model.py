@@ -44,6 +44,12 @@ def model_config(moe: bool = False) -> transformers.PretrainedConfig:
     return transformers.LlamaConfig(**sizes)
 
 
+def build_model(moe: bool = False):
+    """The model this script trains: `multigpu tune --model examples/hf_model.py:build_model --seq-len 64` counts it
+    to predict every layout (docs/tune.md)."""
+    return transformers.AutoModelForCausalLM.from_config(model_config(moe))
+
+
 def main() -> None:
     with mg.init(seed=0) as dist:
         # A mixture of experts' router loss is a micro-batch's: one micro-batch a step (each rank's share
@@ -58,7 +64,7 @@ def main() -> None:
         data = TokenWindows(prepare_tokens("data/pydoc") / "train.bin", block_size=64, vocab_size=256)
         config = model_config(args.moe)
         torch.manual_seed(0)  # the same full model on every rank; mg.parallelize distributes it
-        model = transformers.AutoModelForCausalLM.from_config(config).to(dist.device)
+        model = build_model(args.moe).to(dist.device)
         plan = layout.plan(args.global_batch, dist)                                            # +layout
 
         def loss_fn(logits, y):

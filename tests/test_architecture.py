@@ -36,7 +36,7 @@ FLAGS = {
             "--memory-budget", "--nnodes", "--node-rank", "--node-timeout", "--nproc", "--profile", "--rdzv-last-call", "--rdzv-timeout",
             "-m", "-n", "<script>",
             "<script_args>"],
-    "tune": ["--context", "--cpu", "--experts", "--memory-budget", "--micro-batches", "--nproc", "--out", "--repeats", "--steps", "--threads",
+    "tune": ["--context", "--cpu", "--experts", "--memory-budget", "--micro-batches", "--model", "--nproc", "--out", "--repeats", "--seq-len", "--steps", "--threads",
              "--top", "-n", "<args>", "<workload>"],
     "verify": ["--cpu", "--global-batch", "--layouts", "--out", "--rtol", "--steps", "--workers", "-m", "<args>", "<target>"],
     "study": ["--budget", "--ci", "--cpu", "--global-batch", "--layouts", "--max-repeats", "--no-report", "--out", "--policy",

@@ -115,7 +115,15 @@ def test_bad_tune_input_for_a_script_is_one_line(tmp_path, capsys, monkeypatch):
     for argv, fragment in ((["missing.py"], "tune knows the layouts of the GPT recipe"),
                            ([SCRIPT, "--tp", "2"], "tune chooses --tp itself; drop it"),
                            ([SCRIPT, "--steps=3"], "tune chooses --steps itself"),
-                           (["--memory-budget", "1GiB", SCRIPT], "drop --memory-budget")):
+                           (["--memory-budget", "1GiB", SCRIPT], "drop --memory-budget"),
+                           (["--seq-len", "64", SCRIPT], "--seq-len serves the prediction of a script's layouts, "
+                                                         "which needs its model: add --model"),
+                           (["--model", "m.py:f", SCRIPT, "--global-batch", "8"], "add --seq-len N"),
+                           (["--model", "m.py:f", "--seq-len", "8", SCRIPT], "pass the script's --global-batch N"),
+                           (["--model", "m.py:f", "--seq-len", "8", SCRIPT, "--global-batch=x"],
+                            "--global-batch takes a positive number of sequences, got 'x'"),
+                           (["--model", "nope.py:f", "--seq-len", "8", SCRIPT, "--global-batch", "8"],
+                            "--model nope.py:f: cannot load f from nope.py")):
         code, err = run_cli(["tune", "--cpu", *argv], capsys)
         assert code == 2 and err.count("\n") == 1 and fragment in err and "Traceback" not in err, err
     assert not list(tmp_path.iterdir())  # nothing started, nothing written

@@ -259,3 +259,40 @@ def test_the_wrappers_fixed_costs_are_measured_on_the_model_itself_with_mg_paral
     finally:
         tdist.destroy_process_group()
     assert set(got) == set(wrappers.FAMILIES) and all(v["micro_s"] >= 0 and v["step_s"] >= 0 for v in got.values())
+
+
+@pytest.mark.slow
+def test_tune_predicts_a_scripts_layouts_from_its_model_and_measures_the_fastest_that_fit(tmp_path, monkeypatch):
+    """`multigpu tune --model examples/hf_model.py:build_model --seq-len 64 examples/hf_model.py --global-batch 8`:
+    the script's model counted and probed as the recipe's is, every layout (each micro-batch, with and without
+    checkpointing) predicted, those over the memory budget pruned, the 2 fastest predicted of the rest run."""
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "hf_model.py")
+    budget = 7 * 2**20  # below DDP's at micro-batch 4 (its whole states and 4 sequences' activations)
+    lines: list[str] = []
+    out, report = run_tune(TuneConfig(example, ("--global-batch", "8"), nproc=2, cpu=True, top=2, repeats=1, steps=7,
+                                      out=str(tmp_path / "tune"), memory_budget=budget,
+                                      model=f"{example}:build_model", seq_len=64), say=lines.append)
+    saved = json.loads((out / "tune.json").read_text())
+    rows = saved["candidates"]
+    assert len(rows) == 28  # 7 layouts x their micro-batches x AC
+    refused = [r["candidate"] for r in rows if not r["predicted"]]  # as the script would refuse them
+    assert refused == ["pp=2,micro_batch=8", "pp=2,micro_batch=8,activation_checkpointing=true"]
+    assert all(r["pruned"] == "1 micro-batches per step, fewer than 2 stages" for r in rows if not r["predicted"])
+    pruned = [r for r in rows if r["pruned"] and r["predicted"]]
+    assert pruned and all(r["predicted"]["memory_bytes"] > budget and not r["measured"] for r in pruned)
+    fit = sorted((r for r in rows if not r["pruned"]), key=lambda r: r["predicted"]["step_time_s"])
+    measured = [r for r in rows if r["measured"]]
+    assert sorted(r["candidate"] for r in measured) == sorted(r["candidate"] for r in fit[:2])
+    assert all(r["result"] and "memory_bytes" in r["result"] for r in measured)
+    for r in measured:  # the same model as the recipe's tune: memory near (tens of %), time within 2x on a busy CI
+        assert abs(r["error"]["memory"]) < 0.3 and abs(r["error"]["step_time"]) < 1.0, r
+    assert saved["prediction"]["model"] == "build_model" and saved["prediction"]["global_batch"] == 8
+    assert saved["prediction_error"]["memory_worst"] == max(abs(r["error"]["memory"]) for r in measured)
+    assert saved["winner"] in [r["candidate"] for r in measured] and report["verdict"] in lines
+    page = (out / "report.md").read_text()
+    assert "predicted ms/step" in page and "Prediction error over the measured candidates" in page
+    assert "slower predicted (" in page and "> budget 7.0 MiB" in page

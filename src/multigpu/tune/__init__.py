@@ -33,6 +33,8 @@ def add_arguments(parser) -> None:
     tune("--experts", field="experts", action="store_true")
     tune("--context", field="context", action="store_true")
     tune("--threads", field="threads", type=int)
+    tune("--model", field="model", metavar="SPEC")
+    tune("--seq-len", field="seq_len", type=int, metavar="N")
     tune("--out", field="out")
     parser.add_argument("workload", help="gpt (the GPT recipe, multigpu.recipes.gpt), or a script.py that reads its "
                                          "layout with mg.layout_from_args() and measures with mg.StepMeter")
@@ -56,7 +58,8 @@ def main(args) -> int:
         if value < 1 or (flag == "--steps" and value < 4):
             raise UsageError(f"{flag} must be at least {4 if flag == '--steps' else 1}, got {value}")
     check_args(TuneConfig(args.workload, tuple(args.args),
-                          memory_budget=parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None))
+                          memory_budget=parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None,
+                          model=args.model, seq_len=args.seq_len))
     nproc = args.nproc
     if nproc is None:
         import torch
@@ -69,6 +72,6 @@ def main(args) -> int:
                      top=0 if args.top == "all" else int(args.top), repeats=args.repeats, steps=args.steps,
                      out=args.out, threads=args.threads,
                      micro_batches=ints(args.micro_batches, "--micro-batches") if args.micro_batches else None,
-                     experts=args.experts, context=args.context)
+                     experts=args.experts, context=args.context, model=args.model, seq_len=args.seq_len)
     _, report = run_tune(cfg)
     return 0 if report["winner"] else 1

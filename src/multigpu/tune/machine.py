@@ -19,6 +19,9 @@ backward for the cores), no CUDA runtime or allocator overhead beyond the tensor
 from __future__ import annotations
 
 import math
+import tempfile
+import time
+from pathlib import Path
 
 from ..forecast.cost import Assumptions, Overheads, Run, micro_flops
 from ..forecast.counts import Counts
@@ -53,7 +56,7 @@ def count_recipe(model_cfg, precision: str = "fp32") -> Counts:
 
 
 def parts_of(report: dict) -> dict:
-    """The measured parts a tune run recorded in its tune.json, as ``run.measure_parts`` returned them (the
+    """The measured parts a tune run recorded in its tune.json, as ``measure_parts`` returned them (the
     links read again from this machine's cache, where tune keeps them)."""
     from .probe import links
 
@@ -66,7 +69,7 @@ def parts_of(report: dict) -> dict:
 
 def measured_cluster(counts: Counts, parts: dict, nproc: int, memory: float | None) -> Cluster:
     """This machine's ``nproc`` ranks as a forecast cluster: the probe's rates and links (``parts``:
-    ``run.measure_parts``), ``memory`` per rank (None: no limit)."""
+    ``measure_parts``), ``memory`` per rank (None: no limit)."""
     slowdown = parts["slowdown"]
     rates = {}
     for (mb, ac), got in parts["compute"].items():
@@ -101,3 +104,49 @@ def predict(layout: Layout, counts: Counts, cluster: Cluster, parts: dict, globa
     return {"step_time_s": got["step_s"], "memory_bytes": got["memory_bytes"], "compute_s": compute,
             "comm_s": got["step_s"] - compute - fixed, "overhead_s": fixed, "time": got["time"],
             "memory": got["memory"], "collectives": got["collectives"]}
+
+
+def budget_of(cfg, device: str) -> tuple[int | None, str]:
+    """The most memory a rank may use (``cfg.memory_budget``, else 90 % of the GPU's; None on CPU) and how the
+    report says it."""
+    if cfg.memory_budget is not None:
+        return cfg.memory_budget, f"--memory-budget {cfg.memory_budget / 2**20:,.0f} MiB"
+    if device == "cuda":
+        import torch
+
+        total = torch.cuda.get_device_properties(0).total_memory
+        return int(0.9 * total), f"90 % of the GPU's {total / 2**30:.0f} GiB"
+    return None, "none (CPU: pass --memory-budget to prune by memory)"
+
+
+def measure_parts(subject, found: list[Layout], nproc: int, device: str, threads: int, say=print, *,
+                  recipe_args: tuple[str, ...] = (), root: Path | None = None, cpu: bool = True,
+                  workload: str = "multigpu.recipes.gpt", module: bool = True) -> dict:
+    """The cost model's measured parts for ``found``: the micro-batches' compute of ``subject``'s model
+    (``wrappers.Subject``), the links, the loop of ``workload`` (the recipe's module, or with ``module=False``
+    a script's path) on one rank
+    with ``recipe_args`` and the wrappers' fixed costs (one process), the collectives' waits and the
+    compute's slowdown in a busy step (the real ranks), with the time each took."""
+    from . import probe, wrappers
+
+    t0 = time.perf_counter()
+    compute = probe.compute(subject, sorted({(c.micro_batch, c.activation_checkpointing) for c in found}), threads)
+    probe_s = time.perf_counter() - t0
+    shapes = [c.resolve(nproc) for c in found]
+    groups = {n for s in shapes for n in (s.dp_size, s.dp_shard, s.dp_replicate, s.tp)}
+    groups |= {2} if any(s.pp > 1 for s in shapes) else set()
+    links, sources = probe.links(groups, device, threads, say=say)
+    t0 = time.perf_counter()
+    micro = min(c.micro_batch for c in found)
+    say("multigpu tune: measuring the training loop on one rank and the wrappers' fixed costs on one process")
+    # The user's model flags; the loop probe's --global-batch comes after theirs (the last one counts).
+    loop = probe.loop(workload, list(recipe_args), compute, micro, cpu, threads,
+                      root or Path(tempfile.mkdtemp(prefix="multigpu-tune-")), module=module)
+    fixed_costs = wrappers.overheads(subject, micro, threads, acs=tuple(sorted({c.activation_checkpointing for c in found})))
+    fixed = wrappers.plus_loop(fixed_costs, loop)
+    fixed_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    busy = probe.sync(groups | {nproc}, nproc, device, threads, say=say)
+    return {"compute": compute, "probe_s": probe_s, "links": links, "sources": sources, "fixed": fixed,
+            "loop": loop, "wrappers": fixed_costs, "fixed_s": fixed_s, "sync": busy["wait_s"], "slowdown": busy["slowdown"],
+            "busy": busy | {"measure_s": time.perf_counter() - t0}}

@@ -119,6 +119,27 @@ def summary(ms: list[dict]) -> dict | None:
     return out
 
 
+def errors(rows: list[dict]) -> dict:
+    """The prediction's error over the measured rows (each row's ``error``: predicted / measured - 1): median
+    and worst absolute, step time and memory (None where none was measured)."""
+    def of(kind):
+        return sorted(abs(r["error"][kind]) for r in rows if r.get("error") and kind in r["error"])
+
+    steps, mems = of("step_time"), of("memory")
+    return {"step_time_median": statistics.median(steps) if steps else None, "step_time_worst": max(steps, default=None),
+            "memory_median": statistics.median(mems) if mems else None, "memory_worst": max(mems, default=None)}
+
+
+def error_line(e: dict) -> str:
+    """``errors``' summary as the reports say it."""
+    if e["step_time_median"] is None:
+        return "No candidate was measured."
+    mem = (f"; memory median {e['memory_median']:.0%}, worst {e['memory_worst']:.0%}" if e["memory_median"] is not None
+           else "")
+    return (f"Prediction error over the measured candidates: step time median {e['step_time_median']:.0%}, worst "
+            f"{e['step_time_worst']:.0%}{mem}.")
+
+
 def write_report(report: dict, page, out: Path, say: Callable[[str], None]) -> None:
     from ..report.page import write
 

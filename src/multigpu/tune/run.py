@@ -18,8 +18,6 @@
 from __future__ import annotations
 
 import json
-import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +62,11 @@ class TuneConfig:
     """the script's model is a mixture of experts: weigh its expert-parallel layouts too (ep of dp_shard)"""
     context: bool = False
     """weigh context-parallel layouts too (cp: each rank a share of every sequence; a transformers model)"""
+    model: str | None = None
+    """a script's model, as multigpu forecast --model takes it (config.json, module:function or
+    path.py:function returning the nn.Module): tune then predicts every layout and measures the --top fastest"""
+    seq_len: int | None = None
+    """the tokens per sequence the script trains on (with --model)"""
 
 
 def check_args(cfg: TuneConfig) -> None:
@@ -90,17 +93,6 @@ def _recipe_args(cfg: TuneConfig):
     model_cfg = config(args.size, **({"block_size": args.block_size} if args.block_size else {}),
                        **({"tie_embeddings": False} if args.untied else {}))
     return args, model_cfg
-
-
-def _budget(cfg: TuneConfig, device: str) -> tuple[int | None, str]:
-    if cfg.memory_budget is not None:
-        return cfg.memory_budget, f"--memory-budget {cfg.memory_budget / 2**20:,.0f} MiB"
-    if device == "cuda":
-        import torch
-
-        total = torch.cuda.get_device_properties(0).total_memory
-        return int(0.9 * total), f"90 % of the GPU's {total / 2**30:.0f} GiB"
-    return None, "none (CPU: pass --memory-budget to prune by memory)"
 
 
 def _measure(layout: Layout, cfg: TuneConfig, root: Path, round_: int) -> dict:
@@ -130,36 +122,6 @@ def _measure(layout: Layout, cfg: TuneConfig, root: Path, round_: int) -> dict:
     return {"status": "ok", "step_time_s": measured["step_time_s"], "memory_bytes": mem["total_bytes"], "wall_s": wall}
 
 
-def measure_parts(model_cfg, found: list[Layout], nproc: int, device: str, threads: int, say=print, *,
-                  recipe_args: tuple[str, ...] = (), root: Path | None = None, cpu: bool = True) -> dict:
-    """The cost model's measured parts for ``found``: the micro-batches' compute, the links, the recipe's
-    loop on one rank and the wrappers' fixed costs (one process), the collectives' waits and the compute's
-    slowdown in a busy step (the real ranks), with the time each took."""
-    from . import probe, wrappers
-
-    subject = wrappers.gpt(model_cfg)
-    t0 = time.perf_counter()
-    compute = probe.compute(subject, sorted({(c.micro_batch, c.activation_checkpointing) for c in found}), threads)
-    probe_s = time.perf_counter() - t0
-    shapes = [c.resolve(nproc) for c in found]
-    groups = {n for s in shapes for n in (s.dp_size, s.dp_shard, s.dp_replicate, s.tp)}
-    groups |= {2} if any(s.pp > 1 for s in shapes) else set()
-    links, sources = probe.links(groups, device, threads, say=say)
-    t0 = time.perf_counter()
-    micro = min(c.micro_batch for c in found)
-    say("multigpu tune: measuring the recipe's loop on one rank and the wrappers' fixed costs on one process")
-    # The user's model flags; the loop probe's --global-batch comes after theirs (the last one counts).
-    loop = probe.loop(RECIPE, list(recipe_args), compute, micro, cpu, threads, root or Path(tempfile.mkdtemp(prefix="multigpu-tune-")))
-    fixed_costs = wrappers.overheads(subject, micro, threads, acs=tuple(sorted({c.activation_checkpointing for c in found})))
-    fixed = wrappers.plus_loop(fixed_costs, loop)
-    fixed_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    busy = probe.sync(groups | {nproc}, nproc, device, threads, say=say)
-    return {"compute": compute, "probe_s": probe_s, "links": links, "sources": sources, "fixed": fixed,
-            "loop": loop, "wrappers": fixed_costs, "fixed_s": fixed_s, "sync": busy["wait_s"], "slowdown": busy["slowdown"],
-            "busy": busy | {"measure_s": time.perf_counter() - t0}}
-
-
 def run_tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> tuple[Path, dict]:
     """Tune; returns the results directory and the report dict (also in tune.json)."""
     from .script import is_script, run_script_tune
@@ -175,9 +137,11 @@ def run_tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> tuple[Path,
     say(f"multigpu tune: gpt {args.size} on {cfg.nproc} {'CPU workers' if device == 'cpu' else 'GPUs'}, global batch "
         f"{args.global_batch}: {len(found)} candidates ({len(left_out)} layouts left out) -> {out}")
     counts = machine.count_recipe(model_cfg, args.precision)
-    parts = measure_parts(model_cfg, found, cfg.nproc, device, cfg.threads, say, recipe_args=cfg.args,
+    from .wrappers import gpt
+
+    parts = machine.measure_parts(gpt(model_cfg), found, cfg.nproc, device, cfg.threads, say, recipe_args=cfg.args,
                           root=out / "probe", cpu=cfg.cpu)
-    budget, budget_text = _budget(cfg, device)
+    budget, budget_text = machine.budget_of(cfg, device)
     here = machine.measured_cluster(counts, parts, cfg.nproc, budget)
     rows = []
     for c in found:
@@ -219,8 +183,6 @@ def _report(cfg, args, rows, chosen, left_out, budget, budget_text, parts, wall_
                    f"(predicted {winner['predicted']['step_time_s'] * 1e3:,.1f}); run it with: {cmd}")
     else:
         cmd, verdict = None, "multigpu tune: no candidate ran to the end; see the failures in the report"
-    errs = [abs(r["error"]["step_time"]) for r in rows if r.get("error")]
-    merrs = [abs(r["error"]["memory"]) for r in rows if r.get("error")]
     return {"workload": f"gpt {args.size}", "world_size": cfg.nproc, "global_batch": args.global_batch,
             "device": "cpu" if cfg.cpu else "cuda", "threads_per_worker": cfg.threads if cfg.cpu else None,
             "budget": budget_text, "steps": cfg.steps, "repeats": cfg.repeats, "top": cfg.top,
@@ -231,10 +193,7 @@ def _report(cfg, args, rows, chosen, left_out, budget, budget_text, parts, wall_
                                           "fixed": parts["fixed"], "loop": parts["loop"],
                                           "wrappers": parts["wrappers"], "fixed_s": parts["fixed_s"],
                                           "busy": parts["busy"]},
-            "prediction_error": {"step_time_median": statistics.median(errs) if errs else None,
-                                 "step_time_worst": max(errs) if errs else None,
-                                 "memory_median": statistics.median(merrs) if merrs else None,
-                                 "memory_worst": max(merrs) if merrs else None},
+            "prediction_error": rounds.errors(rows),
             "wall_s": wall_s}
 
 
@@ -251,19 +210,11 @@ HEAD = ["candidate", "predicted ms/step", "compute + comm + fixed ms", "measured
         "measured MiB/rank", "status"]
 
 
-def _error_line(report: dict) -> str:
-    e = report["prediction_error"]
-    if e["step_time_median"] is None:
-        return "No candidate was measured."
-    return (f"Prediction error over the measured candidates: step time median {e['step_time_median']:.0%}, worst "
-            f"{e['step_time_worst']:.0%}; memory median {e['memory_median']:.0%}, worst {e['memory_worst']:.0%}.")
-
-
 def tune_page(report: dict) -> Page:
     """The report: the verdict, the budget and the prediction error, every candidate, the layouts left out."""
     blocks: list = [Text(report["verdict"].removeprefix("multigpu tune: ") + ".", lead=True),
                     Text(f"Global batch {report['global_batch']}; memory budget: {report['budget']}; {report['steps']} "
-                         f"steps per run, {report['repeats']} round(s). {_error_line(report)} Tune took "
+                         f"steps per run, {report['repeats']} round(s). {rounds.error_line(report['prediction_error'])} Tune took "
                          f"{report['wall_s']:.0f} s."),
                     Table(HEAD, [_cells(r) for r in report["candidates"]])]
     if report["left_out"]:

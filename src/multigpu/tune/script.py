@@ -43,9 +43,30 @@ def check_script_args(cfg) -> None:
                          f"that reads them with mg.layout_from_args() (docs/your-model.md), got {cfg.workload!r}: "
                          "no such file; give the script's path")
     refuse_fixed(cfg.args, "tune chooses", "(pass the script's own flags: --global-batch, ...)", extra=("--steps",))
-    if cfg.memory_budget is not None:
-        raise UsageError("--memory-budget prunes the recipe's predicted memory; a script's layouts are measured (one "
-                         "that runs out of memory fails and is left out): drop --memory-budget")
+    if cfg.model is None:
+        for flag, value in (("--memory-budget", cfg.memory_budget), ("--seq-len", cfg.seq_len)):
+            if value is not None:
+                raise UsageError(f"{flag} serves the prediction of a script's layouts, which needs its model: add "
+                                 "--model (e.g. --model train.py:build_model) or drop " + flag)
+        return
+    if cfg.seq_len is None or cfg.seq_len < 1:
+        raise UsageError("--model predicts the script's layouts from its sequence length: add --seq-len N (the tokens "
+                         f"per sequence it trains on), got {cfg.seq_len}")
+    global_batch(cfg.args)
+
+
+def global_batch(args) -> int:
+    """The script's ``--global-batch`` (the contract's flag) from its arguments: what a prediction divides."""
+    args = list(args)
+    for i, arg in enumerate(args):
+        value = arg.split("=", 1)[1] if arg.startswith("--global-batch=") else \
+            args[i + 1] if arg == "--global-batch" and i + 1 < len(args) else None
+        if value is not None:
+            if not value.isdigit() or int(value) < 1:
+                raise UsageError(f"--global-batch takes a positive number of sequences, got {value!r}")
+            return int(value)
+    raise UsageError("--model predicts from the script's global batch: pass the script's --global-batch N after "
+                     "the script (e.g. multigpu tune --model ... train.py --global-batch 16)")
 
 
 def _measure(layout, cfg, root: Path, round_: int) -> dict:
@@ -83,20 +104,39 @@ def with_checkpointing(row: dict, m: dict) -> dict | None:
 
 def run_script_tune(cfg, say: Callable[[str], None] = print) -> tuple[Path, dict]:
     """Tune a script; returns the results directory and the report dict (also in tune.json)."""
-    from .space import layouts
+    from .space import _powers_of_two, layouts
 
     check_script_args(cfg)
     t_start = time.perf_counter()
     cfg, _ = rounds.device_of(cfg)
     found = layouts(cfg.nproc, micro_batches=list(cfg.micro_batches) if cfg.micro_batches else None,
                     experts=cfg.experts, context=cfg.context)
+    counted = _count(cfg) if cfg.model else None  # a model that does not load or count: one line, nothing written
     out = rounds.out_dir(cfg)
-    say(f"multigpu tune: {cfg.workload} on {cfg.nproc} {'CPU workers' if cfg.cpu else 'GPUs'}: {len(found)} layouts, "
-        f"each measured for {cfg.steps} steps (with activation checkpointing where one runs out of memory without), "
-        f"then {f'the {cfg.top} fastest' if cfg.top else 'every one'} in {cfg.repeats - 1} more round(s) -> {out}")
+    where = f"{cfg.workload} on {cfg.nproc} {'CPU workers' if cfg.cpu else 'GPUs'}"
+    if not cfg.model:
+        say(f"multigpu tune: {where}: {len(found)} layouts, each measured for {cfg.steps} steps (with activation "
+            f"checkpointing where one runs out of memory without), then {f'the {cfg.top} fastest' if cfg.top else 'every one'} "
+            f"in {cfg.repeats - 1} more round(s) -> {out}")
+    else:  # predicted: each micro-batch that splits a rank's share and checkpointing weighed, as for the recipe
+        share = lambda layout: global_batch(cfg.args) // layout.dp_size  # noqa: E731
+        found = [replace(layout, micro_batch=m, activation_checkpointing=ac) for layout in found
+                 for m in ([layout.micro_batch] if layout.micro_batch else
+                           [m for m in _powers_of_two(share(layout)) if share(layout) % m == 0] or [1])
+                 for ac in (False, True)]
+        say(f"multigpu tune: {where}: {len(found)} layouts of {cfg.model}, each predicted (multigpu forecast's model, "
+            f"this machine probed), {f'the {cfg.top} fastest' if cfg.top else 'every one'} that fit measured -> {out}")
     rows = [_row(layout) for layout in found]
+    predicted = _predict(cfg, *counted, rows, out, say) if counted else None
+    if predicted is not None:
+        chosen = sorted((r for r in rows if r["fits"]), key=lambda r: r["predicted"]["step_time_s"])
+        chosen = chosen if cfg.top == 0 else chosen[:cfg.top]
+        say(f"multigpu tune: measuring {len(chosen)} of {len(rows)} (fastest predicted that fit), {cfg.repeats} "
+            f"round(s) of {cfg.steps} steps")
 
     def pick(round_: int) -> list[dict]:
+        if predicted is not None:  # the fastest predicted, in every round
+            return [r for r in chosen if round_ == 0 or r["measured"][0]["status"] == "ok"]
         if round_ == 0:
             return rows
         ok = sorted((r for r in rows if r["measured"][0]["status"] == "ok"),
@@ -104,24 +144,88 @@ def run_script_tune(cfg, say: Callable[[str], None] = print) -> tuple[Path, dict
         return ok if cfg.top == 0 else ok[:cfg.top]  # the fastest of the first round, again, interleaved
 
     def show(r: dict, m: dict) -> str:
+        said = f"predicted {r['predicted']['step_time_s'] * 1e3:,.1f} ms -> " if r.get("predicted") else ""
         if m["status"] != "ok":
-            return f"left out: {m['error']}"
+            return f"{said}left out: {m['error']}"
         mem = f", {m['memory_bytes'] / 2**20:,.1f} MiB" if "memory_bytes" in m else ""
-        return f"{m['step_time_s'] * 1e3:,.1f} ms/step{mem}"
+        return f"{said}{m['step_time_s'] * 1e3:,.1f} ms/step{mem}"
 
     rounds.measure_rounds(rows, cfg.repeats, pick, lambda r, i: _measure(r["_l"], cfg, out, i), show, say,
-                          retry=with_checkpointing)
-    report = _report(cfg, rows, time.perf_counter() - t_start)
+                          retry=None if predicted else with_checkpointing)
+    report = _report(cfg, rows, time.perf_counter() - t_start, predicted)
     rounds.write_report(report, _page(report), out, say)
     return out, report
 
 
-def _report(cfg, rows: list[dict], wall_s: float) -> dict:
+def _count(cfg) -> tuple:
+    """(the builder of ``cfg.model``, forecast's count of it at ``cfg.seq_len``): counted as built, in float32 (a
+    script that trains under autocast holds less)."""
+    import torch
+
+    from ..forecast.counts import count
+    from ..forecast.models import builder
+
+    build, name = builder(cfg.model)
+    return build, count(build, cfg.seq_len, name=name, dtype=torch.float32)
+
+
+def _predict(cfg, build, counts, rows: list[dict], out: Path, say) -> dict:
+    """Each row's prediction (``predicted``, ``fits``, ``pruned``) by forecast's model of the counted model on
+    this machine, as the recipe's tune predicts the GPT's (``machine.measure_parts``: the probes on the script's own
+    model and loop); returns what the report keeps of the probe."""
+    from . import machine, wrappers
+
+    name = counts.name
+    device = "cpu" if cfg.cpu else "cuda"
+    layouts = [r["_l"] for r in rows]
+    parts = machine.measure_parts(wrappers.built(build, counts.vocab, cfg.seq_len), layouts, cfg.nproc, device, cfg.threads,
+                          say, recipe_args=cfg.args, root=out / "probe", cpu=cfg.cpu, workload=cfg.workload,
+                                  module=False)
+    budget, budget_text = machine.budget_of(cfg, device)
+    here = machine.measured_cluster(counts, parts, cfg.nproc, budget)
+    batch = global_batch(cfg.args)
+    for r in rows:
+        layout = r["_l"].resolve(cfg.nproc)
+        refused = _refusal(layout, counts, cfg.seq_len, batch)
+        p = None if refused else machine.predict(layout, counts, here, parts, batch)
+        r["predicted"], r["fits"] = p, p is not None and (budget is None or p["memory_bytes"] <= budget)
+        r["pruned"] = refused or (None if r["fits"] else
+                                  f"predicted {p['memory_bytes'] / 2**20:,.1f} MiB > budget {budget / 2**20:,.1f} MiB")
+        r["slower"] = None if p is None else f"slower predicted ({p['step_time_s'] * 1e3:,.1f} ms/step)"
+    return {"model": name, "global_batch": batch, "budget": budget_text,
+            "compute": {f"{m}{'+ac' if ac else ''}": v for (m, ac), v in parts["compute"].items()},
+            "links": parts["sources"], "fixed": parts["fixed"], "loop": parts["loop"], "wrappers": parts["wrappers"],
+            "busy": parts["busy"]}
+
+
+def _refusal(layout, counts, seq_len: int, batch: int) -> str | None:
+    """Why the script would refuse ``layout`` for the counted model, as ``mg.parallelize`` and the batch plan
+    refuse it (a TP degree its heads or vocabulary do not divide, more stages than blocks, a batch that does
+    not split), or None."""
+    try:
+        layout.check_sizes(heads=counts.heads or None, kv_heads=counts.kv_heads or None, vocab=counts.vocab or None,
+                           seq=seq_len, blocks=counts.layers, tied=counts.tied, model=counts.name)
+        accum = layout.accum_steps(batch)
+    except UsageError as err:
+        return str(err)
+    if layout.pp > 1 and accum < layout.pp:
+        return f"{accum} micro-batches per step, fewer than {layout.pp} stages"
+    return None
+
+
+def _report(cfg, rows: list[dict], wall_s: float, predicted: dict | None = None) -> dict:
     for r in rows:
         r.pop("_l", None)
         r["result"] = rounds.summary(r["measured"])
+        if r["result"] and r.get("predicted"):
+            r["error"] = {"step_time": r["predicted"]["step_time_s"] / r["result"]["step_time_s"] - 1} | (
+                {"memory": r["predicted"]["memory_bytes"] / r["result"]["memory_bytes"] - 1}
+                if "memory_bytes" in r["result"] else {})
     ran = sorted((r for r in rows if r["result"]), key=lambda r: r["result"]["step_time_s"])
-    left_out = [{"layout": r["candidate"], "reason": r["measured"][0]["error"]} for r in rows if not r["result"]]
+    # Not measured: a refusal or failure (its line), or, with a prediction, slower predicted or over the budget.
+    left_out = [{"layout": r["candidate"], "reason": r["measured"][0]["error"] if r["measured"] else
+                 r.get("pruned") or r["slower"]}
+                for r in sorted((r for r in rows if not r["result"]), key=lambda r: not r["measured"])]
     winner = ran[0] if ran else None
     base = f"multigpu run -n {cfg.nproc}{' --cpu' if cfg.cpu else ''} {cfg.workload} {' '.join(cfg.args)}".rstrip()
     if winner:
@@ -131,27 +235,44 @@ def _report(cfg, rows: list[dict], wall_s: float) -> dict:
     else:
         first = f" ({left_out[0]['layout']}: {left_out[0]['reason']})" if left_out else ""
         cmd, verdict = None, f"multigpu tune: no layout was measured{first}; every reason is in the report"
-    return {"workload": cfg.workload, "world_size": cfg.nproc, "device": "cpu" if cfg.cpu else "cuda",
-            "threads_per_worker": cfg.threads if cfg.cpu else None, "steps": cfg.steps, "repeats": cfg.repeats,
-            "top": cfg.top, "candidates": ran + [r for r in rows if not r["result"]], "left_out": left_out,
-            "winner": winner["candidate"] if winner else None, "command": cmd, "verdict": verdict, "wall_s": wall_s}
+    report = {"workload": cfg.workload, "world_size": cfg.nproc, "device": "cpu" if cfg.cpu else "cuda",
+              "threads_per_worker": cfg.threads if cfg.cpu else None, "steps": cfg.steps, "repeats": cfg.repeats,
+              "top": cfg.top, "candidates": ran + [r for r in rows if not r["result"]], "left_out": left_out,
+              "winner": winner["candidate"] if winner else None, "command": cmd, "verdict": verdict, "wall_s": wall_s}
+    if predicted is not None:
+        report |= {"prediction": predicted, "prediction_error": rounds.errors(rows)}
+    return report
 
 
 def _page(report: dict) -> Page:
+    predicted = report.get("prediction")
+
     def cells(r: dict) -> list[str]:
         res = r["result"]
         mem = f"{res['memory_bytes'] / 2**20:,.1f}" if "memory_bytes" in res else "-"
-        return [r["candidate"], f"{res['step_time_s'] * 1e3:,.1f} ({res['min_s'] * 1e3:,.1f}-{res['max_s'] * 1e3:,.1f})",
-                mem, str(res["runs"]), " ".join(r["args"]) or "(none)"]
+        got = [r["candidate"], f"{res['step_time_s'] * 1e3:,.1f} ({res['min_s'] * 1e3:,.1f}-{res['max_s'] * 1e3:,.1f})",
+               mem, str(res["runs"]), " ".join(r["args"]) or "(none)"]
+        if predicted is None:
+            return got
+        p = r["predicted"]
+        return got[:1] + [f"{p['step_time_s'] * 1e3:,.1f}"] + got[1:2] + [f"{p['memory_bytes'] / 2**20:,.2f}"] + got[2:]
 
+    if predicted is None:
+        how = (f"Every layout of {report['world_size']} ranks ran the script for {report['steps']} steps; the fastest "
+               f"again in {report['repeats'] - 1} more round(s).")
+        head = ["layout", "measured ms/step (min-max)", "peak MiB", "runs", "flags"]
+    else:
+        how = (f"Every layout of {report['world_size']} ranks was predicted by multigpu forecast's model of "
+               f"{predicted['model']} (global batch {predicted['global_batch']}; memory budget: {predicted['budget']}), "
+               f"this machine described by its probe (docs/tune.md); the fastest predicted that fit ran the script for "
+               f"{report['steps']} steps in {report['repeats']} round(s). {rounds.error_line(report['prediction_error'])}")
+        head = ["layout", "predicted ms/step", "measured ms/step (min-max)", "predicted MiB", "peak MiB", "runs", "flags"]
     blocks: list = [Text(report["verdict"].removeprefix("multigpu tune: ") + ".", lead=True),
-                    Text(f"Every layout of {report['world_size']} ranks ran the script for {report['steps']} steps; the "
-                         f"fastest again in {report['repeats'] - 1} more round(s). Step time: the script's StepMeter; peak "
-                         "memory: the largest rank's in a warm-up step (its StepMeter's MemoryStep). "
-                         f"Tune took {report['wall_s']:.0f} s."),
-                    Table(["layout", "measured ms/step (min-max)", "peak MiB", "runs", "flags"],
-                          [cells(r) for r in report["candidates"] if r["result"]])]
+                    Text(f"{how} Step time: the script's StepMeter; peak memory: the largest rank's in a warm-up step "
+                         f"(its StepMeter's MemoryStep). Tune took {report['wall_s']:.0f} s."),
+                    Table(head, [cells(r) for r in report["candidates"] if r["result"]])]
     if report["left_out"]:
-        blocks += [Heading("Left out (the script's own refusal or failure)"),
+        blocks += [Heading("Not measured (the script's own refusal or failure; with a prediction, slower or over "
+                           "the budget)" if predicted else "Left out (the script's own refusal or failure)"),
                    Items([f"{o['layout']}: {o['reason']}" for o in report["left_out"]])]
     return Page(f"multigpu tune: {report['workload']} on {report['world_size']} ranks ({report['device']})", blocks)

@@ -67,8 +67,24 @@ def causal_lm(config, seq_len: int) -> Subject:
     """A transformers causal LM built from ``config`` (no download), with the plan mg.parallelize takes."""
     import transformers
 
-    return Subject(lambda: transformers.AutoModelForCausalLM.from_config(config),
-                   lambda m, x: m(input_ids=x, use_cache=False).logits, config.vocab_size, seq_len)
+    return built(lambda: transformers.AutoModelForCausalLM.from_config(config), config.vocab_size, seq_len)
+
+
+def built(build: Callable[[], nn.Module], vocab: int, seq_len: int) -> Subject:
+    """Any language model ``build()`` returns, with the plan mg.parallelize takes: called as a transformers model
+    (``input_ids=``, no cache) where its forward takes ``input_ids``, else with the ids; its logits the output or
+    the output's ``.logits`` (decided once, on the model built on the meta device)."""
+    import inspect
+
+    with torch.device("meta"):
+        takes = inspect.signature(build().forward).parameters
+    cache = {"use_cache": False} if "use_cache" in takes else {}
+
+    def logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids=x, **cache) if "input_ids" in takes else model(x)
+        return getattr(out, "logits", out)
+
+    return Subject(build, logits, vocab, seq_len)
 
 
 def wrapped(subject: Subject, fam: str, ac: bool) -> nn.Module:
