@@ -1,12 +1,14 @@
 """`multigpu tune`: which layout of the GPT recipe is fastest on these N devices and fits, predicted and measured;
-or of a script that reads its layout with ``mg.layout_from_args()``, measured (``script.py``).
+or of a script that reads its layout with ``mg.layout_from_args()``, measured (``script.py``; predicted too when
+told its model: ``--model``).
 
     space.py   the candidates, mg.parallel.Layouts: DDP / FSDP / HSDP x TP x PP, micro-batch, checkpointing, schedule
     probe.py   the measured parts: one micro-batch on one process, the links (cached), the wrappers' and the
                loop's fixed costs (one process), the collectives' waits in a busy step (the real ranks, cached)
-    machine.py this machine as multigpu forecast describes a cluster: its model predicts each candidate
+    machine.py this machine as multigpu forecast describes a cluster (measure_parts: the probes it rests on): its
+               model predicts each candidate
     run.py     predict, prune, measure the top K interleaved, report (tune.json, report.md, report.html)
-    script.py  a script's layouts, measured
+    script.py  a script's layouts, measured (and with --model, predicted first)
     rounds.py  what both measure alike: the device, one launch and its failure, the rounds, the summary, the files
 """
 

@@ -1,6 +1,9 @@
 """``multigpu tune script.py``: the fastest layout of a script that follows the layout contract, measured.
 
-The script's model is its own, so tune does not predict it: it measures. Every ``Layout`` of N ranks
+Told the script's model (``--model``, as ``multigpu forecast`` takes it, and ``--seq-len``), tune predicts
+every layout as it predicts the recipe's (``_predict``: forecast's count of the model, the probes on the model
+and on the script's own loop), prunes what the script would refuse or what does not fit, and measures the
+``--top`` fastest predicted. Without it tune measures every layout: every ``Layout`` of N ranks
 (``space.layouts``: the mesh's factorings, the micro-batches asked for, the schedules) runs the script
 through the launcher for ``--steps`` steps with the layout's flags (round 1, the probe); a layout the
 script refuses (heads TP does not divide, a batch that does not split, a model a pipeline cannot cut)
@@ -104,7 +107,7 @@ def with_checkpointing(row: dict, m: dict) -> dict | None:
 
 def run_script_tune(cfg, say: Callable[[str], None] = print) -> tuple[Path, dict]:
     """Tune a script; returns the results directory and the report dict (also in tune.json)."""
-    from .space import _powers_of_two, layouts
+    from .space import layouts, powers_of_two
 
     check_script_args(cfg)
     t_start = time.perf_counter()
@@ -122,7 +125,7 @@ def run_script_tune(cfg, say: Callable[[str], None] = print) -> tuple[Path, dict
         share = lambda layout: global_batch(cfg.args) // layout.dp_size  # noqa: E731
         found = [replace(layout, micro_batch=m, activation_checkpointing=ac) for layout in found
                  for m in ([layout.micro_batch] if layout.micro_batch else
-                           [m for m in _powers_of_two(share(layout)) if share(layout) % m == 0] or [1])
+                           [m for m in powers_of_two(share(layout)) if share(layout) % m == 0] or [1])
                  for ac in (False, True)]
         say(f"multigpu tune: {where}: {len(found)} layouts of {cfg.model}, each predicted (multigpu forecast's model, "
             f"this machine probed), {f'the {cfg.top} fastest' if cfg.top else 'every one'} that fit measured -> {out}")
@@ -175,11 +178,10 @@ def _predict(cfg, build, counts, rows: list[dict], out: Path, say) -> dict:
     model and loop); returns what the report keeps of the probe."""
     from . import machine, wrappers
 
-    name = counts.name
     device = "cpu" if cfg.cpu else "cuda"
-    layouts = [r["_l"] for r in rows]
-    parts = machine.measure_parts(wrappers.built(build, counts.vocab, cfg.seq_len), layouts, cfg.nproc, device, cfg.threads,
-                          say, recipe_args=cfg.args, root=out / "probe", cpu=cfg.cpu, workload=cfg.workload,
+    subject = wrappers.built(build, counts.vocab, cfg.seq_len)
+    parts = machine.measure_parts(subject, [r["_l"] for r in rows], cfg.nproc, device, cfg.threads, say,
+                                  recipe_args=cfg.args, root=out / "probe", cpu=cfg.cpu, workload=cfg.workload,
                                   module=False)
     budget, budget_text = machine.budget_of(cfg, device)
     here = machine.measured_cluster(counts, parts, cfg.nproc, budget)
@@ -192,7 +194,7 @@ def _predict(cfg, build, counts, rows: list[dict], out: Path, say) -> dict:
         r["pruned"] = refused or (None if r["fits"] else
                                   f"predicted {p['memory_bytes'] / 2**20:,.1f} MiB > budget {budget / 2**20:,.1f} MiB")
         r["slower"] = None if p is None else f"slower predicted ({p['step_time_s'] * 1e3:,.1f} ms/step)"
-    return {"model": name, "global_batch": batch, "budget": budget_text,
+    return {"model": counts.name, "global_batch": batch, "budget": budget_text,
             "compute": {f"{m}{'+ac' if ac else ''}": v for (m, ac), v in parts["compute"].items()},
             "links": parts["sources"], "fixed": parts["fixed"], "loop": parts["loop"], "wrappers": parts["wrappers"],
             "busy": parts["busy"]}

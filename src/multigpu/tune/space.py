@@ -49,7 +49,7 @@ def candidates(world: int, cfg, global_batch: int, *, micro_batches: list[int] |
         if layout.strategy == "hsdp" and s.dp_shard == 1:
             continue  # replication alone beside TP or PP: the recipe's data parallelism there is FSDP's (sharded)
         per_rank = global_batch // s.dp_size
-        for m in [m for m in (micro_batches or _powers_of_two(per_rank)) if per_rank % m == 0]:
+        for m in [m for m in (micro_batches or powers_of_two(per_rank)) if per_rank % m == 0]:
             accum = dataclasses.replace(layout, micro_batch=m).accum_steps(global_batch)
             if s.pp > 1 and accum < s.pp:
                 out.append({"layout": f"PP {s.pp}, micro-batch {m}",
@@ -65,7 +65,7 @@ def candidates(world: int, cfg, global_batch: int, *, micro_batches: list[int] |
     return found, out
 
 
-def _powers_of_two(n: int) -> list[int]:
+def powers_of_two(n: int) -> list[int]:
     return [1 << k for k in range(n.bit_length()) if (1 << k) <= n]
 
 
