@@ -166,6 +166,10 @@ def test_the_measured_fixed_costs_and_the_collectives_waits_add_in():
     # The collectives counted per step: DDP one bucket and the token count, on the 4 ranks.
     ddp = full_of(layouts["ddp"])
     assert ddp["collectives"] == {4: 2} and ddp["overhead_s"] == pytest.approx(2 * 0.002 * 2 + 0.02 * 2 + 2 * (0.006 - floor))
+    # The transfer taken off a wait is the same all-reduce's time back to back, measured beside it by the busy
+    # probe (the links' may come from another day's load).
+    _, beside_of = _tune_predict(config("tiny"), _parts(2.0, fixed, sync) | {"idle": {2: 0.001, 4: 0.0025}})
+    assert beside_of(layouts["ddp"])["overhead_s"] == pytest.approx(2 * 0.002 * 2 + 0.02 * 2 + 2 * (0.006 - 0.0025))
     # FSDP 4, 2 micro-batches of 2 blocks: 5 gathers each, 3 reduce-scatters, the norm, the token count.
     assert full_of(layouts["fsdp"])["collectives"] == {4: 2 * 5 + 3 + 1 + 1}
     # HSDP 2x2: the same on the shard groups of 2, an all-reduce per unit on the replica groups, the count on 4.

@@ -64,7 +64,8 @@ def parts_of(report: dict) -> dict:
     measured, _ = links({int(n) for n in probe["links"]}, report["device"], threads, say=lambda _: None)
     return {"compute": {(int(k.removesuffix("+ac")), k.endswith("+ac")): v for k, v in probe["compute"].items()},
             "links": measured, "slowdown": probe["busy"]["slowdown"], "fixed": probe["fixed"],
-            "wrappers": probe["wrappers"], "sync": {int(n): w for n, w in probe["busy"]["wait_s"].items()}}
+            "wrappers": probe["wrappers"], "sync": {int(n): w for n, w in probe["busy"]["wait_s"].items()},
+            "idle": {int(n): w for n, w in probe["busy"].get("idle_s", {}).items()}}
 
 
 def measured_cluster(counts: Counts, parts: dict, nproc: int, memory: float | None) -> Cluster:
@@ -84,10 +85,14 @@ def measured_cluster(counts: Counts, parts: dict, nproc: int, memory: float | No
 
 def overheads(layout: Layout, parts: dict) -> Overheads:
     """The measured fixed costs of ``layout``'s wrapper (x the busy ranks' slowdown: they are CPU work) and each
-    collective's wait in a busy step, less a 1 KiB all-reduce's transfer (the links count it)."""
+    collective's wait in a busy step, less its own transfer (the links count it): the same all-reduce's time
+    back to back, measured beside it (``probe.sync``'s ``idle_s``; a tune.json from before it: the links'
+    1 KiB all-reduce, measured on another day)."""
     fixed = parts["fixed"][family(layout) + ("+ac" if layout.activation_checkpointing else "")]
     links, slowdown = parts["links"], parts["slowdown"]
-    floor = {n: links.time("all_reduce", n, 1024) if ("all_reduce", n) in links.points else 0.0 for n in parts["sync"]}
+    idle = parts.get("idle") or {}
+    floor = {n: idle[n] if n in idle else links.time("all_reduce", n, 1024) if ("all_reduce", n) in links.points
+             else 0.0 for n in parts["sync"]}
     return Overheads(fixed["micro_s"] * slowdown, fixed["step_s"] * slowdown,
                      {n: max(0.0, w - floor[n]) for n, w in parts["sync"].items()})
 
@@ -148,5 +153,6 @@ def measure_parts(subject, found: list[Layout], nproc: int, device: str, threads
     t0 = time.perf_counter()
     busy = probe.sync(groups | {nproc}, nproc, device, threads, say=say)
     return {"compute": compute, "probe_s": probe_s, "links": links, "sources": sources, "fixed": fixed,
-            "loop": loop, "wrappers": fixed_costs, "fixed_s": fixed_s, "sync": busy["wait_s"], "slowdown": busy["slowdown"],
+            "loop": loop, "wrappers": fixed_costs, "fixed_s": fixed_s, "sync": busy["wait_s"], "idle": busy["idle_s"],
+            "slowdown": busy["slowdown"],
             "busy": busy | {"measure_s": time.perf_counter() - t0}}

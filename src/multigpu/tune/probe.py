@@ -113,8 +113,8 @@ SYNC_WORK = 256  # one matmul of SYNC_WORK^3 between collectives (33.5 MFLOP: ab
 
 
 def sync_rank(group_sizes: list[int], threads: int, iters: int = 100, rounds: int = 5) -> dict | None:
-    """One rank of ``sync``: the time a small all-reduce adds to a loop of compute on every rank (module
-    level, so that launched workers import it)."""
+    """One rank of ``sync``: the time a small all-reduce adds to a loop of compute on every rank, and its time
+    back to back with no compute (module level, so that launched workers import it)."""
     import torch.distributed as tdist
 
     from ..dist import init
@@ -131,13 +131,14 @@ def sync_rank(group_sizes: list[int], threads: int, iters: int = 100, rounds: in
         a = torch.randn(SYNC_WORK, SYNC_WORK, device=dist.device)
         t = torch.zeros(256, device=dist.device)
 
-        def loop(g: int) -> float:
+        def loop(g: int, busy: bool = True) -> float:
             tdist.barrier()
             if dist.device.type == "cuda":
                 torch.cuda.synchronize(dist.device)
             t0 = time.perf_counter()
             for _ in range(iters):
-                a @ a
+                if busy:
+                    a @ a
                 if g:
                     tdist.all_reduce(t, group=groups[g])
             if dist.device.type == "cuda":
@@ -146,19 +147,24 @@ def sync_rank(group_sizes: list[int], threads: int, iters: int = 100, rounds: in
 
         loop(group_sizes[0])  # warm-up
         extra: dict = {g: [] for g in group_sizes}
+        idle: dict = {g: [] for g in group_sizes}
         work = []
         for _ in range(rounds):
             for g in group_sizes:
                 base = loop(0)
                 work.append(base / iters)
                 extra[g].append((loop(g) - base) / iters)
-        mine = torch.tensor([statistics.median(extra[g]) for g in group_sizes] + [statistics.median(work)],
+                idle[g].append(loop(g, busy=False) / iters)  # the same collective back to back, now
+        mine = torch.tensor([statistics.median(extra[g]) for g in group_sizes] +
+                            [statistics.median(idle[g]) for g in group_sizes] + [statistics.median(work)],
                             dtype=torch.float64, device=dist.device)
         tdist.all_reduce(mine)  # the ranks' mean
         mean = (mine / world).cpu().tolist()
         if not dist.is_main:
             return None
-        return {"wait_s": {str(g): max(0.0, v) for g, v in zip(group_sizes, mean)}, "work_s": mean[-1]}
+        k = len(group_sizes)
+        return {"wait_s": {str(g): max(0.0, v) for g, v in zip(group_sizes, mean[:k])},
+                "idle_s": {str(g): v for g, v in zip(group_sizes, mean[k:2 * k])}, "work_s": mean[-1]}
 
 
 def _work_alone(threads: int, iters: int = 100, rounds: int = 5) -> float:
@@ -181,16 +187,18 @@ def _work_alone(threads: int, iters: int = 100, rounds: int = 5) -> float:
 
 def sync(group_sizes: set[int], nproc: int, device: str, threads: int, say=print) -> dict:
     """A step's shared costs on the real ``nproc`` ranks, every one busy (measured each time: they depend on
-    what else the machine runs now): {"wait_s": {g: seconds one collective among g ranks adds beyond its
-    own transfer}, "slowdown": how much slower each rank computes than this one process alone, "work_s",
-    "alone_s": the matmul's time on the busy ranks and here}. On a CPU with more workers than cores a
-    collective waits until every peer is scheduled again, and the cores are shared."""
+    what else the machine runs now): {"wait_s": {g: seconds a 1 KiB all-reduce among g ranks adds to a loop
+    of compute}, "idle_s": {g: its seconds back to back, no compute, measured beside it: the transfer, which
+    the links count, so that wait_s - idle_s is the wait alone}, "slowdown": how much slower each rank
+    computes than this one process alone, "work_s", "alone_s": the matmul's time on the busy ranks and
+    here}. On a CPU with more workers than cores a collective waits until every peer is scheduled again, and
+    the cores are shared."""
     from ..commbench.launch import launch_local
     from ..runtime.contract import environ
 
     sizes = sorted(g for g in group_sizes if g > 1) or [1]
     if nproc <= 1:
-        return {"wait_s": {}, "slowdown": 1.0, "work_s": None, "alone_s": None}
+        return {"wait_s": {}, "idle_s": {}, "slowdown": 1.0, "work_s": None, "alone_s": None}
     say(f"multigpu tune: measuring a busy step's collectives and compute on {nproc} ranks")
     alone = _work_alone(threads) if device == "cpu" else None
     with environ(OMP_NUM_THREADS=str(threads), CUDA_VISIBLE_DEVICES="" if device == "cpu" else None):
@@ -198,13 +206,14 @@ def sync(group_sizes: set[int], nproc: int, device: str, threads: int, say=print
     if alone is not None:
         alone = statistics.median([alone, _work_alone(threads)])  # before and after: the machine's load moves
     waits = {int(g): v for g, v in result["wait_s"].items() if int(g) > 1}
+    idle = {int(g): v for g, v in result["idle_s"].items() if int(g) > 1}
     # Devices do not share compute. On CPU, N workers of T threads on C cores cannot run faster than C / (N T)
     # of their speed alone: the measured matmul (cache-resident, the least slowed work) is floored there.
     from ..launch.config import cpu_count
 
     bound = nproc * threads / cpu_count()
     slowdown = max(1.0, result["work_s"] / alone, bound) if alone else 1.0
-    return {"wait_s": waits, "slowdown": slowdown, "work_s": result["work_s"], "alone_s": alone}
+    return {"wait_s": waits, "idle_s": idle, "slowdown": slowdown, "work_s": result["work_s"], "alone_s": alone}
 
 
 def loop(workload: str, args: list[str], compute_parts: dict, micro_batch: int, cpu: bool, threads: int, root,
