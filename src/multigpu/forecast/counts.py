@@ -257,7 +257,7 @@ class _Tally(TorchDispatchMode):
 
     def __init__(self, params: set, flops) -> None:
         super().__init__()
-        self.params, self.seen, self.flops = params, set(), flops
+        self.params, self.seen, self.masks, self.flops = params, set(), set(), flops
         self.saved = self.kept = self.attention = self.kv = self.inner = self.gathered = 0.0
         self.matmuls = self.heads = self.depth = 0
 
@@ -267,7 +267,7 @@ class _Tally(TorchDispatchMode):
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage()._cdata
-        if key not in self.params and key not in self.seen:
+        if key not in self.params and key not in self.masks and key not in self.seen:
             self.seen.add(key)
             self.saved += t.untyped_storage().nbytes()
             self.inner += t.untyped_storage().nbytes() if self.depth else 0.0
@@ -280,10 +280,12 @@ class _Tally(TorchDispatchMode):
         for m in rest:
             if isinstance(m, torch.Tensor) and m.dim() >= 2 and tuple(m.shape[-2:]) == (q.shape[-2], k.shape[-2]):
                 key = m.untyped_storage()._cdata
-                if key in self.seen and key not in self.params:
+                if key in self.masks:
+                    continue
+                self.masks.add(key)  # never counted again
+                if key in self.seen:  # counted when autograd saved it
                     self.saved -= m.untyped_storage().nbytes()
                     self.inner -= m.untyped_storage().nbytes() if self.depth else 0.0
-                self.params.add(key)  # never counted again
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
