@@ -50,7 +50,8 @@ def repredict(report: dict, a) -> dict:
     found, _ = candidates(a.n, cfg, a.global_batch, micro_batches=[int(v) for v in a.micro_batches.split(",")])
     by_name = {name(c): c for c in found}
     # Measured again: the probe is part of the model under test.
-    parts = measure_parts(gpt(cfg), found, a.n, "cpu", 1, recipe_args=("--size", a.size), root=Path(a.measured) / "reprobe")
+    parts = measure_parts(gpt(cfg), found, a.n, "cpu", 1, workload="multigpu.recipes.gpt", module=True,
+                          recipe_args=("--size", a.size), root=Path(a.measured) / "reprobe")
     counts = machine.count_recipe(cfg)
     here = machine.measured_cluster(counts, parts, a.n, None)
     for r in report["candidates"]:

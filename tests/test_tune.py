@@ -106,6 +106,8 @@ def test_refusals_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
         (["train.py"], "tune knows the layouts of the GPT recipe"),
         (["--top", "0", "gpt"], "--top takes a number of candidates (at least 1) or 'all', got '0'"),
         (["-n", "3", "gpt"], "no layout of 3 ranks fits this model and global batch 16"),
+        (["--model", "m.py:f", "--seq-len", "8", "gpt"], "--model tells tune a script's model; the recipe's is its own "
+                                                          "flags (--size, --block-size): drop --model"),
     ):
         code = main(["tune", "--cpu", *argv])
         err = capsys.readouterr().err

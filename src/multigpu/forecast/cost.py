@@ -153,16 +153,12 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     # Sequence parallelism cuts the block input full recompute keeps; without it that stays whole. The logits are
     # cut by vocabulary only under a parallel loss.
     sp = t == 1 or layout.sequence_parallel
-
-    def cut(i: int) -> float:
-        return saved_under_tp(counts, i, t, sp)
-
-    per_block = {"none": [cut(i) for i in blocks],
+    per_block = {"none": [saved_under_tp(counts, i, t, sp) for i in blocks],
                  "selective": [counts.block_input / (t if sp else 1) + counts.block_kept[i] / t for i in blocks],
                  "full": [counts.block_input / (t if sp else 1)] * len(blocks)}[run.recompute]
     stage_bytes = sum(per_block) * tokens  # kept per micro-batch in flight
     # Full recompute: one block's whole activations while it is recomputed, once (a micro-batch's backward at a time).
-    transient = max(cut(i) for i in range(L)) * tokens if run.recompute == "full" else 0.0
+    transient = max(saved_under_tp(counts, i, t, sp) for i in range(L)) * tokens if run.recompute == "full" else 0.0
     interleaving = (1 + (p - 1) / (p * v)) if v > 1 else 1.0
     in_flight = 1.0 if p == 1 else (m if layout.schedule == "gpipe" else min(p, m) * interleaving)
     loss_bytes = 2 * counts.other_saved * tokens / (t if run.loss_parallel else 1)  # what the head and loss saved,

@@ -125,13 +125,12 @@ def budget_of(cfg, device: str) -> tuple[int | None, str]:
 
 
 def measure_parts(subject, found: list[Layout], nproc: int, device: str, threads: int, say=print, *,
-                  recipe_args: tuple[str, ...] = (), root: Path | None = None, cpu: bool = True,
-                  workload: str = "multigpu.recipes.gpt", module: bool = True) -> dict:
+                  workload: str, module: bool, recipe_args: tuple[str, ...] = (), root: Path | None = None,
+                  cpu: bool = True) -> dict:
     """The cost model's measured parts for ``found``: the micro-batches' compute of ``subject``'s model
     (``wrappers.Subject``), the links, the loop of ``workload`` (the recipe's module, or with ``module=False``
-    a script's path) on one rank
-    with ``recipe_args`` and the wrappers' fixed costs (one process), the collectives' waits and the
-    compute's slowdown in a busy step (the real ranks), with the time each took."""
+    a script's path) on one rank with ``recipe_args`` and the wrappers' fixed costs (one process), the
+    collectives' waits and the compute's slowdown in a busy step (the real ranks), with the time each took."""
     from . import probe, wrappers
 
     t0 = time.perf_counter()

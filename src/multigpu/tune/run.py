@@ -78,6 +78,10 @@ def check_args(cfg: TuneConfig) -> None:
     if cfg.workload not in ("gpt", RECIPE):
         raise UsageError(f"tune knows the layouts of the GPT recipe (`multigpu tune gpt [its flags]`), got {cfg.workload!r}; "
                          "a script of your own cannot be re-laid-out from outside: port its model to the recipe's flags")
+    for flag, value in (("--model", cfg.model), ("--seq-len", cfg.seq_len)):
+        if value is not None:
+            raise UsageError(f"{flag} tells tune a script's model; the recipe's is its own flags (--size, --block-size): "
+                             f"drop {flag}")
     from ..parallel.flags import refuse_fixed
 
     refuse_fixed(cfg.args, "tune chooses", "(pass the model and batch flags: --size, --block-size, --global-batch, "
@@ -139,8 +143,8 @@ def run_tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> tuple[Path,
     counts = machine.count_recipe(model_cfg, args.precision)
     from .wrappers import gpt
 
-    parts = machine.measure_parts(gpt(model_cfg), found, cfg.nproc, device, cfg.threads, say, recipe_args=cfg.args,
-                          root=out / "probe", cpu=cfg.cpu)
+    parts = machine.measure_parts(gpt(model_cfg), found, cfg.nproc, device, cfg.threads, say, workload=RECIPE,
+                                  module=True, recipe_args=cfg.args, root=out / "probe", cpu=cfg.cpu)
     budget, budget_text = machine.budget_of(cfg, device)
     here = machine.measured_cluster(counts, parts, cfg.nproc, budget)
     rows = []

@@ -107,7 +107,7 @@ def with_checkpointing(row: dict, m: dict) -> dict | None:
 
 def run_script_tune(cfg, say: Callable[[str], None] = print) -> tuple[Path, dict]:
     """Tune a script; returns the results directory and the report dict (also in tune.json)."""
-    from .space import layouts, powers_of_two
+    from .space import layouts, splits
 
     check_script_args(cfg)
     t_start = time.perf_counter()
@@ -115,6 +115,7 @@ def run_script_tune(cfg, say: Callable[[str], None] = print) -> tuple[Path, dict
     found = layouts(cfg.nproc, micro_batches=list(cfg.micro_batches) if cfg.micro_batches else None,
                     experts=cfg.experts, context=cfg.context)
     counted = _count(cfg) if cfg.model else None  # a model that does not load or count: one line, nothing written
+    batch = global_batch(cfg.args) if cfg.model else None
     out = rounds.out_dir(cfg)
     where = f"{cfg.workload} on {cfg.nproc} {'CPU workers' if cfg.cpu else 'GPUs'}"
     if not cfg.model:
@@ -122,15 +123,13 @@ def run_script_tune(cfg, say: Callable[[str], None] = print) -> tuple[Path, dict
             f"checkpointing where one runs out of memory without), then {f'the {cfg.top} fastest' if cfg.top else 'every one'} "
             f"in {cfg.repeats - 1} more round(s) -> {out}")
     else:  # predicted: each micro-batch that splits a rank's share and checkpointing weighed, as for the recipe
-        share = lambda layout: global_batch(cfg.args) // layout.dp_size  # noqa: E731
         found = [replace(layout, micro_batch=m, activation_checkpointing=ac) for layout in found
-                 for m in ([layout.micro_batch] if layout.micro_batch else
-                           [m for m in powers_of_two(share(layout)) if share(layout) % m == 0] or [1])
+                 for m in ([layout.micro_batch] if layout.micro_batch else splits(batch // layout.dp_size) or [1])
                  for ac in (False, True)]
         say(f"multigpu tune: {where}: {len(found)} layouts of {cfg.model}, each predicted (multigpu forecast's model, "
             f"this machine probed), {f'the {cfg.top} fastest' if cfg.top else 'every one'} that fit measured -> {out}")
     rows = [_row(layout) for layout in found]
-    predicted = _predict(cfg, *counted, rows, out, say) if counted else None
+    predicted = _predict(cfg, *counted, batch, rows, out, say) if counted else None
     if predicted is not None:
         chosen = sorted((r for r in rows if r["fits"]), key=lambda r: r["predicted"]["step_time_s"])
         chosen = chosen if cfg.top == 0 else chosen[:cfg.top]
@@ -172,9 +171,9 @@ def _count(cfg) -> tuple:
     return build, count(build, cfg.seq_len, name=name, dtype=torch.float32)
 
 
-def _predict(cfg, build, counts, rows: list[dict], out: Path, say) -> dict:
+def _predict(cfg, build, counts, batch: int, rows: list[dict], out: Path, say) -> dict:
     """Each row's prediction (``predicted``, ``fits``, ``pruned``) by forecast's model of the counted model on
-    this machine, as the recipe's tune predicts the GPT's (``machine.measure_parts``: the probes on the script's own
+    this machine, for the script's global ``batch``, as the recipe's tune predicts the GPT's (``machine.measure_parts``: the probes on the script's own
     model and loop); returns what the report keeps of the probe."""
     from . import machine, wrappers
 
@@ -185,7 +184,6 @@ def _predict(cfg, build, counts, rows: list[dict], out: Path, say) -> dict:
                                   module=False)
     budget, budget_text = machine.budget_of(cfg, device)
     here = machine.measured_cluster(counts, parts, cfg.nproc, budget)
-    batch = global_batch(cfg.args)
     for r in rows:
         layout = r["_l"].resolve(cfg.nproc)
         refused = _refusal(layout, counts, cfg.seq_len, batch)
@@ -193,7 +191,6 @@ def _predict(cfg, build, counts, rows: list[dict], out: Path, say) -> dict:
         r["predicted"], r["fits"] = p, p is not None and (budget is None or p["memory_bytes"] <= budget)
         r["pruned"] = refused or (None if r["fits"] else
                                   f"predicted {p['memory_bytes'] / 2**20:,.1f} MiB > budget {budget / 2**20:,.1f} MiB")
-        r["slower"] = None if p is None else f"slower predicted ({p['step_time_s'] * 1e3:,.1f} ms/step)"
     return {"model": counts.name, "global_batch": batch, "budget": budget_text,
             "compute": {f"{m}{'+ac' if ac else ''}": v for (m, ac), v in parts["compute"].items()},
             "links": parts["sources"], "fixed": parts["fixed"], "loop": parts["loop"], "wrappers": parts["wrappers"],
@@ -204,15 +201,14 @@ def _refusal(layout, counts, seq_len: int, batch: int) -> str | None:
     """Why the script would refuse ``layout`` for the counted model, as ``mg.parallelize`` and the batch plan
     refuse it (a TP degree its heads or vocabulary do not divide, more stages than blocks, a batch that does
     not split), or None."""
+    from .space import pipeline_short
+
     try:
         layout.check_sizes(heads=counts.heads or None, kv_heads=counts.kv_heads or None, vocab=counts.vocab or None,
                            seq=seq_len, blocks=counts.layers, tied=counts.tied, model=counts.name)
-        accum = layout.accum_steps(batch)
+        return pipeline_short(layout, batch)
     except UsageError as err:
         return str(err)
-    if layout.pp > 1 and accum < layout.pp:
-        return f"{accum} micro-batches per step, fewer than {layout.pp} stages"
-    return None
 
 
 def _report(cfg, rows: list[dict], wall_s: float, predicted: dict | None = None) -> dict:
@@ -225,8 +221,8 @@ def _report(cfg, rows: list[dict], wall_s: float, predicted: dict | None = None)
                 if "memory_bytes" in r["result"] else {})
     ran = sorted((r for r in rows if r["result"]), key=lambda r: r["result"]["step_time_s"])
     # Not measured: a refusal or failure (its line), or, with a prediction, slower predicted or over the budget.
-    left_out = [{"layout": r["candidate"], "reason": r["measured"][0]["error"] if r["measured"] else
-                 r.get("pruned") or r["slower"]}
+    left_out = [{"layout": r["candidate"], "reason": r["measured"][0]["error"] if r["measured"] else r.get("pruned")
+                 or f"slower predicted ({r['predicted']['step_time_s'] * 1e3:,.1f} ms/step)"}
                 for r in sorted((r for r in rows if not r["result"]), key=lambda r: not r["measured"])]
     winner = ran[0] if ran else None
     base = f"multigpu run -n {cfg.nproc}{' --cpu' if cfg.cpu else ''} {cfg.workload} {' '.join(cfg.args)}".rstrip()

@@ -48,12 +48,10 @@ def candidates(world: int, cfg, global_batch: int, *, micro_batches: list[int] |
             continue
         if layout.strategy == "hsdp" and s.dp_shard == 1:
             continue  # replication alone beside TP or PP: the recipe's data parallelism there is FSDP's (sharded)
-        per_rank = global_batch // s.dp_size
-        for m in [m for m in (micro_batches or powers_of_two(per_rank)) if per_rank % m == 0]:
-            accum = dataclasses.replace(layout, micro_batch=m).accum_steps(global_batch)
-            if s.pp > 1 and accum < s.pp:
-                out.append({"layout": f"PP {s.pp}, micro-batch {m}",
-                            "reason": f"{accum} micro-batches per step, fewer than {s.pp} stages"})
+        for m in splits(global_batch // s.dp_size, micro_batches):
+            short = pipeline_short(dataclasses.replace(layout, micro_batch=m), global_batch)
+            if short:
+                out.append({"layout": f"PP {s.pp}, micro-batch {m}", "reason": short})
                 continue
             for ac in (False, True):
                 for schedule in (schedules if s.pp > 1 else (layout.schedule,)):
@@ -65,8 +63,16 @@ def candidates(world: int, cfg, global_batch: int, *, micro_batches: list[int] |
     return found, out
 
 
-def powers_of_two(n: int) -> list[int]:
-    return [1 << k for k in range(n.bit_length()) if (1 << k) <= n]
+def splits(per_rank: int, asked: list[int] | None = None) -> list[int]:
+    """The micro-batch sizes (``asked``, else the powers of 2) that divide a rank's share of the global batch."""
+    return [m for m in (asked or [1 << k for k in range(per_rank.bit_length())]) if per_rank % m == 0]
+
+
+def pipeline_short(layout: Layout, global_batch: int) -> str | None:
+    """Why a pipeline cannot run ``layout`` (its micro-batch set): fewer micro-batches per step than stages."""
+    accum = layout.accum_steps(global_batch)
+    return f"{accum} micro-batches per step, fewer than {layout.pp} stages" if layout.pp > 1 and accum < layout.pp \
+        else None
 
 
 def _why_not(cfg, s, global_batch: int) -> str | None:
