@@ -108,6 +108,36 @@ def test_own_model_counted_and_refused_when_not_a_stack():
         count(lambda: torch.nn.Linear(4, 4), 8)
 
 
+def test_a_compiled_loss_saves_the_16_bit_logits():
+    """The count finds the float32 log-probabilities eager cross-entropy saves (4 bytes x vocab per token). A
+    compiled loss (torchtitan's since 2025) saves the 16-bit logits instead: measured here with torch.compile and
+    saved-tensor hooks on real bf16 logits, the difference per token is what forecast takes off under
+    compile_loss, twice (the logits' gradient at the backward's start is 16-bit too)."""
+    pytest.importorskip("transformers")
+    import torch.nn.functional as F
+
+    vocab, n = 2000, 64
+    c = count(config_builder(TINY | {"vocab_size": vocab}, "tiny"), 16)  # bf16
+    assert c.logits_f32 == 4 * vocab and c.logits_f32 < c.other_saved
+
+    def loss(logits, y):  # torchtitan's
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(0, 1))
+
+    torch.manual_seed(0)
+    x = torch.randn(1, n, vocab, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, vocab, (1, n))
+    eager, _ = _real_saved(lambda _: loss(x, y), None, set())
+    compiled, _ = _real_saved(lambda _: torch.compile(loss)(x, y), None, set())
+    measured = (eager - compiled) / n  # bytes per token: 2 x vocab, less the log-sum-exp the compiled loss keeps
+    assert measured == pytest.approx(2 * vocab, rel=0.01), measured
+
+    def activations(compile_loss):
+        run = Run(8, 16, compile_loss=compile_loss)
+        return predict(c, cluster("h100", 8), Degrees(1, 8, 1, 1, 1, 1), run, Assumptions())["memory"]["activations"]
+
+    assert activations(False) - activations(True) == pytest.approx(2 * measured * 16, rel=0.01)
+
+
 def test_the_gpt_recipe_is_counted_too():
     """Its blocks sit in an nn.ModuleDict: counted as a stack all the same, against its own FLOP formula (6N +
     12 L h s, which also counts the biases and norms as 6 per weight: 0.09 % more at GPT-2 124M)."""

@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--global-batch", type=int, help="sequences per step (default: one per GPU)")
     add("--precision", choices=("bf16", "fp8"), default="bf16", help="the matmuls' precision (default %(default)s)")
     add("--compile", action="store_true", help="torch.compile the blocks (the calibration's speedup)")
+    add("--compile-loss", action="store_true",
+        help="torch.compile the loss too (torchtitan's with --compile since 2025): it saves the 16-bit logits, not "
+             "their float32 log-probabilities")
     add("--async-tp", action="store_true", help="async tensor parallelism (hides --async-tp-overlap of its traffic)")
     add("--loss-parallel", action="store_true",
         help="the loss on vocabulary-sharded logits (torchtitan's; mg.parallel.loss_parallel), not gathered ones")
@@ -91,7 +94,7 @@ def main(args) -> int:
     a = dataclasses.replace(a, dp_overlap=args.dp_overlap, async_tp_overlap=args.async_tp_overlap,
                             runtime_gib=args.runtime_gib, expert_imbalance=args.expert_imbalance, **({"efficiency": args.efficiency} if args.efficiency is not None else {}))
     run = Run(args.global_batch or args.gpus, args.seq_len, compile=args.compile, precision=args.precision,
-              async_tp=args.async_tp, loss_parallel=args.loss_parallel)
+              async_tp=args.async_tp, loss_parallel=args.loss_parallel, compile_loss=args.compile_loss)
     counts = counted(args.model, args.seq_len)
     ranked, left_out = plan(counts, machine, run, a, micro_batches=tuple(micro))
     best = ranked[0]
@@ -100,7 +103,7 @@ def main(args) -> int:
     print(f"{counts.name}: {counts.params / 1e9:.2f} B parameters, {counts.flops_per_token / 1e9:.1f} GFLOP per token "
           f"at {args.seq_len} tokens; {machine.gpus} x {machine.gpu.name} ({machine.gpu.hbm_bytes / GiB:.0f} GiB), "
           f"{machine.gpus_per_node} per node; global batch {run.global_batch} x {run.seq_len} tokens, {run.precision}"
-          + (", compiled" if run.compile else "") + (", parallel loss" if run.loss_parallel else ", logits gathered under tp"))
+          + (", compiled" if run.compile else "") + (", loss compiled" if run.compile_loss else "") + (", parallel loss" if run.loss_parallel else ", logits gathered under tp"))
     widths = [max(len(h), *(len(row(f)[i]) for f in ranked[:args.top])) for i, h in enumerate(HEADER)]
     for cells in [HEADER] + [row(f) for f in ranked[:args.top]]:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))))
@@ -112,7 +115,8 @@ def main(args) -> int:
           "a smaller micro-batch")
     context = {"model": counts.name, "parameters": counts.params, "gpus": machine.gpus, "gpu": machine.gpu.name,
                "gpus_per_node": machine.gpus_per_node, "global_batch": run.global_batch, "seq_len": run.seq_len,
-               "precision": run.precision, "compile": run.compile, "loss_parallel": run.loss_parallel}
+               "precision": run.precision, "compile": run.compile, "compile_loss": run.compile_loss,
+               "loss_parallel": run.loss_parallel}
     try:
         html = write_all(out, f"Forecast: {counts.name} on {machine.gpus} x {machine.gpu.name}", ranked, left_out,
                          args.top, a, context, command)

@@ -103,6 +103,8 @@ class Run:
     precision: str = "bf16"          # bf16 or fp8 (matmuls)
     async_tp: bool = False
     loss_parallel: bool = False      # the logits stay cut by vocabulary into the loss (torchtitan's); else gathered
+    compile_loss: bool = False       # the loss compiled too (torchtitan's since 2025): it saves the 16-bit logits,
+                                     # not their float32 log-probabilities
 
 
 def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run, a: Assumptions,
@@ -161,8 +163,11 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     transient = max(saved_under_tp(counts, i, t, sp) for i in range(L)) * tokens if run.recompute == "full" else 0.0
     interleaving = (1 + (p - 1) / (p * v)) if v > 1 else 1.0
     in_flight = 1.0 if p == 1 else (m if layout.schedule == "gpipe" else min(p, m) * interleaving)
-    loss_bytes = 2 * counts.other_saved * tokens / (t if run.loss_parallel else 1)  # what the head and loss saved,
-    # and at the backward's start their gradients of the same size (the logits' float32 and 16-bit gradients)
+    # What the head and loss saved, and at the backward's start their gradients of the same size (the logits'
+    # float32 and 16-bit gradients). A compiled loss fuses the float32 upcast into its kernels: it saves the 16-bit
+    # logits in place of their float32 log-probabilities, and its gradient comes out 16-bit.
+    head_saved = counts.other_saved - (counts.logits_f32 * (1 - width / 4) if run.compile_loss else 0.0)
+    loss_bytes = 2 * head_saved * tokens / (t if run.loss_parallel else 1)
     memory["activations"] = transient + (max(stage_bytes * in_flight, stage_bytes + loss_bytes) if p > 1
                                          else stage_bytes + loss_bytes)
     if p > 1:

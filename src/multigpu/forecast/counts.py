@@ -66,6 +66,8 @@ class Counts:
                                            # two row-wise, one per sub-layer, the rest column-wise)
     vocab: int = 0                         # the head's outputs per token (the logits' width)
     kv_heads: int = 0                      # key/value heads, where the model names them (tp must divide them)
+    logits_f32: float = 0.0                # of other_saved, the float32 copies of the logits the loss saves
+                                           # (eager cross-entropy's log-probabilities: 4 bytes x vocab per token)
 
     @property
     def hidden(self) -> float:
@@ -134,7 +136,8 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         tied = any(id(p) in tables for p in outputs)  # tied to the input table, the head adds no parameters
         head = sum(p.numel() for p in outputs if id(p) not in tables)
         total = sum(p.numel() for p in model.parameters())
-        tally = _Tally(params, _flop_counter())
+        vocab = max((p.shape[0] for p in outputs if p.dim() == 2), default=0)
+        tally = _Tally(params, _flop_counter(), vocab)
         per_block, inputs = [], []
         from ..parallel.auto import head_counts
         from ..parallel.experts import expert_modules
@@ -144,7 +147,6 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         experts_in = [sum(p.numel() for m in moe if id(m) in ids for p in m.parameters()) for ids in inside]
         in_experts = {id(sub) for m in moe for sub in m.modules()}
         linears = [sum(1 for sub in b.modules() if isinstance(sub, nn.Linear) and id(sub) not in in_experts) for b in blocks]
-        vocab = max((p.shape[0] for p in outputs if p.dim() == 2), default=0)
         kv_heads = head_counts(model).get("KV heads", 0)  # what mg.parallelize checks tp against
         routed, expert_flops = [0.0] * len(blocks), [0.0] * len(blocks)  # per block, of the block running now
 
@@ -157,12 +159,14 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
             expert_flops[len(per_block) - 1] += tally.snapshot()[0] / seq_len
 
         def pre(module, args, kwargs):
+            tally.in_block = True
             x = args[0] if args else next(iter(kwargs.values()))
             inputs.append(x.numel() * x.element_size() / seq_len)
             per_block.append(tally.snapshot())
             tally.matmuls = 0  # torchtitan's policy counts matmuls per block
 
         def post(module, args, output):
+            tally.in_block = False
             per_block[-1] = [b - a for a, b in zip(per_block[-1], tally.snapshot())]
 
         def enter(module, args, kwargs):
@@ -207,7 +211,7 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
                   max(inputs), col(2), col(3), col(4), tuple(s - i for s, i in zip(col(1), col(5))), col(6),
                   tally.heads, tied,
                   min((m.num_experts for m in moe), default=0), tuple(experts_in), tuple(expert_flops), tuple(routed),
-                  tuple(linears), vocab, kv_heads)
+                  tuple(linears), vocab, kv_heads, tally.logits_f32 / n)
 
 
 def _flop_counter():
@@ -255,11 +259,12 @@ class _Tally(TorchDispatchMode):
     out: they are held anyway), what selective recompute keeps, attention's FLOPs and its K/V bytes, the saved
     bytes inside a sub-layer (``depth``: the sub-layer hooks' nesting) and the sub-layers' input bytes."""
 
-    def __init__(self, params: set, flops) -> None:
+    def __init__(self, params: set, flops, vocab: int) -> None:
         super().__init__()
-        self.params, self.seen, self.masks, self.flops = params, set(), set(), flops
-        self.saved = self.kept = self.attention = self.kv = self.inner = self.gathered = 0.0
+        self.params, self.seen, self.masks, self.flops, self.vocab = params, set(), set(), flops, vocab
+        self.saved = self.kept = self.attention = self.kv = self.inner = self.gathered = self.logits_f32 = 0.0
         self.matmuls = self.heads = self.depth = 0
+        self.in_block = False
 
     def snapshot(self) -> list[float]:
         return [float(self.flops.get_total_flops()), self.saved, self.kept, self.attention, self.kv, self.inner,
@@ -271,6 +276,8 @@ class _Tally(TorchDispatchMode):
             self.seen.add(key)
             self.saved += t.untyped_storage().nbytes()
             self.inner += t.untyped_storage().nbytes() if self.depth else 0.0
+            if not self.in_block and t.dtype == torch.float32 and self.vocab and t.shape[-1:] == (self.vocab,):
+                self.logits_f32 += t.untyped_storage().nbytes()  # the loss's float32 copy of the logits
         return t
 
     def _drop_mask(self, q: torch.Tensor, k: torch.Tensor, rest) -> None:
