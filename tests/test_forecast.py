@@ -343,11 +343,11 @@ def test_held_out_error_is_what_the_docs_say():
     result = published.check()
     held = result["held_out"]
     assert held["tokens_rows"] >= 45 and held["memory_rows"] >= 14
-    # Measured: speed within 25 % on 30 of 47 rows (median 19.9 %), memory within 15 % on 11 of 17 (median
-    # 9.8 %), layout pairs 13 of 13. A planted bug (FSDP gathering f x the weights) drops speed to 34 % of
+    # Measured: speed within 25 % on 30 of 47 rows (median 19.9 %), memory within 15 % on 12 of 17 (median
+    # 5.7 %, worst 23.6 %), layout pairs 13 of 13. A planted bug (FSDP gathering f x the weights) drops speed to 34 % of
     # rows (median 31 %); the recomputed block counted per micro-batch in flight, memory to 9 of 17 (median 13 %).
     assert held["tokens_within_25"] >= 0.6 and held["tokens_median"] < 0.22, held
-    assert held["memory_within_15"] >= 0.6 and held["memory_median"] < 0.12, held
+    assert held["memory_within_15"] >= 0.7 and held["memory_median"] < 0.08 and held["memory_worst"] < 0.3, held
     assert result["pairs"]["count"] >= 10 and result["pairs"]["share"] >= 0.9, result["pairs"]
 
 
