@@ -195,7 +195,10 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     slots = m + (p - 1) / v if p > 1 else m
     time = {"compute": m * micro_s}
     if p > 1:
-        time["pipeline bubble"] = (slots - m) * micro_s
+        # The critical path is slots micro-batches; where ranks share cores (``cluster.slowdown``), a stage runs
+        # faster than micro_s while others sit in the bubble, so the step is the longer of that path at full
+        # speed and every rank's work over the cores (m micro-batches at the shared rate).
+        time["pipeline bubble"] = max(0.0, slots / cluster.slowdown - m) * micro_s
 
     # Collectives: ``cluster.collective_s`` (bus bandwidth of the span the group covers, or the measured
     # links); ``calls`` counts them per group size (each one waits where a machine's overheads say so).

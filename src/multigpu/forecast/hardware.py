@@ -96,6 +96,9 @@ class Cluster:
     gpus_per_node: int = 8
     rates: dict | None = field(default=None, compare=False)  # measured FLOP/s per (micro_batch, recompute)
     links: Links | None = field(default=None, compare=False)  # measured collectives
+    # How much slower each rank computes while every rank does (ranks sharing CPU cores: the rates above are
+    # already that slow); a rank idle in a pipeline's bubble gives its share back. 1 on a cluster of GPUs.
+    slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:

@@ -80,7 +80,7 @@ def measured_cluster(counts: Counts, parts: dict, nproc: int, memory: float | No
     optimizer_s = next(iter(parts["compute"].values()))["optimizer_s"] * slowdown
     gpu = Gpu("measured", "this machine (measured)", math.inf if memory is None else memory,
               ASSUMPTIONS.optimizer_bytes * counts.params / optimizer_s, max(rates.values()), None, 0.0, 0.0)
-    return Cluster(gpu, nproc, nproc, rates=rates, links=parts["links"])
+    return Cluster(gpu, nproc, nproc, rates=rates, links=parts["links"], slowdown=slowdown)
 
 
 def overheads(layout: Layout, parts: dict) -> Overheads:
