@@ -135,6 +135,21 @@ def test_bench_all_ops_on_three_gloo_ranks_with_ddp_step():
     assert "DDP-shaped step: gpt2-tiny" in table
 
 
+def test_groups_of_ranks_each_run_the_collective_at_once():
+    """--group-size: 4 ranks as 2 groups of 2, each group its own collective (a mesh dimension inside a bigger
+    job): every result is checked against the group's own sum or gather, sizes and bus factors are the group's."""
+    cfg = BenchConfig(ops=OPS, sizes=(8, 1000), dtype="float32", warmup=1, iters=2, group=2)
+    result = run_bench(cfg, nproc=4, timeout=120)
+    assert result["world_size"] == 4 and result["group_size"] == 2 and result["wrong"] == 0
+    done = [r for r in result["rows"] if not r.get("unsupported")]
+    assert {r["op"] for r in done} == set(OPS)
+    for r in done:
+        assert r["size"] == r["count"] * 4 * (1 if r["op"] in ("all_reduce", "broadcast") else 2)
+        for place in PLACES[r["op"]]:
+            assert r[place]["wrong"] == 0 and r[place]["busbw"] == pytest.approx(r[place]["algbw"] * bus_factor(r["op"], 2))
+    assert "4 ranks in groups of 2, every group at once" in format_table(result)
+
+
 def _ddp_buckets(dist):
     """Real DDP's buckets after its rebuild (at the third forward), to compare with our prediction."""
     from multigpu.commbench.ddp import MODELS
@@ -161,7 +176,8 @@ def test_bucket_prediction_matches_ddp():
 
 @pytest.mark.parametrize("argv", [["bench", "--sizes", "8:abc"], ["bench", "--ops", "gather"], ["bench", "--dtype", "float8"],
                                   ["bench", "-n", "0"], ["bench", "--iters", "0"], ["bench", "--ddp", "nosuch"],
-                                  ["bench", "--ddp", "os:nothing_here"]])
+                                  ["bench", "--ddp", "os:nothing_here"], ["bench", "-n", "3", "--group-size", "2"],
+                                  ["bench", "-n", "2", "--group-size", "0"]])
 def test_bench_usage_errors(argv, capsys):
     code, err = run_cli(argv, capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err

@@ -46,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench("--warmup", field="warmup", type=int)
     bench("--iters", field="iters", type=int)
     bench("--backend", field="backend", choices=("nccl", "gloo", "mpi"))
+    bench("--group-size", field="group_size", type=int, metavar="G")
     bench("--no-check", field="no_check", action="store_true")
     bench("--ddp", field="ddp", metavar="MODEL")
     bench("--bucket-cap-mb", field="bucket_cap_mb", type=float)

@@ -14,6 +14,7 @@ from functools import partial
 import torch
 import torch.distributed as tdist
 
+from ..errors import UsageError
 from ..runtime.values import DTYPES, dtype_name
 from .spec import NCCL_TYPE, PLACES, REDOP, ROOT, BenchConfig, algbw, bus_factor
 
@@ -41,18 +42,21 @@ class _Case:
     timed loop), and the timed call costs what a hand-written one does.
     """
 
-    def __init__(self, op: str, place: str, count: int, rank: int, n: int, dtype, device):
+    def __init__(self, op: str, place: str, count: int, rank: int, n: int, dtype, device, group=None, root: int = 0):
+        """``rank`` of ``n``: this rank's place in ``group`` (None: the world's); ``root``: the global rank of the
+        group's first, broadcast's source."""
         self.op, self.place = op, place
+        on = {"group": group} if group is not None else {}
         per = count // n
         pat = lambda r, c: pattern(r, c, n, dtype, device)  # noqa: E731
         if op == "all_reduce":
             self.out = pat(rank, count)
             self.expected = sum(pat(r, count).to(torch.float64) for r in range(n)).to(dtype)
-            self.call = partial(tdist.all_reduce, self.out)
+            self.call = partial(tdist.all_reduce, self.out, **on)
         elif op == "broadcast":
             self.out = pat(rank, count)
             self.expected = pat(0, count)
-            self.call = partial(tdist.broadcast, self.out, src=0)
+            self.call = partial(tdist.broadcast, self.out, src=root, **on)
         elif op == "all_gather":
             self.out = torch.empty(count, dtype=dtype, device=device)
             mine = pat(rank, per)
@@ -60,17 +64,17 @@ class _Case:
                 self.out[rank * per:(rank + 1) * per] = mine
                 mine = self.out[rank * per:(rank + 1) * per]
             self.expected = torch.cat([pat(r, per) for r in range(n)])
-            self.call = partial(_all_gather, self.out, mine)
+            self.call = partial(_all_gather, self.out, mine, **on)
         elif op == "reduce_scatter":
             inp = pat(rank, count)
             self.out = inp[rank * per:(rank + 1) * per] if place == "in" else torch.empty(per, dtype=dtype, device=device)
             self.expected = sum(pat(r, count)[rank * per:(rank + 1) * per].to(torch.float64) for r in range(n)).to(dtype)
-            self.call = partial(_reduce_scatter, self.out, inp)
+            self.call = partial(_reduce_scatter, self.out, inp, **on)
         elif op == "all_to_all":
             inp = pat(rank, count)
             self.out = torch.empty(count, dtype=dtype, device=device)
             self.expected = torch.cat([pat(s, count)[rank * per:(rank + 1) * per] for s in range(n)])
-            self.call = partial(tdist.all_to_all_single, self.out, inp)
+            self.call = partial(tdist.all_to_all_single, self.out, inp, **on)
         else:  # pragma: no cover - ops are validated by BenchConfig
             raise AssertionError(op)
 
@@ -118,24 +122,33 @@ def max_over_ranks(value: float, device, op=tdist.ReduceOp.MAX) -> float:
     return float(t.item())
 
 
-def supported(op: str, dtype, device, n: int, rank: int) -> bool:
+def supported(op: str, dtype, device, n: int, rank: int, place: dict) -> bool:
     """Whether this backend runs ``op`` (gloo/mpi lack some); every rank gets the same answer."""
     try:
-        _Case(op, PLACES[op][0], n, rank, n, dtype, device).call()
+        _Case(op, PLACES[op][0], n, rank, n, dtype, device, **place).call()
         _sync(device)
         return True
     except (RuntimeError, NotImplementedError, ValueError):
         return False
 
 
-def measure(cfg: BenchConfig, device, rank: int, n: int) -> list[dict]:
-    """All rows of ``cfg`` on this rank (every rank returns the same, max-over-ranks figures)."""
+def measure(cfg: BenchConfig, device, rank: int, world: int) -> list[dict]:
+    """All rows of ``cfg`` on this rank (every rank returns the same, max-over-ranks figures). With
+    ``cfg.group``, each collective runs among that many consecutive ranks, every group at once."""
+    n = cfg.group or world
+    if world % n:
+        raise UsageError(f"--group-size {n} does not divide the {world} ranks into groups")
+    place = {}
+    if n < world:  # every rank creates every group (new_group is collective over the world)
+        groups = [tdist.new_group(list(range(s, s + n))) for s in range(0, world, n)]
+        place = {"group": groups[rank // n], "root": rank // n * n}
+    rank = rank % n
     short = dtype_name(cfg.dtype)
     dtype, type_name = DTYPES[short], NCCL_TYPE[short]
     elt = torch.empty(0, dtype=dtype).element_size()
     rows = []
     for op in cfg.ops:
-        if not supported(op, dtype, device, n, rank):
+        if not supported(op, dtype, device, n, rank, place):
             rows.append({"op": op, "unsupported": True})
             continue
         for size in cfg.sizes:
@@ -144,8 +157,8 @@ def measure(cfg: BenchConfig, device, rank: int, n: int) -> list[dict]:
             per_rank = count // n if op in SPLIT else count
             row = {"op": op, "size": count * elt, "count": per_rank, "type": type_name, "redop": REDOP.get(op, "none"),
                    "root": ROOT.get(op, -1), "out": None, "in": None}
-            for place in PLACES[op]:
-                case = _Case(op, place, count, rank, n, dtype, device)
+            for where in PLACES[op]:
+                case = _Case(op, where, count, rank, n, dtype, device, **place)
                 case.call()
                 _sync(device)
                 wrong = case.wrong() if cfg.check else 0
@@ -154,7 +167,7 @@ def measure(cfg: BenchConfig, device, rank: int, n: int) -> list[dict]:
                 t = max_over_ranks(time_calls(case.call, cfg.iters, device), device)
                 wrong = int(max_over_ranks(float(wrong), device, tdist.ReduceOp.SUM)) if cfg.check else None
                 alg = algbw(row["size"], t)
-                row[place] = {"time_us": t * 1e6, "algbw": alg, "busbw": alg * bus_factor(op, n), "wrong": wrong}
+                row[where] = {"time_us": t * 1e6, "algbw": alg, "busbw": alg * bus_factor(op, n), "wrong": wrong}
                 del case
             rows.append(row)
     return rows

@@ -33,7 +33,8 @@ def bench_rank(cfg: BenchConfig, ddp: DdpConfig | None, timeout: float) -> dict 
             return None
         dev = torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "cpu"
         # Versions, devices, host and git revision, recorded with every figure (the meter's header has the same).
-        return {"world_size": dist.world_size, "backend": dist.backend, "device": dev, "rows": rows, "ddp": ddp_result,
+        return {"world_size": dist.world_size, "group_size": cfg.group or dist.world_size, "backend": dist.backend,
+                "device": dev, "rows": rows, "ddp": ddp_result,
                 "fingerprint": fingerprint(dist)}
 
 
@@ -57,7 +58,7 @@ def run_bench(cfg: BenchConfig, nproc: int = 2, ddp: DdpConfig | None = None,
         result = launch_local(bench_rank, nproc, cfg, ddp, timeout, timeout=timeout)[0]
     if result is not None:
         result["config"] = {"ops": list(cfg.ops), "sizes": list(cfg.sizes), "dtype": cfg.dtype, "warmup": cfg.warmup,
-                            "iters": cfg.iters, "check": cfg.check}
+                            "iters": cfg.iters, "check": cfg.check, "group_size": result["group_size"]}
         done = [r for r in result["rows"] if not r.get("unsupported")]
         result["avg_busbw"] = {op: _avg([p["busbw"] for r in done if r["op"] == op for p in (r["out"], r["in"]) if p])
                                for op in dict.fromkeys(r["op"] for r in done)}
@@ -78,9 +79,10 @@ def _cols(p: dict | None) -> str:
 
 def format_table(result: dict) -> str:
     """nccl-tests' layout: size, count, type, redop, root, then time/algbw/busbw/#wrong out of place and in place."""
-    fp = result["fingerprint"]
+    fp, g = result["fingerprint"], result.get("group_size", result["world_size"])
     lines = [
-        f"# multigpu bench: {result['world_size']} ranks, backend {result['backend']}, device {result['device']}",
+        f"# multigpu bench: {result['world_size']} ranks" + (f" in groups of {g}, every group at once" if g < result['world_size']
+                                                             else "") + f", backend {result['backend']}, device {result['device']}",
         f"# python {fp['python']}, torch {fp['torch']}, cuda {fp['cuda']}, nccl {fp['nccl']}, host {fp['hostname']} "
         f"({fp['cpus']} cpus), git {fp['git']}",
         f"# warmup {result['config']['warmup']}, iters {result['config']['iters']}; time = max over ranks; "
@@ -93,7 +95,7 @@ def format_table(result: dict) -> str:
             continue
         lines += [
             "#",
-            f"# {op} (busbw factor {bus_factor(op, result['world_size']):.4g})",
+            f"# {op} (busbw factor {bus_factor(op, g):.4g})",
             f"#{'':49} {'out-of-place':^32} {'in-place':^32}".rstrip(),
             f"#{'size':>12} {'count':>13} {'type':>8} {'redop':>6} {'root':>5} {'time':>9} {'algbw':>7} {'busbw':>7} "
             f"{'#wrong':>6} {'time':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6}",
@@ -122,6 +124,7 @@ def main(args: argparse.Namespace) -> int:
 
     cmd = BenchCommand(nproc=args.nproc, ops=None if args.ops is None else tuple(args.ops), sizes=args.sizes,
                        dtype=args.dtype, warmup=args.warmup, iters=args.iters, backend=args.backend,
+                       group_size=args.group_size,
                        no_check=args.no_check, ddp=args.ddp, bucket_cap_mb=args.bucket_cap_mb, timeout=args.timeout,
                        json=args.json)
     gpu = torch.cuda.is_available() and cmd.backend != "gloo"
@@ -131,8 +134,11 @@ def main(args: argparse.Namespace) -> int:
     sizes = parse_sizes(cmd.sizes or (GPU_SIZES if gpu else CPU_SIZES))
     if cmd.bucket_cap_mb <= 0:
         raise UsageError(f"--bucket-cap-mb must be positive, got {cmd.bucket_cap_mb}; DDP's default is 25")
+    if cmd.group_size is not None and (cmd.group_size < 1 or nproc % cmd.group_size):
+        raise UsageError(f"--group-size must divide -n {nproc} into groups, got {cmd.group_size}; e.g. --group-size "
+                         f"{max(1, nproc // 2)}")
     cfg = BenchConfig(ops=parse_ops(cmd.ops), sizes=tuple(sizes), dtype=parse_dtype(cmd.dtype), warmup=cmd.warmup,
-                      iters=cmd.iters, check=not cmd.no_check, backend=cmd.backend)
+                      iters=cmd.iters, check=not cmd.no_check, backend=cmd.backend, group=cmd.group_size)
     ddp = None
     if cmd.ddp:
         from .ddp import build_meta_model

@@ -106,6 +106,7 @@ class BenchConfig:
     iters: int = 20
     check: bool = True
     backend: str | None = None
+    group: int | None = None  # ranks per collective: consecutive groups of this many, every group at once (None: all)
 
     def __post_init__(self):
         # Normalise aliases ("allreduce", "bf16") so every later lookup sees one spelling.
@@ -118,6 +119,8 @@ class BenchConfig:
             raise UsageError(f"iters must be >= 1 and warmup >= 0, got iters={self.iters} warmup={self.warmup}")
         if not self.sizes:
             raise UsageError("no sizes to measure; use e.g. --sizes 8:256M")
+        if self.group is not None and self.group < 1:
+            raise UsageError(f"--group-size must be at least 1, got {self.group}")
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,9 @@ class BenchCommand:
     """timed iterations per size (default %(default)s, as nccl-tests)"""
     backend: str | None = BenchConfig.backend
     """default: nccl with GPUs, else gloo"""
+    group_size: int | None = None
+    """each collective among G consecutive ranks, every group of the -n at once, as a mesh dimension runs inside
+    a bigger job (default: all ranks in one)"""
     no_check: bool = False
     """skip the correctness check (#wrong shows N/A)"""
     ddp: str | None = None
