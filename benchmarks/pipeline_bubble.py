@@ -44,7 +44,7 @@ def _bench(dist, args):
     cfg = config("small", n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.block,
                  tie_embeddings=False)
     variants = {}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in args.schedules:
         for m in args.micro:
             torch.manual_seed(0)
             layout = mg.parallel.Layout(pp=dist.world_size, micro_batch=args.micro_batch, schedule=schedule)
@@ -87,12 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
     p.add_argument("--micro", default="4,8,16", help="micro-batches per step, comma-separated")
-    p.add_argument("--stages", type=int, default=2, help="pipeline stages = ranks")
+    p.add_argument("--stages", type=int, default=2, help="pipeline ranks (interleaved_1f1b: 2 stages each)")
+    p.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated: gpipe, 1f1b, interleaved_1f1b")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
     args.micro = [int(v) for v in args.micro.split(",")]
+    args.schedules = args.schedules.split(",")
     env = mg.fingerprint(None, world_size=args.stages, backend="gloo", threads_per_rank=1,
                          load_average_1min=round(os.getloadavg()[0], 2))
     results = spawn(_bench, args.stages, args, timeout=3600)

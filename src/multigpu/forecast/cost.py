@@ -11,7 +11,7 @@ Memory per GPU (bytes), on the stage that holds the most:
 - activations: the bytes autograd saves per token and block (``counts``) x tokens per micro-batch / (tp x cp)
   (cp cuts every saved tensor, tp all but the sub-layers' inputs and, without sequence parallelism, what the
   norms save: ``saved_under_tp``), for the blocks of the stage and the micro-batches in
-  flight (1; 1F1B p on the first stage, x (1 + (p-1)/(p v)) interleaved; GPipe m); full recompute keeps the
+  flight (1; 1F1B p on the first stage, x (1 + (p-1)/(p v)) interleaved, never above m; GPipe m); full recompute keeps the
   block input and one block's working set, selective the input, attention's outputs and every other matmul's
   output; the last stage adds the embedding output, the logits and the loss's float32 copy, twice: the
   backward starts by making their gradients while all of the above is still held;
@@ -162,7 +162,9 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     # Full recompute: one block's whole activations while it is recomputed, once (a micro-batch's backward at a time).
     transient = max(saved_under_tp(counts, i, t, sp) for i in range(L)) * tokens if run.recompute == "full" else 0.0
     interleaving = (1 + (p - 1) / (p * v)) if v > 1 else 1.0
-    in_flight = 1.0 if p == 1 else (m if layout.schedule == "gpipe" else min(p, m) * interleaving)
+    # Never more than the step's m micro-batches (the interleaved schedule's warm-up runs every forward first when
+    # m <= p: measured, 2 ranks x 2 stages, GPT, rank 0's saved activations: m = 2: 2.0 micro-batches, m = 4, 8: 2.5).
+    in_flight = 1.0 if p == 1 else (m if layout.schedule == "gpipe" else min(m, min(p, m) * interleaving))
     # What the head and loss saved, and at the backward's start their gradients of the same size (the logits'
     # float32 and 16-bit gradients). A compiled loss fuses the float32 upcast into its kernels: it saves the 16-bit
     # logits in place of their float32 log-probabilities, and its gradient comes out 16-bit.
