@@ -103,6 +103,7 @@ class Run:
     precision: str = "bf16"          # bf16 or fp8 (matmuls)
     async_tp: bool = False
     loss_parallel: bool = False      # the logits stay cut by vocabulary into the loss (torchtitan's); else gathered
+    fp8_all_gather: bool = False     # FSDP gathers the fp8 linears' weights in fp8 (torchao's float8 all-gather)
     compile_loss: bool = False       # the loss compiled too (torchtitan's since 2025): it saves the 16-bit logits,
                                      # not their float32 log-probabilities
 
@@ -131,6 +132,13 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     def dense_of(i: int) -> float:  # a block's parameters besides its experts that this tp rank holds
         return (counts.block_sharded[i] - experts[i]) / t + counts.block_params[i] - counts.block_sharded[i]
 
+    # Bytes of block i's weights as FSDP gathers them (``size`` of them on this rank): 16-bit, but for the linears'
+    # weight matrices in fp8 (1 byte) under torchao's float8 all-gather.
+    fp8_saving = width - 1.0 if run.fp8_all_gather else 0.0
+
+    def gathered_bytes(i: int, size: float) -> float:
+        return width * size - fp8_saving * (counts.block_sharded[i] - experts[i]) / t
+
     block_held = sum(dense_of(i) for i in blocks)
     experts_held = sum(experts[i] for i in blocks) / e
     first = counts.embed_params / t  # TP cuts the tables; a tied table's copy sits on the last stage too
@@ -141,6 +149,7 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     ef = f // (e // t if e > 1 else 1)  # efsdp: ep takes every tp rank and ep / tp of dp_shard (Layout.ep_dp)
     stored = dense / f + experts_held / ef  # the states' parameters per rank
     biggest = max((counts.block_params[i] - experts[i]) / t + experts[i] / e for i in range(L))
+    biggest_bytes = max(gathered_bytes(i, (counts.block_params[i] - experts[i]) / t + experts[i] / e) for i in range(L))
     memory = {"parameters": 4.0 * stored, "gradients": 4.0 * stored, "optimizer": 8.0 * stored}
     # A pipeline stage keeps its weights gathered and its gradients unsharded in float32 across the
     # micro-batches (PyTorch's pipelining turns FSDP's resharding and gradient sync off until the last).
@@ -149,7 +158,8 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     # Accumulating (m > 1) FSDP skips the reduce-scatter until the last micro-batch (mg.accumulate): every
     # block's unsharded float32 gradient is held meanwhile, not one block's at a time.
     grads = 4.0 * (held if m > 1 else biggest)
-    gathered = (width + 4.0) * held if p > 1 else width * 2 * biggest + width * (first + last) + grads
+    gathered = (4.0 * held + width * (held - block_held) + sum(gathered_bytes(i, dense_of(i)) for i in blocks)
+                if p > 1 else 2 * biggest_bytes + width * (first + last) + grads)
     # DDP's reducer keeps a float32 bucket copy of every gradient (PyTorch's default, no gradient_as_bucket_view).
     memory["buffers"] = gathered if shards > 1 else (4.0 * held if dp > 1 else 0.0)
     # Sequence parallelism cuts the block input full recompute keeps; without it that stays whole. The logits are
@@ -215,7 +225,7 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     inner = c * t
     # FSDP's units: each block's dense part (its experts a unit of their own, over efsdp) and the root
     # (tables, final norm, head: the stage's). Sizes repeat, so each size is costed once with its count.
-    units = Counter(dense_of(i) for i in blocks)
+    units = Counter((dense_of(i), gathered_bytes(i, dense_of(i))) for i in blocks)
     expert_units = Counter(experts[i] / e for i in blocks if experts[i])
     root = max(first, last) if p > 1 else first + last
     if shards > 1:
@@ -224,14 +234,14 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
         # experts' FSDP group, efsdp, is outside ep in the mesh, so it spans f x t as dp_shard does.
         g_block, g_root = (2 * m, m) if p == 1 else (1, 1)
         dp_s = coll("all_gather", width * root, f, f * t, g_root) + coll("reduce_scatter", 4.0 * root, f, f * t, 1)
-        for size, k in units.items():
-            dp_s += coll("all_gather", width * size, f, f * t, g_block * k) + coll("reduce_scatter", 4.0 * size, f, f * t, k)
+        for (size, nbytes), k in units.items():
+            dp_s += coll("all_gather", nbytes, f, f * t, g_block * k) + coll("reduce_scatter", 4.0 * size, f, f * t, k)
         for size, k in expert_units.items():
             dp_s += coll("all_gather", width * size, ef, f * t, g_block * k) + coll("reduce_scatter", 4.0 * size, ef, f * t, k)
         if layout.dp_replicate > 1:  # HSDP: each unit's shard all-reduced over the replicas
             r = layout.dp_replicate
             dp_s += coll("all_reduce", 4.0 * root / f, r, r * f * t, 1)
-            for size, k in units.items():
+            for (size, _), k in units.items():
                 dp_s += coll("all_reduce", 4.0 * size / f, r, r * f * t, k)
             for size, k in expert_units.items():
                 dp_s += coll("all_reduce", 4.0 * size / ef, r, r * f * t, k)
