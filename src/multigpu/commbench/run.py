@@ -52,6 +52,9 @@ def run_bench(cfg: BenchConfig, nproc: int = 2, ddp: DdpConfig | None = None,
     else:
         if nproc < 1:
             raise UsageError(f"-n must be at least 1, got {nproc}; e.g. -n 2")
+        if cfg.group is not None and nproc % cfg.group:
+            raise UsageError(f"--group-size must divide -n {nproc} into groups, got {cfg.group}; e.g. --group-size "
+                             f"{max(1, nproc // 2)}")
         ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if cfg.backend != "gloo" and ngpu and nproc > ngpu:
             raise UsageError(f"-n {nproc} needs {nproc} GPUs but {ngpu} are visible; use -n {ngpu} or --backend gloo")
@@ -80,9 +83,9 @@ def _cols(p: dict | None) -> str:
 def format_table(result: dict) -> str:
     """nccl-tests' layout: size, count, type, redop, root, then time/algbw/busbw/#wrong out of place and in place."""
     fp, g = result["fingerprint"], result.get("group_size", result["world_size"])
+    groups = f" in groups of {g}, every group at once" if g < result["world_size"] else ""
     lines = [
-        f"# multigpu bench: {result['world_size']} ranks" + (f" in groups of {g}, every group at once" if g < result['world_size']
-                                                             else "") + f", backend {result['backend']}, device {result['device']}",
+        f"# multigpu bench: {result['world_size']} ranks{groups}, backend {result['backend']}, device {result['device']}",
         f"# python {fp['python']}, torch {fp['torch']}, cuda {fp['cuda']}, nccl {fp['nccl']}, host {fp['hostname']} "
         f"({fp['cpus']} cpus), git {fp['git']}",
         f"# warmup {result['config']['warmup']}, iters {result['config']['iters']}; time = max over ranks; "
@@ -134,9 +137,6 @@ def main(args: argparse.Namespace) -> int:
     sizes = parse_sizes(cmd.sizes or (GPU_SIZES if gpu else CPU_SIZES))
     if cmd.bucket_cap_mb <= 0:
         raise UsageError(f"--bucket-cap-mb must be positive, got {cmd.bucket_cap_mb}; DDP's default is 25")
-    if cmd.group_size is not None and (cmd.group_size < 1 or nproc % cmd.group_size):
-        raise UsageError(f"--group-size must divide -n {nproc} into groups, got {cmd.group_size}; e.g. --group-size "
-                         f"{max(1, nproc // 2)}")
     cfg = BenchConfig(ops=parse_ops(cmd.ops), sizes=tuple(sizes), dtype=parse_dtype(cmd.dtype), warmup=cmd.warmup,
                       iters=cmd.iters, check=not cmd.no_check, backend=cmd.backend, group=cmd.group_size)
     ddp = None

@@ -111,7 +111,8 @@ def main(args) -> int:
           f"at {args.seq_len} tokens; {machine.gpus} x {machine.gpu.name} ({machine.gpu.hbm_bytes / GiB:.0f} GiB), "
           f"{machine.gpus_per_node} per node; global batch {run.global_batch} x {run.seq_len} tokens, {run.precision}"
           + (", compiled" if run.compile else "") + (", loss compiled" if run.compile_loss else "")
-          + (", fp8 all-gather" if run.fp8_all_gather else "") + (", parallel loss" if run.loss_parallel else ", logits gathered under tp"))
+          + (", fp8 all-gather" if run.fp8_all_gather else "")
+          + (", parallel loss" if run.loss_parallel else ", logits gathered under tp"))
     widths = [max(len(h), *(len(row(f)[i]) for f in ranked[:args.top])) for i, h in enumerate(HEADER)]
     for cells in [HEADER] + [row(f) for f in ranked[:args.top]]:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))))
@@ -124,8 +125,7 @@ def main(args) -> int:
     context = {"model": counts.name, "parameters": counts.params, "gpus": machine.gpus, "gpu": machine.gpu.name,
                "gpus_per_node": machine.gpus_per_node, "global_batch": run.global_batch, "seq_len": run.seq_len,
                "precision": run.precision, "fp8_all_gather": run.fp8_all_gather, "compile": run.compile,
-               "compile_loss": run.compile_loss,
-               "loss_parallel": run.loss_parallel}
+               "compile_loss": run.compile_loss, "loss_parallel": run.loss_parallel}
     try:
         html = write_all(out, f"Forecast: {counts.name} on {machine.gpus} x {machine.gpu.name}", ranked, left_out,
                          args.top, a, context, command)

@@ -4,17 +4,18 @@ Memory per GPU (bytes), on the stage that holds the most:
 - parameters, gradients, optimizer: fp32 weights, fp32 gradients and AdamW's two fp32 moments (4 + 4 + 8
   bytes per parameter, ZeRO's 16 with the 16-bit copy counted under buffers), of what tensor and pipeline
   parallelism leave the rank, divided over the ranks FSDP shards across (dp_shard x cp; DDP: 1);
-- buffers: the 16-bit weights FSDP gathers (two blocks in flight: the one computing and the prefetch; the
-  root unit, tables and head, for the whole step) and one block's unsharded float32 gradient (every block's
-  when micro-batches accumulate: the reduce-scatter waits for the last); a pipeline
-  stage keeps all its weights gathered and gradients unsharded; DDP's gradient buckets (a float32 copy);
+- buffers: the 16-bit weights FSDP gathers (the linears' in fp8 under ``Run.fp8_all_gather``; two blocks in
+  flight: the one computing and the prefetch; the root unit, tables and head, for the whole step) and one
+  block's unsharded float32 gradient (every block's when micro-batches accumulate: the reduce-scatter waits for
+  the last); a pipeline stage keeps all its weights gathered and gradients unsharded; DDP's gradient buckets (a
+  float32 copy);
 - activations: the bytes autograd saves per token and block (``counts``) x tokens per micro-batch / (tp x cp)
   (cp cuts every saved tensor, tp all but the sub-layers' inputs and, without sequence parallelism, what the
-  norms save: ``saved_under_tp``), for the blocks of the stage and the micro-batches in
-  flight (1; 1F1B p on the first stage, x (1 + (p-1)/(p v)) interleaved, never above m; GPipe m); full recompute keeps the
-  block input and one block's working set, selective the input, attention's outputs and every other matmul's
-  output; the last stage adds the embedding output, the logits and the loss's float32 copy, twice: the
-  backward starts by making their gradients while all of the above is still held;
+  norms save: ``saved_under_tp``), for the blocks of the stage and the micro-batches in flight (1; 1F1B p on
+  the first stage, x (1 + (p-1)/(p v)) interleaved, never above m; GPipe m); full recompute keeps the block
+  input and one block's working set, selective the input, attention's outputs and every other matmul's output;
+  the last stage adds the embedding output, the logits and the loss's float32 copy (a compiled loss: the 16-bit
+  logits), twice: the backward starts by making their gradients while all of the above is still held;
 - optimizer step: where the step's own peak tops the backward's (small activations): the states, DDP's
   buckets and foreach AdamW's float32 temporary of what it steps (4 bytes per parameter);
 - allocator: what PyTorch's caching allocator reserves beyond the live tensors (fragmentation), as a
@@ -26,7 +27,8 @@ dp_shard): each rank holds 1/ep of the experts, whole, their states sharded by F
 tp / ep; each tp rank routes its share (1/tp) of the tokens, the busiest rank ``expert_imbalance`` x the
 mean; the dispatch's all-to-all (the top-k rows out and back, twice again in the backward) is exposed.
 
-Step time: compute (FLOPs / (peak x achieved fraction)), recompute included, the pipeline's bubble; the
+Step time: compute (FLOPs / (peak x achieved fraction)), recompute included, the pipeline's bubble (where
+ranks share cores, ``Cluster.slowdown``, only what the critical path adds beyond every rank's work); the
 collectives by the alpha-beta model with nccl-tests' bus bandwidth of the link the group spans, exposed as
 ``Assumptions`` says (data-parallel traffic hidden under compute up to ``dp_overlap``, tensor-parallel not,
 cp's ring under attention); the optimizer step by HBM bandwidth; and, for a machine whose ``Overheads`` are
