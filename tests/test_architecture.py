@@ -17,15 +17,15 @@ MAX_LINES = 400
 
 # Every verb's flags. A new flag is a decision: add it here, and to the docs.
 FLAGS = {
-    "bench": ["--backend", "--bucket-cap-mb", "--ddp", "--dtype", "--iters", "--json", "--no-check", "--nproc",
-              "--ops", "--sizes", "--timeout", "--warmup", "-n"],
+    "bench": ["--backend", "--bucket-cap-mb", "--ddp", "--dtype", "--group-size", "--iters", "--json", "--no-check",
+              "--nproc", "--ops", "--sizes", "--timeout", "--warmup", "-n"],
     "ckpt": [],
     "ckpt export": ["<checkpoint>", "<out>"],
     "ckpt ls": ["<dir>"],
     "ckpt verify": ["<dir>"],
     "doctor": ["--backend", "--json", "--no-smoke", "--nproc", "--port", "--timeout", "-n"],
-    "forecast": ["--async-tp", "--async-tp-overlap", "--compile", "--dp-overlap", "--efficiency", "--expert-imbalance",
-                 "--loss-parallel",
+    "forecast": ["--async-tp", "--async-tp-overlap", "--compile", "--compile-loss", "--dp-overlap", "--efficiency",
+                 "--expert-imbalance", "--fp8-all-gather", "--loss-parallel",
                  "--global-batch", "--gpu",
                  "--gpus", "--gpus-per-node", "--hbm-gib", "--micro-batches", "--model", "--out", "--peak-tflops",
                  "--precision", "--runtime-gib", "--scale-out-gb-s", "--scale-up-gb-s", "--script", "--seq-len", "--top"],
