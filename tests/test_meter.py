@@ -444,6 +444,30 @@ def test_step_peak_is_the_highest_the_window_held_on_top_of_the_state():
     assert ddp_buckets(nn.Linear(4, 4)) == 0  # not DDP: no buckets
 
 
+def test_live_tensors_leave_out_fake_ones():
+    """A process that ran torch.compile keeps tensors with no memory alive in its caches (fake ones whose data
+    pointer raises: the whole suite in one process tripped on them); the scan of live tensors counts real storage
+    only."""
+    import torch.nn.functional as F
+
+    from multigpu.meter.footprint import live_tensor_bytes
+
+    def loss(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(0, 1))
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(1, 16, 50, dtype=torch.bfloat16, requires_grad=True)
+    torch.compile(loss)(x, torch.randint(0, 50, (1, 16))).backward()
+    with FakeTensorMode():
+        fake = torch.empty(2**20)  # its data pointer reads 0 (with a warning), not a raise
+    before = live_tensor_bytes(torch.device("cpu"))
+    del fake
+    assert live_tensor_bytes(torch.device("cpu")) == before
+    real = torch.empty(2**20)
+    assert live_tensor_bytes(torch.device("cpu")) - before == real.nbytes
+
+
 def test_a_launch_that_asks_gets_a_warm_up_steps_real_peak_in_the_summary(tmp_path, monkeypatch):
     """MULTIGPU_MEMORY_STEP=1 (`multigpu tune`'s runs of a script): the StepMeter takes step min(2, log_every - 1)'s
     real peak (every live tensor at its start, plus the most it allocated at once) into its summary; unasked, none."""

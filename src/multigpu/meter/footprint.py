@@ -152,10 +152,13 @@ def live_tensor_bytes(device: torch.device) -> int:
         for obj in gc.get_objects():
             try:
                 if isinstance(obj, torch.Tensor) and obj.device.type == device.type:
-                    found.append(obj)
+                    # A tensor with no memory (a fake one: torch.compile's caches keep some alive) has a null data
+                    # pointer, or one that raises.
+                    if _local(obj).untyped_storage().data_ptr():
+                        found.append(obj)
                 elif isinstance(obj, DistributedDataParallel):
                     buckets += ddp_buckets(obj)
-            except Exception:  # noqa: BLE001 - a half-built or exotic tensor subclass: not counted
+            except Exception:  # noqa: BLE001 - a half-built, fake or exotic tensor subclass: not counted
                 continue
     return _storage_bytes(found, set()) + buckets
 
