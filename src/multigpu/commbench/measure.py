@@ -122,10 +122,10 @@ def max_over_ranks(value: float, device, op=tdist.ReduceOp.MAX) -> float:
     return float(t.item())
 
 
-def supported(op: str, dtype, device, n: int, rank: int, place: dict) -> bool:
+def supported(op: str, dtype, device, n: int, rank: int, within: dict) -> bool:
     """Whether this backend runs ``op`` (gloo/mpi lack some); every rank gets the same answer."""
     try:
-        _Case(op, PLACES[op][0], n, rank, n, dtype, device, **place).call()
+        _Case(op, PLACES[op][0], n, rank, n, dtype, device, **within).call()
         _sync(device)
         return True
     except (RuntimeError, NotImplementedError, ValueError):
@@ -138,17 +138,17 @@ def measure(cfg: BenchConfig, device, rank: int, world: int) -> list[dict]:
     n = cfg.group or world
     if world % n:
         raise UsageError(f"--group-size {n} does not divide the {world} ranks into groups")
-    place = {}
+    within = {}  # this rank's group and its first rank (``_Case``'s), where groups split the world
     if n < world:  # every rank creates every group (new_group is collective over the world)
         groups = [tdist.new_group(list(range(s, s + n))) for s in range(0, world, n)]
-        place = {"group": groups[rank // n], "root": rank // n * n}
+        within = {"group": groups[rank // n], "root": rank // n * n}
     rank = rank % n
     short = dtype_name(cfg.dtype)
     dtype, type_name = DTYPES[short], NCCL_TYPE[short]
     elt = torch.empty(0, dtype=dtype).element_size()
     rows = []
     for op in cfg.ops:
-        if not supported(op, dtype, device, n, rank, place):
+        if not supported(op, dtype, device, n, rank, within):
             rows.append({"op": op, "unsupported": True})
             continue
         for size in cfg.sizes:
@@ -157,8 +157,8 @@ def measure(cfg: BenchConfig, device, rank: int, world: int) -> list[dict]:
             per_rank = count // n if op in SPLIT else count
             row = {"op": op, "size": count * elt, "count": per_rank, "type": type_name, "redop": REDOP.get(op, "none"),
                    "root": ROOT.get(op, -1), "out": None, "in": None}
-            for where in PLACES[op]:
-                case = _Case(op, where, count, rank, n, dtype, device, **place)
+            for place in PLACES[op]:
+                case = _Case(op, place, count, rank, n, dtype, device, **within)
                 case.call()
                 _sync(device)
                 wrong = case.wrong() if cfg.check else 0
@@ -167,7 +167,7 @@ def measure(cfg: BenchConfig, device, rank: int, world: int) -> list[dict]:
                 t = max_over_ranks(time_calls(case.call, cfg.iters, device), device)
                 wrong = int(max_over_ranks(float(wrong), device, tdist.ReduceOp.SUM)) if cfg.check else None
                 alg = algbw(row["size"], t)
-                row[where] = {"time_us": t * 1e6, "algbw": alg, "busbw": alg * bus_factor(op, n), "wrong": wrong}
+                row[place] = {"time_us": t * 1e6, "algbw": alg, "busbw": alg * bus_factor(op, n), "wrong": wrong}
                 del case
             rows.append(row)
     return rows

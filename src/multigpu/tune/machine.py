@@ -56,11 +56,12 @@ def count_recipe(model_cfg, precision: str = "fp32") -> Counts:
 
 
 def parts_of(report: dict) -> dict:
-    """The measured parts a tune run recorded in its tune.json, as ``measure_parts`` returned them (the
-    links read again from this machine's cache, where tune keeps them)."""
+    """The measured parts a tune run recorded in its tune.json (``probe_record``: the recipe's ``probe``, a
+    script's ``prediction``), as ``measure_parts`` returned them (the links read again from this machine's cache,
+    where tune keeps them)."""
     from .probe import links
 
-    probe, threads = report["probe"], report.get("threads_per_worker") or 1
+    probe, threads = report.get("probe") or report["prediction"], report.get("threads_per_worker") or 1
     measured, _ = links({int(n) for n in probe["links"]}, report["device"], threads, say=lambda _: None)
     return {"compute": {(int(k.removesuffix("+ac")), k.endswith("+ac")): v for k, v in probe["compute"].items()},
             "links": measured, "slowdown": probe["busy"]["slowdown"], "fixed": probe["fixed"],
@@ -125,8 +126,7 @@ def budget_of(cfg, device: str) -> tuple[int | None, str]:
 
 
 def measure_parts(subject, found: list[Layout], nproc: int, device: str, threads: int, say=print, *,
-                  workload: str, module: bool, recipe_args: tuple[str, ...] = (), root: Path | None = None,
-                  cpu: bool = True) -> dict:
+                  workload: str, module: bool, recipe_args: tuple[str, ...] = (), root: Path | None = None) -> dict:
     """The cost model's measured parts for ``found``: the micro-batches' compute of ``subject``'s model
     (``wrappers.Subject``), the links, the loop of ``workload`` (the recipe's module, or with ``module=False``
     a script's path) on one rank with ``recipe_args`` and the wrappers' fixed costs (one process), the
@@ -144,7 +144,7 @@ def measure_parts(subject, found: list[Layout], nproc: int, device: str, threads
     micro = min(c.micro_batch for c in found)
     say("multigpu tune: measuring the training loop on one rank and the wrappers' fixed costs on one process")
     # The user's model flags; the loop probe's --global-batch comes after theirs (the last one counts).
-    loop = probe.loop(workload, list(recipe_args), compute, micro, cpu, threads,
+    loop = probe.loop(workload, list(recipe_args), compute, micro, device == "cpu", threads,
                       root or Path(tempfile.mkdtemp(prefix="multigpu-tune-")), module=module)
     fixed_costs = wrappers.overheads(subject, micro, threads, acs=tuple(sorted({c.activation_checkpointing for c in found})))
     fixed = wrappers.plus_loop(fixed_costs, loop)
@@ -155,3 +155,11 @@ def measure_parts(subject, found: list[Layout], nproc: int, device: str, threads
             "loop": loop, "wrappers": fixed_costs, "fixed_s": fixed_s, "sync": busy["wait_s"], "idle": busy["idle_s"],
             "slowdown": busy["slowdown"],
             "busy": busy | {"measure_s": time.perf_counter() - t0}}
+
+
+def probe_record(parts: dict) -> dict:
+    """What a tune.json keeps of ``measure_parts``' parts (``parts_of`` reads it back): the compute per
+    micro-batch (keys "4", "4+ac"), where the links came from, the fixed costs, the busy step, each probe's time."""
+    return {"compute": {f"{m}{'+ac' if ac else ''}": v for (m, ac), v in parts["compute"].items()},
+            "probe_s": parts["probe_s"], "links": parts["sources"], "fixed": parts["fixed"], "loop": parts["loop"],
+            "wrappers": parts["wrappers"], "fixed_s": parts["fixed_s"], "busy": parts["busy"]}

@@ -144,7 +144,7 @@ def run_tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> tuple[Path,
     from .wrappers import gpt
 
     parts = machine.measure_parts(gpt(model_cfg), found, cfg.nproc, device, cfg.threads, say, workload=RECIPE,
-                                  module=True, recipe_args=cfg.args, root=out / "probe", cpu=cfg.cpu)
+                                  module=True, recipe_args=cfg.args, root=out / "probe")
     budget, budget_text = machine.budget_of(cfg, device)
     here = machine.measured_cluster(counts, parts, cfg.nproc, budget)
     rows = []
@@ -191,12 +191,7 @@ def _report(cfg, args, rows, chosen, left_out, budget, budget_text, parts, wall_
             "device": "cpu" if cfg.cpu else "cuda", "threads_per_worker": cfg.threads if cfg.cpu else None,
             "budget": budget_text, "steps": cfg.steps, "repeats": cfg.repeats, "top": cfg.top,
             "candidates": rows, "left_out": left_out, "winner": winner["candidate"] if winner else None, "command": cmd,
-            "verdict": verdict, "probe": {"compute": {f"{m}{'+ac' if ac else ''}": v
-                                                      for (m, ac), v in parts["compute"].items()},
-                                          "probe_s": parts["probe_s"], "links": parts["sources"],
-                                          "fixed": parts["fixed"], "loop": parts["loop"],
-                                          "wrappers": parts["wrappers"], "fixed_s": parts["fixed_s"],
-                                          "busy": parts["busy"]},
+            "verdict": verdict, "probe": machine.probe_record(parts),
             "prediction_error": rounds.errors(rows),
             "wall_s": wall_s}
 

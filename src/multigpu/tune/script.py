@@ -111,7 +111,7 @@ def run_script_tune(cfg, say: Callable[[str], None] = print) -> tuple[Path, dict
 
     check_script_args(cfg)
     t_start = time.perf_counter()
-    cfg, _ = rounds.device_of(cfg)
+    cfg, device = rounds.device_of(cfg)
     found = layouts(cfg.nproc, micro_batches=list(cfg.micro_batches) if cfg.micro_batches else None,
                     experts=cfg.experts, context=cfg.context)
     counted = _count(cfg) if cfg.model else None  # a model that does not load or count: one line, nothing written
@@ -129,7 +129,7 @@ def run_script_tune(cfg, say: Callable[[str], None] = print) -> tuple[Path, dict
         say(f"multigpu tune: {where}: {len(found)} layouts of {cfg.model}, each predicted (multigpu forecast's model, "
             f"this machine probed), {f'the {cfg.top} fastest' if cfg.top else 'every one'} that fit measured -> {out}")
     rows = [_row(layout) for layout in found]
-    predicted = _predict(cfg, *counted, batch, rows, out, say) if counted else None
+    predicted = _predict(cfg, device, *counted, batch, rows, out, say) if counted else None
     if predicted is not None:
         chosen = sorted((r for r in rows if r["fits"]), key=lambda r: r["predicted"]["step_time_s"])
         chosen = chosen if cfg.top == 0 else chosen[:cfg.top]
@@ -171,17 +171,15 @@ def _count(cfg) -> tuple:
     return build, count(build, cfg.seq_len, name=name, dtype=torch.float32)
 
 
-def _predict(cfg, build, counts, batch: int, rows: list[dict], out: Path, say) -> dict:
+def _predict(cfg, device: str, build, counts, batch: int, rows: list[dict], out: Path, say) -> dict:
     """Each row's prediction (``predicted``, ``fits``, ``pruned``) by forecast's model of the counted model on
     this machine, for the script's global ``batch``, as the recipe's tune predicts the GPT's (``machine.measure_parts``: the probes on the script's own
     model and loop); returns what the report keeps of the probe."""
     from . import machine, wrappers
 
-    device = "cpu" if cfg.cpu else "cuda"
     subject = wrappers.built(build, counts.vocab, cfg.seq_len)
     parts = machine.measure_parts(subject, [r["_l"] for r in rows], cfg.nproc, device, cfg.threads, say,
-                                  recipe_args=cfg.args, root=out / "probe", cpu=cfg.cpu, workload=cfg.workload,
-                                  module=False)
+                                  recipe_args=cfg.args, root=out / "probe", workload=cfg.workload, module=False)
     budget, budget_text = machine.budget_of(cfg, device)
     here = machine.measured_cluster(counts, parts, cfg.nproc, budget)
     for r in rows:
@@ -191,10 +189,7 @@ def _predict(cfg, build, counts, batch: int, rows: list[dict], out: Path, say) -
         r["predicted"], r["fits"] = p, p is not None and (budget is None or p["memory_bytes"] <= budget)
         r["pruned"] = refused or (None if r["fits"] else
                                   f"predicted {p['memory_bytes'] / 2**20:,.1f} MiB > budget {budget / 2**20:,.1f} MiB")
-    return {"model": counts.name, "global_batch": batch, "budget": budget_text,
-            "compute": {f"{m}{'+ac' if ac else ''}": v for (m, ac), v in parts["compute"].items()},
-            "links": parts["sources"], "fixed": parts["fixed"], "loop": parts["loop"], "wrappers": parts["wrappers"],
-            "busy": parts["busy"]}
+    return {"model": counts.name, "global_batch": batch, "budget": budget_text} | machine.probe_record(parts)
 
 
 def _refusal(layout, counts, seq_len: int, batch: int) -> str | None:
