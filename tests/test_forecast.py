@@ -103,6 +103,14 @@ def test_own_model_counted_and_refused_when_not_a_stack():
     saved, _ = _real_saved(lambda x: torch.nn.functional.cross_entropy(real(x).flatten(0, -2).float(), x.flatten()),
                            ids, params)
     assert (sum(c.block_saved) + c.other_saved) * 16 == saved  # no transformers path: exactly the real bytes
+    # The vocabulary is the logits' width, whatever makes them: here the token table through F.linear, no head.
+    def table_lm():
+        lm = tiny_lm()
+        del lm.head
+        lm.forward = lambda ids: torch.nn.functional.linear(lm.blocks[1](lm.blocks[0](lm.embed(ids))), lm.embed.weight)
+        return lm
+
+    assert count(table_lm, 16, dtype=torch.float32).vocab == 100
     from multigpu.errors import UsageError
 
     with pytest.raises(UsageError, match="no repeated blocks"):

@@ -267,6 +267,42 @@ def test_the_wrappers_fixed_costs_are_measured_on_the_model_itself_with_mg_paral
     assert set(got) == set(wrappers.FAMILIES) and all(v["micro_s"] >= 0 and v["step_s"] >= 0 for v in got.values())
 
 
+def test_a_scripts_layouts_the_model_cannot_take_are_refused_before_anything_is_probed():
+    """tune --model refuses a layout as the script's mg.parallelize would: tensor parallelism for a model that
+    declares no plan and has none to find (its own blocks of plain Linears) is refused with mg.parallelize's own
+    line, so tune neither predicts nor probes it (it used to stop the whole tune at the TP wrapper's probe)."""
+    import torch
+    from torch import nn
+
+    from multigpu.forecast.counts import count
+    from multigpu.tune.script import _refusal
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return x + self.fc(x)
+
+    class TableLM(nn.Module):  # the logits through the token table: no head, no TP plan
+        def __init__(self):
+            super().__init__()
+            self.embed, self.blocks = nn.Embedding(32, 16), nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            for b in self.blocks:
+                x = b(x)
+            return nn.functional.linear(x, self.embed.weight)
+
+    counts = count(TableLM, 8, dtype=torch.float32)
+    why = _refusal(TableLM, counts, 8, 8)
+    assert why(Layout(tp=2).resolve(2)).startswith("tensor parallelism (tp=2) found no plan for TableLM")
+    assert why(Layout(dp_shard=2).resolve(2)) is None and why(Layout(pp=2, micro_batch=4).resolve(2)) is None
+    assert why(Layout(pp=2, micro_batch=8).resolve(2)) == "1 micro-batches per step, fewer than 2 stages"
+
+
 @pytest.mark.slow
 def test_tune_predicts_a_scripts_layouts_from_its_model_and_measures_the_fastest_that_fit(tmp_path, monkeypatch):
     """`multigpu tune --model examples/hf_model.py:build_model --seq-len 64 examples/hf_model.py --global-batch 8`:

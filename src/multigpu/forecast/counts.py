@@ -23,6 +23,7 @@ bytes are also split by where tensor parallelism leaves them whole (``block_unsp
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -136,8 +137,7 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         tied = any(id(p) in tables for p in outputs)  # tied to the input table, the head adds no parameters
         head = sum(p.numel() for p in outputs if id(p) not in tables)
         total = sum(p.numel() for p in model.parameters())
-        vocab = max((p.shape[0] for p in outputs if p.dim() == 2), default=0)
-        tally = _Tally(params, _flop_counter(), vocab)
+        tally = _Tally(params, _flop_counter())
         per_block, inputs = [], []
         from ..parallel.auto import head_counts
         from ..parallel.experts import expert_modules
@@ -187,7 +187,7 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         ids = torch.zeros(1, seq_len, dtype=torch.long)
         try:
             with tally.flops, tally, torch.autograd.graph.saved_tensors_hooks(tally.pack, lambda t: t):
-                _loss(model, ids)
+                vocab = _loss(model, ids)
         except Exception as err:  # a forward that needs real values (data-dependent routing) cannot be faked
             raise UsageError(f"counting {name or type(model).__name__} on fake tensors failed: "
                              f"{type(err).__name__}: {' '.join(str(err).split())[:200]} (forecast needs a forward "
@@ -211,7 +211,7 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
                   max(inputs), col(2), col(3), col(4), tuple(s - i for s, i in zip(col(1), col(5))), col(6),
                   tally.heads, tied,
                   min((m.num_experts for m in moe), default=0), tuple(experts_in), tuple(expert_flops), tuple(routed),
-                  tuple(linears), vocab, kv_heads, tally.logits_f32 / n)
+                  tuple(linears), vocab, kv_heads, tally.f32_outside[vocab] / n)
 
 
 def _flop_counter():
@@ -237,15 +237,17 @@ def _flop_counter():
     return FlopCounterMode(display=False, custom_mapping={k: v for k, v in ops.items() if k is not None})
 
 
-def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def _loss(model: nn.Module, ids: torch.Tensor) -> int:
     """One forward with its loss: the model's own where its forward takes ``labels`` (transformers), else
-    cross-entropy on what it returns. Decided by the signature: a TypeError inside the forward must not
-    run it a second time (the block tallies would count twice)."""
+    cross-entropy on what it returns; returns the logits' width, the vocabulary (whatever makes them: an
+    ``nn.Linear`` head or the token table through ``F.linear``). Decided by the signature: a TypeError inside
+    the forward must not run it a second time (the block tallies would count twice)."""
     if "labels" in inspect.signature(model.forward).parameters:
-        return model(input_ids=ids, labels=ids, use_cache=False).loss
+        return model(input_ids=ids, labels=ids, use_cache=False).logits.shape[-1]
     logits = model(ids)
     logits = getattr(logits, "logits", logits)
-    return nn.functional.cross_entropy(logits.flatten(0, -2).float(), ids.flatten())
+    nn.functional.cross_entropy(logits.flatten(0, -2).float(), ids.flatten())  # its saved tensors are counted
+    return logits.shape[-1]
 
 
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
@@ -259,10 +261,12 @@ class _Tally(TorchDispatchMode):
     out: they are held anyway), what selective recompute keeps, attention's FLOPs and its K/V bytes, the saved
     bytes inside a sub-layer (``depth``: the sub-layer hooks' nesting) and the sub-layers' input bytes."""
 
-    def __init__(self, params: set, flops, vocab: int) -> None:
+    def __init__(self, params: set, flops) -> None:
         super().__init__()
-        self.params, self.seen, self.masks, self.flops, self.vocab = params, set(), set(), flops, vocab
-        self.saved = self.kept = self.attention = self.kv = self.inner = self.gathered = self.logits_f32 = 0.0
+        self.params, self.seen, self.masks, self.flops = params, set(), set(), flops
+        self.saved = self.kept = self.attention = self.kv = self.inner = self.gathered = 0.0
+        self.f32_outside: Counter = Counter()  # float32 bytes saved outside the blocks, by last dimension (the
+                                               # logits' width: the loss's float32 copy of them)
         self.matmuls = self.heads = self.depth = 0
         self.in_block = False
 
@@ -276,8 +280,8 @@ class _Tally(TorchDispatchMode):
             self.seen.add(key)
             self.saved += t.untyped_storage().nbytes()
             self.inner += t.untyped_storage().nbytes() if self.depth else 0.0
-            if not self.in_block and t.dtype == torch.float32 and self.vocab and t.shape[-1:] == (self.vocab,):
-                self.logits_f32 += t.untyped_storage().nbytes()  # the loss's float32 copy of the logits
+            if not self.in_block and t.dtype == torch.float32 and t.dim():
+                self.f32_outside[t.shape[-1]] += t.untyped_storage().nbytes()
         return t
 
     def _drop_mask(self, q: torch.Tensor, k: torch.Tensor, rest) -> None:

@@ -146,7 +146,8 @@ def measure_parts(subject, found: list[Layout], nproc: int, device: str, threads
     # The user's model flags; the loop probe's --global-batch comes after theirs (the last one counts).
     loop = probe.loop(workload, list(recipe_args), compute, micro, device == "cpu", threads,
                       root or Path(tempfile.mkdtemp(prefix="multigpu-tune-")), module=module)
-    fixed_costs = wrappers.overheads(subject, micro, threads, acs=tuple(sorted({c.activation_checkpointing for c in found})))
+    fixed_costs = wrappers.overheads(subject, micro, threads, acs=tuple(sorted({c.activation_checkpointing for c in found})),
+                                     families=tuple({family(s) for s in shapes}))  # those the candidates use
     fixed = wrappers.plus_loop(fixed_costs, loop)
     fixed_s = time.perf_counter() - t0
     t0 = time.perf_counter()

@@ -173,37 +173,58 @@ def _count(cfg) -> tuple:
 
 def _predict(cfg, device: str, build, counts, batch: int, rows: list[dict], out: Path, say) -> dict:
     """Each row's prediction (``predicted``, ``fits``, ``pruned``) by forecast's model of the counted model on
-    this machine, for the script's global ``batch``, as the recipe's tune predicts the GPT's (``machine.measure_parts``: the probes on the script's own
-    model and loop); returns what the report keeps of the probe."""
+    this machine, for the script's global ``batch``, as the recipe's tune predicts the GPT's
+    (``machine.measure_parts``: the probes on the script's own model and loop, for the layouts the script would
+    not refuse); returns what the report keeps of the probe."""
     from . import machine, wrappers
 
+    refusal = _refusal(build, counts, cfg.seq_len, batch)
+    resolved = [r["_l"].resolve(cfg.nproc) for r in rows]
+    for r, layout in zip(rows, resolved):
+        r["pruned"] = refusal(layout)
+    kept = [r["_l"] for r in rows if not r["pruned"]]
+    if not kept:
+        raise UsageError(f"the script would refuse every layout of {cfg.nproc} ranks for {counts.name} "
+                         f"({rows[0]['candidate']}: {rows[0]['pruned']}); change -n or the script's --global-batch")
     subject = wrappers.built(build, counts.vocab, cfg.seq_len)
-    parts = machine.measure_parts(subject, [r["_l"] for r in rows], cfg.nproc, device, cfg.threads, say,
+    parts = machine.measure_parts(subject, kept, cfg.nproc, device, cfg.threads, say,
                                   recipe_args=cfg.args, root=out / "probe", workload=cfg.workload, module=False)
     budget, budget_text = machine.budget_of(cfg, device)
     here = machine.measured_cluster(counts, parts, cfg.nproc, budget)
-    for r in rows:
-        layout = r["_l"].resolve(cfg.nproc)
-        refused = _refusal(layout, counts, cfg.seq_len, batch)
-        p = None if refused else machine.predict(layout, counts, here, parts, batch)
+    for r, layout in zip(rows, resolved):
+        p = None if r["pruned"] else machine.predict(layout, counts, here, parts, batch)
         r["predicted"], r["fits"] = p, p is not None and (budget is None or p["memory_bytes"] <= budget)
-        r["pruned"] = refused or (None if r["fits"] else
-                                  f"predicted {p['memory_bytes'] / 2**20:,.1f} MiB > budget {budget / 2**20:,.1f} MiB")
+        r["pruned"] = r["pruned"] or (None if r["fits"] else f"predicted {p['memory_bytes'] / 2**20:,.1f} MiB > "
+                                                             f"budget {budget / 2**20:,.1f} MiB")
     return {"model": counts.name, "global_batch": batch, "budget": budget_text} | machine.probe_record(parts)
 
 
-def _refusal(layout, counts, seq_len: int, batch: int) -> str | None:
-    """Why the script would refuse ``layout`` for the counted model, as ``mg.parallelize`` and the batch plan
-    refuse it (a TP degree its heads or vocabulary do not divide, more stages than blocks, a batch that does
-    not split), or None."""
+def _refusal(build, counts, seq_len: int, batch: int) -> Callable:
+    """Why the script would refuse a resolved layout for the counted model, as ``mg.parallelize`` and the batch
+    plan refuse it (a TP degree its heads or vocabulary do not divide, tensor parallelism for a model with no
+    plan it declares or that can be found, more stages than blocks, a batch that does not split), or None."""
+    import torch
+
+    from ..parallel import auto
+    from ..parallel.spread import tensor_parallel_plan
     from .space import pipeline_short
 
-    try:
-        layout.check_sizes(heads=counts.heads or None, kv_heads=counts.kv_heads or None, vocab=counts.vocab or None,
-                           seq=seq_len, blocks=counts.layers, tied=counts.tied, model=counts.name)
-        return pipeline_short(layout, batch)
-    except UsageError as err:
-        return str(err)
+    with torch.device("meta"):  # the model, to ask for its TP plan as mg.parallelize does (no memory)
+        model = build()
+    blocks = auto.block_modules(model, auto.blocks_of(model)[0])
+
+    def why(layout) -> str | None:
+        try:
+            layout.check_sizes(heads=counts.heads or None, kv_heads=counts.kv_heads or None,
+                               vocab=counts.vocab or None, seq=seq_len, blocks=counts.layers, tied=counts.tied,
+                               model=counts.name)
+            if layout.tp > 1:
+                tensor_parallel_plan(model, layout, blocks, None, derive_sequence_parallel=layout.pp == 1)
+            return pipeline_short(layout, batch)
+        except UsageError as err:
+            return str(err)
+
+    return why
 
 
 def _report(cfg, rows: list[dict], wall_s: float, predicted: dict | None = None) -> dict:

@@ -117,8 +117,10 @@ def plus_loop(costs: dict, loop: dict) -> dict:
             for k, v in costs.items()}
 
 
-def overheads(subject: Subject, micro_batch: int, threads: int, acs=(False, True), rounds: int = 7) -> dict:
-    """What each wrapper family adds, measured in this process over a process group of one rank.
+def overheads(subject: Subject, micro_batch: int, threads: int, acs=(False, True), rounds: int = 7,
+              families: tuple[str, ...] = FAMILIES) -> dict:
+    """What each wrapper family of ``families`` adds (beside the plain model, always timed: the baseline),
+    measured in this process over a process group of one rank.
 
     Per family and activation checkpointing: a training step (token count, the micro-batches under
     ``mg.accumulate``, ``mg.clip_grad_norm_``, AdamW, ``zero_grad``) is timed with 1 and 3 micro-batches of
@@ -146,7 +148,7 @@ def overheads(subject: Subject, micro_batch: int, threads: int, acs=(False, True
     warnings.simplefilter("ignore", UserWarning)
     try:
         batch = subject.batch(micro_batch)
-        keys = [(fam, ac) for fam in FAMILIES for ac in acs]
+        keys = [(fam, ac) for fam in FAMILIES if fam == "none" or fam in families for ac in acs]
         built = {}
         for key in keys:
             model = wrapped(subject, *key)
