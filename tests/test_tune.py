@@ -299,8 +299,45 @@ def test_a_scripts_layouts_the_model_cannot_take_are_refused_before_anything_is_
     counts = count(TableLM, 8, dtype=torch.float32)
     why = _refusal(TableLM, counts, 8, 8)
     assert why(Layout(tp=2).resolve(2)).startswith("tensor parallelism (tp=2) found no plan for TableLM")
-    assert why(Layout(dp_shard=2).resolve(2)) is None and why(Layout(pp=2, micro_batch=4).resolve(2)) is None
+    assert why(Layout(dp_shard=2).resolve(2)) is None
+    # A pipeline: mg.parallel.pipeline's own line (a ModuleList of blocks under a forward of its own: no cut).
+    assert why(Layout(pp=2, micro_batch=4).resolve(2)).startswith("a pipeline cuts a model into stages of blocks, "
+                                                                  "but TableLM has its repeated blocks (Block)")
+    assert counts.tied  # which is no refusal by itself: the pipeline keeps the table's copy on each stage using it
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=64, vocab_size=64, tie_word_embeddings=True)
+    tied = lambda: transformers.LlamaForCausalLM(cfg)  # noqa: E731
+    counts = count(tied, 8, dtype=torch.float32)
+    why = _refusal(tied, counts, 8, 8)
+    assert counts.tied and why(Layout(pp=2, micro_batch=4).resolve(2)) is None
     assert why(Layout(pp=2, micro_batch=8).resolve(2)) == "1 micro-batches per step, fewer than 2 stages"
+
+
+def test_a_world_where_the_script_refuses_every_layout_is_one_line_and_writes_nothing(tmp_path):
+    """2 ranks, a global batch of 1 and a model with one block and no TP plan: data parallelism cannot split the
+    batch, a pipeline has more stages than micro-batches, tensor parallelism finds no plan. One line naming the
+    first, before the out dir exists or anything is probed."""
+    from pathlib import Path
+
+    model = tmp_path / "onelm.py"
+    model.write_text(
+        "from torch import nn\n\n"
+        "class OneLM(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed, self.blocks = nn.Embedding(32, 16), nn.ModuleList([nn.Linear(16, 16)])\n\n"
+        "    def forward(self, ids):\n"
+        "        return nn.functional.linear(self.blocks[0](self.embed(ids)), self.embed.weight)\n\n"
+        "def build():\n"
+        "    return OneLM()\n")
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "hf_model.py")
+    out = tmp_path / "tune"
+    with pytest.raises(UsageError, match=r"^the script would refuse every layout of 2 ranks for build \(.*\); "
+                                         r"change -n or the script's --global-batch$"):
+        run_tune(TuneConfig(example, ("--global-batch", "1"), nproc=2, cpu=True, top=2, repeats=1, steps=6,
+                            out=str(out), model=f"{model}:build", seq_len=8), say=lambda line: None)
+    assert not out.exists()
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .cost import Assumptions
+    from .hardware import table
 
     d = Assumptions()
     add = parser.add_argument
@@ -28,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                        "a transformers config.json (or its folder), or module:function / file.py:function "
                                        "returning your nn.Module")
     add("--gpus", type=int, required=True, help="GPUs in the cluster")
-    add("--gpu", default="h100", help="GPU kind: h100, h100-pcie, h200, b200, a100-40gb, a100-80gb, mi300x (default %(default)s)")
+    add("--gpu", default="h100", help=f"GPU kind: {', '.join(table())} (default %(default)s)")
     add("--gpus-per-node", type=int, default=8, help="GPUs per node (default %(default)s)")
     add("--seq-len", type=int, default=4096, help="tokens per sequence (default %(default)s)")
     add("--global-batch", type=int, help="sequences per step (default: one per GPU)")

@@ -116,19 +116,22 @@ def run_script_tune(cfg, say: Callable[[str], None] = print) -> tuple[Path, dict
                     experts=cfg.experts, context=cfg.context)
     counted = _count(cfg) if cfg.model else None  # a model that does not load or count: one line, nothing written
     batch = global_batch(cfg.args) if cfg.model else None
+    if cfg.model:  # predicted: each micro-batch that splits a rank's share and checkpointing weighed, as for the recipe
+        found = [replace(layout, micro_batch=m, activation_checkpointing=ac) for layout in found
+                 for m in ([layout.micro_batch] if layout.micro_batch else splits(batch // layout.dp_size) or [1])
+                 for ac in (False, True)]
+    rows = [_row(layout) for layout in found]
+    if counted:  # what the script would refuse, before anything is written (all of it: one line)
+        _prune(cfg, *counted, batch, rows)
     out = rounds.out_dir(cfg)
     where = f"{cfg.workload} on {cfg.nproc} {'CPU workers' if cfg.cpu else 'GPUs'}"
     if not cfg.model:
         say(f"multigpu tune: {where}: {len(found)} layouts, each measured for {cfg.steps} steps (with activation "
             f"checkpointing where one runs out of memory without), then {f'the {cfg.top} fastest' if cfg.top else 'every one'} "
             f"in {cfg.repeats - 1} more round(s) -> {out}")
-    else:  # predicted: each micro-batch that splits a rank's share and checkpointing weighed, as for the recipe
-        found = [replace(layout, micro_batch=m, activation_checkpointing=ac) for layout in found
-                 for m in ([layout.micro_batch] if layout.micro_batch else splits(batch // layout.dp_size) or [1])
-                 for ac in (False, True)]
+    else:
         say(f"multigpu tune: {where}: {len(found)} layouts of {cfg.model}, each predicted (multigpu forecast's model, "
             f"this machine probed), {f'the {cfg.top} fastest' if cfg.top else 'every one'} that fit measured -> {out}")
-    rows = [_row(layout) for layout in found]
     predicted = _predict(cfg, device, *counted, batch, rows, out, say) if counted else None
     if predicted is not None:
         chosen = sorted((r for r in rows if r["fits"]), key=lambda r: r["predicted"]["step_time_s"])
@@ -171,21 +174,26 @@ def _count(cfg) -> tuple:
     return build, count(build, cfg.seq_len, name=name, dtype=torch.float32)
 
 
+def _prune(cfg, build, counts, batch: int, rows: list[dict]) -> None:
+    """Each row's ``pruned``: why the script would refuse its layout (``_refusal``), or None; a world where it
+    refuses every one is one line."""
+    refusal = _refusal(build, counts, cfg.seq_len, batch)
+    for r in rows:
+        r["pruned"] = refusal(r["_l"].resolve(cfg.nproc))
+    if all(r["pruned"] for r in rows):
+        raise UsageError(f"the script would refuse every layout of {cfg.nproc} ranks for {counts.name} "
+                         f"({rows[0]['candidate']}: {rows[0]['pruned']}); change -n or the script's --global-batch")
+
+
 def _predict(cfg, device: str, build, counts, batch: int, rows: list[dict], out: Path, say) -> dict:
     """Each row's prediction (``predicted``, ``fits``, ``pruned``) by forecast's model of the counted model on
     this machine, for the script's global ``batch``, as the recipe's tune predicts the GPT's
-    (``machine.measure_parts``: the probes on the script's own model and loop, for the layouts the script would
-    not refuse); returns what the report keeps of the probe."""
+    (``machine.measure_parts``: the probes on the script's own model and loop, for the layouts ``_prune`` kept);
+    returns what the report keeps of the probe."""
     from . import machine, wrappers
 
-    refusal = _refusal(build, counts, cfg.seq_len, batch)
     resolved = [r["_l"].resolve(cfg.nproc) for r in rows]
-    for r, layout in zip(rows, resolved):
-        r["pruned"] = refusal(layout)
     kept = [r["_l"] for r in rows if not r["pruned"]]
-    if not kept:
-        raise UsageError(f"the script would refuse every layout of {cfg.nproc} ranks for {counts.name} "
-                         f"({rows[0]['candidate']}: {rows[0]['pruned']}); change -n or the script's --global-batch")
     subject = wrappers.built(build, counts.vocab, cfg.seq_len)
     parts = machine.measure_parts(subject, kept, cfg.nproc, device, cfg.threads, say,
                                   recipe_args=cfg.args, root=out / "probe", workload=cfg.workload, module=False)
@@ -200,13 +208,16 @@ def _predict(cfg, device: str, build, counts, batch: int, rows: list[dict], out:
 
 
 def _refusal(build, counts, seq_len: int, batch: int) -> Callable:
-    """Why the script would refuse a resolved layout for the counted model, as ``mg.parallelize`` and the batch
-    plan refuse it (a TP degree its heads or vocabulary do not divide, tensor parallelism for a model with no
-    plan it declares or that can be found, more stages than blocks, a batch that does not split), or None."""
+    """Why the script would refuse a resolved layout for the counted model, as ``mg.parallelize``,
+    ``mg.parallel.pipeline`` and the batch plan refuse it (a TP degree its heads or vocabulary do not divide,
+    tensor parallelism for a model with no plan it declares or that can be found, more stages than blocks, a
+    model the pipeline cannot cut, a batch that does not split), or None. A tied head is no refusal: the
+    pipeline keeps a copy of the table on each stage that uses it."""
     import torch
 
     from ..parallel import auto
     from ..parallel.spread import tensor_parallel_plan
+    from ..parallel.stages import split
     from .space import pipeline_short
 
     with torch.device("meta"):  # the model, to ask for its TP plan as mg.parallelize does (no memory)
@@ -216,10 +227,11 @@ def _refusal(build, counts, seq_len: int, batch: int) -> Callable:
     def why(layout) -> str | None:
         try:
             layout.check_sizes(heads=counts.heads or None, kv_heads=counts.kv_heads or None,
-                               vocab=counts.vocab or None, seq=seq_len, blocks=counts.layers, tied=counts.tied,
-                               model=counts.name)
+                               vocab=counts.vocab or None, seq=seq_len, blocks=counts.layers, model=counts.name)
             if layout.tp > 1:
                 tensor_parallel_plan(model, layout, blocks, None, derive_sequence_parallel=layout.pp == 1)
+            if layout.pp > 1:
+                split(model, layout, layout.stages)  # on the meta model: its cut and probe allocate nothing
             return pipeline_short(layout, batch)
         except UsageError as err:
             return str(err)
