@@ -220,6 +220,24 @@ def test_fp8_all_gather_gathers_the_linears_in_one_byte():
     assert dp[0] - dp[1] == pytest.approx(per_byte * 6 * c.block_sharded[0] * 2, rel=1e-6)  # 6 blocks, fwd + bwd
 
 
+def test_tp_gathers_again_under_selective_recompute_and_in_one_byte_under_fp8():
+    """torchtitan's op-level selective recompute saves the reduce-scatters' outputs and not the all-gathers': each
+    sub-layer's input is gathered again (2 a block, a micro-batch). torchao's float8 TP (torchtitan's with
+    tensorwise fp8) gathers those inputs in 1 byte an element; the head's input, not fp8, stays 16-bit."""
+    c = _counts(6)
+    machine, a = cluster("h100", 2), Assumptions()
+    layout = Degrees(1, 1, 2, 1, 1, 2)  # TP 2 with sequence parallelism, micro-batch 2: 2 micro-batches of 4
+
+    def tp(recompute: str, fp8_gather: bool = False) -> float:
+        run = Run(4, 64, recompute, precision="fp8" if fp8_gather else "bf16", fp8_tp_gather=fp8_gather)
+        return predict(c, machine, layout, run, a)["time"]["tensor-parallel collectives"]
+
+    act, m, blocks = 2 * 64 * c.block_input, 2, 6  # a micro-batch's hidden states, in bytes
+    per_byte = machine.collective_s("all_gather", 2, 2, 1.0)
+    assert tp("selective") - tp("none") == pytest.approx(per_byte * act * m * 2 * blocks, rel=1e-9)
+    assert tp("none") - tp("none", True) == pytest.approx(per_byte * act / 2 * m * 4 * blocks, rel=1e-9)
+
+
 def test_model_states_follow_zero():
     c = _counts()
     machine, run, a = cluster("h100", 8), Run(16, 64), Assumptions()
@@ -402,10 +420,10 @@ def test_held_out_error_is_what_the_docs_say():
     result = published.check()
     held = result["held_out"]
     assert held["tokens_rows"] >= 45 and held["memory_rows"] >= 14
-    # Measured: speed within 25 % on 36 of 47 rows (median 14.8 %), memory within 15 % on 14 of 17 (median
+    # Measured: speed within 25 % on 36 of 47 rows (median 13.3 %), memory within 15 % on 14 of 17 (median
     # 5.5 %, worst 22.6 %), layout pairs 13 of 13. A planted bug (FSDP gathering f x the weights) drops speed to 34 % of
     # rows (median 31 %); the recomputed block counted per micro-batch in flight, memory to 9 of 17 (median 13 %).
-    assert held["tokens_within_25"] >= 0.76 and held["tokens_median"] < 0.15, held
+    assert held["tokens_within_25"] >= 0.76 and held["tokens_median"] < 0.14, held
     assert held["memory_within_15"] >= 0.8 and held["memory_median"] < 0.08 and held["memory_worst"] < 0.25, held
     assert result["pairs"]["count"] >= 10 and result["pairs"]["share"] >= 0.9, result["pairs"]
 
@@ -451,6 +469,7 @@ def test_too_big_is_predicted_not_to_fit(tmp_path, capsys):
     (["--model", "llama3-8b", "--gpus", "8", "--out", "{file}"], "is a file; give a folder"),
     (["--model", "llama3-8b", "--gpus", "8", "--expert-imbalance", "0.5"], "at least 1, got 0.5"),
     (["--model", "llama3-8b", "--gpus", "8", "--fp8-all-gather"], "add --precision fp8"),
+    (["--model", "llama3-8b", "--gpus", "8", "--fp8-tp-all-gather"], "add --precision fp8"),
 ])
 def test_bad_input_is_one_line(argv, says, tmp_path, capsys):
     pytest.importorskip("transformers")

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--fp8-all-gather", action="store_true",
         help="with --precision fp8: FSDP gathers the linears' weights in fp8 (torchao's enable_fsdp_float8_all_gather), "
              "1 byte each in flight and, in a pipeline stage, held")
+    add("--fp8-tp-all-gather", action="store_true",
+        help="with --precision fp8: tensor parallelism gathers the sub-layers' inputs in fp8 (torchao's "
+             "Float8ColwiseParallel, as torchtitan runs tensorwise fp8 under tp)")
     add("--compile-loss", action="store_true",
         help="torch.compile the loss too (torchtitan's with --compile since 2025): it saves the 16-bit logits, not "
              "their float32 log-probabilities")
@@ -82,9 +85,10 @@ def main(args) -> int:
         zero_ok = flag != "--efficiency"  # an overlap may be none; an efficiency of 0 would compute nothing
         if value is not None and not (0 <= value <= 1 and (zero_ok or value > 0)):
             raise UsageError(f"{flag} is a fraction between 0 and 1, got {value}")
-    if args.fp8_all_gather and args.precision != "fp8":
-        raise UsageError(f"--fp8-all-gather gathers fp8 weights, which --precision {args.precision} has none of; add "
-                         "--precision fp8 or leave --fp8-all-gather out")
+    for flag, on in (("--fp8-all-gather", args.fp8_all_gather), ("--fp8-tp-all-gather", args.fp8_tp_all_gather)):
+        if on and args.precision != "fp8":
+            raise UsageError(f"{flag} gathers in fp8, which --precision {args.precision} has nothing in; add "
+                             f"--precision fp8 or leave {flag} out")
     if args.runtime_gib < 0:
         raise UsageError(f"--runtime-gib must be at least 0, got {args.runtime_gib}")
     if not args.expert_imbalance >= 1:
@@ -102,7 +106,7 @@ def main(args) -> int:
                             runtime_gib=args.runtime_gib, expert_imbalance=args.expert_imbalance, **({"efficiency": args.efficiency} if args.efficiency is not None else {}))
     run = Run(args.global_batch or args.gpus, args.seq_len, compile=args.compile, precision=args.precision,
               async_tp=args.async_tp, loss_parallel=args.loss_parallel, compile_loss=args.compile_loss,
-              fp8_all_gather=args.fp8_all_gather)
+              fp8_all_gather=args.fp8_all_gather, fp8_tp_gather=args.fp8_tp_all_gather)
     counts = counted(args.model, args.seq_len)
     ranked, left_out = plan(counts, machine, run, a, micro_batches=tuple(micro))
     best = ranked[0]
@@ -112,7 +116,7 @@ def main(args) -> int:
           f"at {args.seq_len} tokens; {machine.gpus} x {machine.gpu.name} ({machine.gpu.hbm_bytes / GiB:.0f} GiB), "
           f"{machine.gpus_per_node} per node; global batch {run.global_batch} x {run.seq_len} tokens, {run.precision}"
           + (", compiled" if run.compile else "") + (", loss compiled" if run.compile_loss else "")
-          + (", fp8 all-gather" if run.fp8_all_gather else "")
+          + (", fp8 all-gather" if run.fp8_all_gather else "") + (", fp8 TP gathers" if run.fp8_tp_gather else "")
           + (", parallel loss" if run.loss_parallel else ", logits gathered under tp"))
     widths = [max(len(h), *(len(row(f)[i]) for f in ranked[:args.top])) for i, h in enumerate(HEADER)]
     for cells in [HEADER] + [row(f) for f in ranked[:args.top]]:
@@ -125,7 +129,8 @@ def main(args) -> int:
           "a smaller micro-batch")
     context = {"model": counts.name, "parameters": counts.params, "gpus": machine.gpus, "gpu": machine.gpu.name,
                "gpus_per_node": machine.gpus_per_node, "global_batch": run.global_batch, "seq_len": run.seq_len,
-               "precision": run.precision, "fp8_all_gather": run.fp8_all_gather, "compile": run.compile,
+               "precision": run.precision, "fp8_all_gather": run.fp8_all_gather,
+               "fp8_tp_gather": run.fp8_tp_gather, "compile": run.compile,
                "compile_loss": run.compile_loss, "loss_parallel": run.loss_parallel}
     try:
         html = write_all(out, f"Forecast: {counts.name} on {machine.gpus} x {machine.gpu.name}", ranked, left_out,

@@ -54,7 +54,7 @@ def forecast(row: dict, a: Assumptions) -> dict:
                      row["schedule"])
     run = Run(row["global_batch"], row["seq_len"], row["recompute"], row["compile"], row["precision"], row["async_tp"],
               loss_parallel=True, compile_loss=row.get("compile_loss", False),  # torchtitan's and Megatron's
-              fp8_all_gather=row.get("fp8_all_gather", False))
+              fp8_all_gather=row.get("fp8_all_gather", False), fp8_tp_gather=row.get("fp8_tp_gather", False))
     machine = cluster(row["gpu"], row["gpus"], row["gpus_per_node"], hbm_gib=row.get("hbm_gb"))
     return predict(counted(row["model"], row["seq_len"]), machine, layout, run, a)
 
