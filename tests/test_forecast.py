@@ -114,6 +114,15 @@ def test_own_model_counted_and_refused_when_not_a_stack():
     assert tied.vocab == 100 and tied.head_params == 0 and tied.embed_params == 100 * 32
     # ... and it is tied: a pipeline's last stage holds the table's copy (as for a head module holding the table).
     assert tied.tied and not c.tied
+
+    def table_head_lm():  # an untied head kept as a table of its own, applied through F.linear: not tied
+        lm = tiny_lm()
+        del lm.head
+        lm.out = torch.nn.Embedding(100, 32)
+        lm.forward = lambda ids: torch.nn.functional.linear(lm.blocks[1](lm.blocks[0](lm.embed(ids))), lm.out.weight)
+        return lm
+
+    assert not count(table_head_lm, 16, dtype=torch.float32).tied
     got = predict(tied, cluster("h100", 2), Degrees(1, 1, 1, 2, 1, 1), Run(2, 16), Assumptions())
     assert got["memory"]["parameters"] == pytest.approx(4.0 * (max(tied.block_params) + 100 * 32 + tied.other_params))
     from multigpu.errors import UsageError
@@ -229,7 +238,7 @@ def test_tp_gathers_again_under_selective_recompute_and_in_one_byte_under_fp8():
     layout = Degrees(1, 1, 2, 1, 1, 2)  # TP 2 with sequence parallelism, micro-batch 2: 2 micro-batches of 4
 
     def tp(recompute: str, fp8_gather: bool = False) -> float:
-        run = Run(4, 64, recompute, precision="fp8" if fp8_gather else "bf16", fp8_tp_gather=fp8_gather)
+        run = Run(4, 64, recompute, precision="fp8" if fp8_gather else "bf16", fp8_tp_all_gather=fp8_gather)
         return predict(c, machine, layout, run, a)["time"]["tensor-parallel collectives"]
 
     act, m, blocks = 2 * 64 * c.block_input, 2, 6  # a micro-batch's hidden states, in bytes

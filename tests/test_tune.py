@@ -311,6 +311,10 @@ def test_a_scripts_layouts_the_model_cannot_take_are_refused_before_anything_is_
     counts = count(tied, 8, dtype=torch.float32)
     why = _refusal(tied, counts, 8, 8)
     assert counts.tied and why(Layout(pp=2, micro_batch=4).resolve(2)) is None
+    # A model whose forward runs on the meta device too: the cut is asked, the probe (values to compare) is not.
+    mamba = transformers.MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=4)
+    build = lambda: transformers.MambaForCausalLM(mamba)  # noqa: E731
+    assert _refusal(build, count(build, 8, dtype=torch.float32), 8, 8)(Layout(pp=2, micro_batch=4).resolve(2)) is None
     assert why(Layout(pp=2, micro_batch=8).resolve(2)) == "1 micro-batches per step, fewer than 2 stages"
 
 

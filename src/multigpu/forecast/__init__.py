@@ -39,8 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --precision fp8: FSDP gathers the linears' weights in fp8 (torchao's enable_fsdp_float8_all_gather), "
              "1 byte each in flight and, in a pipeline stage, held")
     add("--fp8-tp-all-gather", action="store_true",
-        help="with --precision fp8: tensor parallelism gathers the sub-layers' inputs in fp8 (torchao's "
-             "Float8ColwiseParallel, as torchtitan runs tensorwise fp8 under tp)")
+        help="with --precision fp8: tensor parallelism with sequence parallelism gathers the sub-layers' inputs in "
+             "fp8 (torchao's Float8ColwiseParallel, as torchtitan runs tensorwise fp8 under tp)")
     add("--compile-loss", action="store_true",
         help="torch.compile the loss too (torchtitan's with --compile since 2025): it saves the 16-bit logits, not "
              "their float32 log-probabilities")
@@ -106,7 +106,7 @@ def main(args) -> int:
                             runtime_gib=args.runtime_gib, expert_imbalance=args.expert_imbalance, **({"efficiency": args.efficiency} if args.efficiency is not None else {}))
     run = Run(args.global_batch or args.gpus, args.seq_len, compile=args.compile, precision=args.precision,
               async_tp=args.async_tp, loss_parallel=args.loss_parallel, compile_loss=args.compile_loss,
-              fp8_all_gather=args.fp8_all_gather, fp8_tp_gather=args.fp8_tp_all_gather)
+              fp8_all_gather=args.fp8_all_gather, fp8_tp_all_gather=args.fp8_tp_all_gather)
     counts = counted(args.model, args.seq_len)
     ranked, left_out = plan(counts, machine, run, a, micro_batches=tuple(micro))
     best = ranked[0]
@@ -116,7 +116,7 @@ def main(args) -> int:
           f"at {args.seq_len} tokens; {machine.gpus} x {machine.gpu.name} ({machine.gpu.hbm_bytes / GiB:.0f} GiB), "
           f"{machine.gpus_per_node} per node; global batch {run.global_batch} x {run.seq_len} tokens, {run.precision}"
           + (", compiled" if run.compile else "") + (", loss compiled" if run.compile_loss else "")
-          + (", fp8 all-gather" if run.fp8_all_gather else "") + (", fp8 TP gathers" if run.fp8_tp_gather else "")
+          + (", fp8 all-gather" if run.fp8_all_gather else "") + (", fp8 TP gathers" if run.fp8_tp_all_gather else "")
           + (", parallel loss" if run.loss_parallel else ", logits gathered under tp"))
     widths = [max(len(h), *(len(row(f)[i]) for f in ranked[:args.top])) for i, h in enumerate(HEADER)]
     for cells in [HEADER] + [row(f) for f in ranked[:args.top]]:
@@ -130,7 +130,7 @@ def main(args) -> int:
     context = {"model": counts.name, "parameters": counts.params, "gpus": machine.gpus, "gpu": machine.gpu.name,
                "gpus_per_node": machine.gpus_per_node, "global_batch": run.global_batch, "seq_len": run.seq_len,
                "precision": run.precision, "fp8_all_gather": run.fp8_all_gather,
-               "fp8_tp_gather": run.fp8_tp_gather, "compile": run.compile,
+               "fp8_tp_all_gather": run.fp8_tp_all_gather, "compile": run.compile,
                "compile_loss": run.compile_loss, "loss_parallel": run.loss_parallel}
     try:
         html = write_all(out, f"Forecast: {counts.name} on {machine.gpus} x {machine.gpu.name}", ranked, left_out,

@@ -108,7 +108,7 @@ class Run:
     fp8_all_gather: bool = False     # FSDP gathers the fp8 linears' weights in fp8 (torchao's float8 all-gather)
     compile_loss: bool = False       # the loss compiled too (torchtitan's since 2025): it saves the 16-bit logits,
                                      # not their float32 log-probabilities
-    fp8_tp_gather: bool = False      # under tp with sequence parallelism the sub-layers' inputs are gathered in fp8
+    fp8_tp_all_gather: bool = False      # under tp with sequence parallelism the sub-layers' inputs are gathered in fp8
                                      # (torchao's Float8ColwiseParallel, PrepareFloat8ModuleInput: torchtitan's with
                                      # tensorwise fp8)
 
@@ -321,10 +321,11 @@ def tp_collectives(counts: Counts, layout, blocks, tokens: float, m: int, run: R
     micro-batch's hidden states (``coll(op, bytes, n, span, calls)``). With sequence parallelism, per sub-layer
     an all-gather in and a reduce-scatter out, mirrored in the backward; without, an all-reduce after each
     row-wise linear (one per sub-layer) and, in the backward, one of each column-wise linear's input gradient
-    (q, k and v each one); under fp8 TP gathers (``Run.fp8_tp_gather``) the sub-layers' gathers carry 1 byte an
+    (q, k and v each one); under fp8 TP gathers (``Run.fp8_tp_all_gather``) the sub-layers' gathers carry 1 byte an
     element. Full recompute runs the forward's again; selective (torchtitan's op policy, which
     saves the reduce-scatters' outputs and not the all-gathers') gathers each sub-layer's input again, for the
-    recomputed matmuls and the weight gradients that read it. The token table's output is reduced, the
+    recomputed matmuls and the weight gradients that read it (without sequence parallelism, what that policy
+    runs again of the all-reduces is not counted: torchtitan runs TP with it). The token table's output is reduced, the
     head's input gathered (SP) or its gradient reduced, and the logits gathered unless the loss is parallel.
     With a pipeline the stage counted is the last (the head's)."""
     t, p, full = layout.tp, layout.pp, run.recompute == "full"
@@ -334,7 +335,7 @@ def tp_collectives(counts: Counts, layout, blocks, tokens: float, m: int, run: R
         each = 2 * (fwd + 1) * len(blocks)  # all-gathers, as many reduce-scatters
         again = 2 * len(blocks) if run.recompute == "selective" else 0  # selective: the inputs re-gathered
         # The sub-layers' inputs 1 byte an element under fp8 TP gathers; the head's input (not fp8) 16-bit.
-        gather = act / counts.dtype_bytes if run.fp8_tp_gather else act
+        gather = act / counts.dtype_bytes if run.fp8_tp_all_gather else act
         s = coll("all_gather", gather, t, t, m * (each + again)) + coll("all_gather", act, t, t, m) \
             + coll("reduce_scatter", act, t, t, m * (each + 1))
         if p == 1:

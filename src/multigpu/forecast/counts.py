@@ -134,8 +134,8 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         out = getattr(model, "get_output_embeddings", lambda: None)()
         outputs = list(out.parameters()) if out is not None else [  # a user's model: linears outside the blocks
             p for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False) if id(p) not in inside]
-        # Tied to the input table (a head module holding it, or the table read by a matmul after the blocks, as
-        # an F.linear head does): the head adds no parameters, a pipeline's last stage holds the table's copy.
+        # Tied to the input table (a head module holding it, or a looked-up table read by a matmul after the
+        # blocks, as an F.linear head does): the head adds no parameters, a pipeline's last stage holds its copy.
         tied = any(id(p) in tables for p in outputs)
         head = sum(p.numel() for p in outputs if id(p) not in tables)
         total = sum(p.numel() for p in model.parameters())
@@ -198,7 +198,7 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         finally:
             for h in handles:
                 h.remove()
-    tied = tied or any(p.untyped_storage()._cdata in tally.head_operands for p in tables.values())
+    tied = tied or bool(tally.head_operands & tally.lookups)  # a table looked up, and read by the head's matmul
     if sum(experts_in) != sum(p.numel() for m in moe for p in m.parameters()):
         raise UsageError(f"{name or type(model).__name__}: some of its experts modules lie outside its repeated "
                          "blocks; forecast spreads experts that sit in the blocks")
@@ -272,6 +272,7 @@ class _Tally(TorchDispatchMode):
                                                # logits' width: the loss's float32 copy of them)
         self.head_operands: set = set()  # storages the matmuls outside the blocks read (a head through F.linear
                                          # on the token table reads the table's)
+        self.lookups: set = set()  # storages embedding lookups read (the input tables)
         self.matmuls = self.heads = self.depth = 0
         self.in_block = False
 
@@ -312,6 +313,8 @@ class _Tally(TorchDispatchMode):
                 self.head_operands.update(a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor))
             if self.matmuls % 2:  # torchtitan's op-level policy recomputes every second matmul
                 self.kept += out.numel() * out.element_size()
+        elif name == "embedding":
+            self.lookups.add(args[0].untyped_storage()._cdata)
         elif name in _ATTENTION:
             from torch.utils.flop_counter import sdpa_flop_count
 

@@ -54,7 +54,7 @@ def forecast(row: dict, a: Assumptions) -> dict:
                      row["schedule"])
     run = Run(row["global_batch"], row["seq_len"], row["recompute"], row["compile"], row["precision"], row["async_tp"],
               loss_parallel=True, compile_loss=row.get("compile_loss", False),  # torchtitan's and Megatron's
-              fp8_all_gather=row.get("fp8_all_gather", False), fp8_tp_gather=row.get("fp8_tp_gather", False))
+              fp8_all_gather=row.get("fp8_all_gather", False), fp8_tp_all_gather=row.get("fp8_tp_all_gather", False))
     machine = cluster(row["gpu"], row["gpus"], row["gpus_per_node"], hbm_gib=row.get("hbm_gb"))
     return predict(counted(row["model"], row["seq_len"]), machine, layout, run, a)
 
@@ -62,7 +62,8 @@ def forecast(row: dict, a: Assumptions) -> dict:
 def key(row: dict) -> str:
     return f"{row['table']} / {row['model']} {row['gpus']} GPUs dp_shard {row['dp_shard']} tp {row['tp']} pp " \
            f"{row['pp']} cp {row['cp']} {row['schedule'] if row['pp'] > 1 else ''} {row['precision']}" \
-           f"{' compile' if row['compile'] else ''}{' async-tp' if row['async_tp'] else ''} s {row['seq_len']}"
+           f"{' compile' if row['compile'] else ''}{' async-tp' if row['async_tp'] else ''}" \
+           f"{' fp8-tp-gather' if row.get('fp8_tp_all_gather') else ''} s {row['seq_len']}"
 
 
 def _solve(row: dict, a: Assumptions, field: str) -> Assumptions:
@@ -139,7 +140,8 @@ def _summary(entries: list[dict]) -> dict:
 
 
 # A pair differs in its layout only (degrees, schedule, the sequence cp makes possible): same run otherwise.
-_SAME = ("source", "table", "model", "gpus", "precision", "compile", "async_tp", "recompute")
+_SAME = ("source", "table", "model", "gpus", "precision", "compile", "async_tp", "recompute", "fp8_all_gather",
+         "fp8_tp_all_gather", "compile_loss")
 _LAYOUT = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "schedule", "micro_batch", "seq_len")
 
 
@@ -147,7 +149,7 @@ def _pairs(entries: list[dict]) -> dict:
     right, pairs = 0, []
     for i, x in enumerate(entries):
         for y in entries[i + 1:]:
-            same = all(x["row"][k] == y["row"][k] for k in _SAME) and \
+            same = all(x["row"].get(k) == y["row"].get(k) for k in _SAME) and \
                 any(x["row"][k] != y["row"][k] for k in _LAYOUT)
             tx, ty = x["tokens_per_s_per_gpu"], y["tokens_per_s_per_gpu"]
             if not same or not tx or not ty or abs(tx / ty - 1) <= 0.05:

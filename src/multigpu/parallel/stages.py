@@ -152,9 +152,13 @@ def probe(model: nn.Module, make: Callable[..., nn.Module], n_stages: int) -> No
     refused in one line: what one stage's copy of the model leaves out (a block's attribute the model
     reads, a step after the head) or breaks (an in-place op on the stage's input) shows here, on every
     rank alike, rather than as a wrong number or a hang between stages. The stages share the model's
-    tensors (no memory); a stage's input requires grad, as the schedule's does."""
+    tensors (no memory); a stage's input requires grad, as the schedule's does. A model on the meta device
+    (``multigpu tune`` asking whether a script's model can be cut) has no values to compare: only its cut is
+    checked."""
     from .probe import TOLERANCE, cause, probe_input, relative_error, run
 
+    if any(p.is_meta for p in model.parameters()):
+        return
     batch = probe_input(model, 1)
     if batch is None:
         return

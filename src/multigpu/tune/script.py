@@ -223,6 +223,7 @@ def _refusal(build, counts, seq_len: int, batch: int) -> Callable:
     with torch.device("meta"):  # the model, to ask for its TP plan as mg.parallelize does (no memory)
         model = build()
     blocks = auto.block_modules(model, auto.blocks_of(model)[0])
+    cut: dict[int, str | None] = {}  # stages -> why mg.parallel.pipeline cannot cut the model so, or None
 
     def why(layout) -> str | None:
         try:
@@ -231,10 +232,20 @@ def _refusal(build, counts, seq_len: int, batch: int) -> Callable:
             if layout.tp > 1:
                 tensor_parallel_plan(model, layout, blocks, None, derive_sequence_parallel=layout.pp == 1)
             if layout.pp > 1:
-                split(model, layout, layout.stages)  # on the meta model: its cut and probe allocate nothing
+                if layout.stages not in cut:  # the cut alone (no probe on a meta model), once per stage count
+                    cut[layout.stages] = refused(lambda: split(model, layout, layout.stages))
+                if cut[layout.stages]:
+                    return cut[layout.stages]
             return pipeline_short(layout, batch)
         except UsageError as err:
             return str(err)
+
+    def refused(check) -> str | None:
+        try:
+            check()
+        except UsageError as err:
+            return str(err)
+        return None
 
     return why
 
