@@ -429,10 +429,10 @@ def test_held_out_error_is_what_the_docs_say():
     result = published.check()
     held = result["held_out"]
     assert held["tokens_rows"] >= 45 and held["memory_rows"] >= 14
-    # Measured: speed within 25 % on 36 of 47 rows (median 13.3 %), memory within 15 % on 14 of 17 (median
+    # Measured: speed within 25 % on 38 of 47 rows (median 12.3 %), memory within 15 % on 14 of 17 (median
     # 5.5 %, worst 22.6 %), layout pairs 13 of 13. A planted bug (FSDP gathering f x the weights) drops speed to 34 % of
     # rows (median 31 %); the recomputed block counted per micro-batch in flight, memory to 9 of 17 (median 13 %).
-    assert held["tokens_within_25"] >= 0.76 and held["tokens_median"] < 0.14, held
+    assert held["tokens_within_25"] >= 0.8 and held["tokens_median"] < 0.13, held
     assert held["memory_within_15"] >= 0.8 and held["memory_median"] < 0.08 and held["memory_worst"] < 0.25, held
     assert result["pairs"]["count"] >= 10 and result["pairs"]["share"] >= 0.9, result["pairs"]
 
