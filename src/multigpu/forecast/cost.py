@@ -108,7 +108,7 @@ class Run:
     fp8_all_gather: bool = False     # FSDP gathers the fp8 linears' weights in fp8 (torchao's float8 all-gather)
     compile_loss: bool = False       # the loss compiled too (torchtitan's since 2025): it saves the 16-bit logits,
                                      # not their float32 log-probabilities
-    fp8_tp_all_gather: bool = False      # under tp with sequence parallelism the sub-layers' inputs are gathered in fp8
+    fp8_tp_all_gather: bool = False  # under tp with sequence parallelism the sub-layers' inputs are gathered in fp8
                                      # (torchao's Float8ColwiseParallel, PrepareFloat8ModuleInput: torchtitan's with
                                      # tensorwise fp8)
 
@@ -153,8 +153,9 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     shards = f  # FSDP shards over dp_shard x cp; DDP (both 1) keeps whole states
     ef = f // (e // t if e > 1 else 1)  # efsdp: ep takes every tp rank and ep / tp of dp_shard (Layout.ep_dp)
     stored = dense / f + experts_held / ef  # the states' parameters per rank
-    biggest = max((counts.block_params[i] - experts[i]) / t + experts[i] / e for i in range(L))
-    biggest_bytes = max(gathered_bytes(i, (counts.block_params[i] - experts[i]) / t + experts[i] / e) for i in range(L))
+    on_rank = [(counts.block_params[i] - experts[i]) / t + experts[i] / e for i in range(L)]  # each block, this rank
+    biggest = max(on_rank)
+    biggest_bytes = max(gathered_bytes(i, size) for i, size in enumerate(on_rank))
     memory = {"parameters": 4.0 * stored, "gradients": 4.0 * stored, "optimizer": 8.0 * stored}
     # A pipeline stage keeps its weights gathered and its gradients unsharded in float32 across the
     # micro-batches (PyTorch's pipelining turns FSDP's resharding and gradient sync off until the last).

@@ -134,10 +134,7 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         out = getattr(model, "get_output_embeddings", lambda: None)()
         outputs = list(out.parameters()) if out is not None else [  # a user's model: linears outside the blocks
             p for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False) if id(p) not in inside]
-        # Tied to the input table (a head module holding it, or a looked-up table read by a matmul after the
-        # blocks, as an F.linear head does): the head adds no parameters, a pipeline's last stage holds its copy.
-        tied = any(id(p) in tables for p in outputs)
-        head = sum(p.numel() for p in outputs if id(p) not in tables)
+        head = sum(p.numel() for p in outputs if id(p) not in tables)  # a head holding the table adds none
         total = sum(p.numel() for p in model.parameters())
         tally = _Tally(params, _flop_counter())
         per_block, inputs = [], []
@@ -198,7 +195,9 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         finally:
             for h in handles:
                 h.remove()
-    tied = tied or bool(tally.head_operands & tally.lookups)  # a table looked up, and read by the head's matmul
+    # Tied to the input table (a head module holding it, or a looked-up table read by a matmul after the blocks, as
+    # an F.linear head does): a pipeline's last stage holds its copy.
+    tied = any(id(p) in tables for p in outputs) or bool(tally.head_operands & tally.lookups)
     if sum(experts_in) != sum(p.numel() for m in moe for p in m.parameters()):
         raise UsageError(f"{name or type(model).__name__}: some of its experts modules lie outside its repeated "
                          "blocks; forecast spreads experts that sit in the blocks")

@@ -223,7 +223,16 @@ def _refusal(build, counts, seq_len: int, batch: int) -> Callable:
     with torch.device("meta"):  # the model, to ask for its TP plan as mg.parallelize does (no memory)
         model = build()
     blocks = auto.block_modules(model, auto.blocks_of(model)[0])
-    cut: dict[int, str | None] = {}  # stages -> why mg.parallel.pipeline cannot cut the model so, or None
+    cuts: dict[int, str | None] = {}  # stages -> why mg.parallel.pipeline cannot cut the model so, or None
+
+    def uncut(layout) -> str | None:  # the cut alone (no probe on a meta model), once per stage count
+        if layout.stages not in cuts:
+            try:
+                split(model, layout, layout.stages)
+                cuts[layout.stages] = None
+            except UsageError as err:
+                cuts[layout.stages] = str(err)
+        return cuts[layout.stages]
 
     def why(layout) -> str | None:
         try:
@@ -231,21 +240,9 @@ def _refusal(build, counts, seq_len: int, batch: int) -> Callable:
                                vocab=counts.vocab or None, seq=seq_len, blocks=counts.layers, model=counts.name)
             if layout.tp > 1:
                 tensor_parallel_plan(model, layout, blocks, None, derive_sequence_parallel=layout.pp == 1)
-            if layout.pp > 1:
-                if layout.stages not in cut:  # the cut alone (no probe on a meta model), once per stage count
-                    cut[layout.stages] = refused(lambda: split(model, layout, layout.stages))
-                if cut[layout.stages]:
-                    return cut[layout.stages]
-            return pipeline_short(layout, batch)
+            return (uncut(layout) if layout.pp > 1 else None) or pipeline_short(layout, batch)
         except UsageError as err:
             return str(err)
-
-    def refused(check) -> str | None:
-        try:
-            check()
-        except UsageError as err:
-            return str(err)
-        return None
 
     return why
 
