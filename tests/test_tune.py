@@ -189,6 +189,21 @@ def test_the_measured_fixed_costs_and_the_collectives_waits_add_in():
     assert sp == {4: 4 * (8 * 2 + 2 + 2 + 1) + 1 + 1}
 
 
+def test_the_loop_probe_differences_each_round_and_keeps_the_medians():
+    from multigpu.tune.probe import loop_costs
+
+    part = {"time_s": 0.007, "optimizer_s": 0.003}
+    # Rounds of (1, 3) micro-batches: the loop adds 1 ms per micro-batch and 2 ms per step; the second round ran in a
+    # slow phase of the machine (everything 1.5x), which the medians leave out.
+    steady = (0.007 + 0.001) * 1 + 0.003 + 0.002, (0.007 + 0.001) * 3 + 0.003 + 0.002
+    got = loop_costs({1: [steady[0], 1.5 * steady[0], steady[0]], 3: [steady[1], 1.5 * steady[1], steady[1]]}, part)
+    assert got["micro_s"] == pytest.approx(0.001) and got["step_s"] == pytest.approx(0.002)
+    # A pair timed across a change of load (its 1-micro-batch step slow): its difference is less than a
+    # micro-batch's forward+backward, which it cannot be; floored there, it puts nothing extra per step.
+    got = loop_costs({1: [0.015, 0.015, 0.015], 3: [0.023, 0.023, 0.023]}, part)
+    assert got["micro_s"] == 0.0 and got["step_s"] == pytest.approx(0.015 - 0.007 - 0.003)
+
+
 def test_the_rounds_interleave_retry_with_checkpointing_and_read_the_workers_refusal(tmp_path):
     import json as _json
 

@@ -25,6 +25,7 @@ from ..forecast.hardware import Links
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 SIZES = tuple(4096 * 4 ** k for k in range(7))  # 4 KiB .. 16 MiB
+LOOP_ROUNDS = 3  # the loop probe's rounds (``loop``): each a launch of the script with 1 and with 3 micro-batches
 
 
 def compute(subject, keys, threads: int, rounds: int = 7) -> dict:
@@ -217,15 +218,14 @@ def sync(group_sizes: set[int], nproc: int, device: str, threads: int, say=print
 
 
 def loop(workload: str, args: list[str], compute_parts: dict, micro_batch: int, cpu: bool, threads: int, root,
-         steps: int = 16, accums=(1, 3), module: bool = True) -> dict:
+         steps: int = 32, accums=(1, 3), rounds: int | None = None, module: bool = True) -> dict:
     """The training loop's own cost on one process, measured: what it adds to the probe's forward+backward and
     optimizer (the loader, the step meter, the loss's reduction, Python per micro-batch).
 
     ``workload`` (the recipe's module, or with ``module=False`` a script that follows the layout contract)
     runs through the launcher on 1 rank for ``steps`` steps of ``micro_batch`` sequences with 1 and with 3
-    micro-batches per step (its StepMeter's step time, as a candidate's run is measured): {"micro_s": a
-    further micro-batch's time less the probe's forward+backward, "step_s": the rest of the step less the
-    probe's clipping and AdamW}."""
+    micro-batches per step (its StepMeter's step time, as a candidate's run is measured), the two in turn
+    ``rounds`` times (``LOOP_ROUNDS``; ``loop_costs`` reads them)."""
     from pathlib import Path
 
     from ..launch.once import run_once
@@ -233,22 +233,33 @@ def loop(workload: str, args: list[str], compute_parts: dict, micro_batch: int, 
 
     # The recipe's evaluation is pushed past the run and its log kept frequent; a script takes the contract's flags.
     own = ["--log-every", "2", "--eval-every", str(10 * steps), "--eval-batches", "1"] if module else []
-    measured = {}
-    for k in accums:
-        where = Path(root) / f"loop-accum{k}"
-        argv = [*args, "--global-batch", str(micro_batch * k), "--micro-batch", str(micro_batch), "--steps", str(steps),
-                *own]
-        done = run_once(workload, argv, module=module, log_dir=where, nproc=1, cpu=cpu,
-                        env={"OMP_NUM_THREADS": str(threads) if cpu else None})
-        if done.exit_code != 0 or done.run_dir is None:
-            raise RuntimeError(f"the loop probe failed: {done.failure() or 'no output'} (console {done.console})")
-        run = measure_run(done.run_dir, None, steps)
-        if run["thin"]:
-            raise RuntimeError(f"the loop probe is too short to time: {run['thin']} (console {done.console})")
-        measured[k] = run["step_time_s"]
-    part = compute_parts[(micro_batch, False)]
-    (k1, t1), (k2, t2) = sorted(measured.items())
-    per_micro = (t2 - t1) / (k2 - k1)
-    return {"micro_s": max(0.0, per_micro - part["time_s"]),
-            "step_s": max(0.0, t1 - k1 * per_micro - part["optimizer_s"]),
-            "step_time_s": {str(k): v for k, v in measured.items()}, "micro_batch": micro_batch, "steps": steps}
+    measured: dict = {k: [] for k in accums}
+    for r in range(LOOP_ROUNDS if rounds is None else rounds):
+        for k in accums:
+            where = Path(root) / f"loop-accum{k}-{r}"
+            argv = [*args, "--global-batch", str(micro_batch * k), "--micro-batch", str(micro_batch),
+                    "--steps", str(steps), *own]
+            done = run_once(workload, argv, module=module, log_dir=where, nproc=1, cpu=cpu,
+                            env={"OMP_NUM_THREADS": str(threads) if cpu else None})
+            if done.exit_code != 0 or done.run_dir is None:
+                raise RuntimeError(f"the loop probe failed: {done.failure() or 'no output'} (console {done.console})")
+            run = measure_run(done.run_dir, None, steps)
+            if run["thin"]:
+                raise RuntimeError(f"the loop probe is too short to time: {run['thin']} (console {done.console})")
+            measured[k].append(run["step_time_s"])
+    return loop_costs(measured, compute_parts[(micro_batch, False)]) | {
+        "step_time_s": {str(k): v for k, v in measured.items()}, "micro_batch": micro_batch, "steps": steps}
+
+
+def loop_costs(measured: dict, part: dict) -> dict:
+    """{"micro_s": a further micro-batch's time less the probe's forward+backward, "step_s": the rest of the step
+    less the probe's clipping and AdamW}, from ``measured`` ({micro-batches: [step time of each round]}, two
+    counts) and ``part`` (``compute``'s figures of that micro-batch). Each round's pair is differenced on its
+    own (the two ran back to back, in one phase of the machine's load) and the medians taken: one slow round
+    moves nothing. A further micro-batch costs at least its forward+backward: a pair that says less was
+    timed across a change of load, and the floor keeps its difference out of the per-step part."""
+    (k1, t1s), (k2, t2s) = sorted(measured.items())
+    per = [max((t2 - t1) / (k2 - k1), part["time_s"]) for t1, t2 in zip(t1s, t2s)]
+    rest = [t1 - k1 * p for t1, p in zip(t1s, per)]
+    return {"micro_s": statistics.median(per) - part["time_s"],
+            "step_s": max(0.0, statistics.median(rest) - part["optimizer_s"])}
