@@ -5,21 +5,24 @@ Memory per GPU (bytes), on the stage that holds the most:
   bytes per parameter, ZeRO's 16 with the 16-bit copy counted under buffers), of what tensor and pipeline
   parallelism leave the rank, divided over the ranks FSDP shards across (dp_shard x cp; DDP: 1);
 - buffers: the 16-bit weights FSDP gathers (the linears' in fp8 under ``Run.fp8_all_gather``; two blocks in
-  flight: the one computing and the prefetch; the root unit, tables and head, for the whole step) and one
-  block's unsharded float32 gradient (every block's when micro-batches accumulate: the reduce-scatter waits for
-  the last); a pipeline stage keeps all its weights gathered and gradients unsharded; DDP's gradient buckets (a
+  flight: the one computing and the prefetch; the root unit, tables and head, for the whole step), one
+  block's unsharded gradient (every block's, in float32, when micro-batches accumulate: the reduce-scatter waits
+  for the last) and the float32 reduce-scatter input FSDP2 keeps of the block before; a pipeline stage keeps all its weights gathered and gradients unsharded; DDP's gradient buckets (a
   float32 copy);
 - activations: the bytes autograd saves per token and block (``counts``) x tokens per micro-batch / (tp x cp)
   (cp cuts every saved tensor, tp all but the sub-layers' inputs and, without sequence parallelism, what the
   norms save: ``saved_under_tp``), for the blocks of the stage and the micro-batches in flight (1; 1F1B p on
   the first stage, x (1 + (p-1)/(p v)) interleaved, never above m; GPipe m); full recompute keeps the block
-  input and one block's working set, selective the input, attention's outputs and every other matmul's output;
+  input, selective the input, attention's outputs and every other matmul's output; one block's backward at a
+  time adds its gradients in flight (counted on fake tensors) and what recompute makes again;
   the last stage adds the embedding output, the logits and the loss's float32 copy (a compiled loss: the 16-bit
-  logits), twice: the backward starts by making their gradients while all of the above is still held;
+  logits), twice: the backward starts by making their gradients while all of the above is still held; they are
+  freed before the last block's backward (the larger of the two counts);
 - optimizer step: where the step's own peak tops the backward's (small activations): the states, DDP's
   buckets and foreach AdamW's float32 temporary of what it steps (4 bytes per parameter);
 - allocator: what PyTorch's caching allocator reserves beyond the live tensors (fragmentation), as a
-  fraction of them (``Assumptions.allocator_overhead``; published peaks are reserved bytes);
+  fraction of them (``Assumptions.allocator_overhead``; published peaks are reserved bytes), and the loss's
+  freed blocks it keeps under the last block's backward (``Assumptions.reserved``; tune measures live tensors);
 - runtime: the CUDA context, NCCL's buffers and cuBLAS's workspace (``Assumptions.runtime_gib``).
 
 A mixture of experts under ``ep`` (as ``mg.parallelize`` spreads it: ep takes every tp rank and ep / tp of
@@ -62,6 +65,8 @@ class Assumptions:
     async_tp_overlap: float = 0.5    # fraction of tensor-parallel traffic async TP hides
     runtime_gib: float = 2.0         # CUDA context, NCCL buffers, cuBLAS workspace per GPU
     allocator_overhead: float = 0.0  # what the caching allocator reserves beyond the tensors, x their bytes
+    reserved: bool = True            # memory as a caching allocator reserves it (published peaks, what runs out on
+                                     # a GPU); False: the live tensors' peak (tune's measurement)
     optimizer_bytes: float = 36.0    # HBM bytes AdamW moves per held parameter (read/write fp32 p, g, m, v)
     expert_imbalance: float = 1.0    # the busiest expert-parallel rank's routed rows over the mean (1: balanced)
     calibration: str = "none"
@@ -111,6 +116,9 @@ class Run:
     fp8_tp_all_gather: bool = False  # under tp with sequence parallelism the sub-layers' inputs are gathered in fp8
                                      # (torchao's Float8ColwiseParallel, PrepareFloat8ModuleInput: torchtitan's with
                                      # tensorwise fp8)
+    logits_held: bool = False        # the loop holds the logits through the backward (``out = model(x)`` then
+                                     # ``loss.backward()``, as most scripts do and PyTorch's pipelining does);
+                                     # torchtitan frees them first (``del pred``)
 
 
 def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run, a: Assumptions,
@@ -162,8 +170,11 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     # Without a pipeline FSDP's root unit (tables, final norm, head) stays gathered from the forward's first
     # op to the backward's last (FSDP2 does not reshard the root after the forward).
     # Accumulating (m > 1) FSDP skips the reduce-scatter until the last micro-batch (mg.accumulate): every
-    # block's unsharded float32 gradient is held meanwhile, not one block's at a time.
-    grads = 4.0 * (held if m > 1 else biggest)
+    # block's unsharded gradient is held meanwhile (float32: FSDP2 accumulates in the reduce dtype), not one block's
+    # (in the compute dtype) at a time. Either way the last block's reduce-scatter input (its gradient in float32,
+    # the reduce dtype) stays until the next block's is made (FSDP2 keeps one: ``reduce_scatter_max_input_buffers``),
+    # while that block's backward runs.
+    grads = (4.0 * held if m > 1 else width * biggest) + 4.0 * biggest
     gathered = (4.0 * held + width * (held - block_held) + sum(gathered_bytes(i, dense_of(i)) for i in blocks)
                 if p > 1 else 2 * biggest_bytes + width * (first + last) + grads)
     # DDP's reducer keeps a float32 bucket copy of every gradient (PyTorch's default, no gradient_as_bucket_view).
@@ -175,8 +186,17 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
                  "selective": [counts.block_input / (t if sp else 1) + counts.block_kept[i] / t for i in blocks],
                  "full": [counts.block_input / (t if sp else 1)] * len(blocks)}[run.recompute]
     stage_bytes = sum(per_block) * tokens  # kept per micro-batch in flight
-    # Full recompute: one block's whole activations while it is recomputed, once (a micro-batch's backward at a time).
-    transient = max(saved_under_tp(counts, i, t, sp) for i in range(L)) * tokens if run.recompute == "full" else 0.0
+    # While a block's backward runs, once (a micro-batch's backward at a time): what recompute makes again of its
+    # activations (full: all it saved; selective: what the policy did not keep) and its gradients in flight
+    # (counted on fake tensors; cut by tp with the matmuls that make them).
+    backward = counts.block_backward or (0.0,) * L  # a count from before it was measured: none
+    kept = dict(zip(blocks, per_block))
+
+    def again(i: int) -> float:
+        saved = saved_under_tp(counts, i, t, sp)
+        return {"none": 0.0, "full": saved, "selective": max(0.0, saved - kept.get(i, 0.0))}[run.recompute]
+
+    transient = max(again(i) + backward[i] / t for i in blocks) * tokens
     interleaving = (1 + (p - 1) / (p * v)) if v > 1 else 1.0
     # Never more than the step's m micro-batches (the interleaved schedule's warm-up runs every forward first when
     # m <= p: measured, 2 ranks x 2 stages, GPT, rank 0's saved activations: m = 2: 2.0 micro-batches, m = 4, 8: 2.5).
@@ -186,8 +206,16 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     # logits in place of their float32 log-probabilities, and its gradient comes out 16-bit.
     head_saved = counts.other_saved - (counts.logits_f32 * (1 - width / 4) if run.compile_loss else 0.0)
     loss_bytes = 2 * head_saved * tokens / (t if run.loss_parallel else 1)
-    memory["activations"] = transient + (max(stage_bytes * in_flight, stage_bytes + loss_bytes) if p > 1
-                                         else stage_bytes + loss_bytes)
+    # The loss's part is freed once the head's backward has run, before the last block's backward: the two come
+    # one after the other (the first stage, without the loss, runs a block's backward under its micro-batches in
+    # flight).
+    logits = counts.vocab * width * tokens / (t if run.loss_parallel else 1) if run.logits_held else 0.0
+    memory["activations"] = max(stage_bytes * in_flight + transient,
+                                stage_bytes + logits + max(loss_bytes, transient))
+    # A caching allocator keeps the loss's freed blocks reserved under the block's backward that follows (whose
+    # tensors have other sizes): reserved, the two add (torchtitan's peaks; live, on CPU, the larger counts).
+    kept = (max(0.0, max(stage_bytes * in_flight, stage_bytes + logits + loss_bytes) + transient
+                - memory["activations"]) if a.reserved else 0.0)
     if p > 1:
         # PyTorch's pipelining allocates a receive buffer per micro-batch at each stage boundary: a stage's input
         # (forward) and its output's gradient (backward); the first stage receives only the one, the last only
@@ -198,7 +226,7 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     # float32 temporary of everything it steps (its sqrt of the second moments); counted where it tops the above.
     at_step = 16.0 * stored + (memory["buffers"] if shards == 1 else 0.0) + 4.0 * stored
     memory["optimizer step"] = max(0.0, at_step - sum(memory.values()))
-    memory["allocator"] = a.allocator_overhead * sum(memory.values())
+    memory["allocator"] = a.allocator_overhead * (sum(memory.values()) + kept) + kept
     memory["runtime"] = a.runtime_gib * GiB
     total = sum(memory.values())
 

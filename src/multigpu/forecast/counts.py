@@ -22,12 +22,15 @@ bytes are also split by where tensor parallelism leaves them whole (``block_unsp
 
 from __future__ import annotations
 
+import functools
 import inspect
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import UsageError
@@ -69,6 +72,8 @@ class Counts:
     kv_heads: int = 0                      # key/value heads, where the model names them (tp must divide them)
     logits_f32: float = 0.0                # of other_saved, the float32 copies of the logits the loss saves
                                            # (eager cross-entropy's log-probabilities: 4 bytes x vocab per token)
+    block_backward: tuple[float, ...] = ()  # per block, bytes per token its backward holds at most beyond what was
+                                            # live when it began (its gradients in flight; the weights' left out)
 
     @property
     def hidden(self) -> float:
@@ -136,7 +141,7 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
             p for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False) if id(p) not in inside]
         head = sum(p.numel() for p in outputs if id(p) not in tables)  # a head holding the table adds none
         total = sum(p.numel() for p in model.parameters())
-        tally = _Tally(params, _flop_counter())
+        tally, live = _Tally(params, _flop_counter()), _Live()
         per_block, inputs = [], []
         from ..parallel.auto import head_counts
         from ..parallel.experts import expert_modules
@@ -167,6 +172,9 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         def post(module, args, output):
             tally.in_block = False
             per_block[-1] = [b - a for a, b in zip(per_block[-1], tally.snapshot())]
+            out = output[0] if isinstance(output, (tuple, list)) else getattr(output, "last_hidden_state", output)
+            if isinstance(out, torch.Tensor) and out.requires_grad:  # its gradient's arrival: the block's backward begins
+                out.register_hook(functools.partial(live.begin, len(per_block) - 1))
 
         def enter(module, args, kwargs):
             x = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
@@ -185,8 +193,10 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
                                              m.register_forward_hook(experts_post))]
         ids = torch.zeros(1, seq_len, dtype=torch.long)
         try:
-            with tally.flops, tally, torch.autograd.graph.saved_tensors_hooks(tally.pack, lambda t: t):
-                vocab = _loss(model, ids)
+            with tally.flops, tally, live, torch.autograd.graph.saved_tensors_hooks(tally.pack, lambda t: t):
+                vocab, loss = _loss(model, ids)
+            with live:
+                loss.backward()
         except Exception as err:  # a forward that needs real values (data-dependent routing) cannot be faked
             raise UsageError(f"counting {name or type(model).__name__} on fake tensors failed: "
                              f"{type(err).__name__}: {' '.join(str(err).split())[:200]} (forecast needs a forward "
@@ -204,6 +214,7 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
     if len(per_block) != len(blocks):
         raise UsageError(f"{name}: the forward ran {len(per_block)} of its {len(blocks)} blocks ({label}); "
                          "forecast needs every block run once per forward")
+    weights = {p.grad.untyped_storage()._cdata for p in model.parameters() if p.grad is not None}
     n, total_all = seq_len, tally.snapshot()
     col = lambda i: tuple(b[i] / n for b in per_block)  # noqa: E731 - one column of the per-block tallies
     return Counts(name or type(model).__name__, seq_len, torch.finfo(dtype).bits // 8, tuple(block_params),
@@ -213,7 +224,8 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
                   max(inputs), col(2), col(3), col(4), tuple(s - i for s, i in zip(col(1), col(5))), col(6),
                   tally.heads, tied,
                   min((m.num_experts for m in moe), default=0), tuple(experts_in), tuple(expert_flops), tuple(routed),
-                  tuple(linears), vocab, kv_heads, tally.f32_outside[vocab] / n)
+                  tuple(linears), vocab, kv_heads, tally.f32_outside[vocab] / n,
+                  tuple(b / n for b in live.peaks(len(blocks), weights)))
 
 
 def _flop_counter():
@@ -242,14 +254,15 @@ def _flop_counter():
 def _loss(model: nn.Module, ids: torch.Tensor) -> int:
     """One forward with its loss: the model's own where its forward takes ``labels`` (transformers), else
     cross-entropy on what it returns; returns the logits' width, the vocabulary (whatever makes them: an
-    ``nn.Linear`` head or the token table through ``F.linear``). Decided by the signature: a TypeError inside
+    ``nn.Linear`` head or the token table through ``F.linear``), and the loss. Decided by the signature: a TypeError inside
     the forward must not run it a second time (the block tallies would count twice)."""
     if "labels" in inspect.signature(model.forward).parameters:
-        return model(input_ids=ids, labels=ids, use_cache=False).logits.shape[-1]
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        return out.logits.shape[-1], out.loss
     logits = model(ids)
     logits = getattr(logits, "logits", logits)
-    nn.functional.cross_entropy(logits.flatten(0, -2).float(), ids.flatten())  # its saved tensors are counted
-    return logits.shape[-1]
+    loss = nn.functional.cross_entropy(logits.flatten(0, -2).float(), ids.flatten())  # its saved tensors are counted
+    return logits.shape[-1], loss
 
 
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
@@ -323,4 +336,59 @@ class _Tally(TorchDispatchMode):
             self.attention += sdpa_flop_count(q.shape, k.shape, v.shape)
             self.kv += k.numel() * k.element_size() + v.numel() * v.element_size()
             self.kept += sum(o.numel() * o.element_size() for o in out[:2])  # output and log-sum-exp
+        return out
+
+
+class _Live(TorchDispatchMode):
+    """The bytes live on the fake device, op by op: every new storage an op makes, until it is freed (a weak
+    reference to the storage tells), and the backward's marks where each block's gradient arrives (``begin``).
+    ``peaks`` reads, per block, the most its backward held beyond what was live when it began. A storage is
+    known by its serial number here: a freed one's address is soon another's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple] = []  # ("+", serial, bytes), ("-", serial, bytes), ("begin", block)
+        self.alive: dict = {}  # storage address -> (serial, weak reference)
+
+    def begin(self, block: int, grad: torch.Tensor) -> None:
+        self.log.append(("begin", block))
+
+    def _freed(self, key: int, serial: int, n: int):
+        def callback(_) -> None:
+            if self.alive.get(key, (None,))[0] == serial:
+                del self.alive[key]
+            self.log.append(("-", serial, n))
+        return callback
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # A view or an in-place op hands back its input's storage: nothing new (a weight's transpose is the weight).
+        given = {a.untyped_storage()._cdata for a in _pytree.tree_leaves((args, kwargs))
+                 if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in self.alive and key not in given:
+                    serial = len(self.log)
+                    self.alive[key] = (serial, weakref.ref(storage, self._freed(key, serial, storage.nbytes())))
+                    self.log.append(("+", serial, storage.nbytes()))
+        return out
+
+    def peaks(self, blocks: int, weights: set) -> list[float]:
+        """Per block, the most bytes live during its backward (from its gradient's arrival to the next block's)
+        less those live when it began; the weights' gradients (``weights``: their storages' addresses, alive
+        now) left out, as the gradients are counted whole elsewhere."""
+        skip = {self.alive[key][0] for key in weights if key in self.alive}
+        live, peak, at, out = 0, 0, None, [0.0] * blocks
+        for event in self.log:
+            if event[0] == "begin":
+                if at is not None:
+                    out[at[0]] = max(out[at[0]], peak - at[1])
+                at, peak = (event[1], live), live
+            elif event[1] not in skip:
+                live += event[2] if event[0] == "+" else -event[2]
+                peak = max(peak, live)
+        if at is not None:
+            out[at[0]] = max(out[at[0]], peak - at[1])
         return out

@@ -28,7 +28,8 @@ from ..forecast.counts import Counts
 from ..forecast.hardware import Cluster, Gpu
 from ..parallel.layout import Layout
 
-ASSUMPTIONS = Assumptions(efficiency=1.0, dp_overlap=0.0, runtime_gib=0.0, allocator_overhead=0.0,
+# The peak tune measures is the live tensors' (CPU: the profiler's running total; CUDA: max_memory_allocated).
+ASSUMPTIONS = Assumptions(efficiency=1.0, dp_overlap=0.0, runtime_gib=0.0, allocator_overhead=0.0, reserved=False,
                           calibration="measured on this machine (tune's probe)")
 
 
@@ -103,7 +104,8 @@ def predict(layout: Layout, counts: Counts, cluster: Cluster, parts: dict, globa
     parts (compute: micro-batches, bubble, optimizer; communication; fixed costs), the forecast's own parts."""
     from ..forecast.cost import predict as forecast
 
-    run = Run(global_batch, counts.seq_len, "full" if layout.activation_checkpointing else "none")  # logits gathered
+    # The logits gathered; a script's loop holds them through the backward (the recipe's and examples' do, as most do).
+    run = Run(global_batch, counts.seq_len, "full" if layout.activation_checkpointing else "none", logits_held=True)
     got = forecast(counts, cluster, layout, run, ASSUMPTIONS, overheads(layout, parts))
     compute = sum(v for k, v in got["time"].items() if k in ("compute", "pipeline bubble", "optimizer"))
     fixed = got["time"].get("fixed costs", 0.0)
