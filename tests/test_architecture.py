@@ -25,7 +25,7 @@ FLAGS = {
     "ckpt verify": ["<dir>"],
     "doctor": ["--backend", "--json", "--no-smoke", "--nproc", "--port", "--timeout", "-n"],
     "forecast": ["--async-tp", "--async-tp-overlap", "--compile", "--compile-loss", "--dp-overlap", "--efficiency",
-                 "--expert-imbalance", "--fp8-all-gather", "--fp8-tp-all-gather", "--loss-parallel",
+                 "--expert-imbalance", "--fp8-all-gather", "--fp8-tp-all-gather", "--logits-held", "--loss-parallel",
                  "--global-batch", "--gpu",
                  "--gpus", "--gpus-per-node", "--hbm-gib", "--micro-batches", "--model", "--out", "--peak-tflops",
                  "--precision", "--runtime-gib", "--scale-out-gb-s", "--scale-up-gb-s", "--script", "--seq-len", "--top"],

@@ -306,10 +306,15 @@ def test_the_buffers_a_step_holds_beside_the_states():
     one = predict(c, machine, Degrees(1, 8, 1, 1, 1, 2), Run(16, 64), a)["memory"]  # 1 micro-batch a step
     two = predict(c, machine, Degrees(1, 8, 1, 1, 1, 1), Run(16, 64), a)["memory"]  # 2 accumulate
     biggest = max(c.block_params)
-    # One micro-batch: the block in its backward holds its unsharded gradient in bf16 beside the float32
-    # reduce-scatter input FSDP2 keeps of the block before; accumulating, every block's in float32 (FSDP2's
-    # reduce dtype), and the one reduce-scatter input.
-    assert two["buffers"] - one["buffers"] == pytest.approx(4 * c.params - 2 * biggest, rel=1e-9)
+    # Accumulating, every block's unsharded gradient in float32 (FSDP2's reduce dtype) all step; one micro-batch, a
+    # block's (bf16) and the float32 reduce-scatter input FSDP2 keeps of the block before only while a block's
+    # backward runs, which the loss's phase before it tops here: live, nothing; reserved, they add.
+    assert two["buffers"] - one["buffers"] == pytest.approx(4 * c.params, rel=1e-9)
+    live = dataclasses.replace(a, reserved=False, allocator_overhead=0.0)
+    bare = dataclasses.replace(live, reserved=True)
+    one_live, one_reserved = (predict(c, machine, Degrees(1, 8, 1, 1, 1, 2), Run(16, 64), x)["memory"] for x in (live, bare))
+    assert one_reserved["allocator"] == pytest.approx(max(c.block_backward) * 2 * 64 + (2 + 4) * biggest)
+    assert one_live["allocator"] == 0.0 and one_live["buffers"] == one_reserved["buffers"]
     sp = predict(c, machine, Layout(dp_shard=4, tp=2, micro_batch=2, sequence_parallel=True).resolve(8), Run(16, 64),
                  a)["memory"]
     whole = predict(c, machine, Layout(dp_shard=4, tp=2, micro_batch=2).resolve(8), Run(16, 64), a)["memory"]

@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--async-tp", action="store_true", help="async tensor parallelism (hides --async-tp-overlap of its traffic)")
     add("--loss-parallel", action="store_true",
         help="the loss on vocabulary-sharded logits (torchtitan's; mg.parallel.loss_parallel), not gathered ones")
+    add("--logits-held", action="store_true",
+        help="the training loop holds the logits through the backward (out = model(x); loss.backward(), as most "
+             "scripts do; torchtitan frees them first): their bytes counted under the backward's peak")
     add("--micro-batches", default="1,2,4,8", metavar="M,M,...", help="micro-batch sizes to weigh (default %(default)s)")
     add("--top", type=int, default=10, help="layouts to show (default %(default)s)")
     add("--out", help="folder for forecast.json, report.md, report.html (default: studies/forecast-<time>)")
@@ -106,7 +109,8 @@ def main(args) -> int:
                             runtime_gib=args.runtime_gib, expert_imbalance=args.expert_imbalance, **({"efficiency": args.efficiency} if args.efficiency is not None else {}))
     run = Run(args.global_batch or args.gpus, args.seq_len, compile=args.compile, precision=args.precision,
               async_tp=args.async_tp, loss_parallel=args.loss_parallel, compile_loss=args.compile_loss,
-              fp8_all_gather=args.fp8_all_gather, fp8_tp_all_gather=args.fp8_tp_all_gather)
+              fp8_all_gather=args.fp8_all_gather, fp8_tp_all_gather=args.fp8_tp_all_gather,
+              logits_held=args.logits_held)
     counts = counted(args.model, args.seq_len)
     ranked, left_out = plan(counts, machine, run, a, micro_batches=tuple(micro))
     best = ranked[0]
@@ -117,7 +121,8 @@ def main(args) -> int:
           f"{machine.gpus_per_node} per node; global batch {run.global_batch} x {run.seq_len} tokens, {run.precision}"
           + (", compiled" if run.compile else "") + (", loss compiled" if run.compile_loss else "")
           + (", fp8 all-gather" if run.fp8_all_gather else "") + (", fp8 TP gathers" if run.fp8_tp_all_gather else "")
-          + (", parallel loss" if run.loss_parallel else ", logits gathered under tp"))
+          + (", parallel loss" if run.loss_parallel else ", logits gathered under tp")
+          + (", logits held through the backward" if run.logits_held else ""))
     widths = [max(len(h), *(len(row(f)[i]) for f in ranked[:args.top])) for i, h in enumerate(HEADER)]
     for cells in [HEADER] + [row(f) for f in ranked[:args.top]]:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))))

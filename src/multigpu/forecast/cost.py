@@ -170,11 +170,13 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     # Without a pipeline FSDP's root unit (tables, final norm, head) stays gathered from the forward's first
     # op to the backward's last (FSDP2 does not reshard the root after the forward).
     # Accumulating (m > 1) FSDP skips the reduce-scatter until the last micro-batch (mg.accumulate): every
-    # block's unsharded gradient is held meanwhile (float32: FSDP2 accumulates in the reduce dtype), not one block's
-    # (in the compute dtype) at a time. Either way the last block's reduce-scatter input (its gradient in float32,
-    # the reduce dtype) stays until the next block's is made (FSDP2 keeps one: ``reduce_scatter_max_input_buffers``),
-    # while that block's backward runs.
-    grads = (4.0 * held if m > 1 else width * biggest) + 4.0 * biggest
+    # block's unsharded gradient is held meanwhile (float32: FSDP2 accumulates in the reduce dtype). Otherwise a
+    # block's unsharded gradient (in the compute dtype) exists only while its backward runs, beside the block
+    # before's reduce-scatter input (its gradient in float32, the reduce dtype), which FSDP2 keeps until the next
+    # is made (``reduce_scatter_max_input_buffers``, 1): both belong to a block's backward (``block_grads``, added
+    # with that phase below), not to the loss's before it.
+    grads = 4.0 * held if m > 1 else 0.0
+    block_grads = (0.0 if m > 1 else width * biggest) + 4.0 * biggest if shards > 1 and p == 1 else 0.0
     gathered = (4.0 * held + width * (held - block_held) + sum(gathered_bytes(i, dense_of(i)) for i in blocks)
                 if p > 1 else 2 * biggest_bytes + width * (first + last) + grads)
     # DDP's reducer keeps a float32 bucket copy of every gradient (PyTorch's default, no gradient_as_bucket_view).
@@ -210,12 +212,16 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     # one after the other (the first stage, without the loss, runs a block's backward under its micro-batches in
     # flight).
     logits = counts.vocab * width * tokens / (t if run.loss_parallel else 1) if run.logits_held else 0.0
-    memory["activations"] = max(stage_bytes * in_flight + transient,
-                                stage_bytes + logits + max(loss_bytes, transient))
+
+    def peak(block_phase: float) -> float:  # the larger of a block's backward (on the first stage too) and the loss's
+        return max(stage_bytes * in_flight + block_phase, stage_bytes + logits + max(loss_bytes, block_phase))
+
+    memory["activations"] = peak(transient)
+    memory["buffers"] += peak(transient + block_grads) - memory["activations"]  # FSDP's, where that phase is the peak
     # A caching allocator keeps the loss's freed blocks reserved under the block's backward that follows (whose
     # tensors have other sizes): reserved, the two add (torchtitan's peaks; live, on CPU, the larger counts).
-    kept = (max(0.0, max(stage_bytes * in_flight, stage_bytes + logits + loss_bytes) + transient
-                - memory["activations"]) if a.reserved else 0.0)
+    kept = (max(0.0, max(stage_bytes * in_flight, stage_bytes + logits + loss_bytes) + transient + block_grads
+                - peak(transient + block_grads)) if a.reserved else 0.0)
     if p > 1:
         # PyTorch's pipelining allocates a receive buffer per micro-batch at each stage boundary: a stage's input
         # (forward) and its output's gradient (backward); the first stage receives only the one, the last only
