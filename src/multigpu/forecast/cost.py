@@ -188,17 +188,17 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
                  "selective": [counts.block_input / (t if sp else 1) + counts.block_kept[i] / t for i in blocks],
                  "full": [counts.block_input / (t if sp else 1)] * len(blocks)}[run.recompute]
     stage_bytes = sum(per_block) * tokens  # kept per micro-batch in flight
+
     # While a block's backward runs, once (a micro-batch's backward at a time): what recompute makes again of its
     # activations (full: all it saved; selective: what the policy did not keep) and its gradients in flight
     # (counted on fake tensors; cut by tp with the matmuls that make them).
-    backward = counts.block_backward or (0.0,) * L  # a count from before it was measured: none
-    kept = dict(zip(blocks, per_block))
-
-    def again(i: int) -> float:
+    def again(i: int, keep: float) -> float:
+        if run.recompute == "none":
+            return 0.0
         saved = saved_under_tp(counts, i, t, sp)
-        return {"none": 0.0, "full": saved, "selective": max(0.0, saved - kept.get(i, 0.0))}[run.recompute]
+        return saved if run.recompute == "full" else max(0.0, saved - keep)
 
-    transient = max(again(i) + backward[i] / t for i in blocks) * tokens
+    transient = max(again(i, keep) + counts.block_backward[i] / t for i, keep in zip(blocks, per_block)) * tokens
     interleaving = (1 + (p - 1) / (p * v)) if v > 1 else 1.0
     # Never more than the step's m micro-batches (the interleaved schedule's warm-up runs every forward first when
     # m <= p: measured, 2 ranks x 2 stages, GPT, rank 0's saved activations: m = 2: 2.0 micro-batches, m = 4, 8: 2.5).
@@ -216,12 +216,12 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     def peak(block_phase: float) -> float:  # the larger of a block's backward (on the first stage too) and the loss's
         return max(stage_bytes * in_flight + block_phase, stage_bytes + logits + max(loss_bytes, block_phase))
 
+    phase = transient + block_grads  # a block's backward, FSDP's gradient buffers included
     memory["activations"] = peak(transient)
-    memory["buffers"] += peak(transient + block_grads) - memory["activations"]  # FSDP's, where that phase is the peak
+    memory["buffers"] += peak(phase) - memory["activations"]  # FSDP's, where that phase tops
     # A caching allocator keeps the loss's freed blocks reserved under the block's backward that follows (whose
     # tensors have other sizes): reserved, the two add (torchtitan's peaks; live, on CPU, the larger counts).
-    kept = (max(0.0, max(stage_bytes * in_flight, stage_bytes + logits + loss_bytes) + transient + block_grads
-                - peak(transient + block_grads)) if a.reserved else 0.0)
+    reserved_more = max(0.0, peak(0.0) + phase - peak(phase)) if a.reserved else 0.0
     if p > 1:
         # PyTorch's pipelining allocates a receive buffer per micro-batch at each stage boundary: a stage's input
         # (forward) and its output's gradient (backward); the first stage receives only the one, the last only
@@ -232,7 +232,7 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     # float32 temporary of everything it steps (its sqrt of the second moments); counted where it tops the above.
     at_step = 16.0 * stored + (memory["buffers"] if shards == 1 else 0.0) + 4.0 * stored
     memory["optimizer step"] = max(0.0, at_step - sum(memory.values()))
-    memory["allocator"] = a.allocator_overhead * (sum(memory.values()) + kept) + kept
+    memory["allocator"] = a.allocator_overhead * (sum(memory.values()) + reserved_more) + reserved_more
     memory["runtime"] = a.runtime_gib * GiB
     total = sum(memory.values())
 

@@ -60,6 +60,8 @@ class Counts:
                                            # without sequence parallelism)
     block_gathered: tuple[float, ...]      # bytes per token of the sub-layers' inputs (whole on every tp rank: replicated
                                            # without sequence parallelism, all-gathered with it)
+    block_backward: tuple[float, ...]      # bytes per token its backward holds at most beyond what was live when it
+                                           # began (its gradients in flight; the weights' gradients left out)
     heads: int = 0                         # attention's query heads (what tp and cp must divide); 0: none seen
     tied: bool = False                     # the head is the input table (a pipeline's last stage holds a copy)
     experts: int = 0                       # a mixture of experts: the experts per MoE layer (what ep must divide)
@@ -72,8 +74,6 @@ class Counts:
     kv_heads: int = 0                      # key/value heads, where the model names them (tp must divide them)
     logits_f32: float = 0.0                # of other_saved, the float32 copies of the logits the loss saves
                                            # (eager cross-entropy's log-probabilities: 4 bytes x vocab per token)
-    block_backward: tuple[float, ...] = ()  # per block, bytes per token its backward holds at most beyond what was
-                                            # live when it began (its gradients in flight; the weights' left out)
 
     @property
     def hidden(self) -> float:
@@ -195,13 +195,17 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         try:
             with tally.flops, tally, live, torch.autograd.graph.saved_tensors_hooks(tally.pack, lambda t: t):
                 vocab, loss = _loss(model, ids)
-            with live:
-                loss.backward()
         except Exception as err:  # a forward that needs real values (data-dependent routing) cannot be faked
             raise UsageError(f"counting {name or type(model).__name__} on fake tensors failed: "
                              f"{type(err).__name__}: {' '.join(str(err).split())[:200]} (forecast needs a forward "
                              "whose shapes do not depend on the data: experts run through grouped matmuls, as "
                              "transformers 5 runs them, not a loop over the tokens each expert got)") from None
+        try:
+            with live:  # the backward, for what each block's holds (``_Live``)
+                loss.backward()
+        except Exception as err:
+            raise UsageError(f"counting {name or type(model).__name__}'s backward on fake tensors failed: "
+                             f"{type(err).__name__}: {' '.join(str(err).split())[:200]}") from None
         finally:
             for h in handles:
                 h.remove()
@@ -222,10 +226,9 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
                   col(0), (total_all[0] - sum(b[0] for b in per_block)) / n,
                   col(1), (total_all[1] - sum(b[1] for b in per_block)) / n,
                   max(inputs), col(2), col(3), col(4), tuple(s - i for s, i in zip(col(1), col(5))), col(6),
-                  tally.heads, tied,
+                  tuple(b / n for b in live.peaks(len(blocks), weights)), tally.heads, tied,
                   min((m.num_experts for m in moe), default=0), tuple(experts_in), tuple(expert_flops), tuple(routed),
-                  tuple(linears), vocab, kv_heads, tally.f32_outside[vocab] / n,
-                  tuple(b / n for b in live.peaks(len(blocks), weights)))
+                  tuple(linears), vocab, kv_heads, tally.f32_outside[vocab] / n)
 
 
 def _flop_counter():
@@ -362,17 +365,20 @@ class _Live(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        # A view or an in-place op hands back its input's storage: nothing new (a weight's transpose is the weight).
-        given = {a.untyped_storage()._cdata for a in _pytree.tree_leaves((args, kwargs))
-                 if isinstance(a, torch.Tensor)}
+        given = None
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage._cdata
-                if key not in self.alive and key not in given:
-                    serial = len(self.log)
-                    self.alive[key] = (serial, weakref.ref(storage, self._freed(key, serial, storage.nbytes())))
-                    self.log.append(("+", serial, storage.nbytes()))
+            if not isinstance(t, torch.Tensor) or t.untyped_storage()._cdata in self.alive:
+                continue
+            storage = t.untyped_storage()
+            key = storage._cdata
+            # A view or an in-place op hands back its input's storage: nothing new (a weight's transpose is the weight).
+            if given is None:
+                given = {a.untyped_storage()._cdata for a in _pytree.tree_leaves((args, kwargs))
+                         if isinstance(a, torch.Tensor)}
+            if key not in given:
+                serial = len(self.log)
+                self.alive[key] = (serial, weakref.ref(storage, self._freed(key, serial, storage.nbytes())))
+                self.log.append(("+", serial, storage.nbytes()))
         return out
 
     def peaks(self, blocks: int, weights: set) -> list[float]:
@@ -381,7 +387,7 @@ class _Live(TorchDispatchMode):
         now) left out, as the gradients are counted whole elsewhere."""
         skip = {self.alive[key][0] for key in weights if key in self.alive}
         live, peak, at, out = 0, 0, None, [0.0] * blocks
-        for event in self.log:
+        for event in [*self.log, ("begin", None)]:  # the end closes the last block's window
             if event[0] == "begin":
                 if at is not None:
                     out[at[0]] = max(out[at[0]], peak - at[1])
@@ -389,6 +395,4 @@ class _Live(TorchDispatchMode):
             elif event[1] not in skip:
                 live += event[2] if event[0] == "+" else -event[2]
                 peak = max(peak, live)
-        if at is not None:
-            out[at[0]] = max(out[at[0]], peak - at[1])
         return out

@@ -218,14 +218,14 @@ def sync(group_sizes: set[int], nproc: int, device: str, threads: int, say=print
 
 
 def loop(workload: str, args: list[str], compute_parts: dict, micro_batch: int, cpu: bool, threads: int, root,
-         steps: int = 32, accums=(1, 3), rounds: int | None = None, module: bool = True) -> dict:
+         steps: int = 32, accums=(1, 3), module: bool = True) -> dict:
     """The training loop's own cost on one process, measured: what it adds to the probe's forward+backward and
     optimizer (the loader, the step meter, the loss's reduction, Python per micro-batch).
 
     ``workload`` (the recipe's module, or with ``module=False`` a script that follows the layout contract)
     runs through the launcher on 1 rank for ``steps`` steps of ``micro_batch`` sequences with 1 and with 3
     micro-batches per step (its StepMeter's step time, as a candidate's run is measured), the two in turn
-    ``rounds`` times (``LOOP_ROUNDS``; ``loop_costs`` reads them)."""
+    ``LOOP_ROUNDS`` times (``loop_costs`` reads them)."""
     from pathlib import Path
 
     from ..launch.once import run_once
@@ -234,7 +234,7 @@ def loop(workload: str, args: list[str], compute_parts: dict, micro_batch: int, 
     # The recipe's evaluation is pushed past the run and its log kept frequent; a script takes the contract's flags.
     own = ["--log-every", "2", "--eval-every", str(10 * steps), "--eval-batches", "1"] if module else []
     measured: dict = {k: [] for k in accums}
-    for r in range(LOOP_ROUNDS if rounds is None else rounds):
+    for r in range(LOOP_ROUNDS):
         for k in accums:
             where = Path(root) / f"loop-accum{k}-{r}"
             argv = [*args, "--global-batch", str(micro_batch * k), "--micro-batch", str(micro_batch),
