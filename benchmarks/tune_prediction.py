@@ -15,15 +15,24 @@ import statistics
 from pathlib import Path
 
 
+def waits(measured) -> str:
+    """A collective's measured waits in a busy step: one figure (a tune.json from before), or one per stretch of
+    work before it."""
+    if isinstance(measured, (int, float)):
+        return f"{measured * 1e3:.2f} ms"
+    return " / ".join(f"{w * 1e3:.2f} ms after {g * 1e3:.1f}" for g, w in measured)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune-json", required=True)
     args = parser.parse_args()
     report = json.loads(Path(args.tune_json).read_text())
     rows = [r for r in report["candidates"] if r.get("result")]
-    print(f"{report['workload']} on {report['world_size']} ranks, global batch {report['global_batch']}; probe: slowdown "
-          f"{report['probe']['busy']['slowdown']:.2f}, waits "
-          + ", ".join(f"{n} ranks {w * 1e3:.2f} ms" for n, w in report["probe"]["busy"]["wait_s"].items()) + "\n")
+    probe = report.get("probe") or report["prediction"]  # the recipe's tune.json, a script's
+    print(f"{report['workload']} on {report['world_size']} ranks, global batch "
+          f"{report.get('global_batch') or probe['global_batch']}; probe: slowdown {probe['busy']['slowdown']:.2f}, waits "
+          + ", ".join(f"{n} ranks {waits(w)}" for n, w in probe["busy"]["wait_s"].items()) + "\n")
     print("| layout | measured ms/step | predicted | error | measured MiB | predicted | error |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in sorted(rows, key=lambda r: r["result"]["step_time_s"]):

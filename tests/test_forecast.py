@@ -380,7 +380,7 @@ def test_a_measured_machines_overheads_are_charged_per_micro_batch_step_and_coll
     work per micro-batch and step, and each collective's wait, counted per group size."""
     c = _counts()
     machine, run, a = cluster("h100", 8), Run(32, 64), Assumptions()
-    costs = Overheads(micro_s=0.01, step_s=0.1, wait_s={8: 0.001})
+    costs = Overheads(micro_s=0.01, step_s=0.1, wait_s={8: ((0.0, 0.001),)})
     ddp = predict(c, machine, Degrees(8, 1, 1, 1, 1, 2), run, a, costs)
     assert ddp["collectives"] == {8: 2}  # one bucket of gradients, the token count
     assert ddp["time"]["fixed costs"] == pytest.approx(2 * 0.01 + 0.1 + 2 * 0.001)  # 2 micro-batches a step
@@ -388,6 +388,17 @@ def test_a_measured_machines_overheads_are_charged_per_micro_batch_step_and_coll
     # per micro-batch each of 3 blocks gathered twice and the root once; a reduce-scatter per unit; the norm, the count
     assert fsdp["collectives"] == {8: 2 * (2 * 3 + 1) + (3 + 1) + 2}
     assert "fixed costs" not in predict(c, machine, Degrees(1, 8, 1, 1, 1, 2), run, a)["time"]
+    # A wait grows with the work since the last collective (measured after a few stretches of it, joined by straight
+    # lines, flat outside): the step's work (compute, bubble, optimizer, the wrapper's) over its collectives.
+    curve = Overheads(micro_s=0.01, step_s=0.1, wait_s={8: ((0.001, 0.001), (0.003, 0.002), (0.011, 0.004))})
+    assert [curve.wait(8, g) for g in (0.0, 0.001, 0.002, 0.007, 0.011, 1.0)] == pytest.approx(
+        [0.001, 0.001, 0.0015, 0.003, 0.004, 0.004])
+    assert curve.wait(4, 0.005) == 0.0  # no group of 4 measured
+    for degrees in (Degrees(8, 1, 1, 1, 1, 2), Degrees(1, 8, 1, 1, 1, 2)):
+        got = predict(c, machine, degrees, run, a, curve)
+        work = 2 * 0.01 + 0.1 + sum(v for k, v in got["time"].items() if k in ("compute", "pipeline bubble", "optimizer"))
+        calls = got["collectives"][8]
+        assert got["time"]["fixed costs"] == pytest.approx(2 * 0.01 + 0.1 + calls * curve.wait(8, work / calls))
 
 
 def test_bubble_and_scaling():

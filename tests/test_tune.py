@@ -134,6 +134,14 @@ def test_tune_on_two_cpu_ranks_measures_the_top_candidates_and_writes_the_report
         assert abs(c["error"]["memory"]) < 0.3, c
     assert "measuring the links on 2 ranks" in "\n".join(lines)
     assert report["verdict"] in lines
+    # The busy probe's wait on the 2 ranks after each stretch of work, the stretches as long as measured there.
+    from multigpu.tune.probe import SYNC_GAPS
+
+    points = saved["probe"]["busy"]["wait_s"]["2"]
+    assert len(points) == len(SYNC_GAPS) and all(w >= 0 for _, w in points)
+    work = saved["probe"]["busy"]["work_s"]  # one matmul's
+    assert [g for g, _ in points] == sorted(g for g, _ in points) and points[0][0] == work
+    assert points[-1][0] > 0.5 * SYNC_GAPS[-1] * work  # k matmuls take about k times one
     # The next tune reads the links from the cache.
     from multigpu.tune import probe
 
@@ -141,11 +149,13 @@ def test_tune_on_two_cpu_ranks_measures_the_top_candidates_and_writes_the_report
 
 
 def test_the_measured_fixed_costs_and_the_collectives_waits_add_in():
+    from multigpu.tune import machine
     from multigpu.tune.machine import family
 
     fixed = {f"{f}{ac}": {"micro_s": 0.001 * (i + 1), "step_s": 0.01 * (i + 1)}
              for i, f in enumerate(("none", "ddp", "fsdp", "tp", "fsdp+tp")) for ac in ("", "+ac")}
-    sync = {2: 0.004, 4: 0.006}
+    sync = {2: [(0.0, 0.004)], 4: [(0.0, 0.006)]}  # the same wait after any work (a tune.json from before: one figure)
+    assert machine.waits(0.004) == sync[2] and machine.waits([[0.001, 0.004]]) == [(0.001, 0.004)]
     _, bare_of = _tune_predict(config("tiny"), _parts(2.0))
     _, full_of = _tune_predict(config("tiny"), _parts(2.0, fixed, sync))
     links = _parts()["links"]
@@ -159,7 +169,9 @@ def test_the_measured_fixed_costs_and_the_collectives_waits_add_in():
         bare, full = bare_of(layout), full_of(layout)
         m = layout.accum_steps(16, world_size=4)
         f = fixed[family(layout.resolve(4)) + ("+ac" if layout.activation_checkpointing else "")]
-        waits = sum(n * (sync[g] - links.time("all_reduce", g, 1024)) for g, n in full["collectives"].items())
+        # HSDP's and FSDP x TP's blocks issue collectives along two mesh dimensions: every group waits as the 4 do.
+        w = {g: sync[4 if key in ("hsdp", "fsdp+tp") else g][0][1] - links.time("all_reduce", g, 1024) for g in sync}
+        waits = sum(n * w[4 if key in ("hsdp", "fsdp+tp") else g] for g, n in full["collectives"].items())
         # slowdown 2: the wrapper's work is CPU work, as slow as the compute
         assert full["overhead_s"] == pytest.approx(m * f["micro_s"] * 2.0 + f["step_s"] * 2.0 + waits), key
         assert bare["overhead_s"] == 0.0
@@ -168,6 +180,18 @@ def test_the_measured_fixed_costs_and_the_collectives_waits_add_in():
     # The collectives counted per step: DDP one bucket and the token count, on the 4 ranks.
     ddp = full_of(layouts["ddp"])
     assert ddp["collectives"] == {4: 2} and ddp["overhead_s"] == pytest.approx(2 * 0.002 * 2 + 0.02 * 2 + 2 * (0.006 - floor))
+    # Measured after stretches of work, the wait is read at the layout's own: its step's work over its collectives.
+    grows = {2: [(0.001, 0.004), (0.011, 0.009)], 4: [(0.001, 0.006), (0.011, 0.016)]}
+    _, grows_of = _tune_predict(config("tiny"), _parts(2.0, fixed, grows))
+    for key in ("ddp", "fsdp"):
+        got = grows_of(layouts[key])
+        m, f = layouts[key].accum_steps(16, world_size=4), fixed[key]
+        work = m * f["micro_s"] * 2.0 + f["step_s"] * 2.0
+        gap = (work + got["compute_s"]) / got["collectives"][4]
+        # DDP: 2 collectives, past the last point (its wait); FSDP's 15 between the two (on the line)
+        assert (gap > 0.011) if key == "ddp" else (0.001 < gap < 0.011), key
+        at = 0.006 + (0.016 - 0.006) * (min(gap, 0.011) - 0.001) / 0.010 - floor
+        assert got["overhead_s"] == pytest.approx(work + got["collectives"][4] * at), key
     # The transfer taken off a wait is the same all-reduce's time back to back, measured beside it by the busy
     # probe (the links' may come from another day's load).
     _, beside_of = _tune_predict(config("tiny"), _parts(2.0, fixed, sync) | {"idle": {2: 0.001, 4: 0.0025}})

@@ -51,6 +51,7 @@ from .hardware import Cluster
 
 GiB = 2**30
 DDP_BUCKET = 25 * 2**20  # DDP's default bucket_cap_mb
+WORK = ("compute", "pipeline bubble", "optimizer")  # a step's parts that are work, not transfers
 
 
 @dataclass(frozen=True)
@@ -92,11 +93,26 @@ class Degrees:
 class Overheads:
     """Seconds a machine spends beyond its FLOPs and bytes, for one layout, where they are measured (tune's
     probe on this machine: the wrapper's work per micro-batch and per step, what one collective among n
-    ranks waits in a busy step; ``benchmarks/forecast_cpu.py``). A cluster described by spec figures has none."""
+    ranks waits in a busy step after a stretch of work; ``benchmarks/forecast_cpu.py``). A cluster described
+    by spec figures has none."""
 
     micro_s: float = 0.0
     step_s: float = 0.0
-    wait_s: dict[int, float] = field(default_factory=dict)
+    # {group size: ((seconds of work since the last collective, the collective's wait), ...)}, by work
+    wait_s: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+
+    def wait(self, n: int, gap: float) -> float:
+        """What one collective among ``n`` ranks waits after ``gap`` seconds of work: the measured points
+        joined by straight lines, the nearest one's outside them (0 where none is measured)."""
+        points = self.wait_s.get(n, ())
+        if not points:
+            return 0.0
+        if gap <= points[0][0]:
+            return points[0][1]
+        for (g0, w0), (g1, w1) in zip(points, points[1:]):
+            if gap <= g1:
+                return w0 + (w1 - w0) * (gap - g0) / (g1 - g0) if g1 > g0 else w1
+        return points[-1][1]
 
 
 @dataclass(frozen=True)
@@ -313,8 +329,11 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
         if n > 1:
             calls[n] = calls.get(n, 0.0) + 1
     if overheads is not None:
-        time["fixed costs"] = m * overheads.micro_s * (per_stage / L if p > 1 else 1.0) + overheads.step_s \
-            + sum(k * overheads.wait_s.get(n, 0.0) for n, k in calls.items())
+        work = m * overheads.micro_s * (per_stage / L if p > 1 else 1.0) + overheads.step_s
+        # Each collective waits for its group's slowest rank, the longer the more work the ranks did since the
+        # last: the step's work (compute, bubble, optimizer, the wrapper's) shared evenly between its collectives.
+        gap = (work + sum(v for k, v in time.items() if k in WORK)) / max(1.0, sum(calls.values()))
+        time["fixed costs"] = work + sum(k * overheads.wait(n, gap) for n, k in calls.items())
     step = sum(time.values())
     tps = run.global_batch * run.seq_len / step / cluster.gpus
     return {"memory": memory, "memory_bytes": total, "fits": total <= cluster.gpu.hbm_bytes, "time": time,

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..forecast.cost import Assumptions, Overheads, Run, micro_flops
+from ..forecast.cost import WORK, Assumptions, Overheads, Run, micro_flops
 from ..forecast.counts import Counts
 from ..forecast.hardware import Cluster, Gpu
 from ..parallel.layout import Layout
@@ -66,8 +66,16 @@ def parts_of(report: dict) -> dict:
     measured, _ = links({int(n) for n in probe["links"]}, report["device"], threads, say=lambda _: None)
     return {"compute": {(int(k.removesuffix("+ac")), k.endswith("+ac")): v for k, v in probe["compute"].items()},
             "links": measured, "slowdown": probe["busy"]["slowdown"], "fixed": probe["fixed"],
-            "wrappers": probe["wrappers"], "sync": {int(n): w for n, w in probe["busy"]["wait_s"].items()},
+            "wrappers": probe["wrappers"], "sync": {int(n): waits(w) for n, w in probe["busy"]["wait_s"].items()},
             "idle": {int(n): w for n, w in probe["busy"].get("idle_s", {}).items()}}
+
+
+def waits(measured) -> list[tuple[float, float]]:
+    """A busy probe's waits for one group size as [(work before it, wait)] (``probe.sync``); a tune.json from
+    before the probe timed several stretches of work kept one wait, after about half a millisecond."""
+    if isinstance(measured, (int, float)):
+        return [(0.0, float(measured))]
+    return [(float(g), float(w)) for g, w in measured]
 
 
 def measured_cluster(counts: Counts, parts: dict, nproc: int, memory: float | None) -> Cluster:
@@ -87,16 +95,22 @@ def measured_cluster(counts: Counts, parts: dict, nproc: int, memory: float | No
 
 def overheads(layout: Layout, parts: dict) -> Overheads:
     """The measured fixed costs of ``layout``'s wrapper (x the busy ranks' slowdown: they are CPU work) and each
-    collective's wait in a busy step, less its own transfer (the links count it): the same all-reduce's time
-    back to back, measured beside it (``probe.sync``'s ``idle_s``; a tune.json from before it: the links'
-    1 KiB all-reduce, measured on another day)."""
+    collective's wait in a busy step after each stretch of work measured, less its own transfer (the links
+    count it): the same all-reduce's time back to back, measured beside it (``probe.sync``'s ``idle_s``; a
+    tune.json from before it: the links' 1 KiB all-reduce, measured on another day)."""
     fixed = parts["fixed"][family(layout) + ("+ac" if layout.activation_checkpointing else "")]
     links, slowdown = parts["links"], parts["slowdown"]
     idle = parts.get("idle") or {}
     floor = {n: idle[n] if n in idle else links.time("all_reduce", n, 1024) if ("all_reduce", n) in links.points
              else 0.0 for n in parts["sync"]}
-    return Overheads(fixed["micro_s"] * slowdown, fixed["step_s"] * slowdown,
-                     {n: max(0.0, w - floor[n]) for n, w in parts["sync"].items()})
+    alone = {n: tuple((g, max(0.0, w - floor[n])) for g, w in points) for n, points in parts["sync"].items()}
+    # A layout whose blocks issue collectives along two mesh dimensions (HSDP: each unit's reduce-scatter among
+    # its shards, then at once its all-reduce among the replicas; FSDP x TP, CP, EP: each block's gathers and
+    # its tp/cp/ep collectives) chains its groups: through them a rank waits on every rank, as in one group of
+    # all. A pipeline's stages meet at their sends only, whose waits its bubble counts.
+    if sum(d > 1 for d in (layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp, layout.ep)) > 1:
+        alone = {n: alone[max(alone)] for n in alone}
+    return Overheads(fixed["micro_s"] * slowdown, fixed["step_s"] * slowdown, alone)
 
 
 def predict(layout: Layout, counts: Counts, cluster: Cluster, parts: dict, global_batch: int) -> dict:
@@ -107,7 +121,7 @@ def predict(layout: Layout, counts: Counts, cluster: Cluster, parts: dict, globa
     # The logits gathered; a script's loop holds them through the backward (the recipe's and examples' do, as most do).
     run = Run(global_batch, counts.seq_len, "full" if layout.activation_checkpointing else "none", logits_held=True)
     got = forecast(counts, cluster, layout, run, ASSUMPTIONS, overheads(layout, parts))
-    compute = sum(v for k, v in got["time"].items() if k in ("compute", "pipeline bubble", "optimizer"))
+    compute = sum(v for k, v in got["time"].items() if k in WORK)
     fixed = got["time"].get("fixed costs", 0.0)
     return {"step_time_s": got["step_s"], "memory_bytes": got["memory_bytes"], "compute_s": compute,
             "comm_s": got["step_s"] - compute - fixed, "overhead_s": fixed, "time": got["time"],
@@ -155,8 +169,8 @@ def measure_parts(subject, found: list[Layout], nproc: int, device: str, threads
     t0 = time.perf_counter()
     busy = probe.sync(groups | {nproc}, nproc, device, threads, say=say)
     return {"compute": compute, "probe_s": probe_s, "links": links, "sources": sources, "fixed": fixed,
-            "loop": loop, "wrappers": fixed_costs, "fixed_s": fixed_s, "sync": busy["wait_s"], "idle": busy["idle_s"],
-            "slowdown": busy["slowdown"],
+            "loop": loop, "wrappers": fixed_costs, "fixed_s": fixed_s, "idle": busy["idle_s"],
+            "sync": {n: waits(w) for n, w in busy["wait_s"].items()}, "slowdown": busy["slowdown"],
             "busy": busy | {"measure_s": time.perf_counter() - t0}}
 
 

@@ -7,7 +7,7 @@ measurement, and keeps the result in a cache file per machine, device kind, grou
 The fixed costs, measured each time (they move with the machine's load): ``loop`` runs the training
 script itself on one rank (what its loop adds per micro-batch and per step), ``wrappers.overheads`` times
 each wrapper on the model, and ``sync`` runs a busy step on the real ranks (what one collective adds when
-every rank computes, and the compute's slowdown there).
+every rank computes, after short and long stretches of it, and the compute's slowdown there).
 """
 
 from __future__ import annotations
@@ -110,12 +110,17 @@ def links(group_sizes: set[int], device: str, threads: int, say=print) -> tuple[
 
 
 # -- the collectives' cost inside a step: every rank busy, each collective waits for its group's slowest -------
-SYNC_WORK = 256  # one matmul of SYNC_WORK^3 between collectives (33.5 MFLOP: about a millisecond on one core)
+SYNC_WORK = 256  # one matmul of SYNC_WORK^3 (33.5 MFLOP: about half a millisecond on one busy core)
+# The work between two collectives, in matmuls: a collective waits longer the longer the ranks computed since the
+# last (on shared cores they drift apart, up to a scheduler's slice; 4 ranks on 2 cores, a 1 KiB all-reduce added
+# 5.9 ms after 0.55 ms of work, 8.5 ms after 2.5 ms, 11 ms after 10 ms and after 22 ms).
+SYNC_GAPS = (1, 4, 16)
 
 
-def sync_rank(group_sizes: list[int], threads: int, iters: int = 100, rounds: int = 5) -> dict | None:
-    """One rank of ``sync``: the time a small all-reduce adds to a loop of compute on every rank, and its time
-    back to back with no compute (module level, so that launched workers import it)."""
+def sync_rank(group_sizes: list[int], threads: int, iters: int = 96, rounds: int = 5) -> dict | None:
+    """One rank of ``sync``: the time a small all-reduce adds to a loop of compute on every rank, after each of
+    ``SYNC_GAPS``' amounts of work, and its time back to back with no compute (module level, so that launched
+    workers import it)."""
     import torch.distributed as tdist
 
     from ..dist import init
@@ -126,46 +131,51 @@ def sync_rank(group_sizes: list[int], threads: int, iters: int = 100, rounds: in
         groups = {}
         for g in group_sizes:  # every rank in its group of g consecutive ranks, as the mesh's inner dimensions
             for start in range(0, world, g):
-                group = tdist.new_group(list(range(start, start + g)))
+                group = tdist.new_group(list(range(start, start + g)))  # collective: every rank makes every group
                 if start <= rank < start + g:
                     groups[g] = group
         a = torch.randn(SYNC_WORK, SYNC_WORK, device=dist.device)
         t = torch.zeros(256, device=dist.device)
 
-        def loop(g: int, busy: bool = True) -> float:
+        def loop(g: int, work: int, n: int) -> float:
+            """Seconds per iteration of ``work`` matmuls then (g > 0) the all-reduce among g, ``n`` iterations."""
             tdist.barrier()
             if dist.device.type == "cuda":
                 torch.cuda.synchronize(dist.device)
             t0 = time.perf_counter()
-            for _ in range(iters):
-                if busy:
+            for _ in range(n):
+                for _ in range(work):
                     a @ a
                 if g:
                     tdist.all_reduce(t, group=groups[g])
             if dist.device.type == "cuda":
                 torch.cuda.synchronize(dist.device)
-            return time.perf_counter() - t0
+            return (time.perf_counter() - t0) / n
 
-        loop(group_sizes[0])  # warm-up
-        extra: dict = {g: [] for g in group_sizes}
+        runs = {k: max(12, iters // k) for k in SYNC_GAPS}  # each loop about as long as the others
+        loop(group_sizes[0], 1, runs[1])  # warm-up
+        extra: dict = {(g, k): [] for g in group_sizes for k in SYNC_GAPS}
+        gaps: dict = {k: [] for k in SYNC_GAPS}
         idle: dict = {g: [] for g in group_sizes}
-        work = []
         for _ in range(rounds):
             for g in group_sizes:
-                base = loop(0)
-                work.append(base / iters)
-                extra[g].append((loop(g) - base) / iters)
-                idle[g].append(loop(g, busy=False) / iters)  # the same collective back to back, now
-        mine = torch.tensor([statistics.median(extra[g]) for g in group_sizes] +
-                            [statistics.median(idle[g]) for g in group_sizes] + [statistics.median(work)],
-                            dtype=torch.float64, device=dist.device)
+                for k in SYNC_GAPS:
+                    base = loop(0, k, runs[k])
+                    gaps[k].append(base)
+                    extra[(g, k)].append(loop(g, k, runs[k]) - base)
+                idle[g].append(loop(g, 0, iters))  # the same collective back to back, now
+        mine = torch.tensor([statistics.median(extra[(g, k)]) for g in group_sizes for k in SYNC_GAPS]
+                            + [statistics.median(idle[g]) for g in group_sizes]
+                            + [statistics.median(gaps[k]) for k in SYNC_GAPS], dtype=torch.float64, device=dist.device)
         tdist.all_reduce(mine)  # the ranks' mean
         mean = (mine / world).cpu().tolist()
         if not dist.is_main:
             return None
-        k = len(group_sizes)
-        return {"wait_s": {str(g): max(0.0, v) for g, v in zip(group_sizes, mean[:k])},
-                "idle_s": {str(g): v for g, v in zip(group_sizes, mean[k:2 * k])}, "work_s": mean[-1]}
+        k, n = len(SYNC_GAPS), len(group_sizes)
+        gap = mean[n * k + n:]
+        return {"wait_s": {str(g): [[gap[j], max(0.0, mean[i * k + j])] for j in range(k)]
+                           for i, g in enumerate(group_sizes)},
+                "idle_s": {str(g): v for g, v in zip(group_sizes, mean[n * k:n * k + n])}, "work_s": gap[0]}
 
 
 def _work_alone(threads: int, iters: int = 100, rounds: int = 5) -> float:
@@ -188,12 +198,13 @@ def _work_alone(threads: int, iters: int = 100, rounds: int = 5) -> float:
 
 def sync(group_sizes: set[int], nproc: int, device: str, threads: int, say=print) -> dict:
     """A step's shared costs on the real ``nproc`` ranks, every one busy (measured each time: they depend on
-    what else the machine runs now): {"wait_s": {g: seconds a 1 KiB all-reduce among g ranks adds to a loop
-    of compute}, "idle_s": {g: its seconds back to back, no compute, measured beside it: the transfer, which
-    the links count, so that wait_s - idle_s is the wait alone}, "slowdown": how much slower each rank
-    computes than this one process alone, "work_s", "alone_s": the matmul's time on the busy ranks and
-    here}. On a CPU with more workers than cores a collective waits until every peer is scheduled again, and
-    the cores are shared."""
+    what else the machine runs now): {"wait_s": {g: [[gap, seconds a 1 KiB all-reduce among g ranks adds to a
+    loop of compute after each gap seconds of it], one per ``SYNC_GAPS``]}, "idle_s": {g: its seconds back to
+    back, no compute, measured beside it: the transfer, which the links count, so that a wait less idle_s is
+    the wait alone}, "slowdown": how much slower each rank computes than this one process alone, "work_s",
+    "alone_s": the matmul's time on the busy ranks and here}. On a CPU with more workers than cores a
+    collective waits until every peer is scheduled again, the longer the ranks ran apart, and the cores are
+    shared."""
     from ..commbench.launch import launch_local
     from ..runtime.contract import environ
 
