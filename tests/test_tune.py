@@ -116,8 +116,7 @@ def test_refusals_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_tune_on_two_cpu_ranks_measures_the_top_candidates_and_writes_the_report(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+def test_tune_on_two_cpu_ranks_measures_the_top_candidates_and_writes_the_report(tmp_path):
     lines = []
     out, report = run_tune(TuneConfig("gpt", ("--global-batch", "16"), nproc=2, cpu=True, top=2, repeats=1, steps=6,
                                       out=str(tmp_path / "tune"), micro_batches=(4, 8)), say=lines.append)
@@ -132,7 +131,7 @@ def test_tune_on_two_cpu_ranks_measures_the_top_candidates_and_writes_the_report
     assert saved["winner"] == winner["candidate"] and " ".join(winner["args"]) in saved["command"]
     for c in measured:  # the memory count is the recipe's own: state exactly, activations of its first step
         assert abs(c["error"]["memory"]) < 0.3, c
-    assert "measuring the links on 2 ranks" in "\n".join(lines)
+    assert "measuring the links in groups of 2 of the 2 ranks" in "\n".join(lines)
     assert report["verdict"] in lines
     # The busy probe's wait on the 2 ranks after each stretch of work, the stretches as long as measured there.
     from multigpu.tune.probe import SYNC_GAPS
@@ -142,10 +141,20 @@ def test_tune_on_two_cpu_ranks_measures_the_top_candidates_and_writes_the_report
     work = saved["probe"]["busy"]["work_s"]  # one matmul's
     assert [g for g, _ in points] == sorted(g for g, _ in points) and points[0][0] == work
     assert points[-1][0] > 0.5 * SYNC_GAPS[-1] * work  # k matmuls take about k times one
-    # The next tune reads the links from the cache.
-    from multigpu.tune import probe
+    # The links' rows are kept in tune.json: a prediction is made again from it alone.
+    from multigpu.tune import machine
 
-    assert probe.links({2}, "cpu", 1)[1][2].startswith("cached ")
+    rows = saved["probe"]["links"]["2"]
+    assert {r["op"] for r in rows} == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"} and len(rows) == 4 * 7
+    again = machine.parts_of(saved)["links"]
+    assert again.time("all_gather", 2, rows[7]["size"]) == rows[7]["time_s"]
+    # A tune.json from before kept the path of a cache file instead: read where it is, one line where it is gone.
+    old = {"probe": saved["probe"] | {"links": {"2": f"cached {tmp_path / 'gone.json'}"}}}
+    with pytest.raises(UsageError, match="links on 2 ranks were kept in .*gone.json, which is gone; run the tune again"):
+        machine.parts_of(old)
+    (tmp_path / "kept.json").write_text(json.dumps(rows))
+    old["probe"]["links"]["2"] = f"measured, {tmp_path / 'kept.json'}"
+    assert machine.parts_of(old)["links"].time("all_gather", 2, rows[7]["size"]) == rows[7]["time_s"]
 
 
 def test_the_measured_fixed_costs_and_the_collectives_waits_add_in():
@@ -384,14 +393,13 @@ def test_a_world_where_the_script_refuses_every_layout_is_one_line_and_writes_no
 
 
 @pytest.mark.slow
-def test_tune_predicts_a_scripts_layouts_from_its_model_and_measures_the_fastest_that_fit(tmp_path, monkeypatch):
+def test_tune_predicts_a_scripts_layouts_from_its_model_and_measures_the_fastest_that_fit(tmp_path):
     """`multigpu tune --model examples/hf_model.py:build_model --seq-len 64 examples/hf_model.py --global-batch 8`:
     the script's model counted and probed as the recipe's is, every layout (each micro-batch, with and without
     checkpointing) predicted, those over the memory budget pruned, the 2 fastest predicted of the rest run."""
     pytest.importorskip("transformers")
     from pathlib import Path
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     example = str(Path(__file__).resolve().parents[1] / "examples" / "hf_model.py")
     budget = 7 * 2**20  # below DDP's at micro-batch 4 (its whole states and 4 sequences' activations)
     lines: list[str] = []

@@ -3,8 +3,8 @@ or of a script that reads its layout with ``mg.layout_from_args()``, measured (`
 told its model: ``--model``).
 
     space.py   the candidates, mg.parallel.Layouts: DDP / FSDP / HSDP x TP x PP, micro-batch, checkpointing, schedule
-    probe.py   the measured parts: one micro-batch on one process, the links (cached), the wrappers' and the
-               loop's fixed costs (one process), the collectives' waits in a busy step (the real ranks, cached)
+    probe.py   the measured parts: one micro-batch on one process, the links (every group at once), the wrappers'
+               and the loop's fixed costs (one process), the collectives' waits in a busy step (the real ranks)
     machine.py this machine as multigpu forecast describes a cluster (measure_parts: the probes it rests on): its
                model predicts each candidate
     run.py     predict, prune, measure the top K interleaved, report (tune.json, report.md, report.html)

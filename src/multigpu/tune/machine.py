@@ -58,12 +58,22 @@ def count_recipe(model_cfg, precision: str = "fp32") -> Counts:
 
 def parts_of(report: dict) -> dict:
     """The measured parts a tune run recorded in its tune.json (``probe_record``: the recipe's ``probe``, a
-    script's ``prediction``), as ``measure_parts`` returned them (the links read again from this machine's cache,
-    where tune keeps them)."""
-    from .probe import links
+    script's ``prediction``), as ``measure_parts`` returned them."""
+    import json
 
-    probe, threads = report.get("probe") or report["prediction"], report.get("threads_per_worker") or 1
-    measured, _ = links({int(n) for n in probe["links"]}, report["device"], threads, say=lambda _: None)
+    from ..errors import UsageError
+    from .probe import links_of
+
+    probe = report.get("probe") or report["prediction"]
+    rows = probe["links"]
+    for n, kept in rows.items():
+        if isinstance(kept, str):  # a tune.json from before the links were kept in it: "cached <the file>"
+            where = Path(kept.split()[-1])
+            if not where.is_file():
+                raise UsageError(f"this tune.json's links on {n} ranks were kept in {where}, which is gone; "
+                                 "run the tune again")
+            rows = rows | {n: json.loads(where.read_text())}
+    measured = links_of(rows)
     return {"compute": {(int(k.removesuffix("+ac")), k.endswith("+ac")): v for k, v in probe["compute"].items()},
             "links": measured, "slowdown": probe["busy"]["slowdown"], "fixed": probe["fixed"],
             "wrappers": probe["wrappers"], "sync": {int(n): waits(w) for n, w in probe["busy"]["wait_s"].items()},
@@ -155,7 +165,7 @@ def measure_parts(subject, found: list[Layout], nproc: int, device: str, threads
     shapes = [c.resolve(nproc) for c in found]
     groups = {n for s in shapes for n in (s.dp_size, s.dp_shard, s.dp_replicate, s.tp)}
     groups |= {2} if any(s.pp > 1 for s in shapes) else set()
-    links, sources = probe.links(groups, device, threads, say=say)
+    links, rows = probe.links(groups, nproc, device, threads, say=say)
     t0 = time.perf_counter()
     micro = min(c.micro_batch for c in found)
     say("multigpu tune: measuring the training loop on one rank and the wrappers' fixed costs on one process")
@@ -168,7 +178,7 @@ def measure_parts(subject, found: list[Layout], nproc: int, device: str, threads
     fixed_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     busy = probe.sync(groups | {nproc}, nproc, device, threads, say=say)
-    return {"compute": compute, "probe_s": probe_s, "links": links, "sources": sources, "fixed": fixed,
+    return {"compute": compute, "probe_s": probe_s, "links": links, "link_rows": rows, "fixed": fixed,
             "loop": loop, "wrappers": fixed_costs, "fixed_s": fixed_s, "idle": busy["idle_s"],
             "sync": {n: waits(w) for n, w in busy["wait_s"].items()}, "slowdown": busy["slowdown"],
             "busy": busy | {"measure_s": time.perf_counter() - t0}}
@@ -176,7 +186,7 @@ def measure_parts(subject, found: list[Layout], nproc: int, device: str, threads
 
 def probe_record(parts: dict) -> dict:
     """What a tune.json keeps of ``measure_parts``' parts (``parts_of`` reads it back): the compute per
-    micro-batch (keys "4", "4+ac"), where the links came from, the fixed costs, the busy step, each probe's time."""
+    micro-batch (keys "4", "4+ac"), the links' measured rows, the fixed costs, the busy step, each probe's time."""
     return {"compute": {f"{m}{'+ac' if ac else ''}": v for (m, ac), v in parts["compute"].items()},
-            "probe_s": parts["probe_s"], "links": parts["sources"], "fixed": parts["fixed"], "loop": parts["loop"],
+            "probe_s": parts["probe_s"], "links": parts["link_rows"], "fixed": parts["fixed"], "loop": parts["loop"],
             "wrappers": parts["wrappers"], "fixed_s": parts["fixed_s"], "busy": parts["busy"]}

@@ -2,9 +2,9 @@
 
 ``compute`` times a micro-batch's forward and backward of the model (a ``wrappers.Subject``) in this
 process (with the threads one worker gets). ``links`` measures all-reduce, all-gather, reduce-scatter and
-broadcast at sizes 4 KiB..16 MiB on each group size the candidates use, through ``multigpu bench``'s
-measurement, and keeps the result in a cache file per machine, device kind, group size and thread count.
-The fixed costs, measured each time (they move with the machine's load): ``loop`` runs the training
+broadcast at sizes 4 KiB..16 MiB on each group size the candidates use, every group of the ranks at once,
+through ``multigpu bench``'s measurement. Everything is measured each time (it moves with the machine's
+load). The fixed costs: ``loop`` runs the training
 script itself on one rank (what its loop adds per micro-batch and per step), ``wrappers.overheads`` times
 each wrapper on the model, and ``sync`` runs a busy step on the real ranks (what one collective adds when
 every rank computes, after short and long stretches of it, and the compute's slowdown there).
@@ -12,9 +12,6 @@ every rank computes, after short and long stretches of it, and the compute's slo
 
 from __future__ import annotations
 
-import json
-import os
-import socket
 import statistics
 import time
 
@@ -71,42 +68,34 @@ def timed(model, step, keys, rounds: int = 7) -> tuple[dict, float]:
     return {key: statistics.median(v) for key, v in times.items()}, statistics.median(opt_times)
 
 
-def cache_path(n: int, device: str, threads: int) -> str:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "multigpu", f"links-{socket.gethostname()}-{device}-n{n}-t{threads}.json")
-
-
-def links(group_sizes: set[int], device: str, threads: int, say=print) -> tuple[Links, dict]:
-    """The links' measured points for every group size (cached); (Links, where each came from)."""
+def links(group_sizes: set[int], nproc: int, device: str, threads: int, say=print) -> tuple[Links, dict]:
+    """The links' measured points for every group size n: each op at each size among n consecutive ranks of
+    the ``nproc``, every group at once, as a mesh dimension runs them (2 ranks alone on a CPU have its cores to
+    themselves; in a layout the other groups share them), measured each time (on shared cores they move with
+    the load: a 4-rank reduce-scatter took 4.1 ms one day and 5.5-7 another). (Links, {n: the rows measured})."""
     from ..commbench.run import run_bench
     from ..commbench.spec import BenchConfig
     from ..runtime.contract import environ
 
-    points: dict[tuple[str, int], list[tuple[int, float]]] = {}
-    sources = {}
+    rows = {}
     for n in sorted(s for s in group_sizes if s > 1):
-        path = cache_path(n, device, threads)
-        rows = None
-        if os.path.isfile(path):
-            with open(path) as fp:
-                rows = json.load(fp)
-            sources[n] = f"cached {path}"
-        else:
-            say(f"multigpu tune: measuring the links on {n} ranks (once per machine; cached in {path})")
-            cfg = BenchConfig(ops=OPS, sizes=SIZES, warmup=3, iters=10, check=False,
-                              backend="gloo" if device == "cpu" else None)
-            with environ(OMP_NUM_THREADS=str(threads), CUDA_VISIBLE_DEVICES="" if device == "cpu" else None):
-                result = run_bench(cfg, nproc=n)
-            rows = [{"op": r["op"], "size": r["size"], "time_s": (r["out"] or r["in"])["time_us"] / 1e6}
-                    for r in result["rows"] if not r.get("unsupported")]
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(f"{path}.tmp", "w") as fp:
-                json.dump(rows, fp)
-            os.replace(f"{path}.tmp", path)
-            sources[n] = f"measured, {path}"
-        for r in rows:
-            points.setdefault((r["op"], n), []).append((r["size"], r["time_s"]))
-    return Links(points), sources
+        say(f"multigpu tune: measuring the links in groups of {n} of the {nproc} ranks")
+        cfg = BenchConfig(ops=OPS, sizes=SIZES, warmup=3, iters=10, check=False,
+                          backend="gloo" if device == "cpu" else None, group=n if n < nproc else None)
+        with environ(OMP_NUM_THREADS=str(threads), CUDA_VISIBLE_DEVICES="" if device == "cpu" else None):
+            result = run_bench(cfg, nproc=nproc)
+        rows[n] = [{"op": r["op"], "size": r["size"], "time_s": (r["out"] or r["in"])["time_us"] / 1e6}
+                   for r in result["rows"] if not r.get("unsupported")]
+    return links_of(rows), rows
+
+
+def links_of(rows: dict) -> Links:
+    """The Links of measured rows ({group size: [{"op", "size", "time_s"}]}: ``links``' or a tune.json's)."""
+    points: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for n, measured in rows.items():
+        for r in measured:
+            points.setdefault((r["op"], int(n)), []).append((r["size"], r["time_s"]))
+    return Links(points)
 
 
 # -- the collectives' cost inside a step: every rank busy, each collective waits for its group's slowest -------
