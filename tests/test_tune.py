@@ -222,6 +222,27 @@ def test_the_measured_fixed_costs_and_the_collectives_waits_add_in():
     assert sp == {4: 4 * (8 * 2 + 2 + 2 + 1) + 1 + 1}
 
 
+def test_the_links_are_measured_on_the_whole_world_in_groups_every_group_at_once(monkeypatch):
+    """A group size below the world is measured among that many consecutive ranks of all of them, every group at
+    once (as a layout's mesh dimension runs them), not on that many processes alone; the world's on the world."""
+    import multigpu.commbench.run as bench
+    from multigpu.tune import probe
+
+    asked = []
+
+    def fake(cfg, nproc):
+        asked.append((cfg.group, nproc, cfg.backend))
+        t = 1e-3 * (cfg.group or nproc)
+        return {"rows": [{"op": op, "size": size, "out": {"time_us": t * 1e6 * (1 + size / 2**20)}, "in": None}
+                         for op in cfg.ops for size in cfg.sizes]}
+
+    monkeypatch.setattr(bench, "run_bench", fake)
+    links, rows = probe.links({1, 2, 4}, 4, "cpu", 1, say=lambda _: None)
+    assert asked == [(2, 4, "gloo"), (None, 4, "gloo")]
+    assert sorted(rows) == [2, 4] and len(rows[2]) == len(probe.OPS) * len(probe.SIZES)
+    assert links.time("all_gather", 2, 2**20) == pytest.approx(2e-3 * 2) and links.time("all_gather", 4, 2**20) == pytest.approx(4e-3 * 2)
+
+
 def test_the_loop_probe_differences_each_round_and_keeps_the_medians():
     from multigpu.tune.probe import loop_costs
 
