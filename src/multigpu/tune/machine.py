@@ -85,7 +85,7 @@ def waits(measured) -> list[tuple[float, float]]:
     before the probe timed several stretches of work kept one wait, after about half a millisecond."""
     if isinstance(measured, (int, float)):
         return [(0.0, float(measured))]
-    return [(float(g), float(w)) for g, w in measured]
+    return sorted((float(g), float(w)) for g, w in measured)
 
 
 def measured_cluster(counts: Counts, parts: dict, nproc: int, memory: float | None) -> Cluster:
