@@ -44,6 +44,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..parallel.layout import Layout
 from ..parallel.pp import stages_per_rank
 from .counts import Counts
@@ -105,14 +107,7 @@ class Overheads:
         """What one collective among ``n`` ranks waits after ``gap`` seconds of work: the measured points
         joined by straight lines, the nearest one's outside them (0 where none is measured)."""
         points = self.wait_s.get(n, ())
-        if not points:
-            return 0.0
-        if gap <= points[0][0]:
-            return points[0][1]
-        for (g0, w0), (g1, w1) in zip(points, points[1:]):
-            if gap <= g1:
-                return w0 + (w1 - w0) * (gap - g0) / (g1 - g0) if g1 > g0 else w1
-        return points[-1][1]
+        return float(np.interp(gap, [g for g, _ in points], [w for _, w in points])) if points else 0.0
 
 
 @dataclass(frozen=True)
