@@ -5,10 +5,10 @@ Memory per GPU (bytes), on the stage that holds the most:
   bytes per parameter, ZeRO's 16 with the 16-bit copy counted under buffers), of what tensor and pipeline
   parallelism leave the rank, divided over the ranks FSDP shards across (dp_shard x cp; DDP: 1);
 - buffers: the 16-bit weights FSDP gathers (the linears' in fp8 under ``Run.fp8_all_gather``; two blocks in
-  flight: the one computing and the prefetch; the root unit, tables and head, for the whole step), one
-  block's unsharded gradient (every block's, in float32, when micro-batches accumulate: the reduce-scatter waits
-  for the last) and the float32 reduce-scatter input FSDP2 keeps of the block before; a pipeline stage keeps all its weights gathered and gradients unsharded; DDP's gradient buckets (a
-  float32 copy);
+  flight: the one computing and the prefetch; the root unit, tables and head, for the whole step), one block's
+  unsharded gradient (every block's, in float32, when micro-batches accumulate: the reduce-scatter waits for the
+  last) and the float32 reduce-scatter input FSDP2 keeps of the block before; a pipeline stage keeps all its
+  weights gathered and gradients unsharded; DDP's gradient buckets (a float32 copy);
 - activations: the bytes autograd saves per token and block (``counts``) x tokens per micro-batch / (tp x cp)
   (cp cuts every saved tensor, tp all but the sub-layers' inputs and, without sequence parallelism, what the
   norms save: ``saved_under_tp``), for the blocks of the stage and the micro-batches in flight (1; 1F1B p on
@@ -204,10 +204,8 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     # activations (full: all it saved; selective: what the policy did not keep) and its gradients in flight
     # (counted on fake tensors; cut by tp with the matmuls that make them).
     def again(i: int, keep: float) -> float:
-        if run.recompute == "none":
-            return 0.0
         saved = saved_under_tp(counts, i, t, sp)
-        return saved if run.recompute == "full" else max(0.0, saved - keep)
+        return {"none": 0.0, "full": saved, "selective": max(0.0, saved - keep)}[run.recompute]
 
     transient = max(again(i, keep) + counts.block_backward[i] / t for i, keep in zip(blocks, per_block)) * tokens
     interleaving = (1 + (p - 1) / (p * v)) if v > 1 else 1.0
@@ -324,11 +322,14 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
         if n > 1:
             calls[n] = calls.get(n, 0.0) + 1
     if overheads is not None:
+        # A collective waits for its group's slowest rank, the longer the more work since the last (the step's work,
+        # the wrapper's too, shared evenly between its collectives). Blocks that issue collectives along two mesh
+        # dimensions (HSDP: a unit's reduce-scatter among its shards, at once its all-reduce among the replicas; FSDP
+        # x TP, CP, EP) chain their groups into one of all the ranks; a pipeline's stages meet at sends (the bubble).
         work = m * overheads.micro_s * (per_stage / L if p > 1 else 1.0) + overheads.step_s
-        # Each collective waits for its group's slowest rank, the longer the more work the ranks did since the
-        # last: the step's work (compute, bubble, optimizer, the wrapper's) shared evenly between its collectives.
         gap = (work + sum(v for k, v in time.items() if k in WORK)) / max(1.0, sum(calls.values()))
-        time["fixed costs"] = work + sum(k * overheads.wait(n, gap) for n, k in calls.items())
+        crossed = sum(d > 1 for d in (layout.dp_replicate, layout.dp_shard, t, c, e)) > 1
+        time["fixed costs"] = work + sum(k * overheads.wait(cluster.gpus if crossed else n, gap) for n, k in calls.items())
     step = sum(time.values())
     tps = run.global_batch * run.seq_len / step / cluster.gpus
     return {"memory": memory, "memory_bytes": total, "fits": total <= cluster.gpu.hbm_bytes, "time": time,

@@ -254,11 +254,11 @@ def _flop_counter():
     return FlopCounterMode(display=False, custom_mapping={k: v for k, v in ops.items() if k is not None})
 
 
-def _loss(model: nn.Module, ids: torch.Tensor) -> int:
+def _loss(model: nn.Module, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
     """One forward with its loss: the model's own where its forward takes ``labels`` (transformers), else
     cross-entropy on what it returns; returns the logits' width, the vocabulary (whatever makes them: an
-    ``nn.Linear`` head or the token table through ``F.linear``), and the loss. Decided by the signature: a TypeError inside
-    the forward must not run it a second time (the block tallies would count twice)."""
+    ``nn.Linear`` head or the token table through ``F.linear``), and the loss. Decided by the signature: a
+    TypeError inside the forward must not run it a second time (the block tallies would count twice)."""
     if "labels" in inspect.signature(model.forward).parameters:
         out = model(input_ids=ids, labels=ids, use_cache=False)
         return out.logits.shape[-1], out.loss

@@ -18,11 +18,13 @@ backward for the cores), no CUDA runtime or allocator overhead beyond the tensor
 
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 import time
 from pathlib import Path
 
+from ..errors import UsageError
 from ..forecast.cost import WORK, Assumptions, Overheads, Run, micro_flops
 from ..forecast.counts import Counts
 from ..forecast.hardware import Cluster, Gpu
@@ -59,9 +61,6 @@ def count_recipe(model_cfg, precision: str = "fp32") -> Counts:
 def parts_of(report: dict) -> dict:
     """The measured parts a tune run recorded in its tune.json (``probe_record``: the recipe's ``probe``, a
     script's ``prediction``), as ``measure_parts`` returned them."""
-    import json
-
-    from ..errors import UsageError
     from .probe import links_of
 
     probe = report.get("probe") or report["prediction"]
@@ -113,14 +112,8 @@ def overheads(layout: Layout, parts: dict) -> Overheads:
     idle = parts.get("idle") or {}
     floor = {n: idle[n] if n in idle else links.time("all_reduce", n, 1024) if ("all_reduce", n) in links.points
              else 0.0 for n in parts["sync"]}
-    alone = {n: tuple((g, max(0.0, w - floor[n])) for g, w in points) for n, points in parts["sync"].items()}
-    # A layout whose blocks issue collectives along two mesh dimensions (HSDP: each unit's reduce-scatter among
-    # its shards, then at once its all-reduce among the replicas; FSDP x TP, CP, EP: each block's gathers and
-    # its tp/cp/ep collectives) chains its groups: through them a rank waits on every rank, as in one group of
-    # all. A pipeline's stages meet at their sends only, whose waits its bubble counts.
-    if sum(d > 1 for d in (layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp, layout.ep)) > 1:
-        alone = {n: alone[max(alone)] for n in alone}
-    return Overheads(fixed["micro_s"] * slowdown, fixed["step_s"] * slowdown, alone)
+    return Overheads(fixed["micro_s"] * slowdown, fixed["step_s"] * slowdown,
+                     {n: tuple((g, max(0.0, w - floor[n])) for g, w in points) for n, points in parts["sync"].items()})
 
 
 def predict(layout: Layout, counts: Counts, cluster: Cluster, parts: dict, global_batch: int) -> dict:
