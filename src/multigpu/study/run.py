@@ -49,6 +49,7 @@ class Recipe:
     target: str | None = None
     args: tuple[str, ...] = ()
     noise_args: tuple[str, ...] = ()  # only for runs with >= 2 workers (the estimator needs ranks)
+    replicate: bool = False  # DDP at every world size: W workers run --dp-replicate W (a layout that only replicates)
 
 
 RECIPES = {
@@ -59,7 +60,7 @@ RECIPES = {
     # The demo's compute-bound case: DDP (one bucketed all-reduce per step) and micro-batches of 64 sequences at
     # every world size, so 1 and 2 workers do the same work per forward and only the hardware differs.
     "gpt-ddp": Recipe("multigpu.recipes.gpt", global_batch=512,
-                      args=("--ddp", "--micro-batch", "64", "--steps", "16", "--log-every", "4", "--eval-every", "16")),
+                      args=("--micro-batch", "64", "--steps", "16", "--log-every", "4", "--eval-every", "16"), replicate=True),
 }
 
 
@@ -216,7 +217,8 @@ def plan_runs(cfg: StudyConfig, recipe: Recipe | None, repeats: range | None = N
                 args = (list(cfg.args) + flags + ["--global-batch", str(gb)]
                         + (["--steps", str(steps)] if steps else []))
                 if recipe:
-                    args = list(recipe.args) + (list(recipe.noise_args) if w > 1 else []) + args
+                    ddp = ["--dp-replicate", str(w)] if recipe.replicate and w > 1 and not label else []
+                    args = list(recipe.args) + (list(recipe.noise_args) if w > 1 else []) + ddp + args
                 slug = "".join(c if c.isalnum() else "-" for c in label.replace("=", "")) + "-" if label else ""
                 runs[key] = RunSpec(f"w{w}-{slug}gb{gb}-r{rep}", w, (pol,), rep, gb, steps, tuple(args), label)
     return list(runs.values())
