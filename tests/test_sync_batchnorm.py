@@ -101,3 +101,27 @@ def test_gloo_sync_batchnorm_in_one_process_is_plain_batchnorm():
         bn.train(train), sync.train(train)
         torch.testing.assert_close(sync(x), bn(x))
     torch.testing.assert_close(sync.running_var, bn.running_var)
+
+
+def _bf16_shares(dist):
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 4, 4) * 3 + 1
+    sync = GlooSyncBatchNorm(3)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = sync(x.bfloat16().chunk(dist.world_size)[dist.rank])
+    return out, sync.running_mean.clone(), sync.running_var.clone()
+
+
+def test_gloo_sync_batchnorm_under_bf16_autocast_keeps_fp32_statistics():
+    """A bf16 input (autocast's conv output): statistics in fp32 as nn.BatchNorm's, the output in bf16; it
+    raised in lerp_ (a bf16 mean into the fp32 running buffers), and its bf16 count rounded to 8 bits."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 4, 4) * 3 + 1
+    bn = nn.BatchNorm2d(3)
+    with torch.autocast("cpu", torch.bfloat16):
+        ref = bn(x.bfloat16())
+    for rank, (out, mean, var) in enumerate(spawn(_bf16_shares, 2)):
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), ref.chunk(2)[rank].float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(mean, bn.running_mean, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(var, bn.running_var, rtol=1e-6, atol=1e-7)

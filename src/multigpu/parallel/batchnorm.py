@@ -60,14 +60,17 @@ class GlooSyncBatchNorm(_BatchNorm):
             return _BatchNorm.forward(self, input)  # plain BatchNorm: eval, or a single process
         import torch.distributed.nn.functional as dist_fn  # differentiable collectives; imported on first use
 
-        dims = [0] + list(range(2, input.dim()))
-        channels = input.shape[1]
-        count = torch.tensor([input.numel() // channels], dtype=input.dtype, device=input.device)
-        total = dist_fn.all_reduce(torch.cat([input.sum(dims), count]), group=group)
+        # Statistics in fp32 for a bf16/fp16 input (autocast's), as nn.BatchNorm keeps them: a bf16 count or
+        # sum rounds to 8 bits, and lerp_ into the fp32 running buffers refuses a bf16 mean.
+        x = input.float() if input.dtype in (torch.bfloat16, torch.float16) else input
+        dims = [0] + list(range(2, x.dim()))
+        channels = x.shape[1]
+        count = torch.tensor([x.numel() // channels], dtype=x.dtype, device=x.device)
+        total = dist_fn.all_reduce(torch.cat([x.sum(dims), count]), group=group)
         n = total[-1]
         mean = total[:channels] / n
-        shape = [1, channels] + [1] * (input.dim() - 2)
-        centred = input - mean.view(shape)
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        centred = x - mean.view(shape)
         var = dist_fn.all_reduce((centred * centred).sum(dims), group=group) / n
         if self.track_running_stats and self.running_mean is not None:
             with torch.no_grad():
@@ -79,7 +82,7 @@ class GlooSyncBatchNorm(_BatchNorm):
         out = centred * torch.rsqrt(var + self.eps).view(shape)
         if self.affine:
             out = out * self.weight.view(shape) + self.bias.view(shape)
-        return out
+        return out.to(input.dtype)
 
 
 def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
