@@ -375,6 +375,23 @@ def test_a_mixture_of_experts_is_counted_and_spread_over_ep():
     assert any(o["reason"] == "tp 4 does not divide the 2 key/value heads" for o in out)
 
 
+def test_the_plan_leaves_out_a_pipeline_by_the_librarys_micro_batch_rule_per_schedule():
+    """Which schedule runs how many micro-batches is the library's rule (``pp.microbatches_refusal``), not the
+    forecast's: on 2 GPUs and a global batch of 5, 1F1B's 1 micro-batch and interleaved 1F1B's 5 (2 rounds do not
+    divide them) are left out in the library's own line; GPipe's 1 and looped BFS's 5 are forecast."""
+    from multigpu.forecast.plan import plan
+    from multigpu.parallel import pp
+
+    ranked, out = plan(_counts(layers=4), cluster("h100", 2), Run(5, 64), Assumptions(), micro_batches=(1, 5),
+                       recompute=("none",), schedules=("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs"))
+    pipes = {(r["layout"].schedule, r["layout"].micro_batch) for r in ranked if r["layout"].pp > 1}
+    assert pipes == {("1f1b", 1), ("gpipe", 1), ("gpipe", 5), ("interleaved_1f1b", 5), ("looped_bfs", 1),
+                     ("looped_bfs", 5)}
+    reasons = {o["layout"]: o["reason"] for o in out}
+    assert reasons["PP 2 1f1b, micro-batch 5"] == pp.microbatches_refusal("1f1b", 2, 1)
+    assert reasons["PP 2 interleaved_1f1b, micro-batch 1"] == pp.microbatches_refusal("interleaved_1f1b", 2, 5)
+
+
 def test_a_measured_machines_overheads_are_charged_per_micro_batch_step_and_collective():
     """Where a machine's overheads are measured (benchmarks/forecast_cpu.py reads tune's probe): the wrapper's
     work per micro-batch and step, and each collective's wait, counted per group size."""
@@ -539,7 +556,9 @@ def test_too_big_is_predicted_not_to_fit(tmp_path, capsys):
     (["--model", "llama3-8b", "--gpus", "8", "--gpu", "a100-80gb", "--precision", "fp8"], "no fp8 tensor cores"),
     (["--model", "nonesuch", "--gpus", "8"], "is not a known model"),
     (["--model", "{bad}", "--gpus", "8"], "transformers cannot read this config"),
-    (["--model", "llama3-8b", "--gpus", "7", "--gpus-per-node", "7", "--global-batch", "3"], "no layout of 7 GPUs"),
+    # (3 micro-batches of 1 on PP 7 would run: interleaved 1F1B takes fewer micro-batches than stages)
+    (["--model", "llama3-8b", "--gpus", "7", "--gpus-per-node", "7", "--global-batch", "3", "--micro-batches", "2"],
+     "no layout of 7 GPUs"),
     (["--model", "llama3-8b", "--gpus", "8", "--dp-overlap", "2"], "fraction between 0 and 1"),
     (["--model", "llama3-8b", "--gpus", "8", "--efficiency", "0"], "fraction between 0 and 1"),
     (["--model", "nowhere.py:build", "--gpus", "8"], "cannot load build from nowhere.py"),

@@ -82,3 +82,127 @@ def test_pipeline_refuses_bad_stage_layouts_on_every_rank_in_one_line():
     assert msg["unknown_schedule"].startswith("unknown pipeline schedule 'pipedream'; expected one of gpipe, 1f1b")
     # The good pipeline's loss is on the last stage's rank only.
     assert out[0]["good"] is None and out[1]["good"] is not None
+
+
+# Every schedule on 2, 3 and 4 pp ranks, 1 to 16 micro-batches a step: where the micro-batch rule is judged.
+GRID = [(s, p, m) for s in pp.SCHEDULES for p in (2, 3, 4) for m in range(1, 17)]
+
+
+def _library(schedule: str, pp_size: int, m: int) -> str | None:
+    try:
+        pp.check(schedule, pp_size, m)
+    except mg.UsageError as e:
+        return str(e)
+    return None
+
+
+def test_the_micro_batch_rule_is_what_torchs_schedules_accept():
+    """Each schedule of torch built for real (a fake process group on every pp rank, 1 process, no
+    communication): torch's constructor refuses exactly the counts ``pp.microbatches_refusal`` refuses."""
+    import torch.distributed as tdist
+    from torch.distributed.pipelining import PipelineStage, schedules
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch_refuses: dict[tuple, set[bool]] = {}
+    for size in (2, 3, 4):
+        for rank in range(size):
+            tdist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
+            try:
+                for schedule, cls in pp.SCHEDULES.items():
+                    n_stages = size * pp.stages_per_rank(schedule)
+                    for m in range(1, 17):
+                        stages = [PipelineStage(nn.Linear(2, 2), i, n_stages, torch.device("cpu"))
+                                  for i in pp.stage_ids(schedule, rank, size)]
+                        try:
+                            getattr(schedules, cls)(stages[0] if len(stages) == 1 else stages, n_microbatches=m,
+                                                    loss_fn=_loss)
+                            refused = False
+                        except ValueError:
+                            refused = True
+                        torch_refuses.setdefault((schedule, size, m), set()).add(refused)
+            finally:
+                tdist.destroy_process_group()
+    assert all(len(v) == 1 for v in torch_refuses.values())  # every rank of a pipeline judges alike
+    disagree = [(s, p, m) for s, p, m in GRID if torch_refuses[(s, p, m)] != {pp.microbatches_refusal(s, p, m) is not None}]
+    assert not disagree, disagree
+    assert torch_refuses[("zbv", 2, 2)] == {False} and torch_refuses[("interleaved_1f1b", 2, 5)] == {True}
+
+
+def test_tune_and_forecast_ask_the_librarys_micro_batch_rule():
+    """The one rule, three callers: for every schedule and (pp ranks, micro-batches a step), tune's and the
+    forecast's reason to leave a pipeline out is the library's own line, or None where the library runs it."""
+    from types import SimpleNamespace
+
+    from multigpu.forecast.cost import Run
+    from multigpu.forecast.plan import _why_not
+    from multigpu.tune.space import pipeline_short
+
+    counts = SimpleNamespace(heads=0, kv_heads=0, experts=0, layers=64)  # nothing else refuses
+    for s, p, m in GRID:
+        layout = mg.parallel.Layout(pp=p, micro_batch=1, schedule=s).resolve(p)  # 1 data-parallel rank
+        lib = _library(s, p, m)
+        assert pipeline_short(layout, global_batch=m) == lib, (s, p, m)
+        assert _why_not(counts, layout, Run(global_batch=m, seq_len=8)) == lib, (s, p, m)
+    # What the issue found: gpipe and interleaved 1F1B run 1 micro-batch on 2 ranks, zbv runs 2 and 3 on 4 stages.
+    assert _library("gpipe", 2, 1) is _library("interleaved_1f1b", 2, 1) is _library("zbv", 2, 2) is None
+    assert _library("1f1b", 2, 1) and _library("interleaved_1f1b", 2, 5)
+
+
+def _run_counts(dist) -> dict:
+    """On 2 pp ranks, each schedule with 1 to 6 micro-batches a step: torch's own schedule built directly
+    (refused or not), and where the library accepts the count, ``mg.parallel.Pipeline``'s step against one
+    process in float64 (the largest gradient difference over this rank's stages), else its refusal."""
+    import torch.distributed as tdist
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    torch.set_default_dtype(torch.float64)
+    group = mg.parallel.Layout(pp=2).resolve(dist.world_size).device_mesh(dist.device.type)["pp"].get_group()
+    rank, out = tdist.get_rank(group), {}
+    for schedule, cls in pp.SCHEDULES.items():
+        n_stages = 2 * pp.stages_per_rank(schedule)
+        ids = pp.stage_ids(schedule, rank, 2)
+        for m in range(1, 7):
+            torch.manual_seed(m)
+            x, y = torch.randn(2 * m, 3), torch.randn(2 * m, 3)
+            stages = [PipelineStage(nn.Linear(3, 3), i, n_stages, dist.device, group=group) for i in ids]
+            try:
+                getattr(schedules, cls)(stages[0] if len(stages) == 1 else stages, n_microbatches=m, loss_fn=_loss)
+                torch_ok = True
+            except ValueError:
+                torch_ok = False
+            full = [nn.Linear(3, 3) for _ in range(n_stages)]
+            one = nn.Sequential(*[nn.Linear(3, 3) for _ in range(n_stages)])
+            one.load_state_dict(nn.Sequential(*full).state_dict())
+            (sum(_loss(one(x[2 * i:2 * i + 2]), y[2 * i:2 * i + 2]) for i in range(m)) / m).backward()
+            try:
+                pipe = mg.parallel.Pipeline([full[i] for i in ids], ids, n_stages, group, dist.device, schedule, m, _loss)
+            except mg.UsageError as e:
+                out[(schedule, m)] = (torch_ok, str(e))
+                continue
+            pipe.step([(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2]) for i in range(m)])
+            err = max(float((full[i].weight.grad - one[i].weight.grad).abs().max()) for i in ids)
+            out[(schedule, m)] = (torch_ok, err)
+    # A torch that asks more than the rule knows: its ValueError comes back as one line, not a traceback.
+    rule, pp.microbatches_refusal = pp.microbatches_refusal, lambda *args: None
+    try:
+        mg.parallel.Pipeline([nn.Linear(3, 3)], [rank], 2, group, dist.device, "1f1b", 1, _loss)
+    except mg.UsageError as e:
+        out["torch"] = str(e)
+    finally:
+        pp.microbatches_refusal = rule
+    return out
+
+
+def test_every_micro_batch_count_the_rule_accepts_runs_and_equals_one_process():
+    out = spawn(_run_counts, 2, timeout=240)
+    assert out[0].pop("torch") == out[1].pop("torch") == (
+        f"torch {torch.__version__}'s Schedule1F1B refuses 1 micro-batches on 1 stage(s) per rank: Number of "
+        "microbatches (1) must be greater than or equal to the number of stages (2); use another micro-batch count "
+        "or schedule")
+    for (schedule, m), (torch_ok, got) in out[0].items():
+        lib = pp.microbatches_refusal(schedule, 2, m)
+        assert torch_ok == (lib is None), (schedule, m, torch_ok)       # the rule is torch's, built for real
+        if lib is None:  # accepted: ran on both ranks, every stage's gradients as one process's
+            assert isinstance(got, float) and got < 1e-9 and out[1][(schedule, m)][1] < 1e-9, (schedule, m, got)
+        else:            # refused by the library first, in its one line, on every rank
+            assert got == lib == out[1][(schedule, m)][1], (schedule, m, got)

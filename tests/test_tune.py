@@ -26,7 +26,10 @@ def test_candidates_cover_every_layout_that_computes_the_same_training_and_say_w
     pipes = [c for c in untied if c.pp > 1]
     assert {(c.pp, c.tp, c.schedule) for c in pipes} == {(2, 1, "1f1b"), (2, 1, "gpipe"), (2, 2, "1f1b"), (2, 2, "gpipe")}
     assert any("2 blocks" in o["reason"] for o in out)  # PP 4 on a 2-block model
-    assert any(o["reason"] == "1 micro-batches per step, fewer than 2 stages" for o in out)
+    # One micro-batch a step on 2 stages: 1F1B refuses it in the library's own line, GPipe runs it.
+    one = "got 1 micro-batches for 2 stages"
+    assert [o["layout"] for o in out if one in o["reason"]] == ["PP 2 1f1b, micro-batch 8"]  # dp 2 x PP 2 (tp 1)
+    assert {(c.tp, c.schedule) for c in pipes if c.micro_batch == 8} == {(1, "gpipe"), (2, "gpipe"), (2, "1f1b")}
     c = Layout(dp_replicate=2, dp_shard=2, micro_batch=4, activation_checkpointing=True)
     assert name(c) == "HSDP 2x2, micro-batch 4, AC" and c.flags == ["--dp-replicate", "2", "--dp-shard", "2", "--micro-batch", "4", "--activation-checkpointing"]
     # The accumulation is the BatchPlan's, over the Layout's data-parallel ranks.
@@ -384,7 +387,12 @@ def test_a_scripts_layouts_the_model_cannot_take_are_refused_before_anything_is_
     mamba = transformers.MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=4)
     build = lambda: transformers.MambaForCausalLM(mamba)  # noqa: E731
     assert _refusal(build, count(build, 8, dtype=torch.float32), 8, 8)(Layout(pp=2, micro_batch=4).resolve(2)) is None
-    assert why(Layout(pp=2, micro_batch=8).resolve(2)) == "1 micro-batches per step, fewer than 2 stages"
+    # The schedule's micro-batch rule is the library's (pp.microbatches_refusal), per schedule: 1 a step is
+    # too few for 1F1B's 2 stages, and runs under GPipe (every schedule: test_pipeline_checks.py's grid).
+    from multigpu.parallel import pp
+
+    assert why(Layout(pp=2, micro_batch=8).resolve(2)) == pp.microbatches_refusal("1f1b", 2, 1)
+    assert why(Layout(pp=2, micro_batch=8, schedule="gpipe").resolve(2)) is None
 
 
 def test_a_world_where_the_script_refuses_every_layout_is_one_line_and_writes_nothing(tmp_path):
@@ -432,7 +440,8 @@ def test_tune_predicts_a_scripts_layouts_from_its_model_and_measures_the_fastest
     assert len(rows) == 28  # 7 layouts x their micro-batches x AC
     refused = [r["candidate"] for r in rows if not r["predicted"]]  # as the script would refuse them
     assert refused == ["pp=2,micro_batch=8", "pp=2,micro_batch=8,activation_checkpointing=true"]
-    assert all(r["pruned"] == "1 micro-batches per step, fewer than 2 stages" for r in rows if not r["predicted"])
+    assert all(r["pruned"].startswith("pipeline schedule '1f1b' needs at least as many micro-batches as stages, "
+                                      "got 1 micro-batches for 2 stages") for r in rows if not r["predicted"])
     pruned = [r for r in rows if r["pruned"] and r["predicted"]]
     assert pruned and all(r["predicted"]["memory_bytes"] > budget and not r["measured"] for r in pruned)
     fit = sorted((r for r in rows if not r["pruned"]), key=lambda r: r["predicted"]["step_time_s"])

@@ -3,7 +3,7 @@
 The layouts are ``tune``'s own enumeration of the mesh (``tune.space.layouts``: pp x dp_replicate x
 dp_shard x tp, cp without a pipeline, and for a mixture of experts each ep of dp_shard), times the
 micro-batch sizes, full recompute on or off, and the pipeline schedules; a layout the model cannot take (tp or cp not dividing the heads, more stages than
-blocks, fewer micro-batches than stages, a sequence cp cannot cut in 2 cp chunks, ep not dividing the
+blocks, a micro-batch count the schedule does not run, a sequence cp cannot cut in 2 cp chunks, ep not dividing the
 experts) is left out with its reason.
 """
 
@@ -13,7 +13,7 @@ import dataclasses
 
 from ..errors import UsageError
 from ..parallel.layout import Layout
-from ..parallel.pp import stages_per_rank
+from ..parallel.pp import microbatches_refusal, stages_per_rank
 from .cost import Assumptions, Run, predict
 from .counts import Counts
 from .hardware import Cluster
@@ -36,9 +36,8 @@ def _why_not(counts: Counts, layout: Layout, run: Run) -> str | None:
     if run.global_batch % (s.dp_size * s.micro_batch):
         return f"global batch {run.global_batch} does not split into {s.dp_size} ranks x micro-batch {s.micro_batch}"
     m = run.global_batch // (s.dp_size * s.micro_batch)
-    if s.pp > 1 and m < s.pp:
-        return f"{m} micro-batches, fewer than the {s.pp} stages"
-    return None
+    # The schedule's own rule on its micro-batch count, as mg.parallel.pipeline refuses it.
+    return microbatches_refusal(s.schedule, s.pp, m) if s.pp > 1 else None
 
 
 def plan(counts: Counts, cluster: Cluster, run: Run, a: Assumptions, *, micro_batches=(1, 2, 4, 8),

@@ -15,11 +15,9 @@ loss. Schedules by name: single-stage ``gpipe``, ``1f1b``; multi-stage
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import operator
-import time
 from typing import Any, Callable, Iterable
 
 import torch
@@ -28,15 +26,13 @@ from torch import nn
 
 from ..runtime.compat import direct_child
 from ..errors import UsageError
+from .stage_clock import StageClock
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
              "looped_bfs": "ScheduleLoopedBFS", "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
              "zbv": "ScheduleZBVZeroBubble"}
 SINGLE_STAGE = ("gpipe", "1f1b")
 ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv")  # their backward split in input and weight parts
-# Schedules that refuse fewer micro-batches than stages (torch raises on it at the first step).
-NEED_MICROBATCHES = ("1f1b", "zbv")
-
 
 def stages_per_rank(schedule: str) -> int:
     if schedule not in SCHEDULES:
@@ -53,14 +49,55 @@ def stage_ids(schedule: str, pp_rank: int, pp_size: int) -> list[int]:
     return [pp_rank, pp_rank + pp_size]
 
 
+def microbatches_refusal(schedule: str, pp_size: int, accum_steps: int) -> str | None:
+    """Why ``schedule`` on ``pp_size`` pipeline ranks cannot run ``accum_steps`` micro-batches a step, in one
+    line with the fix, or None. The one rule: ``mg.parallel.pipeline``, tune and forecast all ask it.
+
+    What torch 2.13's schedules accept (their constructors' checks; each accepted count also runs and
+    equals one process, tests/test_pipeline_checks.py): ``1f1b`` at least as many micro-batches as stages;
+    ``interleaved_1f1b`` and ``interleaved_zero_bubble`` run them in max(1, m // pp) rounds, which must
+    divide m (m = 5 on 2 ranks is refused, 1 is not); ``gpipe``, ``looped_bfs`` and ``zbv`` any count
+    (zbv pads its V to 2 x pp - 1 micro-batches and drops the padding).
+
+    >>> pp.microbatches_refusal("zbv", 2, 1) is None
+    True
+    """
+    stages = pp_size * stages_per_rank(schedule)
+    if accum_steps < 1:
+        return f"a pipeline step needs at least 1 micro-batch, got {accum_steps}; lower the micro-batch size"
+    if schedule == "1f1b" and accum_steps < stages:
+        return (f"pipeline schedule '1f1b' needs at least as many micro-batches as stages, got {accum_steps} "
+                f"micro-batches for {stages} stages; raise the accumulation (micro_batch=global_batch/dp/{stages} "
+                f"or smaller) or use schedule 'gpipe'")
+    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and _rounds_refuse(pp_size, accum_steps):
+        near = [m for m in (_accepted(pp_size, accum_steps, -1), _accepted(pp_size, accum_steps, +1)) if m]
+        return (f"pipeline schedule {schedule!r} on {pp_size} pp ranks runs {accum_steps} micro-batches in "
+                f"max(1, {accum_steps} // {pp_size}) = {accum_steps // pp_size} rounds, which must divide them; "
+                f"use {' or '.join(map(str, near))} micro-batches a step (another micro-batch size) "
+                f"or schedule 'looped_bfs'")
+    return None
+
+
+def _rounds_refuse(pp_size: int, m: int) -> bool:
+    """torch's interleaved schedules (flex_pp): m micro-batches in max(1, m // pp) rounds of equal size."""
+    return m % max(1, m // pp_size) != 0
+
+
+def _accepted(pp_size: int, m: int, way: int) -> int | None:
+    """The nearest micro-batch count below (way -1) or above (+1) ``m`` that the interleaved schedules run."""
+    m += way
+    while m >= 1 and _rounds_refuse(pp_size, m):
+        m += way
+    return m if m >= 1 else None
+
+
 def check(schedule: str, pp_size: int, accum_steps: int) -> int:
-    """Refuse what the schedule cannot run, before any process-group work; return the number of stages."""
-    n_stages = pp_size * stages_per_rank(schedule)
-    if schedule in NEED_MICROBATCHES and accum_steps < n_stages:
-        raise UsageError(f"pipeline schedule {schedule!r} needs at least as many micro-batches as stages, got "
-                         f"{accum_steps} micro-batches for {n_stages} stages; raise the accumulation "
-                         f"(micro_batch=global_batch/dp/{n_stages} or smaller) or use schedule 'gpipe'")
-    return n_stages
+    """Refuse what the schedule cannot run (``microbatches_refusal``), before any process-group work;
+    return the number of stages."""
+    why = microbatches_refusal(schedule, pp_size, accum_steps)
+    if why:
+        raise UsageError(why)
+    return pp_size * stages_per_rank(schedule)
 
 
 def _ranks(values: list[Any], ranks: list[int] | None = None) -> str:
@@ -166,7 +203,12 @@ class Pipeline:
         self.stages = [PipelineStage(m, i, n_stages, device, group=group) for m, i in zip(modules, ids)]
         cls = getattr(schedules, SCHEDULES[schedule])
         stages = self.stages[0] if schedule in SINGLE_STAGE else self.stages
-        self.schedule = cls(stages, n_microbatches=accum_steps, loss_fn=loss_fn, scale_grads=True)
+        try:
+            self.schedule = cls(stages, n_microbatches=accum_steps, loss_fn=loss_fn, scale_grads=True)
+        except ValueError as err:  # a torch whose schedules ask more than microbatches_refusal knows (every rank alike)
+            raise UsageError(f"torch {torch.__version__}'s {SCHEDULES[schedule]} refuses {accum_steps} micro-batches "
+                             f"on {len(stages) if isinstance(stages, list) else 1} stage(s) per rank: "
+                             f"{' '.join(str(err).split()).rstrip('.')}; use another micro-batch count or schedule") from None
         self.accum_steps, self.schedule_name = accum_steps, schedule
         # The last stage would keep every micro-batch's output (the logits) to return them merged: unused here
         # (where this torch's schedules can be told so).
@@ -296,84 +338,6 @@ def stage_union(parts: list[nn.Module]) -> nn.Module:
     for part in parts[1:]:
         union = merge("the stage", union, part)
     return union
-
-
-class StageClock:
-    """Time a stage's compute calls (``forward_one_chunk``, ``backward_one_chunk``, the zero-bubble
-    schedules' ``backward_weight_one_chunk``) and whole steps: host time on CPU, CUDA events on a GPU
-    (kernels run after the host returns), read at ``take()``."""
-
-    CALLS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.compute = self.total = 0.0
-        self.steps = 0
-        self.events: list[tuple[Any, Any, bool]] = []  # (start, end, is_compute), CUDA only
-
-    def wrap(self, stage: Any) -> None:
-        for name in self.CALLS:
-            inner = getattr(stage, name, None)
-            if inner is not None:
-                setattr(stage, name, functools.wraps(inner)(functools.partial(self._timed, inner)))
-
-    def _timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        with self._span(compute=True):
-            return fn(*args, **kwargs)
-
-    def step(self) -> contextlib.AbstractContextManager:
-        self.steps += 1
-        return self._span(compute=False)
-
-    @contextlib.contextmanager
-    def discard(self):
-        """Leave out what is timed inside (forward chunks of an evaluation)."""
-        compute, total, steps, n = self.compute, self.total, self.steps, len(self.events)
-        try:
-            yield
-        finally:
-            self.compute, self.total, self.steps, self.events = compute, total, steps, self.events[:n]
-
-    @contextlib.contextmanager
-    def _span(self, compute: bool):
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            try:
-                yield
-            finally:
-                end.record()
-                self.events.append((start, end, compute))
-                if len(self.events) > 4096:  # nobody reads them (no stage_times() calls): fold, bounded
-                    self._fold()
-            return
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            dt = time.perf_counter() - t0
-            if compute:
-                self.compute += dt
-            else:
-                self.total += dt
-
-    def _fold(self) -> None:
-        """The recorded CUDA events into seconds (waits for the last one)."""
-        if self.events:
-            self.events[-1][1].synchronize()
-            for start, end, compute in self.events:
-                dt = start.elapsed_time(end) / 1e3
-                if compute:
-                    self.compute += dt
-                else:
-                    self.total += dt
-            self.events = []
-
-    def take(self) -> tuple[float, float, int]:
-        """(compute seconds, step seconds, steps) since the last call."""
-        self._fold()
-        out, self.compute, self.total, self.steps = (self.compute, self.total, self.steps), 0.0, 0.0, 0
-        return out
 
 
 def gathered_state_dict(pipe: Any) -> dict:

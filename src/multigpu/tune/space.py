@@ -15,6 +15,7 @@ import dataclasses
 
 from ..errors import UsageError
 from ..parallel.layout import Layout
+from ..parallel.pp import microbatches_refusal
 from ..runtime.values import divisors
 
 
@@ -49,14 +50,13 @@ def candidates(world: int, cfg, global_batch: int, *, micro_batches: list[int] |
         if layout.strategy == "hsdp" and s.dp_shard == 1:
             continue  # replication alone beside TP or PP: the recipe's data parallelism there is FSDP's (sharded)
         for m in splits(global_batch // s.dp_size, micro_batches):
-            short = pipeline_short(dataclasses.replace(layout, micro_batch=m), global_batch)
-            if short:
-                out.append({"layout": f"PP {s.pp}, micro-batch {m}", "reason": short})
-                continue
-            for ac in (False, True):
-                for schedule in (schedules if s.pp > 1 else (layout.schedule,)):
-                    found.append(dataclasses.replace(layout, micro_batch=m, activation_checkpointing=ac,
-                                                     schedule=schedule))
+            for schedule in (schedules if s.pp > 1 else (layout.schedule,)):
+                chosen = dataclasses.replace(layout, micro_batch=m, schedule=schedule)
+                short = pipeline_short(chosen, global_batch)
+                if short:
+                    out.append({"layout": f"PP {s.pp} {schedule}, micro-batch {m}", "reason": short})
+                    continue
+                found += [dataclasses.replace(chosen, activation_checkpointing=ac) for ac in (False, True)]
     if not found:
         raise UsageError(f"no layout of {world} ranks fits this model and global batch {global_batch}: "
                          + "; ".join(f"{o['layout']}: {o['reason']}" for o in out[:4]))
@@ -69,10 +69,11 @@ def splits(per_rank: int, asked: list[int] | None = None) -> list[int]:
 
 
 def pipeline_short(layout: Layout, global_batch: int) -> str | None:
-    """Why a pipeline cannot run ``layout`` (its micro-batch set): fewer micro-batches per step than stages."""
+    """Why ``layout``'s pipeline schedule cannot run its micro-batches a step (the BatchPlan's count), in the
+    library's own line (``pp.microbatches_refusal``, which ``mg.parallel.pipeline`` raises), or None. Raises
+    the BatchPlan's UsageError where the global batch does not split (any layout)."""
     accum = layout.accum_steps(global_batch)
-    return f"{accum} micro-batches per step, fewer than {layout.pp} stages" if layout.pp > 1 and accum < layout.pp \
-        else None
+    return microbatches_refusal(layout.schedule, layout.pp, accum) if layout.pp > 1 else None
 
 
 def _why_not(cfg, s, global_batch: int) -> str | None:
