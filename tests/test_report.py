@@ -215,3 +215,13 @@ def test_report_of_one_run_reads_its_metrics_and_says_when_it_is_too_short(tmp_p
     assert "Too short to judge:" in short_md and "samples/s over steps" not in short_md
     code, err = run_cli(["report", str(tmp_path)], capsys)
     assert code == 2 and "holds neither study.json nor a metrics.jsonl" in err and err.count("\n") == 1
+    # The --log-dir itself (the run sits in a subfolder of it): its one run is found; with two, one line names both.
+    (runs["whole"] / "report.md").unlink()
+    code, err = run_cli(["report", str(tmp_path / "whole")], capsys)
+    assert code == 0, err
+    assert (runs["whole"] / "report.md").read_text() == md
+    shutil.copytree(runs["whole"], tmp_path / "whole" / "again")
+    code, err = run_cli(["report", str(tmp_path / "whole")], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{tmp_path / 'whole'} holds 2 runs (" in err and "again" in err and runs["whole"].name in err
+    assert "; pass one, e.g. multigpu report " in err
