@@ -47,3 +47,13 @@ def test_accelerate_and_trainer_scripts_run_unchanged_under_multigpu_run():
     out = launch("trainer_script.py", 2)
     print(out)
     assert re.search(r"final train loss \d", out)
+
+
+def test_the_docs_line_counts_are_the_scripts():
+    """docs/moving.md's table of lines: each script's lines, blank ones not counted (as the doc says)."""
+    doc = (HERE.parents[1] / "docs" / "moving.md").read_text()
+    rows = re.findall(r"^\| `(\w+\.py)` \| (\S+) \|", doc, flags=re.M)
+    assert {name for name, _ in rows} == {"dp_before.py", "ddp_before.py", "after.py"}
+    for name, lines in rows:
+        counted = sum(1 for line in (HERE / name).read_text().splitlines() if line.strip())
+        assert lines == str(counted), (name, lines, counted)
