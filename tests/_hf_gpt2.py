@@ -61,11 +61,25 @@ class _FusedAttention(nn.Module):
         self.qkv, self.o = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
 
 
+class _FusedBlock(hf.Block):
+    """The plain block with its q, k, v Linears fused into one nn.Linear qkv (as nanoGPT's c_attn is)."""
+
+    def __init__(self, dim: int, n_head: int) -> None:
+        super().__init__(dim, n_head)
+        self.attn = _FusedAttention(dim)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p.reshape(b, t, -1, self.head_dim).transpose(1, 2) for p in self.attn.qkv(self.ln1(x)).chunk(3, -1))
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        x = x + self.attn.o(a)
+        return x + self.mlp.down(nn.functional.gelu(self.mlp.up(self.ln2(x))))
+
+
 def fused_linear_model() -> nn.Module:
-    """The plain block model with its q, k, v Linears fused into one nn.Linear qkv (as nanoGPT's c_attn is)."""
+    """The plain block model with fused q, k, v (``_FusedBlock``): the probe batch runs through it."""
     model = hf.build("own")
-    for block in model.blocks:
-        block.attn = _FusedAttention(32).double()
+    model.blocks = nn.ModuleList(_FusedBlock(32, 4) for _ in model.blocks).double()
     return model
 
 

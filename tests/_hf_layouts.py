@@ -364,16 +364,97 @@ class Flat(nn.Module):
         return self.fc2(self.fc1(x))
 
 
+class HeadsBlock(Block):
+    """Block whose attention views q, k and v by its own head count (``view(b, t, self.n_head, ...)``), as many
+    hand-written models do: under a split by heads each rank holds fewer, and the view fails."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.ln1(x)
+        q, k, v = (p(h).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
+                   for p in (self.attn.q, self.attn.k, self.attn.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.attn.o(a)
+        return x + self.mlp.down(F.gelu(self.mlp.up(self.ln2(x))))
+
+
+class HeadsLM(TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(HeadsBlock(32, 4) for _ in range(2))
+
+
+class IdsLM(TinyLM):
+    """TinyLM whose forward names its token ids as transformers models do: still called ``model(x)``."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return TinyLM.forward(self, input_ids)
+
+
+class DropLM(TinyLM):
+    """TinyLM with dropout on its last hidden states: a training forward that draws random numbers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.drop(self.norm(h)))
+
+
+class MixingExperts(OwnExperts):
+    """OwnExperts centring the rows it is given on their mean: under expert parallelism a rank's experts are
+    given other rows (those routed to them from every rank), so the result is not one process's."""
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        return OwnExperts.forward(self, hidden - hidden.mean(0), top_k_index, top_k_weights)  # self: a _Local under ep
+
+
+class MixingMoE(OwnMoE):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(MixingExperts(32, 64, 4) for _ in range(2))
+
+
+def jittery_phimoe():
+    """The zoo's tiny PhiMoE with its router jitter as PhiMoE's config has it (0.01; the zoo sets it to 0): its
+    training forward samples each token's expert."""
+    import _zoo
+
+    config = _zoo.tiny_config("phimoe")
+    config.router_jitter_noise = 0.01
+    torch.manual_seed(0)
+    return getattr(__import__("transformers"), _zoo.families()["phimoe"])(config).double()
+
+
+# Models of the probe's cases (the refusals below), beside build's kinds.
+PROBED = {"heads": HeadsLM, "ids": IdsLM, "dropout": DropLM, "mixing_moe": MixingMoE, "phimoe_jitter": jittery_phimoe,
+          "blocks": lambda: nn.Sequential(Block(32, 4), Block(32, 4))}
+
+
 def refusal(dist, kind: str, layout: dict, overrides: dict | None = None, pipeline: bool = False, **kwargs) -> str:
-    """The one line ``mg.parallelize`` (or ``mg.parallel.pipeline``) refuses with (every rank must refuse alike)."""
+    """The one line ``mg.parallelize`` (or ``mg.parallel.pipeline``) refuses with (every rank must refuse alike);
+    "accepted" when it does not, followed by what rank 0 said of the probe (" | said: " and its lines that
+    are notes or say it was not checked)."""
+    import contextlib
+    import io
+
     if pipeline:
         return pipeline_refusal(dist, kind, layout, overrides)
-    model = ConvNet().double() if kind == "conv" else build(kind, **(overrides or {}))
+    torch.manual_seed(0)
+    model = ConvNet().double() if kind == "conv" else PROBED[kind]().double() if kind in PROBED else \
+        build(kind, **(overrides or {}))
+    out = io.StringIO()
     try:
-        mg.parallelize(model, mg.parallel.Layout(**layout), **kwargs)
+        with contextlib.redirect_stdout(out):
+            mg.parallelize(model, mg.parallel.Layout(**layout), **kwargs)
     except mg.UsageError as e:
         return str(e)
-    return "accepted"
+    said = [line for line in out.getvalue().splitlines() if "note:" in line or "not checked" in line]
+    return " | said: ".join(["accepted"] + said)
 
 
 def refusals(dist, cases: list[dict]) -> list[str]:

@@ -361,3 +361,28 @@ def test_expert_parallelism_on_two_gpus_trains_what_one_gpu_trains(tmp_path, mon
     report = verify(example, args=("--moe",), layouts="dp_shard=2,ep=2", steps=5, out=str(tmp_path / "v"),
                     say=said.append)
     assert report["same"], said
+
+
+@pytest.mark.parametrize("family, line", [
+    ("llama4_text", "expert parallelism (ep=2) sends each routed row to its expert's rank and calls the experts module "
+                    "as experts(hidden, top_k_index, top_k_weights), but Llama4ForCausalLM's Llama4TextExperts takes "
+                    "(hidden_states): which expert each row is for is not in its call; use ep=1 for this model"),
+    ("jetmoe", "but JetMoeForCausalLM's JetMoeParallelExperts takes (inputs, expert_size): which expert each row is for"),
+])
+def test_experts_called_without_their_routing_are_refused_before_anything_changes(family, line, monkeypatch):
+    """Llama-4 calls its experts with the hidden states alone (rows already scaled by the router), JetMoE with
+    rows sorted by expert and their counts: the dispatch cannot tell which expert a row is for, so the finder
+    leaves them out and ep refuses them in one line (they crashed at the first forward: a TypeError). Whatever
+    else the dispatch cannot drive, the probe batch after it refuses (tests/test_hf_parallelize.py, MixingMoE)."""
+    pytest.importorskip("transformers")
+    import _zoo
+
+    from multigpu.parallel import experts
+
+    model = _zoo.build(family)
+    assert experts._candidates(model) and not experts.expert_modules(model)
+    assert len(experts.expert_modules(_moe())) == 2  # Mixtral's, called with the routing, still found
+    monkeypatch.setattr("multigpu.parallel.spread._world", lambda: (0, 2))
+    with pytest.raises(mg.UsageError) as err:
+        mg.parallelize(model, mg.parallel.Layout(ep=2), verbose=False)
+    assert line in str(err.value) and "\n" not in str(err.value)

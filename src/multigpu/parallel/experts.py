@@ -31,6 +31,7 @@ routes its share, and the shares' outputs are gathered back (``_Share``, ``_Gath
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -42,10 +43,10 @@ from torch import nn
 from ..errors import UsageError
 
 
-def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The experts modules of ``model``: an ``int`` ``num_experts`` and own parameters that all have that many
-    experts first, 3-D weights among them (transformers 5's fused experts, with 2-D biases in some; a router's
-    2-D weight alone is not one)."""
+def _candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules shaped as experts: an ``int`` ``num_experts`` and own parameters that all have that many experts
+    first, 3-D weights among them (transformers 5's fused experts, with 2-D biases in some; a router's 2-D
+    weight alone is not one)."""
     found = []
     for name, module in model.named_modules():
         n = getattr(module, "num_experts", None)
@@ -56,10 +57,37 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def _takes_routing(module: nn.Module) -> bool:
+    """Whether the dispatch can call the module's forward as it does: ``forward(hidden, top_k_index,
+    top_k_weights)`` by position, nothing else required. Llama-4's experts take the hidden states alone (their
+    rows already scaled by the router, one copy per slot), JetMoE's ``(inputs, expert_size)``: rows sorted
+    by expert beforehand; neither tells the dispatch which expert a row is for."""
+    params = list(inspect.signature(type(module).forward).parameters.values())[1:]  # after self
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in params if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    return len(positional) >= 3 and len(required) <= 3
+
+
+def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The experts modules of ``model`` that expert parallelism can spread: shaped as experts (``_candidates``)
+    and called with the routing (``_takes_routing``)."""
+    return [(n, m) for n, m in _candidates(model) if _takes_routing(m)]
+
+
 def check(model: nn.Module, layout: Any) -> list[tuple[str, nn.Module]]:
     """The experts ``layout.ep`` spreads, or a one-line refusal of what it cannot."""
     name = type(model).__name__
     found = expert_modules(model)
+    shaped = _candidates(model)
+    if len(found) < len(shaped):
+        first = next(m for _, m in shaped if not _takes_routing(m))
+        takes = ", ".join(list(inspect.signature(type(first).forward).parameters)[1:])
+        raise UsageError(f"expert parallelism (ep={layout.ep}) sends each routed row to its expert's rank and calls "
+                         f"the experts module as experts(hidden, top_k_index, top_k_weights), but {name}'s "
+                         f"{type(first).__name__} takes ({takes}): which expert each row is for is not in its call; "
+                         "use ep=1 for this model (FSDP and HSDP spread its experts with the rest)")
     if not found:
         raise UsageError(f"expert parallelism (ep={layout.ep}) spreads the experts of a mixture-of-experts model, but "
                          f"{name} has no experts module (3-D expert weights and num_experts); use ep=1")
@@ -121,6 +149,11 @@ class Stats:
             self._open.append(time.perf_counter())
         else:
             self.seconds += time.perf_counter() - self._open.pop()
+
+    def clear(self) -> None:
+        """Forget what was counted (mg.parallelize's probe batch is none of the training's tokens)."""
+        self.tokens.zero_(), self.dropped.zero_()
+        self.seconds, self._open, self._spans = 0.0, [], []
 
     def take(self) -> dict[str, Any]:
         """The interval's figures over the data-parallel ranks (a collective over them), then zeroed."""
@@ -266,6 +299,12 @@ def apply(found: list[tuple[str, nn.Module]], layout: Any, mesh: Any, capacity_f
                         stats, layer, tp)
         module.forward = functools.partial(_forward, module, type(module).forward, how)
         module._multigpu_expert_stats = stats
+
+
+def forget_probe(found: list[tuple[str, nn.Module]]) -> None:
+    """The dispatch figures of the experts modules ``found`` (``apply``'s) cleared of a probe batch's tokens."""
+    for stats in stats_of([m for _, m in found]):
+        stats.clear()
 
 
 def _kept(flat: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, factor: float) -> tuple:

@@ -1,19 +1,24 @@
-"""A tensor-parallel plan checked on the model itself before training: exact or refused.
+"""A model's split checked on the model itself before training: exact or refused.
 
 A plan names which projections to split, but whether the split is exact depends on the model's forward,
-which no plan describes: a view by the global head count (BigBird), a norm over the full hidden size
-between a column-wise and a row-wise projection (BitNet's attn_sub_norm), a parameter inside an
-activation function that then sees each rank's share of the features (Apertus's xIELU: its gradient is
-a partial sum, silently). So ``mg.parallelize`` runs a probe batch (a few tokens, or one small image)
-through the model in eval mode before and after tensor parallelism, with the RNG state restored:
+which no plan describes: a view by the global head count (BigBird, or a user's ``view(b, t, self.heads,
+...)``), a norm over the full hidden size between a column-wise and a row-wise projection (BitNet's
+attn_sub_norm), a parameter inside an activation function that then sees each rank's share of the
+features (Apertus's xIELU: its gradient is a partial sum, silently). So ``mg.parallelize`` runs a probe
+batch (a few tokens, or one small image) through the model in eval mode before and after each step that
+splits it (tensor parallelism, expert parallelism, context parallelism), with the RNG state restored:
 
 - the forward must run, and its output must equal the unsplit model's (relative error within what the
   dtype's rounding allows; a wrong split is off by tens of percent);
 - after one backward, every parameter the plan leaves whole must hold the same gradient on every
   tensor-parallel rank: a whole parameter that sees split activations gets only its rank's share.
 
-Either failure refuses the plan in one line naming what failed. The probe needs an input the model
-names (``main_input_name``: transformers models); for other models it is skipped (``probe_input`` None).
+Either failure refuses the step in one line naming it and quoting the exception. The probe batch is one
+the model takes as the user's loop gives it (``call``): a transformers model its ``main_input_name`` by
+name; any other model its first argument by position, token ids below its first ``nn.Embedding``'s size
+or features of its first ``nn.Linear``'s width (``probe_batch``). A model that takes neither is not
+probed: a plan multigpu found for it is refused (nothing checks the guess), one given or declared is
+taken and the line says it was not checked.
 """
 
 from __future__ import annotations
@@ -31,13 +36,19 @@ from ..errors import UsageError
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
+def is_transformers(model: nn.Module) -> bool:
+    """A transformers model: a config and the name of its main input (a user's model may have a config too:
+    nanoGPT's)."""
+    return getattr(model, "config", None) is not None and isinstance(getattr(model, "main_input_name", None), str)
+
+
 def probe_input(model: nn.Module, tp: int) -> dict[str, torch.Tensor] | None:
-    """A small batch the model takes, by its ``main_input_name``: 2 x 8·tp token ids (a sequence any
-    sequence-parallel split divides) or one image; None when the model names no input multigpu knows."""
+    """A small batch a transformers model takes, by its ``main_input_name``: 2 x 8·tp token ids (a sequence
+    any sequence-parallel split divides) or one image; None when the model names no input multigpu knows."""
     config = getattr(model, "config", None)
     name = getattr(model, "main_input_name", None)
     params = list(model.parameters())
-    if config is None or not params:
+    if not is_transformers(model) or not params:
         return None
     device = params[0].device
     g = torch.Generator().manual_seed(0)
@@ -51,6 +62,55 @@ def probe_input(model: nn.Module, tp: int) -> dict[str, torch.Tensor] | None:
         if isinstance(size, int):
             return {name: torch.randn(1, channels, size, size, generator=g).to(device, params[0].dtype)}
     return None
+
+
+def first_argument(model: nn.Module) -> str | None:
+    """The name of the forward's first parameter taken by position (None: it takes none)."""
+    import inspect
+
+    for p in inspect.signature(model.forward).parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL):
+            return p.name
+        return None
+    return None
+
+
+def own_input(model: nn.Module, tp: int) -> dict[str, torch.Tensor] | None:
+    """A small batch for a model transformers did not build, as its first argument: 2 x 8·tp token ids below
+    the size of its first ``nn.Embedding`` where it has one; else, when its first module with parameters is an
+    ``nn.Linear``, 2 x 8·tp rows of features of its width (in its dtype); None otherwise (nothing says what
+    it takes)."""
+    name = first_argument(model)
+    table = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    first = table or next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
+    if name is None or not isinstance(first, (nn.Embedding, nn.Linear)):
+        return None
+    g = torch.Generator().manual_seed(0)
+    weight = first.weight
+    if isinstance(first, nn.Embedding):
+        return {name: torch.randint(0, first.num_embeddings, (2, 8 * tp), generator=g).to(weight.device)}
+    return {name: torch.randn(2, 8 * tp, first.in_features, generator=g, dtype=torch.float64).to(weight.device,
+                                                                                                   weight.dtype)}
+
+
+def probe_batch(model: nn.Module, tp: int) -> dict[str, torch.Tensor] | None:
+    """The probe batch for any model: a transformers model's by its input's name, any other's by its first
+    module (``own_input``)."""
+    return probe_input(model, tp) if is_transformers(model) else own_input(model, tp)
+
+
+NOT_PROBED = ("its forward takes no input multigpu can make (token ids for a first nn.Embedding, features for a "
+              "first nn.Linear)")
+
+
+def call(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+    """The model called as a training loop calls it: a transformers model by its input's name (with its cache
+    off), any other model with the batch's first entry by position and the rest by name (``model(x)``, or
+    ``model(x, position_ids=...)``)."""
+    if is_transformers(model):
+        return model(**batch, **({"use_cache": False} if "input_ids" in batch else {}))
+    (_, first), *rest = batch.items()
+    return model(first, **dict(rest))
 
 
 def _output(out: Any) -> torch.Tensor:
@@ -78,7 +138,7 @@ def _probing(model: nn.Module):
 
 def run(model: nn.Module, batch: dict[str, torch.Tensor], backward: bool) -> torch.Tensor:
     with _probing(model), torch.set_grad_enabled(backward):
-        out = _output(model(**batch, **({"use_cache": False} if "input_ids" in batch else {})))
+        out = _output(call(model, batch))
         if backward:
             weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
             (out * weights).sum().backward()
@@ -95,12 +155,20 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
 
 
+def attempt(model: nn.Module, batch: dict[str, torch.Tensor] | None) -> tuple[torch.Tensor | None, str]:
+    """(the model's output on ``batch``, "") or (None, why it has none: no batch, or the exception its forward
+    raised, quoted by ``cause``)."""
+    if batch is None:
+        return None, NOT_PROBED
+    try:
+        return run(model, batch, backward=False), ""
+    except Exception as e:  # noqa: BLE001 - the caller decides: refuse quoting it, or say it was not checked
+        return None, f"its forward fails on one: {cause(e)}"
+
+
 def expected(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """The unsplit model's output on ``batch``; None when the model does not run on it (nothing to check by)."""
-    try:
-        return run(model, batch, backward=False)
-    except Exception:  # noqa: BLE001 - a model that needs more than its main input is not probed
-        return None
+    return attempt(model, batch)[0]
 
 
 def check(model: nn.Module, batch: dict[str, torch.Tensor], expected: torch.Tensor, tp_group: Any,
@@ -144,3 +212,97 @@ def check(model: nn.Module, batch: dict[str, torch.Tensor], expected: torch.Tens
                          f"{f' (+{len(off) - 3} more)' if len(off) > 3 else ''} of {name} whole, but its gradient "
                          "differs between the tensor-parallel ranks on a probe batch: it computes on each rank's share "
                          f"of the split features (a parameter inside an activation or a norm there); {fix}")
+
+
+def agree(model: nn.Module, batch: dict[str, torch.Tensor], expected: torch.Tensor | None, group: Any, what: str,
+          fix: str, device: torch.device) -> None:
+    """Refuse ``what`` (the step that split the model, e.g. "expert parallelism (ep=2)") unless the model's
+    output on ``batch`` equals ``expected`` (its output before the step; None: only that the forward runs)
+    on every rank of ``group``. The verdict is the group's (one all-reduce of the worst error), so every
+    rank refuses alike rather than one refusing while the others wait in the next collective."""
+    import torch.distributed as tdist
+
+    name, why, error = type(model).__name__, "", 0.0
+    try:
+        got = run(model, batch, backward=False)
+        if expected is not None:
+            error = relative_error(got, expected)
+    except Exception as e:  # noqa: BLE001 - any failure of the forward after the step is the refusal's reason
+        error, why = float("inf"), cause(e)
+    worst = torch.tensor([error if error == error else float("inf")], dtype=torch.float64, device=device)
+    tdist.all_reduce(worst, op=tdist.ReduceOp.MAX, group=group)
+    if worst.item() == float("inf"):
+        raise UsageError(f"{what} breaks {name}'s forward on a probe batch ({why or 'on another rank'}); {fix}")
+    tol = TOLERANCE.get(expected.dtype, 1e-4) if expected is not None else float("inf")
+    if not worst.item() <= tol:
+        raise UsageError(f"{what} changes {name}'s output on a probe batch (relative error {worst.item():.1e}, "
+                         f"{expected.dtype} allows {tol:.0e}); {fix}")
+
+
+def _rng_state(device: torch.device) -> list[torch.Tensor]:
+    return [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])
+
+
+def _varies(model: nn.Module, batch: dict[str, torch.Tensor]) -> bool | None:
+    """Whether the model's training-mode forward on ``batch`` changes with the random draws it makes: run from
+    seed 1 and, if that drew from the generator, from seed 2, the outputs compared (False: it draws nothing,
+    or nothing it draws reaches the output: PhiMoE's sampling among one candidate). None: it does not run
+    in training mode. Its modes, buffers (BatchNorm's statistics) and the RNG state are restored."""
+    device = next(iter(batch.values())).device
+    modes = {m: m.training for m in model.modules()}
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            model.train()
+            outs = []
+            for seed in (1, 2):
+                torch.manual_seed(seed)
+                before = _rng_state(device)
+                outs.append(_output(call(model, batch)).detach())
+                if seed == 1 and all(torch.equal(a, b) for a, b in zip(before, _rng_state(device))):
+                    return False
+        return not relative_error(outs[1], outs[0]) <= TOLERANCE.get(outs[0].dtype, 1e-4)
+    except Exception:  # noqa: BLE001 - a forward that needs more in training mode: the static reading decides
+        return None
+    finally:
+        for m, training in modes.items():
+            m.training = training
+        for b, saved in buffers:
+            b.copy_(saved)
+
+
+def _named_draws(model: nn.Module) -> list[str]:
+    """What the model says it draws: its config's dropout and jitter settings above 0, its dropout modules
+    with p > 0."""
+    config = getattr(model, "config", None)
+    said = [f"{k}={v:g}" for k, v in sorted(vars(config).items() if config is not None else [])
+            if isinstance(v, float) and not isinstance(v, bool) and v > 0 and ("drop" in k or "jitter" in k)]
+    said += [f"{type(m).__name__}(p={m.p:g}) {n}" for n, m in model.named_modules()
+             if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0][:3]
+    return said
+
+
+def random_draws(model: nn.Module, batch: dict[str, torch.Tensor] | None) -> str | None:
+    """What of the model's training forward is random (its settings named where it names them), or None: the
+    probe batch's forward in training mode from two seeds decides (``_varies``); without one, what the model
+    says it draws."""
+    varies = None if batch is None else _varies(model, batch)
+    named = _named_draws(model)
+    if varies is False or (varies is None and not named):
+        return None
+    return ", ".join(named[:4]) if named else "a random draw in its forward"
+
+
+def draws_note(model: nn.Module, world: int, who: str) -> str | None:
+    """The one line ``who`` (``mg.parallelize``, ``mg.parallel.pipeline``) says, on ``world`` processes, about a
+    model whose training forward is random; None when it is not. Not a refusal: dropout and a router's
+    sampling train as well on any layout; they only differ from one process as two seeds do."""
+    if any(p.is_meta for p in model.parameters()):  # no values to draw with (tune asking about a cut)
+        return None
+    what = random_draws(model, probe_batch(model, 1))
+    if what is None:
+        return None
+    return (f"{who}: note: {type(model).__name__} draws random numbers in its training forward ({what}): each of "
+            f"the {world} processes draws its own, so its training differs from one process's by those draws, as "
+            "two seeds' do (by design, not a bug); to compare layouts exactly (multigpu verify), set them to 0")

@@ -175,6 +175,8 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
         raise UsageError("mg.parallelize got a model on the meta device; build it on dist.device with the same seed "
                          "on every rank (the weights are then distributed, equal to one process's)")
     device_type = params[0].device.type if params else "cpu"
+    if _world()[1] > 1 and not pipeline_stage and (note := probe.draws_note(model, _world()[1], "mg.parallelize")):
+        print0(note)  # whatever verbose says: it is about the numbers, not the choices
     classes, block_source = auto.blocks_of(model, block_classes)
     blocks = auto.block_modules(model, classes)
     say = print0 if verbose else (lambda *a, **k: None)
@@ -184,7 +186,7 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
     if layout.tp > 1:
         _tensor_parallel(model, layout, blocks, tp_plan, pipeline_stage, device_type, say)
     if found:
-        options["experts"] = _expert_parallel(model, layout, found, capacity_factor, device_type, say)
+        options["experts"] = _expert_parallel(model, layout, found, capacity_factor, device_type, pipeline_stage, say)
     if layout.cp > 1:
         _context_parallel(model, layout, device_type, say)
     extras = _per_block(model, layout, blocks, activation_checkpointing, compile)
@@ -208,15 +210,22 @@ def _tensor_parallel(model: nn.Module, layout: Layout, blocks: list, tp_plan: di
     layout.check_sizes(heads=heads.get("attention heads"), kv_heads=heads.get("KV heads"), model=type(model).__name__)
     styles, source, written = tensor_parallel_plan(model, layout, blocks, tp_plan,
                                                    derive_sequence_parallel=not pipeline_stage)
-    batch = None if pipeline_stage else probe.probe_input(model, layout.tp)
-    expected = None if batch is None else probe.expected(model, batch)
+    # A stage is not run alone (mg.parallel.pipeline checks the cut on the whole model); any other model is
+    # probed as the user's loop calls it (probe.py), its own models included.
+    batch = None if pipeline_stage else probe.probe_batch(model, layout.tp)
+    expected, why = (None, "") if pipeline_stage else probe.attempt(model, batch)
+    if expected is None and not pipeline_stage and source.startswith("found"):
+        raise UsageError(f"tensor parallelism found a plan in {type(model).__name__}'s blocks but cannot check it on a "
+                         f"probe batch: {why}; pass tp_plan={{'<module name>': 'colwise' | 'rowwise', ...}} (a plan "
+                         "you give is taken unchecked) or use tp=1")
     tp_mesh = layout.device_mesh(device_type)["tp"]
     apply_tp(model, tp_mesh, styles)
     divide_split_sizes(model, styles, layout.tp)  # GPT-2's attention splits its fused c_attn by split_size
     if expected is not None:  # the split checked on the model itself: exact or refused (probe.py)
         probe.check(model, batch, expected, tp_mesh.get_group(), source)
+    unchecked = f"; not checked on a probe batch ({why})" if why else ""
     say(f"mg.parallelize: tensor parallel {layout.tp}: plan {source}, {len(written)} entries on "
-        f"{len(styles)} modules: {_short(written)}")
+        f"{len(styles)} modules: {_short(written)}{unchecked}")
 
 
 def _experts_to_spread(model: nn.Module, layout: Layout, capacity_factor: float | None) -> list:
@@ -237,12 +246,20 @@ def _experts_to_spread(model: nn.Module, layout: Layout, capacity_factor: float 
 
 
 def _expert_parallel(model: nn.Module, layout: Layout, found: list, capacity_factor: float | None, device_type: str,
-                     say: Any) -> tuple:
+                     pipeline_stage: bool, say: Any) -> tuple:
     """Each rank keeps experts/ep of every experts module ``found`` and the routed tokens travel to them
-    (``experts.py``); (the modules, the mesh FSDP shards them over: efsdp)."""
+    (``experts.py``), checked on a probe batch as a TP plan is: the model's output as before, or refused
+    quoting what failed; (the modules, the mesh FSDP shards them over: efsdp)."""
     from . import experts
 
+    batch = None if pipeline_stage else probe.probe_batch(model, layout.tp)
+    expected, _ = probe.attempt(model, batch)
     experts.apply(found, layout, layout.ep_mesh(device_type), capacity_factor)
+    if expected is not None:
+        # A capacity factor drops tokens by design: then only that the forward runs.
+        probe.agree(model, batch, None if capacity_factor else expected, None, f"expert parallelism (ep={layout.ep})",
+                    "use ep=1 for this model (FSDP and HSDP spread its experts with the rest)", expected.device)
+        experts.forget_probe(found)  # its tokens are none of the training's (mg.StepMeter's experts figures)
     n = found[0][1].num_experts
     drops = "dropless" if capacity_factor is None else f"capacity factor {capacity_factor}"
     say(f"mg.parallelize: expert parallel {layout.ep}: {len(found)} experts modules of {type(model).__name__}, "
@@ -268,10 +285,10 @@ def _context_parallel(model: nn.Module, layout: Layout, device_type: str, say: A
     own = getattr(model, "config", None) is None  # a user's own model (context_sdpa.py)
     # 2 sequences of 16 x cp tokens: 2cp chunks of 8
     batch = context_sdpa.probe_input(model, layout.cp) if own else probe.probe_input(model, 2 * layout.cp)
-    expected = None if batch is None else probe.expected(model, batch)
-    if expected is None:
+    expected, why = probe.attempt(model, batch)
+    if expected is None:  # before cp changes anything: the model's own forward, not cp, fails (quoted)
         raise UsageError(f"context parallelism checks {type(model).__name__} on a probe batch of token ids first, but "
-                         "it does not run on one; use cp=1 for this model")
+                         f"{why}; use cp=1 for this model, or make its forward run on its token ids alone")
     tokens = next(iter(batch.values()))
     documents = batch | {"position_ids": torch.cat([torch.arange(tokens.shape[1] // 2 - 3),
                                                     torch.arange(tokens.shape[1] // 2 + 3)]).to(tokens.device)

@@ -216,6 +216,10 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
     if getattr(getattr(model, "config", None), "output_router_logits", False):
         raise UsageError(f"{name} adds the router's load-balancing loss in its own forward (output_router_logits=True), "
                          "which a pipeline's stages do not run; set output_router_logits=False, or pp=1")
+    from .probe import draws_note
+
+    if world > 1 and (note := draws_note(model, world, "mg.parallel.pipeline")):  # the whole model, before the cut
+        print0(note)
     # The model's own problems first (they need another model, not another flag), then the schedule's.
     make, ranges, how = split(model, layout, layout.stages, splits)
     n_stages = pp.check(layout.schedule, layout.pp, accum_steps)
