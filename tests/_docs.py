@@ -1,0 +1,225 @@
+"""Every code block of README.md and docs/*.md, run as a reader would run it (Sybil finds them; this runs them).
+
+A reader copies a block and runs it; a block that no longer works is a bug the suite must see (the README's
+first command once failed on every fresh clone while every test passed). Sybil (a kept library) parses the
+Markdown, skips what says ``<!-- skip: next "why" -->`` with that reason, and hands each block here:
+
+- **python**: run as its own program in the document's work folder: the document's setup so far (its
+  ``<!-- invisible-code-block: python -->`` blocks: what the reader brings, their ``Net`` or data) then the
+  block. ``<!-- doc: launch -n 4 -->`` before it runs it under ``multigpu run -n 4 --cpu``; ``<!-- doc: file
+  train.py -->`` also keeps it as that file for the commands below it.
+- **shell** (``bash`` blocks, and unlabelled blocks whose lines start with ``$ ``): each command runs in the
+  work folder and must end as the doc shows (exit 2 where it shows ``error:``, else the ``exit N`` it
+  prints, else 0); every output line the doc shows under a ``$`` command must come out in the same shape:
+  the same words in the same order, any token with a digit in it (figures, times, paths) matching any such
+  token. ``<!-- doc: sub "from" "to" -->`` shrinks a command by flags (it must match the doc's text), and
+  ``<!-- doc: omit "text" "why" -->`` shows a command without running it (it needs two hosts,
+  a GPU, or the reader's own files), and ``<!-- doc: vary "fragment" -->`` lets a shown line containing the fragment differ (a verdict that
+  depends on the machine's speed).
+
+Unlabelled blocks with no ``$`` are listings (a folder, a table, a synopsis): shown, not run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+from sybil import Sybil
+from sybil.parsers.markdown import SkipParser
+from sybil.parsers.markdown.lexers import DirectiveInHTMLCommentLexer, FencedCodeBlockLexer
+
+ROOT = Path(__file__).resolve().parent.parent
+LINKED = ("examples", "tests", "benchmarks", "src")  # what the docs' commands name, seen from the work folder
+TIMEOUT = 600
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    bin_dir = str(Path(sys.executable).parent)  # the venv's multigpu and python first
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    env.pop("MULTIGPU_ZOO", None)
+    return env
+
+
+def setup(namespace: dict) -> None:
+    work = Path(tempfile.mkdtemp(prefix="mg-doc-"))
+    for name in LINKED:
+        (work / name).symlink_to(ROOT / name)
+    namespace.update(_work=work, _setup=[], _next={})
+
+
+def teardown(namespace: dict) -> None:
+    shutil.rmtree(namespace["_work"], ignore_errors=True)
+
+
+def _options(example) -> dict:
+    options, example.namespace["_next"] = example.namespace["_next"], {}
+    return options
+
+
+def directive(example) -> None:
+    """``<!-- doc: launch -n 4 -->``, ``file NAME``, ``sub "from" "to"``, ``vary "fragment"``: for the next block."""
+    words = shlex.split(example.parsed)
+    nxt = example.namespace["_next"]
+    if words[0] == "launch":
+        nxt["launch"] = words[1:]
+    elif words[0] == "file":
+        nxt["file"] = words[1]
+    elif words[0] == "sub":
+        nxt.setdefault("sub", []).append((words[1], words[2]))
+    elif words[0] == "omit":  # omit "text" "why": a command holding the text is shown, not run (why is required)
+        nxt.setdefault("omit", []).append((words[1], words[2]))
+    elif words[0] == "vary":
+        nxt.setdefault("vary", []).append(words[1])
+    elif words[0] == "timeout":
+        nxt["timeout"] = int(words[1])
+    else:
+        raise ValueError(f"unknown doc directive {example.parsed!r}; expected launch, file, sub, omit, vary or timeout")
+
+
+def _run(argv: list[str] | str, work: Path, timeout: int, shell: bool = False) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(argv, cwd=work, env=_env(), capture_output=True, text=True, timeout=timeout,
+                              shell=shell, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError(f"{argv!r} ran past {timeout} s; shrink it with <!-- doc: sub ... -->:\n"
+                             f"{(err.stdout or b'')[-3000:]!r}") from None
+
+
+def python_block(example) -> None:
+    options = _options(example)
+    source = textwrap.dedent(example.parsed)
+    source = _substituted(source, options)
+    ns = example.namespace
+    if example.region.lexemes.get("invisible"):
+        ns["_setup"].append(source)
+        return
+    work: Path = ns["_work"]
+    program = "\n".join([*ns["_setup"], source])
+    name = options.get("file") or f"block_{example.line}.py"
+    (work / name).write_text(program)
+    argv = ([sys.executable, "-m", "multigpu", "run", *options["launch"], "--cpu", name] if "launch" in options
+            else [sys.executable, name])
+    done = _run(argv, work, options.get("timeout", TIMEOUT))
+    assert done.returncode == 0, f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+def _substituted(text: str, options: dict) -> str:
+    for old, new in options.get("sub", []):
+        assert old in text, f"<!-- doc: sub {old!r} ... --> matches nothing in the block below it"
+        text = text.replace(old, new)
+    return text
+
+
+PROMPT = re.compile(r"^(?:\w+)?\$ (.*)$")
+
+
+def _commands(source: str, labelled: bool) -> list[tuple[str, list[str]]]:
+    """(command, the output lines the doc shows under it). A bash block's every line that is not a comment is
+    a command; an unlabelled block's commands are its ``$ `` lines, the lines up to the next one its output."""
+    out: list[tuple[str, list[str]]] = []
+    lines = source.replace("\\\n", " ").splitlines()
+    for line in lines:
+        m = PROMPT.match(line)
+        if m:
+            out.append((m.group(1), []))
+        elif labelled and line.strip() and not line.lstrip().startswith("#"):
+            out.append((line, []))
+        elif out and line.strip():
+            out[-1][1].append(line)
+    return out
+
+
+def _drop_comment(command: str) -> str:
+    """The command without a trailing `` # comment`` (a ``#`` inside quotes stays)."""
+    for m in re.finditer(r"\s#", command):
+        head = command[:m.start()]
+        if head.count('"') % 2 == 0 and head.count("'") % 2 == 0:
+            return head.rstrip()
+    return command
+
+
+def shape(line: str) -> list[str]:
+    """A line's words with every token that holds a digit (a figure, a time, a path with a date) as ``#``."""
+    return ["#" if re.search(r"\d", tok) else tok for tok in line.split()]
+
+
+def _shown(expected: str, output_lines: list[list[str]]) -> bool:
+    want = shape(expected)
+    if not want:
+        return True
+    return any(got == want or (want[-1].endswith("...") and got[:len(want) - 1] == want[:-1])
+               for got in output_lines)
+
+
+def shell_block(example) -> None:
+    options = _options(example)
+    labelled = example.region.lexemes["arguments"] == "bash"
+    commands = _commands(example.parsed, labelled)
+    if not commands:
+        return
+    work: Path = example.namespace["_work"]
+    _substituted(example.parsed, {"sub": options.get("sub", []) + [(o, "") for o, _ in options.get("omit", [])]})
+    for command, shown in commands:
+        if any(text in command for text, _ in options.get("omit", [])):
+            continue
+        command = _drop_comment(command) if labelled or not shown else command
+        for old, new in options.get("sub", []):
+            command = command.replace(old, new)
+        shown = [s for s in shown if s.strip() not in ("...", "")]
+        want_exit = next((int(m.group(1)) for s in shown if (m := re.match(r"^exit (\d+)$", s.strip()))),
+                         2 if any(": error:" in s for s in shown) else 0)
+        done = _run(command, work, options.get("timeout", TIMEOUT), shell=True)
+        got = done.stdout + done.stderr
+        assert done.returncode == want_exit, (f"`{command}` exited {done.returncode}, the doc shows {want_exit}:\n"
+                                              f"{got[-4000:]}")
+        lines = [shape(line) for line in got.splitlines()]
+        for line in shown:
+            if re.match(r"^exit \d+$", line.strip()) or any(v in line for v in options.get("vary", [])):
+                continue
+            assert _shown(line, lines), f"`{command}` did not print a line shaped as the doc's:\n  {line}\ngot:\n{got[-4000:]}"
+
+
+class _Directives:
+    def __call__(self, document):
+        for region in DirectiveInHTMLCommentLexer("doc", arguments=".+?")(document):
+            region.parsed = region.lexemes["arguments"]
+            region.evaluator = directive
+            yield region
+
+
+class _Blocks:
+    """Fenced python/bash/unlabelled blocks and invisible python setup blocks, each with its evaluator."""
+
+    def __call__(self, document):
+        for region in FencedCodeBlockLexer(language=r"[\w-]*")(document):
+            language = region.lexemes["language"]
+            region.parsed = region.lexemes["source"]
+            region.lexemes["arguments"] = language
+            if language == "python":
+                region.evaluator = python_block
+            elif language in ("bash", ""):
+                region.evaluator = shell_block
+            else:
+                continue  # json, text: data shown, nothing to run
+            yield region
+        for region in DirectiveInHTMLCommentLexer("invisible-code-block", arguments="python")(document):
+            region.parsed = region.lexemes["source"]
+            region.lexemes["invisible"] = True
+            region.evaluator = python_block
+            yield region
+
+
+def sybil() -> Sybil:
+    return Sybil(parsers=[_Directives(), _Blocks(), SkipParser()], patterns=["README.md", "docs/*.md"], path=str(ROOT),
+                 setup=setup, teardown=teardown)
+
