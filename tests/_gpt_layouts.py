@@ -137,9 +137,14 @@ def train_pipeline(dist, layout: dict, steps: int = 5, accum: int = 4, clip: flo
     if ckpt is not None:
         checkpointer = mg.Checkpointer(ckpt, model=pipe.model, optimizer=opt, loader=train_loader)
         start = checkpointer.resume()
-    losses, norms = [], []
+    losses, norms, refused = [], [], None
     for step, micro_batches in zip(range(start, steps), train_loader):
         loss = pipe.step(micro_batches)
+        if step == start:  # the pipeline's model is this rank's stages: mg.clip_grad_norm_ would clip by their norm
+            try:
+                mg.clip_grad_norm_(pipe.model, clip)
+            except mg.UsageError as err:
+                refused = str(err)
         norms.append(float(pipe.clip_grad_norm_(clip)))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -152,7 +157,8 @@ def train_pipeline(dist, layout: dict, steps: int = 5, accum: int = 4, clip: flo
     gathered = [None] * dist.world_size
     torch.distributed.all_gather_object(gathered, mine)
     state = {k: v for d in gathered for k, v in d.items()}
-    return {"state": state, "losses": losses, "norms": norms, "mesh": layout.label, "stages": ids}
+    return {"state": state, "losses": losses, "norms": norms, "mesh": layout.label, "stages": ids,
+            "clip_refused": refused}
 
 
 def train_layouts(dist, layouts: list[dict]) -> list[dict]:

@@ -43,6 +43,11 @@ def test_pipeline_schedules_equal_one_process(reference):
     assert [out[1][i]["stages"] for i in range(3)] == [[1], [1], [1, 3]]
     # The mean micro-batch loss is on the last stage's rank only.
     assert all(x is None for x in out[0][0]["losses"]) and all(x is not None for x in out[1][0]["losses"])
+    # mg.clip_grad_norm_ on a pipeline's model (one stage, or an interleaved rank's two) refuses in one line: each
+    # stage's own norm, silently, was what it returned.
+    for rank in out:
+        for run in rank:
+            assert "use pipe.clip_grad_norm_(max_norm)" in run["clip_refused"] and "\n" not in run["clip_refused"]
 
 
 @pytest.mark.slow

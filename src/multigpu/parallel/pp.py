@@ -218,6 +218,7 @@ class Pipeline:
         self.clock = StageClock(device)
         for stage in self.stages:
             self.clock.wrap(stage)
+        self._union = stage_union(modules)  # one object: what mg.parallel.pipeline records and a Checkpointer keeps
 
     def parameters(self) -> Iterable[nn.Parameter]:
         for m in self.modules:
@@ -228,7 +229,7 @@ class Pipeline:
         """This rank's stages as one module under one process's parameter names: what a
         ``Checkpointer`` saves and loads (``model=pipe.model``), so a pipeline checkpoint resumes
         under any layout and back."""
-        return stage_union(self.modules)
+        return self._union
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """Forward and backward of one optimizer step's micro-batches; their mean loss on the last stage's rank."""

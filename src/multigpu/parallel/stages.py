@@ -199,7 +199,7 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
     """
     import torch.distributed as tdist
 
-    from ..data.share import record
+    from ..data.share import record, remember
     from ..dist import print0
     from . import pp
     from .auto import block_modules, blocks_of, head_counts
@@ -255,8 +255,10 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
     if verbose and tied:
         print0(f"mg.parallel.pipeline: tied {'; '.join(' = '.join(g) for g in tied)}: a copy on each stage that uses "
                "it, gradients summed over the copies after each step")
-    return pp.Pipeline(parts, ids, n_stages, pp_mesh.get_group(), device, layout.schedule, accum_steps, loss_fn,
+    pipe = pp.Pipeline(parts, ids, n_stages, pp_mesh.get_group(), device, layout.schedule, accum_steps, loss_fn,
                        tied=tied)
+    remember(pipe.model, layout)  # (each part is remembered by parallelize): what takes "a model" sees a stage
+    return pipe
 
 
 def stage_plan(part: nn.Module, styles: dict[str, Any]) -> dict[str, Any]:
