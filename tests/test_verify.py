@@ -115,3 +115,26 @@ def test_verify_reads_the_precision_from_the_meter_and_says_which_tolerance_it_u
         c = json.loads((tmp_path / precision / "verify.json").read_text())["comparisons"]["2"]
         assert c["precision"] == precision and c["same"] and c["steps"] == 30
         assert c["loss_tol"] == tol.loss.tolerance and c["param_tol"] == tol.update.tolerance
+
+
+def test_steps_that_draw_random_numbers_are_named_as_the_cause(tmp_path):
+    """The meter's probe notes whether a step advanced torch's generator (a dropout's draw in the loop), and a
+    difference between such runs is put down to the draws, not to a bug of the loss or the gradients."""
+    import torch
+
+    from multigpu.meter.probe import Probe
+
+    drew = {}
+    for draws in (False, True):
+        probe = Probe(None, str(tmp_path / str(draws)), 0, 1)
+        for _ in range(2):
+            probe.batch(torch.zeros(2, 3))
+            if draws:
+                torch.rand(1)  # a dropout mask drawn in the step
+        probe.finish()
+        drew[draws] = json.loads((tmp_path / str(draws) / "verify" / "probe.json").read_text())["draws"]
+    assert drew == {False: False, True: True}
+    ref, other = _run([1.0, 0.8], 1.0, "fp32"), _run([1.0, 0.9], 1.1, "fp32")
+    random = compare(ref, dict(other, draws=True))
+    assert not random["same"] and random["causes"][0].startswith("the steps draw random numbers (torch's generator")
+    assert not any("draw random numbers" in c for c in compare(ref, other)["causes"])

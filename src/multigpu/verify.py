@@ -124,7 +124,7 @@ def _read_run(run_dir: Path, steps: int | None = None) -> dict[str, Any]:
     states = {name: torch.load(probe_dir / f"{name}.pt", weights_only=True)
               for name in ("initial", "final") if (probe_dir / f"{name}.pt").is_file()}
     return {"losses": losses, "digests": probe.get("digests", []), "batchnorm": probe.get("batchnorm", []),
-            "rank_starts": probe.get("rank_starts", []), "thin": thin_evidence(recs, steps, rate=False),
+            "rank_starts": probe.get("rank_starts", []), "draws": probe.get("draws", False), "thin": thin_evidence(recs, steps, rate=False),
             "precision": (header.get("meter") or {}).get("dtype") or "fp32", **states}
 
 
@@ -208,6 +208,11 @@ def _causes(ref: dict[str, Any], other: dict[str, Any], rtol: float, first: int 
         names = ", ".join(other["batchnorm"][:3]) + (" ..." if len(other["batchnorm"]) > 3 else "")
         causes.append(f"BatchNorm without sync ({names}): each rank normalizes with its share's statistics; "
                       f"use mg.wrap(model, 'ddp', sync_batchnorm=True)")
+    if other.get("draws") or ref.get("draws"):
+        causes.append("the steps draw random numbers (torch's generator advanced during them: dropout, a router's "
+                      "sampling or jitter, random augmentation): each rank draws its own for its share, so the runs "
+                      "differ as two seeds' do, by design; set them to 0 to verify (mg.parallelize's note names a "
+                      "model's own)")
     if first == 0 and not causes:
         causes.append("the loss of step 0 differs with the same model and samples: it is averaged per rank, not per "
                       "sample (divide the summed loss by the global count: samples, tokens, weights)")

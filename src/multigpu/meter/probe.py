@@ -52,6 +52,14 @@ def unsynced_batchnorm(model: nn.Module) -> list[str]:
             if isinstance(m, batchnorm_base()) and not isinstance(m, (nn.SyncBatchNorm, GlooSyncBatchNorm))]
 
 
+def rng_states() -> list:
+    """The state of torch's generators a step may draw from: the CPU's, and each CUDA device's once CUDA is up."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += torch.cuda.get_rng_state_all()
+    return states
+
+
 def plain_state_digest(model: nn.Module) -> list[float]:
     """Per plain (not sharded) floating tensor of the model's state, a digest; the ranks' lists are equal
     when they start from the same parameters (sharded DTensors differ by design and are left out)."""
@@ -92,6 +100,10 @@ class Probe:
         self.dp_rank = rank if dp_rank is None else dp_rank
         self.dir = os.path.join(log_dir, VERIFY_DIR)
         self.digests: list[float] = []
+        # Whether a step drew from torch's generators (dropout, a router's sampling, random augmentation in the
+        # loop): each rank draws its own, so a layout differs from one process by design; their state at the
+        # step's start.
+        self.draws, self._rng = False, None
         if rank == 0:
             os.makedirs(self.dir, exist_ok=True)
         self._save_model("initial")
@@ -101,10 +113,19 @@ class Probe:
 
     def batch(self, batch: Any) -> None:
         self.digests.append(digest(batch))
+        self._step_starts()
+
+    def _step_starts(self) -> bool:
+        """Note whether the step that ends here drew random numbers; keep the generators' state for the next."""
+        now = rng_states()
+        if self._rng is not None and any(not torch.equal(a, b) for a, b in zip(self._rng, now)):
+            self.draws = True
+        self._rng = now
+        return self.draws
 
     def finish(self) -> None:
         self._save_model("final")
-        mine = {"digests": self.digests, "batchnorm": unsynced_batchnorm(self.module) if self.module is not None else [],
+        mine = {"digests": self.digests, "draws": self._step_starts(), "batchnorm": unsynced_batchnorm(self.module) if self.module is not None else [],
                 "start": self.start, "dp_rank": self.dp_rank}
         every = [mine]
         if self.world > 1 and tdist.is_initialized():
@@ -116,6 +137,7 @@ class Probe:
             rec = {"world_size": self.world, "model": self.model is not None,
                    "digests": [math.fsum(r["digests"][i] for r in firsts) for i in range(steps)],
                    "batchnorm": every[0]["batchnorm"] if self.world > 1 else [],
+                   "draws": any(r["draws"] for r in every),  # a step drew random numbers on some rank
                    # Ranks whose unsynced parameters started elsewhere than rank 0's (a per-rank seed that
                    # no wrapper broadcast over): rank 0's initial.pt alone would not show it.
                    "rank_starts": [r for r in range(1, len(every))
