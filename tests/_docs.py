@@ -15,7 +15,13 @@ Markdown, skips what says ``<!-- skip: next "why" -->`` with that reason, and ha
   token. ``<!-- doc: sub "from" "to" -->`` shrinks a command by flags (it must match the doc's text), and
   ``<!-- doc: omit "text" "why" -->`` shows a command without running it (it needs two hosts,
   a GPU, or the reader's own files), and ``<!-- doc: vary "fragment" -->`` lets a shown line containing the fragment differ (a verdict that
-  depends on the machine's speed).
+  depends on the machine's speed). A status the doc shows as ``$ echo $?`` and a number under it is the
+  command before it's; a command that prints its own (``...; echo "exit $?"``) ends 0 and must print that
+  ``exit N`` line as shown. ``<!-- doc: together -->`` starts the block's commands at once (two "nodes" on
+  one machine), each checked against its own lines. Tokens that are absolute paths match any path (the work
+  folder differs run to run), and this machine's name after ``host`` reads as ``vm``, the docs' machine.
+  ``<!-- doc: file train.py --dir runs/a -->``: the block's own run gets the words after the name as its
+  arguments (the commands below give it theirs).
 
 Unlabelled blocks with no ``$`` are listings (a folder, a table, a synopsis): shown, not run.
 """
@@ -26,6 +32,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -72,8 +79,9 @@ def directive(example) -> None:
     nxt = example.namespace["_next"]
     if words[0] == "launch":
         nxt["launch"] = words[1:]
-    elif words[0] == "file":
+    elif words[0] == "file":  # file NAME [ARGS...]: keep the block as NAME; its own run gets ARGS
         nxt["file"] = words[1]
+        nxt["args"] = words[2:]
     elif words[0] == "sub":
         nxt.setdefault("sub", []).append((words[1], words[2]))
     elif words[0] == "omit":  # omit "text" "why": a command holding the text is shown, not run (why is required)
@@ -82,8 +90,11 @@ def directive(example) -> None:
         nxt.setdefault("vary", []).append(words[1])
     elif words[0] == "timeout":
         nxt["timeout"] = int(words[1])
+    elif words[0] == "together":  # the block's commands start at once (two "nodes" of one job on this machine)
+        nxt["together"] = True
     else:
-        raise ValueError(f"unknown doc directive {example.parsed!r}; expected launch, file, sub, omit, vary or timeout")
+        raise ValueError(f"unknown doc directive {example.parsed!r}; expected launch, file, sub, omit, vary, timeout"
+                         " or together")
 
 
 def _run(argv: list[str] | str, work: Path, timeout: int, shell: bool = False) -> subprocess.CompletedProcess:
@@ -108,7 +119,7 @@ def python_block(example) -> None:
     name = options.get("file") or f"block_{example.line}.py"
     (work / name).write_text(program)
     argv = ([sys.executable, "-m", "multigpu", "run", *options["launch"], "--cpu", name] if "launch" in options
-            else [sys.executable, name])
+            else [sys.executable, name]) + options.get("args", [])
     done = _run(argv, work, options.get("timeout", TIMEOUT))
     assert done.returncode == 0, f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
@@ -149,8 +160,15 @@ def _drop_comment(command: str) -> str:
 
 
 def shape(line: str) -> list[str]:
-    """A line's words with every token that holds a digit (a figure, a time, a path with a date) as ``#``."""
-    return ["#" if re.search(r"\d", tok) else tok for tok in line.split()]
+    """A line's words with every token that holds a digit (a figure, a time, a path with a date) or is an
+    absolute path (``/tmp/doc);``, ``"/tmp/doc/train.py",``: the work folder differs run to run) as ``#``."""
+    return ["#" if re.search(r"\d", tok) or re.match(r"""^[(\['"`]*/\w""", tok) else tok for tok in line.split()]
+
+
+def _as_shown(output: str) -> str:
+    """The output as the docs show it: this machine's name after ``host`` is ``vm``, the docs' machine."""
+    host = socket.gethostname()
+    return re.sub(rf"(?<=host ){re.escape(host)}\b", "vm", output) if host and host != "vm" else output
 
 
 def _shown(expected: str, output_lines: list[list[str]]) -> bool:
@@ -161,6 +179,39 @@ def _shown(expected: str, output_lines: list[list[str]]) -> bool:
                for got in output_lines)
 
 
+def _statuses(commands: list[tuple[str, list[str]]]) -> list[tuple[str, list[str], int | None]]:
+    """(command, shown lines, the status the doc shows for it by ``$ echo $?`` right after it, else None);
+    the ``echo $?`` commands themselves are folded into the one before them."""
+    out: list[tuple[str, list[str], int | None]] = []
+    for command, shown in commands:
+        numbers = [int(s) for s in shown if s.strip().isdigit()]
+        if command.strip() == "echo $?" and out and out[-1][2] is None and len(numbers) == 1:
+            out[-1] = (out[-1][0], out[-1][1], numbers[0])
+        else:
+            out.append((command, shown, None))
+    return out
+
+
+def _check(command: str, shown: list[str], status: int | None, code: int, got: str, options: dict) -> None:
+    shown = [s for s in shown if s.strip() not in ("...", "")]
+    exit_lines = [s.strip() for s in shown if re.match(r"^exit \d+$", s.strip())]
+    if "$?" in command:  # it prints its own status (`...; echo "exit $?"`): that line, exactly as shown
+        want_exit = 0
+        for line in exit_lines:
+            assert line in [g.strip() for g in got.splitlines()], f"`{command}` did not print `{line}`:\n{got[-4000:]}"
+    elif status is not None:
+        want_exit = status
+    else:
+        want_exit = next((int(s.split()[1]) for s in exit_lines), 2 if any(": error:" in s for s in shown) else 0)
+    assert code == want_exit, f"`{command}` exited {code}, the doc shows {want_exit}:\n{got[-4000:]}"
+    got = _as_shown(got)
+    lines = [shape(line) for line in got.splitlines()]
+    for line in shown:
+        if re.match(r"^exit \d+$", line.strip()) or any(v in line for v in options.get("vary", [])):
+            continue
+        assert _shown(line, lines), f"`{command}` did not print a line shaped as the doc's:\n  {line}\ngot:\n{got[-4000:]}"
+
+
 def shell_block(example) -> None:
     options = _options(example)
     labelled = example.region.lexemes["arguments"] == "bash"
@@ -169,24 +220,32 @@ def shell_block(example) -> None:
         return
     work: Path = example.namespace["_work"]
     _substituted(example.parsed, {"sub": options.get("sub", []) + [(o, "") for o, _ in options.get("omit", [])]})
-    for command, shown in commands:
+    runs = []
+    for command, shown, status in _statuses(commands):
         if any(text in command for text, _ in options.get("omit", [])):
             continue
         command = _drop_comment(command) if labelled or not shown else command
         for old, new in options.get("sub", []):
             command = command.replace(old, new)
-        shown = [s for s in shown if s.strip() not in ("...", "")]
-        want_exit = next((int(m.group(1)) for s in shown if (m := re.match(r"^exit (\d+)$", s.strip()))),
-                         2 if any(": error:" in s for s in shown) else 0)
-        done = _run(command, work, options.get("timeout", TIMEOUT), shell=True)
-        got = done.stdout + done.stderr
-        assert done.returncode == want_exit, (f"`{command}` exited {done.returncode}, the doc shows {want_exit}:\n"
-                                              f"{got[-4000:]}")
-        lines = [shape(line) for line in got.splitlines()]
-        for line in shown:
-            if re.match(r"^exit \d+$", line.strip()) or any(v in line for v in options.get("vary", [])):
-                continue
-            assert _shown(line, lines), f"`{command}` did not print a line shaped as the doc's:\n  {line}\ngot:\n{got[-4000:]}"
+        runs.append((command, shown, status))
+    timeout = options.get("timeout", TIMEOUT)
+    if options.get("together"):
+        procs = [subprocess.Popen(command, cwd=work, env=_env(), shell=True, text=True, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                 for command, _, _ in runs]
+        try:
+            outs = [proc.communicate(timeout=timeout) for proc in procs]
+        except subprocess.TimeoutExpired:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, 9)
+            raise AssertionError(f"{[c for c, _, _ in runs]!r} ran past {timeout} s together") from None
+        for (command, shown, status), proc, (out, err) in zip(runs, procs, outs):
+            _check(command, shown, status, proc.returncode, out + err, options)
+        return
+    for command, shown, status in runs:
+        done = _run(command, work, timeout, shell=True)
+        _check(command, shown, status, done.returncode, done.stdout + done.stderr, options)
 
 
 class _Directives:
