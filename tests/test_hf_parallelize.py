@@ -258,3 +258,22 @@ def test_a_checkpoint_saved_under_one_layout_resumes_under_another(reference, tm
         assert (r["strategy"], r["start"], len(r["losses"])) == ("fsdp", 3, 2)  # resumed, not trained anew
         assert r["norms"] == pytest.approx(reference["llama"]["norms"][3:], rel=1e-9)  # (losses are per rank's share)
         assert _max_diff(r, reference["llama"]) < TOL, _max_diff(r, reference["llama"])
+
+
+def test_the_random_draws_probe_leaves_the_model_and_the_generator_as_they_were():
+    """mg.parallelize's note runs the model in training mode from two seeds on more than one process only: the
+    generator's state, the modules' modes and the buffers (BatchNorm's statistics) must be as before, or the
+    processes would go on from another state than one process's."""
+    from multigpu.parallel import probe
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(16), nn.Dropout(0.5)).double()
+    model[1].eval()
+    before, stats = torch.get_rng_state(), model[1].running_mean.clone()
+    assert probe.random_draws(model, probe.probe_batch(model, 2)) == "Dropout(p=0.5) 2"
+    assert torch.equal(torch.get_rng_state(), before) and torch.equal(model[1].running_mean, stats)
+    assert [m.training for m in model] == [True, False, True] and int(model[1].num_batches_tracked) == 0
+    model[2].p = 0.0  # still drawn from? nothing reaches the output: nothing to say
+    assert probe.random_draws(model, probe.probe_batch(model, 2)) is None
+    assert probe.random_draws(hf.build("own"), None) is None  # no batch, no dropout declared
+    assert probe.random_draws(hf.PROBED["dropout"]().double(), None) == "Dropout(p=0.1) drop"  # declared
