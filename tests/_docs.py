@@ -12,7 +12,8 @@ Markdown, skips what says ``<!-- skip: next "why" -->`` with that reason, and ha
   work folder and must end as the doc shows (exit 2 where it shows ``error:``, else the ``exit N`` it
   prints, else 0); every output line the doc shows under a ``$`` command must come out in the same shape:
   the same words in the same order, any token with a digit in it (figures, times, paths) matching any such
-  token. ``<!-- doc: sub "from" "to" -->`` shrinks a command by flags (it must match the doc's text), and
+  token, a ``...`` token any tokens, and a last token ending in ``...`` any end of the line.
+  ``<!-- doc: sub "from" "to" -->`` shrinks a command by flags (it must match the doc's text), and
   ``<!-- doc: omit "text" "why" -->`` shows a command without running it (it needs two hosts,
   a GPU, or the reader's own files), and ``<!-- doc: vary "fragment" -->`` lets a shown line containing the fragment differ (a verdict that
   depends on the machine's speed). A status the doc shows as ``$ echo $?`` and a number under it is the
@@ -171,12 +172,34 @@ def _as_shown(output: str) -> str:
     return re.sub(rf"(?<=host ){re.escape(host)}\b", "vm", output) if host and host != "vm" else output
 
 
+def _fits(want: list[str], got: list[str]) -> bool:
+    """``got`` has ``want``'s shape: a last token ending in ``...`` leaves the line's end open, and a ``...``
+    token inside the line stands for any tokens (the part of a line that differs as a race goes)."""
+    open_end = want[-1].endswith("...")
+    parts: list[list[str]] = [[]]
+    for tok in want[:-1] if open_end else want:
+        if tok == "...":
+            parts.append([])
+        else:
+            parts[-1].append(tok)
+    if got[:len(parts[0])] != parts[0]:
+        return False
+    pos = len(parts[0])
+    for i, part in enumerate(parts[1:], 1):
+        if i == len(parts) - 1 and not open_end:  # the last part ends the line
+            return len(got) - pos >= len(part) and got[len(got) - len(part):] == part
+        at = next((j for j in range(pos, len(got) - len(part) + 1) if got[j:j + len(part)] == part), None)
+        if at is None:
+            return False
+        pos = at + len(part)
+    return open_end or pos == len(got)
+
+
 def _shown(expected: str, output_lines: list[list[str]]) -> bool:
     want = shape(expected)
     if not want:
         return True
-    return any(got == want or (want[-1].endswith("...") and got[:len(want) - 1] == want[:-1])
-               for got in output_lines)
+    return any(_fits(want, got) for got in output_lines)
 
 
 def _statuses(commands: list[tuple[str, list[str]]]) -> list[tuple[str, list[str], int | None]]:
