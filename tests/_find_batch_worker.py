@@ -3,6 +3,7 @@
 ``search``: runs the search when the launcher asks, each trial touching 2 MiB per sample;
 ``ignore``: never calls mg.find_micro_batch. Either way it prints the plan it trains with.
 ``sequence``: runs mg.find_sequence_length, each trial touching 16 KiB per token, and prints what fits.
+``short``: mg.find_sequence_length over a step that slices 2,048 tokens: more is asked than the data holds.
 """
 
 import sys
@@ -25,6 +26,10 @@ if __name__ == "__main__":
         if sys.argv[1] == "sequence" and mg.find_batch_requested():
             found = mg.find_sequence_length(lambda n: step(n // 128), dist, multiple=128, start=128)
             mg.print0(f"longest: {found.length}")
+        if sys.argv[1] == "short" and mg.find_batch_requested():
+            embed, tokens = torch.nn.Embedding(64, 8), torch.randint(0, 64, (1, 2048))
+            mg.find_sequence_length(lambda n: embed(tokens[:, :n]).sum().backward(), dist, multiple=128, start=1024,
+                                    max_length=65536)
         if sys.argv[1] == "search" and mg.find_batch_requested():
             plan = mg.find_micro_batch(step, dist, plan=plan).plan
         mg.print0(f"plan: {plan.world_size} ranks x {plan.micro_batch} x {plan.accum_steps} accumulation")

@@ -37,11 +37,12 @@ from typing import Callable
 import torch
 import torch.distributed as tdist
 
-from .batch import BatchPlan
-from .errors import UsageError
-from .runtime.values import positive_int
-from .runtime.contract import find_batch_requested, write_find_batch
-from .runtime.contract import memory_budget as _launcher_budget, run_dir as _run_dir
+from ..batch import BatchPlan
+from ..errors import UsageError
+from ..runtime.values import positive_int
+from ..runtime.contract import find_batch_requested, write_find_batch
+from ..runtime.contract import memory_budget as _launcher_budget, run_dir as _run_dir
+from .ran import Watch
 
 __all__ = ["MicroBatchSearch", "SequenceSearch", "find_batch_requested", "find_micro_batch", "find_sequence_length"]
 
@@ -142,11 +143,11 @@ def _write_result(found: "MicroBatchSearch | SequenceSearch", dist, memory_budge
     write_find_batch(run_dir, record)
 
 
-OK, OOM, FAILED = 0, 1, 2
+OK, OOM, SHORT, FAILED = 0, 1, 2, 3  # agreed as the worst over ranks: a failure's own error wins
 
 
 def _agree(code: int, device: torch.device, group) -> int:
-    """The worst outcome over ranks (one all-reduce of a flag): OK, OOM or FAILED."""
+    """The worst outcome over ranks (one all-reduce of a flag): OK, OOM, SHORT or FAILED."""
     if not (tdist.is_available() and tdist.is_initialized()):
         return code
     flag = torch.tensor([code], device=device)
@@ -171,17 +172,53 @@ def _check_arguments(device: torch.device, plan, start, max_micro_batch, memory_
             raise UsageError("measuring CPU peak memory needs Linux /proc/self/clear_refs; run the search on CUDA or on Linux")
 
 
+@dataclass(frozen=True)
+class _Short:
+    """The one line of a search over a step that ran fewer than asked (``ran.Watch.short``)."""
+
+    name: str     # the finder
+    unit: str     # what a size counts
+    larger: str   # what would be measured on the data's size
+    more: str     # what step_fn should be given
+    fix: Callable[[int], str]  # the cap to pass, from what ran
+
+    def line(self, asked: int, ran: int, exact: bool) -> str:
+        if exact:
+            return (f"{self.name}: step_fn({asked}) ran {ran} {self.unit}, not the {asked} asked (the data it reads "
+                    f"holds {ran}), so {self.larger} would be measured on {ran}; {self.fix(ran)}, or give step_fn "
+                    f"{self.more}")
+        return (f"{self.name}: step_fn({asked}) ran the same inputs as step_fn({ran}) (the data it reads holds at most "
+                f"{ran} {self.unit}), so {self.larger} would be measured on them; {self.fix(ran)} or less, or give "
+                f"step_fn {self.more}")
+
+
+def _short_line(line: str | None, group) -> str:
+    """The refusal of a trial that ran fewer than asked, the same on every rank: the first rank's that saw it."""
+    lines = [line]
+    if tdist.is_available() and tdist.is_initialized():
+        lines = [None] * tdist.get_world_size(group)
+        tdist.all_gather_object(lines, line, group=group)
+    return next(x for x in lines if x is not None)
+
+
 def _trial(step_fn: Callable[[int], object], device: torch.device, memory_budget: int | None, group,
-           trials: list) -> Callable[..., bool]:
-    """``fits(m)``: run ``step_fn(m)`` on every rank and agree whether it fit; measured trials go to ``trials``."""
+           trials: list, short: "_Short", scale: int = 1) -> Callable[..., bool]:
+    """``fits(m)``: run ``step_fn(m)`` on every rank and agree whether it fit; measured trials go to ``trials``.
+    A step that ran fewer than ``m * scale`` along the dimension that carried the size (``ran.Watch``) is
+    refused on every rank in ``short``'s line: its memory says nothing of the size asked."""
+    watch = Watch()
 
     def fits(m: int, warmup: bool = False) -> bool:
         base = _reset_peak(device)
-        code, peak, error = OK, None, None
+        code, peak, error, line = OK, None, None, None
         try:
-            step_fn(m)
+            with watch.trial(m * scale, slices=warmup):
+                step_fn(m)
             peak = _peak(device) - base
             code = OOM if memory_budget is not None and peak > memory_budget and not warmup else OK
+            ran = watch.short(m * scale)
+            if ran is not None:
+                code, line = SHORT, short.line(m * scale, *ran)
         except torch.OutOfMemoryError:
             # Decide outside the except block: the traceback holds the trial's tensors.
             code = OOM
@@ -194,6 +231,8 @@ def _trial(step_fn: Callable[[int], object], device: torch.device, memory_budget
             if error is not None:
                 raise error
             raise RuntimeError(f"find_micro_batch: another rank failed in step_fn({m}); see its log")
+        if agreed == SHORT:
+            raise UsageError(_short_line(line, group))
         if not warmup:
             trials.append((m, agreed == OK, peak))
         return agreed == OK
@@ -259,7 +298,9 @@ def find_micro_batch(
     under ``no_sync``; let it zero its gradients. ``memory_budget`` (bytes) is
     required on CPU. With ``plan`` the result carries the same global batch in
     the largest micro-batch that fits and divides the plan's rank share, the
-    rest as accumulation.
+    rest as accumulation. A trial that ran fewer than ``m`` samples (``x[:m]``
+    past the data's end) is refused in one line, never counted as fitting
+    (``ran.Watch``); ``max_micro_batch`` caps the search at what the data holds.
 
     >>> def step(m):
     ...     model.zero_grad(set_to_none=True)
@@ -274,7 +315,11 @@ def find_micro_batch(
     limit = "cpu-budget" if device.type == "cpu" else ("cuda-budget" if memory_budget else "cuda-oom")
     trials: list[tuple[int, bool, int | None]] = []
     _free(device, collect=True)
-    good = _largest(_trial(step_fn, device, memory_budget, group, trials), start, max_micro_batch)
+    def fix(ran: int) -> str:
+        return f"pass max_micro_batch={ran}" + (f" and start={ran}" if ran < start else "")
+
+    short = _Short("find_micro_batch", "samples", "every larger micro-batch", "more samples", fix)
+    good = _largest(_trial(step_fn, device, memory_budget, group, trials, short), start, max_micro_batch)
     found = MicroBatchSearch(good, None if plan is None else plan.fitting(good), tuple(trials), limit)
     if find_batch_requested():
         _write_result(found, dist, memory_budget)
@@ -299,7 +344,9 @@ def find_sequence_length(
     the cp ranks to see how much longer a sequence fits than on one (docs/context.md). The step's all-to-alls
     are collectives, so on CUDA give ``memory_budget`` (decided by the peak after the step) rather than
     relying on an out-of-memory error, which one rank can hit while its peers wait in the all-to-all.
-    ``multiple``: what the length must divide by (2 x cp at least: the head-tail chunks).
+    ``multiple``: what the length must divide by (2 x cp at least: the head-tail chunks). A trial that ran
+    fewer tokens than asked (``tokens[:, :n]`` past the data's end) is refused in one line, never counted as
+    fitting; ``max_length`` caps the search at what the data holds.
 
     >>> def step(n):
     ...     model.zero_grad(set_to_none=True)
@@ -318,7 +365,13 @@ def find_sequence_length(
     limit = "cpu-budget" if device.type == "cpu" else ("cuda-budget" if memory_budget else "cuda-oom")
     trials: list[tuple[int, bool, int | None]] = []
     _free(device, collect=True)
-    fits = _trial(lambda k: step_fn(k * multiple), device, memory_budget, group, trials)
+    def fix(ran: int) -> str:
+        cap = ran // multiple * multiple
+        return (f"pass max_length={cap}" + (f" and start={cap}" if cap < start else "") if cap else
+                f"give step_fn sequences of at least {multiple} tokens (multiple={multiple})")
+
+    short = _Short("find_sequence_length", "tokens", "every longer sequence", "longer sequences", fix)
+    fits = _trial(lambda k: step_fn(k * multiple), device, memory_budget, group, trials, short, scale=multiple)
     units = _largest(fits, start // multiple, None if max_length is None else max_length // multiple,
                      what="sequence length", unit=multiple)
     found = SequenceSearch(units * multiple, tuple((k * multiple, ok, peak) for k, ok, peak in trials), limit)
