@@ -25,7 +25,7 @@ from torch import nn
 from ..data.share import record, remember
 from ..dist import print0
 from ..errors import UsageError
-from . import auto, probe
+from . import auto, probe, unused
 from .hf import router
 from .batchnorm import prepare_batchnorm
 from .fsdp import shard_blocks, unit_rule, units_line
@@ -190,6 +190,8 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
     if layout.cp > 1:
         _context_parallel(model, layout, device_type, say)
     extras = _per_block(model, layout, blocks, activation_checkpointing, compile)
+    if layout.dp_size > 1 or layout.cp > 1:  # ranks see other tokens: routing may leave a rank's experts unused
+        unused.touch_experts(model)
     if layout.dp_size > 1 and router.has_router_loss(model):  # the batch's load-balancing loss, not a rank's
         router.over_ranks(model, layout.dp_group(device_type))
     model = _data_parallel(model, layout, classes, block_source, block_classes, pipeline_stage, options, extras, say)
