@@ -77,6 +77,45 @@ class PositionLM(TinyLM):
         return TinyLM.forward(self, x, positions)
 
 
+def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary positions: (B, H, S, D) rotated by each token's position (B, S)."""
+    half = x.shape[-1] // 2
+    angle = positions[:, None, :, None].to(x.dtype) / 10000 ** (torch.arange(half, dtype=x.dtype) / half)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()], -1)
+
+
+class RopeBlock(Block):
+    """Block with RoPE at the tokens' positions on q and k, causal SDPA, no mask of its own."""
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        q, k, v = (p(h).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.attn.q, self.attn.k, self.attn.v))
+        a = F.scaled_dot_product_attention(rope(q, positions), rope(k, positions), v, is_causal=True)
+        x = x + self.attn.o(a.transpose(1, 2).reshape(b, t, -1))
+        return x + self.mlp.down(F.gelu(self.mlp.up(self.ln2(x))))
+
+
+class RopeLM(nn.Module):
+    """A user's hand-written causal LM: RoPE from ``position_ids`` and causal SDPA, no document mask of its own
+    (packed documents restart its positions, nothing else: its attention crosses them on one process)."""
+
+    def __init__(self, dim: int = 32, n_head: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(RopeBlock(dim, n_head) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        positions = (torch.arange(x.shape[1]) if position_ids is None else position_ids).expand(x.shape)
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h, positions)
+        return self.head(self.norm(h))
+
+
 class OwnExperts(nn.Module):
     """A user's own experts module in the convention expert parallelism spreads (docs/experts.md): an int
     ``num_experts``, 3-D weights with the expert first, ``forward(hidden, top_k_index, top_k_weights)``."""
@@ -97,13 +136,13 @@ class OwnExperts(nn.Module):
 
 
 class OwnMoE(nn.Module):
-    """TinyLM's shape with a routed MLP of 4 experts, 2 per token: nothing transformers declares."""
+    """TinyLM's shape with a routed MLP of 4 experts (or ``experts``), 2 per token: nothing transformers declares."""
 
-    def __init__(self, dim: int = 32, layers: int = 2) -> None:
+    def __init__(self, dim: int = 32, layers: int = 2, experts: int = 4) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
-        self.routers = nn.ModuleList(nn.Linear(dim, 4, bias=False) for _ in range(layers))
-        self.experts = nn.ModuleList(OwnExperts(dim, 2 * dim, 4) for _ in range(layers))
+        self.routers = nn.ModuleList(nn.Linear(dim, experts, bias=False) for _ in range(layers))
+        self.experts = nn.ModuleList(OwnExperts(dim, 2 * dim, experts) for _ in range(layers))
         self.head = nn.Linear(dim, VOCAB, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,6 +186,8 @@ def build(kind: str, **overrides):
         return TinyLM(**overrides).double()
     if kind in ("own_positions", "own_arange"):
         return PositionLM(arange_only=kind == "own_arange", **overrides).double()
+    if kind == "own_rope":
+        return RopeLM(**overrides).double()
     if kind == "own_moe":
         return OwnMoE(**overrides).double()
     if kind.startswith("zoo:"):  # a family of the zoo (tests/_zoo.py), from its tiny config
@@ -250,7 +291,7 @@ def lm_loss(model, x: torch.Tensor, y: torch.Tensor, divisor: torch.Tensor | Non
     experts with output_router_logits). ``divisor``: the rows are packed documents (position ids restart,
     the targets across a boundary ignored) and the loss is their sum over it (``mg.token_divisor``)."""
     more = {"position_ids": documents(x)} if divisor is not None else {}
-    out = model(x) if not hasattr(mg.unwrap(model), "config") else model(input_ids=x, use_cache=False, **more)
+    out = model(x, **more) if not hasattr(mg.unwrap(model), "config") else model(input_ids=x, use_cache=False, **more)
     logits = out if isinstance(out, torch.Tensor) else out.logits
     y = mg.context_share(model, y)                                             # +layout (context parallelism)
     if divisor is not None:

@@ -32,6 +32,16 @@ def test_the_shares_cover_the_sequence_once_and_carry_equal_causal_work(cp):
     assert len(set(work)) == 1, work
 
 
+def test_a_length_the_shares_do_not_cut_is_refused_with_the_nearest_lengths_they_do():
+    from multigpu.parallel.context import length_refusal
+
+    assert length_refusal(2048, 2) is None and length_refusal(48, 3) is None
+    assert length_refusal(2050, 2) == ("2 x cp = 4 equal chunks, but the sequence has 2050 tokens; pad or pack the "
+                                       "sequences to a multiple of 4 (2048 or 2052 tokens)")
+    assert length_refusal(3, 2).endswith("a multiple of 4 (4 tokens)")  # no shorter length is cut in 4
+    assert length_refusal(50, 4).endswith("a multiple of 8 (48 or 56 tokens)")
+
+
 def _refused(model, layout, world, monkeypatch) -> str:
     monkeypatch.setattr("multigpu.parallel.spread._world", lambda: (0, world))
     with pytest.raises(mg.UsageError) as err:
@@ -52,6 +62,11 @@ def test_context_parallelism_refuses_in_one_line_what_it_cannot_split(monkeypatc
                     monkeypatch)
     assert line.startswith("context parallelism trades the sequence for the heads: cp 4 must divide the attention "
                            "heads 2") and line.endswith("use cp in 1, 2")
+    # a user's own model: its query heads counted on the probe's one-process forward, the same rule (no reshape
+    # error from inside the all-to-all); the degrees suggested are those the same 6 ranks take
+    line = _refused(hf.build("own", n_head=4), mg.parallel.Layout(cp=3), 6, monkeypatch)
+    assert line == ("context parallelism trades the sequence for the heads: cp 3 must divide the attention heads 4 "
+                    "each tensor-parallel rank holds of TinyLM; use cp in 1, 2")
     bert = hf.build("bert")
     assert "bidirectional attention" in _refused(bert, mg.parallel.Layout(cp=2), 2, monkeypatch)
     with pytest.raises(mg.UsageError, match=r"world size 6 is not divisible by dp_replicate 1 x cp 4 x tp 1 = 4"):
@@ -95,20 +110,84 @@ def _inputs_refused(dist) -> list[str]:
         out.append("accepted")
     except mg.UsageError as e:
         out.append(str(e))
+    try:  # labels of a length the shares do not cut: the lengths that they do
+        mg.context_share(model, torch.zeros(2, 18))
+        out.append("accepted")
+    except mg.UsageError as e:
+        out.append(str(e))
+    # Planted: the own-model path applying a document mask RopeLM does not have (as it once did, 9.7e-3 off
+    # after 5 steps). The probe sees its documents differ, and the one check both paths make refuses them.
+    from multigpu.parallel import context_sdpa
+
+    real, context_sdpa._Attention.attend = context_sdpa._Attention.attend, _masked_attend
+    try:
+        rope = mg.parallelize(hf.build("own_rope"), mg.parallel.Layout(cp=2), verbose=False)
+        rope(x, position_ids=hf.documents(x))
+        out.append("accepted")
+    except mg.UsageError as e:
+        out.append(str(e))
+    finally:
+        context_sdpa._Attention.attend = real
     return out
+
+
+def _masked_attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+    """The planted bug: a document mask on a user's own causal SDPA, which one process does not apply."""
+    ctx = self.ctx
+    ctx.calls += 1
+    q, k, v = (ctx.to_heads(t) for t in (query, key, value))
+    mask = None if ctx.docs is None else ctx.mask(q, None)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    return ctx.to_share(out.transpose(1, 2)).transpose(1, 2)
 
 
 @pytest.mark.slow
 def test_a_context_parallel_forward_refuses_padding_a_cache_and_uneven_sequences_and_evaluates_whole_sums():
     pytest.importorskip("transformers")
-    padding, cache, uneven, evaluated, arange = spawn(_inputs_refused, 2)[0]
+    padding, cache, uneven, evaluated, arange, share, masked = spawn(_inputs_refused, 2)[0]
     error, targets = evaluated.split()[1:]
     assert float(error) < 1e-12 and targets == "32", evaluated  # 2 sequences of 16 tokens
     assert "got an attention_mask with padding; pack the documents" in padding
     assert "past_key_values= is not taken under it: generate without cp" in cache
-    assert "2 x cp = 4 equal chunks, but the sequence has 14 tokens" in uneven
+    assert "2 x cp = 4 equal chunks, but the sequence has 14 tokens; pad or pack the sequences to a multiple of 4 " \
+           "(12 or 16 tokens)" in uneven
+    assert share.startswith("context_share cuts the sequence (dim 1) of a tensor of shape (2, 18) into 2 x cp = 4 equal "
+                            "chunks, but the sequence has 18 tokens; pad or pack the sequences to a multiple of 4 (16 "
+                            "or 20 tokens)"), share
+    assert masked.startswith("context parallelism does not give RopeLM packed documents (position_ids restarting) as "
+                             "one process computes them (a probe batch of two documents is off by "), masked
     assert arange.startswith("context parallelism changes PositionLM's output on a probe batch (relative error")
-    assert all("\n" not in line for line in (padding, cache, uneven, arange))
+    assert all("\n" not in line for line in (padding, cache, uneven, arange, share, masked))
+
+
+@pytest.mark.slow
+def test_verify_passes_a_users_own_model_on_packed_documents_and_names_the_document_mask_when_it_differs(tmp_path,
+                                                                                                         monkeypatch):
+    """tests/_cp_documents.py (RopeLM on packed documents, loss over mg.token_divisor) under CP 2 by `multigpu
+    verify`: the same training as one process. With the loss a mean per cp rank it differs from step 0, and the
+    likely cause verify names is the one of packed documents under cp: the document mask or that mean (not
+    the generic "averaged per rank" alone)."""
+    from pathlib import Path
+
+    from multigpu.verify import compare, verify
+
+    script = str(Path(__file__).with_name("_cp_documents.py"))
+    monkeypatch.chdir(tmp_path)
+    said: list[str] = []
+    assert verify(script, layouts="cp=2", steps=4, cpu=True, out=str(tmp_path / "ok"), say=said.append)["same"], said
+    report = verify(script, ["--bug", "mean"], layouts="cp=2", steps=4, cpu=True, out=str(tmp_path / "bug"),
+                    say=said.append)
+    c = report["comparisons"]["cp=2"]
+    assert not c["same"] and c["first_diverging_step"] == 0, c
+    assert len(c["causes"]) == 1 and "packed documents (position_ids restarting) under context parallelism: the " \
+        "document mask differs" in c["causes"][0] and "mg.token_divisor" in c["causes"][0], c["causes"]
+    # without packed documents under cp the step-0 cause stays the loss averaged per rank
+    run = {"losses": [1.0, 0.8], "digests": [1.0, 1.0], "batchnorm": [], "rank_starts": [], "thin": None}
+    assert compare(run, run | {"losses": [1.1, 0.8]}, 1e-5)["causes"][0].startswith(
+        "the loss of step 0 differs with the same model and samples: it is averaged per rank")
+    assert "the document mask differs" in compare(run, run | {"losses": [1.1, 0.8], "cp_documents": True},
+                                                  1e-5)["causes"][0]
 
 
 def _families(dist, jobs: list[tuple[str, dict]], own_loss: tuple[str, ...] = ()) -> dict:
@@ -120,7 +199,7 @@ def _families(dist, jobs: list[tuple[str, dict]], own_loss: tuple[str, ...] = ()
     transformers.logging.set_verbosity_error()
     references, out = {}, {}
     for kind, layout in jobs:
-        for docs in (False,) if kind.startswith("own") else (False, True):  # a user's model: causal SDPA
+        for docs in (False,) if kind == "own" else (False, True):  # TinyLM takes no position_ids
             if (kind, docs) not in references and dist.rank == 0:  # one process's run: no collective
                 references[kind, docs] = hf.train(dist, kind, None, docs=docs)
             got = hf.train(dist, kind, layout, docs=docs)  # every rank: its collectives
@@ -145,12 +224,14 @@ def _chain(dist, where: str, layout: dict | None, stop_after: int) -> dict:
 def _runs() -> dict:
     where = tempfile.mkdtemp(prefix="mg-cp-")
     atexit.register(shutil.rmtree, where, True)
-    two = spawn(_families, 2, [(k, {"cp": 2}) for k in ("llama", "qwen3", "mistral", "own", "own_positions")],
+    two = spawn(_families, 2, [(k, {"cp": 2}) for k in ("llama", "qwen3", "mistral", "own", "own_positions",
+                                                        "own_rope")],
                 ("llama", "qwen3"), timeout=900)[0]
     spawn(_chain, 2, where, {"cp": 2}, 1, timeout=300)
     four = spawn(_families, 4, [(k, layout) for k in ("llama", "qwen3") for layout in ({"cp": 2, "dp_shard": 2},
                                                                                        {"cp": 2, "tp": 2})]
-                 + [("llama", {"cp": 2, "dp_replicate": 2}), ("own_positions", {"cp": 2, "dp_shard": 2})],
+                 + [("llama", {"cp": 2, "dp_replicate": 2}), ("own_positions", {"cp": 2, "dp_shard": 2}),
+                    ("own_rope", {"cp": 2, "dp_shard": 2}), ("own_rope", {"cp": 4})],
                  timeout=900)[0]
     spawn(_chain, 4, where, {"cp": 4}, 2, timeout=300)
     spawn(_chain, 4, where, {"cp": 2, "dp_shard": 2}, 3, timeout=300)
@@ -165,15 +246,18 @@ def test_llama_qwen3_and_mistral_under_cp_layouts_equal_one_process():
     within 1e-9 of one process on every parameter after 5 steps, causal and with packed documents (their
     mask, and the loss summed over mg.token_divisor of the shares: the shares count unequal targets); Llama
     and Qwen3 under CP 2 with their own loss of labels= (transformers' loss of the shifted labels); a user's
-    own models calling F.scaled_dot_product_attention (TinyLM; PositionLM, learned positions read from
-    position_ids) under CP 2 and CP 2 x FSDP 2, causal. A
-    planted bug fails it: RoPE at the share's own positions (9.3e-3), the loss averaged per cp rank on documents
-    (4.4e-3; docs/context.md)."""
+    own models calling F.scaled_dot_product_attention (TinyLM, causal; PositionLM, learned positions read from
+    position_ids, under CP 2 and CP 2 x FSDP 2, and RopeLM, RoPE and causal SDPA with no document mask, under
+    CP 2, CP 2 x FSDP 2 and CP 4, causal and on packed documents: their SDPA attends across the documents on
+    one process, and under cp too). A planted bug fails it: RoPE at the share's own positions (9.3e-3), the loss
+    averaged per cp rank on documents (4.4e-3), a document mask on RopeLM's attention under cp (9.7e-3:
+    refused by the probe now, _inputs_refused; docs/context.md)."""
     pytest.importorskip("transformers")
     diffs = dict(_runs()["families"])
     print(diffs)
     assert diffs.pop("documents change llama by") > 1e-3
-    assert len(diffs) == 2 * (3 + 2 * 2 + 1) + 2 + 3
+    # own_positions' 2 layouts on documents too; own_rope's 3 layouts, causal and on documents
+    assert len(diffs) == 2 * (3 + 2 * 2 + 1) + 2 + 3 + 2 + 3 * 2
     assert all(d < 1e-9 for d in diffs.values()), diffs
 
 

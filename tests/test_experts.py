@@ -55,7 +55,16 @@ def _moe(**overrides):
     (mg.parallel.Layout(ep=2), 2, lambda: hf.build("llama"),
      "expert parallelism (ep=2) spreads the experts of a mixture-of-experts model, but LlamaForCausalLM has no "
      "experts module (3-D expert weights and num_experts); use ep=1"),
-    (mg.parallel.Layout(ep=3), 3, _moe, "ep=3 does not divide the 4 experts of MixtralForCausalLM; use ep=2"),
+    # the degrees suggested are those the same ranks take: on 3, ep 2 would not divide dp_shard 3
+    (mg.parallel.Layout(ep=3), 3, _moe, "ep=3 does not divide the 4 experts of MixtralForCausalLM; use ep=1"),
+    (mg.parallel.Layout(ep=3), 4, _moe, "ep 3 borrows its ranks from dp_shard (dp_shard x tp = efsdp x ep), but "
+                                        "dp_shard 4 is not a multiple of it; use ep in 1, 2, 4"),
+    (mg.parallel.Layout(ep=4), 4, lambda: hf.build("own_moe", experts=6),
+     "ep=4 does not divide the 6 experts of OwnMoE; use ep in 1, 2"),
+    (mg.parallel.Layout(ep=3, tp=2), 4, _moe, "ep 3 takes every tensor-parallel rank (dp_shard x tp = efsdp x ep), "
+                                              "but it is not a multiple of tp 2; use ep in 1, 2, 4"),
+    (mg.parallel.Layout(ep=8, tp=2), 4, _moe, "ep / tp = 4 borrows its ranks from dp_shard (dp_shard x tp = efsdp x "
+                                              "ep), but dp_shard 2 is not a multiple of it; use ep in 1, 2, 4"),
     # with TP: refused before the TP step builds a mesh (no process group here) or changes the model
     (mg.parallel.Layout(ep=2, tp=2, sequence_parallel=True), 4, _moe,
      "expert parallelism with sequence_parallel is not built yet"),
@@ -108,16 +117,17 @@ def test_the_meter_says_when_accumulation_changes_the_router_loss(capsys):
 
 
 def test_ep_must_divide_dp_shard_and_is_a_layout_flag():
-    with pytest.raises(mg.UsageError, match=r"^ep 3 borrows its ranks from dp_shard \(dp_shard x tp = efsdp x ep\), "
-                                            r"but dp_shard 4 is not a multiple of it; use ep in 1, 2, 4"):
-        mg.parallel.Layout(ep=3, dp_shard=4)
+    """Which ep the other degrees take is one rule, Layout.ep_problem; mg.parallelize refuses by it beside the
+    model's experts, where every degree and the experts are known (above), so its suggestions are too."""
+    assert mg.parallel.Layout(ep=3, dp_shard=4).ep_problem() == (
+        "ep 3 borrows its ranks from dp_shard (dp_shard x tp = efsdp x ep), but dp_shard 4 is not a multiple of it")
     # beside tensor parallelism ep takes every tp rank: a multiple of tp, the rest from dp_shard
-    with pytest.raises(mg.UsageError, match=r"^ep 3 takes every tensor-parallel rank .*not a multiple of tp 2; "
-                                            r"use ep in 2, 4, 8, ... or ep=1$"):
-        mg.parallel.Layout(ep=3, tp=2)
-    with pytest.raises(mg.UsageError, match=r"^ep / tp = 4 borrows its ranks from dp_shard .*dp_shard 2 is not a "
-                                            r"multiple of it; use ep in 2, 4, or another dp_shard$"):
-        mg.parallel.Layout(ep=8, tp=2, dp_shard=2)
+    assert mg.parallel.Layout(ep=3, tp=2).ep_problem() == (
+        "ep 3 takes every tensor-parallel rank (dp_shard x tp = efsdp x ep), but it is not a multiple of tp 2")
+    assert mg.parallel.Layout(ep=8, tp=2, dp_shard=2).ep_problem().startswith(
+        "ep / tp = 4 borrows its ranks from dp_shard (dp_shard x tp = efsdp x ep), but dp_shard 2 is not a multiple")
+    assert mg.parallel.Layout(ep=4, tp=2, dp_shard=2).ep_problem() is None
+    assert mg.parallel.Layout(ep=3).ep_problem() is None  # dp_shard left to the world: decided once it is known
     wide = mg.parallel.Layout(ep=4, tp=2, dp_shard=4)
     assert (wide.ep_dp, wide.efsdp) == (2, 2)
     layout, rest = mg.layout_from_args(["--ep", "2", "--steps", "3"])

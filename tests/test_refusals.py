@@ -91,3 +91,95 @@ def test_study_refuses_a_negative_budget(budget, tmp_path, monkeypatch, capsys):
     assert err.startswith(f"multigpu study: error: --budget is the seconds after which no round starts, 0 or more, "
                           f"got {float(budget):g}; use e.g. --budget 600")
     assert not (tmp_path / "studies").exists()
+
+
+# -- every value a refusal suggests is one the same command accepts ------------------------------------------
+# Each case: (the model, the layout asked for, the sequence length); on its world it is refused in one line,
+# and each value the line suggests (an ep or cp degree, or a sequence length) is applied to the same model on
+# the same ranks and trained a step. The suggestions come from the rule that refused (experts.check with
+# Layout.ep_problem, context.check_heads with Layout.resolve, context.length_refusal), never a formula of
+# their own: "ep=4 does not divide the 6 experts; use ep=3" on 4 ranks, which then refused ep 3 (dp_shard 4
+# is not a multiple of it), is the bug this catches.
+SUGGESTING = {
+    3: [("own_moe", {}, {"ep": 3}, 16), ("own_moe", {}, {"ep": 2}, 16), ("own", {"n_head": 4}, {"cp": 3}, 48),
+        ("zoo:mixtral", {}, {"ep": 3}, 16)],
+    4: [("own_moe", {"experts": 6}, {"ep": 4}, 16), ("own_moe", {"experts": 6}, {"ep": 3}, 16),
+        ("own", {"n_head": 2}, {"cp": 4}, 32), ("own_rope", {}, {"cp": 2}, 2050), ("zoo:mixtral", {}, {"ep": 3}, 16),
+        ("llama", {"num_attention_heads": 2, "num_key_value_heads": 2}, {"cp": 4}, 32),
+        ("zoo:mixtral", {}, {"ep": 3, "tp": 2}, 16)],
+}
+
+
+def _train_step(dist, kind: str, overrides: dict, layout: dict, seq: int) -> None:
+    """The model spread by ``layout`` on these ranks, one SGD step on ``seq``-token sequences (labels shared
+    by mg.context_share before the forward, as a loss over mg.token_divisor counts them)."""
+    import torch
+    import torch.nn.functional as F
+
+    import _hf_layouts as hf
+
+    model = mg.parallelize(hf.build(kind, **overrides), mg.parallel.Layout(**layout), verbose=False)
+    x = torch.randint(0, hf.VOCAB, (2, seq), generator=torch.Generator().manual_seed(0))
+    y = mg.context_share(model, torch.roll(x, -1, 1))
+    logits = hf.logits_of(model, x)
+    F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
+def _suggestions(dist) -> list[tuple[str, list[str]]]:
+    """Each case of SUGGESTING[world]: its refusal, and for each value it suggests "ran" or why it did not."""
+    import re
+
+    out = []
+    for kind, overrides, layout, seq in SUGGESTING[dist.world_size]:
+        try:
+            _train_step(dist, kind, overrides, layout, seq)
+            out.append(("accepted", []))
+            continue
+        except mg.UsageError as e:
+            line = str(e)
+        runs = []
+        degree = re.search(r"; use (ep|cp)(?:=(\d+)| in ([\d, ]+))$", line)
+        lengths = re.search(r"\((\d+)(?: or (\d+))? tokens\)", line)
+        if degree:
+            tried = [(degree[1], int(v)) for v in (degree[2] or degree[3]).split(", ")]
+        else:
+            tried = [("seq", int(v)) for v in lengths.groups() if v] if lengths else []
+        for name, value in tried:
+            try:
+                if name == "seq":
+                    _train_step(dist, kind, overrides, layout, value)
+                else:
+                    _train_step(dist, kind, overrides, layout | {name: value}, seq)
+                runs.append(f"{name}={value} ran")
+            except Exception as e:  # noqa: BLE001 - a suggestion refused or broken is the finding
+                runs.append(f"{name}={value}: {type(e).__name__}: {e}")
+        out.append((line, runs))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted(SUGGESTING))
+def test_every_suggested_degree_and_length_is_one_the_same_command_accepts(world):
+    pytest.importorskip("transformers")
+    from multigpu.testing import spawn
+
+    found = spawn(_suggestions, world, timeout=600)
+    assert all(f == found[0] for f in found), found  # every rank refuses and runs alike
+    for (kind, _, layout, seq), (line, runs) in zip(SUGGESTING[world], found[0]):
+        assert "\n" not in line and runs, (kind, layout, seq, line)
+        assert all(r.endswith(" ran") for r in runs), (kind, layout, seq, line, runs)
+    said = [line for line, _ in found[0]]
+    print(said)
+    if world == 3:
+        assert said[0] == "ep=3 does not divide the 4 experts of OwnMoE; use ep=1"
+        assert said[2].startswith("context parallelism trades the sequence for the heads: cp 3 must divide the "
+                                  "attention heads 4 each tensor-parallel rank holds of TinyLM; use cp=1")
+    else:
+        assert said[0] == "ep=4 does not divide the 6 experts of OwnMoE; use ep in 1, 2"
+        assert said[1].startswith("ep 3 borrows its ranks from dp_shard") and said[1].endswith("use ep in 1, 2")
+        assert said[2].endswith("attention heads 2 each tensor-parallel rank holds of TinyLM; use cp in 1, 2")
+        assert said[3].startswith("context_share cuts the sequence (dim 1) of a tensor of shape (2, 2050) into 2 x "
+                                  "cp = 4 equal chunks, but the sequence has 2050 tokens; pad or pack the sequences "
+                                  "to a multiple of 4 (2048 or 2052 tokens)")
+        assert said[6].startswith("ep 3 takes every tensor-parallel rank") and said[6].endswith("use ep in 1, 2, 4")

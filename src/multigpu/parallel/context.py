@@ -21,8 +21,12 @@ the summed loss over it is exact; a mean loss per rank is exact when every share
 Parameters are not split by cp: FSDP shards them over (dp_shard, cp) and averages the gradients there.
 
 A user's own model (not transformers) takes the same path through its ``F.scaled_dot_product_attention``
-calls (``context_sdpa.py``). Either way ``mg.parallelize`` checks the whole model on a probe batch first
-(``context_probe.py``): a forward under cp that fails or differs from the model's own is refused in one line.
+calls (``context_sdpa.py``), under the mask its call asks for (causal, across packed documents as on one
+process). Either way ``mg.parallelize`` checks the whole model on a probe batch first (``context_probe.py``):
+a forward under cp that fails or differs from the model's own is refused in one line, and packed documents
+that differ are refused at the forward by one check both paths make (``Context.begin``). What a refusal
+suggests (a cp degree, a sequence length) is computed by the rule that refused (``check_heads``,
+``length_refusal``), so the same command accepts it.
 """
 
 from __future__ import annotations
@@ -42,11 +46,33 @@ MODELS: "weakref.WeakKeyDictionary[nn.Module, Context]" = weakref.WeakKeyDiction
 _ATTENTION: "weakref.WeakKeyDictionary[nn.Module, Context]" = weakref.WeakKeyDictionary()  # its attention modules
 
 
+# `multigpu verify`'s likely cause of a step-0 difference on packed documents under cp (verify._causes)
+DOCUMENTS_CAUSE = ("the loss of step 0 differs with the same model and samples, on packed documents (position_ids "
+                   "restarting) under context parallelism: the document mask differs (attention under cp keeps each "
+                   "document apart by transformers' rule; the model on one process may not), or the loss is averaged "
+                   "per cp rank while the shares count different targets (sum it and divide by mg.token_divisor of "
+                   "the shares; docs/context.md)")
+
+
 def share_index(seq: int, cp: int, rank: int) -> torch.Tensor:
     """The positions of the sequence that ``rank`` of ``cp`` holds: chunks rank and 2cp - 1 - rank of 2cp."""
     chunk = seq // (2 * cp)
     return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
                       torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
+
+
+def length_refusal(seq: int, cp: int) -> str | None:
+    """Why sequences of ``seq`` tokens cannot be cut into cp shares (None: they can), with the lengths nearest
+    ``seq`` that can, found by the same rule: 2 x cp equal chunks."""
+    def fits(n: int) -> bool:
+        return n > 0 and n % (2 * cp) == 0
+
+    if fits(seq):
+        return None
+    lengths = [n for n in (next((n for n in range(seq, 0, -1) if fits(n)), None),
+                           next(n for n in range(seq, seq + 2 * cp + 1) if fits(n))) if n is not None]
+    return (f"2 x cp = {2 * cp} equal chunks, but the sequence has {seq} tokens; pad or pack the sequences to a "
+            f"multiple of {2 * cp} ({' or '.join(map(str, lengths))} tokens)")
 
 
 class Context:
@@ -62,6 +88,7 @@ class Context:
         self.calls = 0
         self.no_documents: str | None = None  # why packed documents are refused (the probe's finding)
         self.no_labels: str | None = None  # why labels= (the model's own loss) is refused (the probe's finding)
+        self.packed = False  # whether a forward since the probe took packed documents (verify's likely cause)
         self.ring, self.mesh = False, None  # PyTorch's ring attention for causal SDPA on CUDA (_ring)
         self._orders: dict[tuple, tuple[torch.Tensor, ...]] = {}  # (length, device) -> index, order, restore
         self.signature = inspect.signature(model.forward)  # read once: every forward binds its arguments by it
@@ -69,15 +96,20 @@ class Context:
     # -- the share ----------------------------------------------------------------------------------
     def begin(self, seq: int, positions: torch.Tensor) -> torch.Tensor:
         """Start a forward over sequences of ``seq`` tokens at ``positions`` (B, S); this rank's index."""
-        if seq % (2 * self.cp):
-            raise UsageError(f"context parallelism cuts each sequence into 2 x cp = {2 * self.cp} equal chunks, but "
-                             f"the sequence has {seq} tokens; pad or pack the sequences to a multiple of {2 * self.cp}")
+        if why := length_refusal(seq, self.cp):
+            raise UsageError(f"context parallelism cuts each sequence of {self.name} into {why}")
         self.seq, self.calls = seq, 0
         # transformers' rule for packed documents (masking_utils.find_packed_sequence_indices): a new one
         # starts wherever the position does not follow the previous one.
         step = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
         docs = (step != 1).cumsum(-1)
         self.docs = docs if bool((docs != docs[:, :1]).any()) else None
+        self.packed |= self.docs is not None
+        # Both paths' one check of packed documents: what the probe found them to give (context_probe.py)
+        if self.docs is not None and self.no_documents:
+            raise UsageError(f"context parallelism does not give {self.name} packed documents (position_ids "
+                             f"restarting) as one process computes them ({self.no_documents}); give it whole "
+                             "sequences, or use cp=1")
         key = (seq, positions.device)
         if key not in self._orders:  # a run's sequences mostly share one length: built once for it
             order = torch.cat([share_index(seq, self.cp, r) for r in range(self.cp)]).to(positions.device)
@@ -203,10 +235,7 @@ def _before(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if positions is None:
         positions = torch.arange(seq, device=tokens.device)
     positions = positions.expand(b, seq)
-    index = ctx.begin(seq, positions)
-    if ctx.docs is not None and ctx.no_documents:
-        raise UsageError(f"context parallelism does not give {ctx.name} packed documents (position_ids restarting) as "
-                         f"one process computes them ({ctx.no_documents}); give it whole sequences, or use cp=1")
+    index = ctx.begin(seq, positions)  # packed documents refused there where the probe found them apart
     for name in ("input_ids", "inputs_embeds"):
         if given.get(name) is not None:
             given[name] = given[name].index_select(1, index)
@@ -258,13 +287,31 @@ def check(model: nn.Module, layout: Any, heads: dict[str, int]) -> None:
                                or any(getattr(m, "is_causal", True) is False for m in model.modules())):
         raise UsageError(f"context parallelism is built for causal attention; {name} has bidirectional attention: "
                          "use cp=1")
-    # Query heads split over cp; KV heads too, or are repeated per query head where cp does not divide them.
-    local = {k: v // layout.tp for k, v in heads.items() if v and k == "attention heads"}
-    bad = [f"{k} {v}" for k, v in local.items() if v % layout.cp]
-    if bad:
+    if heads.get("attention heads"):  # from the config; a user's own model's are counted on its probe batch
+        check_heads(name, layout, [heads["attention heads"] // layout.tp])
+
+
+def check_heads(name: str, layout: Any, local: list[int]) -> None:
+    """Refuse a cp that does not divide the query heads each tensor-parallel rank holds (``local``; KV heads
+    cp does not divide are repeated per query head), naming the cp degrees that the same ranks take: this
+    rule and the world's (``Layout.resolve``, dp_shard taking the rest), so each is one the command accepts."""
+    import dataclasses
+
+    def problem(cp: int) -> list[int]:
+        return [h for h in local if h % cp]
+
+    def takes(cp: int) -> bool:
+        try:
+            dataclasses.replace(layout, cp=cp, dp_shard=None).resolve(layout.world_size)
+        except UsageError:
+            return False
+        return not problem(cp)
+
+    if bad := problem(layout.cp):
+        fits = [d for d in range(1, layout.world_size + 1) if takes(d)]
         raise UsageError(f"context parallelism trades the sequence for the heads: cp {layout.cp} must divide the "
-                         f"{', '.join(bad)} each tensor-parallel rank holds of {name}; use cp in "
-                         f"{', '.join(str(d) for d in range(1, layout.cp + 1) if all(v % d == 0 for v in local.values()))}")
+                         f"attention heads {' and '.join(map(str, sorted(set(bad))))} each tensor-parallel rank holds "
+                         f"of {name}; use {'cp=1' if fits == [1] else 'cp in ' + ', '.join(map(str, fits))}")
 
 
 def apply(model: nn.Module, layout: Any, mesh: Any) -> str:
@@ -323,8 +370,8 @@ def context_share(model: nn.Module, *tensors: torch.Tensor, dim: int = 1) -> Any
         return tensors[0] if len(tensors) == 1 else tensors
     out = []
     for t in tensors:
-        if t.shape[dim] % (2 * ctx.cp):
-            raise UsageError(f"context_share cuts the sequence (dim {dim}) into 2 x cp = {2 * ctx.cp} chunks, but it "
-                             f"has {t.shape[dim]}; give the tensor the model's sequence length, or the right dim=")
+        if why := length_refusal(t.shape[dim], ctx.cp):
+            raise UsageError(f"context_share cuts the sequence (dim {dim}) of a tensor of shape {tuple(t.shape)} into "
+                             f"{why}, or give context_share the sequence's dim=")
         out.append(t.index_select(dim, share_index(t.shape[dim], ctx.cp, ctx.rank).to(t.device)))
     return out[0] if len(out) == 1 else tuple(out)

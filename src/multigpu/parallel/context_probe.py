@@ -62,6 +62,7 @@ def probe(model: nn.Module, batch: dict[str, torch.Tensor], expected: torch.Tens
             ctx.no_documents = ("its forward on one process fails on them" if error is None else
                                 f"a probe batch of two documents is off by {error:.1e}")
     ctx.no_labels = _labels_differ(model, ctx, batch, expected_loss, tol)
+    ctx.packed = False  # the probe's own documents are none of the training's
 
 
 def own_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:

@@ -7,9 +7,13 @@ if its positions matter, a ``position_ids`` keyword (B, S) or (S,); its attentio
 (``is_causal=True``, no ``attn_mask``). The parallelized forward gets this rank's share of the tokens and
 their original positions; while it runs, a ``TorchFunctionMode`` takes every
 ``F.scaled_dot_product_attention`` call through the two all-to-alls over heads (``context.py``), under
-the causal mask and, with packed documents in ``position_ids``, their document mask. A model whose
-positions come from elsewhere (``torch.arange`` of its input length) computes something else under the
-shares: the probe batch ``mg.parallelize`` runs first sees it and refuses the model in one line.
+the mask the call asks for: causal over the whole sequence. Packed documents (``position_ids``
+restarting) change the positions the model reads, never that mask: one process's causal SDPA attends
+across them, and so does the share's. A model whose positions come from elsewhere (``torch.arange`` of
+its input length) computes something else under the shares: the probe batch ``mg.parallelize`` runs
+first sees it and refuses the model in one line. Its query heads, counted on that probe batch on one
+process (``Heads``), must divide by cp, the rule transformers models' heads are checked by
+(``context.check_heads``).
 """
 
 from __future__ import annotations
@@ -73,6 +77,22 @@ def probe_input(model: nn.Module, cp: int) -> dict[str, torch.Tensor]:
     return {first_input(model): torch.randint(0, table.num_embeddings, (2, 16 * cp), generator=g).to(device)}
 
 
+class Heads(TorchFunctionMode):
+    """The query heads of each ``F.scaled_dot_product_attention`` call of a forward (one process's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            query = args[0] if args else kwargs.get("query")
+            if isinstance(query, torch.Tensor) and query.dim() >= 3:
+                self.counts.add(query.shape[-3])  # (B, H, S, D)
+        return func(*args, **kwargs)
+
+
 class _Attention(TorchFunctionMode):
     """Every ``F.scaled_dot_product_attention`` of the forward under way, between the all-to-alls."""
 
@@ -92,15 +112,15 @@ class _Attention(TorchFunctionMode):
         if attn_mask is not None or not is_causal:
             raise UsageError(f"context parallelism takes {self.name}'s scaled_dot_product_attention as causal "
                              f"(is_causal=True, no attn_mask), got {'an attn_mask' if attn_mask is not None else 'is_causal=False'}; "
-                             "pass packed documents by position_ids, or use cp=1")
+                             "an attention mask of its own (documents, padding) is not built yet under cp: use cp=1")
         ctx.calls += 1
         if key.shape[1] % ctx.cp:  # fewer KV heads than cp splits: each query head gets its own copy
             key, value = repeated_kv(query, key, value)
             enable_gqa = False
         q, k, v = (ctx.to_heads(t) for t in (query, key, value))
-        mask = None if ctx.docs is None else ctx.mask(q, None)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
-                                             scale=scale, enable_gqa=enable_gqa)
+        # the call's own mask, causal over the whole sequence: packed documents are no mask of the model's
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                             enable_gqa=enable_gqa)
         return ctx.to_share(out.transpose(1, 2)).transpose(1, 2)
 
 

@@ -92,10 +92,18 @@ def check(model: nn.Module, layout: Any) -> list[tuple[str, nn.Module]]:
         raise UsageError(f"expert parallelism (ep={layout.ep}) spreads the experts of a mixture-of-experts model, but "
                          f"{name} has no experts module (3-D expert weights and num_experts); use ep=1")
     counts = sorted({m.num_experts for _, m in found})
-    if any(n % layout.ep for n in counts):
-        fits = [d for d in range(1, layout.ep + 1) if all(n % d == 0 for n in counts)]
-        raise UsageError(f"ep={layout.ep} does not divide the {', '.join(map(str, counts))} experts of {name}; use "
-                         f"ep={max(fits)}")
+
+    def problem(ep: int) -> str | None:
+        """Which ep fits is one rule: the layout's other degrees (``Layout.ep_problem``) and the experts."""
+        if why := layout.ep_problem(ep):
+            return why
+        if any(n % ep for n in counts):
+            return f"ep={ep} does not divide the {', '.join(map(str, counts))} experts of {name}"
+        return None
+
+    if why := problem(layout.ep):  # each degree suggested is one the same ranks take, by the same rule
+        fits = [d for d in range(1, layout.dp_shard * layout.tp + 1) if problem(d) is None]  # ep / tp | dp_shard
+        raise UsageError(f"{why}; use {'ep=1' if fits == [1] else 'ep in ' + ', '.join(map(str, fits))}")
     return found
 
 

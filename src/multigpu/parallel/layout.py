@@ -82,15 +82,8 @@ class Layout:
         if self.sequence_parallel and self.tp == 1:
             raise UsageError("sequence_parallel splits the sequence over tensor-parallel ranks but tp is 1; "
                              "use Layout(tp=2, sequence_parallel=True) or drop it")
-        if self.ep > 1 and self.tp > 1 and self.ep % self.tp:
-            raise UsageError(f"ep {self.ep} takes every tensor-parallel rank (dp_shard x tp = efsdp x ep), but it is not "
-                             f"a multiple of tp {self.tp}; use ep in {self.tp}, {2 * self.tp}, {4 * self.tp}, ... or ep=1")
-        if self.ep > 1 and self.dp_shard is not None and self.dp_shard % self.ep_dp:
-            whole = f"ep / tp = {self.ep_dp}" if self.tp > 1 else f"ep {self.ep}"
-            raise UsageError(f"{whole} borrows its ranks from dp_shard (dp_shard x tp = efsdp x ep), but dp_shard "
-                             f"{self.dp_shard} is not a multiple of it; use ep in "
-                             f"{', '.join(str(d * self.tp) for d in divisors(self.dp_shard))}, or another dp_shard")
-
+        # Which ep the other degrees take (ep_problem) is decided with the model's experts, where every
+        # degree is known: mg.parallelize (experts.check) refuses it, its suggestions by the same rule.
         if self.cp > 1 and (self.ep > 1 or self.pp > 1 or self.sequence_parallel):
             other = "ep" if self.ep > 1 else "pp" if self.pp > 1 else "sequence_parallel"
             raise UsageError(f"context parallelism (cp {self.cp}) with {other} is not built yet; use cp with "
@@ -100,6 +93,22 @@ class Layout:
         if name in _MOVED:
             raise AttributeError(f"Layout.{name} is gone; use {_MOVED[name]}")
         raise AttributeError(f"'Layout' object has no attribute {name!r}")
+
+    def ep_problem(self, ep: int | None = None) -> str | None:
+        """Why expert parallelism of degree ``ep`` (this layout's own by default) does not fit this layout's
+        other degrees, or None: ep takes every tensor-parallel rank and ep / tp of dp_shard (dp_shard x tp =
+        efsdp x ep). The one rule: ``mg.parallelize`` refuses by it and picks the degrees it suggests with it
+        (``experts.check``, beside the model's experts); dp_shard left to the world is not checked."""
+        ep = self.ep if ep is None else ep
+        if ep > 1 and self.tp > 1 and ep % self.tp:
+            return (f"ep {ep} takes every tensor-parallel rank (dp_shard x tp = efsdp x ep), but it is not a multiple "
+                    f"of tp {self.tp}")
+        borrowed = ep // self.tp if ep > 1 else 1
+        if self.dp_shard is not None and self.dp_shard % borrowed:
+            whole = f"ep / tp = {borrowed}" if self.tp > 1 else f"ep {ep}"
+            return (f"{whole} borrows its ranks from dp_shard (dp_shard x tp = efsdp x ep), but dp_shard "
+                    f"{self.dp_shard} is not a multiple of it")
+        return None
 
     # -- the one resolution ----------------------------------------------------------------------------
     def resolve(self, world_size: int) -> "Layout":
@@ -223,6 +232,8 @@ class Layout:
             return _device_mesh(device_type, (r.pp, r.dp_replicate, r.dp_shard, r.cp, r.tp), CP_DIMS)
         if r.ep == 1:
             return _device_mesh(device_type, (r.pp, r.dp_replicate, r.dp_shard, r.tp), DIMS)
+        if why := r.ep_problem():  # mg.parallelize refuses it first, with the degrees that fit
+            raise UsageError(f"{why}; use an ep that divides dp_shard x tp and is a multiple of tp, or ep=1")
         return _device_mesh(device_type, (r.pp, r.dp_replicate, r.efsdp, r.ep_dp, r.tp),
                             EP_TP_DIMS if r.tp > 1 else EP_DIMS)
 

@@ -287,10 +287,13 @@ def _context_parallel(model: nn.Module, layout: Layout, device_type: str, say: A
     own = getattr(model, "config", None) is None  # a user's own model (context_sdpa.py)
     # 2 sequences of 16 x cp tokens: 2cp chunks of 8
     batch = context_sdpa.probe_input(model, layout.cp) if own else probe.probe_input(model, 2 * layout.cp)
-    expected, why = probe.attempt(model, batch)
+    with context_sdpa.Heads() as heads:  # a user's own model's query heads, counted on one process's forward
+        expected, why = probe.attempt(model, batch)
     if expected is None:  # before cp changes anything: the model's own forward, not cp, fails (quoted)
         raise UsageError(f"context parallelism checks {type(model).__name__} on a probe batch of token ids first, but "
                          f"{why}; use cp=1 for this model, or make its forward run on its token ids alone")
+    if own:  # a transformers model's heads are checked from its config (context.check), by the same rule
+        context.check_heads(type(model).__name__, layout, sorted(heads.counts))
     tokens = next(iter(batch.values()))
     documents = batch | {"position_ids": torch.cat([torch.arange(tokens.shape[1] // 2 - 3),
                                                     torch.arange(tokens.shape[1] // 2 + 3)]).to(tokens.device)
