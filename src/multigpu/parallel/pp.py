@@ -218,7 +218,7 @@ class Pipeline:
         self.clock = StageClock(device)
         for stage in self.stages:
             self.clock.wrap(stage)
-        self._union = stage_union(modules)  # one object: what mg.parallel.pipeline records and a Checkpointer keeps
+        self._union: nn.Module | None = None  # built once, on first use: what mg.parallel.pipeline records
 
     def parameters(self) -> Iterable[nn.Parameter]:
         for m in self.modules:
@@ -229,6 +229,8 @@ class Pipeline:
         """This rank's stages as one module under one process's parameter names: what a
         ``Checkpointer`` saves and loads (``model=pipe.model``), so a pipeline checkpoint resumes
         under any layout and back."""
+        if self._union is None:
+            self._union = stage_union(self.modules)
         return self._union
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
