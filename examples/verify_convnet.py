@@ -3,6 +3,8 @@ images, torch's own DistributedSampler and DDP, AdamW.
 
     multigpu verify --cpu --workers 1,2 examples/verify_convnet.py       # SAME (exit 0)
     multigpu verify --cpu examples/verify_convnet.py --sync-batchnorm    # SAME, BatchNorm synced
+    multigpu verify --cpu --global-batch 64 examples/verify_convnet.py --batchnorm --optimizer sgd
+                                        # DIFFERENT (exit 1): BatchNorm without sync, far above the floor
     python examples/verify_convnet.py --steps 20                         # one process
 
 The study contract: ``--global-batch``, ``--steps`` and a ``mg.StepMeter`` (model= lets verify compare

@@ -134,7 +134,7 @@ LAYERS = [
     ("loop pieces", ["batch", "data", "loss", "precision"]),
     ("parallelism", ["parallel"]),
     ("instruments and state", ["meter", "noise", "checkpoint", "finder"]),
-    ("tools and decisions", ["launch", "planner", "study", "report", "verify", "doctor", "commbench", "recipes", "tune", "forecast",
+    ("tools and decisions", ["launch", "planner", "study", "report", "verify", "verify_floor", "doctor", "commbench", "recipes", "tune", "forecast",
                              "testing", "cli", "__main__"]),
 ]
 

@@ -4,10 +4,13 @@ It runs the script (the study's contract: ``mg.StepMeter``, ``--global-batch``,
 ``--steps``) through ``multigpu run`` at each world size with the same global
 batch, for a few steps, with ``MULTIGPU_VERIFY=1``: the meter logs every step
 and records, per step, an order-free digest of the samples all ranks trained
-on, plus the full model state at start and end (``meter/probe.py``). Then
-each world size is compared with the first: per-step losses, the samples of
-each step, the initial and final parameters, and the likely causes of a
-difference are named.
+on, plus the full model state at start and end (``meter/probe.py``). The first
+world size runs once more as the floor run (each step's samples in another
+order, each gradient rounded once more: rounding alone, ``verify_floor.py``).
+Then each world size is compared with the first, against that floor (10 x
+at step 0, 1000 x after, never past the precision's tolerances): per-step
+losses, the samples of each step, the initial and final parameters, and the
+likely causes of a difference are named.
 
 With ``--layouts "tp=2;dp_shard=2"`` a script that reads its layout with
 ``mg.layout_from_args()`` (docs/your-model.md) runs once on one process and
@@ -19,72 +22,25 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .batch import check_splits
 from .errors import UsageError
 from .meter.records import read_records
-from .runtime.contract import VERIFY_DIR, VERIFY_ENV
+from .runtime.contract import VERIFY_DIR, VERIFY_ENV, VERIFY_FLOOR_ENV
 from .runtime.fields import add_field
 from .runtime.values import int_list
 from .study.measure import thin_evidence
+from .verify_floor import (STEP0, TOLERANCES, Floor, Spread, Tolerance, describe, loss_gaps,  # noqa: F401 - verify's
+                           measure)
+
+FLOOR_KEY = "floor"
 
 DIGEST_RTOL = 1e-9  # float64 sums of the same samples in another order
-
-
-@dataclass(frozen=True)
-class Spread:
-    """One quantity measured (benchmarks/verify_precision.py: an MLP, a conv net and a GPT, 3 seeds each, 2 and 4
-    CPU processes against one, 5 and 30 steps; the 5 planted bugs of tests/_verify_script.py likewise): the
-    largest difference between correct runs and the smallest a planted bug made. The tolerance is their
-    geometric middle, as far (as a factor) from one as from the other."""
-
-    correct: float
-    bug: float
-
-    @property
-    def tolerance(self) -> float:
-        return math.sqrt(self.correct * self.bug)
-
-
-# Step 0's loss: the same model on the same samples. Whatever the autocast dtype, every run rounds the same
-# values the same way and only the order of fp32 sums differs, so step 0 is sharp in every precision.
-STEP0 = Spread(correct=1.7e-7, bug=1.8e-2)  # 5.5e-5
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """What a correct script's runs may differ by in the precision its StepMeter reports (``dtype=``), from
-    step 1 on, when rounding has moved their parameters apart.
-
-    Final parameters are judged by |theta_N - theta_1| / |theta_1 - theta_initial| over the whole model: the
-    share of the training's update that differs. Element-wise they cannot be: AdamW divides by the root of
-    each gradient's second moment, so where a gradient cancels to ~1e-9 (a conv bias before BatchNorm)
-    rounding decides an update of up to lr."""
-
-    loss: Spread  # relative loss difference, any step after step 0
-    update: Spread  # share of the update
-    measured: bool = True  # False: no runs of this precision measured; a coarser precision's, as a bound
-
-    def basis(self, precision: str) -> str:
-        if not self.measured:
-            return f"{precision} not measured: bf16's, which rounds coarser, as a bound"
-        return (f"{precision}'s correct runs measured up to {self.loss.correct:.1e} and {self.update.correct:.1e} "
-                f"in 5 and 30 steps on 1, 2 and 4 processes, planted bugs from {self.loss.bug:.1e} and "
-                f"{self.update.bug:.1e}: each tolerance their geometric middle")
-
-
-TOLERANCES = {
-    "fp32": Tolerance(loss=Spread(correct=9.1e-4, bug=3.8e-2), update=Spread(correct=2.2e-3, bug=9.2e-2)),  # 5.9e-3, 1.4e-2
-    "bf16": Tolerance(loss=Spread(correct=1.1e-2, bug=4.0e-2), update=Spread(correct=3.5e-2, bug=9.3e-2)),  # 2.1e-2, 5.7e-2
-}
-# fp16 and TF32 (10-bit mantissas) round finer than bf16 (7 bits) and coarser than fp32; not measured.
-TOLERANCES["fp16"] = TOLERANCES["tf32"] = replace(TOLERANCES["bf16"], measured=False)
 
 
 @dataclass(frozen=True)
@@ -99,7 +55,7 @@ class VerifyConfig:
     global_batch: int | None = None
     """passed as --global-batch to every run"""
     rtol: float | None = None
-    """relative tolerance for every step's loss (default: from the precision the script gives its StepMeter, docs/study.md#precision); parameters are judged by the share of the update that differs"""
+    """relative tolerance for every step's loss (default: 10 x the script's floor at step 0 and 1000 x after, measured by one more run of the first world size, docs/study.md#the-floor); parameters are judged by the share of the update that differs"""
     cpu: bool = False
     """CPU workers (gloo) even where GPUs exist"""
     out: str | None = None
@@ -124,7 +80,8 @@ def _read_run(run_dir: Path, steps: int | None = None) -> dict[str, Any]:
     states = {name: torch.load(probe_dir / f"{name}.pt", weights_only=True)
               for name in ("initial", "final") if (probe_dir / f"{name}.pt").is_file()}
     return {"losses": losses, "digests": probe.get("digests", []), "batchnorm": probe.get("batchnorm", []),
-            "rank_starts": probe.get("rank_starts", []), "draws": probe.get("draws", False), "thin": thin_evidence(recs, steps, rate=False),
+            "rank_starts": probe.get("rank_starts", []), "draws": probe.get("draws", False),
+            "thin": thin_evidence(recs, steps, rate=False), "floor": probe.get("floor"),
             "precision": (header.get("meter") or {}).get("dtype") or "fp32", **states}
 
 
@@ -158,31 +115,49 @@ def _update_diff(ref: dict[str, Any], other: dict[str, Any]) -> float | None:
     return (diff / update) ** 0.5 if update > 0 else (0.0 if diff == 0 else float("inf"))
 
 
-def compare(ref: dict[str, Any], other: dict[str, Any], rtol: float | None = None) -> dict[str, Any]:
+def compare(ref: dict[str, Any], other: dict[str, Any], rtol: float | None = None,
+            floor: Floor | None = None) -> dict[str, Any]:
     """How ``other`` differs from ``ref``: the largest differences, the first diverging step, likely causes.
-    The tolerances are those of the precision the runs report (``rtol``, when given, for every step's loss)."""
+    Judged against ``floor`` (the reference's floor run, verify_floor.py) where it was measured, else against
+    the tolerances of the precision the runs report; ``rtol``, when given, for every step's loss."""
     precision = ref.get("precision", "fp32")
     tol = TOLERANCES.get(precision, TOLERANCES["fp16"])
-    step0, later = (rtol, rtol) if rtol is not None else (STEP0.tolerance, tol.loss.tolerance)
+    floor = floor if floor is not None and floor.measured else None
+
+    def loss_tol(step: int) -> float:
+        if rtol is not None:
+            return rtol
+        return floor.loss_tol(step) if floor is not None else STEP0.tolerance if step == 0 else tol.loss.tolerance
+
+    param_tol = floor.update_tol() if floor is not None else tol.update.tolerance
     pairs = [(a, b) for a, b in zip(ref["losses"], other["losses"]) if a is not None and b is not None]
-    rel = [abs(a - b) / max(abs(a), 1e-12) for a, b in pairs]
-    first = next((i for i, r in enumerate(rel) if r > (step0 if i == 0 else later)), None)
+    rel = loss_gaps(pairs)
+    step_tol = [loss_tol(i) for i in range(len(rel))]
+    first = next((i for i, r in enumerate(rel) if r > step_tol[i]), None)
     data = next((i for i, (a, b) in enumerate(zip(ref["digests"], other["digests"]))
                  if abs(a - b) > DIGEST_RTOL * max(abs(a), 1.0)), None)
     init, final = _state_diff(ref.get("initial"), other.get("initial")), _update_diff(ref, other)
     apart = other.get("precision", "fp32") != precision  # not the same training, whatever the numbers say
-    same = first is None and (final is None or final <= tol.update.tolerance) and data is None and not apart
-    causes = [] if same else _causes(ref, other, step0, first, data, init)
+    same = first is None and (final is None or final <= param_tol) and data is None and not apart
+    causes = [] if same else _causes(ref, other, STEP0.tolerance, first, data, init)
     if not same and not causes:  # every loss and sample agree: only the final parameters are apart
         causes.append(f"the same losses and samples, but the final parameters differ: the updates differ (an "
-                      f"optimizer or clipping step that runs per rank, a parameter not synced)" if precision == "fp32"
+                      f"optimizer or clipping step that runs per rank, a parameter not synced)"
+                      if precision == "fp32"
                       else f"the same losses and samples, but the final parameters differ: {precision} rounding moved "
                       f"correct runs up to {tol.update.correct:.1e} of the update; verify in fp32 or with "
                       f"fewer --steps to tell a bug from rounding")
+    loss_x, final_x = floor.times(rel, final) if floor is not None else (None, None)
     return {"same": same, "steps": len(pairs), "largest_loss_rel": max(rel, default=0.0), "first_diverging_step": first,
             "first_data_step": data, "initial_rel": init, "final_rel": final, "precision": precision,
-            "step0_tol": step0, "loss_tol": later, "param_tol": tol.update.tolerance, "tolerance_basis": tol.basis(precision),
-            "causes": causes, "losses": [list(p) for p in pairs]}
+            "step0_tol": loss_tol(0), "loss_tol": loss_tol(1), "param_tol": param_tol, "step_tols": step_tol,
+            "tolerance_basis": "the floor" if floor is not None else tol.basis(precision),
+            "loss_x_floor": loss_x, "final_x_floor": final_x, "causes": causes, "losses": [list(p) for p in pairs]}
+
+
+def floor_of(ref: dict[str, Any], run: dict[str, Any], step0_tol: float) -> Floor:
+    """The reference's floor, from its floor run (verify_floor.py)."""
+    return measure(ref, run, step0_tol, _update_diff(ref, run))
 
 
 def _causes(ref: dict[str, Any], other: dict[str, Any], rtol: float, first: int | None, data: int | None,
@@ -301,17 +276,21 @@ def _visible_gpus(cpu: bool) -> int | None:
 def _run_and_compare(target: str, args: Sequence[str], runs: list[tuple[str, str, int, list[str], str]], *,
                      module: bool, steps: int, global_batch: int | None, cpu: bool, rtol: float | None, out: str | None,
                      say: Callable[[str], None], names: dict[str, str]) -> dict[str, Any]:
-    """Run each (key, label, processes, extra flags, directory), compare every one with the first, report."""
+    """Run each (key, label, processes, extra flags, directory), and the first again as the floor run
+    (verify_floor.py); compare every other one with the first, against the floor, and report."""
     from .launch.once import run_once
 
     root = Path(out or os.path.join("multigpu_logs", f"verify-{time.strftime('%Y%m%d-%H%M%S')}"))
     root.mkdir(parents=True, exist_ok=True)
     extra = list(args) + (["--global-batch", str(global_batch)] if global_batch else []) + ["--steps", str(steps)]
     results = {}
-    for key, label, nproc, flags, where in runs:
+    key0, label0, nproc0, flags0, where0 = runs[0]
+    floor_run = (FLOOR_KEY, f"{label0} again, each step's samples in another order (the floor)", nproc0, flags0,
+                 f"{where0}-floor")
+    for key, label, nproc, flags, where in [runs[0], floor_run, *runs[1:]]:
         say(f"multigpu verify: {label}, {steps} steps ...")
-        done = run_once(target, extra + flags, module=module, log_dir=root / where, nproc=nproc, cpu=cpu,
-                        env={VERIFY_ENV: "1"})
+        env = {VERIFY_ENV: "1", VERIFY_FLOOR_ENV: "1" if key == FLOOR_KEY else None}
+        done = run_once(target, extra + flags, module=module, log_dir=root / where, nproc=nproc, cpu=cpu, env=env)
         if done.refusal is not None:
             raise done.refusal
         if done.exit_code != 0 or done.run_dir is None:
@@ -323,13 +302,16 @@ def _run_and_compare(target: str, args: Sequence[str], runs: list[tuple[str, str
         if results[key]["thin"]:  # a comparison over steps nobody asked for is no evidence of the same training
             raise UsageError(f"the run on {label} is no evidence: {results[key]['thin']}")
     ref = runs[0][0]
+    floor = floor_of(results[ref], results.pop(FLOOR_KEY), STEP0.tolerance)
     report = {"target": target, "args": list(args), "steps": steps, "global_batch": global_batch, "rtol": rtol,
-              "reference": int(ref) if ref.isdigit() else ref, "comparisons": {}}
+              "reference": int(ref) if ref.isdigit() else ref, "floor": floor.record(), "comparisons": {}}
     for key, *_ in runs[1:]:
-        report["comparisons"][key] = compare(results[ref], results[key], rtol)
+        report["comparisons"][key] = compare(results[ref], results[key], rtol, floor)
     report["same"] = all(c["same"] for c in report["comparisons"].values())
     (root / "verify.json").write_text(json.dumps(report, indent=1))
-    say(tolerance_line(results[ref].get("precision", "fp32"), rtol))
+    say(f"multigpu verify: {describe(floor, label0)}")
+    if not floor.measured or rtol is not None:
+        say(tolerance_line(results[ref].get("precision", "fp32"), rtol))
     for key, c in report["comparisons"].items():
         say(line(names[key], names[ref], c))
         for cause in c["causes"]:
@@ -348,16 +330,21 @@ def tolerance_line(precision: str, rtol: float | None) -> str:
 
 
 def line(w: int | str, ref: int | str, c: dict[str, Any]) -> str:
-    final = (f"final parameters {c['final_rel']:.1e} of the update (tolerance {c['param_tol']:.1e})"
-             if c["final_rel"] is not None else "parameters not compared (pass model= to StepMeter)")
+    def times(x: float | None) -> str:  # how far above the floor, where one was measured
+        return "" if x is None else f", {x:,.0f} x the floor" if x >= 10 else f", {x:.1f} x the floor"
+
+    final = (f"final parameters {c['final_rel']:.1e} of the update{times(c.get('final_x_floor'))} (tolerance "
+             f"{c['param_tol']:.1e})" if c["final_rel"] is not None else "parameters not compared (pass model= to StepMeter)")
     head = f"  {w if isinstance(w, str) else f'{w} workers'} vs {ref}: "
+    loss = f"largest loss difference {c['largest_loss_rel']:.1e} (relative{times(c.get('loss_x_floor'))})"
     if c["same"]:
-        return head + f"SAME over {c['steps']} steps: largest loss difference {c['largest_loss_rel']:.1e} (relative), {final}"
+        return head + f"SAME over {c['steps']} steps: {loss}, {final}"
     where = f"from step {c['first_diverging_step']}" if c["first_diverging_step"] is not None else "in the parameters"
     if c["first_diverging_step"] is not None:
         a, b = c["losses"][c["first_diverging_step"]]
-        where += f" (loss {a:.6g} vs {b:.6g})"
-    return head + f"DIFFERENT {where}; largest loss difference {c['largest_loss_rel']:.1e}, {final}"
+        digits = next((n for n in range(6, 12) if f"{a:.{n}g}" != f"{b:.{n}g}"), 12)  # enough to tell them apart
+        where += f" (loss {a:.{digits}g} vs {b:.{digits}g})"
+    return head + f"DIFFERENT {where}; {loss}, {final}"
 
 
 def add_arguments(parser) -> None:

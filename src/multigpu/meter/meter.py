@@ -110,7 +110,7 @@ class StepMeter:
         self._start_instruments(dist, model, gpu_monitor, watchdog, profile)
         self._experts = experts_stats(model)  # expert parallelism's dispatch figures (none for other models)
         router_note(model, plan)
-        self.probe = Probe(model, self.log_dir, self.rank, self.world_size, dp_rank(plan, dist)) if verify_requested() else None
+        self.probe = Probe(model, self.log_dir, self.rank, self.world_size, dp_rank(plan, dist), self._dtype) if verify_requested() else None
         asked = memory_step_requested() if step_peak is None else step_peak  # a warm-up step's real peak (tune's runs)
         self._memory = MemoryStep(self.device, log_every, total_steps) if asked else None
         self._open_sinks(dist, plan, sinks, progress, resume, fingerprint_extra, sink_options, flops_per_sample)
@@ -221,7 +221,7 @@ class StepMeter:
                 return
             self.step_begin(data_wait=time.perf_counter() - t0)
             if self.probe is not None:
-                self.probe.batch(batch)
+                batch = self.probe.batch(batch)
             yield self.step, batch
             if self._in_step:
                 self.step_end()

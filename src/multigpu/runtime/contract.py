@@ -10,6 +10,8 @@ file in the run directory::
     MULTIGPU_FIND_BATCH      "1" under --find-batch: the script should call mg.find_micro_batch
     MULTIGPU_MEMORY_BUDGET   --memory-budget SIZE, in bytes: the search's budget when the call gives none
     MULTIGPU_VERIFY          "1" under `multigpu verify`: StepMeters log every step and probe (meter/probe.py)
+    MULTIGPU_VERIFY_FLOOR    "1" in verify's floor run: StepMeter.steps hands the script each batch's samples in
+                             another order, and each gradient is rounded once more (meter/probe.py)
     MULTIGPU_ATTEMPT         always: 0, 1, ... for each start of the workers (restarts, and nodes joining)
     MULTIGPU_LAUNCH_ID       always: a fresh id per `multigpu run` (per node), the same in all its attempts
                              (a StepMeter appends to a metrics.jsonl only after an earlier attempt of it: sinks.py)
@@ -43,6 +45,7 @@ PROFILE_ENV = "MULTIGPU_PROFILE"
 FIND_BATCH_ENV = "MULTIGPU_FIND_BATCH"
 MEMORY_BUDGET_ENV = "MULTIGPU_MEMORY_BUDGET"
 VERIFY_ENV = "MULTIGPU_VERIFY"  # "1" under `multigpu verify`: every StepMeter probes (meter/probe.py)
+VERIFY_FLOOR_ENV = "MULTIGPU_VERIFY_FLOOR"  # "1": ... and perturbs the run by rounding only (verify's floor run)
 HANG_TIMEOUT_ENV = "MULTIGPU_HANG_TIMEOUT"
 MEMORY_STEP_ENV = "MULTIGPU_MEMORY_STEP"  # "1": StepMeters measure a warm-up step's peak memory (tune's runs)
 ATTEMPT_ENV = "MULTIGPU_ATTEMPT"  # set per attempt by launch/logs.py (torch's restart count misses joins)
@@ -213,6 +216,11 @@ def profile_window() -> str | None:
 def verify_requested() -> bool:
     """True in a worker started by ``multigpu verify``."""
     return os.environ.get(VERIFY_ENV) == "1"
+
+
+def verify_floor_requested() -> bool:
+    """True in a worker of verify's floor run: the probe reorders each batch's samples, rounds each gradient."""
+    return verify_requested() and os.environ.get(VERIFY_FLOOR_ENV) == "1"
 
 
 def hang_timeout() -> float | None:
