@@ -81,6 +81,7 @@ def _read_run(run_dir: Path, steps: int | None = None) -> dict[str, Any]:
               for name in ("initial", "final") if (probe_dir / f"{name}.pt").is_file()}
     return {"losses": losses, "digests": probe.get("digests", []), "batchnorm": probe.get("batchnorm", []),
             "rank_starts": probe.get("rank_starts", []), "draws": probe.get("draws", False),
+            "cp_documents": probe.get("cp_documents", False),
             "thin": thin_evidence(recs, steps, rate=False), "floor": probe.get("floor"),
             "precision": (header.get("meter") or {}).get("dtype") or "fp32", **states}
 
@@ -189,8 +190,11 @@ def _causes(ref: dict[str, Any], other: dict[str, Any], rtol: float, first: int 
                       "differ as two seeds' do, by design; set them to 0 to verify (mg.parallelize's note names a "
                       "model's own)")
     if first == 0 and not causes:
-        causes.append("the loss of step 0 differs with the same model and samples: it is averaged per rank, not per "
-                      "sample (divide the summed loss by the global count: samples, tokens, weights)")
+        from .parallel.context import DOCUMENTS_CAUSE  # packed documents under cp (the meter's probe records them)
+
+        causes.append(DOCUMENTS_CAUSE if other.get("cp_documents") else "the loss of step 0 differs with the same "
+                      "model and samples: it is averaged per rank, not per sample (divide the summed loss by the "
+                      "global count: samples, tokens, weights)")
     elif first is not None and not causes:
         causes.append(f"the same start and samples, but step {first} differs: the gradients differ (a loss scaled "
                       f"per rank, random draws such as dropout that depend on the rank, accumulation that syncs "

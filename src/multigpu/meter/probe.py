@@ -89,6 +89,15 @@ def unsynced_batchnorm(model: nn.Module) -> list[str]:
             if isinstance(m, batchnorm_base()) and not isinstance(m, (nn.SyncBatchNorm, GlooSyncBatchNorm))]
 
 
+def cp_documents(model: nn.Module | None) -> bool:
+    """Whether ``model`` took packed documents (position_ids restarting) under context parallelism."""
+    from ..parallel.context import MODELS
+    from ..parallel.wrap import unwrap
+
+    ctx = None if model is None else MODELS.get(unwrap(model))
+    return bool(ctx is not None and ctx.packed)
+
+
 def rng_states() -> list:
     """The state of torch's generators a step may draw from: the CPU's, and each CUDA device's once CUDA is up."""
     states = [torch.get_rng_state()]
@@ -174,7 +183,7 @@ class Probe:
     def finish(self) -> None:
         self._save_model("final")
         mine = {"digests": self.digests, "draws": self._step_starts(), "batchnorm": unsynced_batchnorm(self.module) if self.module is not None else [],
-                "start": self.start, "dp_rank": self.dp_rank,
+                "start": self.start, "dp_rank": self.dp_rank, "cp_documents": cp_documents(self.module),
                 "reordered": self.reordered, "rounded": self.rounded}
         every = [mine]
         if self.world > 1 and tdist.is_initialized():
@@ -187,6 +196,7 @@ class Probe:
                    "digests": [math.fsum(r["digests"][i] for r in firsts) for i in range(steps)],
                    "batchnorm": every[0]["batchnorm"] if self.world > 1 else [],
                    "draws": any(r["draws"] for r in every),  # a step drew random numbers on some rank
+                   "cp_documents": any(r["cp_documents"] for r in every),  # packed documents under cp
                    # Ranks whose unsynced parameters started elsewhere than rank 0's (a per-rank seed that
                    # no wrapper broadcast over): rank 0's initial.pt alone would not show it.
                    "rank_starts": [r for r in range(1, len(every))
