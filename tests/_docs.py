@@ -75,7 +75,8 @@ def _options(example) -> dict:
 
 
 def directive(example) -> None:
-    """``<!-- doc: launch -n 4 -->``, ``file NAME``, ``sub "from" "to"``, ``vary "fragment"``: for the next block."""
+    """``<!-- doc: launch -n 4 -->``, ``file NAME [ARGS]``, ``sub "from" "to"``, ``omit "text" "why"``, ``vary
+    "fragment"``, ``timeout S``, ``together``: for the next block."""
     words = shlex.split(example.parsed)
     nxt = example.namespace["_next"]
     if words[0] == "launch":

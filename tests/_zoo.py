@@ -12,8 +12,10 @@ that finished (the test starts another on the families after the one in flight).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
+import pathlib
 import time
 import warnings
 
@@ -130,15 +132,17 @@ def build(family: str):
         return cls(config).double()
 
 
+@functools.cache
+def _recorded() -> dict[str, str]:
+    """tests/zoo_expected.json's outcomes for this transformers release (read once a worker; {} for another)."""
+    path = pathlib.Path(__file__).with_name("zoo_expected.json")
+    expected = json.loads(path.read_text()) if path.exists() else {}
+    return expected.get("outcomes", {}) if expected.get("transformers") == transformers_version() else {}
+
+
 def recorded_outcomes(family: str) -> list[str]:
     """The outcomes tests/zoo_expected.json records for ``family``'s cells under this transformers release."""
-    path = __import__("pathlib").Path(__file__).with_name("zoo_expected.json")
-    if not path.exists():
-        return []
-    expected = json.loads(path.read_text())
-    if expected.get("transformers") != transformers_version():
-        return []
-    return [v for k, v in expected["outcomes"].items() if k.split(" | ")[0] == family]
+    return [v for k, v in _recorded().items() if k.split(" | ")[0] == family]
 
 
 def why_skipped(family: str) -> str | None:

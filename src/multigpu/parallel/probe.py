@@ -68,11 +68,9 @@ def first_argument(model: nn.Module) -> str | None:
     """The name of the forward's first parameter taken by position (None: it takes none)."""
     import inspect
 
-    for p in inspect.signature(model.forward).parameters.values():
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL):
-            return p.name
-        return None
-    return None
+    first = next(iter(inspect.signature(model.forward).parameters.values()), None)
+    return first.name if first is not None and first.kind in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD,
+                                                              first.VAR_POSITIONAL) else None
 
 
 def own_input(model: nn.Module, tp: int) -> dict[str, torch.Tensor] | None:
