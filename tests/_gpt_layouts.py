@@ -141,10 +141,7 @@ def train_pipeline(dist, layout: dict, steps: int = 5, accum: int = 4, clip: flo
     for step, micro_batches in zip(range(start, steps), train_loader):
         loss = pipe.step(micro_batches)
         if step == start:  # the pipeline's model is this rank's stages: mg.clip_grad_norm_ would clip by their norm
-            try:
-                mg.clip_grad_norm_(pipe.model, clip)
-            except mg.UsageError as err:
-                refused = str(err)
+            refused = taking_a_model(pipe, plan, clip)
         norms.append(float(pipe.clip_grad_norm_(clip)))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -159,6 +156,25 @@ def train_pipeline(dist, layout: dict, steps: int = 5, accum: int = 4, clip: flo
     state = {k: v for d in gathered for k, v in d.items()}
     return {"state": state, "losses": losses, "norms": norms, "mesh": layout.label, "stages": ids,
             "clip_refused": refused}
+
+
+def taking_a_model(pipe, plan, clip: float) -> dict:
+    """What each function that takes "a model" does with the pipeline, its ``pipe.model`` and one stage
+    (after a step's backward): the refusal's line, or the keys of ``mg.full_state_dict``."""
+    calls = {"mg.clip_grad_norm_": lambda m: mg.clip_grad_norm_(m, clip),
+             "mg.accumulate": lambda m: list(mg.accumulate(m, [1, 2])),
+             "NoiseScale.attach": lambda m: mg.NoiseScale(plan).attach(m),
+             "mg.full_state_dict": lambda m: sorted(mg.full_state_dict(m))}
+    said = {}
+    for what, call in calls.items():
+        for name, model in (("pipe", pipe), ("pipe.model", pipe.model), ("stage", pipe.modules[0])):
+            if name == "stage" and model is pipe.model:  # a rank with one stage: pipe.model is that stage
+                continue
+            try:
+                said[f"{what}({name})"] = call(model)
+            except mg.UsageError as err:
+                said[f"{what}({name})"] = str(err)
+    return said
 
 
 def train_layouts(dist, layouts: list[dict]) -> list[dict]:

@@ -196,14 +196,14 @@ def test_noise_scale_reads_the_layout_instead_of_inferring_tp():
     assert noise._kind == "micro"
     # mg.parallelize keeps the layout it spread the model by (beside it, nothing stamped on the module), and
     # NoiseScale reads it without being told
-    from multigpu.data.share import remember, spread_by
+    from multigpu.parallel.record import remember, spread_of
 
     net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     before = dict(net.__dict__)
     spread = mg.parallelize(net, mg.parallel.Layout(micro_batch=8), verbose=False)
-    assert spread_by(spread) == mg.parallel.Layout(dp_shard=1, micro_batch=8) and net.__dict__ == before
+    assert spread_of(spread).layout == mg.parallel.Layout(dp_shard=1, micro_batch=8) and net.__dict__ == before
     assert mg.NoiseScale(mg.BatchPlan(64, 1, micro_batch=8)).attach(spread)._kind == "micro"
     piped = nn.Linear(2, 2)
-    remember(piped, mg.parallel.Layout(pp=2))
+    remember(piped, layout=mg.parallel.Layout(pp=2))
     with pytest.raises(mg.UsageError, match=r"does not measure pipeline stages \(pp 2\)"):
         tp_degree(None, 4, 2, piped)

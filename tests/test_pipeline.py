@@ -43,11 +43,21 @@ def test_pipeline_schedules_equal_one_process(reference):
     assert [out[1][i]["stages"] for i in range(3)] == [[1], [1], [1, 3]]
     # The mean micro-batch loss is on the last stage's rank only.
     assert all(x is None for x in out[0][0]["losses"]) and all(x is not None for x in out[1][0]["losses"])
-    # mg.clip_grad_norm_ on a pipeline's model (one stage, or an interleaved rank's two) refuses in one line: each
-    # stage's own norm, silently, was what it returned.
+    # Every function that takes "a model", given the pipeline, its pipe.model (one stage, or an interleaved rank's
+    # two) or one stage, gives the whole model's figure or refuses in one line: mg.clip_grad_norm_ returned each
+    # stage's own norm, silently.
     for rank in out:
         for run in rank:
-            assert "use pipe.clip_grad_norm_(max_norm)" in run["clip_refused"] and "\n" not in run["clip_refused"]
+            said = run["clip_refused"]
+            names = ("pipe", "pipe.model", "stage") if "mg.accumulate(stage)" in said else ("pipe", "pipe.model")
+            for name in names:
+                assert "use pipe.clip_grad_norm_(max_norm)" in said[f"mg.clip_grad_norm_({name})"]
+                assert "pipe.step(micro_batches)" in said[f"mg.accumulate({name})"]
+                assert "NoiseScale.attach got this rank's pipeline stages (pp 2)" in said[f"NoiseScale.attach({name})"]
+            assert said["mg.full_state_dict(pipe)"] == said["mg.full_state_dict(pipe.model)"] == sorted(reference["state"])
+            if "stage" in names:  # one of an interleaved rank's two stages
+                assert "mg.full_state_dict(pipe)" in said["mg.full_state_dict(stage)"]
+            assert all("\n" not in v for v in said.values() if isinstance(v, str))
 
 
 @pytest.mark.slow

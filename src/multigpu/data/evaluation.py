@@ -24,7 +24,7 @@ from ..dist import Dist
 from ..errors import UsageError
 from ..runtime.values import positive_int
 from .loader import OWNED, batched_view
-from .share import DataShare, record, recorded, share_of
+from .share import DataShare, share_of
 
 
 def eval_share(dist: Dist, layout: Any, mesh: Any, what: str) -> DataShare:
@@ -33,9 +33,11 @@ def eval_share(dist: Dist, layout: Any, mesh: Any, what: str) -> DataShare:
     if mesh is not None:  # gone with mg.parallel.Mesh (CHANGELOG.md)
         raise UsageError(f"{what}'s mesh= is gone; pass layout= the mg.parallel.Layout the model was spread by "
                          "(or the model mg.parallelize returned)")
+    from ..parallel.record import record_share
+
     share = share_of(layout, dist)
     if layout is not None:
-        record(share, dist.rank, dist.world_size)
+        record_share(share, dist.rank, dist.world_size)
     return share
 
 
@@ -134,8 +136,10 @@ def all_reduce_sum(values: Mapping[str, float] | Sequence[float] | float):
         flat = [float(v) for v in values]
     else:
         flat = [float(values)]
+    from ..parallel.record import process_share
+
     on = tdist.is_initialized()
-    share = recorded(tdist.get_rank(), tdist.get_world_size()) if on else None
+    share = process_share(tdist.get_rank(), tdist.get_world_size()) if on else None
     if share is not None and not share.counts:
         flat = [0.0] * len(flat)  # a copy of a counted rank's numbers (TP peer), or no outputs (earlier stage)
     t = torch.tensor(flat, dtype=torch.float64, device=_reduce_device())

@@ -91,11 +91,10 @@ def unsynced_batchnorm(model: nn.Module) -> list[str]:
 
 def cp_documents(model: nn.Module | None) -> bool:
     """Whether ``model`` took packed documents (position_ids restarting) under context parallelism."""
-    from ..parallel.context import MODELS
-    from ..parallel.wrap import unwrap
+    from ..parallel.record import spread_of
 
-    ctx = None if model is None else MODELS.get(unwrap(model))
-    return bool(ctx is not None and ctx.packed)
+    spread = None if model is None else spread_of(model)
+    return bool(spread is not None and spread.context is not None and spread.context.packed)
 
 
 def rng_states() -> list:
@@ -118,12 +117,12 @@ def plain_state_digest(model: nn.Module) -> list[float]:
 
 
 def is_pipeline(model: Any) -> bool:
-    """A ``mg.parallel.pipeline``: its schedule's backward runs autograd.grad per stage, which refuses hooks
+    """A ``mg.parallel.pipeline`` (or its ``pipe.model``, or a stage): its schedule's backward runs autograd.grad per stage, which refuses hooks
     on the graph (the meter's gradient-ready hooks, the module tracker of the FLOP count's FlopCounterMode),
     and its ranks hold different stages (so no comparison of their starts)."""
-    from ..parallel.pp import Pipeline
+    from ..parallel.record import stages
 
-    return isinstance(model, Pipeline)
+    return model is not None and stages(model) > 1
 
 
 def dp_rank(plan: Any, dist: Any) -> int | None:

@@ -110,12 +110,10 @@ def figures(stats: list) -> dict[str, Any] | None:
 def experts_stats(model: Any) -> list:
     """The expert-parallel dispatch's figures of ``model`` or its pipeline's stages (parallel/experts.py's
     ``Stats``); none for any other model."""
-    if model is None:
-        return []
-    from ..parallel.experts import stats_of
-    from .probe import is_pipeline
+    from ..parallel.record import spread_of
 
-    return stats_of(model.modules if is_pipeline(model) else [model])
+    spread = None if model is None else spread_of(model)
+    return [] if spread is None else list(spread.experts)
 
 
 def router_note(model: Any, plan: Any) -> None:

@@ -44,10 +44,11 @@ def tp_degree(layout, actual: int, world: int, model: Any = None) -> int:
     """The tensor-parallel ranks per data-parallel rank: the ``Layout``'s own degree, given or the one
     ``mg.parallelize`` spread ``model`` by; else world / the plan's ranks (0 when they do not divide), a
     guess that reads pipeline stages as TP."""
-    from ..data.share import spread_by
     from ..parallel.layout import Layout
+    from ..parallel.record import spread_of
 
-    layout = spread_by(model) if layout is None and model is not None else layout
+    spread = spread_of(model) if layout is None and model is not None else None
+    layout = layout if spread is None else spread.layout
     if layout is None:
         return actual // world if actual % world == 0 else 0
 

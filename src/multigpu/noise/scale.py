@@ -97,6 +97,9 @@ class NoiseScale:
         """Measure ``model`` (DDP, FSDP2 on several ranks; any on one); ``layout``: its Layout, read not inferred."""
         if mesh is not None:  # went with mg.parallel.Mesh
             raise UsageError("NoiseScale.attach(mesh=) is gone; pass layout= the Layout the model was spread by")
+        from ..parallel.record import refuse_stages
+
+        refuse_stages(model, "NoiseScale.attach", shares._OBSERVE)
         world = self.plan.world_size
         actual = tdist.get_world_size(self.group) if tdist.is_available() and tdist.is_initialized() else 1
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

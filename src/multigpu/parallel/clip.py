@@ -26,14 +26,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
 
     >>> norm = mg.clip_grad_norm_(model, 1.0)
     """
-    from ..data.share import spread_by
+    from .record import refuse_stages
 
-    layout = spread_by(model)
-    if layout is not None and layout.pp > 1:
-        # This rank's stages hold part of the model: their norm is not the model's (PP 2 gave each stage its own
-        # norm, 0.330 and 0.678 where one process has 0.754), and each stage would clip by a different factor.
-        raise UsageError(f"mg.clip_grad_norm_ got this rank's pipeline stages (pp {layout.pp}), whose norm is not the "
-                         "model's; use pipe.clip_grad_norm_(max_norm), the norm over every stage")
+    # This rank's stages hold part of the model: their norm is not the model's (PP 2 gave each stage its own
+    # norm, 0.330 and 0.678 where one process has 0.754), and each stage would clip by a different factor.
+    refuse_stages(model, "mg.clip_grad_norm_", "use pipe.clip_grad_norm_(max_norm), the norm over every stage")
     groups = grouped(model.parameters())
     if not groups:
         return torch.tensor(0.0)

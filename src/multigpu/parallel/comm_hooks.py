@@ -11,7 +11,6 @@ and cost time when it does not (see docs/strategies.md for measurements).
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations
 # as real objects (dist.GradBucket, Future[Tensor]), not strings.
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -19,13 +18,9 @@ import torch.distributed as tdist
 from torch import nn
 
 from ..errors import UsageError
+from .record import remember, spread_of
 
 HOOKS = ("fp16", "bf16", "powersgd")
-
-# DDP module -> (hook name, hook state), for compression(); kept beside the
-# module rather than stamped on it, and dropped with it.
-_REGISTERED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
-
 
 @dataclass(frozen=True)
 class Compression:
@@ -109,7 +104,7 @@ def register(ddp: nn.Module, comm_hook: str, powersgd_rank: int | None = None,
         if tdist.get_backend() == "gloo":
             hook = _serialised_powersgd_hook
         ddp.register_comm_hook(state, hook)
-    _REGISTERED[ddp] = (comm_hook, state)
+    remember(ddp, comm_hook=(comm_hook, state))  # the model's record (record.py), for compression()
 
 
 def compression(model: nn.Module) -> Compression | None:
@@ -120,10 +115,10 @@ def compression(model: nn.Module) -> Compression | None:
     >>> compression(model)
     Compression(hook='powersgd', ratio=12.4, before=..., after=..., unit='elements')
     """
-    hook = _REGISTERED.get(model)
-    if hook is None:
+    spread = spread_of(model)
+    if spread is None or spread.comm_hook is None:
         return None
-    name, state = hook
+    name, state = spread.comm_hook
     if name in ("fp16", "bf16"):
         size = next(model.parameters()).element_size()  # the gradients' dtype is the parameters'
         return Compression(name, size / 2, size, 2, "bytes per element")

@@ -31,7 +31,9 @@ suggests (a cp degree, a sequence length) is computed by the rule that refused (
 
 from __future__ import annotations
 
+import functools
 import inspect
+import itertools
 import weakref
 from typing import Any
 
@@ -41,9 +43,8 @@ from torch import nn
 from ..errors import UsageError
 from .context_sdpa import batch_and_length, repeated_kv
 
-NAME = "multigpu_context_parallel"  # the attention implementation registered with transformers
-MODELS: "weakref.WeakKeyDictionary[nn.Module, Context]" = weakref.WeakKeyDictionary()  # parallelized model
-_ATTENTION: "weakref.WeakKeyDictionary[nn.Module, Context]" = weakref.WeakKeyDictionary()  # its attention modules
+NAME = "multigpu_context_parallel"  # the attention implementations registered with transformers: NAME_<n>
+_NAMES = itertools.count()
 
 
 # `multigpu verify`'s likely cause of a step-0 difference on packed documents under cp (verify._causes)
@@ -164,13 +165,13 @@ class _Ungrouped:
         return getattr(self.__dict__["_module"], name)
 
 
-def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _attention(ctx: "Context", module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface under context parallelism: the model's own attention (``inner``)
-    over the whole sequence for heads/cp heads, between the two all-to-alls."""
+    """transformers' attention interface under context parallelism (registered per model, ``ctx`` bound):
+    the model's own attention (``inner``) over the whole sequence for heads/cp heads, between the two
+    all-to-alls."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    ctx = _ATTENTION[module]
     ctx.calls += 1
     if ctx.inner == "eager":  # the family's own eager attention, beside its module
         import sys
@@ -208,9 +209,8 @@ def _ring(ctx: "Context", query: torch.Tensor, key: torch.Tensor, value: torch.T
     return out.to_local().transpose(1, 2)
 
 
-def _before(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _before(ctx: "Context", model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The model's forward gets this rank's share of the sequences it was given."""
-    ctx = MODELS[model]
     bound = ctx.signature.bind_partial(*args, **kwargs)
     given = dict(bound.arguments)
     given.update(given.pop("kwargs", {}))
@@ -260,8 +260,7 @@ def _share_labels(ctx: Context, given: dict[str, Any], index: torch.Tensor) -> N
     given["num_items_in_batch"] = count / ctx.cp
 
 
-def _after(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    ctx = MODELS[model]
+def _after(ctx: "Context", model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     expected = ctx.layers or 1
     if ctx.calls < expected:
         raise UsageError(f"context parallelism saw {ctx.calls} of {ctx.name}'s {expected} attention layers call "
@@ -314,34 +313,34 @@ def check_heads(name: str, layout: Any, local: list[int]) -> None:
                          f"of {name}; use {'cp=1' if fits == [1] else 'cp in ' + ', '.join(map(str, fits))}")
 
 
-def apply(model: nn.Module, layout: Any, mesh: Any) -> str:
-    """Spread every sequence ``model`` is given over the cp ranks of ``mesh`` (``check``ed first); what was
-    done, for ``mg.parallelize``'s line."""
+def apply(model: nn.Module, layout: Any, mesh: Any) -> tuple["Context", str]:
+    """Spread every sequence ``model`` is given over the cp ranks of ``mesh`` (``check``ed first); its
+    ``Context`` (the model's record keeps it: ``record.py``) and what was done, for ``mg.parallelize``'s line."""
     config = getattr(model, "config", None)
     if config is None:  # a user's own model
         from . import context_sdpa
 
         ctx = Context(model, layout.cp, mesh.get_local_rank(), mesh.get_group(), "sdpa")
-        MODELS[model] = ctx
         context_sdpa.apply(model, ctx)
-        return (f"context parallel {layout.cp}: each sequence in {2 * layout.cp} chunks, head-tail; its "
-                "F.scaled_dot_product_attention between all-to-alls over heads")
+        return ctx, (f"context parallel {layout.cp}: each sequence in {2 * layout.cp} chunks, head-tail; its "
+                     "F.scaled_dot_product_attention between all-to-alls over heads")
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     inner = config._attn_implementation
-    ALL_ATTENTION_FUNCTIONS.register(NAME, _attention)
     ctx = Context(model, layout.cp, mesh.get_local_rank(), mesh.get_group(), inner)
     ctx.mesh, ctx.ring = mesh, inner == "sdpa" and mesh.device_type == "cuda" and _ring_dispatcher()
-    MODELS[model] = ctx
-    for module in model.modules():
-        if getattr(module, "config", None) is config:
-            _ATTENTION[module] = ctx
-    config._attn_implementation = NAME
-    model.register_forward_pre_hook(_before, with_kwargs=True)
-    model.register_forward_hook(_after, with_kwargs=True)
+    # transformers' own extension point: an attention implementation by name, this model's Context bound
+    # to it (its attention modules read the name from the config they share, in the forward and in an
+    # activation-checkpointing recompute alike); dropped with the model.
+    name = f"{NAME}_{next(_NAMES)}"
+    ALL_ATTENTION_FUNCTIONS[name] = functools.partial(_attention, ctx)
+    weakref.finalize(model, ALL_ATTENTION_FUNCTIONS.__delitem__, name)
+    config._attn_implementation = name
+    model.register_forward_pre_hook(functools.partial(_before, ctx), with_kwargs=True)
+    model.register_forward_hook(functools.partial(_after, ctx), with_kwargs=True)
     how = "causal SDPA by PyTorch's ring attention, else " if ctx.ring else ""
-    return f"context parallel {layout.cp}: each sequence in {2 * layout.cp} chunks, head-tail; {how}{inner} " \
-           f"attention between all-to-alls over heads"
+    return ctx, (f"context parallel {layout.cp}: each sequence in {2 * layout.cp} chunks, head-tail; {how}{inner} "
+                 f"attention between all-to-alls over heads")
 
 
 def _ring_dispatcher() -> bool:
@@ -363,9 +362,10 @@ def context_share(model: nn.Module, *tensors: torch.Tensor, dim: int = 1) -> Any
     >>> logits = model(input_ids=x).logits
     >>> y = mg.context_share(model, y)
     """
-    from .wrap import unwrap
+    from .record import spread_of
 
-    ctx = MODELS.get(unwrap(model))
+    spread = spread_of(model)
+    ctx = None if spread is None else spread.context
     if ctx is None:
         return tensors[0] if len(tensors) == 1 else tensors
     out = []

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from .context import MODELS, Context, share_index
+from .context import Context, share_index
 
 
 def _gathered(model: nn.Module, ctx: Context, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -33,7 +33,7 @@ def _gathered(model: nn.Module, ctx: Context, batch: dict[str, torch.Tensor]) ->
     return full
 
 
-def probe(model: nn.Module, batch: dict[str, torch.Tensor], expected: torch.Tensor,
+def probe(model: nn.Module, ctx: Context, batch: dict[str, torch.Tensor], expected: torch.Tensor,
           documents: dict[str, torch.Tensor], expected_documents: torch.Tensor | None,
           expected_loss: torch.Tensor | None) -> None:
     """The whole model checked on a probe batch under cp against its output before (``parallel/probe.py``):
@@ -41,7 +41,7 @@ def probe(model: nn.Module, batch: dict[str, torch.Tensor], expected: torch.Tens
     family that keeps no documents apart on one process, or not by transformers' rule) refuses them later."""
     from .probe import TOLERANCE, cause, relative_error
 
-    ctx, name = MODELS[model], type(model).__name__
+    name = type(model).__name__
     tol = TOLERANCE.get(expected.dtype, 1e-4)
     try:
         error = relative_error(_gathered(model, ctx, batch), expected)

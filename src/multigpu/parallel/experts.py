@@ -209,13 +209,6 @@ class _Clock(torch.autograd.Function):
         return grad, None, None
 
 
-def stats_of(modules: list[nn.Module]) -> list[Stats]:
-    """The dispatch figures of models spread with expert parallelism (one per model that is: a pipeline's
-    stages each have theirs), in order; none for any other model."""
-    found = [m._multigpu_expert_stats for root in modules for m in root.modules() if hasattr(m, "_multigpu_expert_stats")]
-    return list(dict.fromkeys(found))  # each once (every experts module of a model points at its model's)
-
-
 @dataclass(frozen=True)
 class _Dispatch:
     group: Any
@@ -282,11 +275,12 @@ def _gather(x: torch.Tensor, tp: tuple, n: int) -> torch.Tensor:
     return torch.cat([part[:k] for part, k in zip(parts, sizes)])
 
 
-def apply(found: list[tuple[str, nn.Module]], layout: Any, mesh: Any, capacity_factor: float | None = None) -> None:
+def apply(found: list[tuple[str, nn.Module]], layout: Any, mesh: Any, capacity_factor: float | None = None) -> "Stats":
     """Spread the experts modules ``found`` (``check``'s) over ``mesh`` (the expert-parallel ranks): each rank
     keeps its slice of every module's weights (a DTensor ``Shard(0)``) and runs the dispatch above.
     ``capacity_factor``: at most ceil(factor x pairs / experts) (token, slot) pairs of a rank's tokens per
-    expert, the rest dropped (counted in ``Stats``); None: dropless."""
+    expert, the rest dropped (counted in ``Stats``); None: dropless. Returns the dispatch's figures (the
+    model's record keeps them: ``record.py``)."""
     from torch.distributed.tensor import DTensor, Shard
 
     ep, rank = mesh.size(), mesh.get_local_rank()
@@ -306,13 +300,7 @@ def apply(found: list[tuple[str, nn.Module]], layout: Any, mesh: Any, capacity_f
         how = _Dispatch(mesh.get_group(), ep, local, layout.dp_replicate * layout.efsdp / layout.dp_size, capacity_factor,
                         stats, layer, tp)
         module.forward = functools.partial(_forward, module, type(module).forward, how)
-        module._multigpu_expert_stats = stats
-
-
-def forget_probe(found: list[tuple[str, nn.Module]]) -> None:
-    """The dispatch figures of the experts modules ``found`` (``apply``'s) cleared of a probe batch's tokens."""
-    for stats in stats_of([m for _, m in found]):
-        stats.clear()
+    return stats
 
 
 def _kept(flat: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, factor: float) -> tuple:

@@ -129,11 +129,10 @@ def size_rule(minimum: int = DEFAULT_MIN_BLOCK_PARAMS, why: str = "no repeated b
     return f"blocks of >= {minimum:,} parameters ({why})"
 
 
-def units_line(model: nn.Module, rule: str) -> str:
+def units_line(model: nn.Module, rule: str, experts: int = 0) -> str:
     """``3 units of ViTLayer (declared _no_split_modules) + the root``, counted from what was sharded (expert
-    parallelism's experts modules, sharded over efsdp, counted apart)."""
+    parallelism's ``experts`` modules, sharded over efsdp, counted apart)."""
     units = fsdp_modules(model)
-    experts = sum(hasattr(m, "_multigpu_expert_stats") for m in units)
     return f"{len(units) - 1 - experts} units of {rule}{f' + {experts} experts modules' if experts else ''} + the root"
 
 

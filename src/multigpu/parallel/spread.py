@@ -7,8 +7,8 @@ then FSDP (HSDP with a replicate degree) over the blocks the model declares
 or that are found in it, and the root; DDP when the layout only replicates.
 The full model is built on every rank with the same seed first and then
 distributed, so the weights equal one process's. It says what it chose in
-one line for the plan and one for the units, on rank 0. The Layout it was
-spread by is kept beside the model (``data.share.remember``), never on it.
+one line for the plan and one for the units, on rank 0. How it spread the
+model is kept beside it, never on it (``record.py``: ``spread_of(model)``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from ..data.share import record, remember
 from ..dist import print0
 from ..errors import UsageError
 from . import auto, probe, unused
+from .record import record_share, remember
 from .hf import router
 from .batchnorm import prepare_batchnorm
 from .fsdp import shard_blocks, unit_rule, units_line
@@ -185,10 +185,13 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
         _check_context(model, layout)
     if layout.tp > 1:
         _tensor_parallel(model, layout, blocks, tp_plan, pipeline_stage, device_type, say)
+    parts: dict[str, Any] = {}  # what the model's record holds beside its layout (record.py)
     if found:
-        options["experts"] = _expert_parallel(model, layout, found, capacity_factor, device_type, pipeline_stage, say)
+        stats, options["experts"] = _expert_parallel(model, layout, found, capacity_factor, device_type,
+                                                     pipeline_stage, say)
+        parts["experts"] = [stats]
     if layout.cp > 1:
-        _context_parallel(model, layout, device_type, say)
+        parts["context"] = _context_parallel(model, layout, device_type, say)
     extras = _per_block(model, layout, blocks, activation_checkpointing, compile)
     if layout.dp_size > 1 or layout.cp > 1:  # ranks see other tokens: routing may leave a rank's experts unused
         unused.touch_experts(model)
@@ -197,8 +200,8 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
     model = _data_parallel(model, layout, classes, block_source, block_classes, pipeline_stage, options, extras, say)
     rank, world = _world()
     if not pipeline_stage:  # a pipeline records its own (mg.eval_loader and mg.all_reduce_sum read it)
-        record(layout.data_share(rank), rank, world)
-    remember(model, layout)
+        record_share(layout.data_share(rank), rank, world)
+    remember(model, layout=layout, **parts)
     return model
 
 
@@ -248,25 +251,25 @@ def _experts_to_spread(model: nn.Module, layout: Layout, capacity_factor: float 
 
 
 def _expert_parallel(model: nn.Module, layout: Layout, found: list, capacity_factor: float | None, device_type: str,
-                     pipeline_stage: bool, say: Any) -> tuple:
+                     pipeline_stage: bool, say: Any) -> tuple[Any, tuple]:
     """Each rank keeps experts/ep of every experts module ``found`` and the routed tokens travel to them
     (``experts.py``), checked on a probe batch as a TP plan is: the model's output as before, or refused
-    quoting what failed; (the modules, the mesh FSDP shards them over: efsdp)."""
+    quoting what failed; (its dispatch figures, (the modules, the mesh FSDP shards them over: efsdp))."""
     from . import experts
 
     batch = None if pipeline_stage else probe.probe_batch(model, layout.tp)
     expected, _ = probe.attempt(model, batch)
-    experts.apply(found, layout, layout.ep_mesh(device_type), capacity_factor)
+    stats = experts.apply(found, layout, layout.ep_mesh(device_type), capacity_factor)
     if expected is not None:
         # A capacity factor drops tokens by design: then only that the forward runs.
         probe.agree(model, batch, None if capacity_factor else expected, None, f"expert parallelism (ep={layout.ep})",
                     "use ep=1 for this model (FSDP and HSDP spread its experts with the rest)", expected.device)
-        experts.forget_probe(found)  # its tokens are none of the training's (mg.StepMeter's experts figures)
+        stats.clear()  # the probe's tokens are none of the training's (mg.StepMeter's experts figures)
     n = found[0][1].num_experts
     drops = "dropless" if capacity_factor is None else f"capacity factor {capacity_factor}"
     say(f"mg.parallelize: expert parallel {layout.ep}: {len(found)} experts modules of {type(model).__name__}, "
         f"{n // layout.ep} of {n} experts per rank, FSDP over efsdp {layout.efsdp}, {drops} all-to-all")
-    return [m for _, m in found], layout.efsdp_mesh(device_type)
+    return stats, ([m for _, m in found], layout.efsdp_mesh(device_type))
 
 
 def _check_context(model: nn.Module, layout: Layout) -> None:
@@ -278,8 +281,9 @@ def _check_context(model: nn.Module, layout: Layout) -> None:
     context.check(model, layout, auto.head_counts(model))
 
 
-def _context_parallel(model: nn.Module, layout: Layout, device_type: str, say: Any) -> None:
-    """Each cp rank keeps a share of every sequence; attention sees the whole one (``context.py``)."""
+def _context_parallel(model: nn.Module, layout: Layout, device_type: str, say: Any) -> Any:
+    """Each cp rank keeps a share of every sequence; attention sees the whole one (``context.py``); its
+    ``Context``."""
     from . import context
 
     from . import context_probe, context_sdpa
@@ -304,9 +308,10 @@ def _context_parallel(model: nn.Module, layout: Layout, device_type: str, say: A
         expected_loss = None if own else context_probe.own_loss(model, batch)
     except Exception:  # noqa: BLE001 - a model without a loss of labels= is refused them later
         expected_loss = None
-    done = context.apply(model, layout, layout.cp_mesh(device_type))
-    context_probe.probe(model, batch, expected, documents, expected_documents, expected_loss)  # exact or refused
+    ctx, done = context.apply(model, layout, layout.cp_mesh(device_type))
+    context_probe.probe(model, ctx, batch, expected, documents, expected_documents, expected_loss)  # exact or refused
     say(f"mg.parallelize: {done}")
+    return ctx
 
 
 def _per_block(model: nn.Module, layout: Layout, blocks: list, activation_checkpointing: bool | None,
@@ -348,11 +353,12 @@ def _data_parallel(model: nn.Module, layout: Layout, classes: list, block_source
         model = prepare_batchnorm(model, kind, sync, device)
         # The one unit rule (fsdp.unit_rule, mg.wrap's too); shard first, then count what was sharded.
         units, minimum, rule = unit_rule(model, block_classes, options.pop("min_block_params", None))
+        experts = len(options.get("experts", ([],))[0])
         model = shard_blocks(model, layout.dp_mesh(device.type), block_classes=units, min_block_params=minimum,
                              **options)
         shard = f"dp_shard {layout.dp_shard}" + (f" x cp {layout.cp}" if layout.cp > 1 else "")
         over = (f"HSDP over dp_replicate {layout.dp_replicate} x {shard}" if kind == "hsdp" else f"FSDP over {shard}")
-        say(f"mg.parallelize: {over}: {units_line(model, rule)}{extras}")
+        say(f"mg.parallelize: {over}: {units_line(model, rule, experts)}{extras}")
         return model
     if layout.tp == 1 and layout.pp == 1:
         say(f"mg.parallelize: one process, nothing to spread (blocks: {block_names}){extras}")

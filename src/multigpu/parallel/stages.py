@@ -197,12 +197,14 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
     >>> pipe = mg.parallel.pipeline(model, layout, loss_fn, plan)
     >>> loss = pipe.step(micro_batches); pipe.clip_grad_norm_(1.0); opt.step()
     """
+    import weakref
+
     import torch.distributed as tdist
 
-    from ..data.share import record, remember
     from ..dist import print0
     from . import pp
     from .auto import block_modules, blocks_of, head_counts
+    from .record import record_share, remember, spread_of
     from .spread import parallelize, tensor_parallel_plan
 
     on = tdist.is_available() and tdist.is_initialized()
@@ -240,7 +242,7 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
     # between a step's micro-batches. This function prints its own line for all the stages.
     parts = [parallelize(p, layout, tp_plan=stage_plan(p, styles) if styles else None,
                          block_classes=classes or None, pipeline_stage=True, verbose=False) for p in parts]
-    record(layout.data_share(rank), rank, world)  # the schedule places the last stage: who counts (eval)
+    record_share(layout.data_share(rank), rank, world)  # the schedule places the last stage: who counts (eval)
     if verbose:
         print0(f"mg.parallel.pipeline: {n_stages} stages of {name} by {how}, blocks per stage "
                f"{'even' if ranges is None else [len(r) for r in ranges]}, "
@@ -257,7 +259,9 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
                "it, gradients summed over the copies after each step")
     pipe = pp.Pipeline(parts, ids, n_stages, pp_mesh.get_group(), device, layout.schedule, accum_steps, loss_fn,
                        tied=tied)
-    remember(pipe.model, layout)  # (each part is remembered by parallelize): what takes "a model" sees a stage
+    # One record for the stages' union (each part has its own from parallelize): what takes "a model" reads
+    # the pipeline's layout in it, and the meter every stage's expert-parallel figures.
+    remember(pipe.model, layout=layout, pipeline=weakref.ref(pipe), experts=[s for p in parts for s in spread_of(p).experts])
     return pipe
 
 

@@ -151,19 +151,20 @@ def full_state_dict(model: nn.Module, cpu: bool = True) -> dict[str, torch.Tenso
     tensors are gathered to CPU and only rank 0 receives them (other ranks
     get ``{}``), so GPU memory never holds a second full copy.
 
-    A ``Pipeline`` (``mg.parallel.pipeline``) gives every stage's weights under one process's names, on
-    every rank.
+    A ``Pipeline`` (``mg.parallel.pipeline``) or its ``pipe.model`` gives every stage's weights under one
+    process's names, on every rank.
 
     >>> state = mg.full_state_dict(model)
     >>> if dist.is_main:
     ...     torch.save(state, "model.pt")   # loads into the plain, unwrapped model
     """
-    from .pp import Pipeline
+    from .record import pipeline_of, refuse_stages
 
-    if isinstance(model, Pipeline):  # every stage's weights, gathered from the ranks that hold them
+    if (pipe := pipeline_of(model)) is not None:  # every stage's weights, gathered from the ranks that hold them
         from .pp import gathered_state_dict
 
-        return gathered_state_dict(model)
+        return gathered_state_dict(pipe)
+    refuse_stages(model, "mg.full_state_dict", "pass the pipeline (mg.full_state_dict(pipe)): every stage's weights")
     if not (tdist.is_available() and tdist.is_initialized()):
         return {k: v.cpu() if cpu else v for k, v in unwrap(model).state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -215,6 +216,9 @@ def accumulate(model: nn.Module, micro_batches: Iterable[Any]) -> Iterator[Any]:
     >>> for x, y in mg.accumulate(model, micro_batches):
     ...     (loss_fn(model(x), y) / plan.accum_steps).backward()
     """
+    from .record import refuse_stages
+
+    refuse_stages(model, "mg.accumulate", "the pipeline runs a step's micro-batches itself: pipe.step(micro_batches)")
     items = list(micro_batches)
     for i, item in enumerate(items):
         if i < len(items) - 1:
