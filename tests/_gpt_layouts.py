@@ -9,6 +9,7 @@ tolerance of 1e-9 leaves nothing for a bug to hide under.
 """
 
 import dataclasses
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -164,7 +165,9 @@ def taking_a_model(pipe, plan, clip: float) -> dict:
     calls = {"mg.clip_grad_norm_": lambda m: mg.clip_grad_norm_(m, clip),
              "mg.accumulate": lambda m: list(mg.accumulate(m, [1, 2])),
              "NoiseScale.attach": lambda m: mg.NoiseScale(plan).attach(m),
-             "mg.full_state_dict": lambda m: sorted(mg.full_state_dict(m))}
+             "mg.full_state_dict": lambda m: sorted(mg.full_state_dict(m)),
+             "mg.wrap": lambda m: mg.wrap(m, "ddp"),
+             "Checkpointer": lambda m: sorted(mg.Checkpointer(tempfile.mkdtemp(), model=m).model.state_dict())}
     said = {}
     for what, call in calls.items():
         for name, model in (("pipe", pipe), ("pipe.model", pipe.model), ("stage", pipe.modules[0])):

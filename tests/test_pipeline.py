@@ -54,9 +54,12 @@ def test_pipeline_schedules_equal_one_process(reference):
                 assert "use pipe.clip_grad_norm_(max_norm)" in said[f"mg.clip_grad_norm_({name})"]
                 assert "pipe.step(micro_batches)" in said[f"mg.accumulate({name})"]
                 assert "NoiseScale.attach got this rank's pipeline stages (pp 2)" in said[f"NoiseScale.attach({name})"]
+                assert "mg.wrap got this rank's pipeline stages" in said[f"mg.wrap({name})"]
             assert said["mg.full_state_dict(pipe)"] == said["mg.full_state_dict(pipe.model)"] == sorted(reference["state"])
+            assert said["Checkpointer(pipe)"] == said["Checkpointer(pipe.model)"]  # this rank's stages, one process's names
             if "stage" in names:  # one of an interleaved rank's two stages
                 assert "mg.full_state_dict(pipe)" in said["mg.full_state_dict(stage)"]
+                assert "pass model=pipe.model" in said["Checkpointer(stage)"]
             assert all("\n" not in v for v in said.values() if isinstance(v, str))
 
 

@@ -73,6 +73,7 @@ class Checkpointer:
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
             raise UsageError(f"checkpoint directory {self.directory} exists but is a file; pass a directory path")
+        model = _whole(model)
         if model is not None and not isinstance(model, nn.Module):
             raise UsageError(f"Checkpointer model= expects a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None:
@@ -362,3 +363,14 @@ def _discard(tmp: Path, group: Group) -> None:
             storage.remove_tree(tmp)
         except OSError:
             pass
+
+
+def _whole(model: Any) -> Any:
+    """What saves this rank's share of the whole model: a pipeline's stages' union (``pipe.model``) for the
+    ``Pipeline`` or itself; one stage of a rank that holds several is refused (the others would be missing)."""
+    from ..parallel.record import pipeline_of, refuse_stages
+
+    if (pipe := pipeline_of(model)) is not None:
+        return pipe.model
+    refuse_stages(model, "Checkpointer(model=)", "pass model=pipe.model, every stage this rank holds")
+    return model

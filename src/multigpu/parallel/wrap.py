@@ -73,6 +73,10 @@ def wrap(model: nn.Module, strategy: str = "ddp", **options: Any) -> nn.Module:
     >>> model = mg.wrap(Net().to(dist.device), "ddp", bucket_cap_mb=50)
     >>> model = mg.wrap(Net().to(dist.device), "fsdp", block_classes=[Block], param_dtype="bf16")
     """
+    from .record import refuse_stages
+
+    refuse_stages(model, "mg.wrap", "mg.parallel.pipeline spread them already (FSDP over the data-parallel ranks "
+                  "when there are several)")
     if not isinstance(model, nn.Module):
         raise UsageError(f"mg.wrap expects a torch.nn.Module, got {type(model).__name__}")
     if strategy not in STRATEGIES:
