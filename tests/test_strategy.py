@@ -183,5 +183,5 @@ def test_fp16_counts_skipped_inf_steps():
 
 
 def test_unknown_precision():
-    with pytest.raises(mg.UsageError, match="unknown precision 'fp8'; expected one of fp32, bf16, fp16"):
-        mg.Precision("fp8")
+    with pytest.raises(mg.UsageError, match="unknown precision 'fp4'; expected one of fp32, bf16, fp16, fp8"):
+        mg.Precision("fp4")

@@ -8,7 +8,9 @@ exists, distributes the full model each rank built with the same seed (so the
 weights equal one process's, which meta-device init does not give on CPU
 meshes), and ties again the parameters that were tied before: a table shared
 by the embedding and the head is sharded the same way by both and stays one
-parameter.
+parameter. A module that ``mg.Precision("fp8").convert`` made a torchao
+``Float8Linear`` takes torchao's float8 styles where they compute what one
+process does (``float8.tp_styles``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any, Iterator
 
 from torch import nn
 
+from ..dist import print0
 from ..errors import UsageError
+from . import float8
 
 
 def _aliases(model: nn.Module) -> list[list[str]]:
@@ -47,6 +51,9 @@ def apply_tp(model: nn.Module, tp_mesh: Any, plan: dict[str, Any]) -> nn.Module:
         raise UsageError(f"tensor-parallel plan names modules the model does not have: {', '.join(missing[:6])}; "
                          f"use names from model.named_modules(), e.g. {', '.join(list(modules)[1:4])}")
     tied = _aliases(model)
+    plan, float8_line = float8.tp_styles(model, plan)
+    if float8_line:
+        print0(f"mg.parallelize: {float8_line}")
     parallelize_module(model, tp_mesh, plan)
     for group in tied:
         first = model.get_parameter(group[0])

@@ -1,0 +1,90 @@
+"""Worker for tests/test_float8.py: the tiny GPT with its blocks' Linear layers in emulated float8 (torchao),
+trained 3 SGD steps under one layout; its full weights, losses and FSDP's float8 weight scales returned.
+
+float32, not float64: torchao's emulated float8 matmul computes in float32 whatever the input dtype. Every
+layout runs micro-batches of 2 samples, one process too (accumulating 4 of them): an activation's float8
+scale is the amax of the tensor a rank holds, so a layout equals one process that runs the same micro-batches,
+and another micro-batch size is another (equally valid) float8 rounding.
+"""
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+import multigpu as mg
+from multigpu.recipes.gpt.model import GPT, config
+from multigpu.recipes.gpt.parallelize import spread
+
+from _gpt_layouts import full, tokens
+
+GLOBAL_BATCH, MICRO_BATCH, BLOCK = 8, 2, 16
+
+
+def _float8_linears(model):
+    from multigpu.parallel.float8 import is_float8_linear
+
+    return {n: m for n, m in mg.unwrap(model).named_modules() if is_float8_linear(m)}
+
+
+def _shard_scales(model) -> None:
+    """The planted bug: each FSDP shard's weight scale from its own shard's amax instead of the whole weight's."""
+    from torchao.float8.float8_utils import tensor_to_scale
+
+    for m in _float8_linears(model).values():
+        local = m.weight._local_tensor
+        local._precomputed_scale = tensor_to_scale(local._tensor, m.config.cast_config_weight.target_dtype)
+
+
+def _scales(model) -> dict:
+    """Each float8 weight's scale for the next forward: FSDP's precomputed one where the weight is sharded by
+    FSDP, else torchao's scale of the whole weight (what one process casts by)."""
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.float8_utils import tensor_to_scale
+
+    out = {}
+    for name, m in _float8_linears(model).items():
+        w = m.weight
+        local = w._local_tensor if isinstance(w, DTensor) else w
+        scale = getattr(local, "_precomputed_scale", None)
+        if scale is None:
+            scale = tensor_to_scale(full(w).float(), m.config.cast_config_weight.target_dtype)
+        out[name] = float(scale)
+    return out
+
+
+def train(dist, layout: dict, recipe: str = "tensorwise", steps: int = 3, plant: str | None = None,
+          seed: int = 0) -> dict:
+    layout = dict(layout)
+    torch.manual_seed(seed)
+    model = GPT(config("tiny", block_size=BLOCK))  # the full model, on every rank
+    amp = mg.Precision("fp8", dist.device, recipe=recipe)
+    # The tiny GPT's layers are below torchao's size rule: name them (the tied head stays out).
+    model = amp.convert(model, include=["blocks"], verbose=False)
+    layout = mg.parallel.Layout(**layout).resolve(dist.world_size)
+    layout = dataclasses.replace(layout, micro_batch=MICRO_BATCH)
+    model = spread(model, layout, verbose=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    plan = layout.plan(GLOBAL_BATCH, dist)
+    losses = []
+    for _, micro_batches in zip(range(steps), mg.loader(tokens(seed=1 + seed), plan, dist, seed=0)):
+        total = 0.0
+        for x, y in mg.accumulate(model, micro_batches):
+            with amp.autocast():
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / plan.accum_steps
+            amp.scale(loss).backward()
+            total += float(full(loss))
+        amp.step(opt)  # under FSDP: the float8 weights' scales for the next step, from the whole weights
+        opt.zero_grad(set_to_none=True)
+        if plant == "shard_scales":
+            _shard_scales(model)
+        losses.append(total)
+    net = mg.unwrap(model)
+    state = {k: full(v).float() for k, v in net.state_dict().items()}
+    return {"state": state, "losses": losses, "scales": _scales(model), "mesh": layout.label,
+            "float8": len(_float8_linears(model))}
+
+
+def train_layouts(dist, runs: list[dict]) -> list[dict]:
+    """Several runs (``{"layout": ..., "recipe": ..., "plant": ...}``) in the same processes, one start-up."""
+    return [train(dist, **run) for run in runs]
