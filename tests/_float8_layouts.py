@@ -7,7 +7,9 @@ scale is the amax of the tensor a rank holds, so a layout equals one process tha
 and another micro-batch size is another (equally valid) float8 rounding.
 """
 
+import contextlib
 import dataclasses
+import io
 
 import torch
 import torch.nn.functional as F
@@ -54,16 +56,23 @@ def _scales(model) -> dict:
 
 
 def train(dist, layout: dict, recipe: str = "tensorwise", steps: int = 3, plant: str | None = None,
-          seed: int = 0) -> dict:
+          seed: int = 0, bias: bool = True) -> dict:
+    """``bias=False``: the blocks' Linear layers without biases, which take torchao's float8 TP styles."""
     layout = dict(layout)
     torch.manual_seed(seed)
     model = GPT(config("tiny", block_size=BLOCK))  # the full model, on every rank
+    if not bias:
+        for m in model.blocks.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.bias = None
     amp = mg.Precision("fp8", dist.device, recipe=recipe)
     # The tiny GPT's layers are below torchao's size rule: name them (the tied head stays out).
     model = amp.convert(model, include=["blocks"], verbose=False)
     layout = mg.parallel.Layout(**layout).resolve(dist.world_size)
     layout = dataclasses.replace(layout, micro_batch=MICRO_BATCH)
-    model = spread(model, layout, verbose=False)
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        model = spread(model, layout, verbose=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     plan = layout.plan(GLOBAL_BATCH, dist)
     losses = []
@@ -82,7 +91,7 @@ def train(dist, layout: dict, recipe: str = "tensorwise", steps: int = 3, plant:
     net = mg.unwrap(model)
     state = {k: full(v).float() for k, v in net.state_dict().items()}
     return {"state": state, "losses": losses, "scales": _scales(model), "mesh": layout.label,
-            "float8": len(_float8_linears(model))}
+            "float8": len(_float8_linears(model)), "said": said.getvalue()}
 
 
 def train_layouts(dist, runs: list[dict]) -> list[dict]:

@@ -38,19 +38,22 @@ TWO = [{"layout": {"dp_replicate": 2}}, {"layout": {"dp_shard": 2}},
        {"layout": {"dp_shard": 2, "activation_checkpointing": True}},
        {"layout": {"tp": 2}, "steps": 1}, {"layout": {"tp": 2, "sequence_parallel": True}, "steps": 1},
        {"layout": {"dp_shard": 2}, "recipe": "rowwise"}, {"layout": {"tp": 2}, "recipe": "rowwise"},
-       {"layout": {"dp_shard": 2}, "plant": "shard_scales"}]
+       {"layout": {"dp_shard": 2}, "plant": "shard_scales"},
+       # without biases the layers take torchao's Float8ColwiseParallel / Float8RowwiseParallel
+       {"layout": {"tp": 2}, "steps": 1, "bias": False}, {"layout": {"tp": 2, "sequence_parallel": True}, "steps": 1, "bias": False}]
 FOUR = [{"layout": {"dp_shard": 2, "tp": 2}, "steps": 1}, {"layout": {"dp_shard": 2, "tp": 2}, "recipe": "rowwise"}]
-REFERENCES = [{"layout": {}}, {"layout": {}, "steps": 1}, {"layout": {}, "recipe": "rowwise"}]
+REFERENCES = [{"layout": {}}, {"layout": {}, "steps": 1}, {"layout": {}, "recipe": "rowwise"},
+              {"layout": {}, "steps": 1, "bias": False}]
 
 
 def _key(run):
-    return run.get("recipe", "tensorwise"), run.get("steps", 3)
+    return run.get("recipe", "tensorwise"), run.get("steps", 3), run.get("bias", True)
 
 
 def _name(run):
-    recipe, steps = _key(run)
+    recipe, steps, bias = _key(run)
     return ",".join(f"{k}={v}" for k, v in run["layout"].items()) + f" {recipe} {steps} steps" + (
-        f" planted {run['plant']}" if run.get("plant") else "")
+        "" if bias else " no bias") + (f" planted {run['plant']}" if run.get("plant") else "")
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +79,13 @@ def _check(runs, results, reference):
         scales = [_scale_diff(r, ref) for r in per_rank]
         measured[_name(run)] = (max(diffs), max(scales))
         assert all(r["float8"] == 12 for r in per_rank)
+        if run["layout"].get("tp"):  # which TP styles the float8 layers took, said in one line
+            sp = run["layout"].get("sequence_parallel")  # gloo: the row-wise layers' outputs are split
+            expected = ((("8 of 12 float8 layers take torchao's float8 styles; 4 kept PyTorch's styles (their float8 "
+                          "styles would send float8 over gloo") if sp else "12 of 12 float8 layers take torchao's")
+                        if not run.get("bias", True) else "0 of 12 float8 layers take torchao's float8 styles; 12 kept "
+                        "PyTorch's styles (" + ("rowwise scaling" if run.get("recipe") == "rowwise" else "biased"))
+            assert expected in per_rank[0]["said"], per_rank[0]["said"]
         if run.get("plant"):  # the test can fail: per-shard scales are far outside the tolerances
             assert min(diffs) > 100 * TOL and min(scales) > 100 * SCALE_RTOL, (_name(run), diffs, scales)
             continue
@@ -90,7 +100,7 @@ def test_float8_layouts_on_two_ranks_equal_one_process(reference):
     out = spawn(layouts.train_layouts, 2, TWO, timeout=240)
     _check(TWO, [[rank[i] for rank in out] for i in range(len(TWO))], reference)
     # float8 changed the training (else the comparison proves nothing about float8)
-    assert reference[("tensorwise", 3)]["losses"] != reference[("rowwise", 3)]["losses"]
+    assert reference[("tensorwise", 3, True)]["losses"] != reference[("rowwise", 3, True)]["losses"]
 
 
 @pytest.mark.slow

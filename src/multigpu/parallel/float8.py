@@ -153,10 +153,21 @@ def is_float8_linear(module: nn.Module) -> bool:
     return loaded is not None and isinstance(module, loaded.Float8Linear)
 
 
-def tp_styles(model: nn.Module, plan: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """``plan`` with torchao's float8 styles for the float8 layers that take them exactly (tensorwise, no bias)
-    in place of PyTorch's ``ColwiseParallel`` / ``RowwiseParallel``; what was done, in one line ("" if no
-    float8 layer is in the plan)."""
+def _moves_float8(style: Any) -> bool:
+    """Whether torchao's float8 version of ``style`` sends float8 tensors between the TP ranks: a column-wise
+    layer's input gathered from a split one (forward), a row-wise layer's output split (its gradient gathered
+    in the backward). With replicated inputs and outputs every collective carries the model's dtype."""
+    from torch.distributed.tensor import Replicate
+
+    layouts = style.input_layouts if hasattr(style, "desired_input_layouts") else style.output_layouts
+    return any(not isinstance(p, Replicate) for p in layouts)
+
+
+def tp_styles(model: nn.Module, plan: dict[str, Any], tp_mesh: Any) -> tuple[dict[str, Any], str]:
+    """``plan`` with torchao's float8 styles for the float8 layers that take them exactly (tensorwise, no bias;
+    on gloo, which has no float8 collectives, only where no float8 tensor travels) in place of PyTorch's
+    ``ColwiseParallel`` / ``RowwiseParallel``; what was done, in one line ("" if no float8 layer is in the plan)."""
+    import torch.distributed as tdist
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     converted = {k: model.get_submodule(k) for k in plan if is_float8_linear(model.get_submodule(k))}
@@ -165,7 +176,8 @@ def tp_styles(model: nn.Module, plan: dict[str, Any]) -> tuple[dict[str, Any], s
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
-    swapped, biased, rowwise = [], [], []
+    gloo = tdist.get_backend(tp_mesh.get_group()) == "gloo"
+    swapped, kept = [], {"biased": [], "rowwise": [], "gloo": []}
     out = dict(plan)
     for k, module in converted.items():
         style = plan[k]
@@ -173,17 +185,20 @@ def tp_styles(model: nn.Module, plan: dict[str, Any]) -> tuple[dict[str, Any], s
         if kind is None:
             continue
         if module.config.cast_config_input.scaling_granularity is not ScalingGranularity.TENSORWISE:
-            rowwise.append(k)
+            kept["rowwise"].append(k)
         elif module.bias is not None:
-            biased.append(k)
+            kept["biased"].append(k)
+        elif gloo and _moves_float8(style):
+            kept["gloo"].append(k)
         else:
             out[k] = kind(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
                           use_local_output=style.use_local_output)
             swapped.append(k)
-    kept = (f"; {len(biased)} with a bias kept PyTorch's styles (torchao's float8 styles round the output gradient "
-            "before the bias takes it)" if biased else "") + (
-            f"; {len(rowwise)} rowwise-scaled kept PyTorch's styles (the float8 styles are tensorwise)" if rowwise else "")
-    return out, f"float8 tensor parallel: {len(swapped)} of {len(converted)} float8 layers communicate in float8{kept}"
+    why = {"biased": "biased: torchao's float8 styles round the output gradient before the bias takes it",
+           "rowwise": "rowwise scaling: the float8 styles are tensorwise",
+           "gloo": "their float8 styles would send float8 over gloo, which has no float8 collectives"}
+    said = "".join(f"; {len(v)} kept PyTorch's styles ({why[k]})" for k, v in kept.items() if v)
+    return out, f"float8 tensor parallel: {len(swapped)} of {len(converted)} float8 layers take torchao's float8 styles{said}"
 
 
 def precompute(models: Iterable[nn.Module]) -> None:

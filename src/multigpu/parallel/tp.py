@@ -51,7 +51,7 @@ def apply_tp(model: nn.Module, tp_mesh: Any, plan: dict[str, Any]) -> nn.Module:
         raise UsageError(f"tensor-parallel plan names modules the model does not have: {', '.join(missing[:6])}; "
                          f"use names from model.named_modules(), e.g. {', '.join(list(modules)[1:4])}")
     tied = _aliases(model)
-    plan, float8_line = float8.tp_styles(model, plan)
+    plan, float8_line = float8.tp_styles(model, plan, tp_mesh)
     if float8_line:
         print0(f"mg.parallelize: {float8_line}")
     parallelize_module(model, tp_mesh, plan)
