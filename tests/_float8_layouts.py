@@ -55,19 +55,26 @@ def _scales(model) -> dict:
     return out
 
 
-def train(dist, layout: dict, recipe: str = "tensorwise", steps: int = 3, plant: str | None = None,
-          seed: int = 0, bias: bool = True) -> dict:
-    """``bias=False``: the blocks' Linear layers without biases, which take torchao's float8 TP styles."""
-    layout = dict(layout)
+def _model(dist, recipe: str, seed: int, bias: bool, tied: bool):
     torch.manual_seed(seed)
-    model = GPT(config("tiny", block_size=BLOCK))  # the full model, on every rank
+    model = GPT(config("tiny", block_size=BLOCK, tie_embeddings=tied))  # the full model, on every rank
     if not bias:
         for m in model.blocks.modules():
             if isinstance(m, torch.nn.Linear):
                 m.bias = None
     amp = mg.Precision("fp8", dist.device, recipe=recipe)
-    # The tiny GPT's layers are below torchao's size rule: name them (the tied head stays out).
-    model = amp.convert(model, include=["blocks"], verbose=False)
+    # The tiny GPT's layers are below torchao's size rule: name them (the head stays out).
+    return amp.convert(model, include=["blocks"], verbose=False), amp
+
+
+def train(dist, layout: dict, recipe: str = "tensorwise", steps: int = 3, plant: str | None = None,
+          seed: int = 0, bias: bool = True, tied: bool = True) -> dict:
+    """``bias=False``: the blocks' Linear layers without biases, which take torchao's float8 TP styles;
+    ``tied=False``: the head has its own weight (as a pipeline needs); a layout with ``pp`` runs ``pipeline``."""
+    if layout.get("pp", 1) > 1:
+        return pipeline(dist, layout, recipe, steps, seed, bias)
+    layout = dict(layout)
+    model, amp = _model(dist, recipe, seed, bias, tied)
     layout = mg.parallel.Layout(**layout).resolve(dist.world_size)
     layout = dataclasses.replace(layout, micro_batch=MICRO_BATCH)
     said = io.StringIO()
@@ -92,6 +99,43 @@ def train(dist, layout: dict, recipe: str = "tensorwise", steps: int = 3, plant:
     state = {k: full(v).float() for k, v in net.state_dict().items()}
     return {"state": state, "losses": losses, "scales": _scales(model), "mesh": layout.label,
             "float8": len(_float8_linears(model)), "said": said.getvalue()}
+
+
+def pipeline(dist, layout: dict, recipe: str, steps: int, seed: int, bias: bool) -> dict:
+    """The untied GPT in pipeline stages (the GPT recipe's ``pipeline``), each micro-batch of 2 samples."""
+    from multigpu.recipes.gpt.parallelize import pipeline as gpt_pipeline
+
+    model, amp = _model(dist, recipe, seed, bias, tied=False)
+    layout = mg.parallel.Layout(**layout).resolve(dist.world_size)
+    layout = dataclasses.replace(layout, micro_batch=MICRO_BATCH)
+    plan = layout.plan(GLOBAL_BATCH, dist)
+    pipe = gpt_pipeline(model, layout, plan)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    losses = []
+    for _, micro_batches in zip(range(steps), mg.loader(tokens(seed=1 + seed), plan, dist, seed=0)):
+        losses.append(pipe.step(micro_batches))
+        amp.step(opt)
+        opt.zero_grad(set_to_none=True)
+    mine = {k: full(v).float() for part in pipe.modules for k, v in part.state_dict().items()}
+    gathered = [None] * dist.world_size
+    torch.distributed.all_gather_object(gathered, mine)
+    state = {k: v for d in gathered for k, v in d.items()}
+    converted = {n for part in pipe.modules for n, m in part.named_modules() if _is_float8(m)}
+    names = [None] * dist.world_size  # data-parallel ranks hold the same stages: the layers counted once
+    torch.distributed.all_gather_object(names, converted)
+    from multigpu.parallel.float8 import refresh_scales
+
+    refresh_scales(pipe.modules)  # what the next pipe.step does first: the scales its forward casts by
+    scales = [None] * dist.world_size  # the stages' own weights: amp.convert's model lent them its copies
+    torch.distributed.all_gather_object(scales, {k: v for part in pipe.modules for k, v in _scales(part).items()})
+    return {"state": state, "losses": losses, "scales": {k: v for d in scales for k, v in d.items()},
+            "mesh": layout.label, "float8": len(set().union(*names)), "said": ""}
+
+
+def _is_float8(m) -> bool:
+    from multigpu.parallel.float8 import is_float8_linear
+
+    return is_float8_linear(m)
 
 
 def train_layouts(dist, runs: list[dict]) -> list[dict]:

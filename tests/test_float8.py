@@ -40,20 +40,22 @@ TWO = [{"layout": {"dp_replicate": 2}}, {"layout": {"dp_shard": 2}},
        {"layout": {"dp_shard": 2}, "recipe": "rowwise"}, {"layout": {"tp": 2}, "recipe": "rowwise"},
        {"layout": {"dp_shard": 2}, "plant": "shard_scales"},
        # without biases the layers take torchao's Float8ColwiseParallel / Float8RowwiseParallel
-       {"layout": {"tp": 2}, "steps": 1, "bias": False}, {"layout": {"tp": 2, "sequence_parallel": True}, "steps": 1, "bias": False}]
-FOUR = [{"layout": {"dp_shard": 2, "tp": 2}, "steps": 1}, {"layout": {"dp_shard": 2, "tp": 2}, "recipe": "rowwise"}]
+       {"layout": {"tp": 2}, "steps": 1, "bias": False}, {"layout": {"tp": 2, "sequence_parallel": True}, "steps": 1, "bias": False},
+       {"layout": {"pp": 2}, "tied": False}]  # a pipeline's stages hold their own head
+FOUR = [{"layout": {"dp_shard": 2, "tp": 2}, "steps": 1}, {"layout": {"dp_shard": 2, "tp": 2}, "recipe": "rowwise"},
+        {"layout": {"pp": 2, "dp_shard": 2}, "tied": False}]
 REFERENCES = [{"layout": {}}, {"layout": {}, "steps": 1}, {"layout": {}, "recipe": "rowwise"},
-              {"layout": {}, "steps": 1, "bias": False}]
+              {"layout": {}, "steps": 1, "bias": False}, {"layout": {}, "tied": False}]
 
 
 def _key(run):
-    return run.get("recipe", "tensorwise"), run.get("steps", 3), run.get("bias", True)
+    return run.get("recipe", "tensorwise"), run.get("steps", 3), run.get("bias", True), run.get("tied", True)
 
 
 def _name(run):
-    recipe, steps, bias = _key(run)
+    recipe, steps, bias, tied = _key(run)
     return ",".join(f"{k}={v}" for k, v in run["layout"].items()) + f" {recipe} {steps} steps" + (
-        "" if bias else " no bias") + (f" planted {run['plant']}" if run.get("plant") else "")
+        "" if bias else " no bias") + ("" if tied else " untied") + (f" planted {run['plant']}" if run.get("plant") else "")
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,7 @@ def _check(runs, results, reference):
         diffs = [_max_diff(r, ref) for r in per_rank]
         scales = [_scale_diff(r, ref) for r in per_rank]
         measured[_name(run)] = (max(diffs), max(scales))
-        assert all(r["float8"] == 12 for r in per_rank)
+        assert all(r["float8"] == 12 for r in per_rank)  # a pipeline's: its stages' together
         if run["layout"].get("tp"):  # which TP styles the float8 layers took, said in one line
             sp = run["layout"].get("sequence_parallel")  # gloo: the row-wise layers' outputs are split
             expected = ((("8 of 12 float8 layers take torchao's float8 styles; 4 kept PyTorch's styles (their float8 "
@@ -100,7 +102,7 @@ def test_float8_layouts_on_two_ranks_equal_one_process(reference):
     out = spawn(layouts.train_layouts, 2, TWO, timeout=240)
     _check(TWO, [[rank[i] for rank in out] for i in range(len(TWO))], reference)
     # float8 changed the training (else the comparison proves nothing about float8)
-    assert reference[("tensorwise", 3, True)]["losses"] != reference[("rowwise", 3, True)]["losses"]
+    assert reference[("tensorwise", 3, True, True)]["losses"] != reference[("rowwise", 3, True, True)]["losses"]
 
 
 @pytest.mark.slow

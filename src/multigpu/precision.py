@@ -102,7 +102,7 @@ class Precision:
         if self.name == "fp8" and self._float8_models and not self._stepped:
             from .parallel import float8
 
-            float8.precompute(self._float8_models)
+            float8.refresh_scales(self._float8_models)
         if self.name in ("fp32", "fp8"):
             yield
         else:
@@ -132,7 +132,7 @@ class Precision:
             if self._float8_models:  # FSDP's float8 all-gather casts by these scales until the next step
                 from .parallel import float8
 
-                float8.precompute(self._float8_models)
+                float8.refresh_scales(self._float8_models)
             return True
         before = self.scaler.get_scale()
         self.scaler.step(optimizer)

@@ -66,7 +66,7 @@ def check_device(device: torch.device) -> bool:
 
 def config(recipe: str, emulate: bool) -> Any:
     """torchao's ``Float8LinearConfig`` for ``recipe``; under tensorwise FSDP2 all-gathers the weights in float8
-    (the scale from the whole weight: one all-reduce of every layer's amax, ``precompute``)."""
+    (the scale from the whole weight: one all-reduce of every layer's amax, ``refresh_scales``)."""
     float8 = torchao_float8()
     base = float8.Float8LinearConfig.from_recipe_name(recipe)
     return dataclasses.replace(base, emulate=emulate, enable_fsdp_float8_all_gather=recipe == "tensorwise")
@@ -201,11 +201,14 @@ def tp_styles(model: nn.Module, plan: dict[str, Any], tp_mesh: Any) -> tuple[dic
     return out, f"float8 tensor parallel: {len(swapped)} of {len(converted)} float8 layers take torchao's float8 styles{said}"
 
 
-def precompute(models: Iterable[nn.Module]) -> None:
-    """After the optimizer step: every FSDP-sharded float8 weight's scale from the whole weight, all layers in one
-    all-reduce (torchao's ``precompute_float8_dynamic_scale_for_fsdp``); nothing when no weight is sharded."""
-    if not models:
+def refresh_scales(models: Iterable[nn.Module]) -> None:
+    """Before a step's forward (after the optimizer step): every FSDP-sharded float8 weight's scale from the whole
+    weight, all layers in one all-reduce (torchao's ``precompute_float8_dynamic_scale_for_fsdp``). Without it
+    torchao scales a weight at each all-gather by an amax reduced over the FSDP mesh only: per TP shard under
+    FSDP x TP. Nothing when torchao's float8 was never loaded or no weight is sharded."""
+    if sys.modules.get("torchao.float8.float8_linear") is None:
         return
-    float8 = torchao_float8()
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
     for model in models:
-        float8.precompute_float8_dynamic_scale_for_fsdp(model)
+        precompute_float8_dynamic_scale_for_fsdp(model)

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..runtime.compat import direct_child
 from ..errors import UsageError
+from . import float8
 from .stage_clock import StageClock
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -238,6 +239,9 @@ class Pipeline:
         if len(micro_batches) != self.accum_steps:
             raise UsageError(f"the pipeline was built for {self.accum_steps} micro-batches per step but got "
                              f"{len(micro_batches)}; build it with the plan's accum_steps")
+        # The stages are copies of the model amp.convert saw: their FSDP float8 weights' scales are refreshed
+        # here, from the whole weights (float8.py; nothing without float8 layers).
+        float8.refresh_scales(self.modules)
         with self.clock.step():
             loss = self._run(self._step, micro_batches)
             self.tied.sum_()  # the copies of a tied tensor: one process's gradient on each
