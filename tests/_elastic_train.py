@@ -11,6 +11,7 @@ global batch, appended by rank 0 to ``--record``::
 ``--hang RANK:STEP``: that rank sleeps in that step, on the first attempt only.
 ``--hold STEP``: on the first attempt, wait in that step until the launcher
 stops the worker (a node joining restarts it), so the join happens mid-run.
+``--float64 --micro 2``: the same training in float64 (equal to one process within 1e-9), on up to 4 ranks.
 ``ELASTIC_DIE_IN_SAVE=K`` (set for one node's launcher): its workers SIGKILL
 their launcher and themselves inside their K-th save at world size 2 or more,
 after the model files are written and before the manifest: a node lost
@@ -38,9 +39,9 @@ N, GLOBAL_BATCH, MICRO, STEPS = 192, 24, 4, 20  # accumulation 6, 3, 2 on 1, 2, 
 
 
 class Indexed(Dataset):
-    def __init__(self):
+    def __init__(self, dtype=torch.float32):
         g = torch.Generator().manual_seed(7)
-        self.x = torch.randn(N, 10, generator=g)
+        self.x = torch.randn(N, 10, generator=g).to(dtype)
         self.y = (self.x[:, :3].sum(1) > 0).long()
 
     def __len__(self):
@@ -65,13 +66,15 @@ def _die_in_save(k: int) -> None:
     storage.hash_files = hash_then_die
 
 
-def train(dist, directory, steps=STEPS, record=None, hang=None, step_time=0.0, log_dir=None, hold=None):
-    """Train ``steps`` steps, resuming from ``directory``; returns the parameters."""
+def train(dist, directory, steps=STEPS, record=None, hang=None, step_time=0.0, log_dir=None, hold=None,
+          dtype=torch.float32, micro=MICRO):
+    """Train ``steps`` steps, resuming from ``directory``; returns the parameters (``dtype``: float64 for
+    equality to rounding; ``micro``: 2 for a world of 4)."""
     torch.manual_seed(0)
-    model = mg.wrap(nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 2)).to(dist.device), "ddp")
+    model = mg.wrap(nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 2)).to(dist.device, dtype), "ddp")
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    plan = mg.BatchPlan(GLOBAL_BATCH, dist.world_size, micro_batch=MICRO)
-    loader = mg.loader(Indexed(), plan, dist, seed=0)
+    plan = mg.BatchPlan(GLOBAL_BATCH, dist.world_size, micro_batch=micro)
+    loader = mg.loader(Indexed(dtype), plan, dist, seed=0)
     noise = mg.NoiseScale(plan, every=1, sync_every=1).attach(model)
     ckpt = mg.Checkpointer(directory, every=2, model=model, optimizer=opt, loader=loader, noise=noise)
     start = ckpt.resume()
@@ -130,13 +133,16 @@ def main() -> None:
     ap.add_argument("--hang", default=None, metavar="RANK:STEP")
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--hold", type=int, default=None, metavar="STEP")
+    ap.add_argument("--float64", action="store_true")
+    ap.add_argument("--micro", type=int, default=MICRO)
     args = ap.parse_args()
     torch.set_num_threads(1)
     if os.environ.get("ELASTIC_DIE_IN_SAVE"):
         _die_in_save(int(os.environ["ELASTIC_DIE_IN_SAVE"]))
     hang = tuple(int(v) for v in args.hang.split(":")) if args.hang else None
     with mg.init(seed=0, device="cpu") as dist:
-        params = train(dist, args.dir, args.steps, args.record, hang, args.step_time, hold=args.hold)
+        params = train(dist, args.dir, args.steps, args.record, hang, args.step_time, hold=args.hold,
+                       dtype=torch.float64 if args.float64 else torch.float32, micro=args.micro)
         if dist.is_main:
             torch.save(params, args.out)
 

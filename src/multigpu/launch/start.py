@@ -23,6 +23,7 @@ from typing import Iterator, Sequence
 from ..errors import UsageError
 from ..runtime import contract
 from .config import DEFAULT_LOG_DIR, Placement, RunConfig, cpu_count, from_args, resolve, visible_gpus
+from .network import node_address
 
 HANG_EXIT = 124  # a job ended by --hang-timeout, as timeout(1) ends a command
 SHUTDOWN_GRACE_S = 10  # SIGTERM -> SIGKILL for the surviving workers (torch's default is 30 s)
@@ -53,7 +54,7 @@ def _run_dir(cfg: RunConfig, place: Placement) -> str:
     return path
 
 
-def _torchrun_argv(cfg: RunConfig, place: Placement) -> list[str]:
+def _torchrun_argv(cfg: RunConfig, place: Placement, local_addr: str | None = None) -> list[str]:
     argv = [f"--nproc-per-node={place.nproc}", f"--max-restarts={place.max_restarts}", "--monitor-interval=0.1"]
     # DefaultLogsSpecs (built by config_from_args, replaced by ours) would otherwise mkdtemp in /tmp.
     argv.append(f"--log-dir={os.devnull}")
@@ -66,14 +67,16 @@ def _torchrun_argv(cfg: RunConfig, place: Placement) -> list[str]:
         conf = f"is_host={'true' if place.node_rank == 0 else 'false'},join_timeout={join}," \
                f"last_call_timeout={last_call},keep_alive_interval={interval},keep_alive_max_attempt={attempts}"
         argv += [f"--rdzv-id={place.run_id}", f"--rdzv-conf={conf}"]
+        if local_addr is not None:  # what the other nodes reach this one at (network.node_address)
+            argv.append(f"--local-addr={local_addr}")
     # Every worker starts in worker.py, which runs the target (failure records, a clean exit).
     return argv + ["--module", "multigpu.launch.worker", "module" if cfg.module else "script", cfg.target, *cfg.args]
 
 
-def _torchrun_args(cfg: RunConfig, place: Placement) -> argparse.Namespace:
+def _torchrun_args(cfg: RunConfig, place: Placement, local_addr: str | None) -> argparse.Namespace:
     import torch.distributed.run as torchrun
 
-    args = torchrun.get_args_parser().parse_args(_torchrun_argv(cfg, place))
+    args = torchrun.get_args_parser().parse_args(_torchrun_argv(cfg, place, local_addr))
     if place.master_addr is None:
         # What torchrun --standalone does: c10d store on a free port of localhost, a fresh run id.
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
@@ -81,11 +84,14 @@ def _torchrun_args(cfg: RunConfig, place: Placement) -> argparse.Namespace:
 
 
 def _worker_variables(cfg: RunConfig, place: Placement, run_dir: str, steps: tuple[int, int] | None,
-                      gpus: int) -> dict[str, tuple[str, str]]:
-    """name -> (value, why) for every variable the workers get from us."""
+                      gpus: int, node: tuple[str, str | None] | None = None) -> dict[str, tuple[str, str]]:
+    """name -> (value, why) for every variable the workers get from us (``node``: network.node_address)."""
     from ..meter.watchdog import flight_recorder_env
 
     env: dict[str, tuple[str, str]] = {}
+    if node is not None and node[1] is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # Left alone, gloo binds to what the host name resolves to, a loopback address on many hosts.
+        env["GLOO_SOCKET_IFNAME"] = (node[1], f"gloo's interface: {node[0]}, this node's route to the master")
     if "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, cpu_count() // place.nproc)
         env["OMP_NUM_THREADS"] = (str(threads), f"{cpu_count()} CPUs // {place.nproc} workers")
@@ -198,16 +204,18 @@ def launch(cfg: RunConfig) -> int:
 
     steps = parse_steps(cfg.profile) if cfg.profile else None  # a bad --profile fails here, before anything starts
     place = resolve(cfg)
+    node = node_address(place.master_addr, place.master_port) if place.master_addr is not None else None
     run_dir = _run_dir(cfg, place)
-    torchrun_args = _torchrun_args(cfg, place)
+    torchrun_args = _torchrun_args(cfg, place, node[0] if node else None)
 
     from . import logs
 
     gpus = 0 if cfg.cpu else visible_gpus()
-    env = _worker_variables(cfg, place, run_dir, steps, gpus)
+    env = _worker_variables(cfg, place, run_dir, steps, gpus, node)
     device = f"{gpus} GPU{'s' if gpus > 1 else ''}" if gpus else "CPU"
     world = place.nproc * place.nnodes
-    where = f"node {place.node_rank} of {place.nodes_text} ({place.source}, master {place.master_addr}:{place.master_port})" if place.nnodes > 1 else "1 node"
+    here = f", this node {node[0]}" if node else ""
+    where = f"node {place.node_rank} of {place.nodes_text} ({place.source}, master {place.master_addr}:{place.master_port}{here})" if place.nnodes > 1 else "1 node"
     size = f"{place.nproc * place.min_nodes}..{world} (elastic, --max-restarts {place.max_restarts})" if place.elastic else str(world)
     logs.say(f"{place.nproc} worker{'s' if place.nproc > 1 else ''} on {device}, {where}, world size {size}; logs: {run_dir}")
 

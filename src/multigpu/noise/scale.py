@@ -249,7 +249,7 @@ class NoiseScale:
             # The norm now, while the gradient is in cache; holding the tensor instead would
             # stop autograd from stealing it into p.grad (one more copy per micro-batch).
             # A tensor-parallel gradient is a DTensor: this rank's part, by its share.
-            norm = torch.linalg.vector_norm(norms.local_tensors([grad])[0], dtype=torch.float32)
+            norm = norms.norm_parts(norms.local_tensors([grad]))[0]  # fp32 at least (fp64 stays fp64)
             self._micro_parts.append(norm if weight is None else norm * weight)
         if not self._queued:
             self._queued = True

@@ -111,21 +111,23 @@ def fsdp_reduce_layout(module: torch.nn.Module) -> list[tuple[torch.nn.Parameter
 
 
 def foreach_norms(tensors: list[torch.Tensor], weights: list[float] | None = None) -> list[torch.Tensor]:
-    """Each tensor's L2 norm as an fp32 scalar (accumulated in fp32 whatever the dtype), times its
-    weight when ``weights`` is given; one fused kernel for the lot.
+    """Each tensor's L2 norm as an fp32 scalar (accumulated in fp32 whatever the dtype; in fp64 when a
+    tensor is fp64, which torch refuses to narrow), times its weight when ``weights`` is given; one fused
+    kernel for the lot.
 
     ``torch._foreach_norm(tensors, 2, dtype=torch.float32)`` and ``torch._foreach_mul_(tensors, scalars)``
     (what ``clip_grad_norm_`` runs; the public ``get_total_norm`` adds ~15 µs of Python per call):
     checked on 2.13. A torch without them (or without the ``dtype`` argument) gets the same numbers
     from public ops, one kernel per tensor.
     """
+    acc = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
     try:
-        parts = list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+        parts = list(torch._foreach_norm(tensors, 2, dtype=acc))
         if weights is not None:
             torch._foreach_mul_(parts, weights)
         return parts
     except (AttributeError, TypeError):  # pragma: no cover - a torch that renamed or dropped them
-        parts = [torch.linalg.vector_norm(t, 2, dtype=torch.float32) for t in tensors]
+        parts = [torch.linalg.vector_norm(t, 2, dtype=acc) for t in tensors]
         return parts if weights is None else [p * w for p, w in zip(parts, weights)]
 
 
