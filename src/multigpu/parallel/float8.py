@@ -141,7 +141,7 @@ def convert(model: nn.Module, recipe: str, emulate: bool, include: Iterable[str]
     keep = set(chosen)
     model = torchao_float8().convert_to_float8_training(model, config=config(recipe, emulate),
                                                         module_filter_fn=lambda _m, fqn: fqn in keep)
-    how = "emulated (float8 rounding, float32 matmuls)" if emulate else "torch._scaled_mm"
+    how = "emulated: float8 rounding, float32 matmuls" if emulate else "on torch._scaled_mm"
     out = f"; left out: {', '.join(left[:6])}" + (f", ... ({len(left) - 6} more)" if len(left) > 6 else "") if left else ""
     return model, (f"mg.Precision('fp8'): {len(chosen)} of {len(chosen) + len(left)} Linear layers in float8 "
                    f"({recipe}, {how}){out}")
