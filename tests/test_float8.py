@@ -186,6 +186,13 @@ def test_bad_input_is_one_line(make, match):
     assert "\n" not in str(err.value)
 
 
+def test_converting_twice_is_refused():
+    amp = mg.Precision("fp8", "cpu")
+    model = amp.convert(_mlp(), include=["0"], verbose=False)
+    with pytest.raises(mg.UsageError, match=r"^Sequential already has float8 layers \(amp.convert ran on it\)"):
+        amp.convert(model, include=["2"])
+
+
 def test_tied_weight_is_left_out_or_refused():
     class Tied(nn.Module):
         def __init__(self):

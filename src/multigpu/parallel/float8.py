@@ -99,6 +99,9 @@ def choose(model: nn.Module, recipe: str, include: Iterable[str] = (), exclude: 
     if unknown := [n for n in include + exclude if n not in modules]:
         raise UsageError(f"float8 include/exclude name modules {name} does not have: {', '.join(unknown[:6])}; "
                          f"use names from model.named_modules(), e.g. {', '.join(list(modules)[1:4])}")
+    if any(is_float8_linear(m) for m in modules.values()):
+        raise UsageError(f"{name} already has float8 layers (amp.convert ran on it); convert a model once, "
+                         "before mg.parallelize")
     linears = [(n, m) for n, m in modules.items() if isinstance(m, nn.Linear)]
     if not linears:
         raise UsageError(f"precision 'fp8' converts torch.nn.Linear layers, but {name} has none; "
