@@ -186,6 +186,20 @@ def test_bad_input_is_one_line(make, match):
     assert "\n" not in str(err.value)
 
 
+def test_expert_weights_are_said_to_stay(capsys):
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Linear(4096, 2048)
+            self.gate_up = nn.Parameter(torch.zeros(4, 64, 128))  # fused experts, as transformers 5 holds them
+
+    mg.Precision("fp8", "cpu").convert(Experts())
+    line = capsys.readouterr().out.strip()
+    assert line == ("mg.Precision('fp8'): 1 of 1 Linear layers in float8 (tensorwise, emulated: float8 rounding, "
+                    "float32 matmuls); its 3-D expert weights stay in the model's dtype (torchao's float8 grouped "
+                    "GEMM is a prototype without an emulated mode)")
+
+
 def test_converting_twice_is_refused():
     amp = mg.Precision("fp8", "cpu")
     model = amp.convert(_mlp(), include=["0"], verbose=False)

@@ -37,9 +37,9 @@ RULE = {"tensorwise": "both dims multiples of 16, and not (in_features <= 4096 a
         "rowwise": "both dims multiples of 16, out_features > 2048, in_features > 1024, "
                    "and not (out_features <= 4096 and in_features <= 2048)"}
 # torchao's float8 grouped GEMM (torchao.prototype.moe_training) has no emulated mode, so it cannot be checked
-# against one process on CPU: experts held as 3-D weights stay in the model's dtype.
-EXPERTS = ("expert weights held as 3-D tensors (grouped GEMMs) stay in the model's dtype: torchao's float8 grouped "
-           "GEMM is a prototype without an emulated mode; experts built of nn.Linear convert like any Linear")
+# against one process on CPU: experts held as 3-D weights stay in the model's dtype (nn.Linear experts convert).
+EXPERTS = ("its 3-D expert weights stay in the model's dtype (torchao's float8 grouped GEMM is a prototype without "
+           "an emulated mode)")
 
 
 def torchao_float8() -> Any:
@@ -146,8 +146,9 @@ def convert(model: nn.Module, recipe: str, emulate: bool, include: Iterable[str]
                                                         module_filter_fn=lambda _m, fqn: fqn in keep)
     how = "emulated: float8 rounding, float32 matmuls" if emulate else "on torch._scaled_mm"
     out = f"; left out: {', '.join(left[:6])}" + (f", ... ({len(left) - 6} more)" if len(left) > 6 else "") if left else ""
+    experts = f"; {EXPERTS}" if any(p.dim() == 3 for p in model.parameters()) else ""
     return model, (f"mg.Precision('fp8'): {len(chosen)} of {len(chosen) + len(left)} Linear layers in float8 "
-                   f"({recipe}, {how}){out}")
+                   f"({recipe}, {how}){out}{experts}")
 
 
 def is_float8_linear(module: nn.Module) -> bool:
