@@ -42,6 +42,7 @@ __all__ = [
     "find_micro_batch",
     "find_sequence_length",
     "fingerprint",
+    "from_pretrained",
     "full_state_dict",
     "init",
     "layout_from_args",
@@ -49,6 +50,7 @@ __all__ = [
     "optimizer",
     "parallelize",
     "print0",
+    "save_pretrained",
     "profile",
     "scale_lr",
     "scale_recipe",
@@ -68,4 +70,8 @@ def __getattr__(name: str):
         from .checkpoint import Checkpointer
 
         return Checkpointer
+    if name in ("from_pretrained", "save_pretrained"):
+        from . import pretrained
+
+        return getattr(pretrained, name)
     raise AttributeError(f"module 'multigpu' has no attribute {name!r}")

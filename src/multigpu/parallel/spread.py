@@ -165,16 +165,21 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
     """
     layout = _resolved(model, layout, sequence_parallel)
     options = dict(options)
+    # mg.from_pretrained's: the parameters are on the meta device, to be allocated on this device once spread
+    # and filled from a checkpoint; nothing can be probed (no process holds the model's values).
+    empty = options.pop("_empty", None)
     _check_options(layout, options)
     name = type(model).__name__
     if layout.pp > 1 and not pipeline_stage:
         raise UsageError(f"pp={layout.pp} splits {name} into pipeline stages, which changes the loop; use "
                          "pipe = mg.parallel.pipeline(model, layout, loss_fn, plan) and loss = pipe.step(micro_batches)")
     params = list(model.parameters())
-    if params and params[0].device.type == "meta":
+    if params and params[0].device.type == "meta" and empty is None:
         raise UsageError("mg.parallelize got a model on the meta device; build it on dist.device with the same seed "
-                         "on every rank (the weights are then distributed, equal to one process's)")
-    device_type = params[0].device.type if params else "cpu"
+                         "on every rank (the weights are then distributed, equal to one process's), or load a "
+                         "checkpoint onto the layout with mg.from_pretrained")
+    device = torch.device(empty) if empty is not None else params[0].device if params else torch.device("cpu")
+    device_type = device.type
     if _world()[1] > 1 and not pipeline_stage and (note := probe.draws_note(model, _world()[1], "mg.parallelize")):
         print0(note)  # whatever verbose says: it is about the numbers, not the choices
     classes, block_source = auto.blocks_of(model, block_classes)
@@ -184,7 +189,7 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
     if layout.cp > 1:
         _check_context(model, layout)
     if layout.tp > 1:
-        _tensor_parallel(model, layout, blocks, tp_plan, pipeline_stage, device_type, say)
+        _tensor_parallel(model, layout, blocks, tp_plan, pipeline_stage, device_type, say, probed=empty is None)
     parts: dict[str, Any] = {}  # what the model's record holds beside its layout (record.py)
     if found:
         stats, options["experts"] = _expert_parallel(model, layout, found, capacity_factor, device_type,
@@ -197,7 +202,8 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
         unused.touch_experts(model)
     if layout.dp_size > 1 and router.has_router_loss(model):  # the batch's load-balancing loss, not a rank's
         router.over_ranks(model, layout.dp_group(device_type))
-    model = _data_parallel(model, layout, classes, block_source, block_classes, pipeline_stage, options, extras, say)
+    model = _data_parallel(model, layout, classes, block_source, block_classes, pipeline_stage, options, extras, say,
+                           device)
     rank, world = _world()
     if not pipeline_stage:  # a pipeline records its own (mg.eval_loader and mg.all_reduce_sum read it)
         record_share(layout.data_share(rank), rank, world)
@@ -206,7 +212,7 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
 
 
 def _tensor_parallel(model: nn.Module, layout: Layout, blocks: list, tp_plan: dict[str, Any] | None,
-                     pipeline_stage: bool, device_type: str, say: Any) -> None:
+                     pipeline_stage: bool, device_type: str, say: Any, probed: bool = True) -> None:
     """TP by the plan (given, declared or found), checked on a probe batch of a whole model (``probe.py``)."""
     from .hf.conv1d import divide_split_sizes
     from .tp import apply_tp
@@ -217,8 +223,9 @@ def _tensor_parallel(model: nn.Module, layout: Layout, blocks: list, tp_plan: di
                                                    derive_sequence_parallel=not pipeline_stage)
     # A stage is not run alone (mg.parallel.pipeline checks the cut on the whole model); any other model is
     # probed as the user's loop calls it (probe.py), its own models included.
-    batch = None if pipeline_stage else probe.probe_batch(model, layout.tp)
-    expected, why = (None, "") if pipeline_stage else probe.attempt(model, batch)
+    batch = None if pipeline_stage or not probed else probe.probe_batch(model, layout.tp)
+    expected, why = (None, "") if pipeline_stage else probe.attempt(model, batch) if probed else \
+        (None, "loaded from a checkpoint: no process holds the whole model to compare with")
     if expected is None and not pipeline_stage and source.startswith("found"):
         raise UsageError(f"tensor parallelism found a plan in {type(model).__name__}'s blocks but cannot check it on a "
                          f"probe batch: {why}; pass tp_plan={{'<module name>': 'colwise' | 'rowwise', ...}} (a plan "
@@ -333,7 +340,8 @@ def _per_block(model: nn.Module, layout: Layout, blocks: list, activation_checkp
 
 
 def _data_parallel(model: nn.Module, layout: Layout, classes: list, block_source: str, block_classes: Any,
-                   pipeline_stage: bool, options: dict[str, Any], extras: str, say: Any) -> nn.Module:
+                   pipeline_stage: bool, options: dict[str, Any], extras: str, say: Any,
+                   device: torch.device) -> nn.Module:
     """DDP when the layout only replicates, FSDP (HSDP) when it shards, nothing on one data-parallel rank."""
     name, kind = type(model).__name__, layout.strategy
     block_names = ", ".join(c.__name__ for c in classes) or "none"
@@ -349,7 +357,6 @@ def _data_parallel(model: nn.Module, layout: Layout, classes: list, block_source
         if pipeline_stage:
             # Resharding after each micro-batch's forward would gather the stage's parameters again for the next.
             options.setdefault("reshard_after_forward", False)
-        device = next(model.parameters()).device
         model = prepare_batchnorm(model, kind, sync, device)
         # The one unit rule (fsdp.unit_rule, mg.wrap's too); shard first, then count what was sharded.
         units, minimum, rule = unit_rule(model, block_classes, options.pop("min_block_params", None))

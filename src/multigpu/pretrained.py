@@ -1,0 +1,270 @@
+"""Hugging Face checkpoints in and out, on any layout, without any process holding the whole model.
+
+``mg.from_pretrained(path, layout)`` builds the model from its ``config.json`` with its parameters on the
+meta device (its buffers real, computed by its own ``__init__`` as ``from_pretrained`` computes them:
+accelerate's ``init_empty_weights``), spreads it with ``mg.parallelize``, allocates only this rank's shards
+and fills them from the safetensors files through PyTorch's own ``HuggingFaceStorageReader`` (DCP reads each
+rank's slices of each tensor, nothing more). Under DDP (nothing sharded) every rank holds the whole model
+by definition: it is loaded first and then spread, its plan checked on a probe batch as usual.
+
+``mg.save_pretrained(model, directory)`` writes the reverse from any layout: ``HuggingFaceStorageWriter``
+saves every rank's shards and consolidates them tensor by tensor into safetensors files with their index,
+beside ``config.json`` (and ``generation_config.json``), under a temporary name renamed when complete.
+Both read the checkpoint's names as transformers writes them; a checkpoint in another naming (per-expert
+weights that transformers 5 fuses, renamed keys) is refused in one line naming the keys that differ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import UsageError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+DEFAULT_SHARD_BYTES = 5 * 1024 ** 3  # transformers' default max_shard_size
+
+
+def checkpoint_tensors(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor of the safetensors checkpoint in ``path``: name -> (shape, file), read from the files'
+    headers (no tensor is read). One line for what is missing or not safetensors."""
+    from safetensors import safe_open
+
+    root = Path(path)
+    if not root.is_dir():
+        raise UsageError(f"from_pretrained takes a directory saved by save_pretrained, got {root} (not a directory)")
+    if not (root / "config.json").is_file():
+        raise UsageError(f"{root} has no config.json; a Hugging Face checkpoint directory holds the model's config "
+                         "beside its weights (model.config.save_pretrained(dir))")
+    if (root / INDEX).is_file():
+        files = sorted(set(json.loads((root / INDEX).read_text())["weight_map"].values()))
+        missing = [f for f in files if not (root / f).is_file()]
+        if missing:
+            raise UsageError(f"{root / INDEX} names {missing[0]}, which is not in {root}; copy the whole checkpoint "
+                             "directory (every shard its index names)")
+    elif (root / SINGLE).is_file():
+        files = [SINGLE]
+    else:
+        pickled = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt"))
+        got = f"only {', '.join(pickled[:2])} (pickle, never unpickled here)" if pickled else "no weights"
+        raise UsageError(f"{root} has {got}; expected {SINGLE} or {INDEX} with its shards: convert it once with "
+                         "AutoModel.from_pretrained(dir).save_pretrained(new_dir) (safetensors by default)")
+    tensors = {}
+    for name in files:
+        with safe_open(str(root / name), framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = (tuple(f.get_slice(key).get_shape()), name)
+    return tensors
+
+
+def _expected(model: nn.Module) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """The model's state names -> (shape, whether a tied copy of an earlier one, which a checkpoint leaves out)."""
+    seen: dict[int, str] = {}
+    out = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        key = id(tensor)
+        out[name] = (tuple(tensor.shape), key in seen)
+        seen.setdefault(key, name)
+    return out
+
+
+def check_names(model: nn.Module, tensors: dict[str, tuple[tuple[int, ...], str]], where: Path) -> None:
+    """Refuse in one line a checkpoint whose names or shapes are not the model's (as built from its config)."""
+    expected = _expected(model)
+    missing = [n for n, (_, tied) in expected.items() if n not in tensors and not tied]
+    unexpected = [n for n in tensors if n not in expected]
+    name = type(model).__name__
+    if missing or unexpected:
+        said = "; ".join(x for x in (f"{len(missing)} of its tensors missing ({', '.join(missing[:3])})" if missing
+                                      else "", f"{len(unexpected)} not its own ({', '.join(unexpected[:3])})"
+                                      if unexpected else "") if x)
+        raise UsageError(f"{where} does not hold {name}'s tensors by the names transformers gives them: {said}; "
+                         "load it once with transformers' from_pretrained (which converts older namings, e.g. "
+                         "per-expert weights) and save_pretrained it again")
+    for n, (shape, _) in expected.items():  # in the model's order: the first that differs
+        if n in tensors and tensors[n][0] != shape:
+            raise UsageError(f"{where}: {n} has shape {list(tensors[n][0])} but {name} built from its config.json "
+                             f"has {list(shape)}; the weights and the config are of different models")
+
+
+def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype | str | None = None,
+                    model_class: Any = None, device: torch.device | str | None = None, **options: Any) -> nn.Module:
+    """The model saved in ``path`` (transformers' ``save_pretrained``: ``config.json`` and safetensors),
+    spread by ``layout`` (a ``mg.parallel.Layout``; None: one process), each rank reading only its shards,
+    in eval mode as transformers returns it (``model.train()`` before training).
+
+    ``dtype`` (default: the config's), ``model_class`` (default ``AutoModelForCausalLM``), ``device``
+    (default: this rank's, ``cuda:LOCAL_RANK`` or ``cpu``); ``options`` go to ``mg.parallelize``. Context,
+    expert and pipeline parallelism are refused in one line (not built yet for loading).
+
+    >>> model = mg.from_pretrained("checkpoints/llama", mg.parallel.Layout(dp_shard=dist.world_size))
+    """
+    from .parallel import Layout, parallelize
+    from .parallel.spread import _world
+
+    root = Path(path)
+    tensors = checkpoint_tensors(root)
+    layout = Layout() if layout is None else layout
+    if not isinstance(layout, Layout):
+        raise UsageError(f"from_pretrained takes a mg.parallel.Layout, got {type(layout).__name__}")
+    if layout.cp > 1 or layout.ep > 1 or layout.pp > 1:
+        raise UsageError(f"from_pretrained onto layout {layout.label}: context, expert and pipeline parallelism are "
+                         "not built yet for loading; load onto the same layout with cp, ep and pp 1, or build "
+                         "the model whole with transformers' from_pretrained and spread it")
+    layout = layout.resolve(_world()[1])
+    device = torch.device(device) if device is not None else _device()
+    model = _empty(root, dtype, model_class)
+    check_names(model, tensors, root)
+    if layout.tp == 1 and layout.dp_shard == 1:  # nothing sharded: every rank holds the whole model anyway
+        _fill(model, root, device)
+        model = parallelize(model, layout, **options)
+    else:
+        model = parallelize(model, layout, _empty=device, **options)
+        _fill(model, root, device)
+    return model.eval()  # as transformers' from_pretrained returns it: model.train() before training
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _empty(root: Path, dtype: Any, model_class: Any) -> nn.Module:
+    """The model of ``root``'s config with its parameters on the meta device and its buffers as its
+    ``__init__`` computes them."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .runtime.values import DTYPES
+
+    config = AutoConfig.from_pretrained(str(root))
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise UsageError(f"from_pretrained dtype={dtype!r}; expected a torch.dtype or one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with init_empty_weights(include_buffers=False):
+        model = (model_class or AutoModelForCausalLM).from_config(config, dtype=dtype)
+    if hasattr(model, "tie_weights"):  # the tie is made by assignment, which the meta context turned into a copy
+        model.tie_weights()
+    return model
+
+
+def _fill(model: nn.Module, root: Path, device: torch.device) -> None:
+    """Allocate this rank's share of every parameter on ``device`` and read it from the safetensors files;
+    the buffers keep the values ``__init__`` gave them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    buffers = {name: b.to(device) for name, b in model.named_buffers() if not b.is_meta}
+    # Swapped in place, each parameter stays the one object its modules share (a tied head and embedding:
+    # otherwise one copy each, and the one the checkpoint leaves out stays uninitialised memory).
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name in buffers:
+                b.copy_(buffers[name])
+    state = {k: v for k, v in model.state_dict().items() if k not in set(_tied(model))}
+    on = torch.distributed.is_available() and torch.distributed.is_initialized()
+    # tied copies are the same tensor as the one the checkpoint names: filled with it
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(root)),
+             planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=not on)
+    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    if leftover:
+        raise UsageError(f"from_pretrained left {leftover[0]} on the meta device; report this model")
+
+
+def _tied(model: nn.Module) -> list[str]:
+    return [n for n, (_, tied) in _expected(model).items() if tied]
+
+
+def save_pretrained(model: nn.Module, directory: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write ``model`` (a transformers model, spread by any layout or not) as transformers' ``save_pretrained``
+    does: safetensors files of at most ``max_shard_bytes`` with their index, ``config.json`` and
+    ``generation_config.json``; every rank calls it. Each rank writes its shards; they are consolidated
+    tensor by tensor (no process gathers the model), under a temporary name renamed when complete.
+
+    >>> mg.save_pretrained(model, "out/llama-tuned")   # AutoModelForCausalLM.from_pretrained("out/llama-tuned")
+    """
+    import torch.distributed as tdist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    from .parallel import unwrap
+    from .parallel.record import pipeline_of, refuse_stages
+
+    if pipeline_of(model) is not None:
+        raise UsageError("save_pretrained of a pipeline is not built yet: its stages are on other ranks; save a "
+                         "checkpoint with mg.Checkpointer and load it onto a layout without pp to export")
+    refuse_stages(model, "save_pretrained", "save a checkpoint with mg.Checkpointer")
+    inner = unwrap(model)
+    if getattr(inner, "config", None) is None or not hasattr(inner.config, "save_pretrained"):
+        raise UsageError(f"save_pretrained writes a transformers model (with its config), got {type(inner).__name__}; "
+                         "use mg.Checkpointer or mg.full_state_dict for your own model")
+    out = Path(directory)
+    on = tdist.is_available() and tdist.is_initialized()
+    rank = tdist.get_rank() if on else 0
+    if out.exists():
+        raise UsageError(f"save_pretrained writes a new directory, but {out} exists; pass another path or remove it")
+    if not out.parent.is_dir():
+        raise UsageError(f"save_pretrained: the parent of {out} does not exist; create {out.parent} first")
+    partial = out.with_name(f".{out.name}.partial")
+    if rank == 0 and partial.exists():
+        shutil.rmtree(partial)  # an earlier attempt that did not finish
+    if on:
+        tdist.barrier()
+    state = {k: v for k, v in inner.state_dict().items() if k not in set(_tied(inner))}
+    files = _shards(state, max_shard_bytes)
+    try:
+        writer = HuggingFaceStorageWriter(str(partial), fqn_to_index_mapping=files, save_distributed=True,
+                                          enable_consolidation=True)
+        dcp.save(state, storage_writer=writer, no_dist=not on)
+        if rank == 0:
+            inner.config.save_pretrained(str(partial))
+            if getattr(inner, "generation_config", None) is not None and inner.can_generate():
+                inner.generation_config.save_pretrained(str(partial))
+            _keep_consolidated(partial)
+            os.replace(partial, out)
+    except OSError as e:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise UsageError(f"save_pretrained could not write {out}: {e.strerror or e}; nothing was left there") from None
+    if on:
+        tdist.barrier()
+    return out
+
+
+def _shards(state: dict[str, torch.Tensor], limit: int) -> dict[str, int]:
+    """Each tensor's output file (1-based), in state order, a new file when the next tensor would pass ``limit``
+    bytes (a tensor larger than ``limit`` alone in its file), as transformers splits."""
+    files, index, size = {}, 1, 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if size and size + nbytes > limit:
+            index, size = index + 1, 0
+        files[name] = index
+        size += nbytes
+    return files
+
+
+def _keep_consolidated(partial: Path) -> None:
+    """Keep the consolidated files and their index; the per-rank shards they were made from go."""
+    sharded = partial / "sharded"
+    if sharded.is_dir():
+        shutil.rmtree(sharded)
