@@ -131,9 +131,9 @@ def test_src_has_no_import_cycle():
 # The layers, bottom up (docs/architecture.md): a module imports its own layer and the ones below.
 LAYERS = [
     ("runtime", ["errors", "values", "compat", "dist", "fingerprint", "runtime"]),
-    ("loop pieces", ["batch", "data", "loss", "precision"]),
-    ("parallelism", ["parallel"]),
-    ("instruments and state", ["meter", "noise", "checkpoint", "finder"]),
+    ("loop pieces", ["batch", "data", "loss", "spreads"]),
+    ("parallelism", ["parallel", "precision"]),  # precision converts a model's layers (float8)
+    ("instruments and state", ["meter", "noise", "checkpoint", "finder", "pretrained"]),
     ("tools and decisions", ["launch", "planner", "study", "report", "verify", "verify_floor", "doctor", "commbench", "recipes", "tune", "forecast",
                              "testing", "cli", "__main__"]),
 ]

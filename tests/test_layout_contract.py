@@ -196,7 +196,7 @@ def test_noise_scale_reads_the_layout_instead_of_inferring_tp():
     assert noise._kind == "micro"
     # mg.parallelize keeps the layout it spread the model by (beside it, nothing stamped on the module), and
     # NoiseScale reads it without being told
-    from multigpu.parallel.record import remember, spread_of
+    from multigpu.spreads import remember, spread_of
 
     net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     before = dict(net.__dict__)

@@ -207,7 +207,7 @@ def save_pretrained(model: nn.Module, directory: str | Path, *, max_shard_bytes:
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     from .parallel import unwrap
-    from .parallel.record import pipeline_of, refuse_stages
+    from .spreads import pipeline_of, refuse_stages
 
     if pipeline_of(model) is not None:
         raise UsageError("save_pretrained of a pipeline is not built yet: its stages are on other ranks; save a "

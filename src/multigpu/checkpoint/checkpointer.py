@@ -368,7 +368,7 @@ def _discard(tmp: Path, group: Group) -> None:
 def _whole(model: Any) -> Any:
     """What saves this rank's share of the whole model: a pipeline's stages' union (``pipe.model``) for the
     ``Pipeline`` or itself; one stage of a rank that holds several is refused (the others would be missing)."""
-    from ..parallel.record import pipeline_of, refuse_stages
+    from ..spreads import pipeline_of, refuse_stages
 
     if (pipe := pipeline_of(model)) is not None:
         return pipe.model

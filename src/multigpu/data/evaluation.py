@@ -33,7 +33,7 @@ def eval_share(dist: Dist, layout: Any, mesh: Any, what: str) -> DataShare:
     if mesh is not None:  # gone with mg.parallel.Mesh (CHANGELOG.md)
         raise UsageError(f"{what}'s mesh= is gone; pass layout= the mg.parallel.Layout the model was spread by "
                          "(or the model mg.parallelize returned)")
-    from ..parallel.record import record_share
+    from ..spreads import record_share
 
     share = share_of(layout, dist)
     if layout is not None:
@@ -136,7 +136,7 @@ def all_reduce_sum(values: Mapping[str, float] | Sequence[float] | float):
         flat = [float(v) for v in values]
     else:
         flat = [float(values)]
-    from ..parallel.record import process_share
+    from ..spreads import process_share
 
     on = tdist.is_initialized()
     share = process_share(tdist.get_rank(), tdist.get_world_size()) if on else None

@@ -11,7 +11,7 @@ peers each hold a share of every sequence's tokens: they all count, so
 per-token sums add up (docs/context.md).
 
 The share comes from the ``Layout`` (``Layout.data_share``) or the model
-``mg.parallelize`` spread (the Layout its record holds: ``parallel/record.py``).
+``mg.parallelize`` spread (the Layout its record holds: ``spreads.py``).
 Without one, the layout this process spread a model by last
 (``mg.parallelize`` records its share, so ``mg.parallelize(model, layout)``
 followed by ``mg.eval_loader(val, dist, b)`` needs nothing more); without
@@ -41,7 +41,7 @@ class DataShare:
 def share_of(layout: Any, dist: Any) -> DataShare:
     """The share of ``dist``'s rank under ``layout``: a ``Layout``, the model ``mg.parallelize`` returned, or
     None (the recorded share, else every process a data-parallel rank)."""
-    from ..parallel.record import process_share, spread_of
+    from ..spreads import process_share, spread_of
 
     if layout is None:
         return process_share(dist.rank, dist.world_size) or DataShare(dist.rank, dist.world_size)

@@ -91,7 +91,7 @@ def unsynced_batchnorm(model: nn.Module) -> list[str]:
 
 def cp_documents(model: nn.Module | None) -> bool:
     """Whether ``model`` took packed documents (position_ids restarting) under context parallelism."""
-    from ..parallel.record import spread_of
+    from ..spreads import spread_of
 
     spread = None if model is None else spread_of(model)
     return bool(spread is not None and spread.context is not None and spread.context.packed)
@@ -120,7 +120,7 @@ def is_pipeline(model: Any) -> bool:
     """A ``mg.parallel.pipeline`` (or its ``pipe.model``, or a stage): its schedule's backward runs autograd.grad per stage, which refuses hooks
     on the graph (the meter's gradient-ready hooks, the module tracker of the FLOP count's FlopCounterMode),
     and its ranks hold different stages (so no comparison of their starts)."""
-    from ..parallel.record import stages
+    from ..spreads import stages
 
     return model is not None and stages(model) > 1
 

@@ -110,7 +110,7 @@ def figures(stats: list) -> dict[str, Any] | None:
 def experts_stats(model: Any) -> list:
     """The expert-parallel dispatch's figures of ``model`` or its pipeline's stages (parallel/experts.py's
     ``Stats``); none for any other model."""
-    from ..parallel.record import spread_of
+    from ..spreads import spread_of
 
     spread = None if model is None else spread_of(model)
     return [] if spread is None else list(spread.experts)

@@ -45,7 +45,7 @@ def tp_degree(layout, actual: int, world: int, model: Any = None) -> int:
     ``mg.parallelize`` spread ``model`` by; else world / the plan's ranks (0 when they do not divide), a
     guess that reads pipeline stages as TP."""
     from ..parallel.layout import Layout
-    from ..parallel.record import spread_of
+    from ..spreads import spread_of
 
     spread = spread_of(model) if layout is None and model is not None else None
     layout = layout if spread is None else spread.layout

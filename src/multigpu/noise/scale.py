@@ -30,6 +30,7 @@ from ..errors import UsageError
 from ..parallel import strategy_of
 from ..parallel.fsdp import fsdp_modules
 from ..runtime.values import positive_int
+from ..spreads import refuse_stages
 from . import layout as shares, norms
 from .estimates import Estimates
 
@@ -97,8 +98,6 @@ class NoiseScale:
         """Measure ``model`` (DDP, FSDP2 on several ranks; any on one); ``layout``: its Layout, read not inferred."""
         if mesh is not None:  # went with mg.parallel.Mesh
             raise UsageError("NoiseScale.attach(mesh=) is gone; pass layout= the Layout the model was spread by")
-        from ..parallel.record import refuse_stages
-
         refuse_stages(model, "NoiseScale.attach", shares._OBSERVE)
         world = self.plan.world_size
         actual = tdist.get_world_size(self.group) if tdist.is_available() and tdist.is_initialized() else 1
@@ -201,9 +200,8 @@ class NoiseScale:
             self._micro_batch_done()
             return
         if self._kind == "ddp" and self._measuring() and not self._skip_next:
-            # One foreach over all gradients: per-parameter norms in the hooks, while each
-            # gradient is still in cache, cost the same on CPU (benchmarks/noise_overhead.py)
-            # and one kernel launch per parameter on CUDA.
+            # One foreach over all gradients: per-parameter norms in the hooks, while each gradient is still
+            # in cache, cost the same on CPU (benchmarks/noise_overhead.py) and one launch per parameter on CUDA.
             self._grad_list = [p.grad for p in self._params if p.grad is not None]
             self._local = norms.norm_parts(self._grad_list)
         self._skip_next = False

@@ -26,7 +26,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
 
     >>> norm = mg.clip_grad_norm_(model, 1.0)
     """
-    from .record import refuse_stages
+    from ..spreads import refuse_stages
 
     # This rank's stages hold part of the model: their norm is not the model's (PP 2 gave each stage its own
     # norm, 0.330 and 0.678 where one process has 0.754), and each stage would clip by a different factor.

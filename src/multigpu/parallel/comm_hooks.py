@@ -18,7 +18,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from ..errors import UsageError
-from .record import remember, spread_of
+from ..spreads import remember, spread_of
 
 HOOKS = ("fp16", "bf16", "powersgd")
 
@@ -104,7 +104,7 @@ def register(ddp: nn.Module, comm_hook: str, powersgd_rank: int | None = None,
         if tdist.get_backend() == "gloo":
             hook = _serialised_powersgd_hook
         ddp.register_comm_hook(state, hook)
-    remember(ddp, comm_hook=(comm_hook, state))  # the model's record (record.py), for compression()
+    remember(ddp, comm_hook=(comm_hook, state))  # the model's record (spreads.py), for compression()
 
 
 def compression(model: nn.Module) -> Compression | None:

@@ -315,7 +315,7 @@ def check_heads(name: str, layout: Any, local: list[int]) -> None:
 
 def apply(model: nn.Module, layout: Any, mesh: Any) -> tuple["Context", str]:
     """Spread every sequence ``model`` is given over the cp ranks of ``mesh`` (``check``ed first); its
-    ``Context`` (the model's record keeps it: ``record.py``) and what was done, for ``mg.parallelize``'s line."""
+    ``Context`` (the model's record keeps it: ``spreads.py``) and what was done, for ``mg.parallelize``'s line."""
     config = getattr(model, "config", None)
     if config is None:  # a user's own model
         from . import context_sdpa
@@ -362,7 +362,7 @@ def context_share(model: nn.Module, *tensors: torch.Tensor, dim: int = 1) -> Any
     >>> logits = model(input_ids=x).logits
     >>> y = mg.context_share(model, y)
     """
-    from .record import spread_of
+    from ..spreads import spread_of
 
     spread = spread_of(model)
     ctx = None if spread is None else spread.context

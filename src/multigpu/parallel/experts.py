@@ -280,7 +280,7 @@ def apply(found: list[tuple[str, nn.Module]], layout: Any, mesh: Any, capacity_f
     keeps its slice of every module's weights (a DTensor ``Shard(0)``) and runs the dispatch above.
     ``capacity_factor``: at most ceil(factor x pairs / experts) (token, slot) pairs of a rank's tokens per
     expert, the rest dropped (counted in ``Stats``); None: dropless. Returns the dispatch's figures (the
-    model's record keeps them: ``record.py``)."""
+    model's record keeps them: ``spreads.py``)."""
     from torch.distributed.tensor import DTensor, Shard
 
     ep, rank = mesh.size(), mesh.get_local_rank()

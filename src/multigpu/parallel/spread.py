@@ -8,7 +8,7 @@ or that are found in it, and the root; DDP when the layout only replicates.
 The full model is built on every rank with the same seed first and then
 distributed, so the weights equal one process's. It says what it chose in
 one line for the plan and one for the units, on rank 0. How it spread the
-model is kept beside it, never on it (``record.py``: ``spread_of(model)``).
+model is kept beside it, never on it (``spreads.py``: ``spread_of(model)``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 from ..dist import print0
 from ..errors import UsageError
 from . import auto, probe, unused
-from .record import record_share, remember
+from ..spreads import record_share, remember
 from .hf import router
 from .batchnorm import prepare_batchnorm
 from .fsdp import shard_blocks, unit_rule, units_line
@@ -190,7 +190,7 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
         _check_context(model, layout)
     if layout.tp > 1:
         _tensor_parallel(model, layout, blocks, tp_plan, pipeline_stage, device_type, say, probed=empty is None)
-    parts: dict[str, Any] = {}  # what the model's record holds beside its layout (record.py)
+    parts: dict[str, Any] = {}  # what the model's record holds beside its layout (spreads.py)
     if found:
         stats, options["experts"] = _expert_parallel(model, layout, found, capacity_factor, device_type,
                                                      pipeline_stage, say)

@@ -204,7 +204,7 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
     from ..dist import print0
     from . import pp
     from .auto import block_modules, blocks_of, head_counts
-    from .record import record_share, remember, spread_of
+    from ..spreads import record_share, remember, spread_of
     from .spread import parallelize, tensor_parallel_plan
 
     on = tdist.is_available() and tdist.is_initialized()
@@ -261,7 +261,7 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
                        tied=tied)
     # One record for the stages' union (each part has its own from parallelize): what takes "a model" reads
     # the pipeline's layout in it, and the meter every stage's expert-parallel figures.
-    remember(pipe.model, layout=layout, pipeline=weakref.ref(pipe), experts=[s for p in parts for s in spread_of(p).experts])
+    remember(pipe.model, pipe, layout=layout, pipeline=weakref.ref(pipe), experts=[s for p in parts for s in spread_of(p).experts])
     return pipe
 
 

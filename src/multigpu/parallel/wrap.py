@@ -19,7 +19,7 @@ import torch.distributed as tdist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..runtime.compat import compiled_original
+from ..runtime.compat import wrapped
 from ..errors import UsageError
 from .ddp import wrap_ddp
 from .dp import wrap_dp
@@ -73,7 +73,7 @@ def wrap(model: nn.Module, strategy: str = "ddp", **options: Any) -> nn.Module:
     >>> model = mg.wrap(Net().to(dist.device), "ddp", bucket_cap_mb=50)
     >>> model = mg.wrap(Net().to(dist.device), "fsdp", block_classes=[Block], param_dtype="bf16")
     """
-    from .record import refuse_stages
+    from ..spreads import refuse_stages
 
     refuse_stages(model, "mg.wrap", "mg.parallel.pipeline spread them already (FSDP over the data-parallel ranks "
                   "when there are several)")
@@ -108,13 +108,9 @@ def unwrap(model: nn.Module) -> nn.Module:
 
     >>> torch.save(mg.unwrap(model).state_dict(), "model.pt")
     """
-    while True:
-        if isinstance(model, (DistributedDataParallel, nn.DataParallel)):
-            model = model.module
-        elif (inner := compiled_original(model)) is not None:
-            model = inner
-        else:
-            return model
+    while (inner := wrapped(model)) is not None:
+        model = inner
+    return model
 
 
 def strategy_of(model: nn.Module | None, optimizer: Any = None) -> str:
@@ -162,7 +158,7 @@ def full_state_dict(model: nn.Module, cpu: bool = True) -> dict[str, torch.Tenso
     >>> if dist.is_main:
     ...     torch.save(state, "model.pt")   # loads into the plain, unwrapped model
     """
-    from .record import pipeline_of, refuse_stages
+    from ..spreads import pipeline_of, refuse_stages
 
     if (pipe := pipeline_of(model)) is not None:  # every stage's weights, gathered from the ranks that hold them
         from .pp import gathered_state_dict
@@ -220,7 +216,7 @@ def accumulate(model: nn.Module, micro_batches: Iterable[Any]) -> Iterator[Any]:
     >>> for x, y in mg.accumulate(model, micro_batches):
     ...     (loss_fn(model(x), y) / plan.accum_steps).backward()
     """
-    from .record import refuse_stages
+    from ..spreads import refuse_stages
 
     refuse_stages(model, "mg.accumulate", "the pipeline runs a step's micro-batches itself: pipe.step(micro_batches)")
     items = list(micro_batches)

@@ -150,6 +150,16 @@ def compiled_original(model: torch.nn.Module) -> torch.nn.Module | None:
     return inner if isinstance(inner, torch.nn.Module) else None
 
 
+def wrapped(model: Any) -> torch.nn.Module | None:
+    """The module a wrapper holds (DDP's and DataParallel's ``.module``, ``torch.compile``'s original), or None
+    when ``model`` is no wrapper: ``mg.unwrap`` and the spread record (``spreads.py``) peel by it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, (DistributedDataParallel, torch.nn.DataParallel)):
+        return model.module
+    return compiled_original(model) if isinstance(model, torch.nn.Module) else None
+
+
 def direct_child(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
     """``module``'s registered child ``name``, or None: children only (``getattr`` would also find
     a parameter, a buffer or a plain attribute such as ``training``).

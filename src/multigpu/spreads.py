@@ -6,8 +6,10 @@ parallelism, its expert-parallel dispatch figures and its DDP comm hook. Everyth
 model" (clipping, evaluation's share, the meter, checkpoints, the noise scale, ``mg.context_share``) asks
 ``spread_of(model)`` and nothing else, so a new fact about a spread is added here once and every reader sees
 it. The record is keyed weakly by the model, under the object returned and the user's own module inside
-it (``mg.unwrap``), so a dropped model is forgotten and either handle finds it (nothing in a record
-refers back to its model, or it would never be dropped).
+it (DDP's ``.module``), and a pipeline's under the ``Pipeline`` too, so a dropped model is forgotten and
+every handle finds it (nothing in a record refers back to its model, or it would never be dropped: the
+pipeline is held by a weak reference). It sits below the layers that write it (``parallel/``) and read it
+(``data/``, ``meter/``, ``noise/``, ``checkpoint/``), and imports none of them.
 
 Beside the records, this process's evaluation share (``process_share``): the share of the layout it spread
 a model by last, or that ``mg.eval_loader`` was told, for ``mg.all_reduce_sum``, which takes no model.
@@ -21,8 +23,9 @@ from typing import Any
 
 import torch.distributed as tdist
 
-from ..dist import at_teardown
-from ..errors import UsageError
+from .dist import at_teardown
+from .errors import UsageError
+from .runtime.compat import wrapped
 
 
 @dataclass(eq=False)
@@ -39,24 +42,19 @@ class Spread:
 _RECORDS: "weakref.WeakKeyDictionary[Any, Spread]" = weakref.WeakKeyDictionary()
 
 
-def _keys(model: Any) -> list:
-    from .pp import Pipeline
-    from .wrap import unwrap
-
-    if isinstance(model, Pipeline):  # its stages' union holds the record
-        model = model.model
-    keys = [model]
-    try:
-        inner = unwrap(model)
-    except Exception:  # noqa: BLE001 - not a module: only itself
-        inner = model
-    return keys + ([inner] if inner is not model else [])
+def _handles(model: Any) -> list:
+    """``model`` and every module it wraps (DDP's ``.module``, ``torch.compile``'s original): a wrapper made
+    after the record was written finds it through the module inside."""
+    handles = [model]
+    while (inner := wrapped(handles[-1])) is not None:
+        handles.append(inner)
+    return handles
 
 
 def spread_of(model: Any) -> Spread | None:
-    """The record of how ``model`` was spread (it, the user's module inside it, or a pipeline's stages'
-    union for the ``Pipeline``), or None: a model ``mg.parallelize`` did not return."""
-    for key in _keys(model):
+    """The record of how ``model`` was spread (it or the module it wraps; a ``Pipeline`` and its
+    ``pipe.model`` share theirs), or None: a model ``mg.parallelize`` did not return."""
+    for key in _handles(model):
         try:
             found = _RECORDS.get(key)
         except TypeError:  # not weak-referenceable: nothing mg.parallelize returned
@@ -66,24 +64,21 @@ def spread_of(model: Any) -> Spread | None:
     return None
 
 
-def remember(model: Any, **parts: Any) -> Spread:
-    """Add ``parts`` to ``model``'s record (made with ``layout=None`` first when there is none)."""
+def remember(model: Any, *others: Any, **parts: Any) -> Spread:
+    """Add ``parts`` to ``model``'s record (made with ``layout=None`` first when there is none), kept under
+    ``model``, what it wraps and ``others`` (the ``Pipeline`` beside its ``pipe.model``)."""
     spread = spread_of(model)
     if spread is None:
         spread = Spread(layout=None)
     for name, value in parts.items():
         setattr(spread, name, value)
-    for key in _keys(model):
+    for key in _handles(model) + list(others):
         _RECORDS[key] = spread
     return spread
 
 
 def pipeline_of(model: Any) -> Any:
     """The ``Pipeline`` that ``model`` is or whose stages' union (``pipe.model``) it is, else None."""
-    from .pp import Pipeline
-
-    if isinstance(model, Pipeline):
-        return model
     spread = spread_of(model)
     return None if spread is None or spread.pipeline is None else spread.pipeline()
 
