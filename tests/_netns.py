@@ -88,13 +88,17 @@ class Hosts:
             _ip("-n", node.ns, "addr", "add", f"{node.addr}/24", "dev", IFNAME)
             _ip("-n", node.ns, "link", "set", IFNAME, "up")
 
-    def command(self, i: int, argv: list[str]) -> list[str]:
-        """``argv`` run inside node ``i``."""
-        return ["ip", "netns", "exec", self.nodes[i].ns, *argv]
+    def command(self, i: int, argv: list[str], mounts: bool = False) -> list[str]:
+        """``argv`` run inside node ``i``. ``ip netns exec`` mounts a fresh /sys (the node's own network
+        devices) and with it no /sys/fs/cgroup; ``mounts``: keep the machine's mounts (nsenter, network
+        only), for daemons such as slurmd that need the cgroups."""
+        if mounts:
+            return [shutil.which("nsenter") or "nsenter", f"--net=/run/netns/{self.nodes[i].ns}", *argv]
+        return [shutil.which("ip") or "ip", "netns", "exec", self.nodes[i].ns, *argv]  # found here, not on env's PATH
 
-    def popen(self, i: int, argv: list[str], **kwargs) -> subprocess.Popen:
+    def popen(self, i: int, argv: list[str], mounts: bool = False, **kwargs) -> subprocess.Popen:
         """Start ``argv`` inside node ``i``; it is killed on close if still running."""
-        proc = subprocess.Popen(self.command(i, argv), start_new_session=True, **kwargs)
+        proc = subprocess.Popen(self.command(i, argv, mounts), start_new_session=True, **kwargs)
         self._procs.append(proc)
         return proc
 

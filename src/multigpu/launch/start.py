@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import glob
 import math
@@ -23,6 +24,7 @@ from typing import Iterator, Sequence
 from ..errors import UsageError
 from ..runtime import contract
 from .config import DEFAULT_LOG_DIR, Placement, RunConfig, cpu_count, from_args, resolve, visible_gpus
+from . import slurm
 from .network import node_address
 
 HANG_EXIT = 124  # a job ended by --hang-timeout, as timeout(1) ends a command
@@ -204,6 +206,11 @@ def launch(cfg: RunConfig) -> int:
 
     steps = parse_steps(cfg.profile) if cfg.profile else None  # a bad --profile fails here, before anything starts
     place = resolve(cfg)
+    found = None
+    if place.source == "slurm":  # SLURM's node name -> its address (fails in one line, before anything starts)
+        addr, how = slurm.master_address(place.master_addr, place.master_port, place.nodes_text)
+        found = f"the job's first node {place.master_addr} is at {addr} ({how})" if addr != place.master_addr else None
+        place = dataclasses.replace(place, master_addr=addr)
     node = node_address(place.master_addr, place.master_port) if place.master_addr is not None else None
     run_dir = _run_dir(cfg, place)
     torchrun_args = _torchrun_args(cfg, place, node[0] if node else None)
@@ -218,6 +225,8 @@ def launch(cfg: RunConfig) -> int:
     where = f"node {place.node_rank} of {place.nodes_text} ({place.source}, master {place.master_addr}:{place.master_port}{here})" if place.nnodes > 1 else "1 node"
     size = f"{place.nproc * place.min_nodes}..{world} (elastic, --max-restarts {place.max_restarts})" if place.elastic else str(world)
     logs.say(f"{place.nproc} worker{'s' if place.nproc > 1 else ''} on {device}, {where}, world size {size}; logs: {run_dir}")
+    if found:
+        logs.say(found)
 
     specs = logs.RankLogsSpecs(run_dir, console_ranks=None if cfg.all_ranks else {0}, prefixed=cfg.all_ranks)
     end_hang = functools.partial(_stop_workers, specs, cfg.hang_timeout) if cfg.hang_timeout else None
