@@ -158,3 +158,24 @@ def test_save_pretrained_writes_a_new_directory_and_refuses_what_it_cannot(saved
         mg.save_pretrained(torch.nn.Linear(2, 2), tmp_path / "lin")
     with pytest.raises(mg.UsageError, match="the parent of .* does not exist"):
         mg.save_pretrained(model, tmp_path / "no" / "such")
+
+
+def test_an_export_that_fills_the_disk_leaves_nothing_and_says_so(saved, tmp_path):
+    """A real full disk: a 64 KiB tmpfs the test mounts (root only), smaller than the model's 110 KB."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)]).returncode:
+        pytest.skip("this machine cannot mount a tmpfs")
+    try:
+        model = mg.from_pretrained(saved["llama"], verbose=False)
+        with pytest.raises(mg.UsageError, match=r"save_pretrained could not write .*/out: No space left on device; "
+                                                 "nothing was left there") as err:
+            mg.save_pretrained(model, disk / "out")
+        assert "\n" not in str(err.value) and list(disk.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(disk)])

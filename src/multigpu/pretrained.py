@@ -205,6 +205,7 @@ def save_pretrained(model: nn.Module, directory: str | Path, *, max_shard_bytes:
     import torch.distributed as tdist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from .parallel import unwrap
     from .spreads import pipeline_of, refuse_stages
@@ -231,23 +232,41 @@ def save_pretrained(model: nn.Module, directory: str | Path, *, max_shard_bytes:
         tdist.barrier()
     state = {k: v for k, v in inner.state_dict().items() if k not in set(_tied(inner))}
     files = _shards(state, max_shard_bytes)
+    error = None
     try:
         writer = HuggingFaceStorageWriter(str(partial), fqn_to_index_mapping=files, save_distributed=True,
                                           enable_consolidation=True)
-        dcp.save(state, storage_writer=writer, no_dist=not on)
-        if rank == 0:
+        dcp.save(state, storage_writer=writer, no_dist=not on)  # a failure on any rank raises on every rank
+    except (OSError, CheckpointException) as e:
+        error = _cause(e)
+    if rank == 0 and error is None:
+        try:
             inner.config.save_pretrained(str(partial))
             if getattr(inner, "generation_config", None) is not None and inner.can_generate():
                 inner.generation_config.save_pretrained(str(partial))
             _keep_consolidated(partial)
             os.replace(partial, out)
-    except OSError as e:
+        except OSError as e:
+            error = _cause(e)
+    if on:  # rank 0's last steps are its own: every rank learns how they ended
+        said = [error]
+        tdist.broadcast_object_list(said, src=0)
+        error = said[0]
+    if error is not None:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        raise UsageError(f"save_pretrained could not write {out}: {e.strerror or e}; nothing was left there") from None
-    if on:
-        tdist.barrier()
+        raise UsageError(f"save_pretrained could not write {out}: {error}; nothing was left there")
     return out
+
+
+def _cause(e: BaseException) -> str:
+    """An OSError's own words (a rank's inside DCP's CheckpointException)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(e, CheckpointException):
+        found = [exc for exc, _ in e.failures.values()]
+        e = next((x for x in found if isinstance(x, OSError)), found[0] if found else e)
+    return getattr(e, "strerror", None) or str(e)
 
 
 def _shards(state: dict[str, torch.Tensor], limit: int) -> dict[str, int]:
