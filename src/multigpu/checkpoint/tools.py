@@ -27,7 +27,10 @@ class CkptConfig:
     checkpoint: str | None = None
     """checkpoint directory, e.g. runs/x/step-120"""
     out: str | None = None
-    """output file, e.g. model.pt"""
+    """output file, e.g. model.pt (with --hf: a new directory)"""
+    hf: str | None = None
+    """write OUT as a Hugging Face directory (sharded safetensors, index, config), the config and tokenizer
+    files from this directory: the one the run started from (mg.from_pretrained's)"""
 
 
 def _run_dir(directory: str | Path) -> Path:
@@ -85,6 +88,18 @@ def table(directory: str | Path, full: bool = False) -> tuple[list[str], int]:
     return lines, bad
 
 
+def verified_model(src: Path) -> dict:
+    """The manifest of checkpoint ``src``, fully verified and holding a model's state, or one line why not."""
+    if not src.exists():
+        raise UsageError(f"checkpoint {src} does not exist; list them with `multigpu ckpt ls DIR`")
+    manifest, problems = storage.verify(src, full=True)
+    if problems:
+        raise UsageError(f"checkpoint {src} cannot be exported: {problems[0]}; pick a valid one from `multigpu ckpt ls`")
+    if "model" not in manifest["state_keys"]:
+        raise UsageError(f"checkpoint {src} holds no model state (it has: {', '.join(manifest['state_keys'])})")
+    return manifest
+
+
 def export(checkpoint: str | Path, out: str | Path) -> dict[str, int]:
     """Write the model weights of one checkpoint as a plain ``torch.save`` file.
 
@@ -95,13 +110,7 @@ def export(checkpoint: str | Path, out: str | Path) -> dict[str, int]:
     >>> export("runs/x/step-120", "model.pt")
     """
     src = Path(checkpoint)
-    if not src.exists():
-        raise UsageError(f"checkpoint {src} does not exist; list them with `multigpu ckpt ls DIR`")
-    manifest, problems = storage.verify(src, full=True)
-    if problems:
-        raise UsageError(f"checkpoint {src} cannot be exported: {problems[0]}; pick a valid one from `multigpu ckpt ls`")
-    if "model" not in manifest["state_keys"]:
-        raise UsageError(f"checkpoint {src} holds no model state (it has: {', '.join(manifest['state_keys'])})")
+    manifest = verified_model(src)
     out = Path(out)
     if out.is_dir():
         raise UsageError(f"export target {out} is a directory; pass a file name such as {out / 'model.pt'}")
@@ -130,7 +139,16 @@ def main(args) -> int:
     """`multigpu ckpt ls | verify | export`: print the table or export; exit 1 when verify finds damage."""
     # Each action's parser has only its own paths: the others are absent from args, None here.
     given = vars(args)
-    cfg = CkptConfig(action=args.action, dir=given.get("dir"), checkpoint=given.get("checkpoint"), out=given.get("out"))
+    cfg = CkptConfig(action=args.action, dir=given.get("dir"), checkpoint=given.get("checkpoint"), out=given.get("out"),
+                     hf=given.get("hf"))
+    if cfg.action == "export" and cfg.hf is not None:
+        from .hf_export import export_hf
+
+        info = export_hf(cfg.checkpoint, cfg.out, cfg.hf)
+        print(f"exported {cfg.checkpoint} (step {info['step']}) -> {cfg.out}: {info['tensors']} tensors in "
+              f"{info['files']} safetensors files, {info['bytes']:,} bytes; load with "
+              f"AutoModelForCausalLM.from_pretrained({str(cfg.out)!r})")
+        return 0
     if cfg.action == "export":
         info = export(cfg.checkpoint, cfg.out)
         print(f"exported {cfg.checkpoint} (step {info['step']}) -> {cfg.out}: {info['tensors']} tensors, "
@@ -158,6 +176,8 @@ def add_arguments(parser) -> None:
     add_field(ls, "dir", config=CkptConfig, field="dir")
     verify = actions.add_parser("verify", help="check every file's checksum; exit status 1 if any checkpoint is damaged")
     add_field(verify, "dir", config=CkptConfig, field="dir")
-    exp = actions.add_parser("export", help="write one checkpoint's model weights as a plain torch.save file")
+    exp = actions.add_parser("export", help="write one checkpoint's model weights as a plain torch.save file, or "
+                             "(--hf) as a Hugging Face directory")
     add_field(exp, "checkpoint", config=CkptConfig, field="checkpoint")
     add_field(exp, "out", config=CkptConfig, field="out")
+    add_field(exp, "--hf", config=CkptConfig, field="hf", metavar="BASE_DIR")

@@ -231,7 +231,7 @@ def _tensor_parallel(model: nn.Module, layout: Layout, blocks: list, tp_plan: di
                          f"probe batch: {why}; pass tp_plan={{'<module name>': 'colwise' | 'rowwise', ...}} (a plan "
                          "you give is taken unchecked) or use tp=1")
     tp_mesh = layout.device_mesh(device_type)["tp"]
-    apply_tp(model, tp_mesh, styles)
+    apply_tp(model, tp_mesh, styles, say)
     divide_split_sizes(model, styles, layout.tp)  # GPT-2's attention splits its fused c_attn by split_size
     if expected is not None:  # the split checked on the model itself: exact or refused (probe.py)
         probe.check(model, batch, expected, tp_mesh.get_group(), source)
@@ -363,6 +363,10 @@ def _data_parallel(model: nn.Module, layout: Layout, classes: list, block_source
         experts = len(options.get("experts", ([],))[0])
         model = shard_blocks(model, layout.dp_mesh(device.type), block_classes=units, min_block_params=minimum,
                              **options)
+        if not any(p.is_meta for p in model.parameters()):
+            from .float8 import refresh_scales
+
+            refresh_scales([model])  # float8 weights' scales from the whole weights before the first step
         shard = f"dp_shard {layout.dp_shard}" + (f" x cp {layout.cp}" if layout.cp > 1 else "")
         over = (f"HSDP over dp_replicate {layout.dp_replicate} x {shard}" if kind == "hsdp" else f"FSDP over {shard}")
         say(f"mg.parallelize: {over}: {units_line(model, rule, experts)}{extras}")

@@ -38,8 +38,9 @@ def _set_parameter(model: nn.Module, name: str, value: nn.Parameter) -> None:
     setattr(model.get_submodule(owner) if owner else model, attr, value)
 
 
-def apply_tp(model: nn.Module, tp_mesh: Any, plan: dict[str, Any]) -> nn.Module:
-    """Shard ``model`` in place over ``tp_mesh`` by ``plan``; returns it.
+def apply_tp(model: nn.Module, tp_mesh: Any, plan: dict[str, Any], say: Any = print0) -> nn.Module:
+    """Shard ``model`` in place over ``tp_mesh`` by ``plan``; returns it. ``say``: where the line on float8
+    layers' styles goes (``mg.parallelize`` passes its own, silent under ``verbose=False``).
 
     >>> apply_tp(model, mesh.tp_mesh, {"mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()})
     """
@@ -53,7 +54,7 @@ def apply_tp(model: nn.Module, tp_mesh: Any, plan: dict[str, Any]) -> nn.Module:
     tied = _aliases(model)
     plan, float8_line = float8.tp_styles(model, plan, tp_mesh)
     if float8_line:
-        print0(f"mg.parallelize: {float8_line}")
+        say(f"mg.parallelize: {float8_line}")
     parallelize_module(model, tp_mesh, plan)
     for group in tied:
         first = model.get_parameter(group[0])

@@ -1,0 +1,122 @@
+"""``multigpu ckpt export CHECKPOINT OUT --hf BASE_DIR``: a multigpu checkpoint of a transformers model, from
+any layout, as the directory transformers' ``save_pretrained`` writes, one output file at a time.
+
+The checkpoint's model tensors (DCP, any layout's shards) are read one output file's worth at a time (at most
+``max_shard_bytes`` in memory, never the whole model), each written as a safetensors file, then the index;
+``config.json``, ``generation_config.json`` and the tokenizer's files come from ``BASE_DIR``, the directory
+the run started from (``mg.from_pretrained``'s): the checkpoint holds weights, not the model's description.
+The tensors are checked against the model that config builds (names, shapes; a tied copy left out as
+transformers leaves it out), and the directory is written under a temporary name renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..errors import UsageError
+from ..runtime import compat
+from . import storage
+
+DEFAULT_SHARD_BYTES = 5 * 1024 ** 3  # transformers' default max_shard_size
+_DESCRIPTION = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, base: str | Path,
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, int]:
+    """Write checkpoint ``checkpoint``'s model as a Hugging Face directory ``out``, described by ``base``'s
+    config; (step, tensors, files, bytes).
+
+    >>> export_hf("runs/x/step-120", "out/tuned", "checkpoints/llama")
+    """
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from ..pretrained import _empty, _expected
+    from .tools import verified_model
+
+    src, out, base = Path(checkpoint), Path(out), Path(base)
+    manifest = verified_model(src)
+    if not (base / "config.json").is_file():
+        raise UsageError(f"--hf takes the Hugging Face directory the run started from (its config.json describes "
+                         f"the model), but {base} has no config.json")
+    if out.exists():
+        raise UsageError(f"export --hf writes a new directory, but {out} exists; pass another path or remove it")
+    if not out.parent.is_dir():
+        raise UsageError(f"the parent of export target {out} does not exist; create {out.parent} first")
+    stored = _stored(src)
+    wanted = _expected(_empty(base, None, None))
+    names = [n for n, (_, tied) in wanted.items() if not tied]
+    _check(stored, wanted, names, src, base)
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    partial.mkdir()
+    try:
+        files = _write(src, stored, names, partial, max_shard_bytes, DefaultLoadPlanner)
+        for name in _DESCRIPTION:
+            if (base / name).is_file():
+                shutil.copy2(base / name, partial / name)
+        os.replace(partial, out)
+    except OSError as e:
+        raise UsageError(f"export --hf could not write {out}: {e.strerror or e}; nothing was left there") from None
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    return {"step": manifest["step"], "tensors": len(names), "files": files, "bytes": size}
+
+
+def _stored(src: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The checkpoint's model tensors: name -> (shape, dtype), from its metadata (nothing read)."""
+    metadata = storage.SafeReader(src).read_metadata()
+    out = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and hasattr(meta, "size"):
+            out[key[len("model."):]] = (tuple(meta.size), meta.properties.dtype)
+    return out
+
+
+def _check(stored: dict, wanted: dict, names: list[str], src: Path, base: Path) -> None:
+    missing = [n for n in names if n not in stored]
+    unexpected = [n for n in stored if n not in wanted]
+    if missing or unexpected:
+        said = "; ".join(x for x in (f"{len(missing)} of its tensors missing ({', '.join(missing[:3])})" if missing
+                                      else "", f"{len(unexpected)} not its own ({', '.join(unexpected[:3])})"
+                                      if unexpected else "") if x)
+        raise UsageError(f"checkpoint {src} is not of the model {base / 'config.json'} describes: {said}; pass the "
+                         "directory the run started from")
+    for n in names:
+        if tuple(wanted[n][0]) != stored[n][0]:
+            raise UsageError(f"checkpoint {src}: {n} has shape {list(stored[n][0])} but the model of "
+                             f"{base / 'config.json'} has {list(wanted[n][0])}; pass the directory the run started from")
+
+
+def _write(src: Path, stored: dict, names: list[str], partial: Path, limit: int, planner: type) -> int:
+    """The safetensors files and their index, one file's tensors in memory at a time; how many files."""
+    from safetensors.torch import save_file
+
+    groups: list[list[str]] = [[]]
+    size = 0
+    for n in names:
+        shape, dtype = stored[n]
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(n)
+        size += nbytes
+    weight_map, total = {}, 0
+    for i, group in enumerate(groups, 1):
+        tensors = {n: torch.empty(stored[n][0], dtype=stored[n][1]) for n in group}
+        compat.dcp_load_in_place({"model": tensors}, storage_reader=storage.SafeReader(src),
+                                 planner=planner(allow_partial_load=True), no_dist=True)
+        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(partial / name), metadata={"format": "pt"})
+        weight_map.update({n: name for n in group})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return len(groups)
