@@ -7,6 +7,8 @@ fails. The launcher -> worker contract (MULTIGPU_* variables, find_batch.json) i
 ``multigpu.runtime.contract``, below the workers' code. The modules, from the bottom up:
 
     config.py    RunConfig, its checks and the layout (resolve), the command line (add_arguments)
+    network.py   several nodes: the address the others reach this node at, and gloo's interface for it
+    slurm.py     inside srun: the first node's address from SLURM (scontrol's NodeAddr), or one line
     start.py     torchrun's elastic_launch in this process: worker variables, supervision, closing lines
     logs.py      per-rank log files, the console view, the failure summary (imports torch; loaded late)
 
