@@ -9,6 +9,7 @@ finished run kept (steps after the newest checkpoint are trained again).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 import _elastic_train as job
+import _netns
 import multigpu as mg
 from multigpu.launch import config
 from multigpu.errors import UsageError
@@ -89,39 +91,32 @@ def test_a_hang_is_stopped_by_the_hang_timeout_and_the_restart_finishes_the_same
     print(f"\nhang stopped and restarted: {took:.1f} s in all, parameters within {worst:.1e} of one process")
 
 
-def _node(tmp_path, port, node_rank, *args, env=None):
+def _node(tmp_path, master, node_rank, *args, env=None, net=None):
+    """Node ``node_rank``'s launcher: inside its network namespace when ``net`` (tests/_netns.py), else here."""
+    argv = [sys.executable, "-m", "multigpu", "run", "-n", "1", "--cpu", "--nnodes", "1:2", "--node-rank", str(node_rank),
+            "--master", master, "--rdzv-last-call", "1", "--node-timeout", "3", "--log-dir",
+            str(tmp_path / "logs"), SCRIPT, "--dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "params.pt"),
+            "--record", str(tmp_path / "record.jsonl"), "--step-time", "0.1", *args]
     with open(tmp_path / f"node{node_rank}.stderr", "w") as log, open(tmp_path / f"node{node_rank}.stdout", "w") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "multigpu", "run", "-n", "1", "--cpu", "--nnodes", "1:2", "--node-rank", str(node_rank),
-             "--master", f"127.0.0.1:{port}", "--rdzv-last-call", "1", "--node-timeout", "3", "--log-dir",
-             str(tmp_path / "logs"), SCRIPT, "--dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "params.pt"),
-             "--record", str(tmp_path / "record.jsonl"), "--step-time", "0.1", *args],
-            stdout=out, stderr=log, env={**os.environ, **(env or {})})
+        kwargs = dict(stdout=out, stderr=log, env={**os.environ, **(env or {})})
+        return net.popen(node_rank, argv, **kwargs) if net is not None else subprocess.Popen(argv, **kwargs)
+
+
+def _hosts():
+    """Two separate hosts (network namespaces on a bridge) where this is root with iproute2, else loopback."""
+    return _netns.Hosts(2) if _netns.unavailable() is None else contextlib.nullcontext()
 
 
 @pytest.mark.slow
 def test_an_elastic_job_grows_then_loses_a_node_in_a_save_and_trains_what_one_process_trains(tmp_path, reference):
     """Node 0 alone (world 1) to step 4, node 1 joins (world 2) and dies inside its second save (step 8); node 0
     finishes alone from step 6."""
-    port, record = free_port(), tmp_path / "record.jsonl"
-    host = _node(tmp_path, port, 0, "--hold", "5")  # alone, it waits in step 5 for the join
-    joiner = None
-    try:
-        deadline = time.monotonic() + 90
-        while not record.exists() and time.monotonic() < deadline and host.poll() is None:
-            time.sleep(0.1)  # node 0 trains alone before node 1 starts
-        assert record.exists(), (tmp_path / "node0.stderr").read_text()[-3000:]
-        t_join = time.monotonic()
-        joiner = _node(tmp_path, port, 1, env={"ELASTIC_DIE_IN_SAVE": "2"})
-        host.wait(timeout=180)
-        took = time.monotonic() - t_join
-        lost = joiner.wait(timeout=30)
-    finally:
-        for p in (host, joiner):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
+    record = tmp_path / "record.jsonl"
+    with _hosts() as net:
+        master = f"{net.nodes[0].addr}:29400" if net is not None else f"127.0.0.1:{free_port()}"
+        took, lost, host = _grow_then_lose(tmp_path, master, net)
     err = (tmp_path / "node0.stderr").read_text()
+    where = "separate hosts (network namespaces)" if net is not None else "loopback"
     assert host.returncode == 0, err[-3000:]
     assert lost == -signal.SIGKILL  # node 1's launcher died with its worker
     assert "world size 1..2 (elastic, --max-restarts 3)" in err
@@ -138,8 +133,30 @@ def test_an_elastic_job_grows_then_loses_a_node_in_a_save_and_trains_what_one_pr
     # Node 1 died in the save after step recs[i-1]; the survivor trains again from the checkpoint before it.
     recovery, redone = recs[i]["time"] - recs[i - 1]["time"], recs[i - 1]["step"] - recs[i]["step"] + 1
     assert redone == 2, [(r["step"], r["world_size"]) for r in recs]  # steps 7 and 8: since checkpoint step-6
-    print(f"\nelastic 1 -> 2 -> 1 nodes: {took:.1f} s from node 1's start to the end; node lost in a save -> "
+    print(f"\nelastic 1 -> 2 -> 1 nodes on {where}: {took:.1f} s from node 1's start to the end; node lost in a save -> "
           f"training again in {recovery:.1f} s, {redone} steps trained again; parameters within {worst:.1e} of one process")
+
+
+def _grow_then_lose(tmp_path, master, net):
+    """Node 0 alone, node 1 joins and dies in its second save: (seconds from the join to the end, node 1's exit
+    code, node 0's process)."""
+    record = tmp_path / "record.jsonl"
+    host = _node(tmp_path, master, 0, "--hold", "5", net=net)  # alone, it waits in step 5 for the join
+    joiner = None
+    try:
+        deadline = time.monotonic() + 90
+        while not record.exists() and time.monotonic() < deadline and host.poll() is None:
+            time.sleep(0.1)  # node 0 trains alone before node 1 starts
+        assert record.exists(), (tmp_path / "node0.stderr").read_text()[-3000:]
+        t_join = time.monotonic()
+        joiner = _node(tmp_path, master, 1, env={"ELASTIC_DIE_IN_SAVE": "2"}, net=net)
+        host.wait(timeout=180)
+        return time.monotonic() - t_join, joiner.wait(timeout=30), host
+    finally:
+        for p in (host, joiner):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 @pytest.mark.parametrize("nnodes, extra, expected", [
