@@ -114,7 +114,13 @@ def block_modules(model: nn.Module, classes: list[type]) -> list[tuple[str, nn.M
 
 
 def declared_plan(model: nn.Module) -> dict[str, Any] | None:
-    """The plan a transformers model declares, with names from the model's root; None if it declares none."""
+    """The plan a transformers model declares, with names from the model's root; None if it declares none.
+    A PEFT model's is its transformers model's, under the names PEFT gives it (``hf/lora.py``)."""
+    from .hf import lora
+
+    if (inner := lora.wrapped_model(model)) is not None:
+        plan = declared_plan(inner)
+        return None if plan is None else {lora.PREFIX + k: v for k, v in plan.items()}
     plan = getattr(model, "tp_plan", None)
     if not isinstance(plan, dict):
         plan = getattr(model, "_tp_plan", None)

@@ -93,6 +93,9 @@ def tensor_parallel_plan(model: nn.Module, layout: Layout, blocks: list[tuple[st
     expanded = auto.expand(model, written, declared=declared)
     styles = {k: auto.translate(v, k) for k, v in expanded.items()}
     styles = {k: v for k, v in styles.items() if v is not None}
+    from .hf import lora
+
+    styles = lora.adapter_styles(model, styles, layout.sequence_parallel)  # a PEFT model's LoRA-wrapped Linears
     if not styles:
         raise UsageError(f"the tensor-parallel plan {source} only replicates, so nothing would be sharded; "
                          "give some modules 'colwise' or 'rowwise', or use tp=1")

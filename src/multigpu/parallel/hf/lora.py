@@ -1,0 +1,111 @@
+"""PEFT adapters (``peft.get_peft_model``) under tensor parallelism: each plan entry on a LoRA-wrapped Linear,
+translated once into styles for the layers inside it.
+
+PEFT wraps a projection ``q_proj`` in a ``lora.Linear`` holding ``base_layer`` (the original Linear) and,
+per adapter, ``lora_A[name]`` (in -> r) and ``lora_B[name]`` (r -> out); its output is
+``base_layer(x) + lora_B(lora_A(dropout(x))) * scaling``. A PEFT model's names gain ``base_model.model.``
+in front of the transformers model's. For the sum to equal one process's:
+
+- column-wise (q/k/v, gate/up): the input is whole on every rank, so ``lora_A`` stays whole (its gradient
+  the full one on every rank, as DTensor's all-reduce of the input gradient gives), and ``lora_B`` is split
+  by output rows like ``base_layer``: each rank adds its rows of the adapter's output to its rows of the
+  base output.
+- row-wise (o, down): the input is split by features, so ``lora_A`` is split by input columns like
+  ``base_layer`` and its r-wide partial sums are all-reduced (small: r features), then ``lora_B`` runs
+  whole on every rank; the base output is all-reduced once by its own style, the adapter's once by
+  ``lora_A``'s, and each is added once.
+
+What this cannot do exactly is refused in one line naming it: dropout > 0 (a rank draws its mask over
+its share of the features, one process over all of them), DoRA (its norm is over the whole weight),
+LoRA on an embedding under a plan, other adapter types on a planned module, and sequence parallelism.
+Nothing here imports peft unless the model came from it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from torch import nn
+
+from ...errors import UsageError
+
+PREFIX = "base_model.model."  # what a PEFT model's names gain before the transformers model's
+
+
+def is_peft(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``peft.PeftModel`` (FSDP's subclass of one included); peft is not imported."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def wrapped_model(model: nn.Module) -> nn.Module | None:
+    """The transformers model inside a PEFT model (its names are ``PREFIX`` + the model's), else None."""
+    if not is_peft(model):
+        return None
+    inner = model.get_submodule(PREFIX.rstrip("."))
+    return inner if isinstance(inner, nn.Module) else None
+
+
+def _tuner_layer(module: nn.Module) -> bool:
+    return "peft" in sys.modules and isinstance(module, sys.modules["peft"].tuners.tuners_utils.BaseTunerLayer)
+
+
+def _refuse(name: str, what: str) -> UsageError:
+    return UsageError(f"tensor parallelism of the adapter on {name}: {what} is not built yet (it would not compute "
+                      "what one process does); use tp=1 with adapters (DDP, FSDP and HSDP train them exactly), "
+                      "or drop it from the adapter's config")
+
+
+def _check_lora(name: str, module: nn.Module) -> list[str]:
+    """The adapter names of the LoRA Linear ``module``, or a one-line refusal of what TP cannot do exactly."""
+    from peft.tuners import lora
+
+    if isinstance(module, lora.Embedding):
+        return _fail(name, "LoRA on an embedding")
+    if not isinstance(module, lora.Linear) or not isinstance(module.base_layer, nn.Linear):
+        return _fail(name, f"a {type(module).__module__.split('.')[-2]} adapter {type(module).__name__} on a "
+                           f"{type(getattr(module, 'base_layer', module)).__name__}")
+    adapters = list(module.lora_A)
+    for adapter in adapters:
+        if module.use_dora.get(adapter):
+            return _fail(name, "DoRA (use_dora=True)")
+        dropout = module.lora_dropout[adapter]
+        if isinstance(dropout, nn.Dropout) and dropout.p > 0:
+            return _fail(name, f"lora_dropout={dropout.p} (a rank would draw its mask over its share of the "
+                               "features); lora_dropout=0.0")
+    return adapters
+
+
+def _fail(name: str, what: str) -> list[str]:
+    raise _refuse(name, what)
+
+
+def adapter_styles(model: nn.Module, styles: dict[str, Any], sequence_parallel: bool) -> dict[str, Any]:
+    """``styles`` with every entry on a LoRA-wrapped Linear replaced by the entries for the layers inside it
+    (module docstring); unchanged for a model without adapters."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    out: dict[str, Any] = {}
+    for name, style in styles.items():
+        module = model.get_submodule(name)
+        if not _tuner_layer(module):
+            out[name] = style
+            continue
+        adapters = _check_lora(name, module)
+        if sequence_parallel:
+            raise _refuse(name, "sequence parallelism")
+        if type(style) is ColwiseParallel:
+            out[f"{name}.base_layer"] = style
+            for adapter in adapters:  # lora_A stays whole: its input is
+                out[f"{name}.lora_B.{adapter}"] = ColwiseParallel(output_layouts=style.output_layouts[0],
+                                                                  use_local_output=style.use_local_output)
+        elif type(style) is RowwiseParallel and all(isinstance(p, Replicate) for p in style.output_layouts):
+            out[f"{name}.base_layer"] = style
+            for adapter in adapters:  # lora_B stays whole: lora_A's partial sums are all-reduced
+                out[f"{name}.lora_A.{adapter}"] = RowwiseParallel(input_layouts=style.input_layouts[0],
+                                                                  use_local_output=True)
+        else:
+            raise _refuse(name, f"the style {style!r} on a LoRA-wrapped Linear (column-wise and row-wise are built)")
+    return out
