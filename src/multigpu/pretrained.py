@@ -230,6 +230,10 @@ def save_pretrained(model: nn.Module, directory: str | Path, *, max_shard_bytes:
         shutil.rmtree(partial)  # an earlier attempt that did not finish
     if on:
         tdist.barrier()
+    from .parallel.hf.lora import is_peft
+
+    if is_peft(inner):  # a PEFT model: its adapter only, in PEFT's own format
+        return _save_adapter(inner, out, partial, rank, on)
     state = {k: v for k, v in inner.state_dict().items() if k not in set(_tied(inner))}
     files = _shards(state, max_shard_bytes)
     error = None
@@ -287,3 +291,38 @@ def _keep_consolidated(partial: Path) -> None:
     sharded = partial / "sharded"
     if sharded.is_dir():
         shutil.rmtree(sharded)
+
+
+def _save_adapter(model: nn.Module, out: Path, partial: Path, rank: int, on: bool) -> Path:
+    """A PEFT model's adapter as ``PeftModel.save_pretrained`` writes it (``adapter_config.json``,
+    ``adapter_model.safetensors``), from any layout: every rank gathers the adapter's tensors whole (they are
+    small; each ``full_tensor`` is a collective, taken in the same order everywhere), rank 0 writes them
+    through PEFT itself, under a temporary name renamed when complete. ``PeftModel.from_pretrained(base,
+    directory)`` loads it."""
+    import torch.distributed as tdist
+    from peft import get_peft_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    local = model.state_dict()
+    # PEFT picks the adapter's entries (and renames them); the same tensors, so their names here are found
+    picked = {id(v) for name in model.peft_config
+              for v in get_peft_model_state_dict(model, state_dict=local, adapter_name=name,
+                                                 save_embedding_layers=False).values()}
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+            for k, v in local.items() if id(v) in picked}
+    error = None
+    if rank == 0:
+        try:
+            model.save_pretrained(str(partial), state_dict=full, save_embedding_layers=False)
+            os.replace(partial, out)
+        except OSError as e:
+            error = _cause(e)
+    if on:
+        said = [error]
+        tdist.broadcast_object_list(said, src=0)
+        error = said[0]
+    if error is not None:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise UsageError(f"save_pretrained could not write {out}: {error}; nothing was left there")
+    return out

@@ -1,0 +1,142 @@
+"""PEFT LoRA adapters as people fine-tune: ``peft.get_peft_model`` on a transformers Llama, spread by
+``mg.parallelize`` under DDP, FSDP (frozen base, trainable adapters in the same units), TP (LoRA on the
+column-wise q/v and the row-wise o/down projections) and TP x FSDP, trained 4 AdamW steps with clipping at
+0.5 in float64: the adapter weights and the losses equal one process's within 1e-9, the optimizer holds
+state for the adapters only, and ``mg.save_pretrained`` writes the adapter alone in PEFT's format, which
+``PeftModel.from_pretrained(base, directory)`` loads into the trained model's logits (within 1e-12).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import multigpu as mg
+from multigpu.testing import spawn
+
+import _hf_layouts as hf
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft", reason="the lora extra is not installed (pip install multigpu[lora])")
+
+TOL = 1e-9
+TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]  # column-wise q, v; row-wise o, down under Llama's plan
+LAYOUTS = {2: [{"dp_replicate": 2}, {"dp_shard": 2}, {"tp": 2}], 4: [{"tp": 2, "dp_shard": 2}]}
+
+
+def peft_llama(**lora):
+    """The same tiny Llama (seed 0) with the same LoRA adapters (seed 1) on every rank, in float64."""
+    from peft import LoraConfig, get_peft_model
+
+    model = hf.build("llama")
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, target_modules=TARGETS, **({"lora_dropout": 0.0} | lora)))
+
+
+def _batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, hf.VOCAB, (8, 17), generator=g) for _ in range(4)]
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _train(dist, layouts: list[dict], out: str) -> dict:
+    """Each layout: 4 AdamW steps (clip 0.5), each data-parallel rank on its share of the batch; the adapter's
+    full weights, the losses and norms, what the optimizer holds, and the export's logits as PEFT loads it."""
+    from peft import PeftModel
+
+    results = {}
+    probe = torch.randint(0, hf.VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    for spec in layouts:
+        layout = mg.parallel.Layout(**spec).resolve(dist.world_size)
+        model = mg.parallelize(peft_llama(), layout, verbose=False)
+        opt = mg.optimizer(model, torch.optim.AdamW, lr=1e-2)
+        n, i = layout.dp_size, layout.dp_rank(dist.rank)
+        losses, norms = [], []
+        for batch in _batches():
+            x = batch[i * 8 // n:(i + 1) * 8 // n]
+            logits = _full(model(input_ids=x[:, :-1], use_cache=False).logits)
+            loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+            loss.backward()
+            norms.append(float(_full(mg.clip_grad_norm_(model, 0.5))))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            mean = loss.detach().clone()
+            if dist.world_size > 1:  # TP ranks hold their share's loss alike; the shares are equal
+                torch.distributed.all_reduce(mean)
+                mean /= dist.world_size
+            losses.append(float(mean))
+        trainable = {id(p) for p in model.parameters() if p.requires_grad}
+        stated = {id(p) for p in opt.state}
+        full = mg.full_state_dict(model)
+        with torch.no_grad():
+            logits = _full(model.eval()(input_ids=probe, use_cache=False).logits)
+        target = Path(out) / ("-".join(f"{k}{v}" for k, v in spec.items()) or "one")
+        mg.save_pretrained(model, target)
+        result = {"losses": losses, "norms": norms, "state_only_adapters": stated == trainable,
+                  "trainable": len(trainable), "stated": len(stated)}
+        if dist.rank == 0:
+            result["adapter"] = {k: v for k, v in full.items() if "lora_" in k}
+            loaded = PeftModel.from_pretrained(hf.build("llama"), str(target)).eval()
+            with torch.no_grad():
+                result["loaded_logits"] = float((loaded(input_ids=probe, use_cache=False).logits - logits).abs().max())
+            own = {k: v for k, v in full.items() if "lora_" in k}
+            result["loaded_adapter"] = max(float((v - own[k]).abs().max()) for k, v in loaded.state_dict().items()
+                                           if k in own)
+            result["files"] = sorted(p.name for p in target.iterdir())
+        results[str(spec)] = result
+    return results
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    return spawn(_train, 1, [{}], str(tmp_path_factory.mktemp("one")), timeout=300)[0]["{}"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_lora_under_ddp_fsdp_tp_trains_as_one_process_and_saves_the_adapter_peft_loads(one_process, tmp_path, world):
+    ref = one_process
+    assert ref["trainable"] == 16 and ref["stated"] == 16  # 4 targets x 2 layers x (A, B): the base is frozen
+    out = spawn(_train, world, LAYOUTS[world], str(tmp_path), timeout=600)
+    measured = {}
+    for name, got in out[0].items():
+        diff = max(float((v - ref["adapter"][k]).abs().max()) for k, v in got["adapter"].items())
+        assert sorted(got["adapter"]) == sorted(ref["adapter"]), name
+        measured[name] = diff
+        assert diff < TOL, (name, diff)
+        assert got["files"] == ["README.md", "adapter_config.json", "adapter_model.safetensors"], (name, got["files"])
+        assert got["loaded_adapter"] == 0.0, name  # PEFT reads back the very tensors trained
+        assert got["loaded_logits"] < 1e-12, (name, got["loaded_logits"])
+    for rank in out:
+        for name, got in rank.items():
+            assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) < TOL, name
+            assert got["norms"] == pytest.approx(ref["norms"], rel=TOL, abs=0), name
+            assert got["state_only_adapters"] and got["stated"] == 16, name  # no state for the frozen base
+    print("max adapter difference from one process:", {k: f"{v:.1e}" for k, v in measured.items()})
+
+
+def _refusals(dist) -> dict:
+    out = {}
+    for label, lora in {"dropout": {"lora_dropout": 0.1}, "dora": {"use_dora": True}}.items():
+        try:
+            mg.parallelize(peft_llama(**lora), mg.parallel.Layout(tp=2), verbose=False)
+            out[label] = "not refused"
+        except mg.UsageError as e:
+            out[label] = str(e)
+    return out
+
+
+@pytest.mark.slow
+def test_what_tensor_parallelism_cannot_do_exactly_with_adapters_is_refused_in_one_line():
+    said = spawn(_refusals, 2, timeout=300)[0]
+    assert "lora_dropout=0.1" in said["dropout"] and "q_proj" in said["dropout"], said["dropout"]
+    assert "DoRA (use_dora=True)" in said["dora"], said["dora"]
+    assert all("\n" not in s and "use tp=1" in s for s in said.values()), said
