@@ -33,7 +33,7 @@ def peft_llama(**lora):
 
     model = hf.build("llama")
     torch.manual_seed(1)
-    return get_peft_model(model, LoraConfig(r=4, target_modules=TARGETS, **({"lora_dropout": 0.0} | lora)))
+    return get_peft_model(model, LoraConfig(r=4, **({"target_modules": TARGETS, "lora_dropout": 0.0} | lora)))
 
 
 def _batches() -> list[torch.Tensor]:
@@ -124,10 +124,15 @@ def test_lora_under_ddp_fsdp_tp_trains_as_one_process_and_saves_the_adapter_peft
 
 
 def _refusals(dist) -> dict:
+    from peft import LoHaConfig, get_peft_model
+
     out = {}
-    for label, lora in {"dropout": {"lora_dropout": 0.1}, "dora": {"use_dora": True}}.items():
+    for label, build in {"dropout": lambda: peft_llama(lora_dropout=0.1), "dora": lambda: peft_llama(use_dora=True),
+                         "embedding": lambda: peft_llama(target_modules=["q_proj", "embed_tokens"]),
+                         "loha": lambda: get_peft_model(hf.build("llama"), LoHaConfig(r=4, target_modules=["q_proj"]))
+                         }.items():
         try:
-            mg.parallelize(peft_llama(**lora), mg.parallel.Layout(tp=2), verbose=False)
+            mg.parallelize(build(), mg.parallel.Layout(tp=2), verbose=False)
             out[label] = "not refused"
         except mg.UsageError as e:
             out[label] = str(e)
@@ -139,4 +144,30 @@ def test_what_tensor_parallelism_cannot_do_exactly_with_adapters_is_refused_in_o
     said = spawn(_refusals, 2, timeout=300)[0]
     assert "lora_dropout=0.1" in said["dropout"] and "q_proj" in said["dropout"], said["dropout"]
     assert "DoRA (use_dora=True)" in said["dora"], said["dora"]
+    assert "LoRA on an embedding" in said["embedding"] and "embed_tokens" in said["embedding"], said["embedding"]
+    assert "a loha adapter Linear" in said["loha"], said["loha"]
     assert all("\n" not in s and "use tp=1" in s for s in said.values()), said
+
+
+def _own_model_gradients(dist) -> float:
+    """A user's own model (no declared plan: the one found in its blocks) with LoRA on q, o and down, its
+    adapters' B random (not PEFT's zeros, so that every adapter weight has a gradient): TP 2's adapter
+    gradients against the same model on one process, on every rank."""
+    from peft import LoraConfig, get_peft_model
+
+    def build():
+        torch.manual_seed(0)
+        return get_peft_model(hf.TinyLM().double(), LoraConfig(r=4, target_modules=["attn.q", "attn.o", "mlp.down"],
+                                                               init_lora_weights=False))
+
+    x = torch.randint(0, hf.VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    whole, spread = build(), mg.parallelize(build(), mg.parallel.Layout(tp=2), verbose=False)
+    for model in (whole, spread):
+        F.cross_entropy(_full(model(x)).flatten(0, 1), x.flatten()).backward()
+    grads = dict(whole.named_parameters())
+    return max(float((_full(p.grad) - grads[n].grad).abs().max()) for n, p in spread.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.slow
+def test_a_found_plan_sees_through_the_adapters_of_a_users_own_model():
+    assert max(spawn(_own_model_gradients, 2, timeout=300)) < TOL

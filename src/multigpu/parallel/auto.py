@@ -184,9 +184,16 @@ def found_plan(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[st
     from .hf.conv1d import is_conv1d
 
     plan: dict[str, Any] = {}
+    from .hf import lora
+
     for block_name, block in blocks:
         run: list[tuple[str, nn.Module, int]] = []
+        wrapper = None  # a PEFT adapter layer is planned as the projection it wraps, its insides skipped
         for name, module in block.named_modules(prefix=block_name):
+            if wrapper and name.startswith(wrapper):
+                continue
+            if lora.adapter_layer(module):
+                wrapper, module = f"{name}.", getattr(module, "base_layer", module)
             if not _projection(module):
                 continue
             parent_name, _, leaf = name.rpartition(".")

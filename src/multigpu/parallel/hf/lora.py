@@ -47,7 +47,8 @@ def wrapped_model(model: nn.Module) -> nn.Module | None:
     return inner if isinstance(inner, nn.Module) else None
 
 
-def _tuner_layer(module: nn.Module) -> bool:
+def adapter_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a PEFT adapter layer (a LoRA Linear wrapping its ``base_layer``, or another kind)."""
     return "peft" in sys.modules and isinstance(module, sys.modules["peft"].tuners.tuners_utils.BaseTunerLayer)
 
 
@@ -90,7 +91,7 @@ def adapter_styles(model: nn.Module, styles: dict[str, Any], sequence_parallel: 
     out: dict[str, Any] = {}
     for name, style in styles.items():
         module = model.get_submodule(name)
-        if not _tuner_layer(module):
+        if not adapter_layer(module):
             out[name] = style
             continue
         adapters = _check_lora(name, module)
