@@ -79,7 +79,7 @@ def train(dist, layout: dict, recipe: str = "tensorwise", steps: int = 3, plant:
     layout = dataclasses.replace(layout, micro_batch=MICRO_BATCH)
     said = io.StringIO()
     with contextlib.redirect_stdout(said):
-        model = spread(model, layout, verbose=False)
+        model = spread(model, layout, verbose=True)  # its lines captured: the float8 styles line among them
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     plan = layout.plan(GLOBAL_BATCH, dist)
     losses = []
