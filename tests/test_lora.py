@@ -1,6 +1,6 @@
 """PEFT LoRA adapters as people fine-tune: ``peft.get_peft_model`` on a transformers Llama, spread by
 ``mg.parallelize`` under DDP, FSDP (frozen base, trainable adapters in the same units), TP (LoRA on the
-column-wise q/v and the row-wise o/down projections) and TP x FSDP, trained 4 AdamW steps with clipping at
+column-wise q/v and the row-wise o/down projections), TP x FSDP and HSDP, trained 4 AdamW steps with clipping at
 0.5 in float64: the adapter weights and the losses equal one process's within 1e-9, the optimizer holds
 state for the adapters only, and ``mg.save_pretrained`` writes the adapter alone in PEFT's format, which
 ``PeftModel.from_pretrained(base, directory)`` loads into the trained model's logits (within 1e-12).
@@ -24,7 +24,10 @@ pytest.importorskip("peft", reason="the lora extra is not installed (pip install
 
 TOL = 1e-9
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]  # column-wise q, v; row-wise o, down under Llama's plan
-LAYOUTS = {2: [{"dp_replicate": 2}, {"dp_shard": 2}, {"tp": 2}], 4: [{"tp": 2, "dp_shard": 2}]}
+# the last: LoRA with biases and a trained copy of the head (modules_to_save), the head column-wise under TP
+WITH_HEAD = {"lora_bias": True, "modules_to_save": ["lm_head"]}
+LAYOUTS = {2: [{"dp_replicate": 2}, {"dp_shard": 2}, {"tp": 2}, {"tp": 2, "lora": WITH_HEAD}], 4: [{"tp": 2, "dp_shard": 2},
+                                                                    {"dp_replicate": 2, "dp_shard": 2}]}
 
 
 def peft_llama(**lora):
@@ -55,8 +58,9 @@ def _train(dist, layouts: list[dict], out: str) -> dict:
     results = {}
     probe = torch.randint(0, hf.VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
     for spec in layouts:
-        layout = mg.parallel.Layout(**spec).resolve(dist.world_size)
-        model = mg.parallelize(peft_llama(), layout, verbose=False)
+        lora = spec.get("lora", {})
+        layout = mg.parallel.Layout(**{k: v for k, v in spec.items() if k != "lora"}).resolve(dist.world_size)
+        model = mg.parallelize(peft_llama(**lora), layout, verbose=False)
         opt = mg.optimizer(model, torch.optim.AdamW, lr=1e-2)
         n, i = layout.dp_size, layout.dp_rank(dist.rank)
         losses, norms = [], []
@@ -78,16 +82,17 @@ def _train(dist, layouts: list[dict], out: str) -> dict:
         full = mg.full_state_dict(model)
         with torch.no_grad():
             logits = _full(model.eval()(input_ids=probe, use_cache=False).logits)
-        target = Path(out) / ("-".join(f"{k}{v}" for k, v in spec.items()) or "one")
+        target = Path(out) / ("-".join(f"{k}{v}" for k, v in spec.items() if k != "lora") + ("-head" if lora else "")
+                              or "one")
         mg.save_pretrained(model, target)
         result = {"losses": losses, "norms": norms, "state_only_adapters": stated == trainable,
                   "trainable": len(trainable), "stated": len(stated)}
         if dist.rank == 0:
-            result["adapter"] = {k: v for k, v in full.items() if "lora_" in k}
+            result["adapter"] = own = {k: v for k, v in full.items() if "lora_" in k or "modules_to_save" in k}
             loaded = PeftModel.from_pretrained(hf.build("llama"), str(target)).eval()
+            assert sorted(k for k in loaded.state_dict() if k in own) == sorted(own)  # every trained tensor saved
             with torch.no_grad():
                 result["loaded_logits"] = float((loaded(input_ids=probe, use_cache=False).logits - logits).abs().max())
-            own = {k: v for k, v in full.items() if "lora_" in k}
             result["loaded_adapter"] = max(float((v - own[k]).abs().max()) for k, v in loaded.state_dict().items()
                                            if k in own)
             result["files"] = sorted(p.name for p in target.iterdir())
@@ -97,30 +102,34 @@ def _train(dist, layouts: list[dict], out: str) -> dict:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    return spawn(_train, 1, [{}], str(tmp_path_factory.mktemp("one")), timeout=300)[0]["{}"]
+    out = spawn(_train, 1, [{}, {"lora": WITH_HEAD}], str(tmp_path_factory.mktemp("one")), timeout=300)[0]
+    return {"": out["{}"], "head": out[str({"lora": WITH_HEAD})]}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_lora_under_ddp_fsdp_tp_trains_as_one_process_and_saves_the_adapter_peft_loads(one_process, tmp_path, world):
-    ref = one_process
-    assert ref["trainable"] == 16 and ref["stated"] == 16  # 4 targets x 2 layers x (A, B): the base is frozen
+    # 4 targets x 2 layers x (A, B): the base is frozen; with biases 8 more, and the head's copy
+    assert one_process[""]["trainable"] == one_process[""]["stated"] == 16
+    assert one_process["head"]["trainable"] == one_process["head"]["stated"] == 16 + 8 + 1
     out = spawn(_train, world, LAYOUTS[world], str(tmp_path), timeout=600)
     measured = {}
     for name, got in out[0].items():
+        ref = one_process["head" if "lora" in name else ""]
         diff = max(float((v - ref["adapter"][k]).abs().max()) for k, v in got["adapter"].items())
         assert sorted(got["adapter"]) == sorted(ref["adapter"]), name
-        measured[name] = diff
+        measured[name] = f"adapter {diff:.1e}, PEFT's load {got['loaded_logits']:.1e}"
         assert diff < TOL, (name, diff)
         assert got["files"] == ["README.md", "adapter_config.json", "adapter_model.safetensors"], (name, got["files"])
         assert got["loaded_adapter"] == 0.0, name  # PEFT reads back the very tensors trained
         assert got["loaded_logits"] < 1e-12, (name, got["loaded_logits"])
     for rank in out:
         for name, got in rank.items():
+            ref = one_process["head" if "lora" in name else ""]
             assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) < TOL, name
             assert got["norms"] == pytest.approx(ref["norms"], rel=TOL, abs=0), name
-            assert got["state_only_adapters"] and got["stated"] == 16, name  # no state for the frozen base
-    print("max adapter difference from one process:", {k: f"{v:.1e}" for k, v in measured.items()})
+            assert got["state_only_adapters"] and got["stated"] == ref["stated"], name  # none for the frozen base
+    print("max difference from one process, and of the logits PeftModel.from_pretrained gives:", measured)
 
 
 def _refusals(dist) -> dict:

@@ -18,6 +18,8 @@ in front of the transformers model's. For the sum to equal one process's:
 What this cannot do exactly is refused in one line naming it: dropout > 0 (a rank draws its mask over
 its share of the features, one process over all of them), DoRA (its norm is over the whole weight),
 LoRA on an embedding under a plan, other adapter types on a planned module, and sequence parallelism.
+A module PEFT trains a copy of (``modules_to_save``: a head) takes the entry's style on the original and on
+each copy.
 Nothing here imports peft unless the model came from it.
 """
 
@@ -52,6 +54,12 @@ def adapter_layer(module: nn.Module) -> bool:
     return "peft" in sys.modules and isinstance(module, sys.modules["peft"].tuners.tuners_utils.BaseTunerLayer)
 
 
+def _trained_copy(module: nn.Module) -> bool:
+    """PEFT's ``modules_to_save`` wrapper: the original module and a trained copy per adapter, one of which
+    runs (the same computation, so a plan entry's style applies to each of them)."""
+    return "peft" in sys.modules and isinstance(module, sys.modules["peft"].utils.other.ModulesToSaveWrapper)
+
+
 def _refuse(name: str, what: str) -> UsageError:
     return UsageError(f"tensor parallelism of the adapter on {name}: {what} is not built yet (it would not compute "
                       "what one process does); use tp=1 with adapters (DDP, FSDP and HSDP train them exactly), "
@@ -65,8 +73,9 @@ def _check_lora(name: str, module: nn.Module) -> list[str]:
     if isinstance(module, lora.Embedding):
         return _fail(name, "LoRA on an embedding")
     if not isinstance(module, lora.Linear) or not isinstance(module.base_layer, nn.Linear):
-        return _fail(name, f"a {type(module).__module__.split('.')[-2]} adapter {type(module).__name__} on a "
-                           f"{type(getattr(module, 'base_layer', module)).__name__}")
+        parts = type(module).__module__.split(".")
+        kind = f"a {parts[2]} adapter" if parts[1:2] == ["tuners"] and len(parts) > 3 else "PEFT's"
+        return _fail(name, f"{kind} {type(module).__name__} on a {type(getattr(module, 'base_layer', module)).__name__}")
     adapters = list(module.lora_A)
     for adapter in adapters:
         if module.use_dora.get(adapter):
@@ -91,6 +100,10 @@ def adapter_styles(model: nn.Module, styles: dict[str, Any], sequence_parallel: 
     out: dict[str, Any] = {}
     for name, style in styles.items():
         module = model.get_submodule(name)
+        if _trained_copy(module):  # modules_to_save: the original and each trained copy sharded alike
+            out[f"{name}.original_module"] = style
+            out |= {f"{name}.modules_to_save.{adapter}": style for adapter in module.modules_to_save}
+            continue
         if not adapter_layer(module):
             out[name] = style
             continue
