@@ -133,12 +133,13 @@ def test_lora_under_ddp_fsdp_tp_trains_as_one_process_and_saves_the_adapter_peft
 
 
 def _refusals(dist) -> dict:
-    from peft import LoHaConfig, get_peft_model
+    from peft import LoHaConfig, LoraConfig, get_peft_model
 
     out = {}
     for label, build in {"dropout": lambda: peft_llama(lora_dropout=0.1), "dora": lambda: peft_llama(use_dora=True),
                          "embedding": lambda: peft_llama(target_modules=["q_proj", "embed_tokens"]),
-                         "loha": lambda: get_peft_model(hf.build("llama"), LoHaConfig(r=4, target_modules=["q_proj"]))
+                         "loha": lambda: get_peft_model(hf.build("llama"), LoHaConfig(r=4, target_modules=["q_proj"])),
+                         "conv1d": lambda: get_peft_model(hf.build("gpt2"), LoraConfig(r=4, target_modules=["c_attn"]))
                          }.items():
         try:
             mg.parallelize(build(), mg.parallel.Layout(tp=2), verbose=False)
@@ -155,6 +156,7 @@ def test_what_tensor_parallelism_cannot_do_exactly_with_adapters_is_refused_in_o
     assert "DoRA (use_dora=True)" in said["dora"], said["dora"]
     assert "LoRA on an embedding" in said["embedding"] and "embed_tokens" in said["embedding"], said["embedding"]
     assert "a loha adapter Linear" in said["loha"], said["loha"]
+    assert "a lora adapter Linear on a Conv1D" in said["conv1d"] and "c_attn" in said["conv1d"], said["conv1d"]
     assert all("\n" not in s and "use tp=1" in s for s in said.values()), said
 
 
