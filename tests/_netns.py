@@ -25,6 +25,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 
 IFNAME = "eth0"  # every node's interface to the others, as GLOO_SOCKET_IFNAME names it
@@ -109,10 +110,14 @@ class Hosts:
     def close(self) -> None:
         # Every process inside a node (the launchers, and the workers torch's agent started in their own
         # sessions), then the namespaces: deleting one only unmounts it while a process still lives there.
-        for ns in self._made:
-            for pid in _pids(ns):
+        for _ in range(50):  # again until none is left: a process may fork while the others are killed
+            pids = [pid for ns in self._made for pid in _pids(ns)]
+            if not pids:
+                break
+            for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
         for proc in self._procs:
             proc.wait()
         self._procs.clear()
