@@ -132,10 +132,18 @@ def test_lora_under_ddp_fsdp_tp_trains_as_one_process_and_saves_the_adapter_peft
     print("max difference from one process, and of the logits PeftModel.from_pretrained gives:", measured)
 
 
-def _refusals(dist) -> dict:
+def _refusals(dist, saved: str) -> dict:
     from peft import LoHaConfig, LoraConfig, get_peft_model
 
     out = {}
+    for spec in ({"tp": 2}, {"dp_shard": 2}):  # adapters added after the model was spread: refused, not wrong
+        model = get_peft_model(mg.from_pretrained(saved, mg.parallel.Layout(**spec), verbose=False),
+                               LoraConfig(r=4, target_modules=TARGETS, lora_dropout=0.0))
+        try:
+            mg.optimizer(model, torch.optim.AdamW, lr=1e-3)
+            out[f"spread first {spec}"] = "not refused"
+        except mg.UsageError as e:
+            out[f"spread first {spec}"] = str(e)
     for label, build in {"dropout": lambda: peft_llama(lora_dropout=0.1), "dora": lambda: peft_llama(use_dora=True),
                          "embedding": lambda: peft_llama(target_modules=["q_proj", "embed_tokens"]),
                          "loha": lambda: get_peft_model(hf.build("llama"), LoHaConfig(r=4, target_modules=["q_proj"])),
@@ -150,8 +158,12 @@ def _refusals(dist) -> dict:
 
 
 @pytest.mark.slow
-def test_what_tensor_parallelism_cannot_do_exactly_with_adapters_is_refused_in_one_line():
-    said = spawn(_refusals, 2, timeout=300)[0]
+def test_what_tensor_parallelism_cannot_do_exactly_with_adapters_is_refused_in_one_line(tmp_path):
+    hf.build("llama").save_pretrained(tmp_path / "llama")
+    said = spawn(_refusals, 2, str(tmp_path / "llama"), timeout=300)[0]
+    for spec in ("{'tp': 2}", "{'dp_shard': 2}"):
+        got = said.pop(f"spread first {spec}")
+        assert "LlamaForCausalLM was spread before get_peft_model" in got and "\n" not in got, (spec, got)
     assert "lora_dropout=0.1" in said["dropout"] and "q_proj" in said["dropout"], said["dropout"]
     assert "DoRA (use_dora=True)" in said["dora"], said["dora"]
     assert "LoRA on an embedding" in said["embedding"] and "embed_tokens" in said["embedding"], said["embedding"]

@@ -230,8 +230,9 @@ def save_pretrained(model: nn.Module, directory: str | Path, *, max_shard_bytes:
         shutil.rmtree(partial)  # an earlier attempt that did not finish
     if on:
         tdist.barrier()
-    from .parallel.hf.lora import is_peft
+    from .parallel.hf.lora import check_wrapped_whole, is_peft
 
+    check_wrapped_whole(inner, "save_pretrained")
     if is_peft(inner):  # a PEFT model: its adapter only, in PEFT's own format
         return _save_adapter(inner, out, partial, rank, on)
     state = {k: v for k, v in inner.state_dict().items() if k not in set(_tied(inner))}

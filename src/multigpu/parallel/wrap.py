@@ -183,6 +183,9 @@ def optimizer(model: nn.Module, optimizer_class: type, params: Any = None, **def
 
     >>> opt = mg.optimizer(model, torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
     """
+    from .hf.lora import check_wrapped_whole
+
+    check_wrapped_whole(unwrap(model), "mg.optimizer")
     zero = strategy_of(model) == "zero1"
     check_optimizer_class(optimizer_class, sharded=zero)
     params = model.parameters() if params is None else params

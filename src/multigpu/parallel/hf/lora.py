@@ -49,6 +49,20 @@ def wrapped_model(model: nn.Module) -> nn.Module | None:
     return inner if isinstance(inner, nn.Module) else None
 
 
+def check_wrapped_whole(model: nn.Module, what: str) -> None:
+    """Refuse a PEFT model built on a model already spread (``mg.from_pretrained``, ``mg.parallelize``): its
+    adapters were made from sharded layers after the spreading, which neither shards nor synchronises them
+    (FSDP fails on their shapes; under TP they silently compute something else)."""
+    from ...spreads import spread_of
+
+    inner = wrapped_model(model)
+    if inner is not None and spread_of(model) is None and spread_of(inner) is not None:
+        raise UsageError(f"{what} got a PEFT model whose {type(inner).__name__} was spread before get_peft_model "
+                         "added its adapters; build the PEFT model on the whole model (transformers' "
+                         "from_pretrained on every rank), then spread it: mg.parallelize(get_peft_model(model, "
+                         "config), layout)")
+
+
 def adapter_layer(module: nn.Module) -> bool:
     """Whether ``module`` is a PEFT adapter layer (a LoRA Linear wrapping its ``base_layer``, or another kind)."""
     return "peft" in sys.modules and isinstance(module, sys.modules["peft"].tuners.tuners_utils.BaseTunerLayer)
