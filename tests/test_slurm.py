@@ -8,13 +8,11 @@ and say so in one line, exit 2, when it cannot.
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import time
 
 import pytest
-import torch
 
 import _netns
 import _slurm
