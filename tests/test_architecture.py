@@ -20,7 +20,7 @@ FLAGS = {
     "bench": ["--backend", "--bucket-cap-mb", "--ddp", "--dtype", "--group-size", "--iters", "--json", "--no-check",
               "--nproc", "--ops", "--sizes", "--timeout", "--warmup", "-n"],
     "ckpt": [],
-    "ckpt export": ["<checkpoint>", "<out>"],
+    "ckpt export": ["--hf", "<checkpoint>", "<out>"],
     "ckpt ls": ["<dir>"],
     "ckpt verify": ["<dir>"],
     "doctor": ["--backend", "--json", "--no-smoke", "--nproc", "--port", "--timeout", "-n"],

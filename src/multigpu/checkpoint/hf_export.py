@@ -37,10 +37,9 @@ def export_hf(checkpoint: str | Path, out: str | Path, base: str | Path,
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     from ..pretrained import _empty, _expected
-    from .tools import verified_model
 
     src, out, base = Path(checkpoint), Path(out), Path(base)
-    manifest = verified_model(src)
+    manifest = storage.verified_model(src)
     if not (base / "config.json").is_file():
         raise UsageError(f"--hf takes the Hugging Face directory the run started from (its config.json describes "
                          f"the model), but {base} has no config.json")

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ..errors import UsageError
 from ..runtime import compat
 
 FORMAT = "multigpu-checkpoint/1"
@@ -356,3 +357,15 @@ def single_process_ok() -> Iterator[None]:
 
 def read_metadata(path: Path) -> Metadata:
     return SafeReader(path).read_metadata()
+
+
+def verified_model(src: Path) -> dict:
+    """The manifest of checkpoint ``src``, fully verified and holding a model's state, or one line why not."""
+    if not src.exists():
+        raise UsageError(f"checkpoint {src} does not exist; list them with `multigpu ckpt ls DIR`")
+    manifest, problems = verify(src, full=True)
+    if problems:
+        raise UsageError(f"checkpoint {src} cannot be exported: {problems[0]}; pick a valid one from `multigpu ckpt ls`")
+    if "model" not in manifest["state_keys"]:
+        raise UsageError(f"checkpoint {src} holds no model state (it has: {', '.join(manifest['state_keys'])})")
+    return manifest

@@ -88,18 +88,6 @@ def table(directory: str | Path, full: bool = False) -> tuple[list[str], int]:
     return lines, bad
 
 
-def verified_model(src: Path) -> dict:
-    """The manifest of checkpoint ``src``, fully verified and holding a model's state, or one line why not."""
-    if not src.exists():
-        raise UsageError(f"checkpoint {src} does not exist; list them with `multigpu ckpt ls DIR`")
-    manifest, problems = storage.verify(src, full=True)
-    if problems:
-        raise UsageError(f"checkpoint {src} cannot be exported: {problems[0]}; pick a valid one from `multigpu ckpt ls`")
-    if "model" not in manifest["state_keys"]:
-        raise UsageError(f"checkpoint {src} holds no model state (it has: {', '.join(manifest['state_keys'])})")
-    return manifest
-
-
 def export(checkpoint: str | Path, out: str | Path) -> dict[str, int]:
     """Write the model weights of one checkpoint as a plain ``torch.save`` file.
 
@@ -110,7 +98,7 @@ def export(checkpoint: str | Path, out: str | Path) -> dict[str, int]:
     >>> export("runs/x/step-120", "model.pt")
     """
     src = Path(checkpoint)
-    manifest = verified_model(src)
+    manifest = storage.verified_model(src)
     out = Path(out)
     if out.is_dir():
         raise UsageError(f"export target {out} is a directory; pass a file name such as {out / 'model.pt'}")
