@@ -95,7 +95,10 @@ def tensor_parallel_plan(model: nn.Module, layout: Layout, blocks: list[tuple[st
     styles = {k: v for k, v in styles.items() if v is not None}
     from .hf import lora
 
-    styles = lora.adapter_styles(model, styles, layout.sequence_parallel)  # a PEFT model's LoRA-wrapped Linears
+    adapted = lora.adapter_styles(model, styles, layout.sequence_parallel)  # a PEFT model's LoRA-wrapped Linears
+    if wrapped := sum(k not in adapted for k in styles):
+        source += f", {wrapped} PEFT-wrapped modules split with their adapters"
+    styles = adapted
     if not styles:
         raise UsageError(f"the tensor-parallel plan {source} only replicates, so nothing would be sharded; "
                          "give some modules 'colwise' or 'rowwise', or use tp=1")

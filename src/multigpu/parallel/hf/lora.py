@@ -85,24 +85,20 @@ def _check_lora(name: str, module: nn.Module) -> list[str]:
     from peft.tuners import lora
 
     if isinstance(module, lora.Embedding):
-        return _fail(name, "LoRA on an embedding")
+        raise _refuse(name, "LoRA on an embedding")
     if not isinstance(module, lora.Linear) or not isinstance(module.base_layer, nn.Linear):
         parts = type(module).__module__.split(".")
         kind = f"a {parts[2]} adapter" if parts[1:2] == ["tuners"] and len(parts) > 3 else "PEFT's"
-        return _fail(name, f"{kind} {type(module).__name__} on a {type(getattr(module, 'base_layer', module)).__name__}")
+        raise _refuse(name, f"{kind} {type(module).__name__} on a {type(getattr(module, 'base_layer', module)).__name__}")
     adapters = list(module.lora_A)
     for adapter in adapters:
         if module.use_dora.get(adapter):
-            return _fail(name, "DoRA (use_dora=True)")
+            raise _refuse(name, "DoRA (use_dora=True)")
         dropout = module.lora_dropout[adapter]
         if isinstance(dropout, nn.Dropout) and dropout.p > 0:
-            return _fail(name, f"lora_dropout={dropout.p} (a rank would draw its mask over its share of the "
+            raise _refuse(name, f"lora_dropout={dropout.p} (a rank would draw its mask over its share of the "
                                "features); lora_dropout=0.0")
     return adapters
-
-
-def _fail(name: str, what: str) -> list[str]:
-    raise _refuse(name, what)
 
 
 def adapter_styles(model: nn.Module, styles: dict[str, Any], sequence_parallel: bool) -> dict[str, Any]:
