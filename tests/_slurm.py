@@ -10,8 +10,9 @@ its directory, so nothing of the machine's own SLURM or munge is used or touched
     with _netns.Hosts(2) as net, Cluster(net, tmp_path) as slurm:
         proc = slurm.run(0, ["srun", "-N", "2", "--ntasks-per-node=1", "hostname"])
 
-``unavailable()`` installs the packages with apt when they are missing and this is
-root on a machine with apt (CI's fresh machine), else says why not (a skip).
+``unavailable()`` says why not (a skip at collection); ``install()``, in a test's
+setup, installs the packages with apt when they are missing (root with apt: CI's
+fresh machine; `make test` installs them first).
 """
 
 from __future__ import annotations
@@ -28,16 +29,28 @@ BINARIES = ("slurmctld", "slurmd", "srun", "sbatch", "scontrol", "sinfo", "munge
 
 
 def unavailable() -> str | None:
-    """Why no SLURM cluster can be started here (a skip reason), or None; installs slurm-wlm when it can."""
+    """Why no SLURM cluster can be started here (a skip reason), or None: installed, or installable by
+    ``install()`` (root on a machine with apt)."""
     if all(shutil.which(b) for b in BINARIES):
         return None
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         return "a real SLURM cluster needs slurm-wlm and munge (apt-get install slurm-wlm munge, as root)"
+    return None
+
+
+def install() -> str | None:
+    """Install slurm-wlm and munge with apt when missing (a test's setup, not its collection); why it failed, or None."""
+    if all(shutil.which(b) for b in BINARIES):
+        return None
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "slurm-wlm", "munge"],
-                   capture_output=True, env=env, timeout=600)
+    for argv in (["apt-get", "install", "-y", "-qq", "--no-install-recommends", "slurm-wlm", "munge"],
+                 ["apt-get", "update", "-qq"],
+                 ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "slurm-wlm", "munge"]):
+        subprocess.run(argv, capture_output=True, env=env, timeout=600)
+        if all(shutil.which(b) for b in BINARIES):
+            return None
     missing = [b for b in BINARIES if not shutil.which(b)]
-    return f"apt-get install slurm-wlm munge left {', '.join(missing)} missing" if missing else None
+    return f"apt-get install slurm-wlm munge left {', '.join(missing)} missing"
 
 
 CONF = """\

@@ -21,6 +21,13 @@ from test_hosts import SCRIPT, _records, _same_training, reference  # noqa: F401
 _why = _netns.unavailable() or _slurm.unavailable()
 pytestmark = pytest.mark.skipif(_why is not None, reason=str(_why))
 
+@pytest.fixture(scope="module", autouse=True)
+def slurm_installed():
+    failed = _slurm.install()
+    if failed:
+        pytest.skip(failed)
+
+
 BATCH = """#!/bin/bash
 #SBATCH --nodes=2 --ntasks-per-node=1 --output={out} --error={err}
 srun {python} -m multigpu run -n 2 --cpu --log-dir {logs} {script} --dir {ckpt} --out {params} --record {record} --float64 --micro 2
