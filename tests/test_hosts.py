@@ -127,3 +127,17 @@ def test_an_elastic_job_goes_on_when_a_hosts_network_is_cut(tmp_path, reference)
           f"({after - before:.1f} s after the last 2-node step), finished {took:.1f} s after it; node 1's launcher "
           f"{'still running' if other_code is None else f'exited {other_code}'} then; parameters within {worst:.1e} "
           f"of one process; node 0 said: {verdict[:200]}")
+
+
+def test_the_hosts_are_gone_after_a_failure_processes_included():
+    """A test that fails inside the block leaves no namespace, link or process behind."""
+    with pytest.raises(ZeroDivisionError):
+        with _netns.Hosts(2) as net:
+            sleeper = net.popen(1, ["sleep", "300"])
+            child = net.popen(0, ["sh", "-c", "setsid sleep 300 & wait"])  # a grandchild in its own session
+            names = [n.ns for n in net.nodes] + [net.switch]
+            time.sleep(0.2)
+            assert sorted(_netns.leftovers()) == sorted(names)
+            1 / 0
+    assert not _netns.leftovers() and sleeper.returncode == -9 and child.returncode == -9
+    assert not [ns for ns in names if os.path.exists(f"/run/netns/{ns}")]
