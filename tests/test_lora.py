@@ -194,3 +194,37 @@ def _own_model_gradients(dist) -> float:
 @pytest.mark.slow
 def test_a_found_plan_sees_through_the_adapters_of_a_users_own_model():
     assert max(spawn(_own_model_gradients, 2, timeout=300)) < TOL
+
+
+def _checkpointed(dist, directory: str, spec: dict, resume: bool) -> dict:
+    """2 of _train's steps on ``spec`` with a Checkpointer (save) or the rest from its checkpoint (resume)."""
+    layout = mg.parallel.Layout(**spec).resolve(dist.world_size)
+    model = mg.parallelize(peft_llama(), layout, verbose=False)
+    opt = mg.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    ckpt = mg.Checkpointer(directory, model=model, optimizer=opt)
+    start = ckpt.resume() if resume else 0
+    n, i = layout.dp_size, layout.dp_rank(dist.rank)
+    for step, batch in list(enumerate(_batches()))[start:None if resume else 2]:
+        x = batch[i * 8 // n:(i + 1) * 8 // n]
+        F.cross_entropy(_full(model(input_ids=x[:, :-1], use_cache=False).logits).flatten(0, 1),
+                        x[:, 1:].flatten()).backward()
+        mg.clip_grad_norm_(model, 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if not resume:
+            ckpt.save(step)
+    full = mg.full_state_dict(model)
+    return {"start": start, "adapter": {k: v for k, v in full.items() if "lora_" in k}}
+
+
+@pytest.mark.slow
+def test_adapters_checkpointed_under_fsdp_resume_under_tp_as_one_process_continues(one_process, tmp_path):
+    """The adapters' optimizer state (the only state there is) goes through mg.Checkpointer from one layout to
+    another: 2 steps under FSDP 2, the other 2 resumed under TP 2, as one process's 4."""
+    spawn(_checkpointed, 2, str(tmp_path), {"dp_shard": 2}, False, timeout=300)
+    got = spawn(_checkpointed, 2, str(tmp_path), {"tp": 2}, True, timeout=300)[0]
+    assert got["start"] == 2
+    ref = one_process[""]["adapter"]
+    diff = max(float((v - ref[k]).abs().max()) for k, v in got["adapter"].items())
+    assert sorted(got["adapter"]) == sorted(ref)
+    assert diff < TOL, diff  # 1.9e-16 here; a resume without the optimizer state fails this
