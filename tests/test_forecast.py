@@ -590,3 +590,40 @@ def test_counted_once_per_model_and_length():
     assert counted("llama3-8b", 8192) is counted("llama3-8b", 8192)
     assert counted("llama3-8b", 8192).params == 8_030_261_248  # Llama 3.1 8B's published count
     _ = GiB
+
+
+def test_named_layouts_json_and_the_notes_a_table_would_hide(tmp_path, capsys):
+    """--layout forecasts only the named layouts (every micro-batch size unless named), --json prints the ranking
+    as JSON alone, a tie at the top is broken by the lesser memory and said, and a pick at the edge of the GPU's
+    memory is said with the fastest that leaves room."""
+    pytest.importorskip("transformers")
+    from multigpu.forecast import MEMORY_MARGIN, notes
+
+    from multigpu.cli import main
+
+    code = main(["forecast", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "32", "--json",
+                 "--layout", "dp_shard=8,tp=2;dp_shard=16", "--out", str(tmp_path)])
+    printed = json.loads(capsys.readouterr().out)  # the JSON alone on stdout
+    assert code == 0 and {r["name"].split(",")[0] for r in printed["ranked"]} == {"FSDP 8 x TP 2", "FSDP 16"}
+    assert printed["command"].startswith("multigpu run --nnodes 2 -n 8 train.py") and "--tp" in printed["ranked"][0]["flags"]
+    assert not (tmp_path / "forecast.json").exists()  # --json prints, and writes no report
+    code, err = run_cli(["forecast", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "32",
+                         "--layout", "dp_shard=8,tp=2", "--micro-batches", "1,2", "--out", str(tmp_path / "r")], capsys)
+    data = json.loads((tmp_path / "r" / "forecast.json").read_text())
+    assert code == 0 and {f["name"].split(",")[0] for f in data["forecasts"]} == {"FSDP 8 x TP 2"}
+    assert len(data["forecasts"]) == 4  # 2 micro-batch sizes x recompute on and off
+    speeds = [(not f["fits"], -f["tokens_per_s_per_gpu"], f["memory_bytes"]) for f in data["forecasts"]]
+    assert speeds == sorted(speeds)
+    # the notes, on rows made to tie and to fill the GPU
+    gib = 2 ** 30
+    rows = [{"name": "A", "fits": True, "tokens_per_s_per_gpu": 100.0, "memory_bytes": 75 * gib},
+            {"name": "B", "fits": True, "tokens_per_s_per_gpu": 99.5, "memory_bytes": 60 * gib}]
+    said = notes(rows, 80 * gib)
+    assert said[0].startswith("A and B are within 1 % of each other's tokens/s")
+    assert said[1].startswith("A fills 75.0 of 80.0 GiB (94 %), within the forecast's memory error") and \
+        "the fastest that leaves 10 % free: B (60.0 GiB, 100 tokens/s/GPU)" in said[1] and MEMORY_MARGIN == 0.10
+    assert notes(rows[1:], 80 * gib) == []
+    for spec, says in (("dp_shard=8", "spans 8 GPUs but --gpus is 16"), ("tpp=2", "--layout takes field=value pairs")):
+        code, err = run_cli(["forecast", "--model", "llama3-8b", "--gpus", "16", "--layout", spec,
+                             "--out", str(tmp_path / "x")], capsys)
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err

@@ -40,15 +40,32 @@ def _why_not(counts: Counts, layout: Layout, run: Run) -> str | None:
     return microbatches_refusal(s.schedule, s.pp, m) if s.pp > 1 else None
 
 
+def _matches(layout: Layout, named: list[Layout] | None) -> bool:
+    """``layout`` has the degrees of one of ``named`` (its schedule under pp; its micro-batch where it gives one)."""
+    if named is None:
+        return True
+    degrees = ("pp", "dp_replicate", "dp_shard", "tp", "cp", "ep")
+    return any(all(getattr(layout, d) == getattr(n, d) for d in degrees)
+               and (n.pp == 1 or n.schedule == layout.schedule)
+               and (n.micro_batch is None or n.micro_batch == layout.micro_batch) for n in named)
+
+
 def plan(counts: Counts, cluster: Cluster, run: Run, a: Assumptions, *, micro_batches=(1, 2, 4, 8),
-         recompute=("none", "full"), schedules=("1f1b", "interleaved_1f1b")) -> tuple[list[dict], list[dict]]:
-    """(forecasts ranked: fitting first, then tokens/s per GPU; the layouts left out with their reason)."""
+         recompute=("none", "full"), schedules=("1f1b", "interleaved_1f1b"),
+         named: list[Layout] | None = None) -> tuple[list[dict], list[dict]]:
+    """(forecasts ranked: fitting first, then tokens/s per GPU, then the lesser memory and the name, so a tie is
+    broken the same way every time; the layouts left out with their reason). ``named``: only those layouts."""
     from ..tune.space import layouts, name
 
     ranked, out = [], []
+    if named:
+        schedules = tuple(dict.fromkeys((*schedules, *(n.schedule for n in named if n.pp > 1))))
+        micro_batches = tuple(dict.fromkeys((*micro_batches, *(n.micro_batch for n in named if n.micro_batch))))
     for base in layouts(cluster.gpus, schedules=schedules, context=True, experts=counts.experts > 0):
         for mb in micro_batches:
             layout = dataclasses.replace(base, micro_batch=mb)
+            if not _matches(layout, named):
+                continue
             why = _why_not(counts, layout, run)
             if why:
                 out.append({"layout": name(layout), "reason": why})
@@ -62,7 +79,11 @@ def plan(counts: Counts, cluster: Cluster, run: Run, a: Assumptions, *, micro_ba
                 ranked.append({"name": name(chosen), "layout": chosen, "recompute": rc, **got})
     if not ranked:
         reasons = sorted({o["reason"] for o in out})
-        raise UsageError(f"no layout of {cluster.gpus} GPUs fits {counts.name} with global batch {run.global_batch}: "
-                         + "; ".join(reasons[:3]))
-    ranked.sort(key=lambda f: (not f["fits"], -f["tokens_per_s_per_gpu"]))
+        what = "the named layouts" if named else "no layout"
+        if named and not reasons:
+            raise UsageError(f"--layout names no layout forecast enumerates on {cluster.gpus} GPUs "
+                             f"({', '.join(n.label for n in named)}); forecast leaves it out of its own list too")
+        raise UsageError(f"{what} of {cluster.gpus} GPUs {'fit' if named else 'fits'} {counts.name} with global batch "
+                         f"{run.global_batch}: " + "; ".join(reasons[:3]))
+    ranked.sort(key=lambda f: (not f["fits"], -f["tokens_per_s_per_gpu"], f["memory_bytes"], f["name"]))
     return ranked, out
