@@ -19,7 +19,8 @@ What this cannot do exactly is refused in one line naming it: dropout > 0 (a ran
 its share of the features, one process over all of them), DoRA (its norm is over the whole weight),
 LoRA on an embedding under a plan, other adapter types on a planned module, and sequence parallelism.
 A module PEFT trains a copy of (``modules_to_save``: a head) takes the entry's style on the original and on
-each copy.
+each copy. A plan found in the blocks plans an adapter layer as the projection it wraps (``auto.found_plan``).
+A PEFT model made from a model already spread is refused (``check_wrapped_whole``).
 Nothing here imports peft unless the model came from it.
 """
 
@@ -120,7 +121,7 @@ def adapter_styles(model: nn.Module, styles: dict[str, Any], sequence_parallel: 
         adapters = _check_lora(name, module)
         if sequence_parallel:
             raise _refuse(name, "sequence parallelism")
-        if type(style) is ColwiseParallel:
+        if type(style) is ColwiseParallel and all(isinstance(p, Replicate) for p in style.input_layouts):
             out[f"{name}.base_layer"] = style
             for adapter in adapters:  # lora_A stays whole: its input is
                 out[f"{name}.lora_B.{adapter}"] = ColwiseParallel(output_layouts=style.output_layouts[0],
