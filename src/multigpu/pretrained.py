@@ -253,7 +253,15 @@ def save_pretrained(model: nn.Module, directory: str | Path, *, max_shard_bytes:
             os.replace(partial, out)
         except OSError as e:
             error = _cause(e)
-    if on:  # rank 0's last steps are its own: every rank learns how they ended
+    return _ended(error, out, partial, rank, on)
+
+
+def _ended(error: str | None, out: Path, partial: Path, rank: int, on: bool) -> Path:
+    """``out``, or one line on every rank when a write failed (rank 0's last steps are its own: every rank
+    learns how they ended), the temporary directory removed."""
+    import torch.distributed as tdist
+
+    if on:
         said = [error]
         tdist.broadcast_object_list(said, src=0)
         error = said[0]
@@ -300,7 +308,6 @@ def _save_adapter(model: nn.Module, out: Path, partial: Path, rank: int, on: boo
     small; each ``full_tensor`` is a collective, taken in the same order everywhere), rank 0 writes them
     through PEFT itself, under a temporary name renamed when complete. ``PeftModel.from_pretrained(base,
     directory)`` loads it."""
-    import torch.distributed as tdist
     from peft import get_peft_model_state_dict
     from torch.distributed.tensor import DTensor
 
@@ -318,12 +325,4 @@ def _save_adapter(model: nn.Module, out: Path, partial: Path, rank: int, on: boo
             os.replace(partial, out)
         except OSError as e:
             error = _cause(e)
-    if on:
-        said = [error]
-        tdist.broadcast_object_list(said, src=0)
-        error = said[0]
-    if error is not None:
-        if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        raise UsageError(f"save_pretrained could not write {out}: {error}; nothing was left there")
-    return out
+    return _ended(error, out, partial, rank, on)
