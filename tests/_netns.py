@@ -52,7 +52,23 @@ class Node:
     addr: str  # its eth0 address, reachable from the other nodes only
 
 
-class Hosts:
+class Scoped:
+    """A context manager that always undoes what it made: ``_open`` on entry (``close`` if it fails part way),
+    ``close`` on exit."""
+
+    def __enter__(self):
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Hosts(Scoped):
     """``n`` nodes on one bridge; a context manager that always removes what it made."""
 
     def __init__(self, n: int) -> None:
@@ -63,18 +79,7 @@ class Hosts:
         self._made: list[str] = []
         self._procs: list[subprocess.Popen] = []
 
-    def __enter__(self) -> "Hosts":
-        try:
-            self._make()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _make(self) -> None:
+    def _open(self) -> None:
         for ns in (self.switch, *(node.ns for node in self.nodes)):
             _ip("netns", "add", ns)
             self._made.append(ns)

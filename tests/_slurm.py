@@ -25,6 +25,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from _netns import Scoped
+
 BINARIES = ("slurmctld", "slurmd", "srun", "sbatch", "scontrol", "sinfo", "munged")
 
 
@@ -86,7 +88,7 @@ PartitionName=test Nodes={names} Default=YES MaxTime=INFINITE State=UP
 """
 
 
-class Cluster:
+class Cluster(Scoped):
     """slurmctld on node 0 and a slurmd on every node of ``net``; all stopped on leaving the block."""
 
     CTL_PORT, D_PORT = 6817, 6818  # SLURM's defaults: each node has its own network stack
@@ -98,18 +100,7 @@ class Cluster:
         self._munged: subprocess.Popen | None = None
         self.env = {**os.environ, "SLURM_CONF": str(self.dir / "slurm.conf")}
 
-    def __enter__(self) -> "Cluster":
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _start(self) -> None:
+    def _open(self) -> None:
         d = self.dir
         for sub in ("state", "munge", *(f"spool-{name}" for name in self.names)):
             (d / sub).mkdir(parents=True, exist_ok=True)
