@@ -9,7 +9,9 @@
    the first run also saves an async checkpoint every 20 steps (the loop's blocking time per save
    in its "saving ... in the background" lines, the total in "saved ...");
 5. `multigpu tune` of GPT-2 124M on the one GPU (micro-batch 4/8/16, activation checkpointing):
-   predicted against measured step time and memory.
+   predicted against measured step time and memory;
+6. float8 against bf16 (benchmarks/fp8_speed.py): GPT-2 124M compiled, rounds interleaved, the speedup's
+   median and range and a verdict (nothing measured where torchao is not installed).
 Prints each step's exit status and a one-line summary; exits non-zero if any failed.
 """
 
@@ -43,6 +45,10 @@ STEPS = [
     ("tune gpt2 124M on one GPU", [sys.executable, "-m", "multigpu", "tune", "-n", "1", "--top", "3", "--repeats", "1",
                                    "--steps", "10", "--micro-batches", "4,8,16", "gpt", "--size", "gpt2",
                                    "--global-batch", "32", "--warmup-steps", "2"]),
+    # float8 against bf16, A B A B, compiled per block (torchao's casts fuse only under compile); a python without
+    # torchao says so and passes.
+    ("fp8 vs bf16 speed, gpt2 124M", [sys.executable, "benchmarks/fp8_speed.py", "--device", "cuda", "--size", "gpt2",
+                                      "--compile"]),
     ("meter + profiler example", [sys.executable, "-m", "multigpu", "run", "-n", "1", "examples/observe.py",
                                   "--steps", "40", "--profile", "10:15", "--log-every", "10"]),
 ]
