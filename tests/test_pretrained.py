@@ -141,6 +141,9 @@ def test_from_pretrained_refuses_what_is_no_checkpoint_in_one_line(saved, tmp_pa
     config = json.loads((renamed / "config.json").read_text())
     (renamed / "config.json").write_text(json.dumps({**config, "n_layer": 3}))
     refused(renamed, r"1\d of its tensors missing \(transformer.h.2")
+    unreadable = _fresh(saved, tmp_path / "w")
+    (unreadable / "config.json").write_text(json.dumps({"model_type": "nonesuch"}))
+    refused(unreadable, r"config.json: transformers cannot read it \(")
     refused(saved["llama"], "context, expert and pipeline parallelism are not built yet for loading",
             mg.parallel.Layout(cp=1, pp=2))
 

@@ -101,7 +101,7 @@ def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype 
     in eval mode as transformers returns it (``model.train()`` before training).
 
     ``dtype`` (default: the config's), ``model_class`` (default ``AutoModelForCausalLM``), ``device``
-    (default: this rank's, ``cuda:LOCAL_RANK`` or ``cpu``); ``options`` go to ``mg.parallelize``. Context,
+    (default: this rank's, as ``mg.init`` picks it); ``options`` go to ``mg.parallelize``. Context,
     expert and pipeline parallelism are refused in one line (not built yet for loading).
 
     >>> model = mg.from_pretrained("checkpoints/llama", mg.parallel.Layout(dp_shard=dist.world_size))
@@ -132,9 +132,14 @@ def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype 
 
 
 def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
+    """This rank's device by ``mg.init``'s own rule (a GPU by local rank under nccl, else the CPU)."""
+    import torch.distributed as tdist
+
+    from .dist import _device as rank_device, read_env
+
+    on = tdist.is_available() and tdist.is_initialized()
+    backend = tdist.get_backend() if on else ("nccl" if torch.cuda.is_available() else "gloo")
+    return rank_device(None, backend, read_env()[1])
 
 
 def _empty(root: Path, dtype: Any, model_class: Any) -> nn.Module:
@@ -145,7 +150,11 @@ def _empty(root: Path, dtype: Any, model_class: Any) -> nn.Module:
 
     from .runtime.values import DTYPES
 
-    config = AutoConfig.from_pretrained(str(root))
+    try:
+        config = AutoConfig.from_pretrained(str(root))
+    except (ValueError, KeyError, OSError) as err:  # a config.json transformers cannot read
+        raise UsageError(f"{root / 'config.json'}: transformers cannot read it ({' '.join(str(err).split())[:160]}); "
+                         "give the directory save_pretrained wrote") from None
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise UsageError(f"from_pretrained dtype={dtype!r}; expected a torch.dtype or one of {', '.join(DTYPES)}")
@@ -180,7 +189,7 @@ def _fill(model: nn.Module, root: Path, device: torch.device) -> None:
         for name, b in model.named_buffers():
             if name in buffers:
                 b.copy_(buffers[name])
-    state = {k: v for k, v in model.state_dict().items() if k not in set(_tied(model))}
+    state = _untied_state(model)
     on = torch.distributed.is_available() and torch.distributed.is_initialized()
     # tied copies are the same tensor as the one the checkpoint names: filled with it
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(root)),
@@ -190,8 +199,10 @@ def _fill(model: nn.Module, root: Path, device: torch.device) -> None:
         raise UsageError(f"from_pretrained left {leftover[0]} on the meta device; report this model")
 
 
-def _tied(model: nn.Module) -> list[str]:
-    return [n for n, (_, tied) in _expected(model).items() if tied]
+def _untied_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state without the tied copies a checkpoint leaves out (each tensor once, under its first name)."""
+    tied = {n for n, (_, copy) in _expected(model).items() if copy}
+    return {k: v for k, v in model.state_dict().items() if k not in tied}
 
 
 def save_pretrained(model: nn.Module, directory: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
@@ -235,7 +246,7 @@ def save_pretrained(model: nn.Module, directory: str | Path, *, max_shard_bytes:
     check_wrapped_whole(inner, "save_pretrained")
     if is_peft(inner):  # a PEFT model: its adapter only, in PEFT's own format
         return _save_adapter(inner, out, partial, rank, on)
-    state = {k: v for k, v in inner.state_dict().items() if k not in set(_tied(inner))}
+    state = _untied_state(inner)
     files = _shards(state, max_shard_bytes)
     error = None
     try:

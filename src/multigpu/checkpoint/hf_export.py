@@ -34,8 +34,6 @@ def export_hf(checkpoint: str | Path, out: str | Path, base: str | Path,
 
     >>> export_hf("runs/x/step-120", "out/tuned", "checkpoints/llama")
     """
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
     from ..pretrained import _empty, _expected
 
     src, out, base = Path(checkpoint), Path(out), Path(base)
@@ -54,7 +52,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, base: str | Path,
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     partial.mkdir()
     try:
-        files = _write(src, stored, names, partial, max_shard_bytes, DefaultLoadPlanner)
+        files = _write(src, stored, names, partial, max_shard_bytes)
         for name in _DESCRIPTION:
             if (base / name).is_file():
                 shutil.copy2(base / name, partial / name)
@@ -92,9 +90,10 @@ def _check(stored: dict, wanted: dict, names: list[str], src: Path, base: Path) 
                              f"{base / 'config.json'} has {list(wanted[n][0])}; pass the directory the run started from")
 
 
-def _write(src: Path, stored: dict, names: list[str], partial: Path, limit: int, planner: type) -> int:
+def _write(src: Path, stored: dict, names: list[str], partial: Path, limit: int) -> int:
     """The safetensors files and their index, one file's tensors in memory at a time; how many files."""
     from safetensors.torch import save_file
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     groups: list[list[str]] = [[]]
     size = 0
@@ -110,7 +109,7 @@ def _write(src: Path, stored: dict, names: list[str], partial: Path, limit: int,
     for i, group in enumerate(groups, 1):
         tensors = {n: torch.empty(stored[n][0], dtype=stored[n][1]) for n in group}
         compat.dcp_load_in_place({"model": tensors}, storage_reader=storage.SafeReader(src),
-                                 planner=planner(allow_partial_load=True), no_dist=True)
+                                 planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
         name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         save_file({n: t.contiguous() for n, t in tensors.items()}, str(partial / name), metadata={"format": "pt"})
         weight_map.update({n: name for n in group})

@@ -49,7 +49,9 @@ def has_router_loss(model: nn.Module) -> bool:
 def over_ranks(model: nn.Module, group: Any) -> None:
     """Make ``model``'s router loss the loss over ``group``'s tokens (the data-parallel ranks) in every
     forward's output."""
-    hook = functools.partial(_global, _function(model), inspect.signature(model.forward), group)
+    # The numbers the family passes are read once; the family's own value is checked against them at the first
+    # forward (its calling convention does not change between forwards: a check per step is work for nothing).
+    hook = functools.partial(_global, _function(model), inspect.signature(model.forward), group, _counts(model), [])
     model.register_forward_hook(hook, with_kwargs=True)
 
 
@@ -70,8 +72,8 @@ def _counts(model: nn.Module) -> tuple[Any, Any, Any]:
             read("router_aux_loss_coef"))
 
 
-def _global(function: Any, signature: inspect.Signature, group: Any, model: nn.Module, args: tuple,
-            kwargs: dict, output: Any) -> Any:
+def _global(function: Any, signature: inspect.Signature, group: Any, counts: tuple, checked: list,
+            model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     logits, own = getattr(output, "router_logits", None), getattr(output, "aux_loss", None)
     name = type(model).__name__
     if isinstance(output, tuple) and getattr(getattr(model, "config", None), "output_router_logits", False):
@@ -80,7 +82,21 @@ def _global(function: Any, signature: inspect.Signature, group: Any, model: nn.M
     if own is None or not isinstance(logits, tuple) or not logits:
         return output
     mask = signature.bind_partial(*args, **kwargs).arguments.get("attention_mask")
-    experts, top_k, coef = _counts(model)
+    experts, top_k, coef = counts
+    if not checked:
+        _check_call(function, name, logits, counts, mask, own)
+        checked.append(True)
+    batch = batch_loss(function, logits, experts, top_k, mask, group).to(own)
+    if getattr(output, "loss", None) is not None:
+        output.loss = output.loss + coef * (batch - own).to(output.loss.device)
+    output.aux_loss = batch
+    return output
+
+
+def _check_call(function: Any, name: str, logits: tuple, counts: tuple, mask: Any, own: torch.Tensor) -> None:
+    """Refuse a family whose own router loss is not ``function(logits, experts, top_k, mask)`` of the numbers
+    read off the model: made the batch's from those, it would train another loss."""
+    experts, top_k, coef = counts
     with torch.no_grad():
         try:
             mine = function(logits, experts, top_k, mask)
@@ -91,11 +107,6 @@ def _global(function: Any, signature: inspect.Signature, group: Any, model: nn.M
                          f"{FUNCTION}(router_logits, {experts}, {top_k}, attention_mask), so it cannot be made the "
                          "batch's over the data-parallel ranks; set output_router_logits=False, or use one "
                          "data-parallel rank")
-    batch = batch_loss(function, logits, experts, top_k, mask, group).to(own)
-    if getattr(output, "loss", None) is not None:
-        output.loss = output.loss + coef * (batch - own).to(output.loss.device)
-    output.aux_loss = batch
-    return output
 
 
 def batch_loss(function: Any, logits: tuple, experts: Any, top_k: Any, mask: Any, group: Any) -> torch.Tensor:
