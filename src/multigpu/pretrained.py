@@ -10,8 +10,10 @@ by definition: it is loaded first and then spread, its plan checked on a probe b
 ``mg.save_pretrained(model, directory)`` writes the reverse from any layout: ``HuggingFaceStorageWriter``
 saves every rank's shards and consolidates them tensor by tensor into safetensors files with their index,
 beside ``config.json`` (and ``generation_config.json``), under a temporary name renamed when complete.
-Both read the checkpoint's names as transformers writes them; a checkpoint in another naming (per-expert
-weights that transformers 5 fuses, renamed keys) is refused in one line naming the keys that differ.
+Both take the checkpoint's names as transformers does, through its own conversion mapping
+(``expert_weights.py``): a mixture of experts' per-expert tensors are read by rank, each rank stacking only
+the experts it holds into transformers 5's fused tensors, and written back per expert; a checkpoint whose
+names are not the model's even so is refused in one line naming the keys that differ.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from .errors import UsageError
+from .expert_weights import Names, per_expert_state
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -86,8 +89,7 @@ def check_names(model: nn.Module, tensors: dict[str, tuple[tuple[int, ...], str]
                                       else "", f"{len(unexpected)} not its own ({', '.join(unexpected[:3])})"
                                       if unexpected else "") if x)
         raise UsageError(f"{where} does not hold {name}'s tensors by the names transformers gives them: {said}; "
-                         "load it once with transformers' from_pretrained (which converts older namings, e.g. "
-                         "per-expert weights) and save_pretrained it again")
+                         "load it once with transformers' from_pretrained and save_pretrained it again")
     for n, (shape, _) in expected.items():  # in the model's order: the first that differs
         if n in tensors and tensors[n][0] != shape:
             raise UsageError(f"{where}: {n} has shape {list(tensors[n][0])} but {name} built from its config.json "
@@ -95,14 +97,17 @@ def check_names(model: nn.Module, tensors: dict[str, tuple[tuple[int, ...], str]
 
 
 def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype | str | None = None,
-                    model_class: Any = None, device: torch.device | str | None = None, **options: Any) -> nn.Module:
+                    model_class: Any = None, device: torch.device | str | None = None,
+                    attn_implementation: str | None = None, experts_implementation: str | None = None,
+                    **options: Any) -> nn.Module:
     """The model saved in ``path`` (transformers' ``save_pretrained``: ``config.json`` and safetensors),
     spread by ``layout`` (a ``mg.parallel.Layout``; None: one process), each rank reading only its shards,
     in eval mode as transformers returns it (``model.train()`` before training).
 
     ``dtype`` (default: the config's), ``model_class`` (default ``AutoModelForCausalLM``), ``device``
-    (default: this rank's, as ``mg.init`` picks it); ``options`` go to ``mg.parallelize``. Context,
-    expert and pipeline parallelism are refused in one line (not built yet for loading).
+    (default: this rank's, as ``mg.init`` picks it); ``attn_implementation`` and ``experts_implementation``
+    as transformers' ``from_pretrained`` takes them (default: its choice); ``options`` go to
+    ``mg.parallelize``. Context and pipeline parallelism are refused in one line (not built yet for loading).
 
     >>> model = mg.from_pretrained("checkpoints/llama", mg.parallel.Layout(dp_shard=dist.world_size))
     """
@@ -114,20 +119,23 @@ def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype 
     layout = Layout() if layout is None else layout
     if not isinstance(layout, Layout):
         raise UsageError(f"from_pretrained takes a mg.parallel.Layout, got {type(layout).__name__}")
-    if layout.cp > 1 or layout.ep > 1 or layout.pp > 1:
-        raise UsageError(f"from_pretrained onto layout {layout.label}: context, expert and pipeline parallelism are "
-                         "not built yet for loading; load onto the same layout with cp, ep and pp 1, or build "
+    if layout.cp > 1 or layout.pp > 1:
+        raise UsageError(f"from_pretrained onto layout {layout.label}: context and pipeline parallelism are "
+                         "not built yet for loading; load onto the same layout with cp and pp 1, or build "
                          "the model whole with transformers' from_pretrained and spread it")
     layout = layout.resolve(_world()[1])
     device = torch.device(device) if device is not None else _device()
-    model = _empty(root, dtype, model_class)
-    check_names(model, tensors, root)
+    chosen = {k: v for k, v in (("attn_implementation", attn_implementation),
+                                ("experts_implementation", experts_implementation)) if v is not None}
+    model = _empty(root, dtype, model_class, chosen)
+    names = Names(model, tensors, root)  # the checkpoint's names as transformers converts them
+    check_names(model, names.tensors, root)
     if layout.tp == 1 and layout.dp_shard == 1:  # nothing sharded: every rank holds the whole model anyway
-        _fill(model, root, device)
+        _fill(model, root, device, names)
         model = parallelize(model, layout, **options)
     else:
         model = parallelize(model, layout, _empty=device, **options)
-        _fill(model, root, device)
+        _fill(model, root, device, names)
     return model.eval()  # as transformers' from_pretrained returns it: model.train() before training
 
 
@@ -142,7 +150,7 @@ def _device() -> torch.device:
     return rank_device(None, backend, read_env()[1])
 
 
-def _empty(root: Path, dtype: Any, model_class: Any) -> nn.Module:
+def _empty(root: Path, dtype: Any, model_class: Any, chosen: dict[str, str] | None = None) -> nn.Module:
     """The model of ``root``'s config with its parameters on the meta device and its buffers as its
     ``__init__`` computes them."""
     from accelerate import init_empty_weights
@@ -163,15 +171,16 @@ def _empty(root: Path, dtype: Any, model_class: Any) -> nn.Module:
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     with init_empty_weights(include_buffers=False):
-        model = (model_class or AutoModelForCausalLM).from_config(config, dtype=dtype)
+        model = (model_class or AutoModelForCausalLM).from_config(config, dtype=dtype, **(chosen or {}))
     if hasattr(model, "tie_weights"):  # the tie is made by assignment, which the meta context turned into a copy
         model.tie_weights()
     return model
 
 
-def _fill(model: nn.Module, root: Path, device: torch.device) -> None:
-    """Allocate this rank's share of every parameter on ``device`` and read it from the safetensors files;
-    the buffers keep the values ``__init__`` gave them."""
+def _fill(model: nn.Module, root: Path, device: torch.device, names: Names) -> None:
+    """Allocate this rank's share of every parameter on ``device`` and read it from the safetensors files
+    (under the checkpoint's names; fused experts from their per-expert keys); the buffers keep the values
+    ``__init__`` gave them."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -189,11 +198,12 @@ def _fill(model: nn.Module, root: Path, device: torch.device) -> None:
         for name, b in model.named_buffers():
             if name in buffers:
                 b.copy_(buffers[name])
-    state = _untied_state(model)
+    state = {names.read_as[k]: v for k, v in _untied_state(model).items() if k not in names.stacked}
     on = torch.distributed.is_available() and torch.distributed.is_initialized()
     # tied copies are the same tensor as the one the checkpoint names: filled with it
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(root)),
              planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=not on)
+    names.fill_stacked(model, root)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise UsageError(f"from_pretrained left {leftover[0]} on the meta device; report this model")
@@ -246,8 +256,8 @@ def save_pretrained(model: nn.Module, directory: str | Path, *, max_shard_bytes:
     check_wrapped_whole(inner, "save_pretrained")
     if is_peft(inner):  # a PEFT model: its adapter only, in PEFT's own format
         return _save_adapter(inner, out, partial, rank, on)
-    state = _untied_state(inner)
-    files = _shards(state, max_shard_bytes)
+    state, sizes = per_expert_state(inner, _untied_state(inner))  # the names transformers writes
+    files = _shards(sizes, max_shard_bytes)
     error = None
     try:
         writer = HuggingFaceStorageWriter(str(partial), fqn_to_index_mapping=files, save_distributed=True,
@@ -293,12 +303,11 @@ def _cause(e: BaseException) -> str:
     return getattr(e, "strerror", None) or str(e)
 
 
-def _shards(state: dict[str, torch.Tensor], limit: int) -> dict[str, int]:
-    """Each tensor's output file (1-based), in state order, a new file when the next tensor would pass ``limit``
-    bytes (a tensor larger than ``limit`` alone in its file), as transformers splits."""
+def _shards(sizes: dict[str, int], limit: int) -> dict[str, int]:
+    """Each tensor's output file (1-based), in order, from its bytes, a new file when the next tensor would pass
+    ``limit`` bytes (a tensor larger than ``limit`` alone in its file), as transformers splits."""
     files, index, size = {}, 1, 0
-    for name, t in state.items():
-        nbytes = t.numel() * t.element_size()
+    for name, nbytes in sizes.items():
         if size and size + nbytes > limit:
             index, size = index + 1, 0
         files[name] = index

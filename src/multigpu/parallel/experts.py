@@ -286,6 +286,8 @@ def apply(found: list[tuple[str, nn.Module]], layout: Any, mesh: Any, capacity_f
     ep, rank = mesh.size(), mesh.get_local_rank()
     n = found[0][1].num_experts
     device = next(found[0][1].parameters()).device
+    if device.type == "meta":  # spread before it is loaded (mg.from_pretrained): its figures on the mesh's device
+        device = torch.empty(0, device=mesh.device_type).device
     stats = Stats(len(found), n, layout.tokens_group(device.type), device)
     tp = None
     if layout.tp > 1:  # ep spans the tp ranks: each routes its share of the tokens they all hold

@@ -199,7 +199,7 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
     parts: dict[str, Any] = {}  # what the model's record holds beside its layout (spreads.py)
     if found:
         stats, options["experts"] = _expert_parallel(model, layout, found, capacity_factor, device_type,
-                                                     pipeline_stage, say)
+                                                     pipeline_stage, say, probed=empty is None)
         parts["experts"] = [stats]
     if layout.cp > 1:
         parts["context"] = _context_parallel(model, layout, device_type, say)
@@ -264,13 +264,15 @@ def _experts_to_spread(model: nn.Module, layout: Layout, capacity_factor: float 
 
 
 def _expert_parallel(model: nn.Module, layout: Layout, found: list, capacity_factor: float | None, device_type: str,
-                     pipeline_stage: bool, say: Any) -> tuple[Any, tuple]:
+                     pipeline_stage: bool, say: Any, probed: bool = True) -> tuple[Any, tuple]:
     """Each rank keeps experts/ep of every experts module ``found`` and the routed tokens travel to them
     (``experts.py``), checked on a probe batch as a TP plan is: the model's output as before, or refused
-    quoting what failed; (its dispatch figures, (the modules, the mesh FSDP shards them over: efsdp))."""
+    quoting what failed; (its dispatch figures, (the modules, the mesh FSDP shards them over: efsdp)).
+    ``probed`` False: the model is on the meta device, to be loaded once spread (mg.from_pretrained, whose
+    test compares it with transformers'): nothing to run."""
     from . import experts
 
-    batch = None if pipeline_stage else probe.probe_batch(model, layout.tp)
+    batch = None if pipeline_stage or not probed else probe.probe_batch(model, layout.tp)
     expected, _ = probe.attempt(model, batch)
     stats = experts.apply(found, layout, layout.ep_mesh(device_type), capacity_factor)
     if expected is not None:
