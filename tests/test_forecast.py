@@ -205,9 +205,12 @@ def test_the_gpt_recipe_is_counted_too():
     assert c.flops_per_token == pytest.approx(cfg.flops_per_token(), rel=2e-3)
 
 
-def _counts(layers: int = 3):
+def _counts(layers: int = 3, fp8=None):
     pytest.importorskip("transformers")
-    return count(config_builder(TINY | {"num_hidden_layers": layers}, "tiny"), 64)
+    return count(config_builder(TINY | {"num_hidden_layers": layers}, "tiny"), 64, fp8=fp8)
+
+
+EVERY_BLOCK_LINEAR = ("tensorwise", ("model.layers",), ())  # float8 on every Linear of the blocks (torchtitan's)
 
 
 def test_what_tensor_parallelism_leaves_whole_is_what_a_real_block_saves():
@@ -240,7 +243,9 @@ def test_fp8_all_gather_gathers_the_linears_in_one_byte():
     """torchao's float8 all-gather: FSDP gathers the linears' weight matrices in fp8. A pipeline stage holds its
     gathered weights all step (1 byte per linear weight instead of 2, norms still 16-bit); without a pipeline
     two blocks are in flight; every block's all-gather moves 1 byte per linear weight."""
-    c = _counts(6)
+    pytest.importorskip("torchao.float8")
+    c = _counts(6, EVERY_BLOCK_LINEAR)
+    assert c.block_fp8_params == c.block_sharded  # every weight matrix of a block is a float8 Linear's
     machine, a = cluster("h100", 64), Assumptions()
 
     def got(layout, fp8_ag):
@@ -266,7 +271,8 @@ def test_tp_gathers_again_under_selective_recompute_and_in_one_byte_under_fp8():
     """torchtitan's op-level selective recompute saves the reduce-scatters' outputs and not the all-gathers': each
     sub-layer's input is gathered again (2 a block, a micro-batch). torchao's float8 TP (torchtitan's with
     tensorwise fp8) gathers those inputs in 1 byte an element; the head's input, not fp8, stays 16-bit."""
-    c = _counts(6)
+    pytest.importorskip("torchao.float8")
+    c = _counts(6, EVERY_BLOCK_LINEAR)
     machine, a = cluster("h100", 2), Assumptions()
     layout = Degrees(1, 1, 2, 1, 1, 2)  # TP 2 with sequence parallelism, micro-batch 2: 2 micro-batches of 4
 
@@ -278,6 +284,48 @@ def test_tp_gathers_again_under_selective_recompute_and_in_one_byte_under_fp8():
     per_byte = machine.collective_s("all_gather", 2, 2, 1.0)
     assert tp("selective") - tp("none") == pytest.approx(per_byte * act * m * 2 * blocks, rel=1e-9)
     assert tp("none") - tp("none", True) == pytest.approx(per_byte * act / 2 * m * 4 * blocks, rel=1e-9)
+
+
+# Wide enough that torchao's tensorwise rule converts some layers and not others: the MLP's up and gate (2048 x 256)
+# and the head (2048 x 256) convert, attention's projections (256 x 256, 128 x 256) and the down projection
+# (256 x 2048) are too small to gain.
+FP8_TINY = TINY | {"hidden_size": 256, "intermediate_size": 2048, "vocab_size": 2048, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "num_hidden_layers": 2}
+
+
+@pytest.mark.parametrize("include, exclude", [((), ()), (("model.layers.0.self_attn",), ("lm_head",))])
+def test_forecast_fp8_converts_the_layers_training_converts(include, exclude):
+    """`forecast --precision fp8` counts apart the very Linear layers mg.Precision("fp8") turns to float8 (one
+    function chooses them): the same line, and the fp8 FLOPs are the converted layers' matmuls, 2 x in x out a
+    token, no more, no less. A forecast that sped up every matmul (the head, the skipped layers) fails here."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("torchao.float8")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from multigpu.parallel import float8
+
+    c = count(config_builder(FP8_TINY, "tiny"), 64, fp8=("tensorwise", include, exclude))
+    fields = dict(FP8_TINY)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    model, line = float8.convert(model, "tensorwise", emulate=True, include=include, exclude=exclude)
+    assert line.startswith(f"mg.Precision('fp8'): {c.fp8.split(' (tensorwise')[0]} (tensorwise")
+    assert c.fp8.split("; left out: ")[1] == line.split("; left out: ")[1], (c.fp8, line)
+    converted = {n: m for n, m in model.named_modules() if float8.is_float8_linear(m)}
+    flops = {n: 2 * m.in_features * m.out_features for n, m in converted.items()}
+    in_blocks = [sum(f for n, f in flops.items() if n.startswith(f"model.layers.{i}.")) for i in range(2)]
+    assert c.block_fp8 == pytest.approx(in_blocks, rel=1e-12) and sum(in_blocks) > 0
+    assert c.other_fp8 == pytest.approx(flops.get("lm_head", 0.0), rel=1e-12)
+    assert c.block_fp8_params == tuple(sum(converted[n].weight.numel() for n in converted if
+                                           n.startswith(f"model.layers.{i}.")) for i in range(2))
+    # The step: only those matmuls speed up. At a speedup of 1 fp8 is bf16's time; a faster fp8 saves exactly the
+    # converted share of the compute.
+    machine, layout = cluster("h100", 8), Degrees(1, 8, 1, 1, 1, 1)
+    bf16 = predict(c, machine, layout, Run(8, 64), Assumptions())["time"]["compute"]
+    same = predict(c, machine, layout, Run(8, 64, precision="fp8"), Assumptions(fp8_speedup=1.0))["time"]["compute"]
+    fast = predict(c, machine, layout, Run(8, 64, precision="fp8"), Assumptions(fp8_speedup=2.0))["time"]["compute"]
+    assert same == pytest.approx(bf16, rel=1e-12)
+    share = 3 * (sum(in_blocks) + c.other_fp8) / (3 * (sum(c.block_flops) + c.other_flops))
+    assert 0.05 < share < 0.95 and bf16 - fast == pytest.approx(bf16 * share / 2, rel=1e-9)
 
 
 def test_model_states_follow_zero():
@@ -567,6 +615,9 @@ def test_too_big_is_predicted_not_to_fit(tmp_path, capsys):
     (["--model", "llama3-8b", "--gpus", "8", "--expert-imbalance", "0.5"], "at least 1, got 0.5"),
     (["--model", "llama3-8b", "--gpus", "8", "--fp8-all-gather"], "add --precision fp8"),
     (["--model", "llama3-8b", "--gpus", "8", "--fp8-tp-all-gather"], "add --precision fp8"),
+    (["--model", "llama3-8b", "--gpus", "8", "--fp8-exclude", "lm_head"], "add --precision fp8"),
+    (["--model", "llama3-8b", "--gpus", "8", "--precision", "fp8", "--fp8-exclude", "head"],
+     "float8 include/exclude name modules"),
 ])
 def test_bad_input_is_one_line(argv, says, tmp_path, capsys):
     pytest.importorskip("transformers")

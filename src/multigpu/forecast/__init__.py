@@ -41,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--fp8-tp-all-gather", action="store_true",
         help="with --precision fp8: tensor parallelism with sequence parallelism gathers the sub-layers' inputs in "
              "fp8 (torchao's Float8ColwiseParallel, as torchtitan runs tensorwise fp8 under tp)")
+    add("--fp8-recipe", choices=("tensorwise", "rowwise"), default="tensorwise",
+        help="with --precision fp8: torchao's scaling recipe, as mg.Precision('fp8', recipe=...) (default %(default)s)")
+    add("--fp8-include", default="", metavar="NAME,...",
+        help="with --precision fp8: modules converted to fp8 whatever the recipe's size rule says, as "
+             "amp.convert(model, include=[...]) (names from model.named_modules())")
+    add("--fp8-exclude", default="", metavar="NAME,...",
+        help="with --precision fp8: modules left in bf16, as amp.convert(model, exclude=[...])")
     add("--compile-loss", action="store_true",
         help="torch.compile the loss too (torchtitan's with --compile since 2025): it saves the 16-bit logits, not "
              "their float32 log-probabilities")
@@ -92,9 +99,13 @@ def main(args) -> int:
         zero_ok = flag != "--efficiency"  # an overlap may be none; an efficiency of 0 would compute nothing
         if value is not None and not (0 <= value <= 1 and (zero_ok or value > 0)):
             raise UsageError(f"{flag} is a fraction between 0 and 1, got {value}")
-    for flag, on in (("--fp8-all-gather", args.fp8_all_gather), ("--fp8-tp-all-gather", args.fp8_tp_all_gather)):
+    fp8_names = {flag: tuple(n.strip() for n in value.split(",") if n.strip()) for flag, value in
+                 (("--fp8-include", args.fp8_include), ("--fp8-exclude", args.fp8_exclude))}
+    for flag, on in (("--fp8-all-gather", args.fp8_all_gather), ("--fp8-tp-all-gather", args.fp8_tp_all_gather),
+                     ("--fp8-include", fp8_names["--fp8-include"]), ("--fp8-exclude", fp8_names["--fp8-exclude"]),
+                     ("--fp8-recipe", args.fp8_recipe != "tensorwise")):
         if on and args.precision != "fp8":
-            raise UsageError(f"{flag} gathers in fp8, which --precision {args.precision} has nothing in; add "
+            raise UsageError(f"{flag} is a float8 option, and --precision {args.precision} has nothing in fp8; add "
                              f"--precision fp8 or leave {flag} out")
     if args.runtime_gib < 0:
         raise UsageError(f"--runtime-gib must be at least 0, got {args.runtime_gib}")
@@ -116,13 +127,14 @@ def main(args) -> int:
               fp8_all_gather=args.fp8_all_gather, fp8_tp_all_gather=args.fp8_tp_all_gather,
               logits_held=args.logits_held)
     named = _named(args.layout, machine.gpus)  # refused before the count
-    counts = counted(args.model, args.seq_len)
+    fp8 = (args.fp8_recipe, *fp8_names.values()) if args.precision == "fp8" else None
+    counts = counted(args.model, args.seq_len, fp8)
     ranked, left_out = plan(counts, machine, run, a, micro_batches=tuple(micro), named=named)
     best = ranked[0]
     launch = f"multigpu run --nnodes {machine.nodes} -n {min(machine.gpus, machine.gpus_per_node)}"
     command = " ".join([launch, args.script, *best["layout"].flags])
     if args.json:
-        return _print_json(ranked, left_out, args.top, command, machine)
+        return _print_json(ranked, left_out, args.top, command, machine, counts.fp8)
     print(f"{counts.name}: {counts.params / 1e9:.2f} B parameters, {counts.flops_per_token / 1e9:.1f} GFLOP per token "
           f"at {args.seq_len} tokens; {machine.gpus} x {machine.gpu.name} ({machine.gpu.hbm_bytes / GiB:.0f} GiB), "
           f"{machine.gpus_per_node} per node; global batch {run.global_batch} x {run.seq_len} tokens, {run.precision}"
@@ -130,6 +142,10 @@ def main(args) -> int:
           + (", fp8 all-gather" if run.fp8_all_gather else "") + (", fp8 TP gathers" if run.fp8_tp_all_gather else "")
           + (", parallel loss" if run.loss_parallel else ", logits gathered under tp")
           + (", logits held through the backward" if run.logits_held else ""))
+    if counts.fp8:
+        print(f"float8, as mg.Precision('fp8') converts: {counts.fp8}"
+              + ("; rowwise's speedup taken as tensorwise's (no published rowwise run calibrates it)"
+                 if args.fp8_recipe == "rowwise" else ""))
     widths = [max(len(h), *(len(row(f)[i]) for f in ranked[:args.top])) for i, h in enumerate(HEADER)]
     for cells in [HEADER] + [row(f) for f in ranked[:args.top]]:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))))
@@ -145,7 +161,7 @@ def main(args) -> int:
                "gpus_per_node": machine.gpus_per_node, "global_batch": run.global_batch, "seq_len": run.seq_len,
                "precision": run.precision, "fp8_all_gather": run.fp8_all_gather,
                "fp8_tp_all_gather": run.fp8_tp_all_gather, "compile": run.compile,
-               "compile_loss": run.compile_loss, "loss_parallel": run.loss_parallel}
+               "compile_loss": run.compile_loss, "loss_parallel": run.loss_parallel, "fp8_layers": counts.fp8}
     try:
         html = write_all(out, f"Forecast: {counts.name} on {machine.gpus} x {machine.gpu.name}", ranked, left_out,
                          args.top, a, context, command)
@@ -211,7 +227,7 @@ def _named(spec: str | None, gpus: int) -> list | None:
     return named
 
 
-def _print_json(ranked: list[dict], left_out: list[dict], top: int, command: str, machine) -> int:
+def _print_json(ranked: list[dict], left_out: list[dict], top: int, command: str, machine, fp8: str) -> int:
     import json
 
     from .cost import GiB
@@ -220,5 +236,6 @@ def _print_json(ranked: list[dict], left_out: list[dict], top: int, command: str
     rows = [{**{k: f[k] for k in keep}, "memory_gib": f["memory_bytes"] / GiB, "flags": list(f["layout"].flags),
              "recompute": f["recompute"]} for f in ranked[:top]]
     print(json.dumps({"ranked": rows, "layouts": len(ranked), "left_out": left_out, "command": command,
-                      "notes": notes(ranked, machine.gpu.hbm_bytes)}, indent=1))
+                      "notes": notes(ranked, machine.gpu.hbm_bytes), **({"fp8_layers": fp8} if fp8 else {})},
+                     indent=1))
     return 0 if ranked[0]["fits"] else 1

@@ -4,7 +4,7 @@ Memory per GPU (bytes), on the stage that holds the most:
 - parameters, gradients, optimizer: fp32 weights, fp32 gradients and AdamW's two fp32 moments (4 + 4 + 8
   bytes per parameter, ZeRO's 16 with the 16-bit copy counted under buffers), of what tensor and pipeline
   parallelism leave the rank, divided over the ranks FSDP shards across (dp_shard x cp; DDP: 1);
-- buffers: the 16-bit weights FSDP gathers (the linears' in fp8 under ``Run.fp8_all_gather``; two blocks in
+- buffers: the 16-bit weights FSDP gathers (the float8 linears' in fp8 under ``Run.fp8_all_gather``; two blocks in
   flight: the one computing and the prefetch; the root unit, tables and head, for the whole step), one block's
   unsharded gradient (every block's, in float32, when micro-batches accumulate: the reduce-scatter waits for the
   last) and the float32 reduce-scatter input FSDP2 keeps of the block before; a pipeline stage keeps all its
@@ -161,7 +161,7 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     fp8_saving = width - 1.0 if run.fp8_all_gather else 0.0
 
     def gathered_bytes(i: int, size: float) -> float:
-        return width * size - fp8_saving * (counts.block_sharded[i] - experts[i]) / t
+        return width * size - (fp8_saving * counts.block_fp8_params[i] / t if fp8_saving else 0.0)
 
     block_held = sum(dense_of(i) for i in blocks)
     experts_held = sum(experts[i] for i in blocks) / e
@@ -251,8 +251,10 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     rate = cluster.rate(b, run.recompute)
     if rate is None:  # a described GPU: its peak at the calibrated fraction
         rate = cluster.peak("bf16") * a.efficiency * (a.compile_speedup if run.compile else 1.0)
-    fp8 = a.fp8_speedup if run.precision == "fp8" else 1.0
-    micro_s = (matmul / fp8 + attention) / rate
+    # fp8: the matmuls of the layers float8 converts (counted with the choice ``mg.Precision("fp8")`` makes) run
+    # fp8_speedup x faster; the rest (layers left out, attention) as in bf16.
+    fast = float8_flops(counts, blocks, tokens, t, run.recompute) if run.precision == "fp8" else 0.0
+    micro_s = (matmul - fast + fast / a.fp8_speedup + attention) / rate
     slots = m + (p - 1) / v if p > 1 else m
     time = {"compute": m * micro_s}
     if p > 1:
@@ -364,6 +366,15 @@ def micro_flops(counts: Counts, blocks, tokens: float, t: int, recompute: str,
     matmul = (3 + redo) * (flops_mm * tokens / t + routed) + 3 * counts.other_flops * tokens / t
     attention = (3 + (1.0 if recompute == "full" else 0.0)) * flops_at * tokens / t  # selective keeps its output
     return matmul, attention
+
+
+def float8_flops(counts: Counts, blocks, tokens: float, t: int, recompute: str) -> float:
+    """Of ``micro_flops``' matmuls, those of the Linear layers float8 converts (``counts`` counted with an fp8
+    choice; experts stay 16-bit, ``parallel/float8.py``)."""
+    if not counts.fp8:
+        raise ValueError("float8_flops needs counts made with an fp8 choice (count(..., fp8=...))")
+    redo = {"none": 0.0, "selective": 0.5, "full": 1.0}[recompute]
+    return (3 + redo) * sum(counts.block_fp8[i] for i in blocks) * tokens / t + 3 * counts.other_fp8 * tokens / t
 
 
 def tp_collectives(counts: Counts, layout, blocks, tokens: float, m: int, run: Run, coll) -> float:

@@ -74,6 +74,11 @@ class Counts:
     kv_heads: int = 0                      # key/value heads, where the model names them (tp must divide them)
     logits_f32: float = 0.0                # of other_saved, the float32 copies of the logits the loss saves
                                            # (eager cross-entropy's log-probabilities: 4 bytes x vocab per token)
+    block_fp8: tuple[float, ...] = ()      # of block_flops, the matmuls of the Linear layers float8 converts (counted
+                                           # with an ``fp8`` choice: the layers ``mg.Precision("fp8")`` converts)
+    block_fp8_params: tuple[int, ...] = () # per block, those layers' weights (what FSDP gathers in float8)
+    other_fp8: float = 0.0                 # of other_flops, float8's (the head, where it converts)
+    fp8: str = ""                          # which layers convert, as mg.Precision("fp8") says it
 
     @property
     def hidden(self) -> float:
@@ -106,12 +111,18 @@ def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return max(lists, key=lambda nm: len(nm[1]))
 
 
-def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfloat16) -> Counts:
+def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfloat16,
+          fp8: tuple[str, tuple[str, ...], tuple[str, ...]] | None = None) -> Counts:
     """Count the model ``build()`` returns (built inside fake mode, so it allocates nothing) on one sequence
-    of ``seq_len`` tokens. Its forward takes ``input_ids`` (and ``labels`` where a transformers model has them)."""
+    of ``seq_len`` tokens. Its forward takes ``input_ids`` (and ``labels`` where a transformers model has them).
+    ``fp8`` (recipe, include, exclude) counts apart the Linear layers ``mg.Precision("fp8", recipe=recipe)``'s
+    ``convert(model, include, exclude)`` would turn to float8: the same function chooses them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     if seq_len < 1:
         raise UsageError(f"--seq-len must be at least 1, got {seq_len}")
+    if fp8 is not None:
+        from ..parallel import float8
+        float8.torchao_float8()  # imported before fake mode (an import must not make fake tensors)
     default = torch.get_default_dtype()
     with FakeTensorMode():
         torch.set_default_dtype(dtype)  # built in the compute dtype (casting fake parameters cannot swap them)
@@ -191,6 +202,24 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
                                                     m.register_forward_hook(leave))]
         handles += [h for m in moe for h in (m.register_forward_pre_hook(experts_pre, with_kwargs=True),
                                              m.register_forward_hook(experts_post))]
+        fp8_flops, fp8_params, fp8_line = [0.0] * (len(blocks) + 1), [0] * len(blocks), ""
+        if fp8 is not None:
+            chosen, left = float8.choose(model, *fp8)
+            fp8_line = float8.describe(fp8[0], len(chosen), left)
+            block_of = {id(sub): i for i, b in enumerate(blocks) for sub in b.modules()}
+            for fqn in chosen:
+                linear = model.get_submodule(fqn)
+                at = block_of.get(id(linear), len(blocks))  # outside the blocks: the last slot (the head)
+                if at < len(blocks):
+                    fp8_params[at] += linear.weight.numel()
+
+                def started(module, args, at=at):
+                    fp8_flops[at] -= tally.snapshot()[0] / seq_len
+
+                def ended(module, args, output, at=at):
+                    fp8_flops[at] += tally.snapshot()[0] / seq_len
+
+                handles += [linear.register_forward_pre_hook(started), linear.register_forward_hook(ended)]
         ids = torch.zeros(1, seq_len, dtype=torch.long)
         try:
             with tally.flops, tally, live, torch.autograd.graph.saved_tensors_hooks(tally.pack, lambda t: t):
@@ -228,7 +257,8 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
                   max(inputs), col(2), col(3), col(4), tuple(s - i for s, i in zip(col(1), col(5))), col(6),
                   tuple(b / n for b in live.peaks(len(blocks), weights)), tally.heads, tied,
                   min((m.num_experts for m in moe), default=0), tuple(experts_in), tuple(expert_flops), tuple(routed),
-                  tuple(linears), vocab, kv_heads, tally.f32_outside[vocab] / n)
+                  tuple(linears), vocab, kv_heads, tally.f32_outside[vocab] / n,
+                  tuple(fp8_flops[:-1]) if fp8 else (), tuple(fp8_params) if fp8 else (), fp8_flops[-1], fp8_line)
 
 
 def _flop_counter():

@@ -74,6 +74,7 @@ def builder(spec: str):
 
 
 @cache
-def counted(spec: str, seq_len: int) -> Counts:
+def counted(spec: str, seq_len: int, fp8: tuple[str, tuple[str, ...], tuple[str, ...]] | None = None) -> Counts:
+    """``spec`` counted at ``seq_len``; with ``fp8`` (recipe, include, exclude) its float8 layers apart."""
     build, name = builder(spec)
-    return count(build, seq_len, name=name)
+    return count(build, seq_len, name=name, fp8=fp8)

@@ -56,14 +56,23 @@ def forecast(row: dict, a: Assumptions) -> dict:
               loss_parallel=True, compile_loss=row.get("compile_loss", False),  # torchtitan's and Megatron's
               fp8_all_gather=row.get("fp8_all_gather", False), fp8_tp_all_gather=row.get("fp8_tp_all_gather", False))
     machine = cluster(row["gpu"], row["gpus"], row["gpus_per_node"], hbm_gib=row.get("hbm_gb"))
-    return predict(counted(row["model"], row["seq_len"]), machine, layout, run, a)
+    return predict(counted(row["model"], row["seq_len"], fp8_choice(row)), machine, layout, run, a)
+
+
+def fp8_choice(row: dict) -> tuple[str, tuple[str, ...], tuple[str, ...]] | None:
+    """The layers a row's run converted to float8, as (recipe, include, exclude) for ``counted``: each fp8 row says
+    which (torchtitan's runs: every block Linear, the head ``output`` left out, in ``assumed``)."""
+    if row["precision"] != "fp8":
+        return None
+    return row.get("fp8_recipe", "tensorwise"), tuple(row.get("fp8_include", ())), tuple(row.get("fp8_exclude", ()))
 
 
 def key(row: dict) -> str:
     return f"{row['table']} / {row['model']} {row['gpus']} GPUs dp_shard {row['dp_shard']} tp {row['tp']} pp " \
            f"{row['pp']} cp {row['cp']} {row['schedule'] if row['pp'] > 1 else ''} {row['precision']}" \
            f"{' compile' if row['compile'] else ''}{' async-tp' if row['async_tp'] else ''}" \
-           f"{' fp8-tp-gather' if row.get('fp8_tp_all_gather') else ''} s {row['seq_len']}"
+           f"{' fp8-tp-gather' if row.get('fp8_tp_all_gather') else ''}" \
+           f"{' rowwise' if row.get('fp8_recipe') == 'rowwise' else ''} s {row['seq_len']}"
 
 
 def _solve(row: dict, a: Assumptions, field: str) -> Assumptions:
@@ -141,7 +150,7 @@ def _summary(entries: list[dict]) -> dict:
 
 # A pair differs in its layout only (degrees, schedule, the sequence cp makes possible): same run otherwise.
 _SAME = ("source", "table", "model", "gpus", "precision", "compile", "async_tp", "recompute", "fp8_all_gather",
-         "fp8_tp_all_gather", "compile_loss")
+         "fp8_tp_all_gather", "compile_loss", "fp8_recipe", "fp8_include", "fp8_exclude")
 _LAYOUT = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "schedule", "micro_batch", "seq_len")
 
 

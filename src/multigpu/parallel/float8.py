@@ -145,10 +145,14 @@ def convert(model: nn.Module, recipe: str, emulate: bool, include: Iterable[str]
     model = torchao_float8().convert_to_float8_training(model, config=config(recipe, emulate),
                                                         module_filter_fn=lambda _m, fqn: fqn in keep)
     how = "emulated: float8 rounding, float32 matmuls" if emulate else "on torch._scaled_mm"
-    out = f"; left out: {', '.join(left[:6])}" + (f", ... ({len(left) - 6} more)" if len(left) > 6 else "") if left else ""
     experts = f"; {EXPERTS}" if any(p.dim() == 3 for p in model.parameters()) else ""
-    return model, (f"mg.Precision('fp8'): {len(chosen)} of {len(chosen) + len(left)} Linear layers in float8 "
-                   f"({recipe}, {how}){out}{experts}")
+    return model, f"mg.Precision('fp8'): {describe(recipe, len(chosen), left, how)}{experts}"
+
+
+def describe(recipe: str, converted: int, left: list[str], how: str = "") -> str:
+    """"N of M Linear layers in float8 (recipe[, how]); left out: ...": what training and forecast both print."""
+    out = f"; left out: {', '.join(left[:6])}" + (f", ... ({len(left) - 6} more)" if len(left) > 6 else "") if left else ""
+    return f"{converted} of {converted + len(left)} Linear layers in float8 ({recipe}{', ' + how if how else ''}){out}"
 
 
 def is_float8_linear(module: nn.Module) -> bool:
