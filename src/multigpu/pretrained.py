@@ -107,22 +107,22 @@ def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype 
     ``dtype`` (default: the config's), ``model_class`` (default ``AutoModelForCausalLM``), ``device``
     (default: this rank's, as ``mg.init`` picks it); ``attn_implementation`` and ``experts_implementation``
     as transformers' ``from_pretrained`` takes them (default: its choice); ``options`` go to
-    ``mg.parallelize``. Context and pipeline parallelism are refused in one line (not built yet for loading).
+    ``mg.parallelize``. Pipeline parallelism is refused in one line (not built yet for loading).
 
     >>> model = mg.from_pretrained("checkpoints/llama", mg.parallel.Layout(dp_shard=dist.world_size))
     """
     from .parallel import Layout, parallelize
-    from .parallel.spread import _world
+    from .parallel.spread import _world, check_loaded_context
 
     root = Path(path)
     tensors = checkpoint_tensors(root)
     layout = Layout() if layout is None else layout
     if not isinstance(layout, Layout):
         raise UsageError(f"from_pretrained takes a mg.parallel.Layout, got {type(layout).__name__}")
-    if layout.cp > 1 or layout.pp > 1:
-        raise UsageError(f"from_pretrained onto layout {layout.label}: context and pipeline parallelism are "
-                         "not built yet for loading; load onto the same layout with cp and pp 1, or build "
-                         "the model whole with transformers' from_pretrained and spread it")
+    if layout.pp > 1:
+        raise UsageError(f"from_pretrained onto layout {layout.label}: pipeline parallelism is not built yet for "
+                         "loading; load onto the same layout with pp 1, or build the model whole with transformers' "
+                         "from_pretrained and spread it with mg.parallel.pipeline")
     layout = layout.resolve(_world()[1])
     device = torch.device(device) if device is not None else _device()
     chosen = {k: v for k, v in (("attn_implementation", attn_implementation),
@@ -130,12 +130,14 @@ def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype 
     model = _empty(root, dtype, model_class, chosen)
     names = Names(model, tensors, root)  # the checkpoint's names as transformers converts them
     check_names(model, names.tensors, root)
-    if layout.tp == 1 and layout.dp_shard == 1:  # nothing sharded: every rank holds the whole model anyway
+    if layout.tp == 1 and layout.dp_shard == 1 and layout.cp == 1:  # nothing sharded: every rank holds it whole
         _fill(model, root, device, names)
         model = parallelize(model, layout, **options)
     else:
         model = parallelize(model, layout, _empty=device, **options)
         _fill(model, root, device, names)
+        if layout.cp > 1:  # the probe mg.parallelize runs on a whole model, run on the loaded one
+            check_loaded_context(model)
     return model.eval()  # as transformers' from_pretrained returns it: model.train() before training
 
 

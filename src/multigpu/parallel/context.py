@@ -31,6 +31,7 @@ suggests (a cp degree, a sequence length) is computed by the rule that refused (
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -93,6 +94,7 @@ class Context:
         self.ring, self.mesh = False, None  # PyTorch's ring attention for causal SDPA on CUDA (_ring)
         self._orders: dict[tuple, tuple[torch.Tensor, ...]] = {}  # (length, device) -> index, order, restore
         self.signature = inspect.signature(model.forward)  # read once: every forward binds its arguments by it
+        self.suspended = False  # the model's own forward, unsplit (``suspended``: a loaded model's probe)
 
     # -- the share ----------------------------------------------------------------------------------
     def begin(self, seq: int, positions: torch.Tensor) -> torch.Tensor:
@@ -211,6 +213,8 @@ def _ring(ctx: "Context", query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 def _before(ctx: "Context", model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The model's forward gets this rank's share of the sequences it was given."""
+    if ctx.suspended:
+        return args, kwargs
     bound = ctx.signature.bind_partial(*args, **kwargs)
     given = dict(bound.arguments)
     given.update(given.pop("kwargs", {}))
@@ -261,6 +265,8 @@ def _share_labels(ctx: Context, given: dict[str, Any], index: torch.Tensor) -> N
 
 
 def _after(ctx: "Context", model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    if ctx.suspended:
+        return output
     expected = ctx.layers or 1
     if ctx.calls < expected:
         raise UsageError(f"context parallelism saw {ctx.calls} of {ctx.name}'s {expected} attention layers call "
@@ -341,6 +347,18 @@ def apply(model: nn.Module, layout: Any, mesh: Any) -> tuple["Context", str]:
     how = "causal SDPA by PyTorch's ring attention, else " if ctx.ring else ""
     return ctx, (f"context parallel {layout.cp}: each sequence in {2 * layout.cp} chunks, head-tail; {how}{inner} "
                  f"attention between all-to-alls over heads")
+
+
+@contextlib.contextmanager
+def suspended(model: nn.Module, ctx: Context):
+    """A transformers ``model`` under context parallelism running its own forward on whole sequences, as before
+    ``apply``: the unsplit output a model loaded onto the layout (no process holding it whole) is probed against."""
+    config = model.config
+    name, config._attn_implementation, ctx.suspended = config._attn_implementation, ctx.inner, True
+    try:
+        yield
+    finally:
+        config._attn_implementation, ctx.suspended = name, False
 
 
 def _ring_dispatcher() -> bool:
