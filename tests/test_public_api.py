@@ -9,7 +9,7 @@ import multigpu as mg
 
 PUBLIC = [
     "BatchPlan", "Checkpointer", "Dist", "MicroBatchSearch", "NoiseScale", "Precision", "ScaledRecipe",
-    "SequenceSearch", "StepMeter", "TokenShards", "UsageError", "accumulate", "all_reduce_sum", "clip_grad_norm_", "context_share", "eval_loader",
+    "SequenceSearch", "StepMeter", "TokenShards", "UsageError", "accumulate", "all_reduce_sum", "clip_grad_norm_", "context_share", "eval_loader", "fault_tolerant",
     "find_batch_requested", "find_micro_batch", "find_sequence_length", "fingerprint", "from_pretrained", "full_state_dict", "init", "layout_from_args", "loader", "optimizer", "parallelize", "print0", "profile",
     "save_pretrained", "scale_lr", "scale_recipe", "stream_eval_loader", "stream_loader", "token_divisor", "unwrap", "warmup", "wrap",
 ]

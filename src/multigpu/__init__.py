@@ -15,6 +15,7 @@ from .loss import token_divisor
 from .meter import StepMeter, profile
 from .noise import NoiseScale
 from .parallel import accumulate, clip_grad_norm_, context_share, full_state_dict, optimizer, parallelize, unwrap, wrap
+from .parallel.fault_tolerant import fault_tolerant
 from .parallel.flags import layout_from_args
 from .planner import ScaledRecipe, scale_recipe
 from .precision import Precision
@@ -38,6 +39,7 @@ __all__ = [
     "clip_grad_norm_",
     "context_share",
     "eval_loader",
+    "fault_tolerant",
     "find_batch_requested",
     "find_micro_batch",
     "find_sequence_length",

@@ -11,6 +11,7 @@ fails. The launcher -> worker contract (MULTIGPU_* variables, find_batch.json) i
     slurm.py     inside srun: the first node's address from SLURM (scontrol's NodeAddr), or one line
     start.py     torchrun's elastic_launch in this process: worker variables, supervision, closing lines
     logs.py      per-rank log files, the console view, the failure summary (imports torch; loaded late)
+    replicas.py  --fault-tolerant G: the torchft lighthouse and G replica groups (group.py: one group's run)
 
 Rendezvous is always torchrun's c10d: one node uses ``--standalone`` (the
 store on a free port of localhost, so two runs never collide); several nodes

@@ -78,6 +78,11 @@ class RunConfig:
     node_timeout: float = 15.0
     """a node whose launcher sent no heartbeat for S seconds is lost, and the rendezvous goes on without it
     (default %(default)g)"""
+    fault_tolerant: int | None = None
+    """G replica groups of -n workers each (torchft, pip install 'multigpu[ft]'): a lost group does not stop the
+    others, is restarted and heals from a live one; scripts use mg.fault_tolerant (docs/fault-tolerance.md)"""
+    lighthouse: str | None = None
+    """--fault-tolerant: a torchft lighthouse already running at HOST:PORT (default: one started by the launcher)"""
 
     @property
     def keep_alive(self) -> tuple[int, int]:
@@ -191,6 +196,9 @@ def resolve(cfg: RunConfig, environ=os.environ, gpu_count=visible_gpus) -> Place
     """
     if cfg.nproc is not None and cfg.nproc < 1:
         raise UsageError(f"-n/--nproc must be at least 1, got {cfg.nproc}; use e.g. -n 2")
+    if cfg.lighthouse is not None and cfg.fault_tolerant is None:
+        raise UsageError(f"--lighthouse is where --fault-tolerant's groups meet, got it without --fault-tolerant; "
+                         f"add --fault-tolerant G or drop --lighthouse {cfg.lighthouse}")
     if cfg.max_restarts is not None and cfg.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more, got {cfg.max_restarts}")
     nodes = parse_nnodes(cfg.nnodes)
@@ -292,6 +300,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run("--find-batch", field="find_batch", action="store_true")
     run("--memory-budget", field="memory_budget", metavar="SIZE")
     run("--allow-no-group", field="allow_no_group", action="store_true")
+    run("--fault-tolerant", field="fault_tolerant", type=int, metavar="G")
+    run("--lighthouse", field="lighthouse", metavar="HOST:PORT")
     parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE", help="run a module like `python -m` (the rest of the line is its arguments)")
     parser.add_argument("script", nargs="?", help="the training script (the rest of the line is its arguments)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -310,4 +320,5 @@ def from_args(args: argparse.Namespace) -> RunConfig:
                      all_ranks=args.all_ranks, log_dir=args.log_dir, profile=args.profile, find_batch=args.find_batch,
                      memory_budget=args.memory_budget, hang_timeout=args.hang_timeout,
                      allow_no_group=args.allow_no_group, rdzv_timeout=args.rdzv_timeout,
-                     rdzv_last_call=args.rdzv_last_call, node_timeout=args.node_timeout)
+                     rdzv_last_call=args.rdzv_last_call, node_timeout=args.node_timeout,
+                     fault_tolerant=args.fault_tolerant, lighthouse=args.lighthouse)

@@ -205,6 +205,11 @@ def launch(cfg: RunConfig) -> int:
     from ..meter.profile import parse_steps
 
     steps = parse_steps(cfg.profile) if cfg.profile else None  # a bad --profile fails here, before anything starts
+    if cfg.fault_tolerant is not None:  # G torch jobs and a lighthouse; each job comes back here without the flag
+        from . import replicas
+
+        replicas.check(cfg)
+        return replicas.launch(cfg, _run_dir(cfg, resolve(cfg)))
     place = resolve(cfg)
     found = None
     if place.source == "slurm":  # SLURM's node name -> its address (fails in one line, before anything starts)
@@ -304,6 +309,8 @@ def run(
     rdzv_timeout: float = RunConfig.rdzv_timeout,
     rdzv_last_call: float = RunConfig.rdzv_last_call,
     node_timeout: float = RunConfig.node_timeout,
+    fault_tolerant: int | None = None,
+    lighthouse: str | None = None,
 ) -> int:
     """Run ``target`` on ``nproc`` processes per node via torch's elastic launcher; return the exit code.
 
@@ -318,7 +325,8 @@ def run(
     cfg = RunConfig(target=target, args=tuple(str(a) for a in args), module=module, nproc=nproc, cpu=cpu, nnodes=nnodes,
                     node_rank=node_rank, master=master, max_restarts=max_restarts, all_ranks=all_ranks, log_dir=log_dir,
                     profile=profile, find_batch=find_batch, memory_budget=memory_budget, hang_timeout=hang_timeout,
-                    allow_no_group=allow_no_group, rdzv_timeout=rdzv_timeout, rdzv_last_call=rdzv_last_call, node_timeout=node_timeout)
+                    allow_no_group=allow_no_group, rdzv_timeout=rdzv_timeout, rdzv_last_call=rdzv_last_call, node_timeout=node_timeout,
+                    fault_tolerant=fault_tolerant, lighthouse=lighthouse)
     return launch(cfg)
 
 

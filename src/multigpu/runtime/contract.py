@@ -16,6 +16,10 @@ file in the run directory::
     MULTIGPU_LAUNCH_ID       always: a fresh id per `multigpu run` (per node), the same in all its attempts
                              (a StepMeter appends to a metrics.jsonl only after an earlier attempt of it: sinks.py)
     MULTIGPU_HANG_TIMEOUT    --hang-timeout S: every StepMeter's watchdog reports a stall after S seconds at most
+    MULTIGPU_REPLICA_GROUP   --fault-tolerant G: which replica group (0..G-1) this worker's torch job is
+    MULTIGPU_REPLICA_GROUPS  --fault-tolerant G: G, the replica groups the launcher started
+    MULTIGPU_REPLICAS_DIR    --fault-tolerant G: where each group's rank 0 appends its committed steps
+                             (group<g>.jsonl, parallel/fault_tolerant.py); TORCHFT_LIGHTHOUSE is torchft's own
     MULTIGPU_MEMORY_STEP     "1" under `multigpu tune`: every StepMeter takes one warm-up step's real peak memory
                              (meter/footprint.py's MemoryStep) into its summary
     <run dir>/find_batch.json  the agreed search result (local rank 0 of each node), for the launcher's last line
@@ -50,6 +54,10 @@ HANG_TIMEOUT_ENV = "MULTIGPU_HANG_TIMEOUT"
 MEMORY_STEP_ENV = "MULTIGPU_MEMORY_STEP"  # "1": StepMeters measure a warm-up step's peak memory (tune's runs)
 ATTEMPT_ENV = "MULTIGPU_ATTEMPT"  # set per attempt by launch/logs.py (torch's restart count misses joins)
 LAUNCH_ID_ENV = "MULTIGPU_LAUNCH_ID"  # set with it: which launch the attempt belongs to
+REPLICA_GROUP_ENV = "MULTIGPU_REPLICA_GROUP"  # --fault-tolerant: this torch job's replica group
+REPLICA_GROUPS_ENV = "MULTIGPU_REPLICA_GROUPS"  # --fault-tolerant: how many the launcher started
+REPLICAS_DIR_ENV = "MULTIGPU_REPLICAS_DIR"  # --fault-tolerant: the groups' step records
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable: the lighthouse's address
 VERIFY_DIR = "verify"  # <run dir>/verify/: the probe's records
 FIND_BATCH_FILE = "find_batch.json"
 RAISED_AT = "_multigpu_raised_at"  # set on an exception by the code that caught it first (mg.init)
@@ -190,6 +198,14 @@ def read_find_batch(run_dir: str) -> dict[str, Any]:
 def run_dir() -> str | None:
     """The run directory of ``multigpu run`` (None outside it)."""
     return os.environ.get(RUN_DIR_ENV)
+
+
+def replica_group() -> tuple[int, int, str, str] | None:
+    """(group, groups, lighthouse address, record directory) under ``multigpu run --fault-tolerant``, else None."""
+    group, groups = os.environ.get(REPLICA_GROUP_ENV, ""), os.environ.get(REPLICA_GROUPS_ENV, "")
+    if not (group.isdigit() and groups.isdigit()):
+        return None
+    return int(group), int(groups), os.environ.get(LIGHTHOUSE_ENV, ""), os.environ.get(REPLICAS_DIR_ENV, "")
 
 
 def attempt() -> int:

@@ -1,0 +1,86 @@
+"""Fault-tolerant training on replica groups (for tests/test_fault_tolerant.py and benchmarks/fault_tolerance.py).
+
+A float64 regression trained with SGD and momentum (optimizer state a healed group must fetch), DDP inside
+each group, ``mg.fault_tolerant`` across them::
+
+    multigpu run --cpu -n 2 --fault-tolerant 3 tests/_ft_train.py --out DIR [--steps 40] [--sleep 0.05]
+
+Each worker writes its pid to ``DIR/pids/group<g>.rank<r>`` (a test SIGKILLs them), and each group's rank 0
+its final parameters to ``DIR/group<g>.pt``. ``replay`` is the one-process reference: the committed
+steps of a record, each on exactly the samples of the groups that took part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import multigpu as mg
+from multigpu.data.loader import global_order
+
+N, GLOBAL_BATCH, LR, MOMENTUM = 960, 24, 0.05, 0.9
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(N, 8, generator=g, dtype=torch.float64)
+    y = x @ torch.randn(8, 2, generator=g, dtype=torch.float64) + 0.1 * torch.randn(N, 2, generator=g, dtype=torch.float64)
+    return TensorDataset(x, y)
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)).double()
+
+
+def optimizer(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+def replay(steps: list[dict], groups: int) -> dict[str, torch.Tensor]:
+    """One process trained on the samples the committed ``steps`` used: group g's share of global batch s."""
+    ds, m = data(), model()
+    opt, share = optimizer(m), GLOBAL_BATCH // groups
+    per_epoch = N // GLOBAL_BATCH
+    for rec in sorted(steps, key=lambda r: r["step"]):
+        epoch, b = divmod(rec["step"], per_epoch)
+        order = global_order(N, 0, epoch)[b * GLOBAL_BATCH:(b + 1) * GLOBAL_BATCH]
+        idx = torch.cat([order[g * share:(g + 1) * share] for g in rec["groups"]])
+        x, y = ds[idx]
+        nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--sleep", type=float, default=0.0, help="seconds per step (time for a test to act mid-run)")
+    args = p.parse_args()
+    with mg.init(seed=0, device="cpu") as dist:
+        net = mg.wrap(model(), "ddp")
+        replicas = mg.fault_tolerant(net, optimizer(net), dist)
+        os.makedirs(os.path.join(args.out, "pids"), exist_ok=True)
+        with open(os.path.join(args.out, "pids", f"group{replicas.group}.rank{dist.rank}"), "w") as fp:
+            fp.write(str(os.getpid()))
+        train = mg.loader(data(), replicas.plan(GLOBAL_BATCH, micro_batch=2), dist, seed=0)
+        for step, micro_batches in replicas.steps(train, args.steps):
+            for x, y in mg.accumulate(net, micro_batches):
+                nn.functional.mse_loss(net(x), y).div(len(micro_batches)).backward()
+            time.sleep(args.sleep)
+            replicas.optimizer.step()
+            replicas.optimizer.zero_grad()
+        if dist.rank == 0:
+            torch.save(mg.unwrap(net).state_dict(), os.path.join(args.out, f"group{replicas.group}.pt"))
+        mg.print0(f"group {replicas.group}: {len(replicas.record)} steps committed here, last {replicas.record[-1].step}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""`multigpu run --fault-tolerant`: replica groups that outlive a SIGKILL, against one process (torchft).
+
+Three replica groups of two CPU workers (DDP inside each group, tests/_ft_train.py) meet at the
+launcher's lighthouse. The test SIGKILLs every worker of one group while the others train; the
+survivors commit steps without it, its launcher restarts it, it heals from a live group and rejoins.
+The groups' records say which groups' shares each committed step used; one process replaying exactly
+those samples must end with the same parameters (float64, 1e-9).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import _ft_train as job
+from _cli import run_cli
+
+pytest.importorskip("torchft")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "_ft_train.py")
+GROUPS, STEPS = 3, 100
+
+
+def _records(out: str, group: int) -> list[dict]:
+    path = [os.path.join(root, f"group{group}.jsonl") for root, _, files in os.walk(out) if f"group{group}.jsonl" in files]
+    if not path:
+        return []
+    with open(path[0]) as fp:
+        return [json.loads(line) for line in fp if line.endswith("\n")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as fp:  # a zombie is gone too: it only waits for its parent to read it
+        return fp.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _pids(out: str, group: int) -> list[int]:
+    return [int(open(os.path.join(out, "pids", f"group{group}.rank{r}")).read()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_a_group_killed_mid_run_rejoins_and_the_survivors_train_what_one_process_trains(tmp_path):
+    out = str(tmp_path)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "multigpu", "run", "--cpu", "-n", "2", "--fault-tolerant", str(GROUPS),
+         "--log-dir", os.path.join(out, "logs"), SCRIPT, "--out", out, "--steps", str(STEPS), "--sleep", "0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while len(_records(out, 1)) < 10:  # group 1 has committed 10 steps: kill it mid-run
+            assert launcher.poll() is None and time.monotonic() < deadline, "the groups never reached step 10"
+            time.sleep(0.02)
+        killed = _pids(out, 1)
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        text, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 0, text[-3000:]
+
+    survivor = _records(out, 0)
+    assert [r["step"] for r in survivor] == list(range(STEPS))  # every step committed once, none twice
+    assert _records(out, 2) == [dict(r, group=2, time=t["time"]) for r, t in zip(survivor, _records(out, 2))]
+    without = [r["step"] for r in survivor if r["groups"] == [0, 2]]
+    assert without and all(r["groups"] in ([0, 1, 2], [0, 2]) for r in survivor), survivor
+    rejoined = [r for r in _records(out, 1) if r["healed"]]
+    assert len(rejoined) == 1 and rejoined[0]["step"] > max(without), _records(out, 1)
+    assert survivor[-1]["groups"] == [0, 1, 2]  # it trained with the others again
+
+    # No sample twice; the skipped ones are the missing group's shares, counted in the record and the summary.
+    share = job.GLOBAL_BATCH // GROUPS
+    assert all(r["skipped"] == share * (GROUPS - len(r["groups"])) for r in survivor)
+    skipped = sum(r["skipped"] for r in survivor)
+    assert f"{STEPS} steps committed, {len(without)} without every group ({skipped} samples skipped), 1 heal" in text, text[-2000:]
+
+    expected = job.replay(survivor, GROUPS)
+    for g in range(GROUPS):
+        got = torch.load(os.path.join(out, f"group{g}.pt"))
+        worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+        assert worst <= 1e-9, f"group {g}: {worst:.3g} from one process on the committed samples"
+    every = job.replay([dict(r, groups=[0, 1, 2]) for r in survivor], GROUPS)  # the skipped shares matter
+    assert max((every[k] - expected[k]).abs().max().item() for k in every) > 1e-6
+    assert not any(_alive(p) for g in range(GROUPS) for p in _pids(out, g) + killed)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--fault-tolerant", "1"], "--fault-tolerant needs at least 2 replica groups (a lost group heals from a live "
+                                "one), got 1; use --fault-tolerant 2 or more, or drop --fault-tolerant"),
+    (["--lighthouse", "localhost:1"], "--lighthouse is where --fault-tolerant's groups meet, got it without "
+                                      "--fault-tolerant; add --fault-tolerant G or drop --lighthouse localhost:1"),
+    (["--fault-tolerant", "2", "--lighthouse", "127.0.0.1:1"], "--lighthouse 127.0.0.1:1: cannot reach a lighthouse "
+     "there (Connection refused); start one (torchft_lighthouse --min_replicas 1) or drop --lighthouse"),
+    (["--fault-tolerant", "2", "--nnodes", "2", "--master", "127.0.0.1:29500"], "--fault-tolerant starts its 2 "
+     "replica groups on this node, got --nnodes 2 / --master 127.0.0.1:29500; drop them (several nodes are not "
+     "supported yet)"),
+])
+def test_bad_fault_tolerant_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, argv, expected):
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli(["run", "--cpu", *argv, SCRIPT], capsys)
+    assert code == 2 and err.strip() == f"multigpu run: error: {expected}", err
+    assert not list(tmp_path.iterdir())  # nothing started, no log folder
+
+
+def test_without_torchft_installed_it_is_one_line(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli(["run", "--cpu", "--fault-tolerant", "2", SCRIPT], capsys)
+    assert code == 2 and err.strip() == ("multigpu run: error: --fault-tolerant needs torchft, which is not installed; "
+                                         "pip install 'multigpu[ft]'"), err
+
+
+def test_without_the_launcher_the_script_is_one_group_that_uses_every_sample(tmp_path):
+    """The same script under plain python: one replica group, no torchft, every share of every global batch."""
+    done = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path), "--steps", "5"], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "torchft" not in done.stderr
+    got, expected = torch.load(tmp_path / "group0.pt"), job.replay([{"step": s, "groups": [0]} for s in range(5)], 1)
+    assert max((got[k] - expected[k]).abs().max().item() for k in expected) <= 1e-9
