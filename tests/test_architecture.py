@@ -18,7 +18,10 @@ MAX_LINES = 400
 # Every verb's flags. A new flag is a decision: add it here, and to the docs.
 FLAGS = {
     "bench": ["--backend", "--bucket-cap-mb", "--ddp", "--dtype", "--group-size", "--iters", "--json", "--no-check",
-              "--nproc", "--ops", "--sizes", "--timeout", "--warmup", "-n"],
+              "--nproc", "--ops", "--sizes", "--timeout", "--warmup", "-n",
+              # --precision: training steps in two precisions (commbench/precision.py)
+              "--batch", "--compile", "--fp8-exclude", "--fp8-include", "--fp8-recipe", "--model", "--precision",
+              "--rounds", "--seq-len"],
     "ckpt": [],
     "ckpt export": ["--hf", "<checkpoint>", "<out>"],
     "ckpt ls": ["<dir>"],
@@ -26,6 +29,7 @@ FLAGS = {
     "doctor": ["--backend", "--json", "--no-smoke", "--nproc", "--port", "--timeout", "-n"],
     "forecast": ["--async-tp", "--async-tp-overlap", "--compile", "--compile-loss", "--dp-overlap", "--efficiency",
                  "--expert-imbalance", "--fp8-all-gather", "--fp8-tp-all-gather", "--logits-held", "--loss-parallel",
+                 "--fp8-exclude", "--fp8-include", "--fp8-recipe",
                  "--global-batch", "--gpu",
                  "--gpus", "--gpus-per-node", "--hbm-gib", "--json", "--layout", "--micro-batches", "--model", "--out",
                  "--peak-tflops",

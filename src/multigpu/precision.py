@@ -52,6 +52,7 @@ class Precision:
         self.recipe = recipe
         self.emulate = False
         self._float8_models: list[nn.Module] = []  # the models amp.convert made float8, for FSDP's scales
+        self.converted = ""  # what the last amp.convert did, in the one line it prints
         self._stepped = False  # FSDP's float8 scales are amp.step's from the second step on
         if name == "fp8":
             from .parallel import float8
@@ -86,10 +87,10 @@ class Precision:
         from .dist import print0
         from .parallel import float8
 
-        model, line = float8.convert(model, self.recipe, self.emulate, include, exclude)
+        model, self.converted = float8.convert(model, self.recipe, self.emulate, include, exclude)
         self._float8_models.append(model)
         if verbose:
-            print0(line)
+            print0(self.converted)
         return model
 
     @contextlib.contextmanager

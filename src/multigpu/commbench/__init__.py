@@ -1,4 +1,5 @@
-"""``multigpu bench``: collective benchmark with nccl-tests' columns and formulas.
+"""``multigpu bench``: collective benchmark with nccl-tests' columns and formulas; ``--precision bf16,fp8``
+times training steps in two precisions instead (precision.py).
 
 >>> from multigpu.commbench import BenchConfig, run_bench
 >>> result = run_bench(BenchConfig(ops=("all_reduce",), sizes=(1024, 2048)), nproc=2)
@@ -52,10 +53,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench("--bucket-cap-mb", field="bucket_cap_mb", type=float)
     bench("--timeout", field="timeout", type=float)
     bench("--json", field="json", action="store_true")
+    from .precision import PrecisionBench
+
+    steps = functools.partial(add_field, parser, config=PrecisionBench)
+    steps("--precision", field="precision", metavar="BASE,OTHER")
+    steps("--model", field="model")
+    steps("--seq-len", field="seq_len", type=int)
+    steps("--batch", field="batch", type=int)
+    steps("--rounds", field="rounds", type=int)
+    steps("--compile", field="compile", action="store_true")
+    steps("--fp8-recipe", field="fp8_recipe", choices=("tensorwise", "rowwise"))
+    steps("--fp8-include", field="fp8_include", metavar="NAME,...")
+    steps("--fp8-exclude", field="fp8_exclude", metavar="NAME,...")
 
 
 def main(args: argparse.Namespace) -> int:
-    """Entry of ``multigpu bench``: 0 when every check passed, 1 on wrong results or a failed rank."""
+    """Entry of ``multigpu bench``: 0 when every check passed, 1 on wrong results or a failed rank; with
+    ``--precision``, training steps in two precisions instead (precision.py)."""
+    if args.precision is not None:
+        from .precision import main as precision_main
+
+        return precision_main(args)
     from .run import main as run_main
 
     return run_main(args)

@@ -34,6 +34,7 @@ from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import UsageError
+from .flops import GROUPED, flop_counter
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,7 @@ class Counts:
     kv_heads: int = 0                      # key/value heads, where the model names them (tp must divide them)
     logits_f32: float = 0.0                # of other_saved, the float32 copies of the logits the loss saves
                                            # (eager cross-entropy's log-probabilities: 4 bytes x vocab per token)
-    block_fp8: tuple[float, ...] = ()      # of block_flops, the matmuls of the Linear layers float8 converts (counted
-                                           # with an ``fp8`` choice: the layers ``mg.Precision("fp8")`` converts)
+    block_fp8: tuple[float, ...] = ()      # of block_flops, the Linear layers' mg.Precision("fp8") converts (``fp8=``)
     block_fp8_params: tuple[int, ...] = () # per block, those layers' weights (what FSDP gathers in float8)
     other_fp8: float = 0.0                 # of other_flops, float8's (the head, where it converts)
     fp8: str = ""                          # which layers convert, as mg.Precision("fp8") says it
@@ -120,9 +120,9 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
     from torch._subclasses.fake_tensor import FakeTensorMode
     if seq_len < 1:
         raise UsageError(f"--seq-len must be at least 1, got {seq_len}")
-    if fp8 is not None:
+    if fp8 is not None:  # torchao imported before fake mode (an import must not make fake tensors)
         from ..parallel import float8
-        float8.torchao_float8()  # imported before fake mode (an import must not make fake tensors)
+        float8.torchao_float8()
     default = torch.get_default_dtype()
     with FakeTensorMode():
         torch.set_default_dtype(dtype)  # built in the compute dtype (casting fake parameters cannot swap them)
@@ -152,7 +152,7 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
             p for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False) if id(p) not in inside]
         head = sum(p.numel() for p in outputs if id(p) not in tables)  # a head holding the table adds none
         total = sum(p.numel() for p in model.parameters())
-        tally, live = _Tally(params, _flop_counter()), _Live()
+        tally, live = _Tally(params, flop_counter()), _Live()
         per_block, inputs = [], []
         from ..parallel.auto import head_counts
         from ..parallel.experts import expert_modules
@@ -202,24 +202,16 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
                                                     m.register_forward_hook(leave))]
         handles += [h for m in moe for h in (m.register_forward_pre_hook(experts_pre, with_kwargs=True),
                                              m.register_forward_hook(experts_post))]
-        fp8_flops, fp8_params, fp8_line = [0.0] * (len(blocks) + 1), [0] * len(blocks), ""
-        if fp8 is not None:
+        fp8_flops, fp8_params, fp8_line = [0.0] * (len(blocks) + 1), [0] * (len(blocks) + 1), ""
+        if fp8 is not None:  # the FLOPs and weights of the layers float8 converts, per block (the last: the head)
             chosen, left = float8.choose(model, *fp8)
             fp8_line = float8.describe(fp8[0], len(chosen), left)
             block_of = {id(sub): i for i, b in enumerate(blocks) for sub in b.modules()}
-            for fqn in chosen:
-                linear = model.get_submodule(fqn)
-                at = block_of.get(id(linear), len(blocks))  # outside the blocks: the last slot (the head)
-                if at < len(blocks):
-                    fp8_params[at] += linear.weight.numel()
-
-                def started(module, args, at=at):
-                    fp8_flops[at] -= tally.snapshot()[0] / seq_len
-
-                def ended(module, args, output, at=at):
-                    fp8_flops[at] += tally.snapshot()[0] / seq_len
-
-                handles += [linear.register_forward_pre_hook(started), linear.register_forward_hook(ended)]
+            for linear in map(model.get_submodule, chosen):
+                at = block_of.get(id(linear), len(blocks))
+                fp8_params[at] += linear.weight.numel()
+                handles += [linear.register_forward_pre_hook(lambda *_, at=at: tally.add_to(fp8_flops, at, -1 / seq_len)),
+                            linear.register_forward_hook(lambda *_, at=at: tally.add_to(fp8_flops, at, 1 / seq_len))]
         ids = torch.zeros(1, seq_len, dtype=torch.long)
         try:
             with tally.flops, tally, live, torch.autograd.graph.saved_tensors_hooks(tally.pack, lambda t: t):
@@ -258,30 +250,7 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
                   tuple(b / n for b in live.peaks(len(blocks), weights)), tally.heads, tied,
                   min((m.num_experts for m in moe), default=0), tuple(experts_in), tuple(expert_flops), tuple(routed),
                   tuple(linears), vocab, kv_heads, tally.f32_outside[vocab] / n,
-                  tuple(fp8_flops[:-1]) if fp8 else (), tuple(fp8_params) if fp8 else (), fp8_flops[-1], fp8_line)
-
-
-def _flop_counter():
-    """FlopCounterMode, with CPU's fused attention counted as CUDA's flash kernel is (PyTorch registers the
-    CUDA kernels only; fake tensors here are CPU tensors), and the grouped matmuls of a mixture of experts
-    (no formula in PyTorch's counter as of torch 2.13)."""
-    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
-
-    def attention(query, key, value, *args, out_val=None, **kwargs) -> int:
-        return sdpa_flop_count(query.shape, key.shape, value.shape)
-
-    def grouped(mat_a, mat_b, *args, out_val=None, **kwargs) -> int:
-        # (rows, in) x (groups, in, out) -> (rows, out), or batched (groups, rows, in) x (groups, in, out): each
-        # output element one dot product of length ``in``; (rows, in_total) x (in_total, out) with the groups
-        # along ``in`` (a weight gradient) sums groups x (rows, out) products over in_total.
-        inner = mat_a.shape[-1]
-        outputs = mat_a.shape[0] * mat_b.shape[-1] if mat_b.dim() == 2 else mat_a.numel() // inner * mat_b.shape[-1]
-        return 2 * outputs * inner
-
-    attention._get_raw = grouped._get_raw = True  # FlopCounterMode's flag: hands the tensors over as they are
-    ops = {getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None): attention}
-    ops |= {getattr(torch.ops.aten, op, None): grouped for op in _GROUPED}
-    return FlopCounterMode(display=False, custom_mapping={k: v for k, v in ops.items() if k is not None})
+                  tuple(fp8_flops[:-1]) if fp8 else (), tuple(fp8_params[:-1]) if fp8 else (), fp8_flops[-1], fp8_line)
 
 
 def _loss(model: nn.Module, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -299,7 +268,6 @@ def _loss(model: nn.Module, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
 
 
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
-_GROUPED = ("_grouped_mm", "_scaled_grouped_mm")  # a mixture of experts' matmuls (counted by ``grouped`` above)
 _ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
 
@@ -320,6 +288,10 @@ class _Tally(TorchDispatchMode):
         self.lookups: set = set()  # storages embedding lookups read (the input tables)
         self.matmuls = self.heads = self.depth = 0
         self.in_block = False
+
+    def add_to(self, tallies: list[float], at: int, scale: float) -> None:
+        """``tallies[at] += scale x`` the FLOPs so far (a module's own, by a pre hook's -1 and a post hook's +1)."""
+        tallies[at] += scale * self.flops.get_total_flops()
 
     def snapshot(self) -> list[float]:
         return [float(self.flops.get_total_flops()), self.saved, self.kept, self.attention, self.kv, self.inner,

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from ..errors import UsageError
-from ..forecast.cost import WORK, Assumptions, Overheads, Run, micro_flops
+from ..forecast.cost import WORK, Assumptions, Overheads, Run
+from ..forecast.compute import micro_flops
 from ..forecast.counts import Counts
 from ..forecast.hardware import Cluster, Gpu
 from ..parallel.layout import Layout
