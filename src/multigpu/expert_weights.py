@@ -94,8 +94,9 @@ class Stacked:
 class Names:
     """How ``model``'s tensors are read from a checkpoint with ``tensors`` (name -> (shape, file), from the
     files' headers), by transformers' conversion: ``tensors`` here is by the model's names (a fused tensor's
-    shape what its converter makes of the per-expert shapes), ``read_as`` each one's checkpoint name,
-    ``stacked`` the fused ones."""
+    shape what its converter makes of the per-expert shapes), ``read_as`` each one's checkpoint name (a tied
+    copy's: the tensor it copies), ``stacked`` the fused ones. Any module holding some of ``model``'s tensors
+    under its names (a pipeline stage) is read by it."""
 
     def __init__(self, model: nn.Module, tensors: dict[str, tuple[tuple[int, ...], str]], where: Path) -> None:
         from transformers.core_model_loading import dot_natural_key, rename_source_key
@@ -119,6 +120,12 @@ class Names:
                                  "cannot read by rank yet; load it with transformers' from_pretrained and spread it")
             stacked = self.stacked.setdefault(name, Stacked(converter, {p: [] for p in converter.source_patterns}))
             stacked.keys[pattern].append(key)
+        from .parallel.hf.tied import tied_groups
+
+        for group in tied_groups(model):  # a pipeline stage may hold a tied copy alone: read as what it copies
+            for name in group[1:]:
+                if group[0] in self.read_as:
+                    self.read_as.setdefault(name, self.read_as[group[0]])
         for name, stacked in self.stacked.items():  # the fused shape, by the converter itself on meta tensors
             meta = {p: [torch.empty(tensors[k][0], device="meta") for k in keys] for p, keys in stacked.keys.items()}
             try:
@@ -144,6 +151,8 @@ class Names:
                 return lambda: opened[file].get_tensor(key)
 
             for name, stacked in self.stacked.items():
+                if name not in state:  # another pipeline stage's
+                    continue
                 local, first, count = held_experts(state[name], name)
                 if count == 0:
                     continue

@@ -107,11 +107,13 @@ def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype 
     ``dtype`` (default: the config's), ``model_class`` (default ``AutoModelForCausalLM``), ``device``
     (default: this rank's, as ``mg.init`` picks it); ``attn_implementation`` and ``experts_implementation``
     as transformers' ``from_pretrained`` takes them (default: its choice); ``options`` go to
-    ``mg.parallelize``. Pipeline parallelism is refused in one line (not built yet for loading).
+    ``mg.parallelize``. Under pp > 1 it returns this rank's ``mg.parallel.pipeline`` of the model, each stage
+    reading its own tensors; ``options`` then are the pipeline's and must hold its ``loss_fn`` and ``plan``.
 
     >>> model = mg.from_pretrained("checkpoints/llama", mg.parallel.Layout(dp_shard=dist.world_size))
     """
-    from .parallel import Layout, parallelize
+    from .parallel import Layout, parallelize, pipeline
+    from .parallel.hf.tied import tied_groups
     from .parallel.spread import _world, check_loaded_context
 
     root = Path(path)
@@ -119,17 +121,34 @@ def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype 
     layout = Layout() if layout is None else layout
     if not isinstance(layout, Layout):
         raise UsageError(f"from_pretrained takes a mg.parallel.Layout, got {type(layout).__name__}")
-    if layout.pp > 1:
-        raise UsageError(f"from_pretrained onto layout {layout.label}: pipeline parallelism is not built yet for "
-                         "loading; load onto the same layout with pp 1, or build the model whole with transformers' "
-                         "from_pretrained and spread it with mg.parallel.pipeline")
+    if layout.pp > 1 and not ("loss_fn" in options and "plan" in options):
+        raise UsageError(f"from_pretrained onto layout {layout.label} builds a pipeline (mg.parallel.pipeline), which "
+                         "takes the loss and the batch plan: pass loss_fn= and plan= as mg.parallel.pipeline takes them")
     layout = layout.resolve(_world()[1])
     device = torch.device(device) if device is not None else _device()
     chosen = {k: v for k, v in (("attn_implementation", attn_implementation),
                                 ("experts_implementation", experts_implementation)) if v is not None}
-    model = _empty(root, dtype, model_class, chosen)
-    names = Names(model, tensors, root)  # the checkpoint's names as transformers converts them
-    check_names(model, names.tensors, root)
+
+    def built() -> tuple[nn.Module, Names]:
+        """The model on the meta device and how it reads the checkpoint (transformers' names), checked."""
+        model = _empty(root, dtype, model_class, chosen)
+        names = Names(model, tensors, root)
+        check_names(model, names.tensors, root)
+        return model, names
+
+    model, names = built()
+    if layout.pp > 1:  # this rank's stages, spread on meta, then each one's tensors read
+        loss_fn, plan = options.pop("loss_fn"), options.pop("plan")
+        pipe = pipeline(model, layout, loss_fn, plan, _empty=device, **options)
+        for stage in pipe.modules:
+            _fill(stage, root, device, names)
+            stage.eval()
+        reference, names = built()
+        reference = parallelize(reference, Layout(dp_shard=_world()[1]).resolve(_world()[1]), _empty=device,
+                                verbose=False)
+        _fill(reference, root, device, names)
+        _check_cut(pipe, reference.eval(), loss_fn, device, tied_groups(model), type(model).__name__)
+        return pipe
     if layout.tp == 1 and layout.dp_shard == 1 and layout.cp == 1:  # nothing sharded: every rank holds it whole
         _fill(model, root, device, names)
         model = parallelize(model, layout, **options)
@@ -139,6 +158,39 @@ def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype 
         if layout.cp > 1:  # the probe mg.parallelize runs on a whole model, run on the loaded one
             check_loaded_context(model)
     return model.eval()  # as transformers' from_pretrained returns it: model.train() before training
+
+
+def _check_cut(pipe: Any, reference: nn.Module, loss_fn: Any, device: torch.device, tied: list, name: str) -> None:
+    """mg.parallel.pipeline checks its cut on a probe batch of the whole model (the stages composed must give
+    its output); loaded, no process holds it, so the reference is the same checkpoint loaded by FSDP over every
+    rank (one unit gathered at a time), its loss on the probe batch against the stages': exact or refused,
+    alike on every rank. The stages run in a schedule of their own (torch's schedules keep the shapes of their
+    first batch: the probe's must not be the training's); it and the reference are dropped after."""
+    import torch.distributed as tdist
+
+    from .parallel.pp import ZERO_BUBBLE, Pipeline
+    from .parallel.probe import TOLERANCE, probe_input, run
+
+    batch = probe_input(reference, 1)["input_ids"]
+    probed = Pipeline(pipe.modules, pipe.ids, pipe.n_stages, pipe.group, device, pipe.schedule_name,
+                      pipe.accum_steps, loss_fn, tied=tied)
+    with torch.no_grad():
+        expected = loss_fn(run(reference, {"input_ids": batch}, backward=False), batch)
+    if pipe.schedule_name in ZERO_BUBBLE:  # torch's eval() of these fails: a step, its gradients dropped
+        got = probed.step([(batch, batch)] * pipe.accum_steps)
+        for stage in pipe.modules:
+            stage.zero_grad(set_to_none=True)
+    else:
+        got = probed.evaluate([(batch, batch)] * pipe.accum_steps)
+    error = torch.zeros((), dtype=torch.float64, device=expected.device)
+    if got is not None:  # the last stage's ranks
+        error += (got.double() - expected.double()).abs() / expected.double().abs().clamp_min(1e-30)
+    tdist.all_reduce(error, op=tdist.ReduceOp.MAX)
+    tol = TOLERANCE.get(expected.dtype, 1e-4)
+    if not float(error) <= tol:
+        raise UsageError(f"{name} cut into {pipe.n_stages} pipeline stages gives another loss than "
+                         f"the model on a probe batch (relative error {float(error):.1e}, {expected.dtype} allows "
+                         f"{tol:.0e}): its forward does more than the stages run; use pp=1 for this model")
 
 
 def _device() -> torch.device:
@@ -200,15 +252,36 @@ def _fill(model: nn.Module, root: Path, device: torch.device, names: Names) -> N
         for name, b in model.named_buffers():
             if name in buffers:
                 b.copy_(buffers[name])
+    from torch.distributed.tensor import empty as empty_dtensor
+
     state = {names.read_as[k]: v for k, v in _untied_state(model).items() if k not in names.stacked}
+    strided = {k: v for k, v in state.items() if _contiguous(v) is not None}
+    for k, v in strided.items():  # read into contiguous shards, then laid out as the parameter is
+        state[k] = empty_dtensor(v.shape, dtype=v.dtype, device_mesh=v.device_mesh, placements=_contiguous(v))
     on = torch.distributed.is_available() and torch.distributed.is_initialized()
     # tied copies are the same tensor as the one the checkpoint names: filled with it
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(root)),
              planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=not on)
+    with torch.no_grad():
+        for k, v in strided.items():
+            v.to_local().copy_(state[k].redistribute(v.device_mesh, v.placements).to_local())
     names.fill_stacked(model, root)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise UsageError(f"from_pretrained left {leftover[0]} on the meta device; report this model")
+
+
+def _contiguous(t: torch.Tensor) -> list | None:
+    """A DTensor's placements with each ``_StridedShard`` as the plain ``Shard`` of its dim, or None when it has
+    none. DCP reads and writes a shard as the one box of the tensor it covers, but a strided shard is several
+    (GPT-2's fused c_attn under TP: rank r holds q_r, k_r and v_r), which it takes for one: such a tensor is
+    read and written through the contiguous layout, redistributed (one shard's worth at a time)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(t, DTensor) or not any(isinstance(p, _StridedShard) for p in t.placements):
+        return None
+    return [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in t.placements]
 
 
 def _untied_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -258,7 +331,9 @@ def save_pretrained(model: nn.Module, directory: str | Path, *, max_shard_bytes:
     check_wrapped_whole(inner, "save_pretrained")
     if is_peft(inner):  # a PEFT model: its adapter only, in PEFT's own format
         return _save_adapter(inner, out, partial, rank, on)
-    state, sizes = per_expert_state(inner, _untied_state(inner))  # the names transformers writes
+    state = {k: v if _contiguous(v) is None else v.redistribute(v.device_mesh, _contiguous(v))
+             for k, v in _untied_state(inner).items()}
+    state, sizes = per_expert_state(inner, state)  # the names transformers writes
     files = _shards(sizes, max_shard_bytes)
     error = None
     try:

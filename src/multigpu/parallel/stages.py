@@ -187,7 +187,7 @@ def probe(model: nn.Module, make: Callable[..., nn.Module], n_stages: int) -> No
 
 
 def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, tp_plan: dict[str, Any] | None = None,
-             splits: list[int] | None = None, verbose: bool = True):
+             splits: list[int] | None = None, verbose: bool = True, _empty: torch.device | None = None):
     """This rank's stages of ``model`` cut by ``layout.pp`` (and its schedule), each tensor parallel over
     ``layout.tp`` (``tp_plan`` or the model's plan, the entries for what the stage holds) and FSDP-sharded
     over the data-parallel ranks when there are several, in a ``Pipeline`` of ``plan.accum_steps``
@@ -196,6 +196,9 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
 
     >>> pipe = mg.parallel.pipeline(model, layout, loss_fn, plan)
     >>> loss = pipe.step(micro_batches); pipe.clip_grad_norm_(1.0); opt.step()
+
+    ``_empty`` (mg.from_pretrained's): ``model`` is on the meta device; each stage is spread as
+    ``mg.parallelize(..., _empty=)`` spreads it, for its shards to be allocated on that device and loaded.
     """
     import weakref
 
@@ -233,15 +236,16 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
         heads = head_counts(model)
         layout.check_sizes(heads=heads.get("attention heads"), kv_heads=heads.get("KV heads"), model=name)
         styles, source, _ = tensor_parallel_plan(model, layout, block_modules(model, classes), tp_plan)
-    device = next(model.parameters()).device
+    device = torch.device(_empty) if _empty is not None else next(model.parameters()).device
     pp_mesh = layout.device_mesh(device.type)["pp"]
     ids = pp.stage_ids(layout.schedule, pp_mesh.get_local_rank(), layout.pp)
     parts = [make(i) for i in ids]
     # mg.parallelize's TP, activation checkpointing, compile and FSDP, the one way in, on every stage (on pp
     # alone it applies the per-block options only); as a pipeline stage FSDP keeps the parameters gathered
     # between a step's micro-batches. This function prints its own line for all the stages.
+    empty = {} if _empty is None else {"_empty": device}
     parts = [parallelize(p, layout, tp_plan=stage_plan(p, styles) if styles else None,
-                         block_classes=classes or None, pipeline_stage=True, verbose=False) for p in parts]
+                         block_classes=classes or None, pipeline_stage=True, verbose=False, **empty) for p in parts]
     record_share(layout.data_share(rank), rank, world)  # the schedule places the last stage: who counts (eval)
     if verbose:
         print0(f"mg.parallel.pipeline: {n_stages} stages of {name} by {how}, blocks per stage "
