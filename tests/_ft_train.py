@@ -63,9 +63,10 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per step (time for a test to act mid-run)")
+    p.add_argument("--inner", default="ddp", help="the strategy inside each group (mg.wrap's)")
     args = p.parse_args()
     with mg.init(seed=0, device="cpu") as dist:
-        net = mg.wrap(model(), "ddp")
+        net = mg.wrap(model(), args.inner)
         replicas = mg.fault_tolerant(net, optimizer(net), dist)
         os.makedirs(os.path.join(args.out, "pids"), exist_ok=True)
         with open(os.path.join(args.out, "pids", f"group{replicas.group}.rank{dist.rank}"), "w") as fp:
@@ -77,8 +78,9 @@ def main() -> None:
             time.sleep(args.sleep)
             replicas.optimizer.step()
             replicas.optimizer.zero_grad()
+        state = mg.full_state_dict(net)  # collective under FSDP
         if dist.rank == 0:
-            torch.save(mg.unwrap(net).state_dict(), os.path.join(args.out, f"group{replicas.group}.pt"))
+            torch.save(state, os.path.join(args.out, f"group{replicas.group}.pt"))
         mg.print0(f"group {replicas.group}: {len(replicas.record)} steps committed here, last {replicas.record[-1].step}")
 
 

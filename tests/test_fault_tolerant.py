@@ -51,18 +51,21 @@ def _pids(out: str, group: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_group_killed_mid_run_rejoins_and_the_survivors_train_what_one_process_trains(tmp_path):
+@pytest.mark.parametrize("inner, ranks", [("ddp", (0, 1)), ("fsdp", (1,))], ids=["ddp-whole-group", "fsdp-one-rank"])
+def test_a_group_killed_mid_run_rejoins_and_the_survivors_train_what_one_process_trains(tmp_path, inner, ranks):
+    """SIGKILL of a whole group (DDP inside the groups) and of one of its ranks (FSDP inside)."""
     out = str(tmp_path)
     launcher = subprocess.Popen(
         [sys.executable, "-m", "multigpu", "run", "--cpu", "-n", "2", "--fault-tolerant", str(GROUPS),
-         "--log-dir", os.path.join(out, "logs"), SCRIPT, "--out", out, "--steps", str(STEPS), "--sleep", "0.1"],
+         "--log-dir", os.path.join(out, "logs"), SCRIPT, "--out", out, "--steps", str(STEPS), "--sleep", "0.1",
+         "--inner", inner],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
         while len(_records(out, 1)) < 10:  # group 1 has committed 10 steps: kill it mid-run
             assert launcher.poll() is None and time.monotonic() < deadline, "the groups never reached step 10"
             time.sleep(0.02)
-        killed = _pids(out, 1)
+        killed = [_pids(out, 1)[r] for r in ranks]
         for pid in killed:
             os.kill(pid, signal.SIGKILL)
         text, _ = launcher.communicate(timeout=120)
