@@ -95,3 +95,41 @@ def _labels_differ(model: nn.Module, ctx: Context, batch: dict[str, torch.Tensor
     tol = max(tol, TOLERANCE.get(expected.dtype, 1e-4))  # transformers computes the loss in float32
     error = abs(got.item() / ctx.cp - expected.item()) / max(abs(expected.item()), 1e-30)
     return None if error <= tol else f"a probe batch's loss is off by {error:.1e}"
+
+
+def check_loaded(model: nn.Module) -> None:
+    """The probe ``mg.parallelize`` runs under context parallelism, for a transformers model spread on the meta
+    device and then loaded (mg.from_pretrained): the unsplit outputs are the loaded model's own forward with cp
+    suspended (every rank runs it on the same batch; FSDP gathers one unit at a time, no process holds the
+    model), then the same batches under cp against them: exact or refused, as for any model."""
+    from ..spreads import spread_of
+    from . import context, probe as probes
+
+    ctx = spread_of(model).context
+    batch = probes.probe_input(model, 2 * ctx.cp)
+    with context.suspended(model, ctx):
+        expected, why = probes.attempt(model, batch)
+        if expected is None:
+            raise UsageError(f"context parallelism checks {type(model).__name__} on a probe batch of token ids, but "
+                             f"{why}; use cp=1 for this model, or make its forward run on its token ids alone")
+        expectations = unsplit(model, batch, expected, own=False)
+    probe(model, ctx, batch, *expectations)
+
+
+def unsplit(model: nn.Module, batch: dict, expected: torch.Tensor, own: bool) -> tuple:
+    """What the cp probe compares with, computed on the model before cp (``context_probe.probe``'s arguments
+    after the batch): the output on ``batch``, a batch of two packed documents and its output (None where
+    positions are not taken), the model's own loss of labels= (None: it has none)."""
+    from . import context_sdpa, probe as probes
+
+    tokens = next(iter(batch.values()))
+    documents = batch | {"position_ids": torch.cat([torch.arange(tokens.shape[1] // 2 - 3),
+                                                    torch.arange(tokens.shape[1] // 2 + 3)]).to(tokens.device)
+                         .expand_as(tokens)}
+    positional = not own or context_sdpa.takes_positions(model)
+    expected_documents = probes.expected(model, documents) if positional else None
+    try:
+        expected_loss = None if own else own_loss(model, batch)
+    except Exception:  # noqa: BLE001 - a model without a loss of labels= is refused them later
+        expected_loss = None
+    return expected, documents, expected_documents, expected_loss

@@ -299,7 +299,7 @@ def _check_context(model: nn.Module, layout: Layout) -> None:
 def _context_parallel(model: nn.Module, layout: Layout, device_type: str, say: Any, probed: bool = True) -> Any:
     """Each cp rank keeps a share of every sequence; attention sees the whole one (``context.py``); its
     ``Context``. ``probed`` False: a transformers model on the meta device, to be loaded once spread
-    (mg.from_pretrained), checked on the probe batch once loaded (``check_loaded_context``)."""
+    (mg.from_pretrained), checked on the probe batch once loaded (``context_probe.check_loaded``)."""
     from . import context, context_probe, context_sdpa
 
     if not probed:
@@ -316,49 +316,11 @@ def _context_parallel(model: nn.Module, layout: Layout, device_type: str, say: A
                          f"{why}; use cp=1 for this model, or make its forward run on its token ids alone")
     if own:  # a transformers model's heads are checked from its config (context.check), by the same rule
         context.check_heads(type(model).__name__, layout, sorted(heads.counts))
-    unsplit = _unsplit(model, batch, expected, own)  # before cp changes anything
+    unsplit = context_probe.unsplit(model, batch, expected, own)  # before cp changes anything
     ctx, done = context.apply(model, layout, layout.cp_mesh(device_type))
     context_probe.probe(model, ctx, batch, *unsplit)  # exact or refused
     say(f"mg.parallelize: {done}")
     return ctx
-
-
-def check_loaded_context(model: nn.Module) -> None:
-    """The probe ``mg.parallelize`` runs under context parallelism, for a transformers model spread on the meta
-    device and then loaded (mg.from_pretrained): the unsplit outputs are the loaded model's own forward with cp
-    suspended (every rank runs it on the same batch; FSDP gathers one unit at a time, no process holds the
-    model), then the same batches under cp against them: exact or refused, as for any model."""
-    from ..spreads import spread_of
-    from . import context, context_probe
-
-    ctx = spread_of(model).context
-    batch = probe.probe_input(model, 2 * ctx.cp)
-    with context.suspended(model, ctx):
-        expected, why = probe.attempt(model, batch)
-        if expected is None:
-            raise UsageError(f"context parallelism checks {type(model).__name__} on a probe batch of token ids, but "
-                             f"{why}; use cp=1 for this model, or make its forward run on its token ids alone")
-        unsplit = _unsplit(model, batch, expected, own=False)
-    context_probe.probe(model, ctx, batch, *unsplit)
-
-
-def _unsplit(model: nn.Module, batch: dict, expected: torch.Tensor, own: bool) -> tuple:
-    """What the cp probe compares with, computed on the model before cp (``context_probe.probe``'s arguments
-    after the batch): the output on ``batch``, a batch of two packed documents and its output (None where
-    positions are not taken), the model's own loss of labels= (None: it has none)."""
-    from . import context_probe, context_sdpa
-
-    tokens = next(iter(batch.values()))
-    documents = batch | {"position_ids": torch.cat([torch.arange(tokens.shape[1] // 2 - 3),
-                                                    torch.arange(tokens.shape[1] // 2 + 3)]).to(tokens.device)
-                         .expand_as(tokens)}
-    positional = not own or context_sdpa.takes_positions(model)
-    expected_documents = probe.expected(model, documents) if positional else None
-    try:
-        expected_loss = None if own else context_probe.own_loss(model, batch)
-    except Exception:  # noqa: BLE001 - a model without a loss of labels= is refused them later
-        expected_loss = None
-    return expected, documents, expected_documents, expected_loss
 
 
 def _per_block(model: nn.Module, layout: Layout, blocks: list, activation_checkpointing: bool | None,

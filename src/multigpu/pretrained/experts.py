@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 def _transforms(model: nn.Module, reverse: bool) -> tuple[list, list]:
@@ -120,7 +120,7 @@ class Names:
                                  "cannot read by rank yet; load it with transformers' from_pretrained and spread it")
             stacked = self.stacked.setdefault(name, Stacked(converter, {p: [] for p in converter.source_patterns}))
             stacked.keys[pattern].append(key)
-        from .parallel.hf.tied import tied_groups
+        from ..parallel.hf.tied import tied_groups
 
         for group in tied_groups(model):  # a pipeline stage may hold a tied copy alone: read as what it copies
             for name in group[1:]:
