@@ -34,6 +34,7 @@ def _transforms(model: nn.Module, reverse: bool) -> tuple[list, list]:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming
 
+    model = _as_built(model)
     if reverse:
         forward = [t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, PrefixChange)]
         transforms = [t.reverse_transform() for t in forward[::-1]]
@@ -41,6 +42,19 @@ def _transforms(model: nn.Module, reverse: bool) -> tuple[list, list]:
         transforms = get_model_conversion_mapping(model)
     return ([t for t in transforms if isinstance(t, WeightRenaming)],
             [t for t in transforms if isinstance(t, WeightConverter)])
+
+
+def _as_built(model: nn.Module) -> nn.Module:
+    """``model``, or where FSDP wrapped it, a meta twin of its class from its config: transformers finds a
+    family's conversions by its modules' class names first (GPT-NeoX's head is saved as ``embed_out`` by
+    its class's mapping), and FSDP2 renames each class it wraps (``FSDPGPTNeoXForCausalLM``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return model
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    with torch.device("meta"):
+        return cls(model.config)
 
 
 def _unsplittable(converter: Any) -> str | None:

@@ -110,6 +110,8 @@ def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype 
         return model, names
 
     model, names = built()
+    if layout.strategy in ("fsdp", "hsdp") or layout.pp > 1:  # a pipeline's cut is checked against an FSDP load
+        _refuse_mixed_dtypes(model, layout)
     if layout.pp > 1:  # this rank's stages, spread on meta, then each one's tensors read
         loss_fn, plan = options.pop("loss_fn"), options.pop("plan")
         pipe = pipeline(model, layout, loss_fn, plan, _empty=device, **options)
@@ -131,6 +133,22 @@ def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype 
         if layout.cp > 1:  # the probe mg.parallelize runs on a whole model, run on the loaded one
             check_loaded(model)
     return model.eval()  # as transformers' from_pretrained returns it: model.train() before training
+
+
+def _refuse_mixed_dtypes(model: nn.Module, layout: Any) -> None:
+    """FSDP all-gathers a unit's parameters as one buffer of one dtype (torch asserts it); a family that keeps
+    some in float32 whatever the dtype (transformers' ``_keep_in_fp32_modules``: DeepSeek-V3's
+    ``e_score_correction_bias``) is refused in one line instead."""
+    from collections import Counter
+
+    floats = [(n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point()]
+    main = Counter(dtype for _, dtype in floats).most_common(1)[0][0] if floats else None
+    if odd := next(((n, dtype) for n, dtype in floats if dtype != main), None):
+        name, other = odd
+        raise UsageError(f"from_pretrained onto layout {layout.label}: {type(model).__name__} keeps {name} in "
+                         f"{str(other).removeprefix('torch.')} beside its {str(main).removeprefix('torch.')} parameters "
+                         "(transformers keeps it so), and FSDP gathers a unit's parameters as one buffer of one dtype; "
+                         "load it in float32 (dtype=torch.float32) or onto a layout without dp_shard (DDP, TP)")
 
 
 def _check_cut(pipe: Any, reference: nn.Module, loss_fn: Any, device: torch.device, tied: list, name: str) -> None:
