@@ -33,9 +33,9 @@ def data() -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def model() -> nn.Module:
+def model(width: int = 16) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)).double()
+    return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 2)).double()
 
 
 def optimizer(m: nn.Module) -> torch.optim.Optimizer:
@@ -63,10 +63,16 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per step (time for a test to act mid-run)")
+    p.add_argument("--sleep-without", type=float, default=None,
+                   help="seconds per step while a group is missing (so that a loaded machine restarts it before the end)")
     p.add_argument("--inner", default="ddp", help="the strategy inside each group (mg.wrap's)")
+    p.add_argument("--wider-group", type=int, default=-1, help="this replica group's model is wider (a bad setup)")
     args = p.parse_args()
     with mg.init(seed=0, device="cpu") as dist:
-        net = mg.wrap(model(), args.inner)
+        from multigpu.runtime.contract import replica_group
+
+        wider = (replica_group() or (0,))[0] == args.wider_group
+        net = mg.wrap(model(24 if wider else 16), args.inner)
         replicas = mg.fault_tolerant(net, optimizer(net), dist)
         os.makedirs(os.path.join(args.out, "pids"), exist_ok=True)
         with open(os.path.join(args.out, "pids", f"group{replicas.group}.rank{dist.rank}"), "w") as fp:
@@ -75,7 +81,8 @@ def main() -> None:
         for step, micro_batches in replicas.steps(train, args.steps):
             for x, y in mg.accumulate(net, micro_batches):
                 nn.functional.mse_loss(net(x), y).div(len(micro_batches)).backward()
-            time.sleep(args.sleep)
+            missing = replicas.record and len(replicas.record[-1].groups) < replicas.groups
+            time.sleep(args.sleep_without if missing and args.sleep_without is not None else args.sleep)
             replicas.optimizer.step()
             replicas.optimizer.zero_grad()
         state = mg.full_state_dict(net)  # collective under FSDP

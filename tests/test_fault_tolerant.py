@@ -26,7 +26,7 @@ pytest.importorskip("torchft")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "_ft_train.py")
-GROUPS, STEPS = 3, 100
+GROUPS, STEPS = 3, 60
 
 
 def _records(out: str, group: int) -> list[dict]:
@@ -58,7 +58,7 @@ def test_a_group_killed_mid_run_rejoins_and_the_survivors_train_what_one_process
     launcher = subprocess.Popen(
         [sys.executable, "-m", "multigpu", "run", "--cpu", "-n", "2", "--fault-tolerant", str(GROUPS),
          "--log-dir", os.path.join(out, "logs"), SCRIPT, "--out", out, "--steps", str(STEPS), "--sleep", "0.1",
-         "--inner", inner],
+         "--sleep-without", "0.5", "--inner", inner],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
@@ -116,6 +116,22 @@ def test_bad_fault_tolerant_input_is_one_line_and_exit_2(tmp_path, monkeypatch, 
     code, err = run_cli(["run", "--cpu", *argv, SCRIPT], capsys)
     assert code == 2 and err.strip() == f"multigpu run: error: {expected}", err
     assert not list(tmp_path.iterdir())  # nothing started, no log folder
+
+
+@pytest.mark.slow
+def test_groups_that_differ_are_stopped_with_one_line_and_exit_2(tmp_path):
+    """Group 1's model is wider: it cannot heal from group 0 nor average with it. Every group is stopped at
+    once (no restart can fix it), the launcher's last line says what differs, exit 2, nothing left running."""
+    done = subprocess.run([sys.executable, "-m", "multigpu", "run", "--cpu", "-n", "1", "--fault-tolerant", "2",
+                           "--log-dir", str(tmp_path / "logs"), SCRIPT, "--out", str(tmp_path), "--steps", "5",
+                           "--wider-group", "1"], capture_output=True, text=True, timeout=120)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and last == (
+        "multigpu run: error: the replica groups differ (parameters: group 0 4 tensors, 178 values (rank 0's), "
+        "group 1 4 tensors, 266 values (rank 0's)); every group must run the same script, layout and torchft "
+        "release: start them from one launcher and environment"), done.stderr[-3000:]
+    assert "attempt_1" not in done.stdout + done.stderr  # stopped, not restarted
+    assert not any(_alive(int(open(tmp_path / "pids" / f).read())) for f in os.listdir(tmp_path / "pids"))
 
 
 def test_without_torchft_installed_it_is_one_line(tmp_path, monkeypatch, capsys):

@@ -134,7 +134,7 @@ def _launch(cfg: RunConfig, run_dir: str, groups: int, place) -> int:
             children.append(child)
             threads.append(threading.Thread(target=_relay, args=(child.stdout, f"[group {g}] ", sys.stdout), daemon=True))
             threads[-1].start()
-        codes, late = _wait(children)
+        codes, late = _wait(children, record_dir)
     finally:
         for child in children:  # this launcher failed or was stopped: no group outlives it
             if child.poll() is None:
@@ -151,6 +151,8 @@ def _launch(cfg: RunConfig, run_dir: str, groups: int, place) -> int:
             signal.signal(s, handler)
         if server is not None:
             server.shutdown()
+    if os.path.exists(os.path.join(record_dir, "refused")):
+        raise UsageError(_differ(record_dir, groups))
     failed = [(g, c) for g, c in enumerate(codes) if c != 0 and g not in late]
     line = _summary(record_dir, groups, failed)
     if late:
@@ -164,10 +166,18 @@ def _launch(cfg: RunConfig, run_dir: str, groups: int, place) -> int:
 FINISH_GRACE_S = 20.0
 
 
-def _wait(children: list[subprocess.Popen]) -> tuple[list[int], list[int]]:
-    """Every group's exit code, and the groups stopped because training had ended without them."""
+def _wait(children: list[subprocess.Popen], record_dir: str) -> tuple[list[int], list[int]]:
+    """Every group's exit code, and the groups stopped because training had ended without them (or all, at
+    once, when a group found that they differ: no restart can fix that)."""
     finished, late = None, []
     while any(child.poll() is None for child in children):
+        if os.path.exists(os.path.join(record_dir, "refused")):
+            for child in children:
+                if child.poll() is None:
+                    child.send_signal(signal.SIGTERM)
+            for child in children:
+                child.wait()
+            break
         if finished is None and any(child.poll() == 0 for child in children):
             finished = time.monotonic()
         if finished is not None and time.monotonic() - finished > FINISH_GRACE_S:
@@ -178,6 +188,23 @@ def _wait(children: list[subprocess.Popen]) -> tuple[list[int], list[int]]:
                 children[g].wait()
         time.sleep(0.1)
     return [child.returncode for child in children], late
+
+
+def _differ(record_dir: str, groups: int) -> str:
+    """The refusal of groups that differ, naming what differs (each group's ``group<g>.setup.json``)."""
+    setups = {}
+    for g in range(groups):
+        try:
+            with open(os.path.join(record_dir, f"group{g}.setup.json")) as fp:
+                setups[g] = json.load(fp)
+        except (OSError, ValueError):
+            continue
+    keys = sorted({k for s in setups.values() for k in s if len({json.dumps(t.get(k)) for t in setups.values()}) > 1})
+    if "parameters" in keys and "shapes" in keys:  # the shapes' hash says nothing more
+        keys.remove("shapes")
+    what = "; ".join(f"{k}: " + ", ".join(f"group {g} {s.get(k)}" for g, s in setups.items()) for k in keys)
+    return (f"the replica groups differ ({what or 'see the groups logs'}); every group must run the same script, "
+            "layout and torchft release: start them from one launcher and environment")
 
 
 def _summary(record_dir: str, groups: int, failed: list[tuple[int, int]]) -> str:

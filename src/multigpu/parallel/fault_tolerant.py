@@ -33,8 +33,10 @@ the plain optimizer, every share used.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any, Iterator
@@ -106,10 +108,11 @@ class Replicas:
         self.group, self.groups = (found[0], found[1]) if found else (0, 1)
         self.optimizer = _Optimizer(self, optimizer)
         self.record: list[Committed] = []
-        self._step, self._share, self._healed = 0, 0, False
+        self._step, self._share, self._healed, self._layout = 0, 0, False, "data parallel"
         self._path = (os.path.join(found[3], f"group{self.group}.jsonl")
                       if found and found[3] and dist.rank == 0 else None)
-        self.manager = _manager(found[2], self.group, model, optimizer, dist, timeout) if found else None
+        self.setup: dict[str, Any] = {}
+        self.manager = _manager(found[2], self.group, self, timeout) if found else None
         if self.manager is not None:
             at_teardown(self.close)
 
@@ -129,6 +132,7 @@ class Replicas:
         plan = BatchPlan(global_batch, self.groups * inner, micro_batch=micro_batch, max_micro_batch=max_micro_batch,
                          dp_rank=self.group * inner + rank)
         self._share = global_batch // self.groups
+        self._layout = layout.resolve(self.dist.world_size).label if layout is not None else "data parallel"
         return plan
 
     def steps(self, loader, steps: int) -> Iterator[tuple[int, list[Any]]]:
@@ -139,6 +143,10 @@ class Replicas:
         """
         if not self._share:
             self._share = loader.plan.global_batch // self.groups
+        self.setup = self._setup(loader.plan.global_batch)
+        if self._path is not None:
+            with open(os.path.join(os.path.dirname(self._path), f"group{self.group}.setup.json"), "w") as fp:
+                json.dump(self.setup, fp)
         while True:
             self._healed = False
             if self.manager is not None:
@@ -178,13 +186,18 @@ class Replicas:
         params = [p for group in optim.param_groups for p in group["params"] if p.requires_grad]
         grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
-        seen = torch.zeros(self.groups, dtype=torch.float64, device=flat.device)
-        seen[self.group] = 1
-        works = [self.manager.allreduce(flat), self.manager.allreduce(seen, reduce_op=ReduceOp.SUM)]
-        for work in works:
-            work.wait()
+        # Which groups take part, and whether they are alike, summed first (the same size in every group):
+        # a one-hot of this group, then its setup's fingerprint f and f^2. n * sum(f^2) == sum(f)^2 holds
+        # only when every f is equal (exact: 20-bit integers in float64).
+        seen = torch.zeros(self.groups + 2, dtype=torch.float64, device=flat.device)
+        seen[self.group], seen[-2], seen[-1] = 1, self._fingerprint, self._fingerprint ** 2
+        self.manager.allreduce(seen, reduce_op=ReduceOp.SUM).wait()
+        if seen[:-2].sum() * seen[-1] != seen[-2] ** 2:
+            self._refuse()
+        self.manager.allreduce(flat).wait()
         if not self.manager.should_commit():
             return False
+        seen = seen[:-2]
         offset = 0
         for p, g in zip(params, grads):
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -203,6 +216,33 @@ class Replicas:
                 fp.write(json.dumps(dict(asdict(rec), group=self.group)) + "\n")
         self._step += 1
 
+    def _setup(self, global_batch: int) -> dict[str, Any]:
+        """What every replica group must share: torchft's release, the layout inside a group, the parameters'
+        local shapes, the optimizer and the global batch (``group<g>.setup.json`` under the launcher)."""
+        import importlib.metadata
+
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+        shapes = [list(_local(p).shape) for p in params]
+        return {"torchft": importlib.metadata.version("torchft") if self.manager is not None else None,
+                "ranks": self.dist.world_size, "layout": self._layout,
+                "parameters": f"{len(shapes)} tensors, {sum(math.prod(s) for s in shapes)} values (rank 0's)",
+                "shapes": zlib.crc32(json.dumps(shapes).encode()), "optimizer": type(self.optimizer.optim).__name__,
+                "global_batch": global_batch}
+
+    @property
+    def _fingerprint(self) -> int:
+        return zlib.crc32(json.dumps(self.setup, sort_keys=True).encode()) & 0xFFFFF
+
+    def _refuse(self) -> None:
+        """Groups that differ cannot average their gradients: say so once (the launcher reads the marker and
+        stops every group) and end this one with exit 2."""
+        if self._path is not None:
+            with open(os.path.join(os.path.dirname(self._path), "refused"), "w") as fp:
+                fp.write(str(self.group))
+        raise UsageError(f"replica group {self.group} differs from another group in torchft's release, the layout, "
+                         f"the parameters, the optimizer or the global batch (this one: {self.setup}); start every "
+                         "group from the same script and torchft")
+
     def close(self) -> None:
         if self.manager is not None:
             self.manager.shutdown(wait=False)
@@ -214,19 +254,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _manager(lighthouse: str, group: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dist: Dist,
-             timeout: float):
+def _manager(lighthouse: str, group: int, replicas: Replicas, timeout: float):
     """torchft's Manager for this rank of replica group ``group`` (torchft imported only here)."""
     import torchft
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
     wait = timedelta(seconds=timeout)
+    dist, model, optimizer = replicas.dist, replicas.model, replicas.optimizer.optim
     pg = ProcessGroupNCCL(timeout=wait) if dist.backend == "nccl" else ProcessGroupGloo(timeout=wait)
 
     def state_dict() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "setup": replicas.setup}
 
     def load_state_dict(state: dict[str, Any]) -> None:
+        if state["setup"] != replicas.setup:  # a peer's state does not fit this group: no heal can work
+            replicas._refuse()
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
 
