@@ -10,6 +10,7 @@ Every group's output reaches the console prefixed ``[group g]``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -74,6 +75,15 @@ def _lighthouse(cfg: RunConfig):
     return f"http://localhost:{server.address().rsplit(':', 1)[1]}", server
 
 
+def _end_with_parent() -> None:
+    """In a group's launcher, before it runs: SIGTERM it when this launcher dies, even by SIGKILL (Linux's
+    PR_SET_PDEATHSIG), so that no group trains on, orphaned, against a lighthouse that is gone."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 def _relay(stream, prefix: str, out) -> None:
     for line in iter(stream.readline, ""):
         out.write(prefix + line)
@@ -130,7 +140,7 @@ def _launch(cfg: RunConfig, run_dir: str, groups: int, place) -> int:
         for g in range(groups):
             child = subprocess.Popen([sys.executable, "-m", "multigpu.launch.group", json.dumps(
                 dataclasses.asdict(group_cfg))], env=dict(env, **{contract.REPLICA_GROUP_ENV: str(g)}),
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, preexec_fn=_end_with_parent)
             children.append(child)
             threads.append(threading.Thread(target=_relay, args=(child.stdout, f"[group {g}] ", sys.stdout), daemon=True))
             threads[-1].start()
