@@ -56,9 +56,12 @@ def train(args: argparse.Namespace) -> None:
         data = TokenWindows(tokens, block_size=64, vocab_size=256)
         plan = mg.BatchPlan(args.global_batch, dist.world_size)
         torch.manual_seed(args.seed)
-        model = mg.wrap(GPT(config("tiny")), "ddp" if dist.world_size > 1 else "none")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
         amp = mg.Precision(args.precision, dist.device)
+        model = GPT(config("tiny"))
+        if args.precision == "fp8":  # the tiny blocks' layers are below torchao's size rule: named, as a user would
+            model = amp.convert(model, include=["blocks"], verbose=False)
+        model = mg.wrap(model, "ddp" if dist.world_size > 1 else "none")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
         with mg.StepMeter(dist, plan, log_every=1, progress=False, model=model, watchdog=None, dtype=amp.name) as meter:
             for step, micro_batches in meter.steps(mg.loader(data, plan, dist, shuffle=True, seed=args.seed)):
                 loss = 0.0

@@ -22,8 +22,9 @@ p = argparse.ArgumentParser()
 p.add_argument("--global-batch", type=int, default=16)
 p.add_argument("--steps", type=int, default=4)
 p.add_argument("--samples", type=int, default=256, help="the data set's size: one pass of it, then the loader ends")
-p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
-               help="autocast (mg.Precision), reported to the meter as its dtype")
+p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16", "fp8"],
+               help="autocast (mg.Precision), reported to the meter as its dtype; fp8: every Linear in float8 "
+                    "(16 features in, 16 logits out: float8 matmuls need multiples of 16; the label still reads two)")
 p.add_argument("--seed", type=int, default=1, help="the data's seed")
 p.add_argument("--bug", default="none", choices=["none", "seed", "sampler", "bn", "loss", "handavg", "all"],
                help="all: every kind in one process, each meter logging into <run dir>/<kind>")
@@ -32,15 +33,17 @@ a = p.parse_args()
 
 def train(dist, bug, log_dir=None):
     g = torch.Generator().manual_seed(a.seed)
-    x = torch.randn(a.samples, 8, generator=g)
+    width = 16 if a.precision == "fp8" else 8
+    x = torch.randn(a.samples, width, generator=g)
     data = TensorDataset(x, (x[:, :2].sum(1) > 0).long(), torch.rand(a.samples, generator=g) + 0.5)
     plan = mg.BatchPlan(a.global_batch, dist.world_size)
     torch.manual_seed(dist.rank if bug in ("seed", "handavg") else 0)
-    layers = [nn.Linear(8, 32)] + ([nn.BatchNorm1d(32)] if bug == "bn" else []) + [nn.Tanh(), nn.Linear(32, 2)]
+    layers = [nn.Linear(width, 32)] + ([nn.BatchNorm1d(32)] if bug == "bn" else []) + [nn.Tanh(), nn.Linear(32, 16 if a.precision == "fp8" else 2)]
     strategy = "fsdp" if bug == "seed" else "ddp"
-    model = mg.wrap(nn.Sequential(*layers), strategy if dist.world_size > 1 and bug != "handavg" else "none")
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
     amp = mg.Precision(a.precision, dist.device)
+    model = amp.convert(nn.Sequential(*layers), include=[""], verbose=False) if a.precision == "fp8" else nn.Sequential(*layers)
+    model = mg.wrap(model, strategy if dist.world_size > 1 and bug != "handavg" else "none")
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
     if bug == "sampler":
         share = DataLoader(data, batch_size=plan.global_batch // dist.world_size,
                            sampler=RandomSampler(data, generator=torch.Generator().manual_seed(0)))

@@ -48,6 +48,28 @@ def test_peak_table_picks_the_specific_model():
     assert peak_flops("Some Future GPU", "bf16") is None
     with pytest.raises(mg.UsageError, match="bf16, fp16"):
         peak_flops("NVIDIA H100", "int8")
+    # mg.Precision("fp8").name, as a loop passes dtype=amp.name: MFU against the bf16 peak (torchtitan's and
+    # forecast's convention), so float8's gain shows as a higher MFU
+    assert peak_flops("NVIDIA H100 80GB HBM3", mg.Precision("fp32").name) == 67e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", "fp8") == peak_flops("NVIDIA H100 80GB HBM3", "bf16")
+
+
+def test_full_state_dict_of_a_float8_model_is_plain_tensors(tmp_path):
+    """torchao keeps float8 weights in a tensor subclass; mg.full_state_dict hands out plain tensors, which load
+    into the plain model and through torch.load(weights_only=True) (verify's probe saves them so)."""
+    pytest.importorskip("torchao.float8")
+    from torch import nn
+
+    amp = mg.Precision("fp8")
+    model = amp.convert(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16)), include=[""], verbose=False)
+    assert type(model[0].weight) is not nn.Parameter  # the subclass this is about
+    state = mg.full_state_dict(model)
+    assert all(type(v) is torch.Tensor for v in state.values()), {k: type(v) for k, v in state.items()}
+    torch.save(state, tmp_path / "w.pt")
+    back = torch.load(tmp_path / "w.pt", weights_only=True)
+    plain = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16))
+    plain.load_state_dict(back)
+    assert torch.equal(plain[0].weight, model[0].weight.detach().float())
 
 
 class FakeNvml:

@@ -35,7 +35,7 @@ from .runtime.contract import VERIFY_DIR, VERIFY_ENV, VERIFY_FLOOR_ENV
 from .runtime.fields import add_field
 from .runtime.values import int_list
 from .study.measure import thin_evidence
-from .verify_floor import (STEP0, TOLERANCES, Floor, Spread, Tolerance, describe, loss_gaps,  # noqa: F401 - verify's
+from .verify_floor import (STEP0, TOLERANCES, Floor, Spread, Tolerance, describe, loss_gaps, undecidable,  # noqa: F401 - verify's
                            measure)
 
 FLOOR_KEY = "floor"
@@ -305,6 +305,8 @@ def _run_and_compare(target: str, args: Sequence[str], runs: list[tuple[str, str
         results[key] = _read_run(done.run_dir, steps)
         if results[key]["thin"]:  # a comparison over steps nobody asked for is no evidence of the same training
             raise UsageError(f"the run on {label} is no evidence: {results[key]['thin']}")
+        if why := undecidable(results[key]["precision"]):  # said after the first run: its meter names the precision
+            raise UsageError(why)
     ref = runs[0][0]
     floor = floor_of(results[ref], results.pop(FLOOR_KEY), STEP0.tolerance)
     report = {"target": target, "args": list(args), "steps": steps, "global_batch": global_batch, "rtol": rtol,

@@ -37,12 +37,14 @@ PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
 ]
 
 def dtype_key(dtype: str | torch.dtype | None) -> str:
-    """'bf16' | 'fp16' | 'tf32' | 'fp32'; None -> fp32, or tf32 when TF32 matmuls are on."""
+    """'bf16' | 'fp16' | 'tf32' | 'fp32' | 'fp8' (``mg.Precision("fp8").name``); None -> fp32, or tf32 when TF32
+    matmuls are on."""
     if dtype is None:
         return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
-    name = "tf32" if dtype == "tf32" else dtype_name(dtype)
-    if name not in (*TRAINING_DTYPES, "tf32"):
-        raise UsageError(f"dtype {dtype!r} is not one of bf16, fp16, tf32, fp32; pass the dtype your matmuls run in")
+    name = dtype if dtype in ("tf32", "fp8") else dtype_name(dtype)
+    if name not in (*TRAINING_DTYPES, "tf32", "fp8"):
+        raise UsageError(f"dtype {dtype!r} is not one of bf16, fp16, tf32, fp32, fp8; pass the dtype your matmuls "
+                         "run in (amp.name)")
     return name
 
 
@@ -52,7 +54,9 @@ def peak_flops(device_name: str, dtype: str | torch.dtype | None = "bf16") -> fl
     >>> peak_flops("NVIDIA H100 80GB HBM3", "bf16")
     989000000000000.0
     """
-    key = dtype_key(dtype)
+    # float8's MFU is against the bf16 peak, as torchtitan reports it (and forecast): the float8 layers' gain
+    # shows as a higher MFU, not as a second peak hiding it.
+    key = "bf16" if dtype_key(dtype) == "fp8" else dtype_key(dtype)
     for pattern, table in PEAK_TFLOPS:
         if re.search(pattern, device_name):
             tflops = table.get(key)

@@ -26,7 +26,8 @@ from ..errors import UsageError
 from ..runtime.contract import VERIFY_DIR, verify_floor_requested
 
 # The unit roundoff of each dtype a StepMeter reports: the largest relative error of one rounding to it.
-ROUNDOFF = {"fp32": 2.0 ** -24, "tf32": 2.0 ** -11, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+ROUNDOFF = {"fp32": 2.0 ** -24, "tf32": 2.0 ** -11, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8,
+            "fp8": 2.0 ** -4}  # fp8: e4m3, what float8 training rounds weights and inputs to (3 mantissa bits)
 
 
 def digest(batch: Any) -> float:

@@ -163,13 +163,23 @@ def full_state_dict(model: nn.Module, cpu: bool = True) -> dict[str, torch.Tenso
     if (pipe := pipeline_of(model)) is not None:  # every stage's weights, gathered from the ranks that hold them
         from .pp import gathered_state_dict
 
-        return gathered_state_dict(pipe)
+        return _plain(gathered_state_dict(pipe))
     refuse_stages(model, "mg.full_state_dict", "pass the pipeline (mg.full_state_dict(pipe)): every stage's weights")
     if not (tdist.is_available() and tdist.is_initialized()):
-        return {k: v.cpu() if cpu else v for k, v in unwrap(model).state_dict().items()}
+        return _plain({k: v.cpu() if cpu else v for k, v in unwrap(model).state_dict().items()})
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu))
+    return _plain(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu)))
+
+
+def _plain(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with plain tensors: a weight a library wraps in a tensor subclass (torchao's float8 weights) is
+    copied out, so the dict loads into the plain model and ``torch.load(weights_only=True)`` reads it."""
+    def plain(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor) or type(v) is torch.Tensor:
+            return v
+        return torch.empty(v.shape, dtype=v.dtype, device=v.device).copy_(v)
+    return {k: plain(v) for k, v in state.items()}
 
 
 def optimizer(model: nn.Module, optimizer_class: type, params: Any = None, **defaults: Any) -> torch.optim.Optimizer:
