@@ -244,8 +244,11 @@ def test_an_export_that_fills_the_disk_leaves_nothing_and_says_so(saved, tmp_pat
         subprocess.run(["umount", str(disk)])
 
 
-def _train_and_checkpoint(dist, base: str, directory: str) -> dict:
-    """FSDP 2 from ``base``, one AdamW step, a checkpoint of it; the trained weights (rank 0's gathered copy)."""
+def _train_and_checkpoint(dist, base: str, directory: str, moe: str, moe_directory: str) -> dict:
+    """FSDP 2 from ``base``, one AdamW step, a checkpoint of it; the trained weights (rank 0's gathered copy).
+    ``moe`` loaded onto EP 2 and checkpointed as it is, in ``moe_directory``."""
+    experts = mg.from_pretrained(moe, mg.parallel.Layout(ep=2), experts_implementation="eager", verbose=False)
+    mg.Checkpointer(moe_directory, model=experts).save(0)
     model = mg.from_pretrained(base, mg.parallel.Layout(dp_shard=2), verbose=False).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(dist.rank))
@@ -264,7 +267,8 @@ def test_a_checkpoint_of_any_layout_exports_as_a_hugging_face_directory(saved, t
 
     from transformers import AutoModelForCausalLM
 
-    trained = spawn(_train_and_checkpoint, 2, saved["llama-tied"], str(tmp_path / "run"))[0]
+    trained = spawn(_train_and_checkpoint, 2, saved["llama-tied"], str(tmp_path / "run"), saved["mixtral"],
+                    str(tmp_path / "moe"))[0]
     step = next((tmp_path / "run").glob("step-*"))
     cli = [sys.executable, "-m", "multigpu", "ckpt", "export", str(step)]
     done = subprocess.run(cli + [str(tmp_path / "hf"), "--hf", saved["llama-tied"]], capture_output=True, text=True)
@@ -286,7 +290,18 @@ def test_a_checkpoint_of_any_layout_exports_as_a_hugging_face_directory(saved, t
         errors = [line for line in done.stderr.splitlines() if "error:" in line]
         assert done.returncode == 2 and len(errors) == 1 and says in errors[0], done.stderr[-2000:]
         assert errors[0].startswith("multigpu ckpt: error: ") and "Traceback" not in done.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "moe", "run"]
+    # a mixture of experts' checkpoint exports as transformers saves it: one tensor per expert, its family's names
+    from multigpu.checkpoint.hf_export import export_hf
+    from safetensors import safe_open
+
+    export_hf(next((tmp_path / "moe").glob("step-*")), tmp_path / "moe-hf", saved["mixtral"], max_shard_bytes=16_000)
+    assert _written(str(tmp_path / "moe-hf")) == _written(saved["mixtral"])
+    index = json.loads((tmp_path / "moe-hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    original = json.loads((Path(saved["mixtral"]) / "model.safetensors.index.json").read_text())["weight_map"]
+    for name, file in index.items():
+        with safe_open(str(tmp_path / "moe-hf" / file), "pt") as a, safe_open(f"{saved['mixtral']}/{original[name]}", "pt") as b:
+            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
 
 
 def _zoo_through_the_loader(dist, root: str) -> dict:

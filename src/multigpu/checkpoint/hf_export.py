@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,13 +47,14 @@ def export_hf(checkpoint: str | Path, out: str | Path, base: str | Path,
     if not out.parent.is_dir():
         raise UsageError(f"the parent of export target {out} does not exist; create {out.parent} first")
     stored = _stored(src)
-    wanted = _expected(_empty(base, None, None))
+    model = _empty(base, None, None)  # on the meta device: the names and shapes, and transformers' naming
+    wanted = _expected(model)
     names = [n for n, (_, tied) in wanted.items() if not tied]
     _check(stored, wanted, names, src, base)
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     partial.mkdir()
     try:
-        files = _write(src, stored, names, partial, max_shard_bytes)
+        files, written = _write(src, stored, names, partial, max_shard_bytes, model)
         for name in _DESCRIPTION:
             if (base / name).is_file():
                 shutil.copy2(base / name, partial / name)
@@ -62,7 +64,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, base: str | Path,
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    return {"step": manifest["step"], "tensors": len(names), "files": files, "bytes": size}
+    return {"step": manifest["step"], "tensors": written, "files": files, "bytes": size}
 
 
 def _stored(src: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -90,10 +92,14 @@ def _check(stored: dict, wanted: dict, names: list[str], src: Path, base: Path) 
                              f"{base / 'config.json'} has {list(wanted[n][0])}; pass the directory the run started from")
 
 
-def _write(src: Path, stored: dict, names: list[str], partial: Path, limit: int) -> int:
-    """The safetensors files and their index, one file's tensors in memory at a time; how many files."""
+def _write(src: Path, stored: dict, names: list[str], partial: Path, limit: int, model: Any) -> tuple[int, int]:
+    """The safetensors files and their index, one file's tensors in memory at a time, under the names
+    transformers' ``save_pretrained`` writes (a mixture's experts one tensor each: ``pretrained/experts.py``);
+    (how many files, how many tensors)."""
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from ..pretrained.experts import per_expert_state
 
     groups: list[list[str]] = [[]]
     size = 0
@@ -111,10 +117,11 @@ def _write(src: Path, stored: dict, names: list[str], partial: Path, limit: int)
         compat.dcp_load_in_place({"model": tensors}, storage_reader=storage.SafeReader(src),
                                  planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
         name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        tensors, _ = per_expert_state(model, tensors)
         save_file({n: t.contiguous() for n, t in tensors.items()}, str(partial / name), metadata={"format": "pt"})
-        weight_map.update({n: name for n in group})
+        weight_map.update({n: name for n in tensors})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         del tensors
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return len(groups)
+    return len(groups), len(weight_map)
