@@ -153,3 +153,23 @@ def test_without_the_launcher_the_script_is_one_group_that_uses_every_sample(tmp
     assert "torchft" not in done.stderr
     got, expected = torch.load(tmp_path / "group0.pt"), job.replay([{"step": s, "groups": [0]} for s in range(5)], 1)
     assert max((got[k] - expected[k]).abs().max().item() for k in expected) <= 1e-9
+
+
+def test_doctor_names_torchft_and_a_lighthouse_it_cannot_reach():
+    """`multigpu doctor`: torchft's release, and TORCHFT_LIGHTHOUSE checked with a real connection."""
+    import importlib.metadata
+    import socket
+
+    from multigpu.doctor.checks import check_torchft, torchft_status
+
+    version = importlib.metadata.version("torchft")
+    with socket.socket() as listener:  # a port that answers, then one that does not
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        up = check_torchft(*torchft_status({"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}))
+    down = check_torchft(*torchft_status({"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}))
+    assert [f.what for f in up] == [f"torchft {version}", f"lighthouse http://127.0.0.1:{port} answers"]
+    assert down[1].status == "problem" and down[1].what == (
+        f"TORCHFT_LIGHTHOUSE=http://127.0.0.1:{port} cannot be reached (Connection refused)")
+    assert [f.what for f in check_torchft(*torchft_status({}))] == [f"torchft {version}"]

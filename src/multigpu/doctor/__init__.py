@@ -111,6 +111,7 @@ def run_doctor(nproc: int = 2, port: int | None = DoctorConfig.port, smoke: bool
     out += checks.check_nofile(*checks.nofile_limit())
     out += checks.check_interfaces(ifaces) + bad_ifaces
     out += checks.check_port(port, checks.port_in_use(port))
+    out += checks.check_torchft(*checks.torchft_status(environ))
     out += checks.check_secrets(environ)
     if smoke:
         from .smoke import run_smoke

@@ -268,6 +268,45 @@ def check_port(port: int, error: str | None) -> list[Finding]:
     return [Finding(OK, f"rendezvous port {port} is free", "", c)]
 
 
+def check_torchft(version: str | None, lighthouse: str | None, error: str | None) -> list[Finding]:
+    """``multigpu run --fault-tolerant``'s needs: torchft's release, and the lighthouse named by
+    TORCHFT_LIGHTHOUSE (torchft's own variable) reachable when one is named.
+
+    >>> check_torchft(None, None, None)[0].what
+    "torchft not installed: multigpu run --fault-tolerant needs it (pip install 'multigpu[ft]')"
+    """
+    c = "fault tolerance"
+    if version is None:
+        return [Finding(OK, "torchft not installed: multigpu run --fault-tolerant needs it (pip install 'multigpu[ft]')", "", c)]
+    out = [Finding(OK, f"torchft {version}", "", c)]
+    if lighthouse and error:
+        out.append(Finding(PROBLEM, f"TORCHFT_LIGHTHOUSE={lighthouse} cannot be reached ({error})",
+                           "start the lighthouse (torchft_lighthouse --min_replicas 1 --bind [::]:PORT) or unset "
+                           "TORCHFT_LIGHTHOUSE (multigpu run --fault-tolerant starts its own)", c))
+    elif lighthouse:
+        out.append(Finding(OK, f"lighthouse {lighthouse} answers", "", c))
+    return out
+
+
+def torchft_status(environ: dict) -> tuple[str | None, str | None, str | None]:
+    """(torchft's version or None, TORCHFT_LIGHTHOUSE or None, why it cannot be reached or None)."""
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version("torchft")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    lighthouse = environ.get("TORCHFT_LIGHTHOUSE") or None
+    if not lighthouse:
+        return version, None, None
+    host, _, port = lighthouse.split("://")[-1].rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=3).close()
+    except (OSError, ValueError) as err:
+        return version, lighthouse, getattr(err, "strerror", None) or str(err)
+    return version, lighthouse, None
+
+
 def check_secrets(env: dict) -> list[Finding]:
     names = sorted(k for k, v in env.items() if is_secret(k, v))
     if not names:
