@@ -122,7 +122,7 @@ def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype 
         reference = parallelize(reference, Layout(dp_shard=_world()[1]).resolve(_world()[1]), _empty=device,
                                 verbose=False)
         _fill(reference, root, device, names)
-        _check_cut(pipe, reference.eval(), loss_fn, device, tied_groups(model), type(model).__name__)
+        _check_cut(pipe, reference.eval(), device, tied_groups(model), type(model).__name__)
         return pipe
     if layout.tp == 1 and layout.dp_shard == 1 and layout.cp == 1:  # nothing sharded: every rank holds it whole
         _fill(model, root, device, names)
@@ -145,13 +145,21 @@ def _refuse_mixed_dtypes(model: nn.Module, layout: Any) -> None:
     main = Counter(dtype for _, dtype in floats).most_common(1)[0][0] if floats else None
     if odd := next(((n, dtype) for n, dtype in floats if dtype != main), None):
         name, other = odd
+        why = "a pipeline's cut is checked against an FSDP load, and " if layout.pp > 1 else ""
         raise UsageError(f"from_pretrained onto layout {layout.label}: {type(model).__name__} keeps {name} in "
                          f"{str(other).removeprefix('torch.')} beside its {str(main).removeprefix('torch.')} parameters "
-                         "(transformers keeps it so), and FSDP gathers a unit's parameters as one buffer of one dtype; "
-                         "load it in float32 (dtype=torch.float32) or onto a layout without dp_shard (DDP, TP)")
+                         f"(transformers keeps it so), and {why}FSDP gathers a unit's parameters as one buffer of one "
+                         "dtype; load it in float32 (dtype=torch.float32)" + ("" if layout.pp > 1 else
+                                                                             " or onto a layout without dp_shard (DDP, TP)"))
 
 
-def _check_cut(pipe: Any, reference: nn.Module, loss_fn: Any, device: torch.device, tied: list, name: str) -> None:
+def _probe_loss(logits: torch.Tensor, _: Any) -> torch.Tensor:
+    """A scalar of every logit (against fixed random targets), whatever loss the user's pipeline trains with."""
+    targets = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    return (logits.double() - targets.to(logits.device)).square().mean()
+
+
+def _check_cut(pipe: Any, reference: nn.Module, device: torch.device, tied: list, name: str) -> None:
     """mg.parallel.pipeline checks its cut on a probe batch of the whole model (the stages composed must give
     its output); loaded, no process holds it, so the reference is the same checkpoint loaded by FSDP over every
     rank (one unit gathered at a time), its loss on the probe batch against the stages': exact or refused,
@@ -164,9 +172,9 @@ def _check_cut(pipe: Any, reference: nn.Module, loss_fn: Any, device: torch.devi
 
     batch = probe_input(reference, 1)["input_ids"]
     probed = Pipeline(pipe.modules, pipe.ids, pipe.n_stages, pipe.group, device, pipe.schedule_name,
-                      pipe.accum_steps, loss_fn, tied=tied)
+                      pipe.accum_steps, _probe_loss, tied=tied)
     with torch.no_grad():
-        expected = loss_fn(run(reference, {"input_ids": batch}, backward=False), batch)
+        expected = _probe_loss(run(reference, {"input_ids": batch}, backward=False), batch)
     if pipe.schedule_name in ZERO_BUBBLE:  # torch's eval() of these fails: a step, its gradients dropped
         got = probed.step([(batch, batch)] * pipe.accum_steps)
         for stage in pipe.modules:
@@ -177,11 +185,11 @@ def _check_cut(pipe: Any, reference: nn.Module, loss_fn: Any, device: torch.devi
     if got is not None:  # the last stage's ranks
         error += (got.double() - expected.double()).abs() / expected.double().abs().clamp_min(1e-30)
     tdist.all_reduce(error, op=tdist.ReduceOp.MAX)
-    tol = TOLERANCE.get(expected.dtype, 1e-4)
+    tol = TOLERANCE.get(next(reference.parameters()).dtype, 1e-4)
     if not float(error) <= tol:
-        raise UsageError(f"{name} cut into {pipe.n_stages} pipeline stages gives another loss than "
-                         f"the model on a probe batch (relative error {float(error):.1e}, {expected.dtype} allows "
-                         f"{tol:.0e}): its forward does more than the stages run; use pp=1 for this model")
+        raise UsageError(f"{name} cut into {pipe.n_stages} pipeline stages gives another output than the model on a "
+                         f"probe batch (relative error {float(error):.1e}, {tol:.0e} allowed): its forward does more "
+                         "than the stages run; use pp=1 for this model")
 
 
 def _device() -> torch.device:
