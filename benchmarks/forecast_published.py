@@ -36,11 +36,20 @@ def main() -> None:
         pmem = "" if r["peak_memory_gib"] is None else f"{e['predicted_memory_gib']:.1f}"
         print(f"| {'**fitted** ' if e['fitted'] else ''}{e['key']} | {pub} | {pred} | {pct(e['tokens_error'])} | {mem} | "
               f"{pmem} | {pct(e['memory_error'])} |")
-    for part in ("held_out", "fitted"):
+    for part in ("held_out", "fitted", "unseen_sources"):
         s = result[part]
         print(f"\n{part}: speed rows {s['tokens_rows']}, within 25 %: {s['tokens_within_25']:.0%}, median "
               f"{s['tokens_median']:.1%}, worst {s['tokens_worst']:.1%}; memory rows {s['memory_rows']}, within 15 %: "
               f"{s['memory_within_15']:.0%}, median {s['memory_median']:.1%}, worst {s['memory_worst']:.1%}")
+    print("\n| source (held-out rows) | speed rows | within 25 % | median | worst | memory rows | within 15 % | median | worst |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, s in result["by_source"].items():
+        def cells(kind: str, bound: int) -> str:
+            if not s[f"{kind}_rows"]:
+                return "0 | | | "
+            return (f"{s[kind + '_rows']} | {s[f'{kind}_within_{bound}']:.0%} | {s[kind + '_median']:.1%} | "
+                    f"{s[kind + '_worst']:.1%}")
+        print(f"| {name} | {cells('tokens', 25)} | {cells('memory', 15)} |")
     p = result["pairs"]
     print(f"\npairs (held out): {p['ranked_right']} of {p['count']} ranked right")
     for pair in p["pairs"]:

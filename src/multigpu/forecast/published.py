@@ -128,9 +128,19 @@ def check(a: Assumptions | None = None, kinds: dict[str, float] | None = None) -
         entry["memory_error"] = entry["predicted_memory_gib"] / row["peak_memory_gib"] - 1 \
             if row["peak_memory_gib"] else None
         out.append(entry)
-    return {"rows": out, "held_out": _summary([e for e in out if not e["fitted"]]),
-            "fitted": _summary([e for e in out if e["fitted"]]), "pairs": _pairs([e for e in out if not e["fitted"]]),
-            "assumptions": dataclasses.asdict(a), "by_gpu": kinds}
+    held = [e for e in out if not e["fitted"]]
+    return {"rows": out, "held_out": _summary(held), "fitted": _summary([e for e in out if e["fitted"]]),
+            "by_source": {s: _summary([e for e in held if source(e["row"]) == s]) for s in
+                          dict.fromkeys(source(e["row"]) for e in held)},
+            # The rows of sources no constant was fitted on: what a forecast does on runs from elsewhere.
+            "unseen_sources": _summary([e for e in held if source(e["row"]) not in
+                                        {source(f["row"]) for f in out if f["fitted"]}]),
+            "pairs": _pairs(held), "assumptions": dataclasses.asdict(a), "by_gpu": kinds}
+
+
+def source(row: dict) -> str:
+    """The document a row comes from, its commit left out: the unit a forecast is held out by."""
+    return row["source"].split("@")[0]
 
 
 def _summary(entries: list[dict]) -> dict:
