@@ -1,10 +1,12 @@
 """mg.from_pretrained and mg.save_pretrained: a Hugging Face checkpoint onto any layout and back.
 
 Each family is saved by transformers' own save_pretrained in float64 (several safetensors shards and their
-index), loaded onto each layout with no process holding the whole model, and compared with transformers'
-from_pretrained on one process: every parameter bitwise, the logits of a batch within 1e-9. Then it is
-exported from that layout and read back by transformers' from_pretrained: no missing or unexpected keys,
-every tensor bitwise the original's (HF -> multigpu -> HF round trip).
+index; the mixtures of experts one tensor per expert), loaded onto each layout (DDP, FSDP, HSDP, TP, CP, EP,
+PP and their meshes) with no process holding the whole model, and compared with transformers'
+from_pretrained on one process: every parameter bitwise, the logits of a batch within 1e-9 (a pipeline: its
+loss). Then it is exported from that layout and read back by transformers' from_pretrained: no missing or
+unexpected keys, every tensor bitwise the original's, the files' names those transformers writes (HF ->
+multigpu -> HF round trip). The zoo's families go through the loader the same way onto FSDP 2 (and EP 2).
 """
 
 from __future__ import annotations
