@@ -126,10 +126,8 @@ def _launch(cfg: RunConfig, run_dir: str, groups: int, place) -> int:
              f"to {group_cfg.max_restarts} times; a missing group's share of each global batch is skipped; "
              f"records: {record_dir}")
     children: list[subprocess.Popen] = []
-    stop = threading.Event()
 
-    def forward(signum, _frame) -> None:
-        stop.set()
+    def forward(signum, _frame) -> None:  # Ctrl-C or a scheduler's SIGTERM: each group stops its workers
         for child in children:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)

@@ -127,13 +127,12 @@ class Replicas:
 
         >>> plan = replicas.plan(global_batch=64)        # 3 groups of 2 ranks: 6 shares of 10 + ...
         """
-        inner, rank = (layout.resolve(self.dist.world_size).dp_size, layout.resolve(self.dist.world_size).dp_rank(
-            self.dist.rank)) if layout is not None else (self.dist.world_size, self.dist.rank)
-        plan = BatchPlan(global_batch, self.groups * inner, micro_batch=micro_batch, max_micro_batch=max_micro_batch,
+        inner, rank = self.dist.world_size, self.dist.rank
+        if layout is not None:
+            layout = layout.resolve(self.dist.world_size)
+            inner, rank, self._layout = layout.dp_size, layout.dp_rank(self.dist.rank), layout.label
+        return BatchPlan(global_batch, self.groups * inner, micro_batch=micro_batch, max_micro_batch=max_micro_batch,
                          dp_rank=self.group * inner + rank)
-        self._share = global_batch // self.groups
-        self._layout = layout.resolve(self.dist.world_size).label if layout is not None else "data parallel"
-        return plan
 
     def steps(self, loader, steps: int) -> Iterator[tuple[int, list[Any]]]:
         """(committed step, this rank's micro-batches of that global batch) until ``steps`` are committed.
@@ -141,8 +140,13 @@ class Replicas:
         Each item starts with a quorum; a group that joins is healed from a live peer there, and the loader
         is set to the committed step, so a retried step reads the same samples and a healed group the next ones.
         """
-        if not self._share:
-            self._share = loader.plan.global_batch // self.groups
+        plan = loader.plan
+        inner = plan.world_size // self.groups
+        if plan.world_size % self.groups or plan.dp_rank_of(self.dist) // inner != self.group:
+            raise UsageError(f"the loader's plan (world_size {plan.world_size}, dp_rank {plan.dp_rank_of(self.dist)}) "
+                             f"is not replica group {self.group}'s share of {self.groups} groups; build it with "
+                             "mg.loader(data, replicas.plan(global_batch), dist)")
+        self._share = plan.global_batch // self.groups
         self.setup = self._setup(loader.plan.global_batch)
         if self._path is not None:
             with open(os.path.join(os.path.dirname(self._path), f"group{self.group}.setup.json"), "w") as fp:
