@@ -529,3 +529,23 @@ def test_a_launch_that_asks_gets_a_warm_up_steps_real_peak_in_the_summary(tmp_pa
         del ddp
     finally:
         tdist.destroy_process_group()
+
+
+def test_one_flop_counter_counts_cpu_attention_as_cudas_flash_kernel():
+    """mg.count_flops (the meter's MFU) and forecast count with one counter. PyTorch's own misses CPU's fused
+    attention (0 FLOPs: a CPU run's MFU left attention out) and the experts' grouped matmuls; it counts them as
+    CUDA's flash kernel is counted, forward and backward."""
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+    q, k, v = (torch.randn(2, 4, 64, 16, requires_grad=True) for _ in range(3))
+    run = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()  # noqa: E731
+    with FlopCounterMode(display=False) as torchs:
+        run()
+    assert torchs.get_total_flops() == 0  # what this fixes (if PyTorch counts it one day, this says so)
+    shape = q.shape
+    assert count_flops(run) == sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)
+    if hasattr(torch, "_grouped_mm"):  # a mixture of experts' matmul: rows x in through each group's in x out
+        a, b = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(2, 16, 32, dtype=torch.bfloat16)
+        offs = torch.tensor([3, 8], dtype=torch.int32)
+        assert count_flops(lambda: torch._grouped_mm(a, b, offs=offs)) == 2 * 8 * 16 * 32

@@ -3,8 +3,8 @@
 
     hardware.py   GPU kinds (tables/gpus.json: public spec figures, sources) and the cluster around them
     models.py     --model: a known name (tables/models.json), a transformers config.json, or module:function
-    counts.py     the model counted on fake tensors: parameters per block, FLOPs and saved bytes per token
-    flops.py      the FLOP counter: PyTorch's, with the kernels it has no formula for
+    counts.py     the model counted on fake tensors (meter/flops.py's FLOP counter): parameters per block, FLOPs and
+                  saved bytes per token
     compute.py    a micro-batch's training FLOPs: matmuls, attention, float8's share
     cost.py       one layout's memory and step time, by part, and every assumption they rest on
     plan.py       every layout of the cluster, forecast and ranked

@@ -34,7 +34,7 @@ from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import UsageError
-from .flops import GROUPED, flop_counter
+from ..meter.flops import GROUPED, flop_counter
 
 
 @dataclass(frozen=True)
