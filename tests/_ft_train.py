@@ -65,19 +65,21 @@ def main() -> None:
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per step (time for a test to act mid-run)")
     p.add_argument("--sleep-without", type=float, default=None,
                    help="seconds per step while a group is missing (so that a loaded machine restarts it before the end)")
-    p.add_argument("--inner", default="ddp", help="the strategy inside each group (mg.wrap's)")
+    p.add_argument("--inner", default="ddp", help="inside each group: mg.wrap's strategy, or tp (mg.parallelize)")
     p.add_argument("--wider-group", type=int, default=-1, help="this replica group's model is wider (a bad setup)")
     args = p.parse_args()
     with mg.init(seed=0, device="cpu") as dist:
         from multigpu.runtime.contract import replica_group
 
         wider = (replica_group() or (0,))[0] == args.wider_group
-        net = mg.wrap(model(24 if wider else 16), args.inner)
+        layout = mg.parallel.Layout(tp=dist.world_size).resolve(dist.world_size) if args.inner == "tp" else None
+        net = (mg.parallelize(model(24 if wider else 16), layout, tp_plan={"0": "colwise", "2": "rowwise"})
+               if layout is not None else mg.wrap(model(24 if wider else 16), args.inner))
         replicas = mg.fault_tolerant(net, optimizer(net), dist)
         os.makedirs(os.path.join(args.out, "pids"), exist_ok=True)
         with open(os.path.join(args.out, "pids", f"group{replicas.group}.rank{dist.rank}"), "w") as fp:
             fp.write(str(os.getpid()))
-        train = mg.loader(data(), replicas.plan(GLOBAL_BATCH, micro_batch=2), dist, seed=0)
+        train = mg.loader(data(), replicas.plan(GLOBAL_BATCH, layout=layout, micro_batch=2), dist, seed=0)
         for step, micro_batches in replicas.steps(train, args.steps):
             for x, y in mg.accumulate(net, micro_batches):
                 nn.functional.mse_loss(net(x), y).div(len(micro_batches)).backward()
