@@ -444,3 +444,60 @@ def test_pick_blocks_keeps_tied_weights_in_one_unit():
     # embed and head share their weight: neither may be its own unit; the root takes it.
     assert pick_blocks(net, None, 100) == [net.body.fc]
     assert pick_blocks(net, [nn.Embedding, Block], 1) == [net.body]
+
+
+class _GatedBlock(nn.Module):
+    """A block with a gate kept in float32 in a float64 model, as transformers keeps a router's
+    (``_keep_in_fp32_modules``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.gate = nn.Linear(16, 16).double(), nn.Linear(16, 4).float()
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x)) * torch.softmax(self.gate(x.float()), -1).double().sum(-1, keepdim=True)
+
+
+def _gated_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16).double(), _GatedBlock(), _GatedBlock(), nn.Linear(16, 3).double())
+
+
+def _train_gated(dist):
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 3, (8,))
+    model = _gated_net()
+    if dist.world_size > 1:
+        from multigpu.parallel.fsdp import units_line
+        model = mg.parallelize(model, mg.parallel.Layout(dp_shard=dist.world_size))
+        assert units_line(model, "x").startswith("0 units of x + 2 kept in their own dtype + the root")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    share = slice(dist.rank * 8 // dist.world_size, (dist.rank + 1) * 8 // dist.world_size)
+    for _ in range(3):
+        nn.functional.cross_entropy(model(x[share]), y[share]).backward()
+        opt.step()
+        opt.zero_grad()
+    mixed = nn.Sequential(nn.Linear(4, 4).double())
+    mixed[0].bias.data = mixed[0].bias.data.float()
+    try:
+        mg.wrap(mixed, "fsdp")
+        refused = ""
+    except mg.UsageError as err:
+        refused = str(err)
+    return {k: v.clone() for k, v in mg.full_state_dict(model).items()}, refused
+
+
+def test_a_module_kept_in_another_dtype_is_a_unit_of_its_own():
+    """FSDP2 flattens a unit into one dtype, so a float32 gate in a float64 model crashed it in its own
+    dtype check (a traceback). Each such module is now sharded as a unit of its own, without a cast, and
+    2 ranks equal one process: float64 within 1e-12, the float32 gates within float32 rounding (measured 0).
+    A module holding two dtypes itself is refused in one line."""
+    one, _ = spawn(_train_gated, 1)[0]
+    two, refused = spawn(_train_gated, 2)[0]
+    assert one.keys() == two.keys()
+    for name, value in one.items():
+        assert two[name].dtype == value.dtype == (torch.float32 if ".gate." in name else torch.float64), name
+        bound = 1e-6 * float(value.abs().max()) if value.dtype == torch.float32 else 1e-12
+        assert float((two[name].double() - value.double()).abs().max()) <= bound, name
+    assert refused.startswith("FSDP shards a module's parameters in one dtype, but 0 holds torch.float32, "
+                              "torch.float64"), refused

@@ -133,7 +133,10 @@ def units_line(model: nn.Module, rule: str, experts: int = 0) -> str:
     """``3 units of ViTLayer (declared _no_split_modules) + the root``, counted from what was sharded (expert
     parallelism's ``experts`` modules, sharded over efsdp, counted apart)."""
     units = fsdp_modules(model)
-    return f"{len(units) - 1 - experts} units of {rule}{f' + {experts} experts modules' if experts else ''} + the root"
+    other = {id(m) for m in _other_dtype_modules(model, [])} & {id(u) for u in units}
+    kept = f" + {len(other)} kept in their own dtype" if other else ""
+    return (f"{len(units) - 1 - experts - len(other)} units of {rule}{f' + {experts} experts modules' if experts else ''}"
+            f"{kept} + the root")
 
 
 def wrap_fsdp(
@@ -195,14 +198,42 @@ def _shard(model: nn.Module, blocks: list[nn.Module], mesh: Any, reshard_after_f
     # Expert parallelism's experts modules (experts.py) first, over the ranks that hold the same experts
     # (efsdp): the blocks around them then take only the dense parameters, over every dp_shard rank.
     modules, experts_mesh = experts or ([], None)
+    # FSDP2 flattens a unit's parameters into one dtype: a module a model keeps in another dtype than the rest
+    # (transformers' _keep_in_fp32_modules: a router's float32 gate in a bf16 model) becomes a unit of its own
+    # first, without the mixed-precision cast, so it computes in its dtype as it does in one process.
+    other_dtype = _other_dtype_modules(model, modules)
     for module in modules:
         fsdp2.fully_shard(module, **{**kwargs, "mesh": experts_mesh})
+    for module in other_dtype:
+        fsdp2.fully_shard(module, **{k: v for k, v in kwargs.items() if k != "mp_policy"})
     for block in (b for b in blocks if all(b is not m for m in modules)):  # an experts module is no block unit
         fsdp2.fully_shard(block, **kwargs)
     # The root takes whatever no block took (embeddings, heads, norms); FSDP2
     # itself keeps the root unsharded between forward and backward.
     fsdp2.fully_shard(model, **kwargs)
     return model
+
+
+def _other_dtype_modules(model: nn.Module, skip: list[nn.Module]) -> list[nn.Module]:
+    """The modules whose own parameters are in another dtype than most of the model's parameters (by count);
+    refused in one line where one module holds parameters of two dtypes (no unit can take it)."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    if len(sizes) < 2:
+        return []
+    main = max(sizes, key=sizes.get)
+    inside = {id(m) for s in skip for m in s.modules()}
+    found = []
+    for name, module in model.named_modules():
+        dtypes = {p.dtype for p in module.parameters(recurse=False)}
+        if len(dtypes) > 1:
+            raise UsageError(f"FSDP shards a module's parameters in one dtype, but {name} holds "
+                             f"{', '.join(sorted(str(d) for d in dtypes))}; cast it to one (module.to(dtype)) or keep "
+                             "the model in one dtype")
+        if dtypes and dtypes != {main} and id(module) not in inside:
+            found.append(module)
+    return found
 
 
 def shard_blocks(model: nn.Module, mesh: Any, block_classes: Iterable[type] | None = None,
