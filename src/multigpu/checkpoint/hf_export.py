@@ -81,11 +81,8 @@ def _check(stored: dict, wanted: dict, names: list[str], src: Path, base: Path) 
     missing = [n for n in names if n not in stored]
     unexpected = [n for n in stored if n not in wanted]
     if missing or unexpected:
-        said = "; ".join(x for x in (f"{len(missing)} of its tensors missing ({', '.join(missing[:3])})" if missing
-                                      else "", f"{len(unexpected)} not its own ({', '.join(unexpected[:3])})"
-                                      if unexpected else "") if x)
-        raise UsageError(f"checkpoint {src} is not of the model {base / 'config.json'} describes: {said}; pass the "
-                         "directory the run started from")
+        raise UsageError(f"checkpoint {src} is not of the model {base / 'config.json'} describes: "
+                         f"{storage.name_mismatch(missing, unexpected)}; pass the directory the run started from")
     for n in names:
         if tuple(wanted[n][0]) != stored[n][0]:
             raise UsageError(f"checkpoint {src}: {n} has shape {list(stored[n][0])} but the model of "

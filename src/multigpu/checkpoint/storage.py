@@ -369,3 +369,10 @@ def verified_model(src: Path) -> dict:
     if "model" not in manifest["state_keys"]:
         raise UsageError(f"checkpoint {src} holds no model state (it has: {', '.join(manifest['state_keys'])})")
     return manifest
+
+
+def name_mismatch(missing: list[str], unexpected: list[str]) -> str:
+    """"N of its tensors missing (a, b, c); M not its own (d, e, f)": what a refusal says of names that differ."""
+    return "; ".join(x for x in (f"{len(missing)} of its tensors missing ({', '.join(missing[:3])})" if missing
+                                 else "", f"{len(unexpected)} not its own ({', '.join(unexpected[:3])})"
+                                 if unexpected else "") if x)

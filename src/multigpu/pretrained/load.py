@@ -57,11 +57,11 @@ def check_names(model: nn.Module, tensors: dict[str, tuple[tuple[int, ...], str]
     unexpected = [n for n in tensors if n not in expected]
     name = type(model).__name__
     if missing or unexpected:
-        said = "; ".join(x for x in (f"{len(missing)} of its tensors missing ({', '.join(missing[:3])})" if missing
-                                      else "", f"{len(unexpected)} not its own ({', '.join(unexpected[:3])})"
-                                      if unexpected else "") if x)
-        raise UsageError(f"{where} does not hold {name}'s tensors by the names transformers gives them: {said}; "
-                         "load it once with transformers' from_pretrained and save_pretrained it again")
+        from ..checkpoint.storage import name_mismatch
+
+        raise UsageError(f"{where} does not hold {name}'s tensors by the names transformers gives them: "
+                         f"{name_mismatch(missing, unexpected)}; load it once with transformers' from_pretrained and "
+                         "save_pretrained it again")
     for n, (shape, _) in expected.items():  # in the model's order: the first that differs
         if n in tensors and tensors[n][0] != shape:
             raise UsageError(f"{where}: {n} has shape {list(tensors[n][0])} but {name} built from its config.json "
