@@ -24,6 +24,7 @@ FLAGS = {
               "--rounds", "--seq-len"],
     "ckpt": [],
     "ckpt export": ["--hf", "<checkpoint>", "<out>"],
+    "ckpt import": ["<hf_dir>", "<out>"],
     "ckpt ls": ["<dir>"],
     "ckpt verify": ["<dir>"],
     "doctor": ["--backend", "--json", "--no-smoke", "--nproc", "--port", "--timeout", "-n"],

@@ -33,7 +33,7 @@ VERBS = [
     ("doctor", "check versions, GPUs, topology, NCCL variables and the host; run a live all-reduce", "multigpu.doctor"),
     ("bench", "time collectives with nccl-tests' algbw/busbw columns, and check their results", "multigpu.commbench"),
     ("plan", "translate a 1-GPU recipe (LR, batch, schedule) for N GPUs", "multigpu.planner"),
-    ("ckpt", "list, verify and export checkpoints written by mg.Checkpointer", "multigpu.checkpoint.tools"),
+    ("ckpt", "list, verify, export and import checkpoints of mg.Checkpointer", "multigpu.checkpoint.tools"),
     ("study", "run a workload at several world sizes and batch policies; measure and judge", "multigpu.study"),
     ("report", "write the HTML report and Markdown summary of a study's results or of one run", "multigpu.report"),
     ("verify", "run a script on 1 and N ranks with the same global batch; compare losses, samples and parameters",

@@ -99,6 +99,11 @@ def _check_model_fits(path: Path, model_state: dict[str, Any], metadata, group: 
 
 def load(objects: TrainingObjects, path: Path, manifest: dict[str, Any], group: Group) -> None:
     """Load ``path`` into the training objects (collective)."""
+    if manifest.get("imported"):  # `multigpu ckpt import`: weights only, everything else as the run built it
+        objects = TrainingObjects(objects.model, None, None, None, None, {})
+        if objects.model is None:
+            raise UsageError(f"checkpoint {path} was imported from {manifest['imported'].get('from')} and holds "
+                             "model weights only; pass model= to the Checkpointer")
     saved_keys = set(manifest["state_keys"])
     want = set(objects.keys())
     for key in sorted(want - saved_keys):
@@ -150,6 +155,8 @@ def load(objects: TrainingObjects, path: Path, manifest: dict[str, Any], group: 
             obj.load_state_dict(state["extra"][name])
         elif name in manifest.get("extra", {}):
             objects.extra[name] = manifest["extra"][name]
+    if manifest.get("imported"):  # the run's own random states, as a fresh run has them
+        return
     if objects.loader is not None:
         if manifest.get("loader") is None:
             _warn(group, f"{path} holds no loader position; the loader starts at epoch 0, batch 0")
@@ -214,6 +221,11 @@ def resume(directory: Path, checkpoint: str | Path | int | None, objects: Traini
             _warn(group, f"skipping damaged checkpoint {path}: {reason}")
             damaged.append(path)
             continue
+        if manifest.get("imported"):  # no step was trained: the loop starts at 0, as a fresh run's
+            print0(f"multigpu: resumed from an imported checkpoint {path} ({manifest['imported'].get('from')}'s "
+                   f"weights, loaded onto {_ranks(group.world)}, {strategy}): the optimizer starts fresh, the data at "
+                   "its start; continuing at step 0")
+            return 0
         step = int(manifest["step"])
         changed = f", {manifest['strategy']} -> {strategy}" if manifest["strategy"] != strategy else ""
         print0(f"multigpu: resumed from {path} (step {step}, written by {_ranks(manifest['world_size'])}, "

@@ -1,4 +1,4 @@
-"""``multigpu ckpt ls | verify | export``: inspect and convert checkpoints in one process."""
+"""``multigpu ckpt ls | verify | export | import``: inspect and convert checkpoints in one process."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from . import storage
 @dataclass(frozen=True)
 class CkptConfig:
     """What ``multigpu ckpt`` was asked: the action and its paths (``dir`` for ls and verify, ``checkpoint`` and
-    ``out`` for export). Each path's docstring is its argument's help in `multigpu ckpt ACTION --help`
+    ``out`` for export, ``hf_dir`` and ``out`` for import). Each path's docstring is its argument's help in `multigpu ckpt ACTION --help`
     (``add_arguments``)."""
 
     action: str
-    """ls, verify or export"""
+    """ls, verify, export or import"""
     dir: str | None = None
     """run directory (or one checkpoint directory)"""
     checkpoint: str | None = None
@@ -31,6 +31,11 @@ class CkptConfig:
     hf: str | None = None
     """write OUT as a Hugging Face directory (sharded safetensors, index, config), the config and tokenizer
     files from this directory: the one the run started from (mg.from_pretrained's)"""
+    hf_dir: str | None = None
+    """a Hugging Face directory (config.json and safetensors, as save_pretrained writes it)"""
+    run_dir: str | None = None
+    """a new run directory: its step-0 is the checkpoint mg.Checkpointer(out, ...).resume() loads on any layout,
+    the optimizer fresh"""
 
 
 def _run_dir(directory: str | Path) -> Path:
@@ -124,11 +129,19 @@ def export(checkpoint: str | Path, out: str | Path) -> dict[str, int]:
 
 
 def main(args) -> int:
-    """`multigpu ckpt ls | verify | export`: print the table or export; exit 1 when verify finds damage."""
+    """`multigpu ckpt ls | verify | export | import`: print the table or export; exit 1 when verify finds damage."""
     # Each action's parser has only its own paths: the others are absent from args, None here.
     given = vars(args)
     cfg = CkptConfig(action=args.action, dir=given.get("dir"), checkpoint=given.get("checkpoint"), out=given.get("out"),
-                     hf=given.get("hf"))
+                     hf=given.get("hf"), hf_dir=given.get("hf_dir"))
+    if cfg.action == "import":
+        from .hf_import import import_hf
+
+        info = import_hf(cfg.hf_dir, cfg.out)
+        print(f"imported {cfg.hf_dir} -> {info['checkpoint']}: {info['tensors']} tensors, {info['parameters']:,} "
+              f"parameters, {info['bytes']:,} bytes; resume with mg.Checkpointer({str(cfg.out)!r}, model=...)"
+              ".resume() on any layout (the optimizer starts fresh)")
+        return 0
     if cfg.action == "export" and cfg.hf is not None:
         from .hf_export import export_hf
 
@@ -156,7 +169,7 @@ def main(args) -> int:
 
 
 def add_arguments(parser) -> None:
-    """`multigpu ckpt ls | verify | export` arguments."""
+    """`multigpu ckpt ls | verify | export | import` arguments."""
     # Sub-actions use the parent's parser class, so their mistakes are one line too.
     actions = parser.add_subparsers(dest="action", metavar="ACTION", parser_class=type(parser))
     actions.required = True
@@ -169,3 +182,7 @@ def add_arguments(parser) -> None:
     add_field(exp, "checkpoint", config=CkptConfig, field="checkpoint")
     add_field(exp, "out", config=CkptConfig, field="out")
     add_field(exp, "--hf", config=CkptConfig, field="hf", metavar="BASE_DIR")
+    imp = actions.add_parser("import", help="write a Hugging Face directory as a checkpoint mg.Checkpointer resumes "
+                             "from on any layout (step 0, the optimizer fresh)")
+    add_field(imp, "hf_dir", config=CkptConfig, field="hf_dir")
+    add_field(imp, "out", config=CkptConfig, field="run_dir")

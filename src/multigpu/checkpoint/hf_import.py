@@ -1,0 +1,132 @@
+"""``multigpu ckpt import HF_DIR OUT``: a Hugging Face directory (transformers' ``save_pretrained``) as a new run
+directory ``OUT`` holding one checkpoint, ``OUT/step-0``, in the Checkpointer's own format, which
+``mg.Checkpointer(OUT, ...).resume()`` loads onto any layout (continued pretraining from a published model).
+
+The checkpoint holds the model's weights as transformers' ``from_pretrained`` gives them (the config's dtype,
+tied copies under each name, persistent buffers the files lack as ``__init__`` computes them), and nothing
+else: no optimizer state (a published model has none), no loader position, no RNG states. Its manifest says
+``imported``, so a resume keeps the optimizer, scheduler, loader and random states as the run built them
+(fresh) and says so in one line, and returns step 0 (``loading.load_imported``).
+
+The safetensors are read tensor by tensor (``safe_open``, each cast to the model's dtype as it is read), so the
+process holds the model once, written by DCP as one rank, and checked, hashed and renamed into place by the
+Checkpointer's own ``storage.finish``, under a temporary name renamed when complete.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import UsageError
+from . import storage
+
+STRATEGY = "imported"  # the manifest's strategy: no run wrote it
+
+
+def import_hf(hf_dir: str | Path, out: str | Path) -> dict[str, int | str]:
+    """Write the Hugging Face directory ``hf_dir`` as a new run directory ``out`` holding the checkpoint
+    ``out/step-0`` that ``mg.Checkpointer(out, ...)`` resumes from on any layout, the optimizer fresh;
+    (checkpoint, tensors, parameters, bytes).
+
+    >>> import_hf("checkpoints/llama", "runs/continued")   # then mg.Checkpointer("runs/continued", ...).resume()
+    """
+    from ..pretrained import _empty, check_names, checkpoint_tensors
+    from ..pretrained.experts import Names
+
+    root, out = Path(hf_dir), Path(out)
+    tensors = checkpoint_tensors(root)  # the loader's checks: a directory, config.json, safetensors, every shard
+    if out.exists():
+        raise UsageError(f"ckpt import writes a new run directory, but {out} exists; pass another path or remove it")
+    if not out.parent.is_dir():
+        raise UsageError(f"the parent of import target {out} does not exist; create {out.parent} first")
+    model = _empty(root, None, None)  # on the meta device, its buffers real: the names, shapes and dtypes
+    names = Names(model, tensors, root)
+    check_names(model, names.tensors, root)
+    if names.stacked:
+        raise UsageError(f"ckpt import of {type(model).__name__}: its experts are stored one tensor per expert and "
+                         "fused by transformers as it loads them, which import does not build yet; start the run "
+                         "with mg.from_pretrained and save with mg.Checkpointer instead")
+    state = _read(model, root, tensors, names.read_as)
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    partial.mkdir()
+    try:
+        final = _write(state, partial, root, model)
+        os.replace(partial, out)
+    except OSError as e:
+        raise UsageError(f"ckpt import could not write {out}: {e.strerror or e}; nothing was left there") from None
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    step = out / final.name
+    return {"checkpoint": str(step), "tensors": len(state), "parameters": sum(p.numel() for p in model.parameters()),
+            "bytes": sum(f.stat().st_size for f in step.rglob("*") if f.is_file())}
+
+
+def _read(model: torch.nn.Module, root: Path, tensors: dict, read_as: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The model's state, every name ``model.state_dict()`` has (the keys the Checkpointer saves and loads),
+    read tensor by tensor in the model's dtype; a tied copy is the same tensor as the one the files hold."""
+    from safetensors import safe_open
+
+    state: dict[str, torch.Tensor] = {}
+    by_key: dict[str, torch.Tensor] = {}
+    opened: dict[str, object] = {}
+    try:
+        for name, like in model.state_dict(keep_vars=True).items():
+            key = read_as.get(name)
+            if key is None or key not in tensors:
+                if like.is_meta:  # check_names found every tensor a parameter needs: a bug, not an input
+                    raise UsageError(f"ckpt import found no tensor for {name} in {root}; report this model")
+                state[name] = like.detach().clone()  # a buffer the files lack: as __init__ computes it
+                continue
+            if key not in by_key:
+                file = tensors[key][1]
+                if file not in opened:
+                    opened[file] = safe_open(str(root / file), framework="pt").__enter__()
+                # as transformers' from_pretrained: the stored tensor cast to the parameter's dtype
+                by_key[key] = opened[file].get_tensor(key).to(like.dtype).contiguous()
+            state[name] = by_key[key]
+    finally:
+        for f in opened.values():
+            f.__exit__(None, None, None)
+    return state
+
+
+def _write(state: dict[str, torch.Tensor], partial: Path, root: Path, model: torch.nn.Module) -> Path:
+    """``partial/step-0`` written by DCP as one process and completed by the Checkpointer's own
+    ``storage.finish`` (manifest with every file's checksum, rename, COMPLETE marker)."""
+    import torch.distributed.checkpoint as dcp
+
+    from .. import __version__
+
+    tmp, final = storage.tmp_dir(partial, 0), storage.step_dir(partial, 0)
+    tmp.mkdir()
+    with storage.single_process_ok():
+        dcp.save({"model": state}, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True,
+                                                                       single_file_per_rank=True), no_dist=True)
+    files = storage.hash_files(tmp, storage.list_files(tmp))
+    manifest = {
+        "format": storage.FORMAT,
+        "step": 0,
+        "world_size": 1,
+        "strategy": STRATEGY,
+        "imported": {"from": str(root.resolve()), "model": type(model).__name__},
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {"multigpu": __version__, "torch": torch.__version__, "numpy": np.__version__,
+                     "python": platform.python_version()},
+        "state_keys": ["model"],
+        "optimizer_fresh": True,
+        "loader": None,
+        "extra": {},
+        "model_parameters": sum(p.numel() for p in model.parameters()),
+        "model_tensors": len(state),
+        "files": files,
+        "bytes": sum(v["bytes"] for v in files.values()),
+    }
+    storage.finish(tmp, final, manifest)
+    return final
