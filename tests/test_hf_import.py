@@ -150,7 +150,7 @@ def test_ckpt_import_refuses_in_one_line_and_writes_nothing(imported, tmp_path):
                                  (pickled, "b", r"has only pytorch_model.bin (pickle, never unpickled here)"),
                                  (no_weights, "c", "has no weights; expected model.safetensors"),
                                  (base, run, "writes a new run directory, but"),
-                                 (base, "no/such/run", "does not exist; create")):
+                                 (base, pickled / "pytorch_model.bin" / "run", "could not write")):  # under a file
         with pytest.raises(mg.UsageError) as err:
             import_hf(source, tmp_path / target)
         assert says in str(err.value) and "\n" not in str(err.value), str(err.value)

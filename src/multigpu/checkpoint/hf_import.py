@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import UsageError
 from . import storage
@@ -39,13 +40,12 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> dict[str, int | str]:
     """
     from ..pretrained import _empty, check_names, checkpoint_tensors
     from ..pretrained.experts import Names
+    from ..pretrained.save import _cause
 
     root, out = Path(hf_dir), Path(out)
     tensors = checkpoint_tensors(root)  # the loader's checks: a directory, config.json, safetensors, every shard
     if out.exists():
         raise UsageError(f"ckpt import writes a new run directory, but {out} exists; pass another path or remove it")
-    if not out.parent.is_dir():
-        raise UsageError(f"the parent of import target {out} does not exist; create {out.parent} first")
     model = _empty(root, None, None)  # on the meta device, its buffers real: the names, shapes and dtypes
     names = Names(model, tensors, root)
     check_names(model, names.tensors, root)
@@ -55,12 +55,13 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> dict[str, int | str]:
                          "with mg.from_pretrained and save with mg.Checkpointer instead")
     state = _read(model, root, tensors, names.read_as)
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    partial.mkdir()
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)  # as the Checkpointer creates its directory
+        partial.mkdir()
         final = _write(state, partial, root, model)
         os.replace(partial, out)
-    except OSError as e:
-        raise UsageError(f"ckpt import could not write {out}: {e.strerror or e}; nothing was left there") from None
+    except (OSError, CheckpointException) as e:  # DCP's writer wraps a full disk in its own exception
+        raise UsageError(f"ckpt import could not write {out}: {_cause(e)}; nothing was left there") from None
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     step = out / final.name
