@@ -1,15 +1,17 @@
 """How long a lost replica group stalls the others, and how long it takes to rejoin (`multigpu run --fault-tolerant`).
 
 3 replica groups of 2 CPU ranks train tests/_ft_train.py (DDP inside a group, torchft across groups). When
-group 1 has committed ``--kill-at`` steps, this SIGKILLs its workers (both: ``group``; rank 1 only: ``rank``).
+group 1 has committed ``--kill-at`` steps, this SIGKILLs its workers (both: ``group``; rank 1 only: ``rank``),
+or SIGSTOPs both for ``--silent-for`` seconds, then SIGCONTs them (``silent``: no connection resets, no
+heartbeat, as a cut link looks to the survivors; the group rejoins without a restart).
 From the groups' step records (the time each committed step was recorded by a group's rank 0):
 
 - **stall**: from the survivors' last committed step with group 1 to their first committed without it
   (one ordinary step interval, ``--sleep`` + compute, is part of it; the interval is printed beside it);
-- **rejoin**: from the SIGKILL to group 1's first committed step after its restart (restart, quorum, healing
+- **rejoin**: from the SIGKILL (the SIGCONT) to group 1's first committed step after it (restart, quorum, healing
   from a live group).
 
-    python benchmarks/fault_tolerance.py [--repeats 3] [--kill group,rank]
+    python benchmarks/fault_tolerance.py [--repeats 3] [--kill group,rank,silent]
 """
 
 from __future__ import annotations
@@ -36,22 +38,28 @@ def _records(out: Path, group: int) -> list[dict]:
     return []
 
 
-def one_run(kill: str, steps: int, kill_at: int, sleep: float) -> dict:
+def one_run(kill: str, steps: int, kill_at: int, sleep: float, silent_for: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         launcher = subprocess.Popen(
             [sys.executable, "-m", "multigpu", "run", "--cpu", "-n", "2", "--fault-tolerant", str(GROUPS), "--log-dir",
-             str(out / "logs"), str(SCRIPT), "--out", str(out), "--steps", str(steps), "--sleep", str(sleep)],
+             str(out / "logs"), str(SCRIPT), "--out", str(out), "--steps", str(steps), "--sleep", str(sleep),
+             "--sleep-without", str(5 * sleep)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
             while len(_records(out, 1)) < kill_at:
                 if launcher.poll() is not None:
                     raise RuntimeError(launcher.stdout.read()[-2000:])
                 time.sleep(0.01)
-            ranks = (0, 1) if kill == "group" else (1,)
+            pids = [int((out / "pids" / f"group1.rank{r}").read_text()) for r in ((1,) if kill == "rank" else (0, 1))]
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP if kill == "silent" else signal.SIGKILL)
             killed_at = time.time()
-            for r in ranks:
-                os.kill(int((out / "pids" / f"group1.rank{r}").read_text()), signal.SIGKILL)
+            if kill == "silent":
+                time.sleep(silent_for)
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+                killed_at = time.time()
             text, _ = launcher.communicate(timeout=300)
         finally:
             if launcher.poll() is None:
@@ -71,8 +79,10 @@ def one_run(kill: str, steps: int, kill_at: int, sleep: float) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--kill", default="group,rank", help="what is SIGKILLed: group (both ranks), rank (rank 1)")
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--kill", default="group,rank,silent",
+                   help="group (both ranks SIGKILLed), rank (rank 1), silent (both SIGSTOPped, then SIGCONT)")
+    p.add_argument("--silent-for", type=float, default=20.0, help="seconds a silent group stays stopped")
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--kill-at", type=int, default=10)
     p.add_argument("--sleep", type=float, default=0.1, help="seconds per step on top of the compute")
     args = p.parse_args()
@@ -83,7 +93,7 @@ def main() -> None:
     for kill in args.kill.split(","):
         runs = []
         for i in range(args.repeats):
-            runs.append(one_run(kill, args.steps, args.kill_at, args.sleep))
+            runs.append(one_run(kill, args.steps, args.kill_at, args.sleep, args.silent_for))
             r = runs[-1]
             print(f"{kill} killed, run {i + 1}: stall {r['stall']:.2f} s (step interval {r['interval']:.3f} s), rejoin "
                   f"{r['rejoin']:.2f} s, {r['steps_without']} steps without it ({r['skipped']} samples skipped)", flush=True)
