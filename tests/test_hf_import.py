@@ -154,8 +154,16 @@ def test_ckpt_import_refuses_in_one_line_and_writes_nothing(imported, tmp_path):
         with pytest.raises(mg.UsageError) as err:
             import_hf(source, tmp_path / target)
         assert says in str(err.value) and "\n" not in str(err.value), str(err.value)
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    experts = tmp_path / "experts"  # transformers 5 fuses a mixture's per-expert tensors as it loads: not built here
+    AutoModelForCausalLM.from_config(MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+                                                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
+                                                   num_experts_per_tok=1)).save_pretrained(experts)
+    with pytest.raises(mg.UsageError, match="its experts are stored one tensor per expert"):
+        import_hf(experts, tmp_path / "e")
     done = _cli("import", str(pickled), str(tmp_path / "b"))  # the CLI: that line, exit 2, no traceback
     errors = [line for line in done.stderr.splitlines() if "error:" in line]
     assert done.returncode == 2 and len(errors) == 1 and "has only pytorch_model.bin" in errors[0], done.stderr[-2000:]
     assert errors[0].startswith("multigpu ckpt: error: ") and "Traceback" not in done.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "no-weights", "pickled"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "experts", "no-weights", "pickled"]
