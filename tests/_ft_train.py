@@ -66,6 +66,7 @@ def main() -> None:
     p.add_argument("--sleep-without", type=float, default=None,
                    help="seconds per step while a group is missing (so that a loaded machine restarts it before the end)")
     p.add_argument("--inner", default="ddp", help="inside each group: mg.wrap's strategy, or tp (mg.parallelize)")
+    p.add_argument("--timeout", type=float, default=10.0, help="mg.fault_tolerant's collective timeout")
     p.add_argument("--wider-group", type=int, default=-1, help="this replica group's model is wider (a bad setup)")
     args = p.parse_args()
     with mg.init(seed=0, device="cpu") as dist:
@@ -75,7 +76,7 @@ def main() -> None:
         layout = mg.parallel.Layout(tp=dist.world_size).resolve(dist.world_size) if args.inner == "tp" else None
         net = (mg.parallelize(model(24 if wider else 16), layout, tp_plan={"0": "colwise", "2": "rowwise"})
                if layout is not None else mg.wrap(model(24 if wider else 16), args.inner))
-        replicas = mg.fault_tolerant(net, optimizer(net), dist)
+        replicas = mg.fault_tolerant(net, optimizer(net), dist, timeout=args.timeout)
         os.makedirs(os.path.join(args.out, "pids"), exist_ok=True)
         with open(os.path.join(args.out, "pids", f"group{replicas.group}.rank{dist.rank}"), "w") as fp:
             fp.write(str(os.getpid()))

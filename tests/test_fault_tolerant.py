@@ -51,23 +51,31 @@ def _pids(out: str, group: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("inner, ranks", [("ddp", (0, 1)), ("fsdp", (1,))], ids=["ddp-whole-group", "fsdp-one-rank"])
-def test_a_group_killed_mid_run_rejoins_and_the_survivors_train_what_one_process_trains(tmp_path, inner, ranks):
-    """SIGKILL of a whole group (DDP inside the groups) and of one of its ranks (FSDP inside)."""
+@pytest.mark.parametrize("inner, ranks, sig", [("ddp", (0, 1), signal.SIGKILL), ("fsdp", (1,), signal.SIGKILL),
+                                               ("ddp", (0, 1), signal.SIGSTOP)],
+                         ids=["ddp-whole-group-killed", "fsdp-one-rank-killed", "ddp-group-silent"])
+def test_a_group_lost_mid_run_rejoins_and_the_survivors_train_what_one_process_trains(tmp_path, inner, ranks, sig):
+    """SIGKILL of a whole group (DDP inside the groups), of one of its ranks (FSDP inside), and a group gone
+    silent (SIGSTOP: no connection reset, no heartbeat, as a cut link looks to the others) that wakes up again."""
     out = str(tmp_path)
     launcher = subprocess.Popen(
         [sys.executable, "-m", "multigpu", "run", "--cpu", "-n", "2", "--fault-tolerant", str(GROUPS),
          "--log-dir", os.path.join(out, "logs"), SCRIPT, "--out", out, "--steps", str(STEPS), "--sleep", "0.1",
-         "--sleep-without", "0.5", "--inner", inner],
+         "--sleep-without", "0.5", "--inner", inner, "--timeout", "3"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
-        while len(_records(out, 1)) < 10:  # group 1 has committed 10 steps: kill it mid-run
+        while len(_records(out, 1)) < 10:  # group 1 has committed 10 steps: hit it mid-run
             assert launcher.poll() is None and time.monotonic() < deadline, "the groups never reached step 10"
             time.sleep(0.02)
         killed = [_pids(out, 1)[r] for r in ranks]
         for pid in killed:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
+        while sig == signal.SIGSTOP and sum(len(r["groups"]) < GROUPS for r in _records(out, 0)) < 3:
+            assert launcher.poll() is None and time.monotonic() < deadline, "the others stopped with group 1"
+            time.sleep(0.02)
+        for pid in killed if sig == signal.SIGSTOP else ():  # the others went on without it: wake it up
+            os.kill(pid, signal.SIGCONT)
         text, _ = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:
@@ -98,6 +106,7 @@ def test_a_group_killed_mid_run_rejoins_and_the_survivors_train_what_one_process
     every = job.replay([dict(r, groups=[0, 1, 2]) for r in survivor], GROUPS)  # the skipped shares matter
     assert max((every[k] - expected[k]).abs().max().item() for k in every) > 1e-6
     assert not any(_alive(p) for g in range(GROUPS) for p in _pids(out, g) + killed)
+    assert ("attempt_1" in text) == (sig == signal.SIGKILL)  # a silent group rejoins without a restart
 
 
 @pytest.mark.parametrize("argv, expected", [
