@@ -1,10 +1,11 @@
 """`multigpu ckpt import HF_DIR OUT`: a Hugging Face directory as a checkpoint mg.Checkpointer resumes from.
 
-A tiny Llama (tied and untied head) saved by transformers' save_pretrained in float64, several shards, is
-imported by the CLI; a 2-rank run resumes from it under FSDP 2 and TP 2 (a model built with other random
-weights): every parameter bitwise transformers' from_pretrained, the optimizer fresh and the line that says
-so, step 0; one AdamW step equals transformers' from_pretrained and a fresh AdamW's step on one process
-(float64, within 1e-9). Bad input: one line, exit 2, nothing written.
+A tiny Llama (tied and untied head) and a Mixtral (its experts stored one tensor per expert) saved by
+transformers' save_pretrained in float64, several shards, are imported; a 2-rank run resumes from them under
+FSDP 2 and TP 2 (the Mixtral under EP 2), into a model built with other random weights: every parameter
+bitwise transformers' from_pretrained, the optimizer fresh and the line that says so, step 0; one AdamW step
+equals transformers' from_pretrained and a fresh AdamW's step on one process (float64, within 1e-9). Bad
+input: one line, exit 2, nothing written.
 """
 
 from __future__ import annotations
@@ -24,14 +25,18 @@ from multigpu.testing import spawn
 
 pytest.importorskip("transformers")
 
-LAYOUTS = [{"dp_shard": 2}, {"tp": 2}]
+LAYOUTS = {"tied": [{"dp_shard": 2}, {"tp": 2}], "untied": [{"dp_shard": 2}, {"tp": 2}], "mixtral": [{"ep": 2}]}
+EAGER = {"mixtral": {"experts_implementation": "eager"}}  # grouped_mm takes no float64: both sides loop
 
 
-def _config(tied: bool):
-    from transformers import LlamaConfig
+def _config(name: str):
+    from transformers import LlamaConfig, MixtralConfig
 
+    if name == "mixtral":  # transformers 5 fuses the experts it stores one tensor per expert
+        return MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
     return LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, tie_word_embeddings=tied)
+                       num_key_value_heads=2, tie_word_embeddings=name == "tied")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -40,18 +45,19 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory) -> dict[str, tuple[str, str]]:
-    """{tied, untied}: (the Hugging Face directory, the run directory imported from it: by the CLI, by the call)."""
+    """{tied, untied, mixtral}: (the Hugging Face directory, the run directory imported from it: by the CLI, by the
+    call)."""
     from transformers import AutoModelForCausalLM
 
     from multigpu.checkpoint.hf_import import import_hf
 
     root = tmp_path_factory.mktemp("import")
     out = {}
-    for name, tied in (("tied", True), ("untied", False)):
+    for name in LAYOUTS:
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(_config(tied), dtype=torch.float64).save_pretrained(
+        AutoModelForCausalLM.from_config(_config(name), dtype=torch.float64).save_pretrained(
             root / name, max_shard_size="20KB")
-        if tied:
+        if name == "tied":
             done = _cli("import", str(root / name), str(root / f"run-{name}"))
             assert done.returncode == 0, done.stderr[-2000:]
             assert done.stdout.startswith(f"imported {root / name} -> {root / f'run-{name}' / 'step-0'}: "), done.stdout
@@ -78,13 +84,13 @@ def _resume_and_step(dist, imported: dict[str, tuple[str, str]]) -> dict:
     x = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))  # the same batch on every rank
     results = {}
     for name, (base, run) in imported.items():
-        ref = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64).train()
+        ref = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64, **EAGER.get(name, {})).train()
         own = {k: v.clone() for k, v in ref.state_dict().items()}
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         ref_loss = _step(ref, ref_opt, x)
-        for layout in LAYOUTS:
+        for layout in LAYOUTS[name]:
             torch.manual_seed(123)  # other weights than the imported ones: the resume must replace every one
-            model = AutoModelForCausalLM.from_config(_config(name == "tied"), dtype=torch.float64)
+            model = AutoModelForCausalLM.from_config(_config(name), dtype=torch.float64, **EAGER.get(name, {}))
             model = mg.parallelize(model, mg.parallel.Layout(**layout), verbose=False).train()
             opt = mg.optimizer(model, torch.optim.AdamW, lr=1e-2)
             said = io.StringIO()
@@ -105,7 +111,7 @@ def _resume_and_step(dist, imported: dict[str, tuple[str, str]]) -> dict:
 
 def test_an_imported_checkpoint_resumes_on_fsdp_and_tp_as_from_pretrained_with_a_fresh_optimizer(imported):
     out = spawn(_resume_and_step, 2, imported, timeout=300)
-    assert len(out[0]) == 4
+    assert len(out[0]) == 5
     for rank, results in enumerate(out):
         for name, got in results.items():
             assert got["bitwise"], (rank, name)
@@ -154,16 +160,8 @@ def test_ckpt_import_refuses_in_one_line_and_writes_nothing(imported, tmp_path):
         with pytest.raises(mg.UsageError) as err:
             import_hf(source, tmp_path / target)
         assert says in str(err.value) and "\n" not in str(err.value), str(err.value)
-    from transformers import AutoModelForCausalLM, MixtralConfig
-
-    experts = tmp_path / "experts"  # transformers 5 fuses a mixture's per-expert tensors as it loads: not built here
-    AutoModelForCausalLM.from_config(MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
-                                                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
-                                                   num_experts_per_tok=1)).save_pretrained(experts)
-    with pytest.raises(mg.UsageError, match="its experts are stored one tensor per expert"):
-        import_hf(experts, tmp_path / "e")
     done = _cli("import", str(pickled), str(tmp_path / "b"))  # the CLI: that line, exit 2, no traceback
     errors = [line for line in done.stderr.splitlines() if "error:" in line]
     assert done.returncode == 2 and len(errors) == 1 and "has only pytorch_model.bin" in errors[0], done.stderr[-2000:]
     assert errors[0].startswith("multigpu ckpt: error: ") and "Traceback" not in done.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "experts", "no-weights", "pickled"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "no-weights", "pickled"]

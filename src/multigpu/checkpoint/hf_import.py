@@ -3,7 +3,8 @@ directory ``OUT`` holding one checkpoint, ``OUT/step-0``, in the Checkpointer's 
 ``mg.Checkpointer(OUT, ...).resume()`` loads onto any layout (continued pretraining from a published model).
 
 The checkpoint holds the model's weights as transformers' ``from_pretrained`` gives them (the config's dtype,
-tied copies under each name, persistent buffers the files lack as ``__init__`` computes them), and nothing
+tied copies under each name, a mixture's experts fused as transformers 5 fuses the tensors it stores one per
+expert, persistent buffers the files lack as ``__init__`` computes them), and nothing
 else: no optimizer state (a published model has none), no loader position, no RNG states. Its manifest says
 ``imported``, so a resume keeps the optimizer, scheduler, loader and random states as the run built them
 (fresh) and says so in one line, and returns step 0 (``loading.load_imported``).
@@ -49,11 +50,7 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> dict[str, int | str]:
     model = _empty(root, None, None)  # on the meta device, its buffers real: the names, shapes and dtypes
     names = Names(model, tensors, root)
     check_names(model, names.tensors, root)
-    if names.stacked:
-        raise UsageError(f"ckpt import of {type(model).__name__}: its experts are stored one tensor per expert and "
-                         "fused by transformers as it loads them, which import does not build yet; start the run "
-                         "with mg.from_pretrained and save with mg.Checkpointer instead")
-    state = _read(model, root, tensors, names.read_as)
+    state = _read(model, root, tensors, names)
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)  # as the Checkpointer creates its directory
@@ -69,28 +66,39 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> dict[str, int | str]:
             "bytes": sum(f.stat().st_size for f in step.rglob("*") if f.is_file())}
 
 
-def _read(model: torch.nn.Module, root: Path, tensors: dict, read_as: dict[str, str]) -> dict[str, torch.Tensor]:
+def _read(model: torch.nn.Module, root: Path, tensors: dict, names) -> dict[str, torch.Tensor]:
     """The model's state, every name ``model.state_dict()`` has (the keys the Checkpointer saves and loads),
-    read tensor by tensor in the model's dtype; a tied copy is the same tensor as the one the files hold."""
+    read tensor by tensor in the model's dtype; a tied copy is the same tensor as the one the files hold; a
+    mixture's fused experts stacked from their per-expert tensors by transformers' own converter
+    (``pretrained/experts.py``, as ``mg.from_pretrained`` reads them)."""
     from safetensors import safe_open
+
+    from ..pretrained.experts import _converted
 
     state: dict[str, torch.Tensor] = {}
     by_key: dict[str, torch.Tensor] = {}
     opened: dict[str, object] = {}
+
+    def reader(key: str):
+        file = tensors[key][1]
+        if file not in opened:
+            opened[file] = safe_open(str(root / file), framework="pt").__enter__()
+        return lambda: opened[file].get_tensor(key)
+
     try:
         for name, like in model.state_dict(keep_vars=True).items():
-            key = read_as.get(name)
+            if (stacked := names.stacked.get(name)) is not None:
+                pieces = {p: [reader(k) for k in keys] for p, keys in stacked.keys.items()}
+                state[name] = _converted(stacked.converter, name, pieces, model)[name].to(like.dtype).contiguous()
+                continue
+            key = names.read_as.get(name)
             if key is None or key not in tensors:
                 if like.is_meta:  # check_names found every tensor a parameter needs: a bug, not an input
                     raise UsageError(f"ckpt import found no tensor for {name} in {root}; report this model")
                 state[name] = like.detach().clone()  # a buffer the files lack: as __init__ computes it
                 continue
-            if key not in by_key:
-                file = tensors[key][1]
-                if file not in opened:
-                    opened[file] = safe_open(str(root / file), framework="pt").__enter__()
-                # as transformers' from_pretrained: the stored tensor cast to the parameter's dtype
-                by_key[key] = opened[file].get_tensor(key).to(like.dtype).contiguous()
+            if key not in by_key:  # as transformers' from_pretrained: the stored tensor cast to the parameter's dtype
+                by_key[key] = reader(key)().to(like.dtype).contiguous()
             state[name] = by_key[key]
     finally:
         for f in opened.values():
