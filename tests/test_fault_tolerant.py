@@ -182,3 +182,32 @@ def test_doctor_names_torchft_and_a_lighthouse_it_cannot_reach():
     assert down[1].status == "problem" and down[1].what == (
         f"TORCHFT_LIGHTHOUSE=http://127.0.0.1:{port} cannot be reached (Connection refused)")
     assert [f.what for f in check_torchft(*torchft_status({}))] == [f"torchft {version}"]
+
+
+def test_a_loader_not_built_on_the_replicas_plan_is_one_line(tmp_path):
+    """Group 1 of 2 handed a loader over its own ranks only (it would read group 0's share): exit 2, one line."""
+    from torchft._torchft import LighthouseServer
+
+    from multigpu.testing import free_port
+
+    script = tmp_path / "wrong.py"
+    script.write_text(
+        "import torch, multigpu as mg\n"
+        "from torch.utils.data import TensorDataset\n"
+        "with mg.init(seed=0, device='cpu') as dist:\n"
+        "    net = torch.nn.Linear(2, 1)\n"
+        "    replicas = mg.fault_tolerant(net, torch.optim.SGD(net.parameters(), lr=0.1), dist)\n"
+        "    data = TensorDataset(torch.randn(64, 2), torch.randn(64, 1))\n"
+        "    for step, batches in replicas.steps(mg.loader(data, mg.BatchPlan(8, 1), dist), 3):\n"
+        "        pass\n")
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    try:
+        env = dict(os.environ, MULTIGPU_REPLICA_GROUP="1", MULTIGPU_REPLICA_GROUPS="2", RANK="0", WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RUST_LOG="warn",
+                   TORCHFT_LIGHTHOUSE=f"http://localhost:{lighthouse.address().rsplit(':', 1)[1]}")
+        done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        lighthouse.shutdown()
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
+        "multigpu: error: the loader's plan (world_size 1, dp_rank 0) is not replica group 1's share of 2 groups; "
+        "build it with mg.loader(data, replicas.plan(global_batch), dist)"), done.stderr[-2000:]

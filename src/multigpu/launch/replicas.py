@@ -65,12 +65,17 @@ def _lighthouse(cfg: RunConfig):
         return (cfg.lighthouse if cfg.lighthouse.startswith("http") else f"http://{cfg.lighthouse}"), None
     from torchft._torchft import LighthouseServer
 
-    try:
-        server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS,
-                                  heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
-    except Exception as err:  # noqa: BLE001 - the Rust server's error, whatever its type
-        raise UsageError(f"--fault-tolerant: the torchft lighthouse could not start ({' '.join(str(err).split())}); "
-                         "start one yourself and pass --lighthouse HOST:PORT") from None
+    errors = []
+    for bind in ("[::]:0", "0.0.0.0:0"):  # IPv6 (and v4) where the host has it, else IPv4 only
+        try:
+            server = LighthouseServer(bind=bind, min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS,
+                                      heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+            break
+        except Exception as err:  # noqa: BLE001 - the Rust server's error, whatever its type
+            errors.append(f"{bind}: {' '.join(str(err).split())}")
+    else:
+        raise UsageError(f"--fault-tolerant: the torchft lighthouse could not start ({'; '.join(errors)}); "
+                         "start one yourself and pass --lighthouse HOST:PORT")
     # It binds every interface; the groups are on this node.
     return f"http://localhost:{server.address().rsplit(':', 1)[1]}", server
 
