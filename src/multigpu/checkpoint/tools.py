@@ -133,13 +133,14 @@ def main(args) -> int:
     # Each action's parser has only its own paths: the others are absent from args, None here.
     given = vars(args)
     cfg = CkptConfig(action=args.action, dir=given.get("dir"), checkpoint=given.get("checkpoint"), out=given.get("out"),
-                     hf=given.get("hf"), hf_dir=given.get("hf_dir"))
+                     hf=given.get("hf"), hf_dir=given.get("hf_dir"),
+                     run_dir=given.get("out") if args.action == "import" else None)
     if cfg.action == "import":
         from .hf_import import import_hf
 
-        info = import_hf(cfg.hf_dir, cfg.out)
+        info = import_hf(cfg.hf_dir, cfg.run_dir)
         print(f"imported {cfg.hf_dir} -> {info['checkpoint']}: {info['tensors']} tensors, {info['parameters']:,} "
-              f"parameters, {info['bytes']:,} bytes; resume with mg.Checkpointer({str(cfg.out)!r}, model=...)"
+              f"parameters, {info['bytes']:,} bytes; resume with mg.Checkpointer({str(cfg.run_dir)!r}, model=...)"
               ".resume() on any layout (the optimizer starts fresh)")
         return 0
     if cfg.action == "export" and cfg.hf is not None:
