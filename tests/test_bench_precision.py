@@ -66,6 +66,7 @@ def test_verdict_only_where_every_round_agrees():
     (["--precision", "bf16,fp8", "--ops", "all_reduce"], "--ops time collectives"),
     (["--precision", "bf16,fp8", "--rounds", "1", "--fp8-include", "blocks"], "--rounds must be at least 2 (one round"),
     (["--precision", "fp32,bf16", "--fp8-include", "blocks"], "add fp8 or leave them out"),
+    (["--precision", "bf16,fp8", "--dtype", "float16"], "--dtype time collectives"),
     (["--precision", "bf16,fp8"], "no Linear layer of GPT is converted to float8"),  # tiny's layers are all small
     (["--precision", "bf16,fp8", "--fp8-exclude", "nothing"], "float8 include/exclude name modules GPT does not have"),
 ])
@@ -76,3 +77,29 @@ def test_bad_input_is_one_line(extra, says, capsys):
     lines = [line for line in err.splitlines() if "error:" in line]
     assert code == 2 and len(lines) == 1 and says in lines[0], err
     assert "Traceback" not in err
+
+
+def test_a_model_that_does_not_return_logits_is_one_line(tmp_path, capsys, monkeypatch):
+    """A model whose forward returns a tuple: one line naming what --precision times, not a traceback."""
+    (tmp_path / "pair.py").write_text(
+        "import torch\n"
+        "class Pair(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed, self.head = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64)\n"
+        "    def forward(self, ids):\n"
+        "        return self.head(self.embed(ids)), None\n"
+        "def build():\n"
+        "    return Pair()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = bench(["bench", "--model", "pair:build", "--seq-len", "8", "--batch", "2", "--iters", "1",
+                          "--warmup", "1", "--precision", "fp32,bf16"], capsys)
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2 and len(lines) == 1 and "returns logits (batch, seq, vocab) or an output with .logits, got " \
+        "tuple" in lines[0], err
+
+
+def test_the_fp8_hint_is_in_the_flags_words(capsys):
+    pytest.importorskip("torchao.float8")
+    code, _, err = bench(TINY + ["--precision", "bf16,fp8"], capsys)
+    assert code == 2 and "name the ones to convert anyway: --fp8-include 'blocks.0.mlp.up'" in err, err

@@ -572,7 +572,11 @@ def test_held_out_error_is_what_the_docs_say():
     # The sources no constant was fitted on (async TP, Trainy, Megatron-LM): 18 of 23 rows within 25 %.
     unseen = result["unseen_sources"]
     assert unseen["tokens_rows"] == 23 and unseen["tokens_within_25"] >= 0.75, unseen
-    assert sum(s["tokens_rows"] for s in result["by_source"].values()) == held["tokens_rows"]
+    # docs/forecast.md's table by source: the async-TP benchmark 7 of 12 within 25 %, Megatron-LM's 9 of 9
+    by = {name.split()[-1]: s for name, s in result["by_source"].items()}
+    assert by["benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"]["tokens_rows"] == 12
+    assert by["benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"]["tokens_within_25"] == pytest.approx(7 / 12)
+    assert by["images/model_table.png"]["tokens_within_25"] == 1.0
 
 
 def test_cli_ranks_layouts_and_writes_the_report(tmp_path, capsys):

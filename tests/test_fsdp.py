@@ -479,11 +479,15 @@ def _train_gated(dist):
         opt.zero_grad()
     mixed = nn.Sequential(nn.Linear(4, 4).double())
     mixed[0].bias.data = mixed[0].bias.data.float()
-    try:
-        mg.wrap(mixed, "fsdp")
-        refused = ""
-    except mg.UsageError as err:
-        refused = str(err)
+    root = _gated_net()
+    root.register_parameter("scale", nn.Parameter(torch.ones(1)))  # float32, on the root beside float64 blocks
+    refused = []
+    for bad in (mixed, root):
+        try:
+            mg.wrap(bad, "fsdp")
+            refused.append("")
+        except mg.UsageError as err:
+            refused.append(str(err))
     return {k: v.clone() for k, v in mg.full_state_dict(model).items()}, refused
 
 
@@ -491,7 +495,8 @@ def test_a_module_kept_in_another_dtype_is_a_unit_of_its_own():
     """FSDP2 flattens a unit into one dtype, so a float32 gate in a float64 model crashed it in its own
     dtype check (a traceback). Each such module is now sharded as a unit of its own, without a cast, and
     2 ranks equal one process: float64 within 1e-12, the float32 gates within float32 rounding (measured 0).
-    A module holding two dtypes itself is refused in one line."""
+    A module holding two dtypes itself, or a root holding the other dtype (FSDP shards the root last, whole), is
+    refused in one line."""
     one, _ = spawn(_train_gated, 1)[0]
     two, refused = spawn(_train_gated, 2)[0]
     assert one.keys() == two.keys()
@@ -499,5 +504,7 @@ def test_a_module_kept_in_another_dtype_is_a_unit_of_its_own():
         assert two[name].dtype == value.dtype == (torch.float32 if ".gate." in name else torch.float64), name
         bound = 1e-6 * float(value.abs().max()) if value.dtype == torch.float32 else 1e-12
         assert float((two[name].double() - value.double()).abs().max()) <= bound, name
-    assert refused.startswith("FSDP shards a module's parameters in one dtype, but 0 holds torch.float32, "
-                              "torch.float64"), refused
+    assert refused[0].startswith("FSDP shards a module's parameters in one dtype, but 0 holds torch.float32, "
+                                 "torch.float64"), refused
+    assert refused[1].startswith("FSDP shards a module's parameters in one dtype, but the model itself holds "
+                                 "torch.float32 beside its blocks' torch.float64"), refused

@@ -23,13 +23,12 @@ from ..errors import UsageError
 from ..runtime import compat
 from . import storage
 
-DEFAULT_SHARD_BYTES = 5 * 1024 ** 3  # transformers' default max_shard_size
 _DESCRIPTION = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, base: str | Path,
-              max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, int]:
+              max_shard_bytes: int = storage.DEFAULT_SHARD_BYTES) -> dict[str, int]:
     """Write checkpoint ``checkpoint``'s model as a Hugging Face directory ``out``, described by ``base``'s
     config; (step, tensors, files, bytes).
 

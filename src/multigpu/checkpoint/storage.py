@@ -376,3 +376,6 @@ def name_mismatch(missing: list[str], unexpected: list[str]) -> str:
     return "; ".join(x for x in (f"{len(missing)} of its tensors missing ({', '.join(missing[:3])})" if missing
                                  else "", f"{len(unexpected)} not its own ({', '.join(unexpected[:3])})"
                                  if unexpected else "") if x)
+
+
+DEFAULT_SHARD_BYTES = 5 * 1024 ** 3  # transformers' default max_shard_size: what save_pretrained and ckpt export write

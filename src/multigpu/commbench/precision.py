@@ -28,8 +28,10 @@ from torch import nn
 
 from ..errors import UsageError
 
-COLLECTIVE_FLAGS = (("-n", "nproc"), ("--ops", "ops"), ("--sizes", "sizes"), ("--ddp", "ddp"),
-                    ("--group-size", "group_size"))
+# The collective benchmark's flags that mean nothing to --precision: given (other than their default), refused.
+COLLECTIVE_FLAGS = (("-n", "nproc"), ("--ops", "ops"), ("--sizes", "sizes"), ("--dtype", "dtype"),
+                    ("--backend", "backend"), ("--group-size", "group_size"), ("--no-check", "no_check"),
+                    ("--ddp", "ddp"), ("--bucket-cap-mb", "bucket_cap_mb"), ("--timeout", "timeout"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +68,9 @@ def _names(text: str) -> list[str]:
 def _check(args: Any, cfg: PrecisionBench) -> tuple[str, str]:
     from ..precision import PRECISIONS
 
-    given = [flag for flag, field in COLLECTIVE_FLAGS if getattr(args, field) is not None]
+    from .spec import BenchCommand
+
+    given = [flag for flag, field in COLLECTIVE_FLAGS if getattr(args, field) != getattr(BenchCommand, field)]
     if given:
         raise UsageError(f"--precision times training steps, and {', '.join(given)} time collectives; run them as "
                          "two commands")
@@ -114,7 +118,11 @@ def _prepared(build, precision: str, cfg: PrecisionBench, device: torch.device) 
     model = build().to(device)
     amp = Precision(precision, device, recipe=cfg.fp8_recipe if precision == "fp8" else None)
     if precision == "fp8":
-        model = amp.convert(model, _names(cfg.fp8_include), _names(cfg.fp8_exclude), verbose=False)
+        try:
+            model = amp.convert(model, _names(cfg.fp8_include), _names(cfg.fp8_exclude), verbose=False)
+        except UsageError as err:  # the Python spelling of the fix, in the flags' words
+            raise UsageError(str(err).replace("amp.convert(model, include=[", "--fp8-include ").replace("])", "")
+                             .replace("leave it out of include=", "leave it out of --fp8-include")) from None
     if cfg.compile:
         classes, _ = blocks_of(model)
         for _, block in block_modules(model, classes):
@@ -133,6 +141,11 @@ def _steps(run: dict, batches: list[torch.Tensor], n: int, device: torch.device)
         with amp.autocast():
             out = model(x[:, :-1])
             logits = getattr(out, "logits", out)
+            if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+                got = type(logits).__name__ if not isinstance(logits, torch.Tensor) else f"shape {tuple(logits.shape)}"
+                raise UsageError(f"--precision times a language model: its forward takes token ids (batch, seq) and "
+                                 f"returns logits (batch, seq, vocab) or an output with .logits, got {got}; wrap the "
+                                 "model so its forward returns the logits")
             loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
         amp.scale(loss).backward()
         amp.step(opt)

@@ -86,7 +86,10 @@ def flop_counter():
         # output element one dot product of length ``in``; (rows, in_total) x (in_total, out) with the groups
         # along ``in`` (a weight gradient) sums groups x (rows, out) products over in_total.
         inner = mat_a.shape[-1]
-        outputs = mat_a.shape[0] * mat_b.shape[-1] if mat_b.dim() == 2 else mat_a.numel() // inner * mat_b.shape[-1]
+        if mat_a.dim() == 2 and mat_b.dim() == 2:  # groups along ``in``: (rows, out) per group
+            outputs = mat_a.shape[0] * mat_b.shape[-1]
+        else:  # one output row per row of mat_a, whatever its groups
+            outputs = mat_a.numel() // inner * mat_b.shape[-1]
         return 2 * outputs * inner
 
     # FlopCounterMode's flag: hands the tensors over as they are

@@ -227,10 +227,12 @@ def _other_dtype_modules(model: nn.Module, skip: list[nn.Module]) -> list[nn.Mod
     found = []
     for name, module in model.named_modules():
         dtypes = {p.dtype for p in module.parameters(recurse=False)}
-        if len(dtypes) > 1:
-            raise UsageError(f"FSDP shards a module's parameters in one dtype, but {name} holds "
-                             f"{', '.join(sorted(str(d) for d in dtypes))}; cast it to one (module.to(dtype)) or keep "
-                             "the model in one dtype")
+        if len(dtypes) > 1 or (module is model and dtypes and dtypes != {main}):
+            where = f"{name} holds {', '.join(sorted(str(d) for d in dtypes))}" if len(dtypes) > 1 else \
+                f"the model itself holds {', '.join(str(d) for d in dtypes)} beside its blocks' {main}"
+            raise UsageError(f"FSDP shards a module's parameters in one dtype, but {where}; cast it to one "
+                             "(module.to(dtype)), move the parameter into a module of its own, or keep the model in "
+                             "one dtype")
         if dtypes and dtypes != {main} and id(module) not in inside:
             found.append(module)
     return found

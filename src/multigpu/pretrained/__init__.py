@@ -19,7 +19,7 @@ the experts it holds into transformers 5's fused tensors, and written back per e
 names are not the model's even so is refused in one line naming the keys that differ.
 """
 
-from .load import _empty, check_names, checkpoint_tensors, from_pretrained  # noqa: F401 (hf_export: _empty)
-from .save import _expected, save_pretrained  # noqa: F401
+from .load import INDEX, SINGLE, _empty, check_names, checkpoint_tensors, from_pretrained  # noqa: F401 (hf_export: _empty)
+from .save import DEFAULT_SHARD_BYTES, _expected, save_pretrained  # noqa: F401 (the module's names before it was a package)
 
 __all__ = ["from_pretrained", "save_pretrained"]

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..checkpoint.storage import DEFAULT_SHARD_BYTES
 from ..errors import UsageError
 from .experts import per_expert_state
 
-DEFAULT_SHARD_BYTES = 5 * 1024 ** 3  # transformers' default max_shard_size
 
 
 def _expected(model: nn.Module) -> dict[str, tuple[tuple[int, ...], bool]]:
