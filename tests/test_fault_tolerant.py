@@ -96,7 +96,9 @@ def test_a_group_lost_mid_run_rejoins_and_the_survivors_train_what_one_process_t
     share = job.GLOBAL_BATCH // GROUPS
     assert all(r["skipped"] == share * (GROUPS - len(r["groups"])) for r in survivor)
     skipped = sum(r["skipped"] for r in survivor)
-    assert f"{STEPS} steps committed, {len(without)} without every group ({skipped} samples skipped), 1 heal" in text, text[-2000:]
+    assert (f"{STEPS} steps committed, {len(without)} without every group ({skipped} samples skipped), 1 heal from a "
+            f"live group ({rejoined[0]['heal_s']:.2f} s)") in text, text[-2000:]
+    assert 0 < rejoined[0]["heal_s"] < 30
 
     expected = job.replay(survivor, GROUPS)
     for g in range(GROUPS):

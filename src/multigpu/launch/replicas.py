@@ -223,19 +223,21 @@ def _differ(record_dir: str, groups: int) -> str:
 def _summary(record_dir: str, groups: int, failed: list[tuple[int, int]]) -> str:
     """One line: steps committed, the steps a group was missing from and the samples that skipped, heals."""
     steps: dict[int, dict[str, Any]] = {}
-    heals = 0
+    heals: list[float] = []
     for g in range(groups):
         try:
             with open(os.path.join(record_dir, f"group{g}.jsonl")) as fp:
                 for line in fp:
                     rec = json.loads(line)
                     steps.setdefault(rec["step"], rec)
-                    heals += rec["healed"]
+                    if rec["healed"]:
+                        heals.append(rec.get("heal_s", 0.0))
         except (OSError, ValueError):
             continue
     short = [s for s in steps.values() if len(s["groups"]) < groups]
     line = (f"--fault-tolerant: {len(steps)} steps committed, {len(short)} without every group "
-            f"({sum(s['skipped'] for s in short)} samples skipped), {heals} heal{'s' if heals != 1 else ''} from a live group")
+            f"({sum(s['skipped'] for s in short)} samples skipped), {len(heals)} heal{'s' if len(heals) != 1 else ''} "
+            f"from a live group" + (f" ({', '.join(f'{h:.2f}' for h in heals)} s)" if heals else ""))
     if failed:
         line += "; " + ", ".join(f"group {g} failed (exit {c})" for g, c in failed)
     return line

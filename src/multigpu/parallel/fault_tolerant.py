@@ -63,6 +63,7 @@ class Committed:
     skipped: int  # samples of the global batch left out: the missing groups' shares
     healed: bool  # this group fetched its state from a live peer before this step
     time: float
+    heal_s: float = 0.0  # how long that step's quorum took, the state's transfer and load included
 
 
 class _Optimizer:
@@ -108,7 +109,7 @@ class Replicas:
         self.group, self.groups = (found[0], found[1]) if found else (0, 1)
         self.optimizer = _Optimizer(self, optimizer)
         self.record: list[Committed] = []
-        self._step, self._share, self._healed, self._layout = 0, 0, False, "data parallel"
+        self._step, self._share, self._healed, self._heal_s, self._layout = 0, 0, False, 0.0, "data parallel"
         self._path = (os.path.join(found[3], f"group{self.group}.jsonl")
                       if found and found[3] and dist.rank == 0 else None)
         self.setup: dict[str, Any] = {}
@@ -168,10 +169,11 @@ class Replicas:
         """
         deadline = time.monotonic() + self.start_timeout
         while True:
-            before = self.manager.current_step()
+            before, started = self.manager.current_step(), time.monotonic()
             self.manager.start_quorum()
             self._step = self.manager.current_step()
             self._healed = self._step != before
+            self._heal_s = time.monotonic() - started if self._healed else 0.0
             joined = self.manager.num_participants()
             if self._step > 0 or joined == self.groups:
                 return
@@ -213,7 +215,8 @@ class Replicas:
         return True
 
     def _committed(self, groups: tuple[int, ...]) -> None:
-        rec = Committed(self._step, groups, self._share * (self.groups - len(groups)), self._healed, time.time())
+        rec = Committed(self._step, groups, self._share * (self.groups - len(groups)), self._healed, time.time(),
+                        self._heal_s if self._healed else 0.0)
         self.record.append(rec)
         if self._path is not None:
             with open(self._path, "a") as fp:
