@@ -381,3 +381,60 @@ def test_the_zoo_loads_onto_fsdp_and_ep_and_exports_under_transformers_names(tmp
             assert isinstance(got, str) or got["logits"] < 1e-9, (name, got)
     assert len(loaded) >= 100, (len(loaded), refused)  # most families load; the refusals are the exceptions
     print(f"{len(loaded)} loaded, refused: {sorted(refused)}")
+
+
+def _planted(dist, saved: dict[str, str]) -> dict:
+    """Loads onto EP 2 and PP 2 whose split is checked against an FSDP load of the checkpoint: the plain EP load
+    passes bitwise; with rank 1's experts swapped after loading, or rank 1's pipeline stage perturbed, every
+    rank refuses in one line (the check's verdict is all-reduced)."""
+    from transformers import AutoModelForCausalLM
+
+    from multigpu.pretrained import load
+
+    eager = {"experts_implementation": "eager"}
+    x = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    expected = AutoModelForCausalLM.from_pretrained(saved["mixtral"], dtype=torch.float64, **eager)(x).logits
+    model = mg.from_pretrained(saved["mixtral"], mg.parallel.Layout(ep=2), verbose=False, **eager)
+    out = {"ep logits": float((model(x).logits - expected).abs().max())}
+    original, calls = load._fill, []
+
+    def planted(module, *args, **kwargs):  # the model's (or a stage's) fill on rank 1 goes wrong; the reference's not
+        original(module, *args, **kwargs)
+        calls.append(module)
+        if dist.rank == 1 and len(calls) == 1:
+            with torch.no_grad():
+                for name, p in module.named_parameters():
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    if "experts" in name:
+                        local.copy_(local.flip(0))  # this rank's experts in the other order
+                    elif name.endswith("layernorm.weight"):
+                        local.add_(1e-3)
+    load._fill = planted
+    try:
+        for key, layout, extra in (("ep", mg.parallel.Layout(ep=2), {}),
+                                   ("pp", mg.parallel.Layout(pp=2, micro_batch=1),
+                                    {"loss_fn": _loss, "plan": mg.parallel.Layout(pp=2, micro_batch=1).plan(2, dist)})):
+            calls.clear()
+            try:
+                mg.from_pretrained(saved["mixtral" if key == "ep" else "llama"], layout, verbose=False,
+                                   **(eager if key == "ep" else {}), **extra)
+                out[key] = "loaded"
+            except mg.UsageError as e:
+                out[key] = str(e)
+    finally:
+        load._fill = original
+    return out
+
+
+def test_a_load_whose_split_differs_from_the_checkpoint_is_refused_on_every_rank(saved):
+    """EP and a pipeline's cut, loaded with no process holding the model, are checked against an FSDP load of
+    the same checkpoint: a planted difference on one rank (its experts permuted, a stage's norm perturbed) is
+    refused in one line on every rank; the plain load is bitwise."""
+    out = spawn(_planted, 2, saved, timeout=300)
+    assert all(r["ep logits"] < 1e-9 for r in out), out
+    for r in out:
+        assert "\n" not in r["ep"] + r["pp"], r
+        assert r["ep"].startswith("from_pretrained onto layout") and ("(ep=2) changes MixtralForCausalLM's output on "
+                                                                       "a probe batch") in r["ep"], r["ep"]
+        assert r["pp"].startswith("LlamaForCausalLM cut into 2 pipeline stages gives another output"), r["pp"]
+    print(out[0])

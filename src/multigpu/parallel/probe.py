@@ -213,14 +213,15 @@ def check(model: nn.Module, batch: dict[str, torch.Tensor], expected: torch.Tens
 
 
 def agree(model: nn.Module, batch: dict[str, torch.Tensor], expected: torch.Tensor | None, group: Any, what: str,
-          fix: str, device: torch.device) -> None:
+          fix: str, device: torch.device, name: str | None = None) -> None:
     """Refuse ``what`` (the step that split the model, e.g. "expert parallelism (ep=2)") unless the model's
     output on ``batch`` equals ``expected`` (its output before the step; None: only that the forward runs)
     on every rank of ``group``. The verdict is the group's (one all-reduce of the worst error), so every
-    rank refuses alike rather than one refusing while the others wait in the next collective."""
+    rank refuses alike rather than one refusing while the others wait in the next collective. ``name``: the
+    model's as the user knows it (FSDP renames its class: FSDPLlamaForCausalLM)."""
     import torch.distributed as tdist
 
-    name, why, error = type(model).__name__, "", 0.0
+    name, why, error = name or type(model).__name__, "", 0.0
     try:
         got = run(model, batch, backward=False)
         if expected is not None:

@@ -109,6 +109,19 @@ def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype 
         check_names(model, names.tensors, root)
         return model, names
 
+    def reference() -> nn.Module:
+        """The same checkpoint loaded by FSDP over every rank (one unit gathered at a time): what a layout
+        whose probe needs the whole model (a pipeline's cut, EP, TP) is checked against, no process holding it."""
+        whole, names = built()
+        world = _world()[1]
+        try:
+            whole = parallelize(whole, Layout(dp_shard=world).resolve(world), _empty=device, verbose=False)
+        except UsageError as e:  # FSDP's own refusal (a module holding two dtypes), said as the check's
+            raise UsageError(f"from_pretrained onto layout {layout.label} checks it against an FSDP load of {root}, "
+                             f"which is refused: {e}") from None
+        _fill(whole, root, device, names)
+        return whole.eval()
+
     model, names = built()
     if layout.strategy in ("fsdp", "hsdp") or layout.pp > 1:  # a pipeline's cut is checked against an FSDP load
         _refuse_mixed_dtypes(model, layout)
@@ -118,21 +131,50 @@ def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype 
         for stage in pipe.modules:
             _fill(stage, root, device, names)
             stage.eval()
-        reference, names = built()
-        reference = parallelize(reference, Layout(dp_shard=_world()[1]).resolve(_world()[1]), _empty=device,
-                                verbose=False)
-        _fill(reference, root, device, names)
-        _check_cut(pipe, reference.eval(), device, tied_groups(model), type(model).__name__)
+        _check_cut(pipe, reference(), device, tied_groups(model), type(model).__name__)
         return pipe
     if layout.tp == 1 and layout.dp_shard == 1 and layout.cp == 1:  # nothing sharded: every rank holds it whole
         _fill(model, root, device, names)
         model = parallelize(model, layout, **options)
     else:
+        name = type(model).__name__  # FSDP renames its class
         model = parallelize(model, layout, _empty=device, **options)
         _fill(model, root, device, names)
+        if layout.tp > 1 or layout.ep > 1:  # the probes mg.parallelize runs on a whole model, against an FSDP load
+            _check_spread(model, layout, reference, name, options.get("verbose", True))
         if layout.cp > 1:  # the probe mg.parallelize runs on a whole model, run on the loaded one
             check_loaded(model)
     return model.eval()  # as transformers' from_pretrained returns it: model.train() before training
+
+
+def _check_spread(model: nn.Module, layout: Any, reference: Any, name: str, verbose: bool) -> None:
+    """mg.parallelize checks TP and EP on a probe batch of the whole model before and after the split; loaded,
+    no process holds it, so the split model's output (cp, if any, suspended: ``check_loaded`` checks it next)
+    is compared with ``reference()``'s, an FSDP load of the same checkpoint: exact or refused, alike on every
+    rank (``probe.agree``). A model that takes no probe batch, or whose forward fails on one, is not checked,
+    as mg.parallelize takes it, and the line says so."""
+    import contextlib
+
+    from ..dist import print0
+    from ..parallel import context, probe
+    from ..spreads import spread_of
+
+    ctx = spread_of(model).context if layout.cp > 1 else None
+    split = [k for k in ("tp", "ep") if getattr(layout, k) > 1]
+    what = ", ".join(f"{k}={getattr(layout, k)}" for k in split)
+    whole = reference()
+    batch = probe.probe_input(whole, layout.tp)
+    expected, why = probe.attempt(whole, batch)
+    del whole  # its shards: the check's only, dropped before training
+    device = next(model.parameters()).device
+    if expected is not None:
+        with context.suspended(model, ctx) if ctx is not None else contextlib.nullcontext():
+            probe.agree(model, batch, expected, None, f"from_pretrained onto layout {layout.label} ({what})",
+                        f"use {' and '.join(f'{k}=1' for k in split)} for this model (FSDP and HSDP spread any model)",
+                        device, name)
+    if verbose:
+        print0(f"mg.from_pretrained: {what} checked against an FSDP load on a probe batch" if expected is not None
+               else f"mg.from_pretrained: {what} not checked on a probe batch ({why})")
 
 
 def _refuse_mixed_dtypes(model: nn.Module, layout: Any) -> None:
