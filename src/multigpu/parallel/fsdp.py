@@ -227,15 +227,19 @@ def _other_dtype_modules(model: nn.Module, skip: list[nn.Module]) -> list[nn.Mod
     found = []
     for name, module in model.named_modules():
         dtypes = {p.dtype for p in module.parameters(recurse=False)}
-        if len(dtypes) > 1 or (module is model and dtypes and dtypes != {main}):
+        # A unit takes its submodules' parameters too: one kept in the other dtype over submodules in the main
+        # one (DeepSeek-V4's attention: float32 sinks beside its float64 projections) is two dtypes in one unit.
+        below = {p.dtype for p in module.parameters()} if dtypes and dtypes != {main} else set()
+        if len(dtypes) > 1 or (module is model and dtypes and dtypes != {main}) or len(below) > 1:
             where = f"{name} holds {', '.join(sorted(str(d) for d in dtypes))}" if len(dtypes) > 1 else \
-                f"the model itself holds {', '.join(str(d) for d in dtypes)} beside its blocks' {main}"
+                f"the model itself holds {', '.join(str(d) for d in dtypes)} beside its blocks' {main}" \
+                if module is model else f"{name} holds {', '.join(str(d) for d in dtypes)} and its submodules {main}"
             raise UsageError(f"FSDP shards a module's parameters in one dtype, but {where}; cast it to one "
                              "(module.to(dtype)), move the parameter into a module of its own, or keep the model in "
                              "one dtype")
         if dtypes and dtypes != {main} and id(module) not in inside:
             found.append(module)
-    return found
+    return found[::-1]  # submodules before the modules holding them: FSDP2 shards a unit's children first
 
 
 def shard_blocks(model: nn.Module, mesh: Any, block_classes: Iterable[type] | None = None,

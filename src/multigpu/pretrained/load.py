@@ -123,8 +123,6 @@ def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype 
         return whole.eval()
 
     model, names = built()
-    if layout.strategy in ("fsdp", "hsdp") or layout.pp > 1:  # a pipeline's cut is checked against an FSDP load
-        _refuse_mixed_dtypes(model, layout)
     if layout.pp > 1:  # this rank's stages, spread on meta, then each one's tensors read
         loss_fn, plan = options.pop("loss_fn"), options.pop("plan")
         pipe = pipeline(model, layout, loss_fn, plan, _empty=device, **options)
@@ -175,24 +173,6 @@ def _check_spread(model: nn.Module, layout: Any, reference: Any, name: str, verb
     if verbose:
         print0(f"mg.from_pretrained: {what} checked against an FSDP load on a probe batch" if expected is not None
                else f"mg.from_pretrained: {what} not checked on a probe batch ({why})")
-
-
-def _refuse_mixed_dtypes(model: nn.Module, layout: Any) -> None:
-    """FSDP all-gathers a unit's parameters as one buffer of one dtype (torch asserts it); a family that keeps
-    some in float32 whatever the dtype (transformers' ``_keep_in_fp32_modules``: DeepSeek-V3's
-    ``e_score_correction_bias``) is refused in one line instead."""
-    from collections import Counter
-
-    floats = [(n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point()]
-    main = Counter(dtype for _, dtype in floats).most_common(1)[0][0] if floats else None
-    if odd := next(((n, dtype) for n, dtype in floats if dtype != main), None):
-        name, other = odd
-        why = "a pipeline's cut is checked against an FSDP load, and " if layout.pp > 1 else ""
-        raise UsageError(f"from_pretrained onto layout {layout.label}: {type(model).__name__} keeps {name} in "
-                         f"{str(other).removeprefix('torch.')} beside its {str(main).removeprefix('torch.')} parameters "
-                         f"(transformers keeps it so), and {why}FSDP gathers a unit's parameters as one buffer of one "
-                         "dtype; load it in float32 (dtype=torch.float32)" + ("" if layout.pp > 1 else
-                                                                             " or onto a layout without dp_shard (DDP, TP)"))
 
 
 def _probe_loss(logits: torch.Tensor, _: Any) -> torch.Tensor:
