@@ -421,12 +421,12 @@ def _planted(dist, saved: dict[str, str]) -> dict:
                         local.add_(1e-3)
     load._fill = planted
     try:
-        for key, layout, extra in (("ep", mg.parallel.Layout(ep=2), {}),
+        for key, layout, extra in (("ep", mg.parallel.Layout(ep=2), {}), ("tp", mg.parallel.Layout(tp=2), {}),
                                    ("pp", mg.parallel.Layout(pp=2, micro_batch=1),
                                     {"loss_fn": _loss, "plan": mg.parallel.Layout(pp=2, micro_batch=1).plan(2, dist)})):
             calls.clear()
             try:
-                mg.from_pretrained(saved["mixtral" if key == "ep" else "llama"], layout, verbose=False,
+                mg.from_pretrained(saved["mixtral" if key == "ep" else "llama"], layout, verbose=key == "tp",
                                    **(eager if key == "ep" else {}), **extra)
                 out[key] = "loaded"
             except mg.UsageError as e:
@@ -437,17 +437,18 @@ def _planted(dist, saved: dict[str, str]) -> dict:
 
 
 def test_a_load_whose_split_differs_from_the_checkpoint_is_refused_on_every_rank(saved):
-    """EP and a pipeline's cut, loaded with no process holding the model, are checked against an FSDP load of
-    the same checkpoint: a planted difference on one rank (its experts permuted, a stage's norm perturbed) is
-    refused in one line on every rank; the plain load is bitwise."""
+    """EP, a declared TP plan and a pipeline's cut, loaded with no process holding the model, are checked
+    against an FSDP load of the same checkpoint: a planted difference on one rank (its experts permuted, a
+    norm perturbed) is refused in one line on every rank; the plain load is bitwise."""
     out = spawn(_planted, 2, saved, timeout=300)
     assert all(r["ep logits"] < 1e-9 for r in out), out
     for r in out:
-        assert "\n" not in r["ep"] + r["pp"], r
+        assert "\n" not in r["ep"] + r["tp"] + r["pp"], r
+        assert r["tp"].startswith("from_pretrained onto layout tp=2 (tp=2) changes LlamaForCausalLM's output on a "
+                                  "probe batch"), r["tp"]
         assert r["ep"].startswith("from_pretrained onto layout") and ("(ep=2) changes MixtralForCausalLM's output on "
                                                                        "a probe batch") in r["ep"], r["ep"]
         assert r["pp"].startswith("LlamaForCausalLM cut into 2 pipeline stages gives another output"), r["pp"]
-    print(out[0])
 
 
 def test_fsdp_takes_a_kept_float32_module_only_where_one_unit_can_hold_it():

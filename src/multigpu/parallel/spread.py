@@ -241,7 +241,9 @@ def _tensor_parallel(model: nn.Module, layout: Layout, blocks: list, tp_plan: di
     divide_split_sizes(model, styles, layout.tp)  # GPT-2's attention splits its fused c_attn by split_size
     if expected is not None:  # the split checked on the model itself: exact or refused (probe.py)
         probe.check(model, batch, expected, tp_mesh.get_group(), source)
-    unchecked = f"; not checked on a probe batch ({why})" if why else ""
+    # loaded (mg.from_pretrained): its output is checked once loaded, against an FSDP load of the checkpoint
+    unchecked = "; checked on a probe batch once loaded" if not probed and not pipeline_stage else \
+        f"; not checked on a probe batch ({why})" if why else ""
     say(f"mg.parallelize: tensor parallel {layout.tp}: plan {source}, {len(written)} entries on "
         f"{len(styles)} modules: {_short(written)}{unchecked}")
 
