@@ -10,15 +10,12 @@ the loader position, the step and plain extras live in the JSON manifest.
 from __future__ import annotations
 
 import atexit
-import datetime
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
@@ -117,8 +114,6 @@ class Checkpointer:
         return TrainingObjects(self.model, self.optimizer, self.scheduler, self.scaler, self.loader, self.extra)
 
     def _manifest(self, step: int, group: Group) -> dict[str, Any]:
-        from .. import __version__
-
         objects = self._objects()
         msd = objects.module().state_dict() if self.model is not None else {}
         return {
@@ -126,9 +121,7 @@ class Checkpointer:
             "step": step,
             "world_size": group.world,
             "strategy": strategy_of(self.model, self.optimizer),
-            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "versions": {"multigpu": __version__, "torch": torch.__version__, "numpy": np.__version__,
-                         "python": platform.python_version()},
+            **storage.provenance(),
             "state_keys": sorted(objects.keys()),
             "loader": self.loader.state_dict() if self.loader is not None else None,
             "extra": {k: v for k, v in self.extra.items() if not is_stateful(v)},

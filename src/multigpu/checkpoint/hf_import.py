@@ -16,13 +16,11 @@ Checkpointer's own ``storage.finish``, under a temporary name renamed when compl
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 import os
-import platform
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -79,13 +77,13 @@ def _read(model: torch.nn.Module, root: Path, tensors: dict, names) -> dict[str,
     by_key: dict[str, torch.Tensor] = {}
     opened: dict[str, object] = {}
 
-    def reader(key: str):
-        file = tensors[key][1]
-        if file not in opened:
-            opened[file] = safe_open(str(root / file), framework="pt").__enter__()
-        return lambda: opened[file].get_tensor(key)
+    with contextlib.ExitStack() as files:
+        def reader(key: str):
+            file = tensors[key][1]
+            if file not in opened:
+                opened[file] = files.enter_context(safe_open(str(root / file), framework="pt"))
+            return lambda: opened[file].get_tensor(key)
 
-    try:
         for name, like in model.state_dict(keep_vars=True).items():
             if (stacked := names.stacked.get(name)) is not None:
                 pieces = {p: [reader(k) for k in keys] for p, keys in stacked.keys.items()}
@@ -100,9 +98,6 @@ def _read(model: torch.nn.Module, root: Path, tensors: dict, names) -> dict[str,
             if key not in by_key:  # as transformers' from_pretrained: the stored tensor cast to the parameter's dtype
                 by_key[key] = reader(key)().to(like.dtype).contiguous()
             state[name] = by_key[key]
-    finally:
-        for f in opened.values():
-            f.__exit__(None, None, None)
     return state
 
 
@@ -110,8 +105,6 @@ def _write(state: dict[str, torch.Tensor], partial: Path, root: Path, model: tor
     """``partial/step-0`` written by DCP as one process and completed by the Checkpointer's own
     ``storage.finish`` (manifest with every file's checksum, rename, COMPLETE marker)."""
     import torch.distributed.checkpoint as dcp
-
-    from .. import __version__
 
     tmp, final = storage.tmp_dir(partial, 0), storage.step_dir(partial, 0)
     tmp.mkdir()
@@ -125,9 +118,7 @@ def _write(state: dict[str, torch.Tensor], partial: Path, root: Path, model: tor
         "world_size": 1,
         "strategy": STRATEGY,
         "imported": {"from": str(root.resolve()), "model": type(model).__name__},
-        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "versions": {"multigpu": __version__, "torch": torch.__version__, "numpy": np.__version__,
-                     "python": platform.python_version()},
+        **storage.provenance(),
         "state_keys": ["model"],
         "optimizer_fresh": True,
         "loader": None,

@@ -21,6 +21,7 @@ file, changed bytes or an edited manifest are all detected.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import json
 import os
@@ -379,3 +380,16 @@ def name_mismatch(missing: list[str], unexpected: list[str]) -> str:
 
 
 DEFAULT_SHARD_BYTES = 5 * 1024 ** 3  # transformers' default max_shard_size: what save_pretrained and ckpt export write
+
+
+def provenance() -> dict[str, Any]:
+    """When and by which versions a checkpoint was written: the manifest's ``time`` and ``versions``."""
+    import platform
+
+    import numpy as np
+
+    from .. import __version__
+
+    return {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "versions": {"multigpu": __version__, "torch": torch.__version__, "numpy": np.__version__,
+                         "python": platform.python_version()}}
