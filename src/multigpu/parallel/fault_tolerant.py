@@ -113,6 +113,7 @@ class Replicas:
         self._path = (os.path.join(found[3], f"group{self.group}.jsonl")
                       if found and found[3] and dist.rank == 0 else None)
         self.setup: dict[str, Any] = {}
+        self._fingerprint = 0  # of the setup, set with it in steps()
         self.manager = _manager(found[2], self.group, self, timeout) if found else None
         if self.manager is not None:
             at_teardown(self.close)
@@ -149,6 +150,7 @@ class Replicas:
                              "mg.loader(data, replicas.plan(global_batch), dist)")
         self._share = plan.global_batch // self.groups
         self.setup = self._setup(loader.plan.global_batch)
+        self._fingerprint = zlib.crc32(json.dumps(self.setup, sort_keys=True).encode()) & 0xFFFFF  # once, not a step
         if self._path is not None:
             with open(os.path.join(os.path.dirname(self._path), f"group{self.group}.setup.json"), "w") as fp:
                 json.dump(self.setup, fp)
@@ -235,10 +237,6 @@ class Replicas:
                 "parameters": f"{len(shapes)} tensors, {sum(math.prod(s) for s in shapes)} values (rank 0's)",
                 "shapes": zlib.crc32(json.dumps(shapes).encode()), "optimizer": type(self.optimizer.optim).__name__,
                 "global_batch": global_batch}
-
-    @property
-    def _fingerprint(self) -> int:
-        return zlib.crc32(json.dumps(self.setup, sort_keys=True).encode()) & 0xFFFFF
 
     def _refuse(self) -> None:
         """Groups that differ cannot average their gradients: say so once (the launcher reads the marker and
