@@ -21,14 +21,14 @@ import torch
 
 from ..errors import UsageError
 from ..runtime import compat
-from . import storage
+from . import hf_files, storage
 
 _DESCRIPTION = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, base: str | Path,
-              max_shard_bytes: int = storage.DEFAULT_SHARD_BYTES) -> dict[str, int]:
+              max_shard_bytes: int = hf_files.DEFAULT_SHARD_BYTES) -> dict[str, int]:
     """Write checkpoint ``checkpoint``'s model as a Hugging Face directory ``out``, described by ``base``'s
     config; (step, tensors, files, bytes).
 
@@ -81,7 +81,7 @@ def _check(stored: dict, wanted: dict, names: list[str], src: Path, base: Path) 
     unexpected = [n for n in stored if n not in wanted]
     if missing or unexpected:
         raise UsageError(f"checkpoint {src} is not of the model {base / 'config.json'} describes: "
-                         f"{storage.name_mismatch(missing, unexpected)}; pass the directory the run started from")
+                         f"{hf_files.name_mismatch(missing, unexpected)}; pass the directory the run started from")
     for n in names:
         if tuple(wanted[n][0]) != stored[n][0]:
             raise UsageError(f"checkpoint {src}: {n} has shape {list(stored[n][0])} but the model of "
@@ -97,16 +97,12 @@ def _write(src: Path, stored: dict, names: list[str], partial: Path, limit: int,
 
     from ..pretrained.experts import per_expert_state
 
-    groups: list[list[str]] = [[]]
-    size = 0
-    for n in names:
-        shape, dtype = stored[n]
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        if groups[-1] and size + nbytes > limit:
+    sizes = {n: torch.Size(stored[n][0]).numel() * torch.empty((), dtype=stored[n][1]).element_size() for n in names}
+    groups: list[list[str]] = []
+    for n, i in hf_files.shard_files(sizes, limit).items():  # transformers' split, as save_pretrained's
+        if i > len(groups):
             groups.append([])
-            size = 0
         groups[-1].append(n)
-        size += nbytes
     weight_map, total = {}, 0
     for i, group in enumerate(groups, 1):
         tensors = {n: torch.empty(stored[n][0], dtype=stored[n][1]) for n in group}

@@ -372,16 +372,6 @@ def verified_model(src: Path) -> dict:
     return manifest
 
 
-def name_mismatch(missing: list[str], unexpected: list[str]) -> str:
-    """"N of its tensors missing (a, b, c); M not its own (d, e, f)": what a refusal says of names that differ."""
-    return "; ".join(x for x in (f"{len(missing)} of its tensors missing ({', '.join(missing[:3])})" if missing
-                                 else "", f"{len(unexpected)} not its own ({', '.join(unexpected[:3])})"
-                                 if unexpected else "") if x)
-
-
-DEFAULT_SHARD_BYTES = 5 * 1024 ** 3  # transformers' default max_shard_size: what save_pretrained and ckpt export write
-
-
 def provenance() -> dict[str, Any]:
     """When and by which versions a checkpoint was written: the manifest's ``time`` and ``versions``."""
     import platform

@@ -57,7 +57,7 @@ def check_names(model: nn.Module, tensors: dict[str, tuple[tuple[int, ...], str]
     unexpected = [n for n in tensors if n not in expected]
     name = type(model).__name__
     if missing or unexpected:
-        from ..checkpoint.storage import name_mismatch
+        from ..checkpoint.hf_files import name_mismatch
 
         raise UsageError(f"{where} does not hold {name}'s tensors by the names transformers gives them: "
                          f"{name_mismatch(missing, unexpected)}; load it once with transformers' from_pretrained and "

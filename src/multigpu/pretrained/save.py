@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint.storage import DEFAULT_SHARD_BYTES
+from ..checkpoint.hf_files import DEFAULT_SHARD_BYTES, shard_files
 from ..errors import UsageError
 from .experts import per_expert_state
 
@@ -97,7 +97,7 @@ def save_pretrained(model: nn.Module, directory: str | Path, *, max_shard_bytes:
     state = {k: v if _contiguous(v) is None else v.redistribute(v.device_mesh, _contiguous(v))
              for k, v in _untied_state(inner).items()}
     state, sizes = per_expert_state(inner, state)  # the names transformers writes
-    files = _shards(sizes, max_shard_bytes)
+    files = shard_files(sizes, max_shard_bytes)
     error = None
     try:
         writer = HuggingFaceStorageWriter(str(partial), fqn_to_index_mapping=files, save_distributed=True,
@@ -141,18 +141,6 @@ def _cause(e: BaseException) -> str:
         found = [exc for exc, _ in e.failures.values()]
         e = next((x for x in found if isinstance(x, OSError)), found[0] if found else e)
     return getattr(e, "strerror", None) or str(e)
-
-
-def _shards(sizes: dict[str, int], limit: int) -> dict[str, int]:
-    """Each tensor's output file (1-based), in order, from its bytes, a new file when the next tensor would pass
-    ``limit`` bytes (a tensor larger than ``limit`` alone in its file), as transformers splits."""
-    files, index, size = {}, 1, 0
-    for name, nbytes in sizes.items():
-        if size and size + nbytes > limit:
-            index, size = index + 1, 0
-        files[name] = index
-        size += nbytes
-    return files
 
 
 def _keep_consolidated(partial: Path) -> None:
