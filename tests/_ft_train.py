@@ -81,13 +81,18 @@ def main() -> None:
         with open(os.path.join(args.out, "pids", f"group{replicas.group}.rank{dist.rank}"), "w") as fp:
             fp.write(str(os.getpid()))
         train = mg.loader(data(), replicas.plan(GLOBAL_BATCH, layout=layout, micro_batch=2), dist, seed=0)
-        for step, micro_batches in replicas.steps(train, args.steps):
-            for x, y in mg.accumulate(net, micro_batches):
-                nn.functional.mse_loss(net(x), y).div(len(micro_batches)).backward()
-            missing = replicas.record and len(replicas.record[-1].groups) < replicas.groups
-            time.sleep(args.sleep_without if missing and args.sleep_without is not None else args.sleep)
-            replicas.optimizer.step()
-            replicas.optimizer.zero_grad()
+        meter = mg.StepMeter(dist, train.plan, log_every=5, replicas=replicas, watchdog=None,
+                             log_dir=os.path.join(args.out, f"meter{replicas.group}"))
+        with meter:
+            for step, micro_batches in meter.steps(replicas.steps(train, args.steps)):
+                for x, y in mg.accumulate(net, micro_batches):
+                    loss = nn.functional.mse_loss(net(x), y).div(len(micro_batches))
+                    loss.backward()
+                missing = replicas.record and len(replicas.record[-1].groups) < replicas.groups
+                time.sleep(args.sleep_without if missing and args.sleep_without is not None else args.sleep)
+                replicas.optimizer.step()
+                replicas.optimizer.zero_grad()
+                meter.step_end(loss=loss)
         state = mg.full_state_dict(net)  # collective under FSDP
         if dist.rank == 0:
             torch.save(state, os.path.join(args.out, f"group{replicas.group}.pt"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -100,6 +101,26 @@ def test_a_group_lost_mid_run_rejoins_and_the_survivors_train_what_one_process_t
             f"live group ({rejoined[0]['heal_s']:.2f} s)") in text, text[-2000:]
     assert 0 < rejoined[0]["heal_s"] < 30
 
+    # The step meter of a survivor says the same: its summary counts from the record, its rate the samples trained.
+    from multigpu.meter.records import read_records
+
+    meter = read_records(os.path.join(out, "meter0", "metrics.jsonl"))
+    summary = meter[-1]["replicas"]
+    assert (summary["committed"], summary["without_all"], summary["skipped"], summary["fewest"]) == (
+        STEPS, len(without), skipped, 2), summary
+    back = min(r["step"] for r in survivor if r["step"] > without[0] and len(r["groups"]) == GROUPS)
+    assert summary["changes"] == [{"step": 0, "groups": [0, 1, 2]}, {"step": without[0], "groups": [0, 2]},
+                                  {"step": back, "groups": [0, 1, 2]}], summary
+    assert meter[-1]["samples_seen"] == STEPS * job.GLOBAL_BATCH - skipped
+    steps = [r for r in meter if r["type"] == "step"]
+    assert sum(r["samples"] for r in steps) == STEPS * job.GLOBAL_BATCH - skipped
+    assert f"[group 0] multigpu: step {without[0]}: quorum of 2 of 3 replica groups (group 1 missing)" in text
+    from multigpu.report.run import run_page
+
+    page = str(run_page(pathlib.Path(out, "meter0"), meter, {}, []))
+    assert f"{len(without)} without every group ({skipped:,} samples skipped, fewest 2 of 3)" in page, page
+    assert f"from step {without[0]}: groups 0, 2 of 3" in page and f"from step {back}: groups 0, 1, 2 of 3" in page
+
     expected = job.replay(survivor, GROUPS)
     for g in range(GROUPS):
         got = torch.load(os.path.join(out, f"group{g}.pt"))
@@ -118,9 +139,14 @@ def test_a_group_lost_mid_run_rejoins_and_the_survivors_train_what_one_process_t
                                       "--fault-tolerant; add --fault-tolerant G or drop --lighthouse localhost:1"),
     (["--fault-tolerant", "2", "--lighthouse", "127.0.0.1:1"], "--lighthouse 127.0.0.1:1: cannot reach a lighthouse "
      "there (Connection refused); start one (torchft_lighthouse --min_replicas 1) or drop --lighthouse"),
-    (["--fault-tolerant", "2", "--nnodes", "2", "--master", "127.0.0.1:29500"], "--fault-tolerant starts its 2 "
-     "replica groups on this node, got --nnodes 2 / --master 127.0.0.1:29500; drop them (several nodes are not "
-     "supported yet)"),
+    (["--fault-tolerant", "3", "--nnodes", "2", "--master", "127.0.0.1:29500"], "--fault-tolerant 3 on 2 nodes: "
+     "each node runs whole replica groups, the same number on every node, and 3 is not a multiple of 2; use "
+     "--fault-tolerant 2 or 4"),
+    (["--fault-tolerant", "2", "--nnodes", "1:2", "--master", "127.0.0.1:29500"], "--fault-tolerant keeps the live "
+     "groups training without a restart; --nnodes takes one count N with it, got 1:2; use --nnodes 2"),
+    (["--fault-tolerant", "2", "--nnodes", "2", "--node-rank", "1", "--master", "127.0.0.1:1", "--rdzv-timeout", "1"],
+     "--fault-tolerant: no lighthouse answered at node 0's 127.0.0.1:1 within 1 s (Connection refused); start node "
+     "0's launcher (it starts the lighthouse there), pass --lighthouse HOST:PORT, or a longer --rdzv-timeout"),
 ])
 def test_bad_fault_tolerant_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, argv, expected):
     monkeypatch.chdir(tmp_path)

@@ -549,3 +549,44 @@ def test_one_flop_counter_counts_cpu_attention_as_cudas_flash_kernel():
         a, b = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(2, 16, 32, dtype=torch.bfloat16)
         offs = torch.tensor([3, 8], dtype=torch.int32)
         assert count_flops(lambda: torch._grouped_mm(a, b, offs=offs)) == 2 * 8 * 16 * 32
+
+
+def test_a_resumed_meters_one_record_rates_its_own_samples_not_the_steps_before(tmp_path):
+    import time as _time
+
+    plan = mg.BatchPlan(global_batch=4, world_size=1)
+    with StepMeter(None, plan, log_every=50, log_dir=str(tmp_path), progress=False, watchdog=None, gpu_monitor=False) as m:
+        for _ in m.steps(range(5), start=100):  # resumed at step 100: one partial interval of 5 steps
+            _time.sleep(0.01)
+            m.step_end()
+    recs = read_jsonl(tmp_path / "metrics.jsonl")
+    (step,), summary = [r for r in recs if r["type"] == "step"], recs[-1]
+    assert (step["samples"], step["samples_seen"], summary["measured"]["samples"]) == (20, 420, 20)
+    assert summary["samples_per_s"] == pytest.approx(20 / summary["measured"]["time_s"])
+    assert summary["samples_per_s"] < 20 / 0.05  # 5 steps of 10 ms at least, not 105 steps' samples
+
+
+def test_with_replicas_the_meter_steps_as_they_commit(tmp_path):
+    """One replica group (no launcher, so no torchft): the meter passes replicas.steps' committed steps through."""
+    from torch import nn
+
+    net = nn.Linear(2, 1)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 2), torch.randn(32, 1))
+    with mg.init(seed=0, device="cpu") as dist, StepMeter(None, (train := mg.loader(data, (replicas := mg.fault_tolerant(
+            net, torch.optim.SGD(net.parameters(), lr=0.1), dist)).plan(global_batch=4), dist)).plan, log_every=3, log_dir=str(tmp_path), progress=False, watchdog=None,
+                   gpu_monitor=False, replicas=replicas) as m:
+        seen = []
+        for step, micro_batches in m.steps(replicas.steps(train, 7)):
+            seen.append(step)
+            for x, y in micro_batches:
+                nn.functional.mse_loss(net(x), y).backward()
+            replicas.optimizer.step()
+            m.step_end()
+    recs = read_jsonl(tmp_path / "metrics.jsonl")
+    assert seen == list(range(7)) and recs[-1]["replicas"] == {
+        "groups": 1, "committed": 7, "retried": 0, "without_all": 0, "skipped": 0, "fewest": 1, "heals": 0,
+        "heal_s": 0.0, "quorum_s": pytest.approx(0, abs=0.05), "changes": [{"step": 0, "groups": [0]}]}
+    assert [r["samples"] for r in recs if r["type"] == "step"] == [12, 12, 4]
+    from multigpu.meter.records import summary_line
+
+    assert "1 replica groups: 7 steps committed" in summary_line(recs[-1])

@@ -28,6 +28,7 @@ from .flops import FlopCount, dtype_key, peak_flops
 from .footprint import MemoryStep
 from .interval import Interval
 from .probe import Probe, dp_rank, is_pipeline
+from .quorum import Quorum, change_line
 from .records import experts_stats, figures, interval_record, router_note, run_summary, summary_line
 
 SCHEMA_VERSION = 2  # 2: summary throughput from totals, per-interval spreads under "intervals", pauses
@@ -65,6 +66,7 @@ class StepMeter:
         fingerprint_extra: dict[str, Any] | None = None,
         sink_options: dict[str, dict[str, Any]] | None = None,
         step_peak: bool | None = None,
+        replicas: Any = None,
     ) -> None:
         positive_int(log_every, "log_every", "use e.g. log_every=10")
         log_every = 1 if verify_requested() else log_every  # `multigpu verify` compares every step's loss
@@ -81,6 +83,9 @@ class StepMeter:
                 raise UsageError("StepMeter needs the global samples per step; pass plan=BatchPlan(...) or samples_per_step=N")
             samples_per_step = plan.global_batch
         self.samples_per_step = int(samples_per_step)
+        # mg.fault_tolerant's groups: steps are the committed ones, samples those the quorum trained on
+        self._quorum = Quorum(replicas) if replicas is not None else None
+        self._ranks = self.world_size * (replicas.groups if replicas is not None else 1)  # every group's ranks
         self.tokens_per_sample = tokens_per_sample
         self._flops_auto = flops_per_sample == "auto" and not is_pipeline(model)
         self.flops_per_sample = None if flops_per_sample in (None, "auto") else float(flops_per_sample)
@@ -163,6 +168,8 @@ class StepMeter:
                 "meter": {"log_every": self.log_every, "samples_per_step": self.samples_per_step, "dtype": self._dtype,
                           "peak_flops": self.peak_flops, "flops_per_sample": flops_per_sample, "hosts": self.hosts},
             }
+            if self._quorum is not None:
+                self.header["replicas"] = {"groups": self._quorum.groups}
             try:
                 self.sinks = _sinks.make_sinks(sinks, self.log_dir, self.header, resume, sink_options or {})
             except BaseException:
@@ -201,7 +208,9 @@ class StepMeter:
     def steps(self, iterable: Iterable[Any], start: int | None = None) -> Iterator[tuple[int, Any]]:
         """Yield ``(step, batch)`` from ``iterable``, timing how long each ``next()`` blocks.
 
-        A step the user does not end with ``step_end()`` is ended when the next one is requested.
+        A step the user does not end with ``step_end()`` is ended when the next one is requested. With
+        ``replicas=``, ``iterable`` is ``replicas.steps(...)``: its ``(committed step, micro-batches)`` pass
+        through as they are, and its quorum's time is not data wait.
         """
         if start is not None:
             self.step = start
@@ -219,7 +228,13 @@ class StepMeter:
                     batch = next(it)
             except StopIteration:
                 return
-            self.step_begin(data_wait=time.perf_counter() - t0)
+            waited = time.perf_counter() - t0
+            if self._quorum is not None:
+                quorum_s = self._quorum.replicas.quorum_s
+                self._quorum.waited(quorum_s)
+                waited = max(0.0, waited - quorum_s)
+                self.step, batch = batch
+            self.step_begin(data_wait=waited)
             if self.probe is not None:
                 batch = self.probe.batch(batch)
             yield self.step, batch
@@ -265,17 +280,18 @@ class StepMeter:
             if self._ready_t is not None:
                 self._iv.rds.append(self._ready_t - self._t_step)
         if self._flop_count is not None and self._flop_count.total is None:
-            rank_samples = self.samples_per_step / self.world_size
+            rank_samples = self.samples_per_step / self._ranks
             self.flops_per_sample = self._flop_count.stop() / rank_samples or None
         self._iv.add(loss, metrics)
         if self._memory is not None:
             self._memory.end(self._distributed)
         if lr is not None:
             self._lr = float(lr.param_groups[0]["lr"]) if hasattr(lr, "param_groups") else float(lr)
-        self.step += 1
+        committed = self._quorum.step_end() if self._quorum is not None else True  # else the step is retried
+        self.step += committed
         if self.watchdog is not None:
             self.watchdog.beat(self.step - 1)
-        if self.step % self.log_every == 0:
+        if committed and self.step % self.log_every == 0:
             self._log_interval()
         if self.profiler is not None:  # after the log step; its trace export is paused time, not training
             with self.pause("profile"):
@@ -329,15 +345,24 @@ class StepMeter:
             self._write_record(rows, keys, n_steps, experts)
 
     def _write_record(self, rows: list[list[float]], keys: list[str], n_steps: int, experts: dict | None) -> None:
+        replicas = self._quorum.take() if self._quorum is not None else None
+        samples = n_steps * self.samples_per_step  # a retried step trains nothing, a missing group's share is skipped
+        if replicas is not None:
+            samples = replicas["committed"] * self.samples_per_step - replicas["skipped"]
         rec, self._streak = interval_record(
             rows, keys, step=self.step - 1, n_steps=n_steps, samples_per_step=self.samples_per_step,
-            elapsed=time.perf_counter() - self._t_start, lr=self._lr, world_size=self.world_size,
+            samples=samples, skipped=self._skipped(), elapsed=time.perf_counter() - self._t_start, lr=self._lr,
+            world_size=self._ranks,
             tokens_per_sample=self.tokens_per_sample, flops_per_sample=self.flops_per_sample,
             peak_flops=self.peak_flops, hosts=self.hosts, gpu=self._cuda,
             straggler_threshold=self.straggler_threshold, streak=self._streak, experts=experts)
         if self.profiler is not None and self.step - n_steps < self.profiler.stop_step and \
                 self.step > self.profiler.start_step - 1:
             rec["profiled"] = True  # the profiler slowed these steps: left out of the summary
+        if replicas is not None:
+            rec["replicas"] = replicas
+            for change in replicas["changes"] if self.console is not None else ():
+                self.console.note(change_line(change, replicas["groups"]))
         if not self._records:
             rec["warmup"] = True  # this meter's first interval (first steps, FLOP counting): left out likewise
         rec.update(self._extra)
@@ -345,6 +370,10 @@ class StepMeter:
         self._records.append(rec)
         for s in self.sinks:
             s.write(rec)
+
+    def _skipped(self) -> int:
+        """Samples the missing groups' shares skipped so far (0 without replicas)."""
+        return self._quorum.total["skipped"] if self._quorum is not None else 0
 
     # -- end of run ---------------------------------------------------------------------
     def summary(self) -> dict[str, Any] | None:
@@ -354,7 +383,10 @@ class StepMeter:
         others; ``rate_steps`` and ``measured.left_out`` name the steps."""
         out = run_summary(self._records, steps=self.step, samples_per_step=self.samples_per_step,
                           wall_time=time.perf_counter() - self._t_start, flops_per_sample=self.flops_per_sample,
-                          peak_flops=self.peak_flops, world_size=self.world_size, paused=self._paused)
+                          peak_flops=self.peak_flops, world_size=self._ranks, paused=self._paused,
+                          skipped=self._skipped())
+        if out is not None and self._quorum is not None:
+            out["replicas"] = self._quorum.summary()
         if out is not None and self._memory is not None and self._memory.bytes is not None:
             out["step_peak"] = {"step": self._memory.step, "bytes": self._memory.bytes}  # the largest rank's
         return out

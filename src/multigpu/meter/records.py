@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from . import gpumon
+from .quorum import text as quorum_text
 from .stragglers import find_stragglers
 
 # Per-rank numbers gathered at log steps, in this order, followed by the step_end(**metrics)
@@ -44,10 +45,13 @@ def interval_record(
     rows: list[list[float]], keys: list[str], *, step: int, n_steps: int, samples_per_step: int, elapsed: float,
     lr: float | None, world_size: int, tokens_per_sample: float | None, flops_per_sample: float | None,
     peak_flops: float | None, hosts: list[str], gpu: bool, straggler_threshold: float,
-    streak: dict[tuple[int, str], int], experts: dict[str, Any] | None = None,
+    streak: dict[tuple[int, str], int], experts: dict[str, Any] | None = None, samples: int | None = None,
+    skipped: int = 0,
 ) -> tuple[dict[str, Any], dict[tuple[int, str], int]]:
     """One ``step`` record from every rank's row; returns it and the updated straggler streaks. ``experts``:
-    the expert-parallel dispatch's figures over the interval (``Stats.take``), with the all-to-all's share."""
+    the expert-parallel dispatch's figures over the interval (``Stats.take``), with the all-to-all's share.
+    ``samples``: the interval's samples trained (default ``n_steps * samples_per_step``; fewer where replica
+    groups were missing or a step was retried), ``skipped``: every sample skipped so far."""
     b = len(FIELDS)
     per = [dict(zip(FIELDS, r[:b])) for r in rows]
     # The job runs at its slowest rank's pace; time in meter.pause() (eval, checkpoints) is not step time.
@@ -56,10 +60,11 @@ def interval_record(
     cp = [p["compute"] / p["n"] for p in per]
     rd = [p["ready"] / p["n"] for p in per]
     loss_n = sum(p["loss_n"] for p in per)
-    sps = samples_per_step / step_time
+    samples = n_steps * samples_per_step if samples is None else samples
+    sps = samples / (step_time * n_steps)
     rec: dict[str, Any] = {
-        "type": "step", "step": step, "steps": n_steps,
-        "samples_seen": (step + 1) * samples_per_step, "time": elapsed,
+        "type": "step", "step": step, "steps": n_steps, "samples": samples,
+        "samples_seen": (step + 1) * samples_per_step - skipped, "time": elapsed,
         "step_time": step_time, "data_wait": sum(dw) / len(dw), "data_wait_max": max(dw),
         "compute": sum(cp) / len(cp), "compute_max": max(cp),
         "data_wait_frac": sum(dw) / len(dw) / step_time, "compute_frac": sum(cp) / len(cp) / step_time,
@@ -145,9 +150,9 @@ def measured(records: list[dict[str, Any]]) -> list[tuple[int, float, dict[str, 
     """
     spans = [(r["samples_seen"] - p["samples_seen"], r["time"] - p["time"] - r.get("paused_s", 0.0), r)
              for p, r in zip(records, records[1:]) if not r.get("profiled")]
-    if not spans and records:  # one record: measured from the meter's start
-        r = records[0]
-        spans = [(r["samples_seen"], r["time"] - r.get("paused_s", 0.0), r)]
+    if not spans and records:  # one record: measured from the meter's start (its own samples: a resumed or
+        r = records[0]      # healed run's samples_seen counts the steps before it)
+        spans = [(r.get("samples", r["samples_seen"]), r["time"] - r.get("paused_s", 0.0), r)]
     return [s for s in spans if s[1] > 0]
 
 
@@ -185,7 +190,7 @@ def left_out(records: list[dict[str, Any]], spans: list[tuple[int, float, dict[s
 
 def run_summary(records: list[dict[str, Any]], *, steps: int, samples_per_step: int, wall_time: float,
                 flops_per_sample: float | None, peak_flops: float | None, world_size: int = 1,
-                paused: dict[str, float] | None = None) -> dict[str, Any] | None:
+                paused: dict[str, float] | None = None, skipped: int = 0) -> dict[str, Any] | None:
     """The ``summary`` record: throughput as total samples / total time over the measured intervals.
 
     ``rate_steps`` names the steps the rate covers, first and last; inside
@@ -208,7 +213,7 @@ def run_summary(records: list[dict[str, Any]], *, steps: int, samples_per_step: 
     sps = samples / seconds
     rate_steps = [first_step(spans[0][2]), spans[-1][2]["step"]]
     out = {
-        "type": "summary", "steps": steps, "samples_seen": steps * samples_per_step, "wall_time": wall_time,
+        "type": "summary", "steps": steps, "samples_seen": steps * samples_per_step - skipped, "wall_time": wall_time,
         "samples_per_s": sps, "step_time": seconds / n_steps, "rate_steps": rate_steps,
         "measured": {"steps": n_steps, "samples": samples, "time_s": seconds, "intervals": len(spans),
                      "from_step": rate_steps[0], "to_step": rate_steps[1],
@@ -268,7 +273,8 @@ def summary_line(summary: dict[str, Any]) -> str:
             f"({m['samples']:,} samples in {m['time_s']:.2f} s, steps {m['from_step']}-{m['to_step']}"
             f"{f' ({out} left out)' if out else ''}; "
             f"intervals {spread['min']:,.0f}-{spread['max']:,.0f}); time: compute {100 * f['compute']:.0f}%, "
-            f"data wait {100 * f['data_wait']:.0f}%, other {100 * f['other']:.0f}%{paused}{_stages_text(summary)}")
+            f"data wait {100 * f['data_wait']:.0f}%, other {100 * f['other']:.0f}%{paused}{_stages_text(summary)}"
+            + (f"; {quorum_text(summary['replicas'])}" if summary.get("replicas") else ""))
 
 
 def _stages_text(summary: dict[str, Any]) -> str:

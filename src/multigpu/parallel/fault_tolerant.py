@@ -110,6 +110,7 @@ class Replicas:
         self.optimizer = _Optimizer(self, optimizer)
         self.record: list[Committed] = []
         self._step, self._share, self._healed, self._heal_s, self._layout = 0, 0, False, 0.0, "data parallel"
+        self.quorum_s = 0.0  # how long the last step's quorum took (a heal included)
         self._path = (os.path.join(found[3], f"group{self.group}.jsonl")
                       if found and found[3] and dist.rank == 0 else None)
         self.setup: dict[str, Any] = {}
@@ -155,9 +156,10 @@ class Replicas:
             with open(os.path.join(os.path.dirname(self._path), f"group{self.group}.setup.json"), "w") as fp:
                 json.dump(self.setup, fp)
         while True:
-            self._healed = False
+            self._healed, started = False, time.monotonic()
             if self.manager is not None:
                 self._quorum()
+            self.quorum_s = time.monotonic() - started  # the meter takes it out of the data wait
             if self._step >= steps:
                 return
             loader.epoch, loader.batch_index = divmod(self._step, loader.steps_per_epoch)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from ..meter.quorum import text as quorum_text
 from ..meter.records import read_records
 from .page import Figures, Heading, Items, Page, Pairs, Text, write
 from .plots import one_point, png, pyplot
@@ -82,6 +83,11 @@ def run_page(run_dir: Path, records: list[dict[str, Any]], pngs: dict[str, bytes
             "imbalance over the run": round(max(tokens) / (sum(tokens) / len(tokens)), 3) if sum(tokens) else None,
             "dropped (token, expert) pairs": f"{experts['dropped']:,.0f}",
             "all-to-all share of step time": f"{100 * experts['a2a_share']:.1f} %"})]
+    replicas = (summary or {}).get("replicas")
+    if replicas:  # mg.fault_tolerant's quorums, as this group saw them
+        blocks += [Heading("Replica groups"), Text(quorum_text(replicas)), Items(
+            [f"from step {c['step']}: groups {', '.join(map(str, c['groups']))} of {replicas['groups']}"
+             for c in replicas["changes"]])]
     blocks += [Heading("Plots"), Figures(pngs)] + ([Items(missing)] if missing else [])
     env = header.get("fingerprint") or {}
     if env:

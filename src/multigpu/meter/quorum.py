@@ -1,0 +1,86 @@
+"""What the replica groups' quorum did, as the meter reports it (``StepMeter(..., replicas=replicas)``).
+
+Under ``multigpu run --fault-tolerant G`` a step is committed by the groups in that step's quorum, or not
+committed at all and retried (``mg.fault_tolerant``). The meter counts from the replicas' own record,
+not from its guesses: per log interval the steps committed and retried, those without every group and the
+samples their missing shares skipped, the fewest groups in a quorum, heals from a live group and the time
+spent forming quorums (taken out of the data wait, where the loader's ``next()`` would have put it). A
+*quorum change* is a committed step whose groups differ from the previous committed step's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _fresh() -> dict[str, Any]:
+    return {"committed": 0, "retried": 0, "without_all": 0, "skipped": 0, "fewest": None, "heals": 0,
+            "heal_s": 0.0, "quorum_s": 0.0, "changes": []}
+
+
+class Quorum:
+    """Counts one group's view of the quorums, per interval (``take``) and over the run (``total``)."""
+
+    def __init__(self, replicas: Any) -> None:
+        self.replicas = replicas
+        self.groups = replicas.groups
+        self._seen = len(replicas.record)
+        self._last: tuple[int, ...] | None = None  # the groups of the previous committed step
+        self.interval, self.total = _fresh(), _fresh()
+
+    def waited(self, seconds: float) -> None:
+        """Time this step's quorum took (the heal included), measured by the replicas."""
+        for acc in (self.interval, self.total):
+            acc["quorum_s"] += seconds
+
+    def step_end(self) -> bool:
+        """Count the step that just ended; True when the quorum committed it (False: it is retried)."""
+        new = self.replicas.record[self._seen:]
+        self._seen = len(self.replicas.record)
+        for acc in (self.interval, self.total):
+            if not new:
+                acc["retried"] += 1
+            for rec in new:
+                acc["committed"] += 1
+                acc["without_all"] += len(rec.groups) < self.groups
+                acc["skipped"] += rec.skipped
+                acc["fewest"] = min(len(rec.groups), acc["fewest"] or self.groups)
+                acc["heals"] += rec.healed
+                acc["heal_s"] += rec.heal_s
+        for rec in new:
+            if rec.groups != self._last:
+                change = {"step": rec.step, "groups": list(rec.groups)}
+                self.interval["changes"].append(change)
+                self.total["changes"].append(change)
+                self._last = rec.groups
+        return bool(new)
+
+    def take(self) -> dict[str, Any]:
+        """The interval's counts (for its ``step`` record), and a new interval."""
+        out, self.interval = dict(self.interval, groups=self.groups), _fresh()
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        return dict(self.total, groups=self.groups)
+
+
+def text(block: dict[str, Any]) -> str:
+    """A summary's ``replicas`` in words: '3 groups: 2 steps without every group (40 samples skipped), ...'."""
+    parts = [f"{block['committed']} steps committed"]
+    if block["without_all"]:
+        parts.append(f"{block['without_all']} without every group ({block['skipped']:,} samples skipped, "
+                     f"fewest {block['fewest']} of {block['groups']})")
+    if block["retried"]:
+        parts.append(f"{block['retried']} retried (not committed)")
+    if block["heals"]:
+        parts.append(f"{block['heals']} heal{'s' if block['heals'] > 1 else ''} from a live group "
+                     f"({block['heal_s']:.2f} s)")
+    parts.append(f"quorums {block['quorum_s']:.2f} s")
+    return f"{block['groups']} replica groups: " + ", ".join(parts)
+
+
+def change_line(change: dict[str, Any], groups: int) -> str:
+    """A quorum change as the console says it."""
+    missing = sorted(set(range(groups)) - set(change["groups"]))
+    who = f"group{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} missing" if missing else "every group"
+    return f"multigpu: step {change['step']}: quorum of {len(change['groups'])} of {groups} replica groups ({who})"
