@@ -26,7 +26,9 @@ from typing import Any
 
 from ..errors import UsageError
 from ..runtime import contract
-from .config import RunConfig, cpu_count, resolve
+from . import slurm
+from .config import Placement, RunConfig, cpu_count, parse_nnodes, resolve
+from .network import node_address
 
 RESTARTS = 3  # --max-restarts' default per group under --fault-tolerant
 # The lighthouse waits this long for the groups of the last quorum before it forms one without a
@@ -36,37 +38,72 @@ HEARTBEAT_TIMEOUT_MS = 2000  # a group silent for this long is no longer counted
 
 
 def check(cfg: RunConfig) -> None:
-    """The checks of ``--fault-tolerant`` that need no process (one-line ``UsageError``)."""
+    """The checks of ``--fault-tolerant`` before anything starts (one-line ``UsageError``); on a node other than
+    node 0, the wait for node 0's lighthouse too (bounded by --rdzv-timeout)."""
     groups = cfg.fault_tolerant
     if groups is None:
         return
     if groups < 2:
         raise UsageError(f"--fault-tolerant needs at least 2 replica groups (a lost group heals from a live one), "
                          f"got {groups}; use --fault-tolerant 2 or more, or drop --fault-tolerant")
-    if (cfg.nnodes not in (None, 1, "1")) or cfg.master is not None:
-        raise UsageError(f"--fault-tolerant starts its {groups} replica groups on this node, got --nnodes "
-                         f"{cfg.nnodes} / --master {cfg.master}; drop them (several nodes are not supported yet)")
+    nodes = parse_nnodes(cfg.nnodes)
+    if nodes is not None and nodes[0] < nodes[1]:
+        raise UsageError(f"--fault-tolerant keeps the live groups training without a restart; --nnodes takes one "
+                         f"count N with it, got {cfg.nnodes}; use --nnodes {nodes[1]}")
+    place = _placement(cfg)  # --nnodes, --node-rank, --master (or SLURM's) checked as for any run
+    if groups % place.nnodes:
+        near = sorted({groups - groups % place.nnodes, groups + place.nnodes - groups % place.nnodes} - {0})
+        raise UsageError(f"--fault-tolerant {groups} on {place.nnodes} nodes: each node runs whole replica groups, "
+                         f"the same number on every node, and {groups} is not a multiple of {place.nnodes}; use "
+                         f"--fault-tolerant {' or '.join(map(str, near))}")
     if importlib.util.find_spec("torchft") is None:
         raise UsageError("--fault-tolerant needs torchft, which is not installed; pip install 'multigpu[ft]'")
     if cfg.lighthouse is not None:
-        host, _, port = cfg.lighthouse.removeprefix("http://").rpartition(":")
-        if not host or not port.isdigit():
-            raise UsageError(f"--lighthouse takes HOST:PORT, got {cfg.lighthouse!r}; use e.g. --lighthouse node0:29510")
+        host, port = _host_port(cfg.lighthouse)
         try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+            socket.create_connection((host, port), timeout=5).close()
         except OSError as err:
             raise UsageError(f"--lighthouse {cfg.lighthouse}: cannot reach a lighthouse there ({err.strerror or err}); "
                              "start one (torchft_lighthouse --min_replicas 1) or drop --lighthouse") from None
+    elif place.nnodes > 1 and place.node_rank != 0:  # node 0's launcher starts it: wait for it, bounded
+        _await(place.master_addr, place.master_port, cfg.rdzv_timeout)
 
 
-def _lighthouse(cfg: RunConfig):
-    """(address, server or None): the lighthouse the groups meet at, started here unless --lighthouse names one."""
+def _host_port(lighthouse: str) -> tuple[str, int]:
+    host, _, port = lighthouse.removeprefix("http://").rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"--lighthouse takes HOST:PORT, got {lighthouse!r}; use e.g. --lighthouse node0:29510")
+    return host.strip("[]"), int(port)
+
+
+def _placement(cfg: RunConfig) -> Placement:
+    """Where one group's workers go (``-n`` of them), and which node of how many this launcher is: from
+    --nnodes/--node-rank/--master or SLURM's variables, checked as for any run (--master also with --lighthouse:
+    this node's address is the one it routes to node 0 from)."""
+    place = resolve(dataclasses.replace(cfg, fault_tolerant=None, lighthouse=None))
+    if place.source == "slurm":  # SLURM's node name -> its address (one line when neither resolves), as for any run
+        place = dataclasses.replace(place, master_addr=slurm.master_address(place.master_addr, place.master_port,
+                                                                            place.nodes_text)[0])
+    return place
+
+
+def _host_join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _lighthouse(cfg: RunConfig, place: Placement):
+    """(address, server or None): the lighthouse the groups meet at. One node: started here on a free port. Several:
+    node 0 starts it on --master's port (free there: each group is a torch job of its own, with no rendezvous on
+    it), the other nodes' ``check`` waited for it. --lighthouse names one already running."""
     if cfg.lighthouse is not None:
         return (cfg.lighthouse if cfg.lighthouse.startswith("http") else f"http://{cfg.lighthouse}"), None
+    shared = f"http://{_host_join(place.master_addr, place.master_port)}" if place.nnodes > 1 else None
+    if shared and place.node_rank != 0:  # up: check() waited for it
+        return shared, None
     from torchft._torchft import LighthouseServer
 
-    errors = []
-    for bind in ("[::]:0", "0.0.0.0:0"):  # IPv6 (and v4) where the host has it, else IPv4 only
+    port, errors = (place.master_port if shared else 0), []
+    for bind in (f"[::]:{port}", f"0.0.0.0:{port}"):  # IPv6 (and v4) where the host has it, else IPv4 only
         try:
             server = LighthouseServer(bind=bind, min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS,
                                       heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
@@ -76,8 +113,34 @@ def _lighthouse(cfg: RunConfig):
     else:
         raise UsageError(f"--fault-tolerant: the torchft lighthouse could not start ({'; '.join(errors)}); "
                          "start one yourself and pass --lighthouse HOST:PORT")
-    # It binds every interface; the groups are on this node.
-    return f"http://localhost:{server.address().rsplit(':', 1)[1]}", server
+    # It binds every interface: one node's groups dial localhost, several nodes' the address they were all given.
+    return shared or f"http://localhost:{server.address().rsplit(':', 1)[1]}", server
+
+
+def _await(host: str, port: int, timeout: float) -> None:
+    """Wait for node 0's lighthouse to accept connections (its launcher may start after this one)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=min(5.0, timeout)).close()
+            return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise UsageError(f"--fault-tolerant: no lighthouse answered at node 0's {_host_join(host, port)} within "
+                                 f"{timeout:g} s ({err.strerror or err}); start node 0's launcher (it starts the "
+                                 "lighthouse there), pass --lighthouse HOST:PORT, or a longer --rdzv-timeout") from None
+        time.sleep(0.5)
+
+
+def _node_address(place: Placement) -> tuple[str, str | None]:
+    """(address, interface) the other nodes reach this one at: the one the kernel routes to node 0 from, as for
+    the rendezvous of any run on several nodes (network.node_address)."""
+    found = node_address(place.master_addr, place.master_port)
+    if found is None:
+        raise UsageError(f"--fault-tolerant on {place.nnodes} nodes: cannot tell this node's address toward node 0's "
+                         f"{_host_join(place.master_addr, place.master_port)} (no route to it, or this host's name maps "
+                         "to a loopback address); fix the route or the name in /etc/hosts")
+    return found
 
 
 def _end_with_parent() -> None:
@@ -96,38 +159,71 @@ def _relay(stream, prefix: str, out) -> None:
 
 
 def launch(cfg: RunConfig, run_dir: str) -> int:
-    """Start the lighthouse and ``cfg.fault_tolerant`` groups (``check`` passed); wait for all; the first failed
-    group's exit code."""
+    """Start the lighthouse (unless another node or --lighthouse has it) and this node's groups (``check``
+    passed); wait for all; the first failed group's exit code."""
     from . import logs
 
-    groups = cfg.fault_tolerant
-    place = resolve(dataclasses.replace(cfg, fault_tolerant=None, lighthouse=None))
+    place = _placement(cfg)
     quiet = None
     if "RUST_LOG" not in os.environ:  # torchft's Rust side (lighthouse, managers) logs every quorum at INFO
         quiet = "warn"
         logs.say("RUST_LOG: unset -> 'warn' (torchft's quorum and commit lines stay out of the console)")
     with contract.environ(RUST_LOG=quiet):
-        return _launch(cfg, run_dir, groups, place)
+        return _launch(cfg, run_dir, cfg.fault_tolerant, place)
 
 
-def _launch(cfg: RunConfig, run_dir: str, groups: int, place) -> int:
+def _here(groups: int, place: Placement) -> range:
+    """This node's replica groups: node k of N runs groups k*G/N .. (k+1)*G/N - 1 (G divisible by N)."""
+    each = groups // place.nnodes
+    return range(place.node_rank * each, (place.node_rank + 1) * each)
+
+
+def _group_env(cfg: RunConfig, place: Placement, groups: int, here: range, address: str,
+               record_dir: str) -> dict[str, str]:
+    """The environment of this node's groups: the lighthouse, the groups, and on several nodes the address and
+    interface the other nodes reach this one at (torchft advertises it; gloo binds to it)."""
     from . import logs
 
-    address, server = _lighthouse(cfg)
-    version = importlib.metadata.version("torchft")
-    record_dir = os.path.join(run_dir, "replicas")
-    os.makedirs(record_dir, exist_ok=True)
-    group_cfg = dataclasses.replace(cfg, fault_tolerant=None, lighthouse=None, log_dir=run_dir,
-                                    max_restarts=RESTARTS if cfg.max_restarts is None else cfg.max_restarts)
     env = dict(os.environ)
     env.update({contract.LIGHTHOUSE_ENV: address, contract.REPLICA_GROUPS_ENV: str(groups),
                 contract.REPLICAS_DIR_ENV: record_dir})
     if "OMP_NUM_THREADS" not in os.environ:  # every group's workers share this node's CPUs
-        env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // (groups * place.nproc)))
-        logs.say(f"OMP_NUM_THREADS: unset -> {env['OMP_NUM_THREADS']!r} ({cpu_count()} CPUs // {groups} groups x "
+        env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // (len(here) * place.nproc)))
+        logs.say(f"OMP_NUM_THREADS: unset -> {env['OMP_NUM_THREADS']!r} ({cpu_count()} CPUs // {len(here)} groups x "
                  f"{place.nproc} workers)")
-    logs.say(f"--fault-tolerant: {groups} replica groups of {place.nproc} worker{'s' if place.nproc > 1 else ''}, "
-             f"torchft {version}, lighthouse {address}{' (started here)' if server else ''}, each group restarted up "
+    if place.nnodes > 1:
+        addr, interface = _node_address(place)
+        env[contract.REPLICA_HOST_ENV] = addr
+        if interface is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+            # Left alone, gloo binds to what the host name resolves to, a loopback address on many hosts.
+            env["GLOO_SOCKET_IFNAME"] = interface
+            logs.say(f"GLOO_SOCKET_IFNAME: unset -> {interface!r} (gloo's interface: {addr}, this node's route to "
+                     "node 0)")
+    return env
+
+
+def _launch(cfg: RunConfig, run_dir: str, groups: int, place: Placement) -> int:
+    from . import logs
+
+    here = _here(groups, place)
+    record_dir = os.path.join(run_dir, "replicas")
+    os.makedirs(record_dir, exist_ok=True)
+    address, server = _lighthouse(cfg, place)
+    version = importlib.metadata.version("torchft")
+    # Each group is a torch job of this node alone (--nnodes 1: not SLURM's several nodes either).
+    group_cfg = dataclasses.replace(cfg, fault_tolerant=None, lighthouse=None, log_dir=run_dir, nnodes=1,
+                                    node_rank=None, master=None,
+                                    max_restarts=RESTARTS if cfg.max_restarts is None else cfg.max_restarts)
+    try:
+        env = _group_env(cfg, place, groups, here, address, record_dir)
+    except BaseException:
+        if server is not None:
+            server.shutdown()
+        raise
+    node = (f"node {place.node_rank} of {place.nnodes} ({place.source}) runs groups {here.start}..{here.stop - 1} of "
+            if place.nnodes > 1 else "")
+    logs.say(f"--fault-tolerant: {node}{groups} replica groups of {place.nproc} worker{'s' if place.nproc > 1 else ''}"
+             f", torchft {version}, lighthouse {address}{' (started here)' if server else ''}, each group restarted up "
              f"to {group_cfg.max_restarts} times; a missing group's share of each global batch is skipped; "
              f"records: {record_dir}")
     children: list[subprocess.Popen] = []
@@ -140,7 +236,7 @@ def _launch(cfg: RunConfig, run_dir: str, groups: int, place) -> int:
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     threads = []
     try:
-        for g in range(groups):
+        for g in here:
             child = subprocess.Popen([sys.executable, "-m", "multigpu.launch.group", json.dumps(
                 dataclasses.asdict(group_cfg))], env=dict(env, **{contract.REPLICA_GROUP_ENV: str(g)}),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, preexec_fn=_end_with_parent)
@@ -166,10 +262,10 @@ def _launch(cfg: RunConfig, run_dir: str, groups: int, place) -> int:
             server.shutdown()
     if os.path.exists(os.path.join(record_dir, "refused")):
         raise UsageError(_differ(record_dir, groups))
-    failed = [(g, c) for g, c in enumerate(codes) if c != 0 and g not in late]
+    failed = [(here[i], c) for i, c in enumerate(codes) if c != 0 and i not in late]
     line = _summary(record_dir, groups, failed)
     if late:
-        line += "; " + ", ".join(f"group {g}" for g in late) + f" stopped: training ended {FINISH_GRACE_S:g} s before"
+        line += "; " + ", ".join(f"group {here[i]}" for i in late) + f" stopped: training ended {FINISH_GRACE_S:g} s before"
     logs.say(line)
     return failed[0][1] if failed else 0
 

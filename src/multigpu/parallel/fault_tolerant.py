@@ -284,7 +284,26 @@ def _manager(lighthouse: str, group: int, replicas: Replicas, timeout: float):
     return torchft.Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
                            use_async_quorum=False, timeout=wait, quorum_timeout=timedelta(seconds=max(60.0, timeout)),
                            connect_timeout=wait, rank=dist.rank, world_size=dist.world_size,
-                           lighthouse_addr=lighthouse, replica_id=f"group{group}", init_sync=True)
+                           lighthouse_addr=lighthouse, replica_id=f"group{group}", init_sync=True,
+                           **_advertised(contract.replica_host(), wait))
+
+
+def _advertised(host: str | None, wait: timedelta) -> dict[str, Any]:
+    """On several nodes, what this group's Manager tells the other groups to dial: this node's address (the
+    launcher's ``MULTIGPU_REPLICA_HOST``) for its store, its quorum server and the state a joining group fetches.
+    torchft's defaults are the host name and ``MASTER_ADDR``, which resolve to a loopback address on many hosts
+    (and are, for a group's own rendezvous on one node). Its servers bind every interface either way."""
+    if host is None:
+        return {}
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    name = f"[{host}]" if ":" in host else host
+
+    class Transport(HTTPTransport):
+        def address(self) -> str:  # torchft's: http://<socket.gethostname()>:<port>/checkpoint/
+            return f"http://{name}:{super().address().rsplit(':', 1)[1]}"
+
+    return {"hostname": name, "store_addr": host, "checkpoint_transport": Transport(timeout=wait, num_chunks=0)}
 
 
 def fault_tolerant(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dist: Dist,

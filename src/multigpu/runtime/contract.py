@@ -20,6 +20,8 @@ file in the run directory::
     MULTIGPU_REPLICA_GROUPS  --fault-tolerant G: G, the replica groups the launcher started
     MULTIGPU_REPLICAS_DIR    --fault-tolerant G: where each group's rank 0 appends its committed steps
                              (group<g>.jsonl, parallel/fault_tolerant.py); TORCHFT_LIGHTHOUSE is torchft's own
+    MULTIGPU_REPLICA_HOST    --fault-tolerant G on several nodes: this node's address the other nodes reach, which
+                             the groups' torchft Managers advertise (their store, quorum server and state transfer)
     MULTIGPU_MEMORY_STEP     "1" under `multigpu tune`: every StepMeter takes one warm-up step's real peak memory
                              (meter/footprint.py's MemoryStep) into its summary
     <run dir>/find_batch.json  the agreed search result (local rank 0 of each node), for the launcher's last line
@@ -58,6 +60,7 @@ REPLICA_GROUP_ENV = "MULTIGPU_REPLICA_GROUP"  # --fault-tolerant: this torch job
 REPLICA_GROUPS_ENV = "MULTIGPU_REPLICA_GROUPS"  # --fault-tolerant: how many the launcher started
 REPLICAS_DIR_ENV = "MULTIGPU_REPLICAS_DIR"  # --fault-tolerant: the groups' step records
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable: the lighthouse's address
+REPLICA_HOST_ENV = "MULTIGPU_REPLICA_HOST"  # --fault-tolerant on several nodes: what the other nodes reach here at
 VERIFY_DIR = "verify"  # <run dir>/verify/: the probe's records
 FIND_BATCH_FILE = "find_batch.json"
 RAISED_AT = "_multigpu_raised_at"  # set on an exception by the code that caught it first (mg.init)
@@ -198,6 +201,11 @@ def read_find_batch(run_dir: str) -> dict[str, Any]:
 def run_dir() -> str | None:
     """The run directory of ``multigpu run`` (None outside it)."""
     return os.environ.get(RUN_DIR_ENV)
+
+
+def replica_host() -> str | None:
+    """This node's address for the other nodes' replica groups (``--fault-tolerant`` on several nodes), else None."""
+    return os.environ.get(REPLICA_HOST_ENV) or None
 
 
 def replica_group() -> tuple[int, int, str, str] | None:

@@ -1,0 +1,94 @@
+"""`multigpu run --fault-tolerant` on separate hosts: a node's network cut mid-run costs a stall, not the job.
+
+Two nodes, each its own network namespace (tests/_netns.py: veth pairs on a bridge, no loopback between
+them), each running one replica group of two CPU workers (tests/_ft_train.py, DDP inside the group). Node
+0's launcher starts the lighthouse on --master's port; node 1's waits for it. Each node writes its own
+records (separate --log-dir: nothing is shared but the script's output folder). Node 1's eth0 goes down
+mid-run: nothing resets, its group just falls silent. Node 0's group commits the remaining steps without
+it, and its final parameters equal one process trained on exactly the samples the committed steps used.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+import _ft_train as job
+import _netns
+from test_fault_tolerant import SCRIPT, _records
+
+pytest.importorskip("torchft")
+pytestmark = pytest.mark.skipif(_netns.unavailable() is not None, reason=str(_netns.unavailable()))
+
+GROUPS, STEPS, PORT = 2, 30, 29400  # any port: each node has its own network stack
+
+
+def _launch(net, i, tmp_path):
+    """Node i's launcher with the flags a user types on that host: node rank, node 0's address, the groups."""
+    with open(tmp_path / f"node{i}.out", "w") as out:
+        return net.popen(i, [
+            sys.executable, "-m", "multigpu", "run", "--cpu", "-n", "2", "--fault-tolerant", str(GROUPS), "--nnodes",
+            "2", "--node-rank", str(i), "--master", f"{net.nodes[0].addr}:{PORT}", "--log-dir",
+            str(tmp_path / f"node{i}-logs"), SCRIPT, "--out", str(tmp_path), "--steps", str(STEPS), "--sleep", "0.1",
+            "--timeout", "3"], stdout=out, stderr=out, cwd=tmp_path)
+
+
+@pytest.mark.slow
+def test_a_node_cut_off_mid_run_costs_a_stall_and_the_survivor_trains_what_one_process_trains(tmp_path):
+    logs0, logs1 = tmp_path / "node0-logs", tmp_path / "node1-logs"
+    t0 = time.monotonic()
+    with _netns.Hosts(2) as net:
+        other, host = _launch(net, 1, tmp_path), _launch(net, 0, tmp_path)  # node 1 first: it waits for node 0
+        deadline = time.monotonic() + 60
+        while sum(r["groups"] == [0, 1] for r in _records(str(logs0), 0)) < 8:  # 8 steps together, then the cut
+            assert host.poll() is None and time.monotonic() < deadline, (tmp_path / "node0.out").read_text()[-3000:]
+            time.sleep(0.02)
+        net.cut(1)
+        t_cut = time.time()
+        code = host.wait(timeout=90)
+        took = time.monotonic() - t0
+        left = other.poll()
+    assert not _netns.leftovers()
+    text = (tmp_path / "node0.out").read_text()
+    assert code == 0, text[-3000:]
+    addr0 = net.nodes[0].addr
+    assert (f"--fault-tolerant: node 0 of 2 (flags) runs groups 0..0 of {GROUPS} replica groups of 2 workers, torchft "
+            f"{job_version()}, lighthouse http://{addr0}:{PORT} (started here)") in text, text[-3000:]
+    assert f"node 1 of 2 (flags) runs groups 1..1 of {GROUPS} replica groups" in (tmp_path / "node1.out").read_text()
+
+    survivor = _records(str(logs0), 0)
+    assert [r["step"] for r in survivor] == list(range(STEPS))  # every step committed once, none twice
+    together = [r for r in survivor if r["groups"] == [0, 1]]
+    alone = [r for r in survivor if r["groups"] == [0]]
+    assert len(together) + len(alone) == STEPS and alone and survivor[:len(together)] == together, survivor
+    assert all(r["time"] >= t_cut for r in alone)  # left out only once its link was down
+    # Node 1's own record, on its own disk: the steps it took part in, the same as node 0's.
+    assert [dict(r, group=0, time=0) for r in _records(str(logs1), 1)] == [dict(r, time=0) for r in together]
+
+    share = job.GLOBAL_BATCH // GROUPS
+    assert all(r["skipped"] == share * (GROUPS - len(r["groups"])) for r in survivor)
+    skipped = sum(r["skipped"] for r in survivor)
+    assert (f"{STEPS} steps committed, {len(alone)} without every group ({skipped} samples skipped), 0 heals from a "
+            "live group") in text, text[-2000:]
+
+    expected = job.replay(survivor, GROUPS)
+    got = torch.load(tmp_path / "group0.pt")
+    worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+    assert worst <= 1e-9, f"node 0's group: {worst:.3g} from one process on the committed samples"
+    every = job.replay([dict(r, groups=[0, 1]) for r in survivor], GROUPS)  # the skipped shares matter
+    assert max((every[k] - expected[k]).abs().max().item() for k in every) > 1e-6
+    stall = alone[0]["time"] - together[-1]["time"]
+    print(f"\nnode 1 cut after {len(together)} steps together: node 0's group stalled {stall:.2f} s (last step "
+          f"with node 1 -> first without), {len(alone)} steps alone, {skipped} samples skipped; parameters within "
+          f"{worst:.1e} of one process; node 1's launcher {'still running' if left is None else f'exited {left}'}; "
+          f"{took:.1f} s in all")
+
+
+def job_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("torchft")
