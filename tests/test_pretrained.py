@@ -124,6 +124,7 @@ def _through_pipeline(dist, path: str, layout: dict, ref, eager: dict, target: s
     """This rank's stages of a pipeline loaded from ``path``: each tensor they hold against ``ref`` (transformers'
     model on one process), the loss of 4 micro-batches (on the last stage's ranks) against ``ref``'s."""
     from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
 
     layout = mg.parallel.Layout(micro_batch=1, **layout)
     plan = layout.plan(4, dist)
@@ -135,10 +136,17 @@ def _through_pipeline(dist, path: str, layout: dict, ref, eager: dict, target: s
     loss = pipe.evaluate(batches)
     with torch.no_grad():
         expected = torch.stack([_loss(ref(a).logits, b) for a, b in batches]).mean()
-    with pytest.raises(mg.UsageError, match="save_pretrained of a pipeline is not built yet"):
-        mg.save_pretrained(pipe.model, target)
-    return {"pipeline": True, "params": max(float((v - own[k]).abs().max()) for k, v in held.items()),
-            "keys": set(held) <= set(own) and len(held) > 5, "logits": 0.0 if loss is None else float(abs(loss - expected))}
+    mg.save_pretrained(pipe.model, target, max_shard_bytes=16_000)  # each stage's ranks write its tensors
+    got = {"pipeline": True, "params": max(float((v - own[k]).abs().max()) for k, v in held.items()),
+           "keys": set(held) <= set(own) and len(held) > 5, "logits": 0.0 if loss is None else float(abs(loss - expected))}
+    if dist.rank == 0:  # read back by transformers: no key missing or unexpected, every tensor bitwise the source's
+        back, info = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64, output_loading_info=True, **eager)
+        got["loading"] = {k: list(v) for k, v in info.items() if v and k != "error_msgs"}
+        got["round_trip"] = max(float((v - own[k]).abs().max()) for k, v in back.state_dict().items())
+        got["names"] = _written(target) == _written(path)
+        got["tied"] = ((back.get_output_embeddings().weight is back.get_input_embeddings().weight)
+                       == (ref.get_output_embeddings().weight is ref.get_input_embeddings().weight))
+    return got
 
 
 def _written(directory: str) -> set[str]:
@@ -151,11 +159,14 @@ def test_a_published_checkpoint_loads_onto_each_layout_and_exports_back_exactly(
     """Every parameter bitwise transformers' from_pretrained on one process; the logits within 1e-9 in
     float64; the export read back by transformers with no missing or unexpected keys, bitwise."""
     out = spawn(_load_and_export, world, saved, LAYOUTS[world], str(tmp_path), timeout=600)
-    for rank in out:  # a pipeline's stages on each rank: what each holds, bitwise; no export yet (refused)
+    for rank in out:  # a pipeline's stages on each rank: what each holds, bitwise
         for name, got in rank.items():
             assert not got.get("pipeline") or (got["params"] == 0.0 and got["keys"]), (name, got)
     assert sum(got.get("pipeline", False) for got in out[-1].values()) == {2: 6, 4: 8}[world]  # each ran
     for name, got in out[0].items():
+        # a pipeline's export, its stages written by their own ranks: the source's tensors, its tie, its names
+        assert got["round_trip"] == 0.0 and got["loading"] == {} and got["names"], (name, got)
+        assert not got.get("pipeline") or got["tied"], (name, got)  # tied as the source, or untied as it
         if got.get("pipeline"):
             continue
         assert got["params"] == 0.0 and got["keys"] and got["names"], name
@@ -393,7 +404,7 @@ def test_the_zoo_loads_onto_fsdp_and_ep_and_exports_under_transformers_names(tmp
     assert len(loaded) == pinned["loads"], (len(loaded), pinned["loads"])
 
 
-def _planted(dist, saved: dict[str, str]) -> dict:
+def _planted(dist, saved: dict[str, str], target: str) -> dict:
     """Loads onto EP 2 and PP 2 whose split is checked against an FSDP load of the checkpoint: the plain EP load
     passes bitwise; with rank 1's experts swapped after loading, or rank 1's pipeline stage perturbed, every
     rank refuses in one line (the check's verdict is all-reduced)."""
@@ -433,16 +444,36 @@ def _planted(dist, saved: dict[str, str]) -> dict:
                 out[key] = str(e)
     finally:
         load._fill = original
+    out["tied"] = _tied_copies_apart(dist, saved["llama-tied"], f"{target}/tied")
     return out
 
 
-def test_a_load_whose_split_differs_from_the_checkpoint_is_refused_on_every_rank(saved):
+def _tied_copies_apart(dist, path: str, target: str) -> str:
+    """A tied Llama's pipeline whose head copy (last stage) no longer equals its token table (first stage), as an
+    optimizer treating them apart leaves it: its save_pretrained is refused on every rank, nothing written."""
+    layout = mg.parallel.Layout(pp=2, micro_batch=1)
+    pipe = mg.from_pretrained(path, layout, loss_fn=_loss, plan=layout.plan(2, dist), verbose=False)
+    if pipe.has_last:
+        with torch.no_grad():
+            pipe.model.lm_head.weight[0, 0] += 1e-3
+    try:
+        mg.save_pretrained(pipe, target)
+    except mg.UsageError as e:
+        return str(e) + (" (left behind)" if Path(target).exists() else "")
+    return "saved"
+
+
+def test_a_load_whose_split_differs_from_the_checkpoint_is_refused_on_every_rank(saved, tmp_path):
     """EP, a declared TP plan and a pipeline's cut, loaded with no process holding the model, are checked
     against an FSDP load of the same checkpoint: a planted difference on one rank (its experts permuted, a
-    norm perturbed) is refused in one line on every rank; the plain load is bitwise."""
-    out = spawn(_planted, 2, saved, timeout=300)
+    norm perturbed) is refused in one line on every rank; the plain load is bitwise. A pipeline's tied copies
+    that differ are refused on save, on every rank, nothing written."""
+    out = spawn(_planted, 2, saved, str(tmp_path), timeout=300)
     assert all(r["ep logits"] < 1e-9 for r in out), out
     for r in out:
+        assert r["tied"].startswith("save_pretrained of a pipeline: the stages' copies of a tied tensor (the token "
+                                    "table and the head) differ"), r["tied"]
+        assert "\n" not in r["tied"] and not r["tied"].endswith("(left behind)"), r["tied"]
         assert "\n" not in r["ep"] + r["tp"] + r["pp"], r
         assert r["tp"].startswith("from_pretrained onto layout tp=2 (tp=2) changes LlamaForCausalLM's output on a "
                                   "probe batch"), r["tp"]

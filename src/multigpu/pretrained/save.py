@@ -3,8 +3,9 @@
 ``HuggingFaceStorageWriter`` saves every rank's shards and consolidates them tensor by tensor into safetensors
 files with their index, beside ``config.json`` (and ``generation_config.json``), under a temporary name renamed
 when complete; a mixture of experts' fused tensors are written one tensor per expert under the names
-transformers writes (``experts.py``), each rank writing the experts it holds. A PEFT model: its adapter
-alone, in PEFT's format. The helpers ``mg.from_pretrained`` shares (the model's tensors without tied copies,
+transformers writes (``experts.py``), each rank writing the experts it holds. A pipeline: each stage's ranks
+write their stage's tensors, a tied tensor's copies (head on the last stage, table on the first) once. A PEFT
+model: its adapter alone, in PEFT's format. The helpers ``mg.from_pretrained`` shares (the model's tensors without tied copies,
 strided shards) are here, below it in the imports.
 """
 
@@ -56,8 +57,9 @@ def _untied_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_pretrained(model: nn.Module, directory: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write ``model`` (a transformers model, spread by any layout or not) as transformers' ``save_pretrained``
     does: safetensors files of at most ``max_shard_bytes`` with their index, ``config.json`` and
-    ``generation_config.json``; every rank calls it. Each rank writes its shards; they are consolidated
-    tensor by tensor (no process gathers the model), under a temporary name renamed when complete.
+    ``generation_config.json``; every rank calls it (a pipeline: with the ``Pipeline`` or its ``.model``). Each
+    rank writes its shards; they are consolidated tensor by tensor (no process gathers the model), under a
+    temporary name renamed when complete.
 
     >>> mg.save_pretrained(model, "out/llama-tuned")   # AutoModelForCausalLM.from_pretrained("out/llama-tuned")
     """
@@ -69,11 +71,10 @@ def save_pretrained(model: nn.Module, directory: str | Path, *, max_shard_bytes:
     from ..parallel import unwrap
     from ..spreads import pipeline_of, refuse_stages
 
-    if pipeline_of(model) is not None:
-        raise UsageError("save_pretrained of a pipeline is not built yet: its stages are on other ranks; save a "
-                         "checkpoint with mg.Checkpointer and load it onto a layout without pp to export")
-    refuse_stages(model, "save_pretrained", "save a checkpoint with mg.Checkpointer")
-    inner = unwrap(model)
+    pipe = pipeline_of(model)  # a pipeline (or its .model): each rank writes its own stages' tensors
+    if pipe is None:
+        refuse_stages(model, "save_pretrained", "pass the Pipeline (or its .model): every rank writes its stages")
+    inner = unwrap(pipe.modules[0] if pipe is not None else model)  # a stage is a copy of the model: its config
     if getattr(inner, "config", None) is None or not hasattr(inner.config, "save_pretrained"):
         raise UsageError(f"save_pretrained writes a transformers model (with its config), got {type(inner).__name__}; "
                          "use mg.Checkpointer or mg.full_state_dict for your own model")
@@ -93,10 +94,14 @@ def save_pretrained(model: nn.Module, directory: str | Path, *, max_shard_bytes:
 
     check_wrapped_whole(inner, "save_pretrained")
     if is_peft(inner):  # a PEFT model: its adapter only, in PEFT's own format
+        if pipe is not None:
+            raise UsageError("save_pretrained of a PEFT adapter from a pipeline's stages is not built; save it from "
+                             "a layout without pp (the adapter is small: load the model onto FSDP to export it)")
         return _save_adapter(inner, out, partial, rank, on)
-    state = {k: v if _contiguous(v) is None else v.redistribute(v.device_mesh, _contiguous(v))
-             for k, v in _untied_state(inner).items()}
-    state, sizes = per_expert_state(inner, state)  # the names transformers writes
+    if pipe is not None:
+        state, sizes = _pipeline_state(pipe)
+    else:
+        state, sizes = per_expert_state(inner, _writable(_untied_state(inner)))  # the names transformers writes
     files = shard_files(sizes, max_shard_bytes)
     error = None
     try:
@@ -115,6 +120,68 @@ def save_pretrained(model: nn.Module, directory: str | Path, *, max_shard_bytes:
         except OSError as e:
             error = _cause(e)
     return _ended(error, out, partial, rank, on)
+
+
+def _writable(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each strided DTensor laid out contiguously (``_contiguous``: what DCP writes as one box)."""
+    return {k: v if _contiguous(v) is None else v.redistribute(v.device_mesh, _contiguous(v)) for k, v in state.items()}
+
+
+def _pipeline_state(pipe) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """(what this rank's stages write, under transformers' names; every written tensor's bytes, in the whole
+    model's order). A stage holds its own blocks under one process's names, so the ranks' keys differ and DCP
+    writes each once (replicas, of a tensor-parallel or data-parallel coordinate, deduplicated by its planner).
+    A tied tensor (the head on the last stage, the token table on the first) is a copy on each stage that uses
+    it: written once, the copy ``Pipeline.clip_grad_norm_`` counts (the lowest stage's, transformers' name),
+    after checking the copies are still equal. The file split needs every tensor's size, so the ranks' sizes
+    are gathered: by stage id, which is the model's order."""
+    import torch.distributed as tdist
+
+    _check_tied_copies(pipe)
+    state: dict[str, torch.Tensor] = {}
+    sizes: list[tuple[int, list[tuple[str, int]]]] = []
+    for stage, i in zip(pipe.modules, pipe.ids):
+        copies = {n for n, p in stage.named_parameters(remove_duplicate=False) if id(p) in pipe.tied.skip}
+        own = {k: v for k, v in _untied_state(stage).items() if k not in copies}
+        written, stage_sizes = per_expert_state(stage, _writable(own))
+        state.update(written)
+        sizes.append((i, list(stage_sizes.items())))
+    everyone: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(everyone, sizes)
+    merged: dict[str, int] = {}
+    for _, items in sorted((entry for per_rank in everyone for entry in per_rank), key=lambda e: e[0]):
+        for name, size in items:
+            merged.setdefault(name, size)
+    return state, merged
+
+
+def _check_tied_copies(pipe) -> None:
+    """Refuse, in one line on every rank, a pipeline whose copies of a tied tensor differ (the Pipeline keeps them
+    equal by summing their gradients; an optimizer that treats them apart, e.g. weight decay chosen by name,
+    does not): writing one would export another model than the one trained. Each holder hashes its local
+    shard; holders of one group, at one coordinate outside the pipeline, compare within the pipeline group."""
+    import hashlib
+
+    import torch.distributed as tdist
+    from torch.distributed.tensor import DTensor
+
+    mine: dict[tuple, list[str]] = {}
+    for params, order, _ in pipe.tied.sums:  # the holders' ranks name the group alike on each holder
+        key = (tuple(order), sum(k[0] == tuple(order) for k in mine))
+        local = [(p.to_local() if isinstance(p, DTensor) else p).detach().cpu().contiguous() for p in params]
+        mine[key] = [hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest() for t in local]
+    got: list = [None] * tdist.get_world_size(pipe.group)
+    tdist.all_gather_object(got, mine, group=pipe.group)
+    seen: dict[tuple, set[str]] = {}
+    for per_rank in got:
+        for key, digests in per_rank.items():
+            seen.setdefault(key, set()).update(digests)
+    differ = torch.tensor([float(any(len(d) > 1 for d in seen.values()))], device=pipe.stages[0].device)
+    tdist.all_reduce(differ, op=tdist.ReduceOp.MAX)  # every pipeline group's verdict, on every rank
+    if differ.item():
+        raise UsageError("save_pretrained of a pipeline: the stages' copies of a tied tensor (the token table and "
+                         "the head) differ, so one written would not be the model trained; give both copies the "
+                         "same optimizer settings, or untie them (config.tie_word_embeddings=False)")
 
 
 def _ended(error: str | None, out: Path, partial: Path, rank: int, on: bool) -> Path:
