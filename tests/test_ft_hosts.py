@@ -92,3 +92,50 @@ def job_version() -> str:
     import importlib.metadata
 
     return importlib.metadata.version("torchft")
+
+
+SBATCH = """#!/bin/bash
+#SBATCH --nodes=2 --ntasks-per-node=1 --output={out}
+srun bash -c '{python} -m multigpu run -n 2 --cpu --fault-tolerant 2 --log-dir {logs}/node$SLURM_NODEID {script} \
+--out {tmp} --steps 8'
+"""
+
+
+@pytest.mark.slow
+def test_under_slurm_each_node_runs_its_group_and_both_train_what_one_process_trains(tmp_path):
+    """sbatch + srun on a real SLURM cluster of two namespace hosts (tests/_slurm.py): node rank, node count and
+    node 0's address come from SLURM (its NodeAddr: the node names resolve nowhere), the lighthouse listens on
+    the job's port on node 0, and each node's group trains with the other's every step."""
+    import _slurm
+
+    why = _slurm.unavailable() or _slurm.install()
+    if why:
+        pytest.skip(why)
+    (tmp_path / "job.sbatch").write_text(SBATCH.format(out=tmp_path / "job.out", python=sys.executable,
+                                                       logs=tmp_path / "logs", script=SCRIPT, tmp=tmp_path))
+    with _netns.Hosts(2) as net, _slurm.Cluster(net, tmp_path / "slurm") as cluster:
+        t0 = time.monotonic()
+        proc = cluster.run(0, ["sbatch", "--parsable", str(tmp_path / "job.sbatch")], capture_output=True, text=True,
+                           timeout=30, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        jobid = int(proc.stdout.strip().split(";")[0])
+        state = cluster.wait(jobid, timeout=120)
+        took = time.monotonic() - t0
+        addr0 = net.nodes[0].addr
+    assert not _netns.leftovers()
+    text = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+    assert state == ("COMPLETED", "0:0"), f"{state}\n{text[-3000:]}"
+    lighthouse = f"lighthouse http://{addr0}:{20000 + jobid % 20000}"
+    assert f"node 0 of 2 (slurm) runs groups 0..0 of 2 replica groups of 2 workers, torchft {job_version()}, " \
+           f"{lighthouse} (started here)" in text, text[-3000:]
+    assert f"node 1 of 2 (slurm) runs groups 1..1 of 2 replica groups of 2 workers, torchft {job_version()}, " \
+           f"{lighthouse}, each" in text, text[-3000:]
+    records = [_records(str(tmp_path / "logs" / f"node{g}"), g) for g in (0, 1)]
+    assert [(r["step"], r["groups"]) for r in records[0]] == [(s, [0, 1]) for s in range(8)], records
+    assert [dict(r, group=0, time=0) for r in records[1]] == [dict(r, time=0) for r in records[0]]
+    expected = job.replay(records[0], GROUPS)
+    for g in (0, 1):
+        got = torch.load(tmp_path / f"group{g}.pt")
+        worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+        assert worst <= 1e-9, f"group {g}: {worst:.3g} from one process"
+    print(f"\nsbatch: --fault-tolerant 2 on 2 SLURM nodes, one group each: {took:.1f} s, within {worst:.1e} of one process")
