@@ -22,7 +22,7 @@ import _netns
 from test_fault_tolerant import SCRIPT, _records
 
 pytest.importorskip("torchft")
-pytestmark = pytest.mark.skipif(_netns.unavailable() is not None, reason=str(_netns.unavailable()))
+hosts = pytest.mark.skipif(_netns.unavailable() is not None, reason=str(_netns.unavailable()))
 
 GROUPS, STEPS, PORT = 2, 20, 29400  # any port: each node has its own network stack
 
@@ -38,6 +38,7 @@ def _launch(net, i, tmp_path):
 
 
 @pytest.mark.slow
+@hosts
 def test_a_node_cut_off_mid_run_costs_a_stall_and_the_survivor_trains_what_one_process_trains(tmp_path):
     logs0, logs1 = tmp_path / "node0-logs", tmp_path / "node1-logs"
     t0 = time.monotonic()
@@ -102,6 +103,7 @@ srun bash -c '{python} -m multigpu run -n 2 --cpu --fault-tolerant 2 --log-dir {
 
 
 @pytest.mark.slow
+@hosts
 def test_under_slurm_each_node_runs_its_group_and_both_train_what_one_process_trains(tmp_path):
     """sbatch + srun on a real SLURM cluster of two namespace hosts (tests/_slurm.py): node rank, node count and
     node 0's address come from SLURM (its NodeAddr: the node names resolve nowhere), the lighthouse listens on
@@ -139,3 +141,20 @@ def test_under_slurm_each_node_runs_its_group_and_both_train_what_one_process_tr
         worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
         assert worst <= 1e-9, f"group {g}: {worst:.3g} from one process"
     print(f"\nsbatch: --fault-tolerant 2 on 2 SLURM nodes, one group each: {took:.1f} s, within {worst:.1e} of one process")
+
+
+def test_a_node_that_cannot_tell_its_own_address_is_one_line(tmp_path, monkeypatch, capsys):
+    """Node 0's name mapped to a loopback address on node 0 itself (Debian's 127.0.1.1 in /etc/hosts): the groups
+    would advertise an address no other node reaches. Refused before anything starts, exit 2."""
+    from _cli import run_cli
+    from multigpu.launch import replicas
+
+    monkeypatch.setattr(replicas, "node_address", lambda host, port: None)
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli(["run", "--cpu", "--fault-tolerant", "2", "--nnodes", "2", "--master", "127.0.0.1:29500",
+                         SCRIPT], capsys)
+    assert code == 2 and err.strip() == (
+        "multigpu run: error: --fault-tolerant on 2 nodes: cannot tell this node's address toward node 0's "
+        "127.0.0.1:29500 (no route to it, or this host's name maps to a loopback address); give --master as node "
+        "0's IP address, or fix the route or the name in /etc/hosts"), err
+    assert not list(tmp_path.iterdir())  # nothing started

@@ -6,6 +6,11 @@ agent restarts the group, and its workers heal from a live group (parallel/fault
 others go on stepping. The lighthouse, where the groups' quorum forms, runs inside this process (torchft's
 Rust server), so it ends with the launcher; ``--lighthouse HOST:PORT`` uses one already running instead.
 Every group's output reaches the console prefixed ``[group g]``.
+
+On several nodes (``--nnodes N`` with ``--node-rank``/``--master``, or SLURM's) each node's launcher runs whole
+groups, node k groups k*G/N.. (G a multiple of N), and keeps its own groups' records. Node 0's launcher starts
+the lighthouse on ``--master``'s port; the others wait for it. Each node's groups advertise the address the
+node routes to node 0 from (``MULTIGPU_REPLICA_HOST``, parallel/fault_tolerant.py) and gloo binds its interface.
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ def check(cfg: RunConfig) -> None:
                              "start one (torchft_lighthouse --min_replicas 1) or drop --lighthouse") from None
     elif place.nnodes > 1 and place.node_rank != 0:  # node 0's launcher starts it: wait for it, bounded
         _await(place.master_addr, place.master_port, cfg.rdzv_timeout)
+    if place.nnodes > 1:
+        _node_address(place)  # what the other nodes will dial here, known before anything starts
 
 
 def _host_port(lighthouse: str) -> tuple[str, int]:
@@ -139,7 +146,8 @@ def _node_address(place: Placement) -> tuple[str, str | None]:
     if found is None:
         raise UsageError(f"--fault-tolerant on {place.nnodes} nodes: cannot tell this node's address toward node 0's "
                          f"{_host_join(place.master_addr, place.master_port)} (no route to it, or this host's name maps "
-                         "to a loopback address); fix the route or the name in /etc/hosts")
+                         "to a loopback address); give --master as node 0's IP address, or fix the route or the name in "
+                         "/etc/hosts")
     return found
 
 
