@@ -44,7 +44,8 @@ def repredict(report: dict, a) -> dict:
     from multigpu.tune import machine
     from multigpu.tune.machine import measure_parts
     from multigpu.tune.wrappers import gpt
-    from multigpu.tune.space import candidates, name
+    from multigpu.parallel.space import name
+    from multigpu.tune.space import candidates
 
     cfg = config(a.size)
     found, _ = candidates(a.n, cfg, a.global_batch, micro_batches=[int(v) for v in a.micro_batches.split(",")])

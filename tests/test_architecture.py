@@ -141,8 +141,13 @@ LAYERS = [
     ("loop pieces", ["batch", "data", "loss", "spreads"]),
     ("parallelism", ["parallel", "precision"]),  # precision converts a model's layers (float8)
     ("instruments and state", ["meter", "noise", "checkpoint", "finder", "pretrained"]),
-    ("tools and decisions", ["launch", "planner", "study", "report", "verify", "verify_floor", "doctor", "commbench", "recipes", "tune", "forecast",
-                             "testing", "cli", "__main__"]),
+    # The tools, in four layers of their own: what they are built from (the launcher, the page writer, the
+    # recipes), what measures or models a run (study, forecast, the collective benchmarks), what decides
+    # (tune weighs forecast and measurement, verify and doctor judge), and the commands over all of them.
+    ("tool parts", ["launch", "report", "recipes", "verify_floor", "testing"]),
+    ("measures and models", ["study", "forecast", "commbench"]),
+    ("decisions", ["tune", "verify", "doctor", "planner"]),
+    ("commands", ["cli", "__main__"]),
 ]
 
 

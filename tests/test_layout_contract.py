@@ -130,7 +130,7 @@ def test_bad_tune_input_for_a_script_is_one_line(tmp_path, capsys, monkeypatch):
 
 
 def test_tune_enumerates_every_layout_through_the_mesh_factoring():
-    from multigpu.tune.space import layouts
+    from multigpu.parallel.space import layouts
 
     found = layouts(4, micro_batches=[2, 4])
     shapes = {(l.pp, l.dp_replicate, l.dp_shard, l.tp) for l in found}

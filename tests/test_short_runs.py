@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from multigpu.meter.records import run_summary
-from multigpu.study.measure import steps_asked, thin_evidence
+from multigpu.meter.evidence import steps_asked, thin_evidence
 
 from _cli import run_cli
 

@@ -12,7 +12,8 @@ from multigpu.recipes.gpt.model import GPT, config
 from multigpu.tune import TuneConfig, run_tune
 from multigpu.forecast.hardware import Links
 from multigpu.parallel.layout import Layout
-from multigpu.tune.space import candidates, name
+from multigpu.parallel.space import name
+from multigpu.tune.space import candidates
 
 
 def test_candidates_cover_every_layout_that_computes_the_same_training_and_say_why_others_are_out():

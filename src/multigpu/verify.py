@@ -34,7 +34,7 @@ from .meter.records import read_records
 from .runtime.contract import VERIFY_DIR, VERIFY_ENV, VERIFY_FLOOR_ENV
 from .runtime.fields import add_field
 from .runtime.values import int_list
-from .study.measure import thin_evidence
+from .meter.evidence import thin_evidence
 from .verify_floor import (STEP0, TOLERANCES, Floor, Spread, Tolerance, describe, loss_gaps, undecidable,  # noqa: F401 - verify's
                            measure)
 

@@ -1,6 +1,6 @@
 """Every layout of a cluster for one counted model, forecast and ranked: what fits first, fastest first.
 
-The layouts are ``tune``'s own enumeration of the mesh (``tune.space.layouts``: pp x dp_replicate x
+The layouts are the mesh's own enumeration, tune's too (``parallel.space.layouts``: pp x dp_replicate x
 dp_shard x tp, cp without a pipeline, and for a mixture of experts each ep of dp_shard), times the
 micro-batch sizes, full recompute on or off, and the pipeline schedules; a layout the model cannot take (tp or cp not dividing the heads, more stages than
 blocks, a micro-batch count the schedule does not run, a sequence cp cannot cut in 2 cp chunks, ep not dividing the
@@ -55,7 +55,7 @@ def plan(counts: Counts, cluster: Cluster, run: Run, a: Assumptions, *, micro_ba
          named: list[Layout] | None = None) -> tuple[list[dict], list[dict]]:
     """(forecasts ranked: fitting first, then tokens/s per GPU, then the lesser memory and the name, so a tie is
     broken the same way every time; the layouts left out with their reason). ``named``: only those layouts."""
-    from ..tune.space import layouts, name
+    from ..parallel.space import layouts, name
 
     ranked, out = [], []
     if named:

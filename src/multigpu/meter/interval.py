@@ -42,6 +42,40 @@ class Interval:
         self.metric_sums: dict[str, Any] = {}
         self.paused = 0.0  # seconds in meter.pause(): evaluation, checkpoints (not step time)
         self.t0 = time.perf_counter()
+        self._cuda, self._ready_t, self._hooks_seen, self._t_step = False, None, 0, self.t0  # the step's (begin)
+
+    def begin(self, data_wait: float, cuda: bool) -> None:
+        """A step starts: its data wait, then its clock (CUDA events on the GPU)."""
+        self.dws.append(data_wait)
+        self._cuda, self._ready_t, self._hooks_seen = cuda, None, 0
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.events.append((start, torch.cuda.Event(enable_timing=True), None))
+        self._t_step = time.perf_counter()
+
+    def grad_ready(self, hooks: int) -> None:
+        """One of the ``hooks`` hooked parameters has its gradient (``register_post_accumulate_grad_hook``)."""
+        if self._cuda:
+            # One event record per backward pass (a record costs a few us), when every hooked parameter has
+            # its gradient; a step where some get none has no ready time (stragglers judged on compute).
+            self._hooks_seen += 1
+            if self._hooks_seen % hooks == 0:
+                self.events[-1][1].record()
+        else:
+            self._ready_t = time.perf_counter()
+
+    def end(self) -> None:
+        """The step ends: its compute time, and the time its gradients were ready (CPU clock or CUDA events)."""
+        if self._cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            start, ready, _ = self.events[-1]
+            self.events[-1] = (start, ready, end)
+            return
+        self.cps.append(time.perf_counter() - self._t_step)
+        if self._ready_t is not None:
+            self.rds.append(self._ready_t - self._t_step)
 
     def add(self, loss: Any, metrics: dict[str, Any]) -> None:
         """One ended step's loss (tensor or float) and extra metrics, summed without a device sync."""

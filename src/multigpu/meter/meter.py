@@ -86,6 +86,7 @@ class StepMeter:
         # mg.fault_tolerant's groups: steps are the committed ones, samples those the quorum trained on
         self._quorum = Quorum(replicas) if replicas is not None else None
         self._ranks = self.world_size * (replicas.groups if replicas is not None else 1)  # every group's ranks
+        self._skipped = 0  # samples the missing groups' shares skipped so far
         self.tokens_per_sample = tokens_per_sample
         self._flops_auto = flops_per_sample == "auto" and not is_pipeline(model)
         self.flops_per_sample = None if flops_per_sample in (None, "auto") else float(flops_per_sample)
@@ -123,8 +124,6 @@ class StepMeter:
     def _start_instruments(self, dist: Any, model: torch.nn.Module | None, gpu_monitor: bool,
                            watchdog: float | None, profile: Any) -> None:
         """Gradient-ready hooks, GPU monitor, watchdog and profiler, as asked."""
-        self._ready_ev = None
-        self._ready_t: float | None = None
         self._hooks = []
         if model is not None and not is_pipeline(model):
             # The time until this rank's own gradients are ready, before it can wait for
@@ -191,14 +190,7 @@ class StepMeter:
     # -- per step: timestamps only ------------------------------------------------------
     def _grad_ready(self, _param) -> None:
         if self._in_step:
-            if self._cuda:
-                # One event record per backward pass (a record costs a few us), when every hooked parameter has
-                # its gradient; a step where some get none has no ready time (stragglers judged on compute).
-                self._hook_count += 1
-                if self._hook_count % len(self._hooks) == 0:
-                    self._ready_ev.record()
-            else:
-                self._ready_t = time.perf_counter()
+            self._iv.grad_ready(len(self._hooks))
 
     @property
     def will_log(self) -> bool:
@@ -230,10 +222,7 @@ class StepMeter:
                 return
             waited = time.perf_counter() - t0
             if self._quorum is not None:
-                quorum_s = self._quorum.replicas.quorum_s
-                self._quorum.waited(quorum_s)
-                waited = max(0.0, waited - quorum_s)
-                self.step, batch = batch
+                self.step, batch, waited = self._quorum.begin(batch, waited)
             self.step_begin(data_wait=waited)
             if self.probe is not None:
                 batch = self.probe.batch(batch)
@@ -247,16 +236,9 @@ class StepMeter:
             self._started = True
             self._iv.t0 = time.perf_counter()
         self._in_step = True
-        self._iv.dws.append(data_wait)
-        self._ready_t = None
-        self._hook_count = 0
-        if self._cuda:
-            start, self._ready_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            self._iv.events.append((start, self._ready_ev, None))
         if self._memory is not None:
             self._memory.begin(self.step)
-        self._t_step = time.perf_counter()
+        self._iv.begin(data_wait, self._cuda)
         if self._flops_auto and self.flops_per_sample is None and self._flop_count is None:
             self._flop_count = FlopCount()
             self._flop_count.start()
@@ -268,17 +250,8 @@ class StepMeter:
         """
         if not self._in_step:
             raise UsageError("step_end() called outside a step; iterate with meter.steps(loader) or call meter.step_begin() first")
-        now = time.perf_counter()
         self._in_step = False
-        if self._cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            start, ready, _ = self._iv.events[-1]
-            self._iv.events[-1] = (start, ready, end)
-        else:
-            self._iv.cps.append(now - self._t_step)
-            if self._ready_t is not None:
-                self._iv.rds.append(self._ready_t - self._t_step)
+        self._iv.end()
         if self._flop_count is not None and self._flop_count.total is None:
             rank_samples = self.samples_per_step / self._ranks
             self.flops_per_sample = self._flop_count.stop() / rank_samples or None
@@ -288,6 +261,7 @@ class StepMeter:
         if lr is not None:
             self._lr = float(lr.param_groups[0]["lr"]) if hasattr(lr, "param_groups") else float(lr)
         committed = self._quorum.step_end() if self._quorum is not None else True  # else the step is retried
+        self._skipped = self._quorum.total["skipped"] if self._quorum is not None else 0
         self.step += committed
         if self.watchdog is not None:
             self.watchdog.beat(self.step - 1)
@@ -346,12 +320,11 @@ class StepMeter:
 
     def _write_record(self, rows: list[list[float]], keys: list[str], n_steps: int, experts: dict | None) -> None:
         replicas = self._quorum.take() if self._quorum is not None else None
-        samples = n_steps * self.samples_per_step  # a retried step trains nothing, a missing group's share is skipped
-        if replicas is not None:
-            samples = replicas["committed"] * self.samples_per_step - replicas["skipped"]
+        # under replicas a retried step trains nothing and a missing group's share is skipped
+        samples = replicas["committed"] * self.samples_per_step - replicas["skipped"] if replicas else None
         rec, self._streak = interval_record(
             rows, keys, step=self.step - 1, n_steps=n_steps, samples_per_step=self.samples_per_step,
-            samples=samples, skipped=self._skipped(), elapsed=time.perf_counter() - self._t_start, lr=self._lr,
+            samples=samples, skipped=self._skipped, elapsed=time.perf_counter() - self._t_start, lr=self._lr,
             world_size=self._ranks,
             tokens_per_sample=self.tokens_per_sample, flops_per_sample=self.flops_per_sample,
             peak_flops=self.peak_flops, hosts=self.hosts, gpu=self._cuda,
@@ -371,10 +344,6 @@ class StepMeter:
         for s in self.sinks:
             s.write(rec)
 
-    def _skipped(self) -> int:
-        """Samples the missing groups' shares skipped so far (0 without replicas)."""
-        return self._quorum.total["skipped"] if self._quorum is not None else 0
-
     # -- end of run ---------------------------------------------------------------------
     def summary(self) -> dict[str, Any] | None:
         """Throughput (samples / time over the measured steps), its per-interval spread, the time breakdown (rank 0).
@@ -384,7 +353,7 @@ class StepMeter:
         out = run_summary(self._records, steps=self.step, samples_per_step=self.samples_per_step,
                           wall_time=time.perf_counter() - self._t_start, flops_per_sample=self.flops_per_sample,
                           peak_flops=self.peak_flops, world_size=self._ranks, paused=self._paused,
-                          skipped=self._skipped())
+                          skipped=self._skipped)
         if out is not None and self._quorum is not None:
             out["replicas"] = self._quorum.summary()
         if out is not None and self._memory is not None and self._memory.bytes is not None:

@@ -28,10 +28,14 @@ class Quorum:
         self._last: tuple[int, ...] | None = None  # the groups of the previous committed step
         self.interval, self.total = _fresh(), _fresh()
 
-    def waited(self, seconds: float) -> None:
-        """Time this step's quorum took (the heal included), measured by the replicas."""
+    def begin(self, item: tuple[int, Any], waited: float) -> tuple[int, Any, float]:
+        """(committed step, micro-batches, data wait) of a ``replicas.steps`` item that took ``waited`` seconds:
+        the quorum's own time (a heal included, measured by the replicas) is not data wait."""
+        step, batch = item
+        quorum_s = self.replicas.quorum_s
         for acc in (self.interval, self.total):
-            acc["quorum_s"] += seconds
+            acc["quorum_s"] += quorum_s
+        return step, batch, max(0.0, waited - quorum_s)
 
     def step_end(self) -> bool:
         """Count the step that just ended; True when the quorum committed it (False: it is retried)."""

@@ -44,7 +44,7 @@ def _loss_figure(steps: list[dict[str, Any]]):
 
 
 def run_page(run_dir: Path, records: list[dict[str, Any]], pngs: dict[str, bytes], missing: list[str]) -> Page:
-    from ..study.measure import steps_asked, thin_evidence
+    from ..meter.evidence import steps_asked, thin_evidence
 
     summary = next((r for r in reversed(records) if r.get("type") == "summary"), None)
     header = next((r for r in records if r.get("type") == "header"), {})

@@ -37,7 +37,8 @@ from typing import Any, Callable
 
 from ..batch import POLICIES, check_splits, policy_batch, same_samples_steps
 from ..errors import UsageError
-from .measure import TARGET_OPS, headline, measure_run, steps_asked, summarize
+from ..meter.evidence import steps_asked
+from .measure import TARGET_OPS, headline, measure_run, summarize
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ def findings(group: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> li
     """All findings for one (workers, policy) group, most important first.
 
     ``group`` holds: workers, global_batch, n_ok, n_failed, n_short (runs that
-    finished too short to judge: ``measure.thin_evidence``), efficiency (or None
+    finished too short to judge: ``meter.evidence.thin_evidence``), efficiency (or None
     for the baseline), breakdown {data_wait, compute, comm_exposed, idle} as
     fractions of step time (any may be None), accuracy {mean, std}, noise_scale,
     errors and short (the failed and the short runs' lines). ``baseline`` is the

@@ -25,9 +25,10 @@ from typing import Callable
 
 from ..errors import UsageError
 from ..parallel.layout import Layout
+from ..parallel.space import name
 from ..report.page import Heading, Items, Page, Table, Text
 from . import machine, rounds
-from .space import candidates, name
+from .space import candidates
 
 RECIPE = "multigpu.recipes.gpt"
 # Besides the layout's flags (parallel.flags), the recipe's flags tune sets itself.

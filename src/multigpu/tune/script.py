@@ -15,7 +15,7 @@ in the ``--repeats`` - 1 further rounds, interleaved (A B C A B C). The step tim
 memory the largest rank's real peak in a step of that warm-up (``MULTIGPU_MEMORY_STEP``: the meter's
 ``MemoryStep``); a
 run that recorded fewer steps than asked, or none after the warm-up, is left out with that line
-(``study.measure.thin_evidence``).
+(``meter.evidence.thin_evidence``).
 The winner is the fastest median. The rounds, the launch, the summary and the report's files are the
 recipe's tune's (``rounds.py``). Contract: docs/your-model.md.
 """
@@ -107,7 +107,8 @@ def with_checkpointing(row: dict, m: dict) -> dict | None:
 
 def run_script_tune(cfg, say: Callable[[str], None] = print) -> tuple[Path, dict]:
     """Tune a script; returns the results directory and the report dict (also in tune.json)."""
-    from .space import layouts, splits
+    from ..parallel.space import layouts
+    from .space import splits
 
     check_script_args(cfg)
     t_start = time.perf_counter()

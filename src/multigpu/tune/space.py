@@ -16,22 +16,7 @@ import dataclasses
 from ..errors import UsageError
 from ..parallel.layout import Layout
 from ..parallel.pp import microbatches_refusal
-from ..runtime.values import divisors
-
-
-def name(layout: Layout) -> str:
-    """The report's label of a candidate, e.g. ``HSDP 2x2, micro-batch 4, AC`` or ``FSDP 8 x TP 2, EP 4,
-    micro-batch 1`` (one rank: ``FSDP 1``)."""
-    s, kind = layout, layout.strategy
-    parts = [{"ddp": f"DDP {s.dp_size}", "hsdp": f"HSDP {s.dp_replicate}x{s.dp_shard}"}.get(kind, f"FSDP {s.dp_shard}")] \
-        if s.dp_size > 1 or s.tp == s.pp == 1 else []
-    for degree, label in ((s.cp, "CP"), (s.tp, "TP")):
-        if degree > 1:
-            parts.append(f"{label} {degree}")
-    if s.pp > 1:
-        parts.append(f"PP {s.pp} {layout.schedule}")
-    experts = f", EP {s.ep}" if s.ep > 1 else ""  # borrowed from dp_shard and tp: no factor of the world of its own
-    return " x ".join(parts) + experts + f", micro-batch {layout.micro_batch}" + (", AC" if layout.activation_checkpointing else "")
+from ..parallel.space import layouts
 
 
 def candidates(world: int, cfg, global_batch: int, *, micro_batches: list[int] | None = None,
@@ -88,28 +73,3 @@ def _why_not(cfg, s, global_batch: int) -> str | None:
     return None
 
 
-def layouts(world: int, *, micro_batches: list[int] | None = None,
-            schedules: tuple[str, ...] = ("1f1b",), experts: bool = False, context: bool = False) -> list[Layout]:
-    """Every ``Layout`` of ``world`` ranks, for a script that reads its layout from its command line: each
-    factoring of the world into (pp, dp_replicate, dp_shard, tp) that the mesh itself accepts, times the
-    micro-batch sizes (None: the script's own) and, with a pipeline, the schedules; with ``experts`` (a
-    mixture of experts) each ep > 1 of tp x a divisor of dp_shard too; with ``context`` each cp > 1 that divides
-    what dp_replicate and tp leave, without a pipeline.
-    The script refuses those its model or batch cannot take (heads tp does not divide, a batch that does
-    not split, experts ep does not divide)."""
-    if world < 1:
-        raise UsageError(f"tune needs at least 1 rank, got {world}")
-    found = []
-    for pp in divisors(world):
-        for rep in divisors(world // pp):
-            for tp in divisors(world // (pp * rep)):
-                for m in micro_batches or [None]:
-                    for schedule in (schedules if pp > 1 else ("1f1b",)):  # dp_shard takes the rest
-                        layout = Layout(dp_replicate=rep, tp=tp, pp=pp, micro_batch=m, schedule=schedule).resolve(world)
-                        # ep takes every tp rank and a divisor of dp_shard (dp_shard x tp = efsdp x ep)
-                        eps = [d * tp for d in divisors(layout.dp_shard) if d * tp > 1] if experts else []
-                        found += [layout] + [dataclasses.replace(layout, ep=ep) for ep in eps]
-                    if context and pp == 1:
-                        found += [Layout(dp_replicate=rep, tp=tp, cp=cp, micro_batch=m).resolve(world)
-                                  for cp in divisors(world // (rep * tp)) if cp > 1]
-    return found
