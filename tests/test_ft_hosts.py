@@ -27,14 +27,14 @@ hosts = pytest.mark.skipif(_netns.unavailable() is not None, reason=str(_netns.u
 GROUPS, STEPS, PORT = 2, 20, 29400  # any port: each node has its own network stack
 
 
-def _launch(net, i, tmp_path):
+def _launch(net, i, tmp_path, *args, n=2):
     """Node i's launcher with the flags a user types on that host: node rank, node 0's address, the groups."""
     with open(tmp_path / f"node{i}.out", "w") as out:
         return net.popen(i, [
-            sys.executable, "-m", "multigpu", "run", "--cpu", "-n", "2", "--fault-tolerant", str(GROUPS), "--nnodes",
-            "2", "--node-rank", str(i), "--master", f"{net.nodes[0].addr}:{PORT}", "--log-dir",
-            str(tmp_path / f"node{i}-logs"), SCRIPT, "--out", str(tmp_path), "--steps", str(STEPS), "--sleep", "0.1",
-            "--timeout", "3"], stdout=out, stderr=out, cwd=tmp_path)
+            sys.executable, "-m", "multigpu", "run", "--cpu", "-n", str(n), "--fault-tolerant", str(GROUPS),
+            "--nnodes", "2", "--node-rank", str(i), "--master", f"{net.nodes[0].addr}:{PORT}", "--log-dir",
+            str(tmp_path / f"node{i}-logs"), SCRIPT, "--out", str(tmp_path), "--timeout", "3",
+            *(args or ("--steps", str(STEPS), "--sleep", "0.1"))], stdout=out, stderr=out, cwd=tmp_path)
 
 
 @pytest.mark.slow
@@ -93,6 +93,28 @@ def job_version() -> str:
     import importlib.metadata
 
     return importlib.metadata.version("torchft")
+
+
+@pytest.mark.slow
+@hosts
+def test_groups_that_differ_across_nodes_are_refused_on_every_node(tmp_path):
+    """Node 1's group has a wider model. Whichever group heals from the other at the first step finds the state
+    does not fit; it refuses at that step's all-reduce, where the other sees the fingerprints differ: both
+    nodes stop their groups, exit 2, and the node that saw both setups names what differs. No node trains on."""
+    with _netns.Hosts(2) as net:
+        nodes = [_launch(net, i, tmp_path, "--steps", "5", "--wider-group", "1", n=1) for i in (0, 1)]
+        codes = [p.wait(timeout=90) for p in nodes]
+    lasts = [(tmp_path / f"node{i}.out").read_text().strip().splitlines()[-1] for i in (0, 1)]
+    assert codes == [2, 2], lasts
+    named = ("multigpu run: error: the replica groups differ (parameters: group 0 4 tensors, 178 values (rank 0's), "
+             "group 1 4 tensors, 266 values (rank 0's)); every group must run the same script, layout and torchft "
+             "release: start them from one launcher and environment")
+    other = ("multigpu run: error: the replica groups differ (group {g} here differs from a group on another node; "
+             "the other nodes' last lines say what differs); every group must run the same script, layout and "
+             "torchft release: start them from one launcher and environment")
+    assert lasts in ([named, other.format(g=1)], [other.format(g=0), named]), lasts
+    assert not any(_records(str(tmp_path / f"node{i}-logs"), i) for i in (0, 1))  # no step committed anywhere
+    assert not _netns.leftovers()
 
 
 SBATCH = """#!/bin/bash

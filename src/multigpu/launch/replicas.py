@@ -320,7 +320,10 @@ def _differ(record_dir: str, groups: int) -> str:
     if "parameters" in keys and "shapes" in keys:  # the shapes' hash says nothing more
         keys.remove("shapes")
     what = "; ".join(f"{k}: " + ", ".join(f"group {g} {s.get(k)}" for g, s in setups.items()) for k in keys)
-    return (f"the replica groups differ ({what or 'see the groups logs'}); every group must run the same script, "
+    # On several nodes a node may hold one group's setup only: the other node's last line names the difference.
+    what = what or (f"group {', '.join(map(str, setups)) or '?'} here differs from a group on another node; the "
+                     "other nodes' last lines say what differs")
+    return (f"the replica groups differ ({what}); every group must run the same script, "
             "layout and torchft release: start them from one launcher and environment")
 
 

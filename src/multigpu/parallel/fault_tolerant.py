@@ -115,6 +115,7 @@ class Replicas:
                       if found and found[3] and dist.rank == 0 else None)
         self.setup: dict[str, Any] = {}
         self._fingerprint = 0  # of the setup, set with it in steps()
+        self._peer_differs = False  # a live group's state, offered to heal this one, did not fit its setup
         self.manager = _manager(found[2], self.group, self, timeout) if found else None
         if self.manager is not None:
             at_teardown(self.close)
@@ -202,7 +203,7 @@ class Replicas:
         seen = torch.zeros(self.groups + 2, dtype=torch.float64, device=flat.device)
         seen[self.group], seen[-2], seen[-1] = 1, self._fingerprint, self._fingerprint ** 2
         self.manager.allreduce(seen, reduce_op=ReduceOp.SUM).wait()
-        if seen[:-2].sum() * seen[-1] != seen[-2] ** 2:
+        if self._peer_differs or seen[:-2].sum() * seen[-1] != seen[-2] ** 2:
             self._refuse()
         self.manager.allreduce(flat).wait()
         if not self.manager.should_commit():
@@ -240,6 +241,15 @@ class Replicas:
                 "shapes": zlib.crc32(json.dumps(shapes).encode()), "optimizer": type(self.optimizer.optim).__name__,
                 "global_batch": global_batch}
 
+    def _differs(self, peer: int, setup: dict[str, Any]) -> None:
+        """A live group's state does not fit this one: keep its setup beside this group's (the launcher names what
+        differs) and refuse at this step's all-reduce, where every group of the quorum sees the fingerprints
+        differ and refuses too: on several nodes, every node then stops its groups, not only this one's."""
+        self._peer_differs = True
+        if self._path is not None:
+            with open(os.path.join(os.path.dirname(self._path), f"group{peer}.setup.json"), "w") as fp:
+                json.dump(setup, fp)
+
     def _refuse(self) -> None:
         """Groups that differ cannot average their gradients: say so once (the launcher reads the marker and
         stops every group) and end this one with exit 2."""
@@ -271,11 +281,12 @@ def _manager(lighthouse: str, group: int, replicas: Replicas, timeout: float):
     pg = ProcessGroupNCCL(timeout=wait) if dist.backend == "nccl" else ProcessGroupGloo(timeout=wait)
 
     def state_dict() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "setup": replicas.setup}
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "setup": replicas.setup,
+                "group": replicas.group}
 
     def load_state_dict(state: dict[str, Any]) -> None:
         if state["setup"] != replicas.setup:  # a peer's state does not fit this group: no heal can work
-            replicas._refuse()
+            return replicas._differs(state["group"], state["setup"])
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
 
