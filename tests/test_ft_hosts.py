@@ -6,11 +6,12 @@ them), each running one replica group of two CPU workers (tests/_ft_train.py, DD
 records (separate --log-dir: nothing is shared but the script's output folder). Node 1's eth0 goes down
 mid-run: nothing resets, its group just falls silent. Node 0's group commits the remaining steps without
 it, and its final parameters equal one process trained on exactly the samples the committed steps used.
+Also: groups that differ across nodes are refused on both; under a real SLURM (tests/_slurm.py) each node
+runs its group from SLURM's variables alone.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
