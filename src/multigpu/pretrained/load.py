@@ -85,7 +85,6 @@ def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype 
     >>> model = mg.from_pretrained("checkpoints/llama", mg.parallel.Layout(dp_shard=dist.world_size))
     """
     from ..parallel import Layout, parallelize, pipeline
-    from ..parallel.hf.tied import tied_groups
     from ..parallel.context_probe import check_loaded
     from ..parallel.spread import _world
 
@@ -129,7 +128,7 @@ def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype 
         for stage in pipe.modules:
             _fill(stage, root, device, names)
             stage.eval()
-        _check_cut(pipe, reference(), device, tied_groups(model), type(model).__name__)
+        _check_cut(pipe, reference(), device, type(model).__name__)
         return pipe
     if layout.tp == 1 and layout.dp_shard == 1 and layout.cp == 1:  # nothing sharded: every rank holds it whole
         _fill(model, root, device, names)
@@ -175,43 +174,77 @@ def _check_spread(model: nn.Module, layout: Any, reference: Any, name: str, verb
                else f"mg.from_pretrained: {what} not checked on a probe batch ({why})")
 
 
-def _probe_loss(logits: torch.Tensor, _: Any) -> torch.Tensor:
-    """A scalar of every logit (against fixed random targets), whatever loss the user's pipeline trains with."""
-    targets = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    return (logits.double() - targets.to(logits.device)).square().mean()
-
-
-def _check_cut(pipe: Any, reference: nn.Module, device: torch.device, tied: list, name: str) -> None:
-    """mg.parallel.pipeline checks its cut on a probe batch of the whole model (the stages composed must give
-    its output); loaded, no process holds it, so the reference is the same checkpoint loaded by FSDP over every
-    rank (one unit gathered at a time), its loss on the probe batch against the stages': exact or refused,
-    alike on every rank. The stages run in a schedule of their own (torch's schedules keep the shapes of their
-    first batch: the probe's must not be the training's); it and the reference are dropped after."""
+def _check_cut(pipe: Any, reference: nn.Module, device: torch.device, name: str) -> None:
+    """mg.parallel.pipeline checks its cut on a probe batch of the whole model, composing the stages in one
+    process (the stages composed must give its output); loaded, no process holds it, so the stages run where they
+    are, one after the other on a probe batch, each stage's output broadcast over the pipeline group to the
+    next, and the last one's logits are compared with those of the same checkpoint loaded by FSDP over every
+    rank (one unit gathered at a time): exact or refused, alike on every rank. Not in the pipeline's schedule:
+    a stage that fails (a block handing the next more than the hidden states) would raise on its own ranks and
+    leave the others waiting for its output; here its failure is broadcast with it. The reference is dropped
+    after."""
     import torch.distributed as tdist
 
-    from ..parallel.pp import ZERO_BUBBLE, Pipeline
-    from ..parallel.probe import TOLERANCE, probe_input, run
+    from ..parallel.probe import TOLERANCE, cause, probe_input, relative_error, run
 
     batch = probe_input(reference, 1)["input_ids"]
-    probed = Pipeline(pipe.modules, pipe.ids, pipe.n_stages, pipe.group, device, pipe.schedule_name,
-                      pipe.accum_steps, _probe_loss, tied=tied)
     with torch.no_grad():
-        expected = _probe_loss(run(reference, {"input_ids": batch}, backward=False), batch)
-    if pipe.schedule_name in ZERO_BUBBLE:  # torch's eval() of these fails: a step, its gradients dropped
-        got = probed.step([(batch, batch)] * pipe.accum_steps)
-        for stage in pipe.modules:
-            stage.zero_grad(set_to_none=True)
-    else:
-        got = probed.evaluate([(batch, batch)] * pipe.accum_steps)
-    error = torch.zeros((), dtype=torch.float64, device=expected.device)
-    if got is not None:  # the last stage's ranks
-        error += (got.double() - expected.double()).abs() / expected.double().abs().clamp_min(1e-30)
-    tdist.all_reduce(error, op=tdist.ReduceOp.MAX)
+        expected = run(reference, {"input_ids": batch}, backward=False)
+    holders: list = [None] * tdist.get_world_size(pipe.group)
+    tdist.all_gather_object(holders, pipe.ids, group=pipe.group)
+    x, error, failed = batch.to(device), 0.0, None
+    for i in range(pipe.n_stages):
+        holder = next(r for r, ids in enumerate(holders) if i in ids)
+        failed, x = _stage_output(pipe, i, x, holder, name, cause)
+        if failed is not None:  # the same line on every rank of this pipeline group; the other groups' below
+            break
+    if failed is None and pipe.has_last:
+        error = relative_error(x, expected)
     tol = TOLERANCE.get(next(reference.parameters()).dtype, 1e-4)
-    if not float(error) <= tol:
+    verdict = torch.tensor([float(failed is not None), error], dtype=torch.float64, device=device)
+    tdist.all_reduce(verdict, op=tdist.ReduceOp.MAX)  # every pipeline group's, on every rank
+    if failed is not None or verdict[0].item():
+        raise UsageError(failed or f"{name} cut into {pipe.n_stages} pipeline stages fails on a probe batch in "
+                                   "another pipeline group; use pp=1 for this model")
+    if not verdict[1].item() <= tol:
         raise UsageError(f"{name} cut into {pipe.n_stages} pipeline stages gives another output than the model on a "
-                         f"probe batch (relative error {float(error):.1e}, {tol:.0e} allowed): its forward does more "
-                         "than the stages run; use pp=1 for this model")
+                         f"probe batch (relative error {verdict[1].item():.1e}, {tol:.0e} allowed): its forward does "
+                         "more than the stages run; use pp=1 for this model")
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _stage_output(pipe: Any, i: int, x: torch.Tensor, holder: int, name: str, cause: Any) -> tuple[str | None, Any]:
+    """Stage ``i`` run on ``x`` by the pipeline rank ``holder`` (its data-parallel and tensor-parallel peers
+    running it alongside), its output (or the line its failure is refused by) broadcast over the pipeline
+    group: (the line or None, the output)."""
+    import torch.distributed as tdist
+
+    me = tdist.get_rank(pipe.group)
+    said: list = [None, None]
+    if me == holder:
+        stage = pipe.modules[pipe.ids.index(i)]
+        try:
+            with torch.no_grad():
+                x = _plain(stage(x))
+            said = [None, (tuple(x.shape), x.dtype)]
+        except UsageError as e:
+            said = [str(e), None]
+        except Exception as e:  # noqa: BLE001 - the failure is the refusal's reason
+            said = [f"{name} cut into {pipe.n_stages} pipeline stages fails on a probe batch ({cause(e)}); use pp=1 "
+                    "for this model (DDP, FSDP and TP apply)", None]
+    src = tdist.get_global_rank(pipe.group, holder)
+    tdist.broadcast_object_list(said, src=src, group=pipe.group)
+    if said[0] is not None:
+        return said[0], None
+    if me != holder:
+        x = torch.empty(said[1][0], dtype=said[1][1], device=x.device)
+    tdist.broadcast(x, src=src, group=pipe.group)
+    return None, x
 
 
 def _device() -> torch.device:

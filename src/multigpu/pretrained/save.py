@@ -5,8 +5,8 @@ files with their index, beside ``config.json`` (and ``generation_config.json``),
 when complete; a mixture of experts' fused tensors are written one tensor per expert under the names
 transformers writes (``experts.py``), each rank writing the experts it holds. A pipeline: each stage's ranks
 write their stage's tensors, a tied tensor's copies (head on the last stage, table on the first) once. A PEFT
-model: its adapter alone, in PEFT's format. The helpers ``mg.from_pretrained`` shares (the model's tensors without tied copies,
-strided shards) are here, below it in the imports.
+model: its adapter alone, in PEFT's format. The helpers ``mg.from_pretrained`` shares (the model's tensors
+without tied copies, strided shards) are here, below it in the imports.
 """
 
 from __future__ import annotations
@@ -103,6 +103,7 @@ def save_pretrained(model: nn.Module, directory: str | Path, *, max_shard_bytes:
     else:
         state, sizes = per_expert_state(inner, _writable(_untied_state(inner)))  # the names transformers writes
     files = shard_files(sizes, max_shard_bytes)
+    state, scalars = _scalars_as_vectors(state, on)
     error = None
     try:
         writer = HuggingFaceStorageWriter(str(partial), fqn_to_index_mapping=files, save_distributed=True,
@@ -116,10 +117,49 @@ def save_pretrained(model: nn.Module, directory: str | Path, *, max_shard_bytes:
             if getattr(inner, "generation_config", None) is not None and inner.can_generate():
                 inner.generation_config.save_pretrained(str(partial))
             _keep_consolidated(partial)
+            _restore_scalars(partial, scalars)
             os.replace(partial, out)
         except OSError as e:
             error = _cause(e)
     return _ended(error, out, partial, rank, on)
+
+
+def _scalars_as_vectors(state: dict[str, torch.Tensor], on: bool) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """``state`` with each 0-dim tensor as one of shape [1], and the names of those (every rank's): torch 2.13's
+    consolidation of DCP's HF shards (``consolidate_safetensors_files``) writes a 0-dim tensor as zeros
+    (Apertus' xIELU ``beta`` 0.5 read back as 0.0). Written with one dim, its header gets its shape back after
+    (``_restore_scalars``)."""
+    import torch.distributed as tdist
+
+    scalars = [k for k, v in state.items() if v.dim() == 0]
+    if on:  # a pipeline's stages hold different ones; rank 0 restores them all
+        everyone: list = [None] * tdist.get_world_size()
+        tdist.all_gather_object(everyone, scalars)
+        scalars = [k for per_rank in everyone for k in per_rank]
+    return {k: v.reshape(1) if v.dim() == 0 else v for k, v in state.items()}, set(scalars)
+
+
+def _restore_scalars(directory: Path, scalars: set[str]) -> None:
+    """Give each of ``scalars`` its shape [] back in the header of the safetensors file holding it (the same
+    bytes of data: one element either way), the header rewritten in place at its own length, padded with the
+    spaces the format allows."""
+    import json
+
+    for file in sorted(directory.glob("*.safetensors")) if scalars else []:
+        with open(file, "r+b") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length))
+            held = [k for k in scalars if k in header]
+            if not held:
+                continue
+            for k in held:
+                header[k]["shape"] = []
+            text = json.dumps(header, separators=(",", ":")).encode()
+            if len(text) > length:  # a writer whose header was more compact than json's: not rewritten wrong
+                raise OSError(f"the header of {file.name} does not fit its own length once its scalars' shapes "
+                              "are restored")
+            f.seek(8)
+            f.write(text + b" " * (length - len(text)))
 
 
 def _writable(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
