@@ -138,9 +138,11 @@ def _through_pipeline(dist, path: str, layout: dict, ref, eager: dict, target: s
         expected = torch.stack([_loss(ref(a).logits, b) for a, b in batches]).mean()
     mg.save_pretrained(pipe.model, target, max_shard_bytes=16_000)  # each stage's ranks write its tensors
     got = {"pipeline": True, "params": max(float((v - own[k]).abs().max()) for k, v in held.items()),
-           "keys": set(held) <= set(own) and len(held) > 5, "logits": 0.0 if loss is None else float(abs(loss - expected))}
+           "keys": set(held) <= set(own) and len(held) > 5,
+           "logits": 0.0 if loss is None else float(abs(loss - expected))}
     if dist.rank == 0:  # read back by transformers: no key missing or unexpected, every tensor bitwise the source's
-        back, info = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64, output_loading_info=True, **eager)
+        back, info = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64, output_loading_info=True,
+                                                          **eager)
         got["loading"] = {k: list(v) for k, v in info.items() if v and k != "error_msgs"}
         got["round_trip"] = max(float((v - own[k]).abs().max()) for k, v in back.state_dict().items())
         got["names"] = _written(target) == _written(path)
@@ -317,51 +319,128 @@ def test_a_checkpoint_of_any_layout_exports_as_a_hugging_face_directory(saved, t
             assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
 
 
+# The layouts the zoo's families are loaded onto: FSDP spreads any model; EP where the zoo spreads the family by
+# experts; TP where its model declares a plan (the rest refused in one line); PP with the zoo's loss and 2
+# micro-batches of 1 (tests/_zoo.py's pipeline, at the loader's batch).
+ZOO_LAYOUTS = {"FSDP 2": {"dp_shard": 2}, "EP 2": {"ep": 2}, "TP 2": {"tp": 2}, "PP 2": {"pp": 2, "micro_batch": 1}}
+ZOO_EAGER = {"attn_implementation": "eager", "experts_implementation": "eager"}  # as the zoo runs them
+
+
 def _zoo_through_the_loader(dist, root: str) -> dict:
     """Each family the zoo builds tiny (tests/_zoo.py), saved by transformers (rank 0), loaded by transformers on
-    each rank and by mg.from_pretrained onto FSDP 2 (a mixture the zoo spreads by EP 2: EP 2 too) and exported;
-    a family's outcome is its figures, a refusal (mg.UsageError, one line) or a crash (anything else)."""
+    each rank and by mg.from_pretrained onto each of ZOO_LAYOUTS (EP only where the zoo spreads the family by
+    experts) and exported; each (family, layout)'s outcome is its figures, a refusal (mg.UsageError, one line)
+    or a crash (anything else), with its seconds."""
+    import time
     import warnings
 
     import _zoo
     from transformers import AutoModelForCausalLM
 
-    eager = {"attn_implementation": "eager", "experts_implementation": "eager"}  # as the zoo runs them
     x = torch.randint(3, 90, (2, 16), generator=torch.Generator().manual_seed(1))
     results = {}
     for family in [f for f in _zoo.families() if _zoo.why_skipped(f) is None]:
         path = f"{root}/{family}"
-        spread_by_experts = _zoo._recorded().get(f"{family} | EP 2", "").startswith("exact")
-        layouts = [{"dp_shard": 2}] + ([{"ep": 2}] if spread_by_experts else [])
+        by_experts = _zoo._recorded().get(f"{family} | EP 2", "").startswith("exact")
         try:
             if dist.rank == 0:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     _zoo.build(family).save_pretrained(path)
             torch.distributed.barrier()
-            ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **eager)
-            own = ref.state_dict()
-            try:  # a family whose own forward needs more than token ids is compared by its parameters alone
-                expected = ref(x, use_cache=False).logits
-            except Exception:  # noqa: BLE001
-                expected = None
-            for i, layout in enumerate(layouts):
-                model = mg.from_pretrained(path, mg.parallel.Layout(**layout), dtype=torch.float64, verbose=False,
-                                           **eager)
-                full = mg.full_state_dict(model)
-                got = {"logits": 0.0 if expected is None else
-                       float((model(x, use_cache=False).logits - expected).abs().max())}
-                mg.save_pretrained(model, f"{path}-{i}")
-                if dist.rank == 0:
-                    got["params"] = max(float((v - own[k]).abs().max()) for k, v in full.items())
-                    got["keys"] = sorted(full) == sorted(own)
-                    got["names"] = _saved_names(f"{path}-{i}") == _saved_names(path)
-                results[f"{family} {layout}"] = got
-        except mg.UsageError as e:
-            results[family] = f"refused: {str(e).replace(path, '<checkpoint>')}"
+            ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **ZOO_EAGER)
+            expected = _expected_logits(ref, x)
         except Exception as e:  # noqa: BLE001 - the test's failure, with its reason
             results[family] = f"crash: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            continue
+        for label, layout in ZOO_LAYOUTS.items():
+            if label == "EP 2" and not by_experts:
+                continue
+            start = time.perf_counter()
+            try:
+                through = _zoo_pipeline if layout.get("pp", 1) > 1 else _zoo_layout
+                got = through(dist, path, layout, ref, x, expected, f"{path}-{label.replace(' ', '')}")
+            except mg.UsageError as e:
+                got = f"refused: {str(e).replace(path, '<checkpoint>')}"
+            except Exception as e:  # noqa: BLE001 - the test's failure, with its reason
+                got = f"crash: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            results[f"{family} | {label}"] = {"seconds": time.perf_counter() - start,
+                                              **({"outcome": got} if isinstance(got, str) else got)}
     return results
+
+
+def _expected_logits(ref, x: torch.Tensor) -> torch.Tensor | None:
+    try:  # a family whose own forward needs more than token ids is compared by its parameters alone
+        with torch.no_grad():
+            return ref(x, use_cache=False).logits
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _zoo_layout(dist, path: str, layout: dict, ref, x: torch.Tensor, expected: torch.Tensor | None,
+                target: str) -> dict:
+    """``path`` loaded onto ``layout`` (not a pipeline): its parameters, logits and export against ``ref``."""
+    from torch.distributed.tensor import DTensor
+
+    model = mg.from_pretrained(path, mg.parallel.Layout(**layout), dtype=torch.float64, verbose=False, **ZOO_EAGER)
+    full = mg.full_state_dict(model)
+    got = {"logits": 0.0}
+    if expected is not None:
+        logits = model(x, use_cache=False).logits
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        got["logits"] = float((logits - expected).abs().max())
+    mg.save_pretrained(model, target)
+    if dist.rank == 0:
+        own = ref.state_dict()
+        got["params"] = max(float((v - own[k]).abs().max()) for k, v in full.items())
+        got["keys"] = sorted(full) == sorted(own)
+        got["names"] = _saved_names(target) == _saved_names(path)
+    return got
+
+
+def _zoo_pipeline(dist, path: str, layout: dict, ref, x: torch.Tensor, expected: torch.Tensor | None,
+                  target: str) -> dict:
+    """``path`` loaded as a pipeline: every tensor this rank's stages hold bitwise ``ref``'s, the loss of its
+    micro-batches (on the last stage's ranks) against ``ref``'s, and its export (every stage writing its own)
+    against transformers' names."""
+    from torch.distributed.tensor import DTensor
+
+    import _hf_layouts
+
+    layout = mg.parallel.Layout(**layout)
+    plan = layout.plan(len(x), dist)
+    pipe = mg.from_pretrained(path, layout, dtype=torch.float64, loss_fn=_hf_layouts.loss_fn, plan=plan,
+                              verbose=False, **ZOO_EAGER)
+    held = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in pipe.model.state_dict().items()}
+    own = ref.state_dict()
+    y = x.roll(-1, dims=1)
+    batches = [(x[i:i + 1], y[i:i + 1]) for i in range(plan.accum_steps)]
+    got = {"pipeline": True, "params": max(float((v - own[k]).abs().max()) for k, v in held.items()),
+           "keys": set(held) <= set(own), "logits": 0.0}
+    loss = pipe.evaluate(batches)
+    if loss is not None and expected is not None:  # the same logits, of one micro-batch at a time
+        with torch.no_grad():
+            expected = torch.stack([_hf_layouts.loss_fn(ref(a, use_cache=False).logits, b) for a, b in batches]).mean()
+        got["logits"] = float(abs(loss - expected))
+    mg.save_pretrained(pipe, target)
+    if dist.rank == 0:
+        got["names"] = _saved_names(target) == _saved_names(path)
+        got["round_trip"] = _round_trip(target, own)
+    return got
+
+
+def _round_trip(target: str, own: dict) -> float | str:
+    """transformers' from_pretrained of an export: the largest difference from ``own`` (the source's state), or
+    the keys it found missing or unexpected."""
+    from transformers import AutoModelForCausalLM
+
+    back, info = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64, output_loading_info=True,
+                                                      **ZOO_EAGER)
+    wrong = {k: list(v) for k, v in info.items() if v and k != "error_msgs"}
+    if wrong:
+        return json.dumps(wrong)[:300]
+    state = back.state_dict()
+    return max(float((v - own[k]).abs().max()) for k, v in state.items()) if sorted(state) == sorted(own) else "keys"
 
 
 def _saved_names(directory: str) -> set[str]:
@@ -374,34 +453,41 @@ def _saved_names(directory: str) -> set[str]:
 
 
 @pytest.mark.slow
-def test_the_zoo_loads_onto_fsdp_and_ep_and_exports_under_transformers_names(tmp_path):
-    """Every causal-LM family of the zoo through the loader: every parameter bitwise transformers'
-    from_pretrained, the logits within 1e-9, the export holding the names transformers' own save_pretrained
-    writes (a family's legacy naming, per-expert tensors), or a one-line refusal naming what is not built;
-    nothing crashes."""
+def test_the_zoo_loads_onto_each_layout_and_exports_under_transformers_names(tmp_path):
+    """Every causal-LM family of the zoo through the loader onto FSDP 2, EP 2 (the mixtures the zoo spreads by
+    experts), TP 2 and PP 2: every parameter bitwise transformers' from_pretrained, the logits (a pipeline: its
+    loss) within 1e-9, the export holding the names transformers' own save_pretrained writes (a family's legacy
+    naming, per-expert tensors; a pipeline's read back by transformers bitwise), or a one-line refusal naming
+    what is not built; nothing crashes."""
     out = spawn(_zoo_through_the_loader, 2, str(tmp_path), timeout=900)
-    crashes = {k: v for k, v in out[0].items() if isinstance(v, str) and v.startswith("crash")}
+    crashes = {k: v for k, v in out[0].items() if isinstance(v, str) or v.get("outcome", "").startswith("crash")}
     assert not crashes, crashes
-    refused = {k: v for k, v in out[0].items() if isinstance(v, str)}
+    refused = {k: v["outcome"] for k, v in out[0].items() if "outcome" in v}
     assert all("\n" not in v for v in refused.values()), refused
-    loaded = {k: v for k, v in out[0].items() if not isinstance(v, str)}
+    loaded = {k: v for k, v in out[0].items() if "outcome" not in v}
     for name, got in loaded.items():
         assert got["params"] == 0.0 and got["keys"] and got["names"], (name, got)
+        assert not got.get("pipeline") or got["round_trip"] == 0.0, (name, got)
     for rank in out:
-        for name, got in rank.items():
-            assert isinstance(got, str) or got["logits"] < 1e-9, (name, got)
-    print(f"{len(loaded)} loaded, {len(refused)} refused: {json.dumps(refused)}")
-    # The refusals pinned (family -> the start of its one line), as tests/zoo_expected.json pins the zoo's: a
-    # family that starts being refused, or refused for another reason, fails here (recorded for one release).
+        for name, got in rank.items():  # a pipeline's stages on each rank: what each holds, bitwise
+            assert "outcome" in got or "params" not in got or (got["params"] == 0.0 and got["keys"]), (name, got)
+            assert "outcome" in got or got["logits"] < 1e-9, (name, got)
+    counts = {label: sum(k.endswith(f" | {label}") for k in loaded) for label in ZOO_LAYOUTS}
+    seconds = {label: round(sum(v["seconds"] for k, v in out[0].items() if k.endswith(f" | {label}")), 1)
+               for label in ZOO_LAYOUTS}
+    print(f"loaded {counts}, refused {len(refused)}, seconds {seconds}: {json.dumps(refused)}")
+    # The refusals pinned ("family | layout" -> the start of its one line), as tests/zoo_expected.json pins the
+    # zoo's: a family that starts being refused on a layout, or refused for another reason, fails here (recorded
+    # for one release).
     pinned = json.loads(Path(__file__).with_name("pretrained_zoo_expected.json").read_text())
     from _zoo import transformers_version
 
     if pinned["transformers"] != transformers_version():
         pytest.skip(f"the refusals are pinned for transformers {pinned['transformers']}")
-    assert sorted(refused) == sorted(pinned["refused"]), (sorted(refused), sorted(pinned["refused"]))
-    for family, prefix in pinned["refused"].items():
-        assert refused[family].startswith(f"refused: {prefix}"), (family, refused[family])
-    assert len(loaded) == pinned["loads"], (len(loaded), pinned["loads"])
+    assert sorted(refused) == sorted(pinned["refused"]), (sorted(set(refused) ^ set(pinned["refused"])))
+    for key, prefix in pinned["refused"].items():
+        assert refused[key].startswith(f"refused: {prefix}"), (key, refused[key])
+    assert counts == pinned["loads"], (counts, pinned["loads"])
 
 
 def _planted(dist, saved: dict[str, str], target: str) -> dict:
