@@ -18,6 +18,14 @@ def pct(x):
     return "" if x is None else f"{100 * x:+.0f} %"
 
 
+def cells(s: dict, kind: str, bound: int) -> str:
+    """A summary's rows, share within ``bound`` %, median and worst error, as table cells."""
+    if not s[f"{kind}_rows"]:
+        return "0 | | | "
+    return (f"{s[kind + '_rows']} | {s[f'{kind}_within_{bound}']:.0%} | {s[kind + '_median']:.1%} | "
+            f"{s[kind + '_worst']:.1%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--refit", action="store_true")
@@ -44,18 +52,26 @@ def main() -> None:
     print("\n| source (held-out rows) | speed rows | within 25 % | median | worst | memory rows | within 15 % | median | worst |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, s in result["by_source"].items():
-        def cells(kind: str, bound: int) -> str:
-            if not s[f"{kind}_rows"]:
-                return "0 | | | "
-            return (f"{s[kind + '_rows']} | {s[f'{kind}_within_{bound}']:.0%} | {s[kind + '_median']:.1%} | "
-                    f"{s[kind + '_worst']:.1%}")
-        print(f"| {name} | {cells('tokens', 25)} | {cells('memory', 15)} |")
+        print(f"| {name} | {cells(s, 'tokens', 25)} | {cells(s, 'memory', 15)} |")
     p = result["pairs"]
     print(f"\npairs (held out): {p['ranked_right']} of {p['count']} ranked right")
     for pair in p["pairs"]:
         if not pair["ranked_right"]:
             print(f"  wrong: published faster {pair['faster']}  vs  {pair['slower']}")
     print(f"\nassumptions: {result['assumptions']}; each GPU kind's own efficiency: {result['by_gpu']}")
+    loso = published.leave_one_source_out()
+    print("\n| source left out (constants fitted on the others) | speed rows | within 25 % | median | worst | "
+          "memory rows | within 15 % | median | worst | pairs right | efficiency (its GPUs) | compile | fp8 | allocator |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, fold in [*loso["by_source"].items(), ("**every source, each left out once**", loso)]:
+        s = fold.get("summary", fold.get("overall"))
+        gpus = {r["gpu"] for r in published.rows() if published.source(r) == name} or {"all"}
+        eff = ", ".join(f"{g} {fold['efficiency'][g]:.3f}" if g in fold["efficiency"] else
+                        f"{g} {fold['shared_efficiency']:.3f} (shared)" for g in sorted(gpus)) if "efficiency" in fold else ""
+        const = " | ".join(f"{fold[f]:.3f}" if f in fold else "" for f in ("compile_speedup", "fp8_speedup", "allocator_overhead"))
+        pairs = fold["pairs"]
+        print(f"| {name} | {cells(s, 'tokens', 25)} | {cells(s, 'memory', 15)} | "
+              f"{pairs['ranked_right']} of {pairs['count']} | {eff} | {const} |")
 
 
 if __name__ == "__main__":

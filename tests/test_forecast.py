@@ -579,6 +579,35 @@ def test_held_out_error_is_what_the_docs_say():
     assert by["images/model_table.png"]["tokens_within_25"] == 1.0
 
 
+def test_leave_one_source_out_is_what_the_docs_say():
+    """Each source forecast with constants fitted on the other sources only (docs/forecast.md's table; the
+    figures recomputed by benchmarks/forecast_published.py). A source's own rows never enter its fit: fitting on
+    every row (the leak) moves the left-out figures, so these pins would catch it."""
+    pytest.importorskip("transformers")
+    loso = published.leave_one_source_out()
+    by = {name.split()[-1]: fold for name, fold in loso["by_source"].items()}
+
+    def counts(fold, kind="tokens", bound=25):
+        s = fold["summary"] if "summary" in fold else fold["overall"]
+        return (s[f"{kind}_rows"], round(s[f"{kind}_within_{bound}"] * s[f"{kind}_rows"]) if s[f"{kind}_rows"] else 0)
+
+    assert counts(by["benchmarks/llama3_h100_202412_torchtitan.md"]) == (18, 13)
+    assert counts(by["benchmarks/llama3_h100_202412_torchtitan.md"], "memory", 15) == (18, 10)
+    assert counts(by["benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"]) == (12, 6)
+    assert counts(by["benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md"]) == (2, 2)
+    assert counts(by["docs/performance.md"]) == (11, 3)
+    assert counts(by["images/model_table.png"]) == (9, 9)
+    assert counts(loso) == (52, 33) and counts(loso, "memory", 15) == (20, 10)
+    assert loso["pairs"]["count"] == 13 and loso["pairs"]["ranked_right"] == 13
+    # The A100 source left out has no Ampere row to fit on: its GPUs take the shared (Hopper) fraction.
+    assert "a100-80gb" not in by["docs/performance.md"]["efficiency"]
+    leak, kinds = published.fit_on(published.rows())
+    table1 = [published._entry(r, leak, kinds) for r in published.rows()
+              if published.source(r).endswith("llama3_h100_202412_torchtitan.md")]
+    assert published._summary(table1)["tokens_within_25"] != by["benchmarks/llama3_h100_202412_torchtitan.md"][
+        "summary"]["tokens_within_25"]
+
+
 def test_cli_ranks_layouts_and_writes_the_report(tmp_path, capsys):
     pytest.importorskip("transformers")
     pytest.importorskip("matplotlib")

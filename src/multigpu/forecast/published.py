@@ -16,7 +16,7 @@ import json
 from functools import cache
 
 from .cost import GiB, Assumptions, Degrees, Run, predict
-from .hardware import DATA, cluster
+from .hardware import DATA, cluster, table
 from .models import counted
 
 
@@ -114,20 +114,7 @@ def check(a: Assumptions | None = None, kinds: dict[str, float] | None = None) -
     a = a or assumptions()
     kinds = by_gpu() if kinds is None else kinds
     fitted = set(cal["fitted_on"].values()) | {g["fitted_on"] for g in cal["by_gpu"]}
-    out = []
-    for row in rows():
-        got = forecast(row, for_gpu(a, row["gpu"], kinds))
-        entry = {"key": key(row), "source": row["source"], "fitted": key(row) in fitted,
-                 "tokens_per_s_per_gpu": row["tokens_per_s_per_gpu"], "predicted_tokens": got["tokens_per_s_per_gpu"],
-                 "peak_memory_gib": row["peak_memory_gib"], "predicted_memory_gib": got["memory_bytes"] / GiB,
-                 "mfu": row["mfu"], "predicted_mfu": got["mfu"], "row": row}
-        # Speed: tokens/s per GPU, or the MFU where only that is published (the same ratio when both count
-        # FLOPs alike: 6 x parameters + attention, no recompute).
-        entry["tokens_error"] = got["tokens_per_s_per_gpu"] / row["tokens_per_s_per_gpu"] - 1 \
-            if row["tokens_per_s_per_gpu"] else (got["mfu"] / row["mfu"] - 1 if row["mfu"] else None)
-        entry["memory_error"] = entry["predicted_memory_gib"] / row["peak_memory_gib"] - 1 \
-            if row["peak_memory_gib"] else None
-        out.append(entry)
+    out = [dict(_entry(row, a, kinds), fitted=key(row) in fitted) for row in rows()]
     held = [e for e in out if not e["fitted"]]
     return {"rows": out, "held_out": _summary(held), "fitted": _summary([e for e in out if e["fitted"]]),
             "by_source": {s: _summary([e for e in held if source(e["row"]) == s]) for s in
@@ -136,6 +123,83 @@ def check(a: Assumptions | None = None, kinds: dict[str, float] | None = None) -
             "unseen_sources": _summary([e for e in held if source(e["row"]) not in
                                         {source(f["row"]) for f in out if f["fitted"]}]),
             "pairs": _pairs(held), "assumptions": dataclasses.asdict(a), "by_gpu": kinds}
+
+
+def _entry(row: dict, a: Assumptions, kinds: dict[str, float]) -> dict:
+    """One row forecast with ``a`` (its GPU kind's own efficiency from ``kinds``), and its errors."""
+    got = forecast(row, for_gpu(a, row["gpu"], kinds))
+    entry = {"key": key(row), "source": row["source"],
+             "tokens_per_s_per_gpu": row["tokens_per_s_per_gpu"], "predicted_tokens": got["tokens_per_s_per_gpu"],
+             "peak_memory_gib": row["peak_memory_gib"], "predicted_memory_gib": got["memory_bytes"] / GiB,
+             "mfu": row["mfu"], "predicted_mfu": got["mfu"], "row": row}
+    # Speed: tokens/s per GPU, or the MFU where only that is published (the same ratio when both count
+    # FLOPs alike: 6 x parameters + attention, no recompute).
+    entry["tokens_error"] = got["tokens_per_s_per_gpu"] / row["tokens_per_s_per_gpu"] - 1 \
+        if row["tokens_per_s_per_gpu"] else (got["mfu"] / row["mfu"] - 1 if row["mfu"] else None)
+    entry["memory_error"] = entry["predicted_memory_gib"] / row["peak_memory_gib"] - 1 \
+        if row["peak_memory_gib"] else None
+    return entry
+
+
+# The rows each constant is solved on when fitting on any set of rows (``fit_on``): the achieved fraction of
+# peak on eager bf16 runs, compile's speedup on compiled bf16 ones, fp8's on fp8 ones (none of them async TP,
+# which the forecast models apart), the allocator's overhead on every row with a published peak.
+def _plain(r: dict) -> bool:
+    return bool(r["tokens_per_s_per_gpu"]) and not r["async_tp"]
+
+
+ELIGIBLE = {
+    "efficiency": lambda r: _plain(r) and r["precision"] == "bf16" and not r["compile"],
+    "compile_speedup": lambda r: _plain(r) and r["precision"] == "bf16" and r["compile"],
+    "fp8_speedup": lambda r: _plain(r) and r["precision"] == "fp8",
+    "allocator_overhead": lambda r: bool(r["peak_memory_gib"]),
+}
+
+
+def fit_on(train: list[dict]) -> tuple[Assumptions, dict[str, float]]:
+    """Constants fitted on ``train`` alone: each solved on every eligible row (``ELIGIBLE``, in that order, each
+    with the ones before it), the median taken; the achieved fraction of peak also per GPU kind, the shared one
+    the median over every kind's rows. A constant no row of ``train`` informs keeps its default."""
+    a, kinds = Assumptions(calibration="fitted on other sources"), {}
+    for field, eligible in ELIGIBLE.items():
+        solved = [(r, getattr(_solve(r, for_gpu(a, r["gpu"], kinds), field), field)) for r in train if eligible(r)]
+        if not solved:
+            continue
+        a = dataclasses.replace(a, **{field: _median([v for _, v in solved])})
+        if field == "efficiency":
+            kinds = _by_kind([(r["gpu"], v) for r, v in solved])
+    return a, kinds
+
+
+def _by_kind(solved: list[tuple[str, float]]) -> dict[str, float]:
+    """Every GPU kind's achieved fraction of peak from ``(kind, fraction)`` pairs: the median of its own, else of
+    its architecture's kinds (the same tensor cores and kernels: an H200 as the H100s), else none (the shared)."""
+    arch = {k: g["arch"] for k, g in table().items()}
+    out = {}
+    for kind in table():
+        own = [v for g, v in solved if g == kind] or [v for g, v in solved if arch.get(g) == arch[kind]]
+        if own:
+            out[kind] = _median(own)
+    return out
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    n = len(values)
+    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+
+
+def leave_one_source_out() -> dict:
+    """Each source's rows forecast with constants fitted on the other sources' rows only (``fit_on``): per
+    source its summary, pairs and the constants it was forecast with; over every source the same summary."""
+    by, every = {}, []
+    for held in dict.fromkeys(source(r) for r in rows()):
+        a, kinds = fit_on([r for r in rows() if source(r) != held])
+        entries = [_entry(r, a, kinds) for r in rows() if source(r) == held]
+        every += entries
+        by[held] = {"summary": _summary(entries), "pairs": _pairs(entries), "shared_efficiency": a.efficiency,
+                    **{f: getattr(a, f) for f in ELIGIBLE}, "efficiency": kinds}
+    return {"by_source": by, "overall": _summary(every), "pairs": _pairs(every)}
 
 
 def source(row: dict) -> str:
