@@ -6,7 +6,8 @@ PP and their meshes) with no process holding the whole model, and compared with 
 from_pretrained on one process: every parameter bitwise, the logits of a batch within 1e-9 (a pipeline: its
 loss). Then it is exported from that layout and read back by transformers' from_pretrained: no missing or
 unexpected keys, every tensor bitwise the original's, the files' names those transformers writes (HF ->
-multigpu -> HF round trip). The zoo's families go through the loader the same way onto FSDP 2 (and EP 2).
+multigpu -> HF round trip; a pipeline's export written by its stages' ranks). The zoo's families go through
+the loader the same way onto FSDP 2, EP 2, TP 2 and PP 2.
 """
 
 from __future__ import annotations
