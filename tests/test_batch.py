@@ -24,7 +24,7 @@ def test_plan_takes_whole_share_or_largest_divisor_under_cap():
     "args, fragments",
     [
         ((96, 8, 8), ["96", "world_size 8 x micro_batch 8 = 64", "global_batch=64 or 128", "micro_batch=6"]),
-        ((100, 3), ["not divisible by world_size 3", "99 or 102"]),
+        ((100, 3), ["does not split over world_size 3 (data-parallel ranks)", "99 or 102", "or 2 or 4 data-parallel ranks"]),
         ((0, 2), ["global_batch must be a positive integer"]),
         ((8, 2, 0), ["micro_batch must be a positive integer"]),
     ],

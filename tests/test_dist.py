@@ -83,7 +83,7 @@ def test_usage_error_inside_init_is_one_line_and_exit_2(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
-    assert "global batch 10 is not divisible by world_size 3" in proc.stderr
+    assert "global batch 10 does not split over world_size 3" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

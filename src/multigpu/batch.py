@@ -61,10 +61,9 @@ class BatchPlan:
             lo, hi = (g // w) * w, (g // w + 1) * w
             near_w = [d for d in divisors(g) if d != w]
             alt = f"use global_batch={lo or hi} or {hi}" if lo else f"use global_batch={hi}"
-            raise UsageError(
-                f"global batch {g} is not divisible by world_size {w}; {alt}, "
-                f"or run on {' or '.join(map(str, _closest(near_w, w, 2)))} processes"
-            )
+            # world_size counts data-parallel ranks, which are the processes only without model parallelism
+            _refuse_split(g, f"world_size {w} (data-parallel ranks)",
+                          f"{alt}, or {' or '.join(map(str, _closest(near_w, w, 2)))} data-parallel ranks")
         share = g // w
         if m is None:
             cap = self.max_micro_batch or share
@@ -75,10 +74,7 @@ class BatchPlan:
             lo, hi = (g // unit) * unit, (g // unit + 1) * unit
             fits = [d for d in divisors(share) if d <= m]
             alt_g = f"global_batch={lo} or {hi}" if lo else f"global_batch={hi}"
-            raise UsageError(
-                f"global batch {g} is not divisible by world_size {w} x micro_batch {m} = {unit}; "
-                f"use {alt_g} or micro_batch={max(fits)}"
-            )
+            _refuse_split(g, f"world_size {w} x micro_batch {m} = {unit}", f"use {alt_g} or micro_batch={max(fits)}")
         object.__setattr__(self, "accum_steps", share // m)
 
     def fitting(self, max_micro_batch: int) -> "BatchPlan":
@@ -152,8 +148,12 @@ def check_splits(global_batch: int, groups: list[tuple[str, int]], *, why: str =
         return
     step = math.lcm(*(dp for _, dp in groups))
     near = sorted({m for m in (global_batch // step * step, global_batch // step * step + step) if m > 0})
-    fix = fix or f"use {flag} {' or '.join(map(str, near))} (a multiple of {step})"
-    raise UsageError(f"global batch {global_batch} does not split over {bad}{why}; {fix}")
+    _refuse_split(global_batch, bad + why, fix or f"use {flag} {' or '.join(map(str, near))} (a multiple of {step})")
+
+
+def _refuse_split(global_batch: int, over: str, fix: str) -> None:
+    """The one line of every batch that does not split (BatchPlan, ``check_splits``, the forecast's layouts)."""
+    raise UsageError(f"global batch {global_batch} does not split over {over}; {fix}")
 
 
 def policy_batch(policy: str, batch: int, workers: int, per_worker: int | None = None) -> int:

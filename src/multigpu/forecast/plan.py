@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..batch import BatchPlan
 from ..errors import UsageError
 from ..parallel.layout import Layout
 from ..parallel.pp import microbatches_refusal, stages_per_rank
@@ -33,9 +34,10 @@ def _why_not(counts: Counts, layout: Layout, run: Run) -> str | None:
         return f"{s.pp * stages_per_rank(s.schedule)} pipeline stages ({s.schedule}) exceed the {counts.layers} blocks"
     if s.cp > 1 and run.seq_len % (2 * s.cp):
         return f"sequence {run.seq_len} does not cut into 2 x cp = {2 * s.cp} chunks"
-    if run.global_batch % (s.dp_size * s.micro_batch):
-        return f"global batch {run.global_batch} does not split into {s.dp_size} ranks x micro-batch {s.micro_batch}"
-    m = run.global_batch // (s.dp_size * s.micro_batch)
+    try:  # the BatchPlan's own rule and line
+        m = BatchPlan(run.global_batch, s.dp_size, micro_batch=s.micro_batch).accum_steps
+    except UsageError as err:
+        return str(err)
     # The schedule's own rule on its micro-batch count, as mg.parallel.pipeline refuses it.
     return microbatches_refusal(s.schedule, s.pp, m) if s.pp > 1 else None
 
