@@ -534,7 +534,33 @@ def _planted(dist, saved: dict[str, str], target: str) -> dict:
     finally:
         load._fill = original
     out["tied"] = _tied_copies_apart(dist, saved["llama-tied"], f"{target}/tied")
+    out["zbv"] = _two_stages_a_rank(dist, target)
     return out
+
+
+def _two_stages_a_rank(dist, root: str) -> list:
+    """A tied 4-layer Llama loaded under the V schedule (rank 0 holds stages 0 and 3: the token table and the
+    head, two copies on one rank) and saved: (rank's stages, the export read back against the source: the
+    largest difference, whether tied, what transformers found missing or unexpected)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = f"{root}/llama4"
+    if dist.rank == 0:
+        torch.manual_seed(0)
+        config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             vocab_size=96, num_hidden_layers=4, tie_word_embeddings=True)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float64).save_pretrained(path)
+    torch.distributed.barrier()
+    layout = mg.parallel.Layout(pp=2, micro_batch=1, schedule="zbv")
+    pipe = mg.from_pretrained(path, layout, loss_fn=_loss, plan=layout.plan(4, dist), verbose=False)
+    mg.save_pretrained(pipe, f"{root}/zbv")
+    if dist.rank != 0:
+        return [pipe.ids]
+    own = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).state_dict()
+    back, info = AutoModelForCausalLM.from_pretrained(f"{root}/zbv", dtype=torch.float64, output_loading_info=True)
+    return [pipe.ids, max(float((v - own[k]).abs().max()) for k, v in back.state_dict().items()),
+            back.lm_head.weight is back.model.embed_tokens.weight, {k: v for k, v in info.items() if v},
+            _saved_names(f"{root}/zbv") == _saved_names(path)]  # the table once, as transformers writes it
 
 
 def _tied_copies_apart(dist, path: str, target: str) -> str:
@@ -556,7 +582,8 @@ def test_a_load_whose_split_differs_from_the_checkpoint_is_refused_on_every_rank
     """EP, a declared TP plan and a pipeline's cut, loaded with no process holding the model, are checked
     against an FSDP load of the same checkpoint: a planted difference on one rank (its experts permuted, a
     norm perturbed) is refused in one line on every rank; the plain load is bitwise. A pipeline's tied copies
-    that differ are refused on save, on every rank, nothing written."""
+    that differ are refused on save, on every rank, nothing written; under the V schedule, both copies on one
+    rank, the tensor is written once, bitwise."""
     out = spawn(_planted, 2, saved, str(tmp_path), timeout=300)
     assert all(r["ep logits"] < 1e-9 for r in out), out
     for r in out:
@@ -569,6 +596,7 @@ def test_a_load_whose_split_differs_from_the_checkpoint_is_refused_on_every_rank
         assert r["ep"].startswith("from_pretrained onto layout") and ("(ep=2) changes MixtralForCausalLM's output on "
                                                                        "a probe batch") in r["ep"], r["ep"]
         assert r["pp"].startswith("LlamaForCausalLM cut into 2 pipeline stages gives another output"), r["pp"]
+    assert out[0]["zbv"] == [[0, 3], 0.0, True, {}, True] and out[1]["zbv"] == [[1, 2]], out  # two copies on rank 0: once
 
 
 def test_fsdp_takes_a_kept_float32_module_only_where_one_unit_can_hold_it():
