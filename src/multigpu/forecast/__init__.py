@@ -1,7 +1,7 @@
 """`multigpu forecast`: memory per GPU and speed of every layout of a model on a cluster you describe
 (or do not have yet), ranked, with the command that runs the best (docs/forecast.md).
 
-    hardware.py   GPU kinds (tables/gpus.json: public spec figures, sources) and the cluster around them
+    hardware.py   GPU kinds (meter/gpus.json: public spec figures, sources) and the cluster around them
     models.py     --model: a known name (tables/models.json), a transformers config.json, or module:function
     counts.py     the model counted on fake tensors (meter/flops.py's FLOP counter): parameters per block, FLOPs and
                   saved bytes per token

@@ -1,6 +1,6 @@
 """The machine a forecast is for: a GPU kind from a table of public spec figures, and the cluster around it.
 
-The table (``tables/gpus.json``) holds, per kind, the vendor's dense peak (half the "with sparsity" figure)
+The table (``meter/gpus.json``, which the step meter's MFU reads too) holds, per kind, the vendor's dense peak (half the "with sparsity" figure)
 for bf16 and fp8, the HBM's size and bandwidth, and the collective bus bandwidth nccl-tests reaches on the
 node's scale-up link (NVLink, Infinity Fabric) and on one scale-out NIC per GPU; each figure names its
 source there. ``Cluster`` is that kind times a GPU count and a node size, with every figure overridable
@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
 from ..errors import UsageError
+from ..meter.gpus import kinds
 
 GiB = 2**30
 DATA = Path(__file__).resolve().parent / "tables"  # not data/: .gitignore leaves data/ folders out
@@ -44,8 +44,9 @@ class Gpu:
 
 @cache
 def table() -> dict[str, dict]:
-    """The GPU kinds as stored: figures in the units of ``tables/gpus.json`` (GB, TB/s, TFLOP/s, GB/s), sources."""
-    return json.loads((DATA / "gpus.json").read_text())["gpus"]
+    """The GPU kinds a forecast is for: those of the meter's table (``meter/gpus.json``: GB, TB/s, TFLOP/s, GB/s,
+    sources) whose collective bandwidths are known."""
+    return {k: row for k, row in kinds().items() if row["scale_up_busbw_gb_s"] is not None}
 
 
 def gpu(kind: str) -> Gpu:
@@ -54,8 +55,9 @@ def gpu(kind: str) -> Gpu:
     if row is None:
         raise UsageError(f"unknown GPU kind {kind!r}; expected one of {', '.join(table())} "
                          "(or describe yours: --gpu h100 --hbm-gib 96 --peak-tflops 800 ...)")
-    return Gpu(kind.lower(), row["name"], row["hbm_gb"] * GiB, row["hbm_tb_s"] * 1e12, row["bf16_tflops"] * 1e12,
-               None if row["fp8_tflops"] is None else row["fp8_tflops"] * 1e12, row["scale_up_busbw_gb_s"] * 1e9,
+    fp8 = row["tflops"].get("fp8")
+    return Gpu(kind.lower(), row["name"], row["hbm_gb"] * GiB, row["hbm_tb_s"] * 1e12, row["tflops"]["bf16"] * 1e12,
+               None if fp8 is None else fp8 * 1e12, row["scale_up_busbw_gb_s"] * 1e9,
                row["scale_out_busbw_gb_s"] * 1e9)
 
 

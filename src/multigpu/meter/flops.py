@@ -1,40 +1,20 @@
 """FLOPs per sample (counted by PyTorch) and the peak FLOP/s of common GPUs, for MFU.
 
 MFU = achieved model FLOP/s / (peak FLOP/s per GPU x GPUs) (PaLM, Chowdhery et
-al. 2022). The peaks are NVIDIA's dense datasheet figures (no 2:4 sparsity),
-in TFLOP/s; "tf32" is the fp32 matmul rate with TF32 tensor cores on.
+al. 2022). The peaks are the vendors' dense datasheet figures (no 2:4 sparsity)
+of gpus.json, the table the forecast reads too; "tf32" is the fp32 matmul rate
+with TF32 tensor cores on.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Callable
 
 import torch
 
 from ..errors import UsageError
 from ..runtime.values import TRAINING_DTYPES, dtype_name
-
-# (pattern on torch.cuda.get_device_name(), {dtype: dense TFLOP/s}); first match wins,
-# so the more specific names come first ("H100 PCIe" before "H100", "L40S" before "L4").
-PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
-    (r"B200", {"bf16": 2250, "fp16": 2250, "tf32": 1100, "fp32": 75}),
-    (r"H200", {"bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67}),
-    (r"H100.*PCIe", {"bf16": 756, "fp16": 756, "tf32": 378, "fp32": 51}),
-    (r"H100.*NVL", {"bf16": 835, "fp16": 835, "tf32": 418, "fp32": 60}),
-    (r"H100", {"bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67}),  # SXM5
-    (r"A100", {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5}),
-    (r"L40S", {"bf16": 362, "fp16": 362, "tf32": 183, "fp32": 91.6}),
-    (r"L40\b", {"bf16": 181, "fp16": 181, "tf32": 90.5, "fp32": 90.5}),
-    (r"\bL4\b", {"bf16": 121, "fp16": 121, "tf32": 60, "fp32": 30.3}),
-    (r"A10G", {"bf16": 70, "fp16": 70, "tf32": 35, "fp32": 31.2}),
-    (r"\bA10\b", {"bf16": 125, "fp16": 125, "tf32": 62.5, "fp32": 31.2}),
-    (r"RTX 4090", {"bf16": 165, "fp16": 165, "tf32": 82.6, "fp32": 82.6}),  # fp32 accumulate
-    (r"RTX 6000 Ada", {"bf16": 364, "fp16": 364, "tf32": 182, "fp32": 91.1}),
-    (r"RTX 3090", {"bf16": 71, "fp16": 71, "tf32": 35.6, "fp32": 35.6}),
-    (r"V100", {"fp16": 125, "fp32": 15.7}),
-    (r"\bT4\b", {"fp16": 65, "fp32": 8.1}),
-]
+from .gpus import by_device_name
 
 def dtype_key(dtype: str | torch.dtype | None) -> str:
     """'bf16' | 'fp16' | 'tf32' | 'fp32' | 'fp8' (``mg.Precision("fp8").name``); None -> fp32, or tf32 when TF32
@@ -57,11 +37,9 @@ def peak_flops(device_name: str, dtype: str | torch.dtype | None = "bf16") -> fl
     # float8's MFU is against the bf16 peak, as torchtitan reports it (and forecast): the float8 layers' gain
     # shows as a higher MFU, not as a second peak hiding it.
     key = "bf16" if dtype_key(dtype) == "fp8" else dtype_key(dtype)
-    for pattern, table in PEAK_TFLOPS:
-        if re.search(pattern, device_name):
-            tflops = table.get(key)
-            return None if tflops is None else tflops * 1e12
-    return None
+    row = by_device_name(device_name)
+    tflops = row["tflops"].get(key) if row else None
+    return None if tflops is None else tflops * 1e12
 
 
 # A mixture of experts' grouped matmuls, which PyTorch's counter has no formula for (counted by flop_counter).
