@@ -37,6 +37,7 @@ class Spread:
     experts: list = field(default_factory=list)  # experts.Stats: the expert-parallel dispatch's figures
     comm_hook: tuple | None = None   # (name, state) of DDP's gradient communication hook
     pipeline: Any = None             # weakref.ref to the Pipeline whose stages' union this is (pipe.model)
+    tp_plan: str | None = None       # where the TP plan came from: "given", "declared by ...", "found in the blocks"
 
 
 _RECORDS: "weakref.WeakKeyDictionary[Any, Spread]" = weakref.WeakKeyDictionary()

@@ -238,6 +238,62 @@ def agree(model: nn.Module, batch: dict[str, torch.Tensor], expected: torch.Tens
                          f"{expected.dtype} allows {tol:.0e}); {fix}")
 
 
+def same_training(model: nn.Module, reference: nn.Module, batch: dict[str, torch.Tensor], what: str, fix: str,
+                  device: torch.device, name: str | None = None) -> None:
+    """Refuse ``what`` (e.g. "from_pretrained onto layout tp=2") unless ``model`` and ``reference`` (the same
+    weights spread otherwise: an FSDP load of the checkpoint) give the same output on ``batch`` and the same
+    gradient of every parameter, each compared whole, one at a time: a split checked in both passes where no
+    process holds the whole model to check it on (``check`` compares the gradients a split leaves whole over
+    the TP ranks; here every one is compared with the reference's). The verdict is every rank's worst error,
+    all-reduced, taken after the passes and again after the gradients, so every rank refuses alike."""
+    import torch.distributed as tdist
+
+    name, why, error = name or type(model).__name__, "", 0.0
+    theirs = dict(reference.named_parameters())
+    ours = list(model.named_parameters())
+
+    def verdict(error: float) -> float:
+        worst = torch.tensor([error if error == error else float("inf")], dtype=torch.float64, device=device)
+        tdist.all_reduce(worst, op=tdist.ReduceOp.MAX)
+        return worst.item()
+
+    try:
+        try:
+            error = relative_error(run(model, batch, backward=True), run(reference, batch, backward=True))
+            missing = [n for n, _ in ours if n not in theirs]
+            if missing:
+                error, why = float("inf"), f"parameters the reference lacks: {', '.join(missing[:3])}"
+        except Exception as e:  # noqa: BLE001 - any failure of either pass is the refusal's reason
+            error, why = float("inf"), cause(e)
+        if verdict(error) < float("inf"):  # every rank's passes ran: the gradients, whole, in one order
+            # One relative error over every gradient at once: a gradient that is zero in exact arithmetic (an
+            # attention key's bias: softmax ignores a constant per row) is rounding noise in both, and its own
+            # relative error would be ~1 however right the split.
+            diff = norm = 0.0
+            for n, p in ours:
+                got, expected = _whole(p.grad), _whole(theirs[n].grad)
+                if got is None or expected is None:
+                    got, expected = (x if x is not None else torch.zeros(()) for x in (got, expected))
+                diff += float((got.double() - expected.double()).square().sum())
+                norm += float(expected.double().square().sum())
+            error = max(error, (diff / norm) ** 0.5 if norm > 0 else float(diff > 0))
+    finally:
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    worst = verdict(error)
+    if worst == float("inf"):
+        raise UsageError(f"{what} breaks {name}'s forward or backward on a probe batch ({why or 'on another rank'}); {fix}")
+    tol = TOLERANCE.get(next(model.parameters()).dtype, 1e-4)
+    if not worst <= tol:
+        raise UsageError(f"{what} changes {name}'s output or gradients on a probe batch (relative error {worst:.1e}, "
+                         f"{tol:.0e} allowed); {fix}")
+
+
+def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A gradient whole: a DTensor's gathered over its mesh (collective), a plain tensor as it is."""
+    return t.full_tensor() if t is not None and hasattr(t, "full_tensor") else t
+
+
 def _rng_state(device: torch.device) -> list[torch.Tensor]:
     return [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])
 

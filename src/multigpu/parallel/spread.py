@@ -194,9 +194,10 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
     found = _experts_to_spread(model, layout, capacity_factor)  # refused before TP changes the model or a mesh
     if layout.cp > 1:
         _check_context(model, layout)
-    if layout.tp > 1:
-        _tensor_parallel(model, layout, blocks, tp_plan, pipeline_stage, device_type, say, probed=empty is None)
     parts: dict[str, Any] = {}  # what the model's record holds beside its layout (spreads.py)
+    if layout.tp > 1:
+        parts["tp_plan"] = _tensor_parallel(model, layout, blocks, tp_plan, pipeline_stage, device_type, say,
+                                            probed=empty is None)
     if found:
         stats, options["experts"] = _expert_parallel(model, layout, found, capacity_factor, device_type,
                                                      pipeline_stage, say, probed=empty is None)
@@ -218,8 +219,9 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
 
 
 def _tensor_parallel(model: nn.Module, layout: Layout, blocks: list, tp_plan: dict[str, Any] | None,
-                     pipeline_stage: bool, device_type: str, say: Any, probed: bool = True) -> None:
-    """TP by the plan (given, declared or found), checked on a probe batch of a whole model (``probe.py``)."""
+                     pipeline_stage: bool, device_type: str, say: Any, probed: bool = True) -> str:
+    """TP by the plan (given, declared or found), checked on a probe batch of a whole model (``probe.py``);
+    where the plan came from."""
     from .hf.conv1d import divide_split_sizes
     from .tp import apply_tp
 
@@ -232,7 +234,8 @@ def _tensor_parallel(model: nn.Module, layout: Layout, blocks: list, tp_plan: di
     batch = None if pipeline_stage or not probed else probe.probe_batch(model, layout.tp)
     expected, why = (None, "") if pipeline_stage else probe.attempt(model, batch) if probed else \
         (None, "loaded from a checkpoint: no process holds the whole model to compare with")
-    if expected is None and not pipeline_stage and source.startswith("found"):
+    # Loaded (not probed), the loader checks the split against an FSDP load, output and gradients, found plans too.
+    if expected is None and not pipeline_stage and probed and source.startswith("found"):
         raise UsageError(f"tensor parallelism found a plan in {type(model).__name__}'s blocks but cannot check it on a "
                          f"probe batch: {why}; pass tp_plan={{'<module name>': 'colwise' | 'rowwise', ...}} (a plan "
                          "you give is taken unchecked) or use tp=1")
@@ -246,6 +249,7 @@ def _tensor_parallel(model: nn.Module, layout: Layout, blocks: list, tp_plan: di
         f"; not checked on a probe batch ({why})" if why else ""
     say(f"mg.parallelize: tensor parallel {layout.tp}: plan {source}, {len(written)} entries on "
         f"{len(styles)} modules: {_short(written)}{unchecked}")
+    return source
 
 
 def _experts_to_spread(model: nn.Module, layout: Layout, capacity_factor: float | None) -> list:

@@ -146,10 +146,11 @@ def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype 
 
 def _check_spread(model: nn.Module, layout: Any, reference: Any, name: str, verbose: bool) -> None:
     """mg.parallelize checks TP and EP on a probe batch of the whole model before and after the split; loaded,
-    no process holds it, so the split model's output (cp, if any, suspended: ``check_loaded`` checks it next)
-    is compared with ``reference()``'s, an FSDP load of the same checkpoint: exact or refused, alike on every
-    rank (``probe.agree``). A model that takes no probe batch, or whose forward fails on one, is not checked,
-    as mg.parallelize takes it, and the line says so."""
+    no process holds it, so the split model's output and every parameter's gradient (cp, if any, suspended:
+    ``check_loaded`` checks it next) are compared with ``reference()``'s, an FSDP load of the same checkpoint:
+    exact or refused, alike on every rank (``probe.same_training``). That checks a TP plan found in the blocks
+    as mg.parallelize checks one on the whole model. A model that takes no probe batch, or whose forward fails
+    on one, is not checked, as mg.parallelize takes it, and the line says so."""
     import contextlib
 
     from ..dist import print0
@@ -162,16 +163,21 @@ def _check_spread(model: nn.Module, layout: Any, reference: Any, name: str, verb
     whole = reference()
     batch = probe.probe_input(whole, layout.tp)
     expected, why = probe.attempt(whole, batch)
-    del whole  # its shards: the check's only, dropped before training
     device = next(model.parameters()).device
     if expected is not None:
         with context.suspended(model, ctx) if ctx is not None else contextlib.nullcontext():
-            probe.agree(model, batch, expected, None, f"from_pretrained onto layout {layout.label} ({what})",
-                        f"use {' and '.join(f'{k}=1' for k in split)} for this model (FSDP and HSDP spread any model)",
-                        device, name)
+            probe.same_training(model, whole, batch, f"from_pretrained onto layout {layout.label} ({what})",
+                                f"use {' and '.join(f'{k}=1' for k in split)} for this model (FSDP and HSDP spread "
+                                "any model)", device, name)
+    del whole  # its shards: the check's only, dropped before training
+    found = (spread_of(model).tp_plan or "").startswith("found")
+    if expected is None and found:  # as mg.parallelize refuses a found plan it cannot check
+        raise UsageError(f"tensor parallelism found a plan in {name}'s blocks but cannot check it on a probe batch "
+                         f"against an FSDP load: {why}; pass tp_plan={{'<module name>': 'colwise' | 'rowwise', ...}} "
+                         "(a plan you give is taken unchecked) or use tp=1")
     if verbose:
-        print0(f"mg.from_pretrained: {what} checked against an FSDP load on a probe batch" if expected is not None
-               else f"mg.from_pretrained: {what} not checked on a probe batch ({why})")
+        print0(f"mg.from_pretrained: {what} checked against an FSDP load on a probe batch (output and gradients)"
+               if expected is not None else f"mg.from_pretrained: {what} not checked on a probe batch ({why})")
 
 
 def _check_cut(pipe: Any, reference: nn.Module, device: torch.device, name: str) -> None:
