@@ -114,6 +114,17 @@ def test_a_group_lost_mid_run_rejoins_and_the_survivors_train_what_one_process_t
     assert meter[-1]["samples_seen"] == STEPS * job.GLOBAL_BATCH - skipped
     steps = [r for r in meter if r["type"] == "step"]
     assert sum(r["samples"] for r in steps) == STEPS * job.GLOBAL_BATCH - skipped
+    assert sum(r["steps"] for r in steps) == STEPS and sum(r["attempts"] for r in steps) == STEPS + summary["retried"]
+    # Group 1's meter (restarted, or healed in place with its step jumping past the steps it missed): it counts
+    # the job's skipped samples (the live group's count came with the heal), and rates only what it trained.
+    healed = read_records(os.path.join(out, "meter1", "metrics.jsonl"))
+    assert healed[-1]["samples_seen"] == STEPS * job.GLOBAL_BATCH - skipped, healed[-1]
+    life = max(i for i, r in enumerate(healed) if r["type"] == "header")  # a restart appends its own records
+    mine, steps = _records(out, 1), [r for r in healed[life:] if r["type"] == "step"]
+    if sig == signal.SIGKILL:  # the restarted process's meter: the steps from its heal on
+        mine = mine[max(i for i, r in enumerate(mine) if r["healed"]):]
+    assert sum(r["samples"] for r in steps) == sum(job.GLOBAL_BATCH - r["skipped"] for r in mine), healed
+    assert healed[-1]["measured"]["samples"] == sum(r["samples"] for r in steps[1:]), healed  # warm-up left out
     assert f"[group 0] multigpu: step {without[0]}: quorum of 2 of 3 replica groups (group 1 missing)" in text
     from multigpu.report.run import run_page
 

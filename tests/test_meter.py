@@ -590,3 +590,8 @@ def test_with_replicas_the_meter_steps_as_they_commit(tmp_path):
     from multigpu.meter.records import summary_line
 
     assert "1 replica groups: 7 steps committed" in summary_line(recs[-1])
+    with StepMeter(None, train.plan, log_dir=str(tmp_path / "plain"), progress=False, watchdog=None,
+                   gpu_monitor=False, replicas=replicas) as m:
+        with pytest.raises(mg.UsageError, match=r"^StepMeter\(replicas=...\) meters the steps replicas.steps gives, "
+                                                r"got items of type list; iterate meter.steps\(replicas.steps"):
+            next(m.steps(train))  # the loader itself, not replicas.steps

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from functools import cache
 
 from .cost import GiB, Assumptions, Degrees, Run, predict
@@ -165,7 +166,7 @@ def fit_on(train: list[dict]) -> tuple[Assumptions, dict[str, float]]:
         solved = [(r, getattr(_solve(r, for_gpu(a, r["gpu"], kinds), field), field)) for r in train if eligible(r)]
         if not solved:
             continue
-        a = dataclasses.replace(a, **{field: _median([v for _, v in solved])})
+        a = dataclasses.replace(a, **{field: statistics.median([v for _, v in solved])})
         if field == "efficiency":
             kinds = _by_kind([(r["gpu"], v) for r, v in solved])
     return a, kinds
@@ -179,14 +180,8 @@ def _by_kind(solved: list[tuple[str, float]]) -> dict[str, float]:
     for kind in table():
         own = [v for g, v in solved if g == kind] or [v for g, v in solved if arch.get(g) == arch[kind]]
         if own:
-            out[kind] = _median(own)
+            out[kind] = statistics.median(own)
     return out
-
-
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    n = len(values)
-    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
 
 
 def leave_one_source_out() -> dict:

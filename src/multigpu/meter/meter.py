@@ -261,7 +261,7 @@ class StepMeter:
         if lr is not None:
             self._lr = float(lr.param_groups[0]["lr"]) if hasattr(lr, "param_groups") else float(lr)
         committed = self._quorum.step_end() if self._quorum is not None else True  # else the step is retried
-        self._skipped = self._quorum.total["skipped"] if self._quorum is not None else 0
+        self._skipped = self._quorum.replicas.skipped if self._quorum is not None else 0
         self.step += committed
         if self.watchdog is not None:
             self.watchdog.beat(self.step - 1)
@@ -294,7 +294,7 @@ class StepMeter:
         """Write an ``eval`` record now (rank 0; pass values that are already global)."""
         if self.is_main:
             rec = {"type": "eval", "step": self.step - 1 if step is None else step,
-                   "time": time.perf_counter() - self._t_start, "samples_seen": self.step * self.samples_per_step}
+                   "time": time.perf_counter() - self._t_start, "samples_seen": self.step * self.samples_per_step - self._skipped}
             rec.update({k: (v.item() if torch.is_tensor(v) else v) for k, v in metrics.items()})
             for s in self.sinks:
                 s.write(rec)
@@ -332,8 +332,8 @@ class StepMeter:
         if self.profiler is not None and self.step - n_steps < self.profiler.stop_step and \
                 self.step > self.profiler.start_step - 1:
             rec["profiled"] = True  # the profiler slowed these steps: left out of the summary
-        if replicas is not None:
-            rec["replicas"] = replicas
+        if replicas is not None:  # "steps" the committed ones (``step`` moves by those), "attempts" every one run
+            rec.update(replicas=replicas, attempts=n_steps, steps=replicas["committed"])
             for change in replicas["changes"] if self.console is not None else ():
                 self.console.note(change_line(change, replicas["groups"]))
         if not self._records:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import UsageError
+
 
 def _fresh() -> dict[str, Any]:
     return {"committed": 0, "retried": 0, "without_all": 0, "skipped": 0, "fewest": None, "heals": 0,
@@ -31,6 +33,9 @@ class Quorum:
     def begin(self, item: tuple[int, Any], waited: float) -> tuple[int, Any, float]:
         """(committed step, micro-batches, data wait) of a ``replicas.steps`` item that took ``waited`` seconds:
         the quorum's own time (a heal included, measured by the replicas) is not data wait."""
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int)):
+            raise UsageError(f"StepMeter(replicas=...) meters the steps replicas.steps gives, got items of type "
+                             f"{type(item).__name__}; iterate meter.steps(replicas.steps(train, steps))")
         step, batch = item
         quorum_s = self.replicas.quorum_s
         for acc in (self.interval, self.total):

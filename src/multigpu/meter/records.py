@@ -148,7 +148,8 @@ def measured(records: list[dict[str, Any]]) -> list[tuple[int, float, dict[str, 
     the time spent in ``meter.pause()``. The first interval (warm-up, FLOP
     counting) and the profiled ones are left out when others remain.
     """
-    spans = [(r["samples_seen"] - p["samples_seen"], r["time"] - p["time"] - r.get("paused_s", 0.0), r)
+    # An interval's own samples where it has them: under replicas a healed group's step jumps the steps it missed
+    spans = [(r.get("samples", r["samples_seen"] - p["samples_seen"]), r["time"] - p["time"] - r.get("paused_s", 0.0), r)
              for p, r in zip(records, records[1:]) if not r.get("profiled")]
     if not spans and records:  # one record: measured from the meter's start (its own samples: a resumed or
         r = records[0]      # healed run's samples_seen counts the steps before it)
@@ -208,8 +209,9 @@ def run_summary(records: list[dict[str, Any]], *, steps: int, samples_per_step: 
     samples = sum(s for s, _, _ in spans)
     seconds = sum(t for _, t, _ in spans)
     n_steps = sum(r["steps"] for _, _, r in spans)
-    dw = sum(r["data_wait"] * r["steps"] for _, _, r in spans)
-    cp = sum(r["compute"] * r["steps"] for _, _, r in spans)
+    # data wait and compute are per step run: a retried one too (``attempts``, under replicas)
+    dw = sum(r["data_wait"] * r.get("attempts", r["steps"]) for _, _, r in spans)
+    cp = sum(r["compute"] * r.get("attempts", r["steps"]) for _, _, r in spans)
     sps = samples / seconds
     rate_steps = [first_step(spans[0][2]), spans[-1][2]["step"]]
     out = {
@@ -255,8 +257,8 @@ def _stage_shares(spans: list, seconds: float) -> list[dict[str, Any]]:
     n_ranks = len(spans[0][2]["ranks"]["compute"])
     out = []
     for rank in range(n_ranks):
-        compute = sum(r["ranks"]["compute"][rank] * r["steps"] for _, _, r in spans) / seconds
-        p2p = sum(r["ranks"].get("p2p", [0.0] * n_ranks)[rank] * r["steps"] for _, _, r in spans) / seconds
+        compute = sum(r["ranks"]["compute"][rank] * r.get("attempts", r["steps"]) for _, _, r in spans) / seconds
+        p2p = sum(r["ranks"].get("p2p", [0.0] * n_ranks)[rank] * r.get("attempts", r["steps"]) for _, _, r in spans) / seconds
         stage = spans[-1][2]["ranks"].get("id", [math.nan] * n_ranks)[rank]
         out.append({"rank": rank, "stage": None if math.isnan(stage) else int(stage), "compute": compute,
                     "p2p": p2p, "other": max(0.0, 1.0 - compute - p2p)})

@@ -111,6 +111,7 @@ class Replicas:
         self.record: list[Committed] = []
         self._step, self._share, self._healed, self._heal_s, self._layout = 0, 0, False, 0.0, "data parallel"
         self.quorum_s = 0.0  # how long the last step's quorum took (a heal included)
+        self._skipped_before = 0  # samples skipped in the steps this group missed (a live group's count, on a heal)
         self._path = (os.path.join(found[3], f"group{self.group}.jsonl")
                       if found and found[3] and dist.rank == 0 else None)
         self.setup: dict[str, Any] = {}
@@ -119,6 +120,11 @@ class Replicas:
         self.manager = _manager(found[2], self.group, self, timeout) if found else None
         if self.manager is not None:
             at_teardown(self.close)
+
+    @property
+    def skipped(self) -> int:
+        """Samples the job skipped so far (missing groups' shares), the steps before this group healed included."""
+        return self._skipped_before + sum(r.skipped for r in self.record)
 
     @property
     def fault_tolerant(self) -> bool:
@@ -203,7 +209,8 @@ class Replicas:
         seen = torch.zeros(self.groups + 2, dtype=torch.float64, device=flat.device)
         seen[self.group], seen[-2], seen[-1] = 1, self._fingerprint, self._fingerprint ** 2
         self.manager.allreduce(seen, reduce_op=ReduceOp.SUM).wait()
-        if self._peer_differs or seen[:-2].sum() * seen[-1] != seen[-2] ** 2:
+        # A peer lost mid all-reduce leaves the sums partial: that step is not committed, and says nothing of setups.
+        if self._peer_differs or (self.manager.errored() is None and seen[:-2].sum() * seen[-1] != seen[-2] ** 2):
             self._refuse()
         self.manager.allreduce(flat).wait()
         if not self.manager.should_commit():
@@ -282,13 +289,14 @@ def _manager(lighthouse: str, group: int, replicas: Replicas, timeout: float):
 
     def state_dict() -> dict[str, Any]:
         return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "setup": replicas.setup,
-                "group": replicas.group}
+                "group": replicas.group, "skipped": replicas.skipped}
 
     def load_state_dict(state: dict[str, Any]) -> None:
         if state["setup"] != replicas.setup:  # a peer's state does not fit this group: no heal can work
             return replicas._differs(state["group"], state["setup"])
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        replicas._skipped_before = state["skipped"] - sum(r.skipped for r in replicas.record)  # the steps it missed
 
     # Synchronous quorum (use_async_quorum=False): a joining group heals before its forward, so every
     # group in the quorum takes part with its share; init_sync: the first step starts from one group's weights.
