@@ -86,35 +86,52 @@ def test_a_group_lost_mid_run_rejoins_and_the_survivors_train_what_one_process_t
 
     survivor = _records(out, 0)
     assert [r["step"] for r in survivor] == list(range(STEPS))  # every step committed once, none twice
-    assert _records(out, 2) == [dict(r, group=2, time=t["time"]) for r, t in zip(survivor, _records(out, 2))]
-    without = [r["step"] for r in survivor if r["groups"] == [0, 2]]
-    assert without and all(r["groups"] in ([0, 1, 2], [0, 2]) for r in survivor), survivor
-    rejoined = [r for r in _records(out, 1) if r["healed"]]
-    assert len(rejoined) == 1 and rejoined[0]["step"] > max(without), _records(out, 1)
-    assert survivor[-1]["groups"] == [0, 1, 2]  # it trained with the others again
+    records = {g: _records(out, g) for g in range(GROUPS)}
+    for g in (1, 2):  # each group's record of a step it committed is the survivor's, and names it
+        for r in records[g]:
+            assert g in survivor[r["step"]]["groups"] and (r["groups"], r["skipped"]) == (
+                survivor[r["step"]]["groups"], survivor[r["step"]]["skipped"]), (g, r, survivor[r["step"]])
+    without = [r["step"] for r in survivor if len(r["groups"]) < GROUPS]
+    lost = [r["step"] for r in survivor if 1 not in r["groups"]]
+    assert lost and all(0 in r["groups"] for r in survivor), survivor
+    rejoined = [r for r in records[1] if r["healed"]]
+    assert rejoined and rejoined[-1]["step"] > max(lost), records[1]  # group 1 heals from a live group, rejoins
+    assert any(1 in r["groups"] for r in survivor if r["step"] > max(lost))  # and trains with the others again
+    # A machine this loaded can leave another group out of a quorum (the lighthouse's 2 s join timeout): it rejoins
+    # the same way, healed.
+    for r in survivor:
+        for g in set(range(GROUPS)) - set(r["groups"]) - {1}:
+            assert any(h["healed"] and h["step"] > r["step"] for h in records[g]), (g, r, records[g])
 
-    # No sample twice; the skipped ones are the missing group's shares, counted in the record and the summary.
+    # No sample twice; the skipped ones are the missing groups' shares, counted in the record and the summary.
     share = job.GLOBAL_BATCH // GROUPS
     assert all(r["skipped"] == share * (GROUPS - len(r["groups"])) for r in survivor)
     skipped = sum(r["skipped"] for r in survivor)
-    assert (f"{STEPS} steps committed, {len(without)} without every group ({skipped} samples skipped), 1 heal from a "
-            f"live group ({rejoined[0]['heal_s']:.2f} s)") in text, text[-2000:]
-    assert 0 < rejoined[0]["heal_s"] < 30
+    heals = [r["heal_s"] for g in range(GROUPS) for r in records[g] if r["healed"]]
+    assert (f"{STEPS} steps committed, {len(without)} without every group ({skipped} samples skipped), {len(heals)} "
+            f"heal{'s' if len(heals) > 1 else ''} from a live group ({', '.join(f'{h:.2f}' for h in heals)} s)") \
+        in text, text[-2000:]
+    assert all(0 < h < 30 for h in heals)
 
     # The step meter of a survivor says the same: its summary counts from the record, its rate the samples trained.
     from multigpu.meter.records import read_records
 
     meter = read_records(os.path.join(out, "meter0", "metrics.jsonl"))
     summary = meter[-1]["replicas"]
+    fewest = min(len(r["groups"]) for r in survivor)
     assert (summary["committed"], summary["without_all"], summary["skipped"], summary["fewest"]) == (
-        STEPS, len(without), skipped, 2), summary
-    back = min(r["step"] for r in survivor if r["step"] > without[0] and len(r["groups"]) == GROUPS)
-    assert summary["changes"] == [{"step": 0, "groups": [0, 1, 2]}, {"step": without[0], "groups": [0, 2]},
-                                  {"step": back, "groups": [0, 1, 2]}], summary
+        STEPS, len(without), skipped, fewest), summary
+    changes = [{"step": r["step"], "groups": r["groups"]} for i, r in enumerate(survivor)
+               if i == 0 or r["groups"] != survivor[i - 1]["groups"]]
+    assert summary["changes"] == changes and len(changes) >= 3, (summary, survivor)
     assert meter[-1]["samples_seen"] == STEPS * job.GLOBAL_BATCH - skipped
     steps = [r for r in meter if r["type"] == "step"]
     assert sum(r["samples"] for r in steps) == STEPS * job.GLOBAL_BATCH - skipped
     assert sum(r["steps"] for r in steps) == STEPS and sum(r["attempts"] for r in steps) == STEPS + summary["retried"]
+    for c in changes:  # each quorum change a console line
+        missing = sorted(set(range(GROUPS)) - set(c["groups"]))
+        who = f"group{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} missing" if missing else "every group"
+        assert f"[group 0] multigpu: step {c['step']}: quorum of {len(c['groups'])} of 3 replica groups ({who})" in text
     # Group 1's meter (restarted, or healed in place with its step jumping past the steps it missed): it counts
     # the job's skipped samples (the live group's count came with the heal), and rates only what it trained.
     healed = read_records(os.path.join(out, "meter1", "metrics.jsonl"))
@@ -122,15 +139,15 @@ def test_a_group_lost_mid_run_rejoins_and_the_survivors_train_what_one_process_t
     life = max(i for i, r in enumerate(healed) if r["type"] == "header")  # a restart appends its own records
     mine, steps = _records(out, 1), [r for r in healed[life:] if r["type"] == "step"]
     if sig == signal.SIGKILL:  # the restarted process's meter: the steps from its heal on
-        mine = mine[max(i for i, r in enumerate(mine) if r["healed"]):]
+        mine = mine[min(i for i, r in enumerate(mine) if r["healed"] and r["step"] >= min(lost)):]
     assert sum(r["samples"] for r in steps) == sum(job.GLOBAL_BATCH - r["skipped"] for r in mine), healed
     assert healed[-1]["measured"]["samples"] == sum(r["samples"] for r in steps[1:]), healed  # warm-up left out
-    assert f"[group 0] multigpu: step {without[0]}: quorum of 2 of 3 replica groups (group 1 missing)" in text
     from multigpu.report.run import run_page
 
     page = str(run_page(pathlib.Path(out, "meter0"), meter, {}, []))
-    assert f"{len(without)} without every group ({skipped:,} samples skipped, fewest 2 of 3)" in page, page
-    assert f"from step {without[0]}: groups 0, 2 of 3" in page and f"from step {back}: groups 0, 1, 2 of 3" in page
+    assert f"{len(without)} without every group ({skipped:,} samples skipped, fewest {fewest} of 3)" in page, page
+    for c in changes:
+        assert f"from step {c['step']}: groups {', '.join(map(str, c['groups']))} of 3" in page, page
 
     expected = job.replay(survivor, GROUPS)
     for g in range(GROUPS):
