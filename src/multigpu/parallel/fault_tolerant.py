@@ -111,7 +111,9 @@ class Replicas:
         self.record: list[Committed] = []
         self._step, self._share, self._healed, self._heal_s, self._layout = 0, 0, False, 0.0, "data parallel"
         self.quorum_s = 0.0  # how long the last step's quorum took (a heal included)
-        self._skipped_before = 0  # samples skipped in the steps this group missed (a live group's count, on a heal)
+        # Samples the job skipped so far (missing groups' shares): kept as a running count (the meter reads it every
+        # step), set from a live group's on a heal, so the steps this group missed count too.
+        self.skipped = 0
         self._path = (os.path.join(found[3], f"group{self.group}.jsonl")
                       if found and found[3] and dist.rank == 0 else None)
         self.setup: dict[str, Any] = {}
@@ -120,11 +122,6 @@ class Replicas:
         self.manager = _manager(found[2], self.group, self, timeout) if found else None
         if self.manager is not None:
             at_teardown(self.close)
-
-    @property
-    def skipped(self) -> int:
-        """Samples the job skipped so far (missing groups' shares), the steps before this group healed included."""
-        return self._skipped_before + sum(r.skipped for r in self.record)
 
     @property
     def fault_tolerant(self) -> bool:
@@ -230,6 +227,7 @@ class Replicas:
         rec = Committed(self._step, groups, self._share * (self.groups - len(groups)), self._healed, time.time(),
                         self._heal_s if self._healed else 0.0)
         self.record.append(rec)
+        self.skipped += rec.skipped
         if self._path is not None:
             with open(self._path, "a") as fp:
                 fp.write(json.dumps(dict(asdict(rec), group=self.group)) + "\n")
@@ -296,7 +294,7 @@ def _manager(lighthouse: str, group: int, replicas: Replicas, timeout: float):
             return replicas._differs(state["group"], state["setup"])
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        replicas._skipped_before = state["skipped"] - sum(r.skipped for r in replicas.record)  # the steps it missed
+        replicas.skipped = state["skipped"]  # the live group's count: the steps this one missed included
 
     # Synchronous quorum (use_async_quorum=False): a joining group heals before its forward, so every
     # group in the quorum takes part with its share; init_sync: the first step starts from one group's weights.

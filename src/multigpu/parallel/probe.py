@@ -113,12 +113,10 @@ def call(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
 
 def _output(out: Any) -> torch.Tensor:
     """The model's main output as a full tensor (logits, or the first tensor it returns)."""
-    from torch.distributed.tensor import DTensor
-
     t = getattr(out, "logits", None)
     if t is None:
         t = out[0] if isinstance(out, (tuple, list)) or hasattr(out, "to_tuple") else out
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return _whole(t)
 
 
 @contextlib.contextmanager
