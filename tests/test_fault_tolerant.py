@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -181,6 +182,22 @@ def test_bad_fault_tolerant_input_is_one_line_and_exit_2(tmp_path, monkeypatch, 
     code, err = run_cli(["run", "--cpu", *argv, SCRIPT], capsys)
     assert code == 2 and err.strip() == f"multigpu run: error: {expected}", err
     assert not list(tmp_path.iterdir())  # nothing started, no log folder
+
+
+def test_a_lighthouse_that_cannot_start_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """Node 0 starts the lighthouse on --master's port: another program listening there is one line, exit 2,
+    before anything is made or started (no log folder, so no group, and nothing left on the port)."""
+    monkeypatch.chdir(tmp_path)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code, err = run_cli(["run", "--cpu", "--fault-tolerant", "2", "--nnodes", "2", "--node-rank", "0",
+                             "--master", f"127.0.0.1:{port}", SCRIPT], capsys)
+        assert code == 2 and err.strip() == (
+            f"multigpu run: error: --fault-tolerant: node 0 starts the torchft lighthouse on --master's port {port}, "
+            f"and it could not listen there (Address already in use (os error 98)); free port {port} or name another "
+            "in --master, or pass --lighthouse HOST:PORT to use a lighthouse already running"), err
+        assert not list(tmp_path.iterdir())
+    socket.create_server(("0.0.0.0", port)).close()  # and no lighthouse was left on the port
 
 
 @pytest.mark.slow

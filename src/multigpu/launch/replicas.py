@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import UsageError
 from ..runtime import contract
@@ -116,10 +116,17 @@ def _lighthouse(cfg: RunConfig, place: Placement):
                                       heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
             break
         except Exception as err:  # noqa: BLE001 - the Rust server's error, whatever its type
-            errors.append(f"{bind}: {' '.join(str(err).split())}")
+            errors.append(" ".join(str(err).split()))
     else:
-        raise UsageError(f"--fault-tolerant: the torchft lighthouse could not start ({'; '.join(errors)}); "
-                         "start one yourself and pass --lighthouse HOST:PORT")
+        got = "; ".join(dict.fromkeys(errors))  # the same reason on both binds is said once
+        if not shared:
+            raise UsageError(f"--fault-tolerant: the torchft lighthouse could not listen on a free port ({got}); "
+                             "start one yourself (torchft_lighthouse --min_replicas 1) and pass --lighthouse HOST:PORT")
+        flags = place.source == "flags"
+        raise UsageError(f"--fault-tolerant: node 0 starts the torchft lighthouse on "
+                         f"{'--master' if flags else 'the SLURM job'}'s port {port}, and it could not listen there "
+                         f"({got}); free port {port}{' or name another in --master' if flags else ''}, or pass "
+                         "--lighthouse HOST:PORT to use a lighthouse already running")
     # It binds every interface: one node's groups dial localhost, several nodes' the address they were all given.
     return shared or f"http://localhost:{server.address().rsplit(':', 1)[1]}", server
 
@@ -166,18 +173,23 @@ def _relay(stream, prefix: str, out) -> None:
         out.flush()
 
 
-def launch(cfg: RunConfig, run_dir: str) -> int:
-    """Start the lighthouse (unless another node or --lighthouse has it) and this node's groups (``check``
-    passed); wait for all; the first failed group's exit code."""
+def launch(cfg: RunConfig, new_run_dir: Callable[[], str]) -> int:
+    """Start the lighthouse (unless another node or --lighthouse has it), then the run folder (``new_run_dir``)
+    and this node's groups (``check`` passed); wait for all; the first failed group's exit code. A lighthouse that
+    cannot start is one line before anything is said, made or started."""
     from . import logs
 
     place = _placement(cfg)
-    quiet = None
-    if "RUST_LOG" not in os.environ:  # torchft's Rust side (lighthouse, managers) logs every quorum at INFO
-        quiet = "warn"
-        logs.say("RUST_LOG: unset -> 'warn' (torchft's quorum and commit lines stay out of the console)")
+    quiet = "warn" if "RUST_LOG" not in os.environ else None  # torchft's Rust side logs every quorum at INFO
     with contract.environ(RUST_LOG=quiet):
-        return _launch(cfg, run_dir, cfg.fault_tolerant, place)
+        address, server = _lighthouse(cfg, place)
+        try:
+            if quiet:
+                logs.say("RUST_LOG: unset -> 'warn' (torchft's quorum and commit lines stay out of the console)")
+            return _launch(cfg, new_run_dir(), cfg.fault_tolerant, place, address, started=server is not None)
+        finally:
+            if server is not None:
+                server.shutdown()
 
 
 def _here(groups: int, place: Placement) -> range:
@@ -210,28 +222,22 @@ def _group_env(cfg: RunConfig, place: Placement, groups: int, here: range, addre
     return env
 
 
-def _launch(cfg: RunConfig, run_dir: str, groups: int, place: Placement) -> int:
+def _launch(cfg: RunConfig, run_dir: str, groups: int, place: Placement, address: str, started: bool) -> int:
     from . import logs
 
     here = _here(groups, place)
     record_dir = os.path.join(run_dir, "replicas")
     os.makedirs(record_dir, exist_ok=True)
-    address, server = _lighthouse(cfg, place)
     version = importlib.metadata.version("torchft")
     # Each group is a torch job of this node alone (--nnodes 1: not SLURM's several nodes either).
     group_cfg = dataclasses.replace(cfg, fault_tolerant=None, lighthouse=None, log_dir=run_dir, nnodes=1,
                                     node_rank=None, master=None,
                                     max_restarts=RESTARTS if cfg.max_restarts is None else cfg.max_restarts)
-    try:
-        env = _group_env(cfg, place, groups, here, address, record_dir)
-    except BaseException:
-        if server is not None:
-            server.shutdown()
-        raise
+    env = _group_env(cfg, place, groups, here, address, record_dir)
     node = (f"node {place.node_rank} of {place.nnodes} ({place.source}) runs groups {here.start}..{here.stop - 1} of "
             if place.nnodes > 1 else "")
     logs.say(f"--fault-tolerant: {node}{groups} replica groups of {place.nproc} worker{'s' if place.nproc > 1 else ''}"
-             f", torchft {version}, lighthouse {address}{' (started here)' if server else ''}, each group restarted up "
+             f", torchft {version}, lighthouse {address}{' (started here)' if started else ''}, each group restarted up "
              f"to {group_cfg.max_restarts} times; a missing group's share of each global batch is skipped; "
              f"records: {record_dir}")
     children: list[subprocess.Popen] = []
@@ -266,8 +272,6 @@ def _launch(cfg: RunConfig, run_dir: str, groups: int, place: Placement) -> int:
             t.join(timeout=5)
         for s, handler in old.items():
             signal.signal(s, handler)
-        if server is not None:
-            server.shutdown()
     if os.path.exists(os.path.join(record_dir, "refused")):
         raise UsageError(_differ(record_dir, groups))
     failed = [(here[i], c) for i, c in enumerate(codes) if c != 0 and i not in late]

@@ -209,7 +209,7 @@ def launch(cfg: RunConfig) -> int:
         from . import replicas
 
         replicas.check(cfg)
-        return replicas.launch(cfg, _run_dir(cfg, resolve(cfg)))
+        return replicas.launch(cfg, functools.partial(_run_dir, cfg, resolve(cfg)))
     place = resolve(cfg)
     found = None
     if place.source == "slurm":  # SLURM's node name -> its address (fails in one line, before anything starts)
