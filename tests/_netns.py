@@ -112,6 +112,10 @@ class Hosts(Scoped):
         """Node ``i``'s network is gone: its eth0 goes down (its processes live on, cut off)."""
         _ip("-n", self.nodes[i].ns, "link", "set", IFNAME, "down")
 
+    def reconnect(self, i: int) -> None:
+        """Node ``i``'s eth0 up again (its address and route come back with it)."""
+        _ip("-n", self.nodes[i].ns, "link", "set", IFNAME, "up")
+
     def close(self) -> None:
         # Every process inside a node (the launchers, and the workers torch's agent started in their own
         # sessions), then the namespaces: deleting one only unmounts it while a process still lives there.

@@ -4,8 +4,9 @@ Two nodes, each its own network namespace (tests/_netns.py: veth pairs on a brid
 them), each running one replica group of two CPU workers (tests/_ft_train.py, DDP inside the group). Node
 0's launcher starts the lighthouse on --master's port; node 1's waits for it. Each node writes its own
 records (separate --log-dir: nothing is shared but the script's output folder). Node 1's eth0 goes down
-mid-run: nothing resets, its group just falls silent. Node 0's group commits the remaining steps without
-it, and its final parameters equal one process trained on exactly the samples the committed steps used.
+mid-run: nothing resets, its group just falls silent. Node 0's group commits steps without it; the link
+comes back up and node 1's group, never restarted, heals from node 0's and rejoins. Both groups' final
+parameters equal one process trained on exactly the samples the committed steps used.
 Also: groups that differ across nodes are refused on both; under a real SLURM (tests/_slurm.py) each node
 runs its group from SLURM's variables alone, and node 1's workers SIGKILLed mid-run are restarted by its
 launcher, heal from node 0's group and rejoin while the job goes on.
@@ -29,7 +30,9 @@ from test_fault_tolerant import SCRIPT, _alive, _pids, _records
 pytest.importorskip("torchft")
 hosts = pytest.mark.skipif(_netns.unavailable() is not None, reason=str(_netns.unavailable()))
 
-GROUPS, STEPS, PORT = 2, 20, 29400  # any port: each node has its own network stack
+# Any port: each node has its own network stack. While a group is missing a step takes 0.5 s: the 19 steps
+# after node 1's link is back leave it 9.5 s to rejoin (3 s seen).
+GROUPS, STEPS, PORT = 2, 26, 29400
 
 
 def _launch(net, i, tmp_path, *args, n=2):
@@ -39,59 +42,83 @@ def _launch(net, i, tmp_path, *args, n=2):
             sys.executable, "-m", "multigpu", "run", "--cpu", "-n", str(n), "--fault-tolerant", str(GROUPS),
             "--nnodes", "2", "--node-rank", str(i), "--master", f"{net.nodes[0].addr}:{PORT}", "--log-dir",
             str(tmp_path / f"node{i}-logs"), SCRIPT, "--out", str(tmp_path), "--timeout", "3",
-            *(args or ("--steps", str(STEPS), "--sleep", "0.1"))], stdout=out, stderr=out, cwd=tmp_path)
+            *(args or ("--steps", str(STEPS), "--sleep", "0.1", "--sleep-without", "0.5"))], stdout=out, stderr=out, cwd=tmp_path)
 
 
 @pytest.mark.slow
 @hosts
-def test_a_node_cut_off_mid_run_costs_a_stall_and_the_survivor_trains_what_one_process_trains(tmp_path):
-    logs0, logs1 = tmp_path / "node0-logs", tmp_path / "node1-logs"
+def test_a_node_cut_off_mid_run_costs_a_stall_and_rejoins_healed_when_its_link_is_back(tmp_path):
+    logs = [tmp_path / f"node{i}-logs" for i in (0, 1)]
     t0 = time.monotonic()
     with _netns.Hosts(2) as net:
         other, host = _launch(net, 1, tmp_path), _launch(net, 0, tmp_path)  # node 1 first: it waits for node 0
         deadline = time.monotonic() + 60
-        while sum(r["groups"] == [0, 1] for r in _records(str(logs0), 0)) < 6:  # 6 steps together, then the cut
+        while sum(r["groups"] == [0, 1] for r in _records(str(logs[0]), 0)) < 6:  # 6 steps together, then the cut
             assert host.poll() is None and time.monotonic() < deadline, (tmp_path / "node0.out").read_text()[-3000:]
             time.sleep(0.02)
         net.cut(1)
         t_cut = time.time()
-        code = host.wait(timeout=90)
+        while not any(r["groups"] == [0] for r in _records(str(logs[0]), 0)):  # a step without node 1, then back
+            assert host.poll() is None and time.monotonic() < deadline, (tmp_path / "node0.out").read_text()[-3000:]
+            time.sleep(0.02)
+        net.reconnect(1)
+        t_up = time.time()
+        codes = [p.wait(timeout=90) for p in (host, other)]
         took = time.monotonic() - t0
-        left = other.poll()
     assert not _netns.leftovers()
-    text = (tmp_path / "node0.out").read_text()
-    assert code == 0, text[-3000:]
+    texts = [(tmp_path / f"node{i}.out").read_text() for i in (0, 1)]
+    assert codes == [0, 0], (codes, texts[0][-2000:], texts[1][-2000:])
     addr0 = net.nodes[0].addr
     assert (f"--fault-tolerant: node 0 of 2 (flags) runs groups 0..0 of {GROUPS} replica groups of 2 workers, torchft "
-            f"{job_version()}, lighthouse http://{addr0}:{PORT} (started here)") in text, text[-3000:]
-    assert f"node 1 of 2 (flags) runs groups 1..1 of {GROUPS} replica groups" in (tmp_path / "node1.out").read_text()
+            f"{job_version()}, lighthouse http://{addr0}:{PORT} (started here)") in texts[0], texts[0][-3000:]
+    assert f"node 1 of 2 (flags) runs groups 1..1 of {GROUPS} replica groups" in texts[1]
 
-    survivor = _records(str(logs0), 0)
-    assert [r["step"] for r in survivor] == list(range(STEPS))  # every step committed once, none twice
-    together = [r for r in survivor if r["groups"] == [0, 1]]
-    alone = [r for r in survivor if r["groups"] == [0]]
-    assert len(together) + len(alone) == STEPS and alone and survivor[:len(together)] == together, survivor
-    assert all(r["time"] >= t_cut for r in alone)  # left out only once its link was down
-    # Node 1's own record, on its own disk: the steps it took part in, the same as node 0's.
-    assert [dict(r, group=0, time=0) for r in _records(str(logs1), 1)] == [dict(r, time=0) for r in together]
+    records = [_records(str(logs[g]), g) for g in (0, 1)]
+    steps = _committed(records, STEPS)
+    cut = [r for r in steps if 1 not in r["groups"] and r["time"] >= t_cut]
+    assert cut, steps  # node 0's group went on without node 1's
+    back = [h for h in records[1] if h["healed"] and h["time"] >= t_up]
+    assert back, records[1]  # node 1's group, cut off but never restarted, healed once its link was back
+    for i in (0, 1):  # each node's last line: its own group's record
+        mine = records[i]
+        without = [r for r in mine if len(r["groups"]) < GROUPS]
+        heals = sum(r["healed"] for r in mine)
+        assert (f"{len(mine)} steps committed, {len(without)} without every group "
+                f"({sum(r['skipped'] for r in without)} samples skipped), {heals} heal{'s' if heals != 1 else ''} "
+                "from a live group") in texts[i], texts[i][-2000:]
 
-    share = job.GLOBAL_BATCH // GROUPS
-    assert all(r["skipped"] == share * (GROUPS - len(r["groups"])) for r in survivor)
-    skipped = sum(r["skipped"] for r in survivor)
-    assert (f"{STEPS} steps committed, {len(alone)} without every group ({skipped} samples skipped), 0 heals from a "
-            "live group") in text, text[-2000:]
-
-    expected = job.replay(survivor, GROUPS)
-    got = torch.load(tmp_path / "group0.pt")
-    worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
-    assert worst <= 1e-9, f"node 0's group: {worst:.3g} from one process on the committed samples"
-    every = job.replay([dict(r, groups=[0, 1]) for r in survivor], GROUPS)  # the skipped shares matter
+    expected = job.replay(steps, GROUPS)
+    for g in (0, 1):
+        got = torch.load(tmp_path / f"group{g}.pt")
+        worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+        assert worst <= 1e-9, f"group {g}: {worst:.3g} from one process on the committed samples"
+    every = job.replay([dict(r, groups=[0, 1]) for r in steps], GROUPS)  # the skipped shares matter
     assert max((every[k] - expected[k]).abs().max().item() for k in every) > 1e-6
-    stall = alone[0]["time"] - together[-1]["time"]
-    print(f"\nnode 1 cut after {len(together)} steps together: node 0's group stalled {stall:.2f} s (last step "
-          f"with node 1 -> first without), {len(alone)} steps alone, {skipped} samples skipped; parameters within "
-          f"{worst:.1e} of one process; node 1's launcher {'still running' if left is None else f'exited {left}'}; "
+    stall = cut[0]["time"] - steps[cut[0]["step"] - 1]["time"]
+    without = [r for r in steps if len(r["groups"]) < GROUPS]
+    print(f"\nnode 1 cut after 6 steps together: node 0's group stalled {stall:.2f} s (last step with node 1 -> "
+          f"first without); node 1's link back after {t_up - t_cut:.2f} s: it healed ({back[0]['heal_s']:.2f} s) and "
+          f"rejoined at step {back[0]['step']}, {back[0]['time'] - t_up:.2f} s later; {len(without)} steps without "
+          f"it, {sum(r['skipped'] for r in without)} samples skipped; both groups within {worst:.1e} of one process; "
           f"{took:.1f} s in all")
+
+
+def _committed(records: list[list[dict]], steps: int) -> list[dict]:
+    """Every committed step's record, from the groups' records (each on its own node's disk): every step once,
+    each group's record of a step the same and naming it, and a group left out of a step healed later (a loaded
+    machine can leave either group out of a quorum: the checks follow the records, not one pattern)."""
+    committed: dict[int, dict] = {}
+    for g, mine in enumerate(records):
+        for r in mine:
+            first = committed.setdefault(r["step"], r)
+            assert g in r["groups"] and (r["groups"], r["skipped"]) == (first["groups"], first["skipped"]), (g, r, first)
+    assert sorted(committed) == list(range(steps)), sorted(committed)
+    ordered = [committed[s] for s in range(steps)]
+    for r in ordered:
+        for g in set(range(len(records))) - set(r["groups"]):
+            assert any(h["healed"] and h["step"] > r["step"] for h in records[g]), (g, r, records[g])
+        assert r["skipped"] == job.GLOBAL_BATCH // GROUPS * (GROUPS - len(r["groups"])), r
+    return ordered
 
 
 def job_version() -> str:
@@ -181,20 +208,10 @@ def test_under_slurm_a_node_whose_workers_are_killed_rejoins_and_both_train_what
     # record of a step the same. A loaded machine can leave either group out of a quorum (it then heals), so
     # the checks follow the records, not one pattern.
     records = [_records(str(logs[g]), g) for g in (0, 1)]
-    committed: dict[int, dict] = {}
-    for g in (0, 1):
-        for r in records[g]:
-            first = committed.setdefault(r["step"], r)
-            assert g in r["groups"] and (r["groups"], r["skipped"]) == (first["groups"], first["skipped"]), (g, r, first)
-    assert sorted(committed) == list(range(SLURM_STEPS)), sorted(committed)
-    steps = [committed[s] for s in range(SLURM_STEPS)]
+    steps = _committed(records, SLURM_STEPS)
     lost = [r["step"] for r in steps if 1 not in r["groups"] and r["time"] >= t_kill]
     assert lost, steps  # node 0's group went on without node 1's
-    for r in steps:  # a group left out of a step heals from the live one and trains with it again
-        for g in {0, 1} - set(r["groups"]):
-            assert any(h["healed"] and h["step"] > r["step"] for h in records[g]), (g, r, records[g])
     assert 1 in steps[-1]["groups"] and 0 in steps[-1]["groups"], steps[-1]
-    assert all(r["skipped"] == job.GLOBAL_BATCH // GROUPS * (GROUPS - len(r["groups"])) for r in steps)
     expected = job.replay(steps, GROUPS)
     for g in (0, 1):
         got = torch.load(tmp_path / f"group{g}.pt")
