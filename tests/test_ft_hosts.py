@@ -31,7 +31,7 @@ pytest.importorskip("torchft")
 hosts = pytest.mark.skipif(_netns.unavailable() is not None, reason=str(_netns.unavailable()))
 
 # Any port: each node has its own network stack. While a group is missing a step takes 0.5 s: the 19 steps
-# after node 1's link is back leave it 9.5 s to rejoin (1-4 s seen: TCP's and gRPC's retry backoff).
+# after node 1's link is back leave it 9.5 s to rejoin (1.0-4.1 s seen).
 GROUPS, STEPS, PORT = 2, 26, 29400
 
 
