@@ -22,7 +22,10 @@ Markdown, skips what says ``<!-- skip: next "why" -->`` with that reason, and ha
   one machine), each checked against its own lines. Tokens that are absolute paths match any path (the work
   folder differs run to run), and this machine's name after ``host`` reads as ``vm``, the docs' machine.
   ``<!-- doc: file train.py --dir runs/a -->``: the block's own run gets the words after the name as its
-  arguments (the commands below give it theirs).
+  arguments (the commands below give it theirs). ``<!-- doc: demo -->``: the block's commands are the
+  Makefile's ``demo`` recipe, line for line; where .ci/run ran ``make demo`` before the tests
+  (``MULTIGPU_DEMO_LOG`` names its output), that output is checked against the block instead of running the
+  same minutes of studies twice.
 
 Unlabelled blocks with no ``$`` are listings (a folder, a table, a synopsis): shown, not run.
 """
@@ -94,9 +97,11 @@ def directive(example) -> None:
         nxt["timeout"] = int(words[1])
     elif words[0] == "together":  # the block's commands start at once (two "nodes" of one job on this machine)
         nxt["together"] = True
+    elif words[0] == "demo":
+        nxt["demo"] = True
     else:
-        raise ValueError(f"unknown doc directive {example.parsed!r}; expected launch, file, sub, omit, vary, timeout"
-                         " or together")
+        raise ValueError(f"unknown doc directive {example.parsed!r}; expected launch, file, sub, omit, vary, timeout,"
+                         " together or demo")
 
 
 def _run(argv: list[str] | str, work: Path, timeout: int, shell: bool = False) -> subprocess.CompletedProcess:
@@ -253,6 +258,9 @@ def shell_block(example) -> None:
             command = command.replace(old, new)
         runs.append((command, shown, status))
     timeout = options.get("timeout", TIMEOUT)
+    if options.get("demo"):
+        _demo(runs, options, work)
+        return
     if options.get("together"):
         procs = [subprocess.Popen(command, cwd=work, env=_env(), shell=True, text=True, stdin=subprocess.DEVNULL,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -270,6 +278,37 @@ def shell_block(example) -> None:
     for command, shown, status in runs:
         done = _run(command, work, timeout, shell=True)
         _check(command, shown, status, done.returncode, done.stdout + done.stderr, options)
+
+
+def _demo_recipe() -> list[str]:
+    """The Makefile's ``demo`` recipe, each line as a reader types it (without ``$(VENV)/bin/``)."""
+    lines = (ROOT / "Makefile").read_text().split("\ndemo:", 1)[1].split("\n")[1:]
+    recipe = []
+    for line in lines:
+        if not line.startswith("\t"):
+            break
+        recipe.append(line.strip().replace("$(VENV)/bin/", ""))
+    return recipe
+
+
+def _demo(runs: list[tuple[str, list[str], int | None]], options: dict, work: Path) -> None:
+    """A block that is ``make demo``: the same commands as the Makefile's recipe; each command's shown lines
+    checked against the output .ci/run's ``make demo`` wrote (make echoes each recipe line before its output),
+    or against a run of the command here when there is none."""
+    assert [command for command, _, _ in runs] == _demo_recipe(), \
+        f"<!-- doc: demo -->: the block's commands {[c for c, _, _ in runs]} are not the Makefile's demo recipe {_demo_recipe()}"
+    log = os.environ.get("MULTIGPU_DEMO_LOG")
+    if not log:
+        for command, shown, status in runs:
+            done = _run(command, work, options.get("timeout", TIMEOUT), shell=True)
+            _check(command, shown, status, done.returncode, done.stdout + done.stderr, options)
+        return
+    text = Path(log).read_text()  # .ci/run keeps it only when make demo ended 0
+    echoed = [re.search(rf"^\S*{re.escape(command)}$", text, re.M) for command, _, _ in runs]
+    assert all(echoed), f"{log} does not hold every demo command's echo: {[c for c, _, _ in runs]}"
+    ends = [m.start() for m in echoed[1:]] + [len(text)]
+    for (command, shown, status), start, end in zip(runs, echoed, ends):
+        _check(command, shown, status, 0, text[start.end():end], options)
 
 
 class _Directives:
