@@ -193,9 +193,10 @@ def run(dist, jobs: list[tuple[str, str]], out: str) -> None:
         row = {"family": name, "layout": label}
         try:
             if name != family:  # rank 0 decides (a time measured on each rank could disagree)
-                family, why = name, [why_skipped(name) if dist.rank == 0 else None]
+                family, reference = name, _reference(dist, name, out) if dist.rank == 0 else {}
+                why = [reference if isinstance(reference, str) else None]  # the skip's reason, to every rank
                 torch.distributed.broadcast_object_list(why, src=0)
-                reference = why[0] or (hf.train(dist, kind_of(name), None, accum=1) if dist.rank == 0 else {})
+                reference = why[0] or reference
             if isinstance(reference, str):
                 row["skipped"] = reference
             else:
@@ -222,6 +223,19 @@ def run(dist, jobs: list[tuple[str, str]], out: str) -> None:
         row["seconds"] = time.perf_counter() - start
         if dist.rank == 0:
             write(out, row)
+
+
+def _reference(dist, family: str, out: str) -> dict | str:
+    """One process's weights after the zoo's 5 steps, or why ``family`` is skipped: computed once for the
+    whole zoo and kept beside ``out`` (in its folder), so the 4-rank pass reads what the 2-rank pass computed."""
+    path = pathlib.Path(out).parent / "references" / f"{family.replace(':', '_')}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=True)
+    reference = why_skipped(family) or hf.train(dist, kind_of(family), None, accum=1)
+    path.parent.mkdir(exist_ok=True)
+    torch.save(reference, path.with_suffix(".part"))
+    path.with_suffix(".part").replace(path)  # a worker killed mid-save leaves no half reference
+    return reference
 
 
 def write(out: str, row: dict) -> None:
