@@ -73,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--scale-out-gb-s", type=float, help="the bus bandwidth across nodes per GPU in GB/s")
     add("--efficiency", type=float, help="achieved fraction of the bf16 peak (default: the calibration's)")
     add("--dp-overlap", type=float, default=d.dp_overlap,
-        help="fraction of compute that hides data-parallel collectives (default %(default)s)")
+        help="fraction of each phase's compute (forward, backward) that can hide that phase's data-parallel "
+             "collectives (default %(default)s)")
     add("--async-tp-overlap", type=float, default=d.async_tp_overlap,
         help="fraction of tensor-parallel traffic async TP hides (default %(default)s)")
     add("--expert-imbalance", type=float, default=d.expert_imbalance,

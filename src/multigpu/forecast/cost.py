@@ -33,15 +33,16 @@ mean; the dispatch's all-to-all (the top-k rows out and back, twice again in the
 Step time: compute (FLOPs / (peak x achieved fraction)), recompute included, the pipeline's bubble (where
 ranks share cores, ``Cluster.slowdown``, only what the critical path adds beyond every rank's work); the
 collectives by the alpha-beta model with nccl-tests' bus bandwidth of the link the group spans, exposed as
-``Assumptions`` says (data-parallel traffic hidden under compute up to ``dp_overlap``, tensor-parallel not,
-cp's ring under attention); the optimizer step by HBM bandwidth; and, for a machine whose ``Overheads`` are
+``Assumptions`` says (data-parallel traffic phase by phase, ``exposed``: FSDP's gathers under the forward and
+the backward they feed, its reduce-scatters and DDP's all-reduce under the last micro-batch's backward, each up to
+``dp_overlap`` of that phase's compute, the first gather and the last reduction never; tensor-parallel not, cp's
+ring under attention); the optimizer step by HBM bandwidth; and, for a machine whose ``Overheads`` are
 measured, the wrapper's work per micro-batch and step and each collective's wait (counted per group size).
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,7 +66,8 @@ class Assumptions:
     efficiency: float = 0.45         # achieved fraction of the dense bf16 peak in eager mode
     compile_speedup: float = 1.0     # compute time / this with torch.compile
     fp8_speedup: float = 1.0         # matmul time / this with fp8 matmuls (attention stays 16-bit)
-    dp_overlap: float = 1.0          # fraction of compute under which data-parallel collectives hide
+    dp_overlap: float = 1.0          # fraction of each phase's compute (forward, backward) under which that phase's
+                                     # data-parallel collectives can hide (``exposed``)
     async_tp_overlap: float = 0.5    # fraction of tensor-parallel traffic async TP hides
     runtime_gib: float = 2.0         # CUDA context, NCCL buffers, cuBLAS workspace per GPU
     allocator_overhead: float = 0.0  # what the caching allocator reserves beyond the tensors, x their bytes
@@ -248,14 +250,19 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
 
     # Compute: training FLOPs of the stage's share, recompute added, at the achieved rate (a measured machine's
     # own rate for this micro-batch).
-    matmul, attention = micro_flops(counts, blocks, tokens, t, run.recompute, a.expert_imbalance if e > 1 else None)
     rate = cluster.rate(b, run.recompute)
     if rate is None:  # a described GPU: its peak at the calibrated fraction
         rate = cluster.peak("bf16") * a.efficiency * (a.compile_speedup if run.compile else 1.0)
     # fp8: the matmuls of the layers float8 converts (counted with the choice ``mg.Precision("fp8")`` makes) run
     # fp8_speedup x faster; the rest (layers left out, attention) as in bf16.
-    fast = float8_flops(counts, blocks, tokens, t, run.recompute) if run.precision == "fp8" else 0.0
-    micro_s = (matmul - fast + fast / a.fp8_speedup + attention) / rate
+
+    def seconds(recompute: str) -> float:  # a micro-batch's forward and backward, that recompute's forward included
+        matmul, attention = micro_flops(counts, blocks, tokens, t, recompute, a.expert_imbalance if e > 1 else None)
+        fast = float8_flops(counts, blocks, tokens, t, recompute) if run.precision == "fp8" else 0.0
+        return (matmul - fast + fast / a.fp8_speedup + attention) / rate
+
+    micro_s = seconds(run.recompute)
+    fwd_s = seconds("none") / 3  # the forward: a third of the FLOPs without recompute (the backward twice it)
     slots = m + (p - 1) / v if p > 1 else m
     time = {"compute": m * micro_s}
     if p > 1:
@@ -275,33 +282,18 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
         return cluster.collective_s(op, n, span, nbytes, count)
 
     inner = c * t
-    # FSDP's units: each block's dense part (its experts a unit of their own, over efsdp) and the root
-    # (tables, final norm, head: the stage's). Sizes repeat, so each size is costed once with its count.
-    units = Counter((dense_of(i), gathered_bytes(i, dense_of(i))) for i in blocks)
-    expert_units = Counter(experts[i] / e for i in blocks if experts[i])
+    # FSDP's units: each block's dense part and its experts (a unit of their own, over efsdp), and the root (tables,
+    # final norm, head: the stage's).
+    units = [(dense_of(i), gathered_bytes(i, dense_of(i)), experts[i] / e) for i in blocks]
     root = max(first, last) if p > 1 else first + last
+    phases = (fwd_s, micro_s - fwd_s)
     if shards > 1:
-        # Each block gathered in the forward and the backward of every micro-batch, the root once per
-        # micro-batch (a pipeline stage: all once a step); every unit reduce-scattered once a step. The
-        # experts' FSDP group, efsdp, is outside ep in the mesh, so it spans f x t as dp_shard does.
-        g_block, g_root = (2 * m, m) if p == 1 else (1, 1)
-        dp_s = coll("all_gather", width * root, f, f * t, g_root) + coll("reduce_scatter", 4.0 * root, f, f * t, 1)
-        for (size, nbytes), k in units.items():
-            dp_s += coll("all_gather", nbytes, f, f * t, g_block * k) + coll("reduce_scatter", 4.0 * size, f, f * t, k)
-        for size, k in expert_units.items():
-            dp_s += coll("all_gather", width * size, ef, f * t, g_block * k) + coll("reduce_scatter", 4.0 * size, ef, f * t, k)
-        if layout.dp_replicate > 1:  # HSDP: each unit's shard all-reduced over the replicas
-            r = layout.dp_replicate
-            dp_s += coll("all_reduce", 4.0 * root / f, r, r * f * t, 1)
-            for (size, _), k in units.items():
-                dp_s += coll("all_reduce", 4.0 * size / f, r, r * f * t, k)
-            for size, k in expert_units.items():
-                dp_s += coll("all_reduce", 4.0 * size / ef, r, r * f * t, k)
-    else:  # DDP: one all-reduce per 25 MiB bucket
+        dp_s = fsdp_exposed(cluster, layout, m, units, root, width, phases, a.dp_overlap, calls)
+    else:  # DDP: one all-reduce per 25 MiB bucket, in the last micro-batch's backward (mg.accumulate)
         buckets = max(1, math.ceil(4.0 * held / DDP_BUCKET))
-        dp_s = coll("all_reduce", 4.0 * held / buckets, dp, dp * inner, buckets)
-    hidden_under = a.dp_overlap * time["compute"]
-    time["data-parallel collectives (exposed)"] = max(0.0, dp_s - hidden_under)
+        bucket = coll("all_reduce", 4.0 * held / buckets, dp, dp * inner, buckets) / buckets
+        dp_s = exposed(buckets * bucket, bucket, phases[1], buckets, a.dp_overlap)
+    time["data-parallel collectives (exposed)"] = dp_s
     if t > 1:
         time["tensor-parallel collectives"] = tp_collectives(counts, layout, blocks, tokens, m, run, coll) \
             * (1 - (a.async_tp_overlap if run.async_tp else 0.0))
@@ -315,6 +307,7 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     if c > 1:
         kv = sum(counts.block_kv[i] for i in blocks) * b * run.seq_len / t / per_stage  # a block's whole K, V
         ring = coll("all_gather", kv, c, inner, m * 3 * per_stage)  # gathered forward, gradients back (x2) backward
+        attention = micro_flops(counts, blocks, tokens, t, run.recompute)[1]
         time["context-parallel ring (exposed)"] = max(0.0, ring - m * attention / rate)
     if p > 1:
         hop = tokens * counts.block_input / t
@@ -338,6 +331,54 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     return {"memory": memory, "memory_bytes": total, "fits": total <= cluster.gpu.hbm_bytes, "time": time,
             "step_s": step, "tokens_per_s_per_gpu": tps, "collectives": calls,
             "mfu": tps * counts.flops_per_token / cluster.peak("bf16")}  # against bf16's peak, fp8 or not
+
+
+def exposed(comm: float, edges: float, compute: float, pieces: int, overlap: float) -> float:
+    """Seconds of one phase's communication (``comm``) that its compute does not hide. The compute runs as
+    ``pieces`` equal pieces (blocks, DDP's buckets) on one stream, the collectives in order on another; a piece's
+    collective overlaps the other pieces' compute, never its own: what waits for the first piece or follows the last
+    (``edges``: the first block's gather, the last block's or bucket's reduction) is exposed whatever the compute,
+    and the rest hides under at most ``overlap`` x the compute of every piece but one. Exact for equal pieces where
+    the compute or the collectives bound the phase (gathers only, or reductions only: the bound one's time plus one
+    piece of the other), within a piece where they alternate."""
+    return min(comm, max(edges, comm - overlap * compute * (1 - 1 / max(pieces, 1))))
+
+
+def fsdp_exposed(cluster: Cluster, layout: Layout | Degrees, m: int, units: list[tuple[float, float, float]],
+                 root: float, width: int, phases: tuple[float, float], overlap: float, calls: dict[int, float]) -> float:
+    """Seconds of a step's FSDP (and HSDP) collectives its compute does not hide, phase by phase (``exposed``), their
+    calls added to ``calls`` by group size. ``units`` are the stage's blocks as (dense parameters, their gathered
+    bytes, expert parameters) on this rank; ``phases`` a micro-batch's forward and backward seconds.
+
+    Each micro-batch's forward gathers the root, then every block in turn: hidden under the forward only, the
+    root's and the first block's exposed. Its backward gathers every block again (hidden under the backward, the
+    first exposed); the last micro-batch's (``mg.accumulate`` syncs only there) also reduce-scatters every unit in
+    float32, each after its block's backward, and HSDP all-reduces each shard over the replicas after its
+    reduce-scatter: the first block's and the root's, after the backward's last piece, are exposed. A pipeline
+    stage gathers once a step (its first micro-batch's forward) and reduces in its last micro-batch's backward."""
+    t, p, f, r, e = layout.tp, layout.pp, layout.dp_shard * layout.cp, layout.dp_replicate, layout.ep
+    ef = f // (e // t if e > 1 else 1)  # efsdp: ep takes every tp rank and ep / tp of dp_shard (Layout.ep_dp)
+
+    def one(op: str, nbytes: float, n: int, replicas: int = 1) -> float:  # one call's seconds; the span f x t (x r)
+        return cluster.collective_s(op, n, replicas * f * t, nbytes)
+
+    def reduced(size: float, n: int) -> float:  # a unit's float32 gradient reduce-scattered, its shard all-reduced
+        return one("reduce_scatter", 4.0 * size, n) + one("all_reduce", 4.0 * size / n, r, r)
+
+    gathers = [one("all_gather", nbytes, f) + one("all_gather", width * x, ef) for _, nbytes, x in units]
+    reduces = [reduced(size, f) + reduced(x, ef) for size, _, x in units]
+    g_root, r_root = one("all_gather", width * root, f), reduced(root, f)
+    rounds = m if p == 1 else 1  # forwards that gather; a pipeline stage keeps its weights gathered
+    passes = 2 * rounds if p == 1 else 1  # each block's gathers a step
+    again = (sum(gathers), max(gathers)) if p == 1 else (0.0, 0.0)  # the backward's gathers, the first exposed
+    n, moe = len(units), sum(x > 0 for _, _, x in units)
+    for size, k in ((f, n * (passes + 1) + rounds + 1), (ef, moe * (passes + 1)), (r, n + 1 + moe)):
+        if size > 1 and k:
+            calls[size] = calls.get(size, 0.0) + k
+    fwd, bwd = phases
+    return (rounds * exposed(g_root + sum(gathers), g_root + max(gathers), fwd, n, overlap)
+            + (rounds - 1) * exposed(again[0], again[1], bwd, n, overlap)
+            + exposed(again[0] + sum(reduces) + r_root, again[1] + max(reduces) + r_root, bwd, n, overlap))
 
 
 def saved_under_tp(counts: Counts, i: int, t: int, sequence_parallel: bool) -> float:
