@@ -6,6 +6,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -73,8 +76,33 @@ def builder(spec: str):
                      "module:function")
 
 
-@cache
+_COUNTED: dict[tuple, Counts] = {}  # (spec, seq_len, fp8) -> its counts: each model counted once a process
+
+
 def counted(spec: str, seq_len: int, fp8: tuple[str, tuple[str, ...], tuple[str, ...]] | None = None) -> Counts:
     """``spec`` counted at ``seq_len``; with ``fp8`` (recipe, include, exclude) its float8 layers apart."""
-    build, name = builder(spec)
-    return count(build, seq_len, name=name, fp8=fp8)
+    key = (spec, seq_len, fp8)
+    if key not in _COUNTED:
+        build, name = builder(spec)
+        _COUNTED[key] = count(build, seq_len, name=name, fp8=fp8)
+    return _COUNTED[key]
+
+
+def count_many(keys) -> None:
+    """Count every (spec, seq_len, fp8) in ``keys`` not counted yet, spread over this process and forked
+    copies of it, one a core: a count is one Python thread's work (a fake forward and backward, seconds for a
+    405B), and checking the published table counts about twenty models."""
+    todo = [k for k in dict.fromkeys(keys) if k not in _COUNTED]
+    workers = min(len(todo), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        for key in todo:
+            counted(*key)
+        return
+    # Forked, as DataLoader's workers are: a spawned one would import the caller's script again.
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        for key, counts in zip(todo, pool.map(_count, todo)):
+            _COUNTED[key] = counts
+
+
+def _count(key: tuple) -> Counts:
+    return counted(*key)
