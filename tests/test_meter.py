@@ -595,3 +595,7 @@ def test_with_replicas_the_meter_steps_as_they_commit(tmp_path):
         with pytest.raises(mg.UsageError, match=r"^StepMeter\(replicas=...\) meters the steps replicas.steps gives, "
                                                 r"got items of type list; iterate meter.steps\(replicas.steps"):
             next(m.steps(train))  # the loader itself, not replicas.steps
+    with pytest.raises(mg.UsageError, match=r"^StepMeter\(replicas=...\) takes the replicas mg.fault_tolerant returns, "
+                                            r"got a DistributedLoader; pass replicas=mg.fault_tolerant\(model, optimizer, dist\)$"):
+        StepMeter(None, train.plan, log_dir=str(tmp_path / "wrong"), progress=False, watchdog=None, gpu_monitor=False,
+                  replicas=train)

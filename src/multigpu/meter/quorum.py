@@ -24,6 +24,9 @@ class Quorum:
     """Counts one group's view of the quorums, per interval (``take``) and over the run (``total``)."""
 
     def __init__(self, replicas: Any) -> None:
+        if not all(hasattr(replicas, name) for name in ("groups", "record", "quorum_s", "skipped")):
+            raise UsageError(f"StepMeter(replicas=...) takes the replicas mg.fault_tolerant returns, got a "
+                             f"{type(replicas).__name__}; pass replicas=mg.fault_tolerant(model, optimizer, dist)")
         self.replicas = replicas
         self.groups = replicas.groups
         self._seen = len(replicas.record)
