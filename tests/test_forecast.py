@@ -470,7 +470,7 @@ def test_data_parallel_traffic_hides_only_under_its_own_phase(monkeypatch):
     """The overlap model (``cost.exposed``), phase by phase, against its derivation: compute as equal pieces (blocks,
     buckets), the collectives in order beside it; what waits for the first piece or follows the last is exposed, the
     rest hides under every piece but one of that phase's own compute, so the hidden share is (1 - 1/pieces)."""
-    from multigpu.forecast import cost
+    from multigpu.forecast import comm, cost
 
     assert cost.exposed(10.0, 1.0, 100.0, 4, 1.0) == 1.0  # compute-bound: the edges
     assert cost.exposed(10.0, 1.0, 4.0, 4, 1.0) == 10.0 - 3.0  # collective-bound: all but one piece's compute hides
@@ -487,7 +487,7 @@ def test_data_parallel_traffic_hides_only_under_its_own_phase(monkeypatch):
         return out["data-parallel collectives (exposed)"], out["compute"] / 2 / 3  # exposed, one micro-batch's forward
 
     # DDP (4 buckets): the all-reduce only in the last micro-batch's backward (mg.accumulate), the last bucket after it.
-    monkeypatch.setattr(cost, "DDP_BUCKET", 4.0 * c.params / 4)
+    monkeypatch.setattr(comm, "DDP_BUCKET", 4.0 * c.params / 4)
     ddp = Degrees(16, 1, 1, 1, 1, 2)
     dp_s, fwd = got(ddp)
     bucket = one("all_reduce", 4.0 * c.params / 4)

@@ -1,0 +1,139 @@
+"""A step's collectives, dimension by dimension, and what of them the compute hides (``exposed``)."""
+
+from __future__ import annotations
+
+import math
+
+from .compute import micro_flops
+from .counts import Counts
+from .hardware import Cluster
+from .inputs import Assumptions, Rank, Run
+
+DDP_BUCKET = 25 * 2**20  # DDP's default bucket_cap_mb
+
+
+def communication_parts(r: Rank, cluster: Cluster, a: Assumptions, time: dict[str, float],
+                        phases: tuple[float, float], rate: float) -> dict[int, float]:
+    """Adds each dimension's collectives a step to ``time`` (seconds, what the compute does not hide) and returns
+    their calls per group size. ``cluster.collective_s``: bus bandwidth of the span the group covers, or the
+    measured links; ``phases``: a micro-batch's forward and backward seconds."""
+    counts, t, p, c, e, m, run, blocks, tokens = r.counts, r.t, r.p, r.c, r.e, r.m, r.run, r.blocks, r.tokens
+    calls: dict[int, float] = {}
+
+    def coll(op: str, nbytes: float, n: int, span: int, count: float) -> float:
+        if n <= 1 or count <= 0:
+            return 0.0
+        calls[n] = calls.get(n, 0.0) + count
+        return cluster.collective_s(op, n, span, nbytes, count)
+
+    if r.shards > 1:
+        time["data-parallel collectives (exposed)"] = fsdp_exposed(r, cluster, phases, a.dp_overlap, calls)
+    else:  # DDP: one all-reduce per 25 MiB bucket, in the last micro-batch's backward (mg.accumulate)
+        buckets = max(1, math.ceil(4.0 * r.held / DDP_BUCKET))
+        bucket = coll("all_reduce", 4.0 * r.held / buckets, r.dp, r.dp * c * t, buckets) / buckets
+        dp_s = exposed(buckets * bucket, bucket, phases[1], buckets, a.dp_overlap)
+        time["data-parallel collectives (exposed)"] = dp_s
+    if t > 1:
+        time["tensor-parallel collectives"] = tp_collectives(counts, r.layout, blocks, tokens, m, run, coll) \
+            * (1 - (a.async_tp_overlap if run.async_tp else 0.0))
+    if e > 1:
+        # Per MoE layer and micro-batch: the rows out and back (dispatch, combine), twice again in the backward
+        # (and once more under full recompute), on the critical path; the group is ep consecutive ranks.
+        moe = sum(1 for i in blocks if r.experts[i])
+        rows = sum(counts.block_routed[i] for i in blocks) * tokens / t * a.expert_imbalance / max(moe, 1)
+        per = 4 + (2 if run.recompute == "full" else 0)
+        time["expert all-to-all"] = coll("all_to_all", rows, e, e, m * moe * per)
+    if c > 1:
+        kv = sum(counts.block_kv[i] for i in blocks) * r.b * run.seq_len / t / r.per_stage  # a block's whole K, V
+        ring = coll("all_gather", kv, c, c * t, m * 3 * r.per_stage)  # gathered forward, gradients back (x2) backward
+        attention = micro_flops(counts, blocks, tokens, t, run.recompute)[1]
+        time["context-parallel ring (exposed)"] = max(0.0, ring - m * attention / rate)
+    if p > 1:
+        hop = tokens * counts.block_input / t
+        slots = m + (p - 1) / r.v
+        # To the next stage, world / p ranks on.
+        time["pipeline send/recv"] = coll("send", hop, 2, cluster.gpus // p + 1, 2 * slots * r.v)
+    return calls
+
+
+def exposed(comm: float, edges: float, compute: float, pieces: int, overlap: float) -> float:
+    """Seconds of one phase's communication (``comm``) that its compute does not hide. The compute runs as
+    ``pieces`` equal pieces (blocks, DDP's buckets) on one stream, the collectives in order on another; a piece's
+    collective overlaps the other pieces' compute, never its own: what waits for the first piece or follows the last
+    (``edges``: the first block's gather, the last block's or bucket's reduction) is exposed whatever the compute,
+    and the rest hides under at most ``overlap`` x the compute of every piece but one. Exact for equal pieces where
+    the compute or the collectives bound the phase (gathers only, or reductions only: the bound one's time plus one
+    piece of the other), within a piece where they alternate."""
+    return min(comm, max(edges, comm - overlap * compute * (1 - 1 / max(pieces, 1))))
+
+
+def fsdp_exposed(r: Rank, cluster: Cluster, phases: tuple[float, float], overlap: float,
+                 calls: dict[int, float]) -> float:
+    """Seconds of a step's FSDP (and HSDP) collectives its compute does not hide, phase by phase (``exposed``), their
+    calls added to ``calls`` by group size. FSDP's units: each of the stage's blocks' dense part and its experts (a
+    unit of their own, over efsdp), and the root (tables, final norm, head: the stage's); ``phases``: a
+    micro-batch's forward and backward seconds.
+
+    Each micro-batch's forward gathers the root, then every block in turn: hidden under the forward only, the
+    root's and the first block's exposed. Its backward gathers every block again (hidden under the backward, the
+    first exposed); the last micro-batch's (``mg.accumulate`` syncs only there) also reduce-scatters every unit in
+    float32, each after its block's backward, and HSDP all-reduces each shard over the replicas after its
+    reduce-scatter: the first block's and the root's, after the backward's last piece, are exposed. A pipeline
+    stage gathers once a step (its first micro-batch's forward) and reduces in its last micro-batch's backward."""
+    t, p, f, ef, m, width, root = r.t, r.p, r.f, r.ef, r.m, r.width, r.root
+    units = [(r.dense_of(i), r.gathered_bytes(i, r.dense_of(i)), r.experts[i] / r.e) for i in r.blocks]
+    replicas = r.layout.dp_replicate
+
+    def one(op: str, nbytes: float, n: int, over: int = 1) -> float:  # one call's seconds; the span f x t (x replicas)
+        return cluster.collective_s(op, n, over * f * t, nbytes)
+
+    def reduced(size: float, n: int) -> float:  # a unit's float32 gradient reduce-scattered, its shard all-reduced
+        return one("reduce_scatter", 4.0 * size, n) + one("all_reduce", 4.0 * size / n, replicas, replicas)
+
+    gathers = [one("all_gather", nbytes, f) + one("all_gather", width * x, ef) for _, nbytes, x in units]
+    reduces = [reduced(size, f) + reduced(x, ef) for size, _, x in units]
+    g_root, r_root = one("all_gather", width * root, f), reduced(root, f)
+    rounds = m if p == 1 else 1  # forwards that gather; a pipeline stage keeps its weights gathered
+    passes = 2 * rounds if p == 1 else 1  # each block's gathers a step
+    again = (sum(gathers), max(gathers)) if p == 1 else (0.0, 0.0)  # the backward's gathers, the first exposed
+    n, moe = len(units), sum(x > 0 for _, _, x in units)
+    for size, k in ((f, n * (passes + 1) + rounds + 1), (ef, moe * (passes + 1)), (replicas, n + 1 + moe)):
+        if size > 1 and k:
+            calls[size] = calls.get(size, 0.0) + k
+    fwd, bwd = phases
+    return (rounds * exposed(g_root + sum(gathers), g_root + max(gathers), fwd, n, overlap)
+            + (rounds - 1) * exposed(again[0], again[1], bwd, n, overlap)
+            + exposed(again[0] + sum(reduces) + r_root, again[1] + max(reduces) + r_root, bwd, n, overlap))
+
+
+def tp_collectives(counts: Counts, layout, blocks, tokens: float, m: int, run: Run, coll) -> float:
+    """Seconds of a step's tensor-parallel collectives, as PyTorch's plans issue them, each moving a
+    micro-batch's hidden states (``coll(op, bytes, n, span, calls)``). With sequence parallelism, per sub-layer
+    an all-gather in and a reduce-scatter out, mirrored in the backward; without, an all-reduce after each
+    row-wise linear (one per sub-layer) and, in the backward, one of each column-wise linear's input gradient
+    (q, k and v each one); under fp8 TP gathers (``Run.fp8_tp_all_gather``) the sub-layers' gathers carry 1 byte an
+    element. Full recompute runs the forward's again; selective (torchtitan's op policy, which
+    saves the reduce-scatters' outputs and not the all-gathers') gathers each sub-layer's input again, for the
+    recomputed matmuls and the weight gradients that read it (without sequence parallelism, what that policy
+    runs again of the all-reduces is not counted: torchtitan runs TP with it). The token table's output is reduced, the
+    head's input gathered (SP) or its gradient reduced, and the logits gathered unless the loss is parallel.
+    With a pipeline the stage counted is the last (the head's)."""
+    t, p, full = layout.tp, layout.pp, run.recompute == "full"
+    act = tokens * counts.block_input
+    fwd = 2 if full else 1
+    if layout.sequence_parallel:
+        each = 2 * (fwd + 1) * len(blocks)  # all-gathers, as many reduce-scatters
+        again = 2 * len(blocks) if run.recompute == "selective" else 0  # selective: the inputs re-gathered
+        # The sub-layers' inputs 1 byte an element under fp8 TP gathers; the head's input (not fp8) 16-bit.
+        gather = act / counts.dtype_bytes if run.fp8_tp_all_gather else act
+        s = coll("all_gather", gather, t, t, m * (each + again)) + coll("all_gather", act, t, t, m) \
+            + coll("reduce_scatter", act, t, t, m * (each + 1))
+        if p == 1:
+            s += coll("all_reduce", act, t, t, m) + coll("all_gather", act, t, t, m)  # the table's, its gradient
+    else:
+        colwise = sum(max(counts.block_linears[i] - 2, 0) for i in blocks)  # all but the 2 row-wise
+        reduces = 2 * fwd * len(blocks) + colwise + 1 + (1 if p == 1 else 0)  # + head, table
+        s = coll("all_reduce", act, t, t, m * reduces)
+    if not run.loss_parallel and counts.vocab:
+        s += coll("all_gather", tokens * counts.vocab * counts.dtype_bytes, t, t, m)
+    return s

@@ -1,0 +1,137 @@
+"""What a forecast is asked and rests on: the assumptions, the layout's degrees, a machine's measured overheads,
+the run; and ``Rank``, what one rank of a layout holds and runs of a counted model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..parallel.layout import Layout
+from ..parallel.pp import stages_per_rank
+from .counts import Counts
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """Every constant a forecast rests on; each is a flag of ``multigpu forecast`` and named in its output.
+    ``efficiency`` and the two speedups come from a calibration set (``tables/calibration.json``)."""
+
+    efficiency: float = 0.45         # achieved fraction of the dense bf16 peak in eager mode
+    compile_speedup: float = 1.0     # compute time / this with torch.compile
+    fp8_speedup: float = 1.0         # matmul time / this with fp8 matmuls (attention stays 16-bit)
+    dp_overlap: float = 1.0          # fraction of each phase's compute (forward, backward) under which that phase's
+                                     # data-parallel collectives can hide (``exposed``)
+    async_tp_overlap: float = 0.5    # fraction of tensor-parallel traffic async TP hides
+    runtime_gib: float = 2.0         # CUDA context, NCCL buffers, cuBLAS workspace per GPU
+    allocator_overhead: float = 0.0  # what the caching allocator reserves beyond the tensors, x their bytes
+    reserved: bool = True            # memory as a caching allocator reserves it (published peaks, what runs out on
+                                     # a GPU); False: the live tensors' peak (tune's measurement)
+    optimizer_bytes: float = 36.0    # HBM bytes AdamW moves per held parameter (read/write fp32 p, g, m, v)
+    expert_imbalance: float = 1.0    # the busiest expert-parallel rank's routed rows over the mean (1: balanced)
+    calibration: str = "none"
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """A layout's degrees, as ``mg.parallel.Layout`` names them, for layouts the library does not build yet
+    (published ones: cp with a pipeline); a resolved ``Layout`` serves as well."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    cp: int
+    micro_batch: int
+    schedule: str = "1f1b"
+    ep: int = 1
+    sequence_parallel: bool = True  # the published runs' (torchtitan, Megatron) beside tp
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Seconds a machine spends beyond its FLOPs and bytes, for one layout, where they are measured (tune's
+    probe on this machine: the wrapper's work per micro-batch and per step, what one collective among n
+    ranks waits in a busy step after a stretch of work; ``benchmarks/forecast_cpu.py``). A cluster described
+    by spec figures has none."""
+
+    micro_s: float = 0.0
+    step_s: float = 0.0
+    # {group size: ((seconds of work since the last collective, the collective's wait), ...)}, by work
+    wait_s: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+
+    def wait(self, n: int, gap: float) -> float:
+        """What one collective among ``n`` ranks waits after ``gap`` seconds of work: the measured points
+        joined by straight lines, the nearest one's outside them (0 where none is measured)."""
+        points = self.wait_s.get(n, ())
+        return float(np.interp(gap, [g for g, _ in points], [w for _, w in points])) if points else 0.0
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a forecast needs besides the layout: the training's shape and the kernels' options."""
+
+    global_batch: int                # sequences per step
+    seq_len: int
+    recompute: str = "none"          # none, selective, full
+    compile: bool = False
+    precision: str = "bf16"          # bf16 or fp8 (matmuls)
+    async_tp: bool = False
+    loss_parallel: bool = False      # the logits stay cut by vocabulary into the loss (torchtitan's); else gathered
+    fp8_all_gather: bool = False     # FSDP gathers the fp8 linears' weights in fp8 (torchao's float8 all-gather)
+    compile_loss: bool = False       # the loss compiled too (torchtitan's since 2025): it saves the 16-bit logits,
+                                     # not their float32 log-probabilities
+    fp8_tp_all_gather: bool = False  # under tp with sequence parallelism the sub-layers' inputs are gathered in fp8
+                                     # (torchao's Float8ColwiseParallel, PrepareFloat8ModuleInput: torchtitan's with
+                                     # tensorwise fp8)
+    logits_held: bool = False        # the loop holds the logits through the backward (``out = model(x)`` then
+                                     # ``loss.backward()``, as most scripts do and PyTorch's pipelining does);
+                                     # torchtitan frees them first (``del pred``)
+
+
+class Rank:
+    """One rank of a layout on a counted model, on the stage that holds the most: the layout's degrees (tp, pp, cp,
+    ep; f, the ranks FSDP shards over: dp_shard x cp), its micro-batches (m of b sequences), the stage's blocks and
+    what of the parameters it holds (``held``) and keeps states of (``stored``)."""
+
+    def __init__(self, counts: Counts, layout: Layout | Degrees, run: Run):
+        self.counts, self.layout, self.run = counts, layout, run
+        t, p, e = self.t, self.p, self.e = layout.tp, layout.pp, layout.ep
+        self.c, f = layout.cp, layout.dp_shard * layout.cp
+        self.f = self.shards = f  # FSDP shards over dp_shard x cp; DDP (both 1) keeps whole states
+        self.dp = layout.dp_replicate * layout.dp_shard
+        self.b = layout.micro_batch
+        self.m = run.global_batch // (self.dp * self.b)
+        self.v = stages_per_rank(layout.schedule) if p > 1 else 1
+        self.layers = L = counts.layers
+        self.per_stage = -(-L // p)  # the largest stage's blocks
+        self.blocks = sorted(range(L), key=lambda i: counts.block_params[i], reverse=True)[:self.per_stage]
+        self.tokens = self.b * run.seq_len / self.c  # per micro-batch on this rank (before tp, which shares them)
+        self.width = counts.dtype_bytes
+        self.sp = t == 1 or layout.sequence_parallel  # the activations cut by tp as sequence parallelism cuts them
+        # Parameters this rank's TP/PP position owns; the largest stage (the first holds the table, the last the
+        # head). A mixture of experts' experts: 1/ep of them, whole (ep spans the tp ranks), FSDP-sharded over what
+        # ep leaves of dp_shard (efsdp); everything else over dp_shard x cp.
+        self.experts = [counts.block_experts[i] if counts.block_experts else 0 for i in range(L)]
+        self.block_held = sum(self.dense_of(i) for i in self.blocks)
+        self.experts_held = sum(self.experts[i] for i in self.blocks) / e
+        self.first = counts.embed_params / t  # TP cuts the tables; a tied table's copy sits on the last stage too
+        self.last = (counts.embed_params if counts.tied and p > 1 else counts.head_params) / t + counts.other_params
+        self.root = max(self.first, self.last) if p > 1 else self.first + self.last  # FSDP's root unit, the stage's
+        dense = self.block_held + self.root
+        self.held = dense + self.experts_held
+        self.ef = f // (e // t if e > 1 else 1)  # efsdp: ep takes every tp rank and ep / tp of dp_shard (Layout.ep_dp)
+        self.stored = dense / f + self.experts_held / self.ef  # the states' parameters per rank
+
+    def dense_of(self, i: int) -> float:
+        """Block ``i``'s parameters besides its experts that this tp rank holds."""
+        c = self.counts
+        return (c.block_sharded[i] - self.experts[i]) / self.t + c.block_params[i] - c.block_sharded[i]
+
+    def gathered_bytes(self, i: int, size: float) -> float:
+        """Bytes of block ``i``'s weights as FSDP gathers them (``size`` of them on this rank): 16-bit, but for the
+        linears' weight matrices in fp8 (1 byte) under torchao's float8 all-gather."""
+        fp8_saving = self.width - 1.0 if self.run.fp8_all_gather else 0.0
+        return self.width * size - (fp8_saving * self.counts.block_fp8_params[i] / self.t if fp8_saving else 0.0)
