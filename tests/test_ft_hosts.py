@@ -1,15 +1,16 @@
 """`multigpu run --fault-tolerant` on separate hosts: a node's network cut mid-run costs a stall, not the job.
 
-Two nodes, each its own network namespace (tests/_netns.py: veth pairs on a bridge, no loopback between
-them), each running one replica group of two CPU workers (tests/_ft_train.py, DDP inside the group). Node
-0's launcher starts the lighthouse on --master's port; node 1's waits for it. Each node writes its own
-records (separate --log-dir: nothing is shared but the script's output folder). Node 1's eth0 goes down
-mid-run: nothing resets, its group just falls silent. Node 0's group commits steps without it; the link
-comes back up and node 1's group, never restarted, heals from node 0's and rejoins. Both groups' final
-parameters equal one process trained on exactly the samples the committed steps used.
+Two training nodes, each its own network namespace (tests/_netns.py: veth pairs on a bridge, no loopback
+between them), each running one replica group of two CPU workers (tests/_ft_train.py, DDP inside the group),
+and a third host running torchft's lighthouse (`torchft_lighthouse`), which both launchers are given with
+--lighthouse. Each node writes its own records (separate --log-dir: nothing is shared but the script's output
+folder). Node 0's eth0 goes down mid-run: nothing resets, its group just falls silent. Node 1's group commits
+steps without it (the lighthouse is not on node 0); the link comes back up and node 0's group, never
+restarted, heals from node 1's and rejoins. Both groups' final parameters equal one process trained on
+exactly the samples the committed steps used.
 Also: groups that differ across nodes are refused on both; under a real SLURM (tests/_slurm.py) each node
-runs its group from SLURM's variables alone, and node 1's workers SIGKILLed mid-run are restarted by its
-launcher, heal from node 0's group and rejoin while the job goes on.
+runs its group from SLURM's variables alone, node 0's launcher starts the lighthouse, and node 1's workers
+SIGKILLed mid-run are restarted by its launcher, heal from node 0's group and rejoin while the job goes on.
 """
 
 from __future__ import annotations
@@ -30,55 +31,80 @@ from test_fault_tolerant import SCRIPT, _alive, _pids, _records
 pytest.importorskip("torchft")
 hosts = pytest.mark.skipif(_netns.unavailable() is not None, reason=str(_netns.unavailable()))
 
-# Any port: each node has its own network stack. While a group is missing a step takes 0.5 s: the 19 steps
-# after node 1's link is back leave it 9.5 s to rejoin (1.0-4.1 s seen).
-GROUPS, STEPS, PORT = 2, 26, 29400
+# Any port: each host has its own network stack. While a group is missing a step takes 0.5 s: the 19 steps
+# after node 0's link is back leave it 9.5 s to rejoin (1.0-4.1 s seen).
+GROUPS, STEPS, PORT, LIGHTHOUSE_PORT = 2, 26, 29400, 29510
 
 
-def _launch(net, i, tmp_path, *args, n=2):
-    """Node i's launcher with the flags a user types on that host: node rank, node 0's address, the groups."""
+def _launch(net, i, tmp_path, *args, n=2, flags=()):
+    """Node i's launcher with the flags a user types on that host: node rank, node 0's address, the groups (and
+    ``flags``, e.g. --lighthouse)."""
     with open(tmp_path / f"node{i}.out", "w") as out:
         return net.popen(i, [
             sys.executable, "-m", "multigpu", "run", "--cpu", "-n", str(n), "--fault-tolerant", str(GROUPS),
             "--nnodes", "2", "--node-rank", str(i), "--master", f"{net.nodes[0].addr}:{PORT}", "--log-dir",
-            str(tmp_path / f"node{i}-logs"), SCRIPT, "--out", str(tmp_path), "--timeout", "3",
+            str(tmp_path / f"node{i}-logs"), *flags, SCRIPT, "--out", str(tmp_path), "--timeout", "3",
             *(args or ("--steps", str(STEPS), "--sleep", "0.1", "--sleep-without", "0.5"))], stdout=out, stderr=out, cwd=tmp_path)
+
+
+def _lighthouse(net, i, tmp_path):
+    """torchft's own lighthouse (its Rust binary, the launcher's join and heartbeat timeouts) on host i: (process,
+    its HOST:PORT), once it listens."""
+    from multigpu.launch import replicas
+
+    where, log = f"{net.nodes[i].addr}:{LIGHTHOUSE_PORT}", tmp_path / "lighthouse.out"
+    with open(log, "w") as out:
+        proc = net.popen(i, [os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"), "--min_replicas", "1",
+                             "--bind", where, "--join_timeout_ms", str(replicas.JOIN_TIMEOUT_MS),
+                             "--heartbeat_timeout_ms", str(replicas.HEARTBEAT_TIMEOUT_MS)],
+                         stdout=out, stderr=out, env=dict(os.environ, RUST_LOG="info"))  # info: it says it listens
+    deadline = time.monotonic() + 10
+    while "Lighthouse listening on" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+        time.sleep(0.02)
+    return proc, where
 
 
 @pytest.mark.slow
 @hosts
 def test_a_node_cut_off_mid_run_costs_a_stall_and_rejoins_healed_when_its_link_is_back(tmp_path):
+    """Node 0 is the one cut off: with the lighthouse on a host of its own, no training node is special."""
     logs = [tmp_path / f"node{i}-logs" for i in (0, 1)]
     t0 = time.monotonic()
-    with _netns.Hosts(2) as net:
-        other, host = _launch(net, 1, tmp_path), _launch(net, 0, tmp_path)  # node 1 first: it waits for node 0
+    with _netns.Hosts(3) as net:  # nodes 0 and 1 train; host 2 runs the lighthouse
+        lighthouse, where = _lighthouse(net, 2, tmp_path)
+        nodes = [_launch(net, i, tmp_path, flags=("--lighthouse", where)) for i in (0, 1)]
         deadline = time.monotonic() + 60
-        while sum(r["groups"] == [0, 1] for r in _records(str(logs[0]), 0)) < 6:  # 6 steps together, then the cut
-            assert host.poll() is None and time.monotonic() < deadline, (tmp_path / "node0.out").read_text()[-3000:]
+
+        def running() -> None:  # the lighthouse and both launchers, within the deadline
+            assert all(p.poll() is None for p in (lighthouse, *nodes)) and time.monotonic() < deadline, \
+                [(tmp_path / f"node{i}.out").read_text()[-2000:] for i in (0, 1)]
             time.sleep(0.02)
-        net.cut(1)
+
+        while sum(r["groups"] == [0, 1] for r in _records(str(logs[1]), 1)) < 6:  # 6 steps together, then the cut
+            running()
+        net.cut(0)
         t_cut = time.time()
-        while not any(r["groups"] == [0] for r in _records(str(logs[0]), 0)):  # a step without node 1, then back
-            assert host.poll() is None and time.monotonic() < deadline, (tmp_path / "node0.out").read_text()[-3000:]
-            time.sleep(0.02)
-        net.reconnect(1)
+        while not any(r["groups"] == [1] for r in _records(str(logs[1]), 1)):  # a step without node 0, then back
+            running()
+        net.reconnect(0)
         t_up = time.time()
-        codes = [p.wait(timeout=90) for p in (host, other)]
+        codes = [p.wait(timeout=90) for p in nodes]
+        assert lighthouse.poll() is None, (tmp_path / "lighthouse.out").read_text()[-2000:]  # it served to the end
         took = time.monotonic() - t0
     assert not _netns.leftovers()
     texts = [(tmp_path / f"node{i}.out").read_text() for i in (0, 1)]
     assert codes == [0, 0], (codes, texts[0][-2000:], texts[1][-2000:])
-    addr0 = net.nodes[0].addr
-    assert (f"--fault-tolerant: node 0 of 2 (flags) runs groups 0..0 of {GROUPS} replica groups of 2 workers, torchft "
-            f"{job_version()}, lighthouse http://{addr0}:{PORT} (started here)") in texts[0], texts[0][-3000:]
-    assert f"node 1 of 2 (flags) runs groups 1..1 of {GROUPS} replica groups" in texts[1]
+    for i in (0, 1):  # both nodes use the lighthouse on host 2; neither starts one
+        assert (f"--fault-tolerant: node {i} of 2 (flags) runs groups {i}..{i} of {GROUPS} replica groups of 2 workers, "
+                f"torchft {job_version()}, lighthouse http://{where}, each group") in texts[i], texts[i][-3000:]
 
     records = [_records(str(logs[g]), g) for g in (0, 1)]
     steps = _committed(records, STEPS)
-    cut = [r for r in steps if 1 not in r["groups"] and r["time"] >= t_cut]
-    assert cut, steps  # node 0's group went on without node 1's
-    back = [h for h in records[1] if h["healed"] and h["time"] >= t_up]
-    assert back, records[1]  # node 1's group, cut off but never restarted, healed once its link was back
+    cut = [r for r in steps if 0 not in r["groups"] and r["time"] >= t_cut]
+    assert cut, steps  # node 1's group went on without node 0's
+    back = [h for h in records[0] if h["healed"] and h["time"] >= t_up]
+    assert back, records[0]  # node 0's group, cut off but never restarted, healed once its link was back
     for i in (0, 1):  # each node's last line: its own group's record
         mine = records[i]
         without = [r for r in mine if len(r["groups"]) < GROUPS]
@@ -96,11 +122,11 @@ def test_a_node_cut_off_mid_run_costs_a_stall_and_rejoins_healed_when_its_link_i
     assert max((every[k] - expected[k]).abs().max().item() for k in every) > 1e-6
     stall = cut[0]["time"] - steps[cut[0]["step"] - 1]["time"]
     without = [r for r in steps if len(r["groups"]) < GROUPS]
-    print(f"\nnode 1 cut after 6 steps together: node 0's group stalled {stall:.2f} s (last step with node 1 -> "
-          f"first without); node 1's link back after {t_up - t_cut:.2f} s: it healed ({back[0]['heal_s']:.2f} s) and "
-          f"rejoined at step {back[0]['step']}, {back[0]['time'] - t_up:.2f} s later; {len(without)} steps without "
-          f"it, {sum(r['skipped'] for r in without)} samples skipped; both groups within {worst:.1e} of one process; "
-          f"{took:.1f} s in all")
+    print(f"\nnode 0 cut after 6 steps together, the lighthouse on a third host: node 1's group stalled {stall:.2f} s "
+          f"(last step with node 0 -> first without); node 0's link back after {t_up - t_cut:.2f} s: it healed "
+          f"({back[0]['heal_s']:.2f} s) and rejoined at step {back[0]['step']}, {back[0]['time'] - t_up:.2f} s later; "
+          f"{len(without)} steps without it, {sum(r['skipped'] for r in without)} samples skipped; both groups within "
+          f"{worst:.1e} of one process; {took:.1f} s in all")
 
 
 def _committed(records: list[list[dict]], steps: int) -> list[dict]:
