@@ -184,6 +184,22 @@ def test_bad_fault_tolerant_input_is_one_line_and_exit_2(tmp_path, monkeypatch, 
     assert not list(tmp_path.iterdir())  # nothing started, no log folder
 
 
+def test_a_node_waiting_for_node_0s_lighthouse_says_so(tmp_path, monkeypatch, capsys):
+    """A wait for node 0's lighthouse can last the whole --rdzv-timeout: past SAY_WAIT_S it is said, once."""
+    from multigpu.launch import replicas
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(replicas, "SAY_WAIT_S", 0.0)
+    code, err = run_cli(["run", "--cpu", "--fault-tolerant", "2", "--nnodes", "2", "--node-rank", "1", "--master",
+                         "127.0.0.1:1", "--rdzv-timeout", "1", SCRIPT], capsys)
+    assert code == 2 and err.splitlines() == [
+        "multigpu run: --fault-tolerant: waiting up to 1 s (--rdzv-timeout) for node 0's lighthouse at 127.0.0.1:1 "
+        "(Connection refused)",
+        "multigpu run: error: --fault-tolerant: no lighthouse answered at node 0's 127.0.0.1:1 within 1 s (Connection "
+        "refused); start node 0's launcher (it starts the lighthouse there), pass --lighthouse HOST:PORT, or a longer "
+        "--rdzv-timeout"], err
+
+
 def test_a_lighthouse_that_cannot_start_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     """Node 0 starts the lighthouse on --master's port: another program listening there is one line, exit 2,
     before anything is made or started (no log folder, so no group, and nothing left on the port)."""

@@ -40,6 +40,7 @@ RESTARTS = 3  # --max-restarts' default per group under --fault-tolerant
 # missing group: the stall a lost group costs the others (torchft's own examples use 1-10 s).
 JOIN_TIMEOUT_MS = 2000
 HEARTBEAT_TIMEOUT_MS = 2000  # a group silent for this long is no longer counted healthy by the lighthouse
+SAY_WAIT_S = 5.0  # a node waiting this long for node 0's lighthouse says so (a quick refusal stays one line)
 
 
 def check(cfg: RunConfig) -> None:
@@ -132,13 +133,21 @@ def _lighthouse(cfg: RunConfig, place: Placement):
 
 
 def _await(host: str, port: int, timeout: float) -> None:
-    """Wait for node 0's lighthouse to accept connections (its launcher may start after this one)."""
-    deadline = time.monotonic() + timeout
+    """Wait for node 0's lighthouse to accept connections (its launcher may start after this one), saying so once
+    the wait passes SAY_WAIT_S (a silent wait can last the whole --rdzv-timeout)."""
+    from . import logs
+
+    start = time.monotonic()
+    deadline, said = start + timeout, False
     while True:
         try:
             socket.create_connection((host, port), timeout=min(5.0, timeout)).close()
             return
         except OSError as err:
+            if not said and time.monotonic() - start >= SAY_WAIT_S:
+                logs.say(f"--fault-tolerant: waiting up to {timeout:g} s (--rdzv-timeout) for node 0's lighthouse at "
+                         f"{_host_join(host, port)} ({err.strerror or err})")
+                said = True
             if time.monotonic() >= deadline:
                 raise UsageError(f"--fault-tolerant: no lighthouse answered at node 0's {_host_join(host, port)} within "
                                  f"{timeout:g} s ({err.strerror or err}); start node 0's launcher (it starts the "
