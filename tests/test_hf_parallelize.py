@@ -173,6 +173,33 @@ def test_blocks_and_plans_are_read_from_what_the_model_declares_or_found_in_it()
     assert auto.head_counts(own) == {"attention heads": 4}
 
 
+def test_the_block_stack_is_the_one_a_pipeline_cuts_and_forecast_counts():
+    """auto.block_stack: the longest container whose children are (or hold) blocks_of's blocks. Forecast counted
+    the longest ModuleList of all before: a block's own list of attentions (LongCat-Flash), a vision tower's
+    (Phi-4-multimodal), one parallel list of two (XLM: attentions; now ffns, FSDP's unit). Mixed layers
+    (Mllama), a declared class inside the layers (RoBERTa-PreLayerNorm) and one block (nothing repeated) stay."""
+    import _zoo
+    from multigpu.recipes.gpt.model import GPT, GPTConfig
+
+    def stack(model):
+        found = auto.block_stack(model)
+        return found and (found[0], len(found[1]))
+
+    assert stack(hf.build("llama")) == ("model.layers", 2) and stack(hf.build("gpt2")) == ("transformer.h", 2)
+    assert stack(GPT(GPTConfig())) == ("blocks", 2) and stack(hf.ConvNet()) == ("stage", 2)
+    assert stack(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))) is None  # a pipeline cuts it by its children
+    one = nn.Module()
+    one.blocks = nn.ModuleList([nn.Linear(2, 2)])
+    assert stack(one) == ("blocks", 1)
+    with torch.device("meta"):
+        built = {f: getattr(transformers, _zoo.families()[f])(_zoo.tiny_config(f)) for f in
+                 ("longcat_flash", "phi4_multimodal", "xlm", "mllama", "roberta-prelayernorm") if f in _zoo.families()}
+    expected = {"longcat_flash": ("model.layers", 1), "phi4_multimodal": ("model.layers", 2),
+                "xlm": ("transformer.ffns", 2), "mllama": ("model.layers", 40),
+                "roberta-prelayernorm": ("roberta_prelayernorm.encoder.layer", 2)}
+    assert {f: stack(m) for f, m in built.items()} == {f: expected[f] for f in built}
+
+
 def test_the_layout_owns_its_rules():
     L = mg.parallel.Layout
 

@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import UsageError
 from ..meter.flops import GROUPED, flop_counter
+from ..parallel.auto import block_stack, head_counts
 
 
 @dataclass(frozen=True)
@@ -99,18 +100,6 @@ class Counts:
         return 3.0 * (sum(self.block_flops) + self.other_flops)
 
 
-def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The repeated blocks: the longest ``nn.ModuleList`` (or ``nn.ModuleDict``, as the GPT recipe keeps them)
-    of modules with parameters."""
-    lists = [(name, nn.ModuleList(m.values()) if isinstance(m, nn.ModuleDict) else m)
-             for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m)]
-    lists = [(name, m) for name, m in lists if any(True for _ in m[0].parameters())]
-    if not lists:
-        raise UsageError(f"{type(model).__name__} has no repeated blocks (an nn.ModuleList of layers) to cut; "
-                         "forecast plans models built as a stack of blocks")
-    return max(lists, key=lambda nm: len(nm[1]))
-
-
 def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfloat16,
           fp8: tuple[str, tuple[str, ...], tuple[str, ...]] | None = None) -> Counts:
     """Count the model ``build()`` returns (built inside fake mode, so it allocates nothing) on one sequence
@@ -137,7 +126,11 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
             torch.set_default_dtype(default)
         if not isinstance(model, nn.Module):
             raise UsageError(f"{name or 'the builder'} returned a {type(model).__name__}, expected an nn.Module")
-        label, blocks = _blocks(model)
+        stack = block_stack(model)  # the stack mg.parallel.pipeline cuts
+        if stack is None:
+            raise UsageError(f"{type(model).__name__} has no repeated blocks (an nn.ModuleList of layers) to cut; "
+                             "forecast plans models built as a stack of blocks")
+        label, blocks = stack[0], nn.ModuleList(stack[1].children())
         params = {p.untyped_storage()._cdata for p in model.parameters()}
         block_params, block_sharded = [], []
         for block in blocks:
@@ -154,7 +147,6 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
         total = sum(p.numel() for p in model.parameters())
         tally, live = _Tally(params, flop_counter()), _Live()
         per_block, inputs = [], []
-        from ..parallel.auto import head_counts
         from ..parallel.experts import expert_modules
 
         moe = [m for _, m in expert_modules(model)]

@@ -113,6 +113,24 @@ def block_modules(model: nn.Module, classes: list[type]) -> list[tuple[str, nn.M
     return [(n, m) for n, m in model.named_modules() if classes_t and isinstance(m, classes_t)]
 
 
+def block_stack(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(name, container) of the stack the hidden states pass through block by block, what a pipeline cuts and
+    forecast counts per block: of the containers (ModuleList, ModuleDict, Sequential) whose first child holds
+    parameters, the longest whose children all are, or hold, ``blocks_of``'s blocks (RoBERTa-PreLayerNorm
+    declares its self-attention; Mllama's layers are of two classes), else the longest (a model of one block
+    has nothing repeated); None if none. Not the root (an nn.Sequential model's children are its layers), nor a
+    vision tower's list or a block's own list of attentions where the blocks lie elsewhere."""
+    classes = tuple(blocks_of(model)[0])
+    stacks = [(n, m) for n, m in model.named_modules() if n and isinstance(m, CONTAINERS) and len(m)
+              and has_params(next(iter(m.children())))]
+    holds = lambda m: all(any(isinstance(b, classes) for b in c.modules()) for c in m.children())  # noqa: E731
+    return max(stacks, key=lambda nm: (holds(nm[1]), len(nm[1])), default=None)
+
+
+def has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
 def declared_plan(model: nn.Module) -> dict[str, Any] | None:
     """The plan a transformers model declares, with names from the model's root; None if it declares none.
     A PEFT model's is its transformers model's, under the names PEFT gives it (``hf/lora.py``)."""

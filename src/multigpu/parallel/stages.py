@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
+from .auto import block_stack, blocks_of, has_params
 from .layout import Layout
 
 
@@ -57,18 +58,11 @@ def even(n: int, k: int) -> list[range]:
     return [range(starts[s], starts[s + 1]) for s in range(k)]
 
 
-def _has_params(module: nn.Module) -> bool:
-    return next(module.parameters(), None) is not None
-
-
 def _block_dict(model: nn.Module) -> str | None:
     """The name of the root's ``nn.ModuleDict`` of blocks (torchtitan's models and the GPT recipe keep them
     so: a stage deletes the others' entries and the names stay), or None."""
-    from .auto import blocks_of
-
-    classes, _ = blocks_of(model)
-    return next((n for n, c in model.named_children() if isinstance(c, nn.ModuleDict) and len(c) > 0
-                 and all(type(b) in classes for b in c.values())), None)
+    stack = block_stack(model)
+    return stack[0] if stack and "." not in stack[0] and isinstance(stack[1], nn.ModuleDict) else None
 
 
 def _dict_split(model: nn.Module, layout: Layout, n_stages: int, splits: list[int] | None, blocks_name: str):
@@ -77,8 +71,8 @@ def _dict_split(model: nn.Module, layout: Layout, n_stages: int, splits: list[in
     the model's forward skips what is None."""
     children = [n for n, _ in model.named_children()]
     at = children.index(blocks_name)
-    before = [n for n in children[:at] if _has_params(model.get_submodule(n))]
-    after = [n for n in children[at + 1:] if _has_params(model.get_submodule(n))]
+    before = [n for n in children[:at] if has_params(model.get_submodule(n))]
+    after = [n for n in children[at + 1:] if has_params(model.get_submodule(n))]
     keys = list(model.get_submodule(blocks_name).keys())
     layout.check_sizes(blocks=len(keys), model=type(model).__name__)
     ranges = stage_ranges(len(keys), n_stages, splits)
@@ -136,8 +130,6 @@ def split(model: nn.Module, layout: Layout, n_stages: int, splits: list[int] | N
             return part
 
         return seq_stage, None, f"nn.Sequential ({len(model)} children)"
-    from .auto import blocks_of
-
     classes, _ = blocks_of(model)
     what = (f"its repeated blocks ({', '.join(c.__name__ for c in classes)}) but no split (no _pp_plan, no base "
             "model of them taking inputs_embeds)" if classes else "no repeated blocks")
@@ -206,7 +198,7 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
 
     from ..dist import print0
     from . import pp
-    from .auto import block_modules, blocks_of, head_counts
+    from .auto import block_modules, head_counts
     from ..spreads import record_share, remember, spread_of
     from .spread import parallelize, tensor_parallel_plan
 

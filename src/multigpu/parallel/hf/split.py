@@ -24,6 +24,7 @@ from torch import nn
 
 from ...errors import UsageError
 from ...runtime import compat
+from ..auto import block_stack, has_params
 
 
 def causal_lm_split(model: nn.Module) -> tuple[str, str, list[str], list[str], list[str], str] | None:
@@ -49,21 +50,16 @@ def causal_lm_split(model: nn.Module) -> tuple[str, str, list[str], list[str], l
     return base, blocks, before, inner_after, after, "declared _pp_plan"
 
 
-def _has_params(module: nn.Module) -> bool:
-    return next(module.parameters(), None) is not None
-
-
 def _found_split(model: nn.Module) -> tuple[str, str, list[str], list[str], list[str], str] | None:
     """A transformers CausalLM that declares no ``_pp_plan`` (GPT-2 declares none in transformers 5.24):
     its base model is the child ``base_model_prefix`` names, whose forward takes ``inputs_embeds``; its
-    blocks the base's longest ModuleList of the model's block class; before and after them the base's
+    blocks the model's stack (``auto.block_stack``), a ModuleList child of the base; before and after them the base's
     children registered before and after it that hold parameters (wte, wpe; ln_f), and the head the
     model's other children that hold parameters (lm_head). Parameterless children (dropout, rotary
     embeddings) stay on every stage: the base calls them wherever it runs."""
     import inspect
 
     from ...runtime.compat import direct_child
-    from ..auto import blocks_of
 
     prefix = getattr(model, "base_model_prefix", "")
     base = direct_child(model, prefix) if isinstance(prefix, str) and prefix else None
@@ -73,16 +69,14 @@ def _found_split(model: nn.Module) -> tuple[str, str, list[str], list[str], list
         takes_embeds = "inputs_embeds" in inspect.signature(base.forward).parameters
     except (TypeError, ValueError):
         takes_embeds = False
-    classes, _ = blocks_of(model)
+    stack = block_stack(model)
     children = list(base.named_children())
-    lists = [k for k, (_, c) in enumerate(children) if isinstance(c, nn.ModuleList) and len(c) > 0
-             and all(type(b) in classes for b in c)]
-    if not takes_embeds or not lists:
+    at = next((k for k, (_, c) in enumerate(children) if stack and c is stack[1]), None)
+    if not takes_embeds or at is None or not isinstance(children[at][1], nn.ModuleList):
         return None
-    at = max(lists, key=lambda k: len(children[k][1]))
-    before = [f"{prefix}.{n}" for n, c in children[:at] if _has_params(c)]
-    inner_after = [f"{prefix}.{n}" for n, c in children[at + 1:] if _has_params(c)]
-    after = [n for n, c in model.named_children() if n != prefix and _has_params(c)]
+    before = [f"{prefix}.{n}" for n, c in children[:at] if has_params(c)]
+    inner_after = [f"{prefix}.{n}" for n, c in children[at + 1:] if has_params(c)]
+    after = [n for n, c in model.named_children() if n != prefix and has_params(c)]
     return prefix, f"{prefix}.{children[at][0]}", before, inner_after, after, "found split"
 
 
