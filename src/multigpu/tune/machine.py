@@ -129,7 +129,13 @@ def predict(layout: Layout, counts: Counts, cluster: Cluster, parts: dict, globa
     fixed = got["time"].get("fixed costs", 0.0)
     return {"step_time_s": got["step_s"], "memory_bytes": got["memory_bytes"], "compute_s": compute,
             "comm_s": got["step_s"] - compute - fixed, "overhead_s": fixed, "time": got["time"],
-            "memory": got["memory"], "collectives": got["collectives"]}
+            "memory": got["memory"], "collectives": got["collectives"], "fits": got["fits"]}
+
+
+def pruned(p: dict, cluster: Cluster) -> str | None:
+    """Why a prediction is pruned: forecast's ``fits`` (its memory within the cluster's, the budget), else None."""
+    return None if p["fits"] else (f"predicted {p['memory_bytes'] / 2**20:,.1f} MiB > budget "
+                                   f"{cluster.gpu.hbm_bytes / 2**20:,.1f} MiB")
 
 
 def budget_of(cfg, device: str) -> tuple[int | None, str]:

@@ -151,10 +151,8 @@ def run_tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> tuple[Path,
     rows = []
     for c in found:
         p = machine.predict(c, counts, here, parts, args.global_batch)
-        fits = budget is None or p["memory_bytes"] <= budget
-        rows.append({"candidate": name(c), "args": c.flags, "predicted": p, "fits": fits, "measured": [],
-                     "pruned": None if fits else f"predicted {p['memory_bytes'] / 2**20:,.1f} MiB > budget {budget / 2**20:,.1f} MiB",
-                     "_c": c})
+        rows.append({"candidate": name(c), "args": c.flags, "predicted": p, "fits": p["fits"], "measured": [],
+                     "pruned": machine.pruned(p, here), "_c": c})
     rows.sort(key=lambda r: r["predicted"]["step_time_s"])
     chosen = [r for r in rows if r["fits"]]
     chosen = chosen if cfg.top == 0 else chosen[:cfg.top]

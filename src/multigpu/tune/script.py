@@ -202,9 +202,8 @@ def _predict(cfg, device: str, build, counts, batch: int, rows: list[dict], out:
     here = machine.measured_cluster(counts, parts, cfg.nproc, budget)
     for r, layout in zip(rows, resolved):
         p = None if r["pruned"] else machine.predict(layout, counts, here, parts, batch)
-        r["predicted"], r["fits"] = p, p is not None and (budget is None or p["memory_bytes"] <= budget)
-        r["pruned"] = r["pruned"] or (None if r["fits"] else f"predicted {p['memory_bytes'] / 2**20:,.1f} MiB > "
-                                                             f"budget {budget / 2**20:,.1f} MiB")
+        r["predicted"], r["fits"] = p, p is not None and p["fits"]
+        r["pruned"] = r["pruned"] or machine.pruned(p, here)
     return {"model": counts.name, "global_batch": batch, "budget": budget_text} | machine.probe_record(parts)
 
 
