@@ -1,5 +1,6 @@
 """Predicted vs published for every row of src/multigpu/forecast/tables/published.json: the tables of
-docs/forecast.md (fitted rows marked; every other row held out), then the summary and the pairs.
+docs/forecast.md (fitted rows marked, and rows whose layout multigpu does not run; every other row held out), then
+the summary and the pairs.
 
     PYTHONPATH=src python benchmarks/forecast_published.py [--refit]
 
@@ -42,7 +43,8 @@ def main() -> None:
         pred = f"{e['predicted_tokens']:,.0f}" if r["tokens_per_s_per_gpu"] else f"({100 * e['predicted_mfu']:.0f} % MFU)"
         mem = "" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']}"
         pmem = "" if r["peak_memory_gib"] is None else f"{e['predicted_memory_gib']:.1f}"
-        print(f"| {'**fitted** ' if e['fitted'] else ''}{e['key']} | {pub} | {pred} | {pct(e['tokens_error'])} | {mem} | "
+        mark = ("**fitted** " if e["fitted"] else "") + ("**outside multigpu's layouts** " if e["outside"] else "")
+        print(f"| {mark}{e['key']} | {pub} | {pred} | {pct(e['tokens_error'])} | {mem} | "
               f"{pmem} | {pct(e['memory_error'])} |")
     for part in ("held_out", "fitted", "unseen_sources"):
         s = result[part]

@@ -29,13 +29,17 @@ def test_layout_from_args_reads_every_flag_and_leaves_the_rest():
 
 def test_layout_flags_round_trip_through_the_verbs_spelling():
     layouts = parse_layouts("tp=2; dp_shard=2,tp=2 ;pp=2,micro_batch=1,schedule=gpipe;dp_replicate=2,activation_checkpointing=true;"
-                            "tp=2,sequence_parallel=true")
-    assert [l.world_size for l in layouts] == [2, 4, 2, 2, 2]
+                            "tp=2,sequence_parallel=true;dp_replicate=2,zero1=true")
+    assert [l.world_size for l in layouts] == [2, 4, 2, 2, 2, 2]
     assert [l.label for l in layouts] == ["tp=2", "dp_shard=2,tp=2", "pp=2,micro_batch=1,schedule=gpipe",
                                               "dp_replicate=2,activation_checkpointing=true",
-                                              "tp=2,sequence_parallel=true"]
+                                              "tp=2,sequence_parallel=true", "dp_replicate=2,zero1=true"]
     for layout in layouts:
         assert mg.layout_from_args(layout.flags) == (layout, [])
+    # ZeRO-1 shards DDP's optimizer state: refused beside any other degree, dp_shard filled by the world too
+    for bad in ({"tp": 2}, {}):
+        with pytest.raises(mg.UsageError, match="use dp_replicate alone with zero1"):
+            mg.parallel.Layout(zero1=True, **bad).resolve(4)
 
 
 @pytest.mark.parametrize("argv, fragment", [

@@ -10,6 +10,7 @@ from .hardware import Cluster
 from .inputs import Assumptions, Rank, Run
 
 DDP_BUCKET = 25 * 2**20  # DDP's default bucket_cap_mb
+MEGATRON_BUCKET = (40e6, 1e6)  # Megatron-Core's default bucket: max(40M, 1M x dp) parameters
 
 
 def communication_parts(r: Rank, cluster: Cluster, a: Assumptions, time: dict[str, float],
@@ -28,11 +29,8 @@ def communication_parts(r: Rank, cluster: Cluster, a: Assumptions, time: dict[st
 
     if r.shards > 1:
         time["data-parallel collectives (exposed)"] = fsdp_exposed(r, cluster, phases, a.dp_overlap, calls)
-    else:  # DDP: one all-reduce per 25 MiB bucket, in the last micro-batch's backward (mg.accumulate)
-        buckets = max(1, math.ceil(4.0 * r.held / DDP_BUCKET))
-        bucket = coll("all_reduce", 4.0 * r.held / buckets, r.dp, r.dp * c * t, buckets) / buckets
-        dp_s = exposed(buckets * bucket, bucket, phases[1], buckets, a.dp_overlap)
-        time["data-parallel collectives (exposed)"] = dp_s
+    else:
+        time["data-parallel collectives (exposed)"] = ddp_exposed(r, phases, a.dp_overlap, coll)
     if t > 1:
         time["tensor-parallel collectives"] = tp_collectives(counts, r.layout, blocks, tokens, m, run, coll) \
             * (1 - (a.async_tp_overlap if run.async_tp else 0.0))
@@ -54,6 +52,33 @@ def communication_parts(r: Rank, cluster: Cluster, a: Assumptions, time: dict[st
         # To the next stage, world / p ranks on.
         time["pipeline send/recv"] = coll("send", hop, 2, cluster.gpus // p + 1, 2 * slots * r.v)
     return calls
+
+
+def ddp_exposed(r: Rank, phases: tuple[float, float], overlap: float, coll) -> float:
+    """Seconds of a step's DDP (and ZeRO-1) collectives its compute does not hide (``exposed``), by ``coll(op, bytes,
+    n, span, calls)``; ``phases``: a micro-batch's forward and backward seconds.
+
+    DDP: the float32 gradients all-reduced, one 25 MiB bucket at a time, in the last micro-batch's backward
+    (``mg.accumulate`` syncs only there), the last bucket exposed. ZeRO-1 as multigpu runs it (``mg.wrap``'s
+    "zero1": DDP and ``ZeroRedundancyOptimizer``): that all-reduce, then, once the optimizer has stepped its shard,
+    every rank broadcasts its shard of the float32 parameters, waited for before the step returns: all of it
+    exposed, nothing computes beside it (counted as one all-gather of the parameters, the bytes each rank
+    receives). ZeRO-1 as Megatron's distributed optimizer runs it with ``--overlap-grad-reduce
+    --overlap-param-gather`` (``overlap_param_gather``, a layout multigpu does not run): its buckets of
+    max(40M, 1M x dp) parameters reduce-scattered in float32 in that backward, and the 16-bit parameters
+    all-gathered bucket by bucket under the next step's first forward, the first bucket exposed."""
+    dp, span, params = r.dp, r.dp * r.c * r.t, r.held
+    megatron = r.zero1 and getattr(r.layout, "overlap_param_gather", False)
+    size = 4.0 * max(MEGATRON_BUCKET[0], MEGATRON_BUCKET[1] * dp) if megatron else DDP_BUCKET
+    buckets = max(1, math.ceil(4.0 * params / size))
+    bucket = coll("reduce_scatter" if megatron else "all_reduce", 4.0 * params / buckets, dp, span, buckets) / buckets
+    s = exposed(buckets * bucket, bucket, phases[1], buckets, overlap)
+    if megatron:
+        gather = coll("all_gather", r.width * params / buckets, dp, span, buckets) / buckets
+        s += exposed(buckets * gather, gather, phases[0], buckets, overlap)
+    elif r.zero1:
+        s += coll("all_gather", 4.0 * params, dp, span, 1)
+    return s
 
 
 def exposed(comm: float, edges: float, compute: float, pieces: int, overlap: float) -> float:

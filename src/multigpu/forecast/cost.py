@@ -3,7 +3,8 @@
 Memory per GPU (bytes), on the stage that holds the most:
 - parameters, gradients, optimizer: fp32 weights, fp32 gradients and AdamW's two fp32 moments (4 + 4 + 8
   bytes per parameter, ZeRO's 16 with the 16-bit copy counted under buffers), of what tensor and pipeline
-  parallelism leave the rank, divided over the ranks FSDP shards across (dp_shard x cp; DDP: 1);
+  parallelism leave the rank, divided over the ranks FSDP shards across (dp_shard x cp; DDP: 1); ZeRO-1 (DDP's
+  ``zero1``) divides the optimizer's moments alone over the data-parallel ranks;
 - buffers: the 16-bit weights FSDP gathers (the float8 linears' in fp8 under ``Run.fp8_all_gather``; two blocks in
   flight: the one computing and the prefetch; the root unit, tables and head, for the whole step), one block's
   unsharded gradient (every block's, in float32, when micro-batches accumulate: the reduce-scatter waits for the
@@ -35,8 +36,9 @@ ranks share cores, ``Cluster.slowdown``, only what the critical path adds beyond
 collectives by the alpha-beta model with nccl-tests' bus bandwidth of the link the group spans, exposed as
 ``Assumptions`` says (data-parallel traffic phase by phase, ``exposed``: FSDP's gathers under the forward and
 the backward they feed, its reduce-scatters and DDP's all-reduce under the last micro-batch's backward, each up to
-``dp_overlap`` of that phase's compute, the first gather and the last reduction never; tensor-parallel not, cp's
-ring under attention); the optimizer step by HBM bandwidth; and, for a machine whose ``Overheads`` are
+``dp_overlap`` of that phase's compute, the first gather and the last reduction never; ZeRO-1's parameter broadcast
+after the optimizer step not at all, ``comm.ddp_exposed``; tensor-parallel not, cp's
+ring under attention); the optimizer step (of what the rank steps: ZeRO-1's shard) by HBM bandwidth; and, for a machine whose ``Overheads`` are
 measured, the wrapper's work per micro-batch and step and each collective's wait (counted per group size).
 """
 
@@ -65,7 +67,7 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     total = sum(memory.values())
     time, micro_s, fwd_s, rate = compute_parts(r, cluster, a)
     calls = communication_parts(r, cluster, a, time, (fwd_s, micro_s - fwd_s), rate)
-    time["optimizer"] = a.optimizer_bytes * r.stored / cluster.gpu.hbm_bandwidth
+    time["optimizer"] = a.optimizer_bytes * r.stepped / cluster.gpu.hbm_bandwidth
     # The gradient norm's all-reduce over each dimension the parameters are cut along, the step's token count.
     for n in (r.f, r.t, r.p, cluster.gpus):
         if n > 1:

@@ -48,6 +48,9 @@ class Degrees:
     schedule: str = "1f1b"
     ep: int = 1
     sequence_parallel: bool = True  # the published runs' (torchtitan, Megatron) beside tp
+    zero1: bool = False             # the optimizer state sharded over the data-parallel ranks (dp_shard 1)
+    overlap_param_gather: bool = False  # ZeRO-1 as Megatron's distributed optimizer runs it with its overlap flags
+                                        # (``comm.ddp_exposed``), not multigpu's: a layout multigpu does not run
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,8 @@ class Run:
 class Rank:
     """One rank of a layout on a counted model, on the stage that holds the most: the layout's degrees (tp, pp, cp,
     ep; f, the ranks FSDP shards over: dp_shard x cp), its micro-batches (m of b sequences), the stage's blocks and
-    what of the parameters it holds (``held``) and keeps states of (``stored``)."""
+    what of the parameters it holds (``held``), keeps states of (``stored``) and keeps optimizer state of and steps
+    (``stepped``: under ZeRO-1 1/dp of the stored)."""
 
     def __init__(self, counts: Counts, layout: Layout | Degrees, run: Run):
         self.counts, self.layout, self.run = counts, layout, run
@@ -124,6 +128,8 @@ class Rank:
         self.held = dense + self.experts_held
         self.ef = f // (e // t if e > 1 else 1)  # efsdp: ep takes every tp rank and ep / tp of dp_shard (Layout.ep_dp)
         self.stored = dense / f + self.experts_held / self.ef  # the states' parameters per rank
+        self.zero1 = layout.zero1 and self.dp > 1  # DDP's optimizer state sharded over its replicas (f is 1)
+        self.stepped = self.stored / (self.dp if self.zero1 else 1)
 
     def dense_of(self, i: int) -> float:
         """Block ``i``'s parameters besides its experts that this tp rank holds."""

@@ -13,7 +13,7 @@ def memory_parts(r: Rank, a: Assumptions) -> dict[str, float]:
     on_rank = [(counts.block_params[i] - r.experts[i]) / t + r.experts[i] / r.e for i in range(r.layers)]
     biggest = max(on_rank)  # a block on this rank
     biggest_bytes = max(r.gathered_bytes(i, size) for i, size in enumerate(on_rank))
-    memory = {"parameters": 4.0 * stored, "gradients": 4.0 * stored, "optimizer": 8.0 * stored}
+    memory = {"parameters": 4.0 * stored, "gradients": 4.0 * stored, "optimizer": 8.0 * r.stepped}
     # A pipeline stage keeps its weights gathered and its gradients unsharded in float32 across the
     # micro-batches (PyTorch's pipelining turns FSDP's resharding and gradient sync off until the last).
     # Without a pipeline FSDP's root unit (tables, final norm, head) stays gathered from the forward's first
@@ -48,8 +48,9 @@ def memory_parts(r: Rank, a: Assumptions) -> dict[str, float]:
         boundary = counts.block_input * r.tokens / (t if r.sp else 1)
         memory["buffers"] += m * boundary * (1 if p == 2 and v == 1 else 2 * v)
     # The optimizer's step, after the activations are freed: the states, DDP's buckets, and foreach AdamW's
-    # float32 temporary of everything it steps (its sqrt of the second moments); counted where it tops the above.
-    at_step = 16.0 * stored + (memory["buffers"] if shards == 1 else 0.0) + 4.0 * stored
+    # float32 temporary of everything it steps (its sqrt of the second moments; ZeRO-1: of its shard); counted where
+    # it tops the above.
+    at_step = 8.0 * stored + 12.0 * r.stepped + (memory["buffers"] if shards == 1 else 0.0)
     memory["optimizer step"] = max(0.0, at_step - sum(memory.values()))
     memory["allocator"] = a.allocator_overhead * (sum(memory.values()) + reserved_more) + reserved_more
     memory["runtime"] = a.runtime_gib * GiB

@@ -1,8 +1,8 @@
 """Every layout of a cluster for one counted model, forecast and ranked: what fits first, fastest first.
 
 The layouts are the mesh's own enumeration, tune's too (``parallel.space.layouts``: pp x dp_replicate x
-dp_shard x tp, cp without a pipeline, and for a mixture of experts each ep of dp_shard), times the
-micro-batch sizes, full recompute on or off, and the pipeline schedules; a layout the model cannot take (tp or cp not dividing the heads, more stages than
+dp_shard x tp, cp without a pipeline, ZeRO-1 beside each DDP, and for a mixture of experts each ep of dp_shard),
+times the micro-batch sizes, full recompute on or off, and the pipeline schedules; a layout the model cannot take (tp or cp not dividing the heads, more stages than
 blocks, a micro-batch count the schedule does not run, a sequence cp cannot cut in 2 cp chunks, ep not dividing the
 experts) is left out with its reason.
 """
@@ -46,7 +46,7 @@ def _matches(layout: Layout, named: list[Layout] | None) -> bool:
     """``layout`` has the degrees of one of ``named`` (its schedule under pp; its micro-batch where it gives one)."""
     if named is None:
         return True
-    degrees = ("pp", "dp_replicate", "dp_shard", "tp", "cp", "ep")
+    degrees = ("pp", "dp_replicate", "dp_shard", "tp", "cp", "ep", "zero1")
     return any(all(getattr(layout, d) == getattr(n, d) for d in degrees)
                and (n.pp == 1 or n.schedule == layout.schedule)
                and (n.micro_batch is None or n.micro_batch == layout.micro_batch) for n in named)
@@ -63,7 +63,7 @@ def plan(counts: Counts, cluster: Cluster, run: Run, a: Assumptions, *, micro_ba
     if named:
         schedules = tuple(dict.fromkeys((*schedules, *(n.schedule for n in named if n.pp > 1))))
         micro_batches = tuple(dict.fromkeys((*micro_batches, *(n.micro_batch for n in named if n.micro_batch))))
-    for base in layouts(cluster.gpus, schedules=schedules, context=True, experts=counts.experts > 0):
+    for base in layouts(cluster.gpus, schedules=schedules, context=True, experts=counts.experts > 0, zero1=True):
         for mb in micro_batches:
             layout = dataclasses.replace(base, micro_batch=mb)
             if not _matches(layout, named):

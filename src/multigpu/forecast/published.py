@@ -7,6 +7,8 @@ compile speedup, the fp8 row fp8's), ``fit_by_gpu`` the achieved fraction of the
 own (``by_gpu``: one row each, of the same source); ``check`` predicts every row and splits the errors into
 fitted and held out. A pair is two rows of one table, model, GPU count and kernel options (precision, compile, async TP,
 recompute) and different layouts, whose published speeds differ by more than 5 %: the forecast ranks it right when it predicts the faster one faster.
+A row whose layout multigpu does not run (Megatron-LM's distributed optimizer, its parameter gather overlapped) says
+so in ``outside``, and each entry carries it.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def for_gpu(a: Assumptions, kind: str | None, efficiency: dict[str, float]) -> A
 def forecast(row: dict, a: Assumptions) -> dict:
     _count_published()
     layout = Degrees(row["dp_replicate"], row["dp_shard"], row["tp"], row["pp"], row["cp"], row["micro_batch"],
-                     row["schedule"])
+                     row["schedule"], zero1=row.get("zero1", False),
+                     overlap_param_gather=row.get("overlap_param_gather", False))
     run = Run(row["global_batch"], row["seq_len"], row["recompute"], row["compile"], row["precision"], row["async_tp"],
               loss_parallel=True, compile_loss=row.get("compile_loss", False),  # torchtitan's and Megatron's
               fp8_all_gather=row.get("fp8_all_gather", False), fp8_tp_all_gather=row.get("fp8_tp_all_gather", False))
@@ -77,7 +80,8 @@ def fp8_choice(row: dict) -> tuple[str, tuple[str, ...], tuple[str, ...]] | None
 
 def key(row: dict) -> str:
     return f"{row['table']} / {row['model']} {row['gpus']} GPUs dp_shard {row['dp_shard']} tp {row['tp']} pp " \
-           f"{row['pp']} cp {row['cp']} {row['schedule'] if row['pp'] > 1 else ''} {row['precision']}" \
+           f"{row['pp']} cp {row['cp']} {row['schedule'] if row['pp'] > 1 else ''}{' zero1' if row.get('zero1') else ''} " \
+           f"{row['precision']}" \
            f"{' compile' if row['compile'] else ''}{' async-tp' if row['async_tp'] else ''}" \
            f"{' fp8-tp-gather' if row.get('fp8_tp_all_gather') else ''}" \
            f"{' rowwise' if row.get('fp8_recipe') == 'rowwise' else ''} s {row['seq_len']}"
@@ -139,7 +143,8 @@ def _entry(row: dict, a: Assumptions, kinds: dict[str, float]) -> dict:
     entry = {"key": key(row), "source": row["source"],
              "tokens_per_s_per_gpu": row["tokens_per_s_per_gpu"], "predicted_tokens": got["tokens_per_s_per_gpu"],
              "peak_memory_gib": row["peak_memory_gib"], "predicted_memory_gib": got["memory_bytes"] / GiB,
-             "mfu": row["mfu"], "predicted_mfu": got["mfu"], "row": row}
+             "mfu": row["mfu"], "predicted_mfu": got["mfu"], "row": row,
+             "outside": row.get("outside")}  # why the row's layout is not one multigpu runs (None: it is)
     # Speed: tokens/s per GPU, or the MFU where only that is published (the same ratio when both count
     # FLOPs alike: 6 x parameters + attention, no recompute).
     entry["tokens_error"] = got["tokens_per_s_per_gpu"] / row["tokens_per_s_per_gpu"] - 1 \

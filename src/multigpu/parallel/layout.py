@@ -48,7 +48,7 @@ CP_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 INT_FLAGS = {"--tp": "tp", "--pp": "pp", "--dp-replicate": "dp_replicate", "--dp-shard": "dp_shard",
              "--ep": "ep", "--cp": "cp", "--micro-batch": "micro_batch"}
 BOOL_FLAGS = {"--activation-checkpointing": "activation_checkpointing", "--compile": "compile",
-              "--sequence-parallel": "sequence_parallel"}
+              "--sequence-parallel": "sequence_parallel", "--zero1": "zero1"}
 # Names a user may have called on a Layout that went (CHANGELOG.md): what to write instead.
 _MOVED = {"shape": "layout.resolve(world_size): the same Layout with every degree set (.dp_size, .world_size)",
           "of": "the Layout itself: meshes are the resolved Layout's (layout.device_mesh(device_type))",
@@ -58,7 +58,9 @@ _MOVED = {"shape": "layout.resolve(world_size): the same Layout with every degre
 @dataclass(frozen=True)
 class Layout:
     """Mesh degrees (outer to inner: pp, dp_replicate, dp_shard, cp, tp), the micro-batch, activation
-    checkpointing per block, ``torch.compile`` per block, sequence parallelism and the pipeline schedule."""
+    checkpointing per block, ``torch.compile`` per block, sequence parallelism, the pipeline schedule and ZeRO-1
+    (``zero1``: DDP's optimizer state sharded over the replicas, ``mg.wrap``'s ``"zero1"``; only where the layout
+    only replicates)."""
 
     dp_replicate: int = 1
     dp_shard: int | None = None
@@ -71,6 +73,7 @@ class Layout:
     schedule: str = "1f1b"
     ep: int = 1
     cp: int = 1
+    zero1: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "ep", "cp") + (("dp_shard",) if self.dp_shard is not None else ()):
@@ -88,6 +91,11 @@ class Layout:
             other = "ep" if self.ep > 1 else "pp" if self.pp > 1 else "sequence_parallel"
             raise UsageError(f"context parallelism (cp {self.cp}) with {other} is not built yet; use cp with "
                              "dp_shard, dp_replicate and tp, or drop one of them")
+        others = [f"{n} {getattr(self, n)}" for n in ("dp_shard", "tp", "pp", "cp", "ep") if (getattr(self, n) or 1) > 1]
+        if self.zero1 and others:  # dp_shard left to the world is checked when resolve fills it
+            raise UsageError(f"zero1 shards DDP's optimizer state over the replicas, but the layout has "
+                             f"{', '.join(others)}; use dp_replicate alone with zero1 (FSDP, dp_shard, shards the "
+                             "optimizer state already)")
 
     def __getattr__(self, name: str) -> Any:  # only for names a Layout does not have
         if name in _MOVED:
@@ -175,7 +183,7 @@ class Layout:
         base = Layout(dp_shard=1)
         parts = []
         for f in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "micro_batch", "activation_checkpointing",
-                  "compile", "sequence_parallel", "schedule"):
+                  "compile", "sequence_parallel", "schedule", "zero1"):
             value = getattr(self, f)
             if value != getattr(base, f) and not (f == "schedule" and self.pp == 1):
                 parts.append(f"{f}={str(value).lower() if isinstance(value, bool) else value}")

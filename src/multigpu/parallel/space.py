@@ -2,7 +2,7 @@
 predicts, below both (neither imports the other for them).
 
 ``layouts`` lists each factoring of the world into (pp, dp_replicate, dp_shard, tp) that the mesh accepts (with
-experts and context parallelism when asked); ``name`` is the reports' label of one.
+experts, context parallelism and ZeRO-1 when asked); ``name`` is the reports' label of one.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ def name(layout: Layout) -> str:
     """The report's label of a candidate, e.g. ``HSDP 2x2, micro-batch 4, AC`` or ``FSDP 8 x TP 2, EP 4,
     micro-batch 1`` (one rank: ``FSDP 1``)."""
     s, kind = layout, layout.strategy
-    parts = [{"ddp": f"DDP {s.dp_size}", "hsdp": f"HSDP {s.dp_replicate}x{s.dp_shard}"}.get(kind, f"FSDP {s.dp_shard}")] \
+    ddp = f"{'ZeRO-1' if s.zero1 else 'DDP'} {s.dp_size}"
+    parts = [{"ddp": ddp, "hsdp": f"HSDP {s.dp_replicate}x{s.dp_shard}"}.get(kind, f"FSDP {s.dp_shard}")] \
         if s.dp_size > 1 or s.tp == s.pp == 1 else []
     for degree, label in ((s.cp, "CP"), (s.tp, "TP")):
         if degree > 1:
@@ -30,12 +31,14 @@ def name(layout: Layout) -> str:
 
 
 def layouts(world: int, *, micro_batches: list[int] | None = None,
-            schedules: tuple[str, ...] = ("1f1b",), experts: bool = False, context: bool = False) -> list[Layout]:
+            schedules: tuple[str, ...] = ("1f1b",), experts: bool = False, context: bool = False,
+            zero1: bool = False) -> list[Layout]:
     """Every ``Layout`` of ``world`` ranks, for a script that reads its layout from its command line: each
     factoring of the world into (pp, dp_replicate, dp_shard, tp) that the mesh itself accepts, times the
     micro-batch sizes (None: the script's own) and, with a pipeline, the schedules; with ``experts`` (a
     mixture of experts) each ep > 1 of tp x a divisor of dp_shard too; with ``context`` each cp > 1 that divides
-    what dp_replicate and tp leave, without a pipeline.
+    what dp_replicate and tp leave, without a pipeline; with ``zero1`` each layout that only replicates (DDP) with
+    its optimizer state sharded too.
     The script refuses those its model or batch cannot take (heads tp does not divide, a batch that does
     not split, experts ep does not divide)."""
     if world < 1:
@@ -50,6 +53,8 @@ def layouts(world: int, *, micro_batches: list[int] | None = None,
                         # ep takes every tp rank and a divisor of dp_shard (dp_shard x tp = efsdp x ep)
                         eps = [d * tp for d in divisors(layout.dp_shard) if d * tp > 1] if experts else []
                         found += [layout] + [dataclasses.replace(layout, ep=ep) for ep in eps]
+                        if zero1 and layout.strategy == "ddp":
+                            found.append(dataclasses.replace(layout, zero1=True))
                     if context and pp == 1:
                         found += [Layout(dp_replicate=rep, tp=tp, cp=cp, micro_batch=m).resolve(world)
                                   for cp in divisors(world // (rep * tp)) if cp > 1]

@@ -129,7 +129,7 @@ def _check_options(layout: Layout, options: dict[str, Any]) -> None:
     layout reads as; one process takes any of them (the same script runs on one process and on many)."""
     from .wrap import STRATEGIES, check_options
 
-    kind = "zero1" if layout.strategy == "ddp" and options.get("zero1") else layout.strategy
+    kind = "zero1" if layout.strategy == "ddp" and (options.get("zero1") or layout.zero1) else layout.strategy
     if kind == "none":
         known = {o for s in ("ddp", "zero1", "fsdp") for o in inspect.signature(STRATEGIES[s]).parameters} | {"zero1"}
         if unknown := sorted(set(options) - known - {"model", "block_classes"}):
@@ -154,9 +154,9 @@ def parallelize(model: nn.Module, layout: Layout | None = None, *, tp_plan: dict
     ``options`` are the data-parallel step's: under DDP ``bucket_cap_mb``, ``static_graph``,
     ``find_unused_parameters``, ``gradient_as_bucket_view``, ``broadcast_buffers``, ``comm_hook`` ("fp16" |
     "bf16" | "powersgd", with ``powersgd_rank``, ``powersgd_start_iter``), ``zero1=True`` (the optimizer
-    state sharded: build it with ``mg.optimizer``); under FSDP/HSDP ``min_block_params``,
-    ``reshard_after_forward``, ``param_dtype``, ``reduce_dtype``, ``cpu_offload``; ``sync_batchnorm``
-    under both. An option of the other strategy is refused in one line; one process takes any.
+    state sharded: build it with ``mg.optimizer``; the layout's ``zero1`` says the same); under FSDP/HSDP
+    ``min_block_params``, ``reshard_after_forward``, ``param_dtype``, ``reduce_dtype``, ``cpu_offload``;
+    ``sync_batchnorm`` under both. An option of the other strategy is refused in one line; one process takes any.
     ``sequence_parallel``, ``activation_checkpointing`` and ``compile`` override the layout's.
     ``pipeline_stage``: ``model`` is one stage of a pipeline over ``layout`` (``mg.parallel.pipeline``):
     TP and FSDP apply inside the stage, and FSDP keeps the parameters gathered between a step's
@@ -356,7 +356,7 @@ def _data_parallel(model: nn.Module, layout: Layout, classes: list, block_source
     if kind == "ddp":
         from .wrap import STRATEGIES
 
-        zero1 = bool(options.pop("zero1", False))
+        zero1 = bool(options.pop("zero1", False)) or layout.zero1
         how = "with the optimizer state sharded (ZeRO-1; build it with mg.optimizer)" if zero1 else "(replicate only)"
         say(f"mg.parallelize: DDP over {layout.dp_size} ranks {how}: one unit, the whole {name}{extras}")
         return STRATEGIES["zero1" if zero1 else "ddp"](model, **options)  # mg.wrap's own DDP
