@@ -111,7 +111,7 @@ def _vocab(model: nn.Module) -> int:
 
 
 def _prepared(build, precision: str, cfg: PrecisionBench, device: torch.device) -> dict:
-    from ..parallel.auto import block_modules, blocks_of
+    from ..parallel.auto import block_modules
     from ..precision import Precision
 
     torch.manual_seed(0)
@@ -124,8 +124,7 @@ def _prepared(build, precision: str, cfg: PrecisionBench, device: torch.device) 
             raise UsageError(str(err).replace("amp.convert(model, include=[", "--fp8-include ").replace("])", "")
                              .replace("leave it out of include=", "leave it out of --fp8-include")) from None
     if cfg.compile:
-        classes, _ = blocks_of(model)
-        for _, block in block_modules(model, classes):
+        for _, block in block_modules(model):
             block.compile()
     return {"model": model, "amp": amp, "opt": torch.optim.AdamW(model.parameters(), lr=1e-4), "said": amp.converted}
 

@@ -108,8 +108,8 @@ def blocks_of(model: nn.Module, block_classes: Any = None) -> tuple[list[type], 
     return found, "found repeated" if found else "none found"
 
 
-def block_modules(model: nn.Module, classes: list[type]) -> list[tuple[str, nn.Module]]:
-    classes_t = tuple(classes)
+def block_modules(model: nn.Module, classes: list[type] | None = None) -> list[tuple[str, nn.Module]]:
+    classes_t = tuple(blocks_of(model)[0] if classes is None else classes)
     return [(n, m) for n, m in model.named_modules() if classes_t and isinstance(m, classes_t)]
 
 

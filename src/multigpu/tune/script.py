@@ -222,7 +222,7 @@ def _refusal(build, counts, seq_len: int, batch: int) -> Callable:
 
     with torch.device("meta"):  # the model, to ask for its TP plan as mg.parallelize does (no memory)
         model = build()
-    blocks = auto.block_modules(model, auto.blocks_of(model)[0])
+    blocks = auto.block_modules(model)
     cuts: dict[int, str | None] = {}  # stages -> why mg.parallel.pipeline cannot cut the model so, or None
 
     def uncut(layout) -> str | None:  # the cut alone (no probe on a meta model), once per stage count

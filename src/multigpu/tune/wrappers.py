@@ -50,7 +50,7 @@ class Subject:
         torch.manual_seed(0)
         model = self.build()
         if ac:
-            for _, block in auto.block_modules(model, auto.blocks_of(model)[0]):
+            for _, block in auto.block_modules(model):
                 _checkpointed(block)
         return model
 
@@ -101,7 +101,7 @@ def wrapped(subject: Subject, fam: str, ac: bool) -> nn.Module:
         return wrap_ddp(model)
     mesh = Layout(dp_shard=1).device_mesh("cpu")  # the one builder's mesh, every degree 1
     if "tp" in fam:
-        blocks = auto.block_modules(model, auto.blocks_of(model)[0])
+        blocks = auto.block_modules(model)
         given = subject.tp_plan(model) if subject.tp_plan else None
         styles, _, _ = tensor_parallel_plan(model, Layout(), blocks, given)
         apply_tp(model, mesh["tp"], styles)
