@@ -7,8 +7,8 @@ compile speedup, the fp8 row fp8's), ``fit_by_gpu`` the achieved fraction of the
 own (``by_gpu``: one row each, of the same source); ``check`` predicts every row and splits the errors into
 fitted and held out. A pair is two rows of one table, model, GPU count and kernel options (precision, compile, async TP,
 recompute) and different layouts, whose published speeds differ by more than 5 %: the forecast ranks it right when it predicts the faster one faster.
-A row whose layout multigpu does not run (Megatron-LM's distributed optimizer, its parameter gather overlapped) says
-so in ``outside``, and each entry carries it.
+A row whose layout multigpu does not run is said to be so (``outside``: the library's own refusal of its degrees, or
+Megatron-LM's distributed optimizer, a ZeRO-1 whose parameter gather overlaps the next forward); each entry carries it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import json
 import statistics
 from functools import cache
 
+from ..errors import UsageError
+from ..parallel.layout import Layout
 from .cost import GiB, Assumptions, Degrees, Run, predict
 from .hardware import DATA, cluster, table
 from .models import count_many, counted
@@ -76,6 +78,23 @@ def fp8_choice(row: dict) -> tuple[str, tuple[str, ...], tuple[str, ...]] | None
     if row["precision"] != "fp8":
         return None
     return row.get("fp8_recipe", "tensorwise"), tuple(row.get("fp8_include", ())), tuple(row.get("fp8_exclude", ()))
+
+
+OVERLAPPED = ("ZeRO-1 whose parameter all-gather overlaps the next forward (Megatron's distributed optimizer with "
+              "--overlap-param-gather): multigpu's (mg.wrap's 'zero1', ZeroRedundancyOptimizer) all-reduces the "
+              "gradients and broadcasts the parameters after the optimizer step, exposed")
+
+
+def outside(row: dict) -> str | None:
+    """Why multigpu does not run ``row``'s layout, or None where it does: Megatron's overlapped ZeRO-1, and the line
+    ``mg.parallel.Layout`` refuses its degrees with (context parallelism beside a pipeline; ZeRO-1 beside TP or PP)."""
+    why = [OVERLAPPED] if row.get("overlap_param_gather") else []
+    try:
+        Layout(row["dp_replicate"], row["dp_shard"], row["tp"], row["pp"], schedule=row["schedule"], cp=row["cp"],
+               zero1=row.get("zero1", False)).resolve(row["gpus"])
+    except UsageError as err:
+        why.append(str(err))
+    return "; ".join(why) or None
 
 
 def key(row: dict) -> str:
@@ -144,7 +163,7 @@ def _entry(row: dict, a: Assumptions, kinds: dict[str, float]) -> dict:
              "tokens_per_s_per_gpu": row["tokens_per_s_per_gpu"], "predicted_tokens": got["tokens_per_s_per_gpu"],
              "peak_memory_gib": row["peak_memory_gib"], "predicted_memory_gib": got["memory_bytes"] / GiB,
              "mfu": row["mfu"], "predicted_mfu": got["mfu"], "row": row,
-             "outside": row.get("outside")}  # why the row's layout is not one multigpu runs (None: it is)
+             "outside": outside(row)}
     # Speed: tokens/s per GPU, or the MFU where only that is published (the same ratio when both count
     # FLOPs alike: 6 x parameters + attention, no recompute).
     entry["tokens_error"] = got["tokens_per_s_per_gpu"] / row["tokens_per_s_per_gpu"] - 1 \
