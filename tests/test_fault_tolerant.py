@@ -139,7 +139,11 @@ def test_a_group_lost_mid_run_rejoins_and_the_survivors_train_what_one_process_t
     assert healed[-1]["samples_seen"] == STEPS * job.GLOBAL_BATCH - skipped, healed[-1]
     life = max(i for i, r in enumerate(healed) if r["type"] == "header")  # a restart appends its own records
     mine, steps = _records(out, 1), [r for r in healed[life:] if r["type"] == "step"]
-    if sig == signal.SIGKILL:  # the restarted process's meter: the steps from its heal on
+    # Restarted: always after SIGKILL; after SIGSTOP only when an inner (DDP) collective in flight as the group
+    # stopped timed out as it woke (CI saw it once, under load), and its launcher restarted it, as for a kill.
+    restarted = life > 0
+    assert restarted == ("attempt_1" in text) and (restarted or sig == signal.SIGSTOP), text[-3000:]
+    if restarted:  # the restarted process's meter: the steps from its heal on
         mine = mine[min(i for i, r in enumerate(mine) if r["healed"] and r["step"] >= min(lost)):]
     assert sum(r["samples"] for r in steps) == sum(job.GLOBAL_BATCH - r["skipped"] for r in mine), healed
     assert healed[-1]["measured"]["samples"] == sum(r["samples"] for r in steps[1:]), healed  # warm-up left out
@@ -158,7 +162,6 @@ def test_a_group_lost_mid_run_rejoins_and_the_survivors_train_what_one_process_t
     every = job.replay([dict(r, groups=[0, 1, 2]) for r in survivor], GROUPS)  # the skipped shares matter
     assert max((every[k] - expected[k]).abs().max().item() for k in every) > 1e-6
     assert not any(_alive(p) for g in range(GROUPS) for p in _pids(out, g) + killed)
-    assert ("attempt_1" in text) == (sig == signal.SIGKILL)  # a silent group rejoins without a restart
 
 
 @pytest.mark.parametrize("argv, expected", [
