@@ -65,6 +65,9 @@ def main() -> None:
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per step (time for a test to act mid-run)")
     p.add_argument("--sleep-without", type=float, default=None,
                    help="seconds per step while a group is missing (so that a loaded machine restarts it before the end)")
+    p.add_argument("--rejoin-delay", type=float, default=0.0,
+                   help="seconds a restarted group waits before it rejoins (a replacement takes time; a restart quicker "
+                        "than the lighthouse's heartbeat timeout rejoins before the others ever commit without it)")
     p.add_argument("--inner", default="ddp", help="inside each group: mg.wrap's strategy, or tp (mg.parallelize)")
     p.add_argument("--timeout", type=float, default=10.0, help="mg.fault_tolerant's collective timeout")
     p.add_argument("--wider-group", type=int, default=-1, help="this replica group's model is wider (a bad setup)")
@@ -76,6 +79,8 @@ def main() -> None:
         layout = mg.parallel.Layout(tp=dist.world_size).resolve(dist.world_size) if args.inner == "tp" else None
         net = (mg.parallelize(model(24 if wider else 16), layout, tp_plan={"0": "colwise", "2": "rowwise"})
                if layout is not None else mg.wrap(model(24 if wider else 16), args.inner))
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # a restarted group: not back at once
+            time.sleep(args.rejoin_delay)
         replicas = mg.fault_tolerant(net, optimizer(net), dist, timeout=args.timeout)
         os.makedirs(os.path.join(args.out, "pids"), exist_ok=True)
         with open(os.path.join(args.out, "pids", f"group{replicas.group}.rank{dist.rank}"), "w") as fp:

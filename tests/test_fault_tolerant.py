@@ -58,12 +58,15 @@ def _pids(out: str, group: int) -> list[int]:
                          ids=["ddp-whole-group-killed", "fsdp-one-rank-killed", "ddp-group-silent"])
 def test_a_group_lost_mid_run_rejoins_and_the_survivors_train_what_one_process_trains(tmp_path, inner, ranks, sig):
     """SIGKILL of a whole group (DDP inside the groups), of one of its ranks (FSDP inside), and a group gone
-    silent (SIGSTOP: no connection reset, no heartbeat, as a cut link looks to the others) that wakes up again."""
+    silent (SIGSTOP: no connection reset, no heartbeat, as a cut link looks to the others) that wakes up again.
+    A restarted group waits 4 s before it rejoins, as a replacement would: CI once saw a restart (the elastic
+    agent restarts a group as soon as one rank dies) rejoin before the lighthouse's 2 s heartbeat timeout had
+    dropped the old one, so the others retried instead of committing a step without it."""
     out = str(tmp_path)
     launcher = subprocess.Popen(
         [sys.executable, "-m", "multigpu", "run", "--cpu", "-n", "2", "--fault-tolerant", str(GROUPS),
          "--log-dir", os.path.join(out, "logs"), SCRIPT, "--out", out, "--steps", str(STEPS), "--sleep", "0.1",
-         "--sleep-without", "0.5", "--inner", inner, "--timeout", "3"],
+         "--sleep-without", "0.5", "--inner", inner, "--timeout", "3", "--rejoin-delay", "4"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
