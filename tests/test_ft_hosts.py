@@ -186,7 +186,7 @@ def test_groups_that_differ_across_nodes_are_refused_on_every_node(tmp_path):
 SBATCH = """#!/bin/bash
 #SBATCH --nodes=2 --ntasks-per-node=1 --output={out}
 srun bash -c '{python} -m multigpu run -n 2 --cpu --fault-tolerant 2 --log-dir {logs}/node$SLURM_NODEID {script} \
---out {tmp} --steps {steps} --sleep 0.1 --sleep-without 1 --timeout 3'
+--out {tmp} --steps {steps} --sleep 0.1 --sleep-without 1 --timeout 3 --rejoin-delay 4'
 """
 # While group 1 is missing a step takes 1 s: 34 s for node 1's launcher to restart it (8-21 s seen on a
 # loaded machine) before node 0's group ends; once it is back a step takes 0.1 s.
