@@ -90,8 +90,8 @@ def outside(row: dict) -> str | None:
     ``mg.parallel.Layout`` refuses its degrees with (context parallelism beside a pipeline; ZeRO-1 beside TP or PP)."""
     why = [OVERLAPPED] if row.get("overlap_param_gather") else []
     try:
-        Layout(row["dp_replicate"], row["dp_shard"], row["tp"], row["pp"], schedule=row["schedule"], cp=row["cp"],
-               zero1=row.get("zero1", False)).resolve(row["gpus"])
+        Layout(dp_replicate=row["dp_replicate"], dp_shard=row["dp_shard"], tp=row["tp"], pp=row["pp"],
+               schedule=row["schedule"], cp=row["cp"], zero1=row.get("zero1", False)).resolve(row["gpus"])
     except UsageError as err:
         why.append(str(err))
     return "; ".join(why) or None
