@@ -63,6 +63,18 @@ def test_pipeline_schedules_equal_one_process(reference):
             assert all("\n" not in v for v in said.values() if isinstance(v, str))
 
 
+def test_interleaved_pipeline_with_3_stages_per_rank_equals_one_process():
+    """Virtual stages as torchtitan and Megatron run them: pp 2 x 3 stages a rank (6 stages of a 6-block GPT,
+    placed 0, 2, 4 and 1, 3, 5), one process's weights and norms after 3 steps."""
+    model = {"n_layer": 6, "tie_embeddings": False}
+    ref = spawn(layouts.train, 1, {"model": model}, steps=3, accum=4)[0]
+    layout = {"pp": 2, "schedule": "interleaved_1f1b", "stages_per_rank": 3, "model": model}
+    out = spawn(layouts.train_pipeline, 2, layout, steps=3, timeout=240)
+    _check([[rank] for rank in out], ref, ["interleaved_1f1b, 3 stages a rank"])
+    assert [rank["stages"] for rank in out] == [[0, 2, 4], [1, 3, 5]]
+    assert out[0]["mesh"] == "pp=2,micro_batch=2,schedule=interleaved_1f1b,stages_per_rank=3"
+
+
 @pytest.mark.slow
 def test_pipeline_with_fsdp_and_tensor_parallel_equals_one_process(reference):
     names = [{"pp": 2, "schedule": "1f1b", "model": MODEL},                      # PP 2 x FSDP 2
@@ -133,6 +145,45 @@ def test_pipeline_refusals_are_one_line():
     with pytest.raises(mg.UsageError, match="pp 2 x dp_replicate 1 x tp 1 = 2"):
         mg.parallel.Layout(pp=2).resolve(3)
     assert pp.stage_ids("zbv", 0, 2) == [0, 3] and pp.stage_ids("looped_bfs", 1, 2) == [1, 3]
+
+
+def test_stages_per_rank_is_the_layouts_and_refused_where_the_schedule_cannot_run_it():
+    from multigpu.parallel.flags import parse_layouts
+    from multigpu.recipes.gpt.parallelize import check_layout
+
+    Layout = mg.parallel.Layout
+    (layout,) = parse_layouts("pp=2,schedule=interleaved_1f1b,stages_per_rank=3")
+    assert layout.stages == 6 and Layout(pp=2, schedule="interleaved_1f1b").stages == 4
+    assert mg.layout_from_args(layout.flags) == (layout, [])  # the flags a verb passes read back the same
+    assert pp.stage_ids("looped_bfs", 1, 2, 3) == [1, 3, 5] and pp.check("interleaved_1f1b", 2, 4, 3) == 6
+    assert layout.resolve(2).data_share(1).counts and not layout.resolve(2).data_share(0).counts  # 5 is on rank 1
+    for bad, said in [
+        ({"stages_per_rank": 2}, "pipeline schedule '1f1b' runs 1 stage per rank, got stages_per_rank=2; leave "
+         "stages_per_rank out, or use a looped schedule (interleaved_1f1b, looped_bfs, interleaved_zero_bubble) for 2 "
+         "per rank"),
+        ({"schedule": "zbv", "stages_per_rank": 3}, "pipeline schedule 'zbv' places 2 stages per rank in a V, got "
+         "stages_per_rank=3; leave stages_per_rank out, or use a looped schedule"),
+        ({"schedule": "looped_bfs", "stages_per_rank": 0}, "stages_per_rank must be a positive integer, got 0; use "
+         "e.g. stages_per_rank=3 with schedule 'interleaved_1f1b', or leave it out for the schedule's own"),
+    ]:
+        with pytest.raises(mg.UsageError) as err:
+            Layout(pp=2, **bad)
+        assert str(err.value).startswith(said) and "\n" not in str(err.value)
+    with pytest.raises(mg.UsageError, match=r"--layouts stages_per_rank takes a positive integer, got '0'"):
+        parse_layouts("pp=2,schedule=interleaved_1f1b,stages_per_rank=0")
+    # The block count is checked against the stages the layout runs: 6, not the schedule's 4.
+    with pytest.raises(mg.UsageError, match=r"6 pipeline stages \(pp 2 x 3 per rank, schedule 'interleaved_1f1b'\) "
+                       r"but the GPT has 4 blocks; use pp <= 1, stages_per_rank <= 2 or a deeper model"):
+        check_layout(config("tiny", n_layer=4, tie_embeddings=False), layout)
+    # The forecast leaves it out by the same count.
+    from types import SimpleNamespace
+
+    from multigpu.forecast.cost import Run
+    from multigpu.forecast.plan import _why_not
+
+    counts = SimpleNamespace(heads=0, kv_heads=0, experts=0, layers=4)
+    assert _why_not(counts, layout.resolve(2), Run(global_batch=4, seq_len=8)) == (
+        "6 pipeline stages (interleaved_1f1b) exceed the 4 blocks")
 
 
 @pytest.mark.gpu

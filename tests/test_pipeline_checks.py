@@ -26,6 +26,7 @@ def _bad_layouts(r: int) -> dict:
         "two_stages_one_stage_schedule": ("gpipe", pp.stage_ids("interleaved_1f1b", r, 2), 4, 2),
         "n_stages": ("1f1b", [r], 4, 1),                                     # the interleaved count
         "n_stages_differ": ("gpipe", [r], 2 + r, 1),
+        "looped_n_stages": ("interleaved_1f1b", pp.stage_ids("interleaved_1f1b", r, 2, 3), 4, 3),  # 3 a rank, 4 said
         "modules": ("gpipe", [r], 2, 1 + r),                                 # rank 1 passes 2 modules
         "swapped": ("gpipe", [1 - r], 2, 1),                                 # each stage on the other's rank
         "not_a_list": ("gpipe", r, 2, 1),
@@ -72,6 +73,10 @@ def test_pipeline_refuses_bad_stage_layouts_on_every_rank_in_one_line():
                                                          "interleaved_zero_bubble, zbv)")
     assert msg["n_stages"] == ("pipeline schedule '1f1b' on 2 pp ranks runs 2 stages (1 per rank), got n_stages=4; "
                                "pass n_stages=pp.check('1f1b', pp_size, accum_steps)")
+    assert msg["looped_n_stages"] == ("pipeline schedule 'interleaved_1f1b' runs 2 stages per rank, got pp rank 0 "
+                                      "[0, 2, 4], pp rank 1 [1, 3, 5]; pass ids=pp.stage_ids('interleaved_1f1b', "
+                                      "pp_rank, pp_size) (pp rank 0 [0, 2], pp rank 1 [1, 3]), or pass n_stages=2 x "
+                                      "the stages a rank runs")
     assert msg["n_stages_differ"] == ("pipeline ranks were given different n_stages (pp rank 0 2, pp rank 1 3); "
                                       "pass the same n_stages on every pp rank")
     assert msg["modules"] == ("pipeline pp rank 1 passed 2 modules for 1 stage ids [1]; "
@@ -104,25 +109,27 @@ def test_the_micro_batch_rule_is_what_torchs_schedules_accept():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     torch_refuses: dict[tuple, set[bool]] = {}
+    # The rule does not depend on the stages a rank runs: the looped schedules judged with 3 a rank too.
+    runs = [(s, None) for s in pp.SCHEDULES] + [(s, 3) for s in pp.LOOPED]
     for size in (2, 3, 4):
         for rank in range(size):
             tdist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
             try:
-                for schedule, cls in pp.SCHEDULES.items():
-                    n_stages = size * pp.stages_per_rank(schedule)
+                for schedule, per_rank in runs:
+                    n_stages = size * pp.stages_per_rank(schedule, per_rank)
                     for m in range(1, 17):
                         stages = [PipelineStage(nn.Linear(2, 2), i, n_stages, torch.device("cpu"))
-                                  for i in pp.stage_ids(schedule, rank, size)]
+                                  for i in pp.stage_ids(schedule, rank, size, per_rank)]
                         try:
-                            getattr(schedules, cls)(stages[0] if len(stages) == 1 else stages, n_microbatches=m,
-                                                    loss_fn=_loss)
+                            getattr(schedules, pp.SCHEDULES[schedule])(stages[0] if len(stages) == 1 else stages,
+                                                                       n_microbatches=m, loss_fn=_loss)
                             refused = False
                         except ValueError:
                             refused = True
                         torch_refuses.setdefault((schedule, size, m), set()).add(refused)
             finally:
                 tdist.destroy_process_group()
-    assert all(len(v) == 1 for v in torch_refuses.values())  # every rank of a pipeline judges alike
+    assert all(len(v) == 1 for v in torch_refuses.values())  # every rank of a pipeline, 2 or 3 stages a rank, alike
     disagree = [(s, p, m) for s, p, m in GRID if torch_refuses[(s, p, m)] != {pp.microbatches_refusal(s, p, m) is not None}]
     assert not disagree, disagree
     assert torch_refuses[("zbv", 2, 2)] == {False} and torch_refuses[("interleaved_1f1b", 2, 5)] == {True}

@@ -34,6 +34,10 @@ def _odd_data(tmp_path):
     (["--pp-splits", "1"], "--pp-splits sets the pipeline but --pp is 1 (no pipeline); add --pp 2 or more "
                            "(with --untied), or drop --pp-splits"),
     (["--schedule", "gpipe"], "--schedule sets the pipeline but --pp is 1 (no pipeline)"),
+    (["--schedule", "looped_bfs", "--stages-per-rank", "3"],
+     "--schedule and --stages-per-rank set the pipeline but --pp is 1 (no pipeline)"),
+    (["--stages-per-rank", "2"], "pipeline schedule '1f1b' runs 1 stage per rank, got stages_per_rank=2; leave "
+                                 "stages_per_rank out, or use a looped schedule"),
     (["--pp", "1", "--schedule", "gpipe", "--pp-splits", "1"],
      "--schedule and --pp-splits set the pipeline but --pp is 1 (no pipeline); add --pp 2 or more (with --untied), "
      "or drop --schedule and --pp-splits"),

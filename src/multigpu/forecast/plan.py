@@ -14,7 +14,7 @@ import dataclasses
 from ..batch import BatchPlan
 from ..errors import UsageError
 from ..parallel.layout import Layout
-from ..parallel.pp import microbatches_refusal, stages_per_rank
+from ..parallel.pp import microbatches_refusal
 from .cost import Assumptions, Run, predict
 from .counts import Counts
 from .hardware import Cluster
@@ -30,8 +30,8 @@ def _why_not(counts: Counts, layout: Layout, run: Run) -> str | None:
         return f"ep {s.ep} does not divide the {counts.experts} experts"
     if s.cp > 1 and not counts.heads:
         return "cp needs attention through F.scaled_dot_product_attention; the count saw none"
-    if s.pp * stages_per_rank(s.schedule) > counts.layers and s.pp > 1:
-        return f"{s.pp * stages_per_rank(s.schedule)} pipeline stages ({s.schedule}) exceed the {counts.layers} blocks"
+    if s.stages > counts.layers and s.pp > 1:
+        return f"{s.stages} pipeline stages ({s.schedule}) exceed the {counts.layers} blocks"
     if s.cp > 1 and run.seq_len % (2 * s.cp):
         return f"sequence {run.seq_len} does not cut into 2 x cp = {2 * s.cp} chunks"
     try:  # the BatchPlan's own rule and line
@@ -42,14 +42,17 @@ def _why_not(counts: Counts, layout: Layout, run: Run) -> str | None:
     return microbatches_refusal(s.schedule, s.pp, m) if s.pp > 1 else None
 
 
-def _matches(layout: Layout, named: list[Layout] | None) -> bool:
-    """``layout`` has the degrees of one of ``named`` (its schedule under pp; its micro-batch where it gives one)."""
+def _as_named(layout: Layout, named: list[Layout] | None) -> list[Layout]:
+    """``layout`` as each of ``named`` with its degrees asks for it (its schedule under pp, and the stages per rank
+    it gives there; its micro-batch where it gives one); ``[layout]`` where nothing is named."""
     if named is None:
-        return True
+        return [layout]
     degrees = ("pp", "dp_replicate", "dp_shard", "tp", "cp", "ep", "zero1")
-    return any(all(getattr(layout, d) == getattr(n, d) for d in degrees)
-               and (n.pp == 1 or n.schedule == layout.schedule)
-               and (n.micro_batch is None or n.micro_batch == layout.micro_batch) for n in named)
+    found = [dataclasses.replace(layout, stages_per_rank=n.stages_per_rank) if layout.pp > 1 else layout
+             for n in named if all(getattr(layout, d) == getattr(n, d) for d in degrees)
+             and (n.pp == 1 or n.schedule == layout.schedule)
+             and (n.micro_batch is None or n.micro_batch == layout.micro_batch)]
+    return list(dict.fromkeys(found))
 
 
 def plan(counts: Counts, cluster: Cluster, run: Run, a: Assumptions, *, micro_batches=(1, 2, 4, 8),
@@ -65,20 +68,18 @@ def plan(counts: Counts, cluster: Cluster, run: Run, a: Assumptions, *, micro_ba
         micro_batches = tuple(dict.fromkeys((*micro_batches, *(n.micro_batch for n in named if n.micro_batch))))
     for base in layouts(cluster.gpus, schedules=schedules, context=True, experts=counts.experts > 0, zero1=True):
         for mb in micro_batches:
-            layout = dataclasses.replace(base, micro_batch=mb)
-            if not _matches(layout, named):
-                continue
-            why = _why_not(counts, layout, run)
-            if why:
-                out.append({"layout": name(layout), "reason": why})
-                continue
-            for rc in recompute:
-                # The model cuts every saved tensor by tp, as sequence parallelism does: the command asks for it
-                # (not beside ep or cp, which multigpu does not compose with it yet: there it is optimistic).
-                sp = layout.tp > 1 and layout.ep == layout.cp == 1
-                chosen = dataclasses.replace(layout, activation_checkpointing=rc == "full", sequence_parallel=sp)
-                got = predict(counts, cluster, chosen, dataclasses.replace(run, recompute=rc), a)
-                ranked.append({"name": name(chosen), "layout": chosen, "recompute": rc, **got})
+            for layout in _as_named(dataclasses.replace(base, micro_batch=mb), named):
+                why = _why_not(counts, layout, run)
+                if why:
+                    out.append({"layout": name(layout), "reason": why})
+                    continue
+                for rc in recompute:
+                    # The model cuts every saved tensor by tp, as sequence parallelism does: the command asks for it
+                    # (not beside ep or cp, which multigpu does not compose with it yet: there it is optimistic).
+                    sp = layout.tp > 1 and layout.ep == layout.cp == 1
+                    chosen = dataclasses.replace(layout, activation_checkpointing=rc == "full", sequence_parallel=sp)
+                    got = predict(counts, cluster, chosen, dataclasses.replace(run, recompute=rc), a)
+                    ranked.append({"name": name(chosen), "layout": chosen, "recompute": rc, **got})
     if not ranked:
         reasons = sorted({o["reason"] for o in out})
         what = "the named layouts" if named else "no layout"

@@ -3,7 +3,9 @@
 A ``Layout`` is what a run is spread by: data parallelism replicated
 (``dp_replicate``) and sharded (``dp_shard``; None takes what the other
 degrees leave of the world), tensor parallelism (``tp``), pipeline stages
-(``pp``), the micro-batch, activation checkpointing and the pipeline schedule.
+(``pp``), the micro-batch, activation checkpointing, the pipeline schedule
+and its stages per rank (``stages_per_rank``: the looped schedules run any
+number, torchtitan's and Megatron's virtual stages; None is the schedule's own).
 ``layout.resolve(world_size)`` is the same layout with every degree set (the
 one place the world is factored, and refused when it does not factor); a
 resolved layout owns its world size, data-parallel size and rank, strategy,
@@ -30,7 +32,7 @@ from typing import Any
 from ..data.share import DataShare
 from ..errors import UsageError
 from ..runtime.values import divisors, is_positive_int, positive_int
-from .pp import SCHEDULES, stage_ids, stages_per_rank
+from .pp import LOOPED, stage_ids, stages_per_rank
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # the device mesh's dimensions, outer to inner
 # With expert parallelism dp_shard is built as (efsdp, ep) and flattened back to "dp_shard" (torchtitan's
@@ -46,9 +48,11 @@ CP_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # The command-line flags of a script's layout (mg.layout_from_args reads them, Layout.flags writes them):
 # flag -> Layout field, the integer degrees first. Every flag is one of the frozen Layout's fields.
 INT_FLAGS = {"--tp": "tp", "--pp": "pp", "--dp-replicate": "dp_replicate", "--dp-shard": "dp_shard",
-             "--ep": "ep", "--cp": "cp", "--micro-batch": "micro_batch"}
+             "--ep": "ep", "--cp": "cp", "--micro-batch": "micro_batch", "--stages-per-rank": "stages_per_rank"}
 BOOL_FLAGS = {"--activation-checkpointing": "activation_checkpointing", "--compile": "compile",
               "--sequence-parallel": "sequence_parallel", "--zero1": "zero1"}
+# What only a pipeline reads: a layout without one (pp 1) leaves them out of its label and flags.
+PIPELINE_FIELDS = ("schedule", "stages_per_rank")
 # Names a user may have called on a Layout that went (CHANGELOG.md): what to write instead.
 _MOVED = {"shape": "layout.resolve(world_size): the same Layout with every degree set (.dp_size, .world_size)",
           "of": "the Layout itself: meshes are the resolved Layout's (layout.device_mesh(device_type))",
@@ -58,9 +62,10 @@ _MOVED = {"shape": "layout.resolve(world_size): the same Layout with every degre
 @dataclass(frozen=True)
 class Layout:
     """Mesh degrees (outer to inner: pp, dp_replicate, dp_shard, cp, tp), the micro-batch, activation
-    checkpointing per block, ``torch.compile`` per block, sequence parallelism, the pipeline schedule and ZeRO-1
+    checkpointing per block, ``torch.compile`` per block, sequence parallelism, the pipeline schedule, ZeRO-1
     (``zero1``: DDP's optimizer state sharded over the replicas, ``mg.wrap``'s ``"zero1"``; only where the layout
-    only replicates)."""
+    only replicates) and the pipeline's stages per rank (``stages_per_rank``: any number for a looped schedule,
+    ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zero_bubble``; None: 1 single-stage, 2 multi-stage)."""
 
     dp_replicate: int = 1
     dp_shard: int | None = None
@@ -74,14 +79,14 @@ class Layout:
     ep: int = 1
     cp: int = 1
     zero1: bool = False
+    stages_per_rank: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "ep", "cp") + (("dp_shard",) if self.dp_shard is not None else ()):
             positive_int(getattr(self, name), f"layout {name}", f"e.g. mg.parallel.Layout({name}=2)")
         if self.micro_batch is not None and not is_positive_int(self.micro_batch):
             raise UsageError(f"layout micro_batch must be a positive integer or None, got {self.micro_batch!r}")
-        if self.schedule not in SCHEDULES:
-            raise UsageError(f"unknown pipeline schedule {self.schedule!r}; expected one of {', '.join(SCHEDULES)}")
+        stages_per_rank(self.schedule, self.stages_per_rank)  # an unknown schedule, stages a rank it cannot run
         if self.sequence_parallel and self.tp == 1:
             raise UsageError("sequence_parallel splits the sequence over tensor-parallel ranks but tp is 1; "
                              "use Layout(tp=2, sequence_parallel=True) or drop it")
@@ -174,8 +179,8 @@ class Layout:
 
     @property
     def stages(self) -> int:
-        """Pipeline stages in all: pp ranks x the schedule's stages per rank."""
-        return self.pp * stages_per_rank(self.schedule) if self.pp > 1 else 1
+        """Pipeline stages in all: pp ranks x stages per rank (``stages_per_rank``, else the schedule's own)."""
+        return self.pp * stages_per_rank(self.schedule, self.stages_per_rank) if self.pp > 1 else 1
 
     @property
     def label(self) -> str:
@@ -183,9 +188,9 @@ class Layout:
         base = Layout(dp_shard=1)
         parts = []
         for f in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "micro_batch", "activation_checkpointing",
-                  "compile", "sequence_parallel", "schedule", "zero1"):
+                  "compile", "sequence_parallel", "schedule", "stages_per_rank", "zero1"):
             value = getattr(self, f)
-            if value != getattr(base, f) and not (f == "schedule" and self.pp == 1):
+            if value != getattr(base, f) and not (f in PIPELINE_FIELDS and self.pp == 1):
                 parts.append(f"{f}={str(value).lower() if isinstance(value, bool) else value}")
         return ",".join(parts) or "one process"
 
@@ -195,7 +200,7 @@ class Layout:
         out: list[str] = []
         for flag, field in INT_FLAGS.items():
             value = getattr(self, field)
-            if value is not None and value != getattr(Layout, field):
+            if value not in (None, getattr(Layout, field)) and not (field in PIPELINE_FIELDS and self.pp == 1):
                 out += [flag, str(value)]
         out += [flag for flag, field in BOOL_FLAGS.items() if getattr(self, field)]
         return out + (["--schedule", self.schedule] if self.pp > 1 else [])
@@ -215,7 +220,7 @@ class Layout:
         peers and pipeline stages read the same), and its sums count when it is tensor-parallel peer 0 on
         the rank that holds the last pipeline stage (placed by the schedule): each data-parallel rank once."""
         r = self._at(world_size)
-        holds_last = r.stages - 1 in stage_ids(r.schedule, rank // (r.dp_size * r.cp * r.tp), r.pp)
+        holds_last = r.stages - 1 in stage_ids(r.schedule, rank // (r.dp_size * r.cp * r.tp), r.pp, r.stages_per_rank)
         return DataShare(r.dp_rank(rank), r.dp_size, counts=holds_last and rank % r.tp == 0, pp=r.pp, layout=r.label)
 
     def accum_steps(self, global_batch: int, world_size: int | None = None) -> int:
@@ -324,9 +329,11 @@ class Layout:
             raise UsageError(f"the token table of {model} is tied to its head, but a pipeline puts them on different "
                              "stages; untie them (the GPT recipe: --untied) or use pp=1")
         if blocks is not None and self.pp > 1 and self.stages > blocks:
-            raise UsageError(f"{self.stages} pipeline stages (pp {self.pp} x {stages_per_rank(self.schedule)} per "
-                             f"rank, schedule {self.schedule!r}) but {model} has {blocks} blocks; use pp <= "
-                             f"{max(1, blocks // stages_per_rank(self.schedule))} or a deeper model")
+            per = self.stages // self.pp
+            fewer = f", stages_per_rank <= {blocks // self.pp}" if self.schedule in LOOPED and blocks >= self.pp else ""
+            raise UsageError(f"{self.stages} pipeline stages (pp {self.pp} x {per} per rank, schedule "
+                             f"{self.schedule!r}) but {model} has {blocks} blocks; use pp <= {max(1, blocks // per)}"
+                             f"{fewer} or a deeper model")
 
 
 _MESHES: dict[Any, Any] = {}

@@ -9,8 +9,9 @@ pipeline receives the same micro-batches from the loader (the mesh's
 data-parallel rank ignores the pipeline coordinate). Gradients are the mean
 over micro-batches (``scale_grads``), the same as accumulation divides the
 loss. Schedules by name: single-stage ``gpipe``, ``1f1b``; multi-stage
-(2 stages per rank) ``interleaved_1f1b``, ``looped_bfs``,
-``interleaved_zero_bubble`` (loop placement) and ``zbv`` (V placement).
+``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zero_bubble`` (loop
+placement: any number of stages per rank, 2 unless asked) and ``zbv`` (V
+placement: 2 per rank).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import nn
 
 from ..runtime.compat import direct_child
 from ..errors import UsageError
+from ..runtime.values import is_positive_int, positive_int
 from . import float8
 from .stage_clock import StageClock
 
@@ -34,20 +36,43 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b
              "zbv": "ScheduleZBVZeroBubble"}
 SINGLE_STAGE = ("gpipe", "1f1b")
 ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv")  # their backward split in input and weight parts
+V_SHAPED = ("zbv",)  # torch's ScheduleZBVZeroBubble takes exactly 2 stages a rank, placed in a V
+LOOPED = tuple(s for s in SCHEDULES if s not in SINGLE_STAGE + V_SHAPED)  # torch's take any number a rank
 
-def stages_per_rank(schedule: str) -> int:
+
+def stages_per_rank(schedule: str, per_rank: int | None = None) -> int:
+    """Stages each pp rank runs: ``per_rank`` where asked (a looped schedule takes any number, as torch's
+    ScheduleInterleaved1F1B, ScheduleLoopedBFS and ScheduleInterleavedZeroBubble do), else the schedule's own
+    (1 single-stage, 2 multi-stage); refused in one line where the schedule cannot run it.
+
+    >>> pp.stages_per_rank("interleaved_1f1b"), pp.stages_per_rank("interleaved_1f1b", 3)
+    (2, 3)
+    """
     if schedule not in SCHEDULES:
         raise UsageError(f"unknown pipeline schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
-    return 1 if schedule in SINGLE_STAGE else 2
+    default = 1 if schedule in SINGLE_STAGE else 2
+    if per_rank is None:
+        return default
+    positive_int(per_rank, "stages_per_rank", "use e.g. stages_per_rank=3 with schedule 'interleaved_1f1b', or "
+                 "leave it out for the schedule's own")
+    if per_rank != default and schedule not in LOOPED:
+        how = "places 2 stages per rank in a V" if schedule in V_SHAPED else "runs 1 stage per rank"
+        raise UsageError(f"pipeline schedule {schedule!r} {how}, got stages_per_rank={per_rank}; leave "
+                         f"stages_per_rank out, or use a looped schedule ({', '.join(LOOPED)}) for {per_rank} per rank")
+    return per_rank
 
 
-def stage_ids(schedule: str, pp_rank: int, pp_size: int) -> list[int]:
-    """The stages this rank runs: ``pp_rank`` (+ ``pp_size`` in loop placement; the mirror stage in V placement)."""
-    if stages_per_rank(schedule) == 1:
-        return [pp_rank]
-    if schedule == "zbv":
+def stage_ids(schedule: str, pp_rank: int, pp_size: int, per_rank: int | None = None) -> list[int]:
+    """The stages this rank runs: ``pp_rank`` (+ ``pp_size``, + 2 ``pp_size``, ... in loop placement; the mirror
+    stage in V placement). ``per_rank``: as ``stages_per_rank`` takes it.
+
+    >>> pp.stage_ids("interleaved_1f1b", 1, 2, per_rank=3)
+    [1, 3, 5]
+    """
+    n = stages_per_rank(schedule, per_rank)
+    if schedule in V_SHAPED:
         return [pp_rank, 2 * pp_size - 1 - pp_rank]
-    return [pp_rank, pp_rank + pp_size]
+    return [pp_rank + k * pp_size for k in range(n)]
 
 
 def microbatches_refusal(schedule: str, pp_size: int, accum_steps: int) -> str | None:
@@ -63,7 +88,7 @@ def microbatches_refusal(schedule: str, pp_size: int, accum_steps: int) -> str |
     >>> pp.microbatches_refusal("zbv", 2, 1) is None
     True
     """
-    stages = pp_size * stages_per_rank(schedule)
+    stages = pp_size * stages_per_rank(schedule)  # only 1f1b's rule counts them: single-stage, whatever is asked
     if accum_steps < 1:
         return f"a pipeline step needs at least 1 micro-batch, got {accum_steps}; lower the micro-batch size"
     if schedule == "1f1b" and accum_steps < stages:
@@ -92,13 +117,14 @@ def _accepted(pp_size: int, m: int, way: int) -> int | None:
     return m if m >= 1 else None
 
 
-def check(schedule: str, pp_size: int, accum_steps: int) -> int:
-    """Refuse what the schedule cannot run (``microbatches_refusal``), before any process-group work;
-    return the number of stages."""
+def check(schedule: str, pp_size: int, accum_steps: int, per_rank: int | None = None) -> int:
+    """Refuse what the schedule cannot run (``microbatches_refusal``, ``stages_per_rank``), before any
+    process-group work; return the number of stages."""
+    n = stages_per_rank(schedule, per_rank)
     why = microbatches_refusal(schedule, pp_size, accum_steps)
     if why:
         raise UsageError(why)
-    return pp_size * stages_per_rank(schedule)
+    return pp_size * n
 
 
 def _ranks(values: list[Any], ranks: list[int] | None = None) -> str:
@@ -129,9 +155,12 @@ def check_stages(modules: Any, ids: Any, n_stages: Any, group: Any, schedule: st
             raise UsageError(f"pipeline ranks were given different {key} ({_ranks([repr(g[key]) for g in got])}); "
                              f"pass the same {key} on every pp rank")
     check(schedule, size, accum_steps)  # an unknown schedule, too few micro-batches
-    per_rank = stages_per_rank(schedule)
-    want = [stage_ids(schedule, r, size) for r in range(size)]
-    fix = f"pass ids=pp.stage_ids({schedule!r}, pp_rank, pp_size) ({_ranks(want)})"
+    # A looped schedule runs any number of stages a rank: n_stages says how many (checked below, as a multiple).
+    looped = schedule in LOOPED and is_positive_int(n_stages) and n_stages % size == 0
+    per_rank = n_stages // size if looped else stages_per_rank(schedule)
+    want = [stage_ids(schedule, r, size, per_rank) for r in range(size)]
+    asked = f", per_rank={per_rank}" if per_rank != stages_per_rank(schedule) else ""
+    fix = f"pass ids=pp.stage_ids({schedule!r}, pp_rank, pp_size{asked}) ({_ranks(want)})"
     for r, g in enumerate(got):
         if isinstance(g["ids"], str):
             raise UsageError(f"pipeline stage ids must be a list of ints, got {g['ids']} on pp rank {r}; {fix}")
@@ -143,18 +172,26 @@ def check_stages(modules: Any, ids: Any, n_stages: Any, group: Any, schedule: st
                              f"{g['ids']}; pass one module per stage id, in the same order")
     counts = [len(g["ids"]) for g in got]
     if any(c != per_rank for c in counts):
-        other = ("a multi-stage schedule (interleaved_1f1b, looped_bfs, interleaved_zero_bubble, zbv)" if per_rank == 1
-                 else "a single-stage schedule (gpipe, 1f1b)")
+        other = ("use a multi-stage schedule (interleaved_1f1b, looped_bfs, interleaved_zero_bubble, zbv)"
+                 if per_rank == 1 else f"pass n_stages={size} x the stages a rank runs" if schedule in LOOPED
+                 else "use a single-stage schedule (gpipe, 1f1b)")
         raise UsageError(f"pipeline schedule {schedule!r} runs {per_rank} stage{'s' if per_rank > 1 else ''} per rank, "
-                         f"got {_ranks([g['ids'] for g in got])}; {fix}, or use {other}")
+                         f"got {_ranks([g['ids'] for g in got])}; {fix}, or {other}")
     expected = size * per_rank
     if n_stages != expected:
-        raise UsageError(f"pipeline schedule {schedule!r} on {size} pp ranks runs {expected} stages ({per_rank} per "
-                         f"rank), got n_stages={n_stages!r}; "
-                         f"pass n_stages=pp.check({schedule!r}, pp_size, accum_steps)")
+        runs = (f"a multiple of {size} stages (any number per rank)" if schedule in LOOPED
+                else f"{expected} stages ({per_rank} per rank)")
+        raise UsageError(f"pipeline schedule {schedule!r} on {size} pp ranks runs {runs}, got n_stages={n_stages!r}; "
+                         f"pass n_stages=pp.check({schedule!r}, pp_size, accum_steps{asked})")
+    _check_cover([g["ids"] for g in got], want, schedule, fix)
+
+
+def _check_cover(ids: list[list[int]], want: list[list[int]], schedule: str, fix: str) -> None:
+    """Refuse stage ids (``ids``, by pp rank) that do not cover the stages once each where ``want`` places them."""
+    size, expected = len(ids), sum(map(len, want))
     held: dict[int, list[int]] = {}
-    for r, g in enumerate(got):
-        for i in g["ids"]:
+    for r, mine in enumerate(ids):
+        for i in mine:
             held.setdefault(i, []).append(r)
     problems = [f"{i} {'twice' if len(rs) == 2 else f'{len(rs)} times'} (pp ranks {', '.join(map(str, rs))})"
                 for i, rs in sorted(held.items()) if len(rs) > 1]
@@ -166,12 +203,11 @@ def check_stages(modules: Any, ids: Any, n_stages: Any, group: Any, schedule: st
         problems.append(f"out of range {', '.join(map(str, outside))}")
     if problems:
         raise UsageError(f"pipeline stage ids over the {size} pp ranks must cover 0..{expected - 1} once each, got "
-                         f"{_ranks([g['ids'] for g in got])}: {'; '.join(problems)}; {fix}")
-    wrong = [r for r, g in enumerate(got) if sorted(g["ids"]) != sorted(want[r])]
+                         f"{_ranks(ids)}: {'; '.join(problems)}; {fix}")
+    wrong = [r for r, mine in enumerate(ids) if sorted(mine) != sorted(want[r])]
     if wrong:
         raise UsageError(f"pipeline schedule {schedule!r} places stages {_ranks(want, wrong)}, got "
-                         f"{_ranks([g['ids'] for g in got], wrong)} (the stages would exchange with the wrong ranks); "
-                         f"{fix}")
+                         f"{_ranks(ids, wrong)} (the stages would exchange with the wrong ranks); {fix}")
 
 
 class Pipeline:

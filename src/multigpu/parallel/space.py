@@ -25,7 +25,8 @@ def name(layout: Layout) -> str:
         if degree > 1:
             parts.append(f"{label} {degree}")
     if s.pp > 1:
-        parts.append(f"PP {s.pp} {layout.schedule}")
+        per_rank = f" ({s.stages // s.pp} stages a rank)" if s.stages_per_rank is not None else ""  # where asked
+        parts.append(f"PP {s.pp} {layout.schedule}{per_rank}")
     experts = f", EP {s.ep}" if s.ep > 1 else ""  # borrowed from dp_shard and tp: no factor of the world of its own
     return " x ".join(parts) + experts + f", micro-batch {layout.micro_batch}" + (", AC" if layout.activation_checkpointing else "")
 

@@ -219,7 +219,7 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
         print0(note)
     # The model's own problems first (they need another model, not another flag), then the schedule's.
     make, ranges, how = split(model, layout, layout.stages, splits)
-    n_stages = pp.check(layout.schedule, layout.pp, accum_steps)
+    n_stages = pp.check(layout.schedule, layout.pp, accum_steps, layout.stages_per_rank)
     classes, _ = blocks_of(model)
     styles: dict[str, Any] = {}
     if layout.tp > 1:
@@ -230,7 +230,7 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
         styles, source, _ = tensor_parallel_plan(model, layout, block_modules(model, classes), tp_plan)
     device = torch.device(_empty) if _empty is not None else next(model.parameters()).device
     pp_mesh = layout.device_mesh(device.type)["pp"]
-    ids = pp.stage_ids(layout.schedule, pp_mesh.get_local_rank(), layout.pp)
+    ids = pp.stage_ids(layout.schedule, pp_mesh.get_local_rank(), layout.pp, layout.stages_per_rank)
     parts = [make(i) for i in ids]
     # mg.parallelize's TP, activation checkpointing, compile and FSDP, the one way in, on every stage (on pp
     # alone it applies the per-block options only); as a pipeline stage FSDP keeps the parameters gathered

@@ -47,6 +47,8 @@ UsageError = mg.UsageError
 LAYOUT_HELP = ("layout flags, read by mg.layout_from_args: --tp N, --pp N, --dp-replicate N, --dp-shard N (default: the "
                "rest of the world), --micro-batch N (sequences per data-parallel rank per forward), --schedule NAME "
                "(with --pp: gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zero_bubble, zbv; default 1f1b), "
+               "--stages-per-rank N (with a looped schedule: interleaved_1f1b, looped_bfs, interleaved_zero_bubble; "
+               "default 2), "
                "--sequence-parallel (with --tp), --activation-checkpointing, --compile. A layout that only replicates "
                "(--dp-replicate WORLD) is DDP.")
 # Flags the recipe had that went (CHANGELOG.md), with what to write instead.
@@ -134,7 +136,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.warmup_steps < 0:
         raise UsageError(f"--warmup-steps must be 0 or more (0: off), got {args.warmup_steps}; use e.g. --warmup-steps 10")
     pp = args.layout.pp
-    pipeline_only = [f for f, given in (("--schedule", args.schedule_given), ("--pp-splits", args.pp_splits is not None))
+    pipeline_only = [f for f, given in (("--schedule", args.schedule_given), ("--pp-splits", args.pp_splits is not None),
+                                        ("--stages-per-rank", args.layout.stages_per_rank is not None))
                      if given]
     if pipeline_only and pp <= 1:
         raise UsageError(f"{' and '.join(pipeline_only)} {'set' if len(pipeline_only) > 1 else 'sets'} the pipeline "
