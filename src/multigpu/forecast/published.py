@@ -106,16 +106,26 @@ def key(row: dict) -> str:
            f"{' rowwise' if row.get('fp8_recipe') == 'rowwise' else ''} s {row['seq_len']}"
 
 
-def _solve(row: dict, a: Assumptions, field: str) -> Assumptions:
+# How far each constant may go: the achieved fraction of peak cannot pass the peak; a speedup or an overhead of 5 x
+# is already beyond what any kernel option or allocator gives.
+LIMITS = {"efficiency": 1.0}
+
+
+def _solve(row: dict, a: Assumptions, field: str) -> Assumptions | None:
     """``a`` with ``field`` set so that ``row``'s forecast meets its published figure (tokens/s, or memory for the
-    allocator's overhead: each grows with the constant, so bisection finds it)."""
-    lo, hi = 0.0, 5.0
+    allocator's overhead: each grows with the constant, so bisection finds it); None where no value within the
+    constant's limits meets it (a row the rest of the forecast holds too slow, or too small, whatever the constant:
+    it says nothing of this one; so one whose forecast tops the figure with the constant at 0)."""
+    lo, top = 0.0, LIMITS.get(field, 5.0)
+    hi = top
     for _ in range(60):
         mid = (lo + hi) / 2
         got = forecast(row, dataclasses.replace(a, **{field: mid}))
         low = got["memory_bytes"] / GiB < row["peak_memory_gib"] if field == "allocator_overhead" \
             else got["tokens_per_s_per_gpu"] < row["tokens_per_s_per_gpu"]
         lo, hi = (mid, hi) if low else (lo, mid)
+    if hi >= top * (1 - 1e-9) or lo <= top * 1e-9:  # pinned at an end: the figure lies beyond it
+        return None
     return dataclasses.replace(a, **{field: round((lo + hi) / 2, 4)})
 
 
@@ -125,16 +135,21 @@ def fit(base: Assumptions | None = None) -> Assumptions:
     a = base or Assumptions(calibration=cal["name"])
     by_key = {key(r): r for r in rows()}
     for field, k in cal["fitted_on"].items():
-        a = _solve(by_key[k], a, field)
+        a = _solve(by_key[k], a, field) or _unreachable(k, field)
     return a
+
+
+def _unreachable(key: str, field: str):
+    raise ValueError(f"the calibration row {key!r} cannot be met by any {field} within its limit "
+                     f"({LIMITS.get(field, 5.0)}): the calibration names a row the forecast cannot fit")
 
 
 def fit_by_gpu(a: Assumptions) -> dict[str, float]:
     """Each GPU kind's own achieved fraction of peak (``by_gpu``), solved on its named row with ``a``'s other
     constants: {kind: efficiency}."""
     by_key = {key(r): r for r in rows()}
-    return {kind: _solve(by_key[g["fitted_on"]], a, "efficiency").efficiency
-            for g in calibration()["by_gpu"] for kind in g["kinds"]}
+    return {kind: (_solve(by_key[g["fitted_on"]], a, "efficiency") or _unreachable(g["fitted_on"], "efficiency"))
+            .efficiency for g in calibration()["by_gpu"] for kind in g["kinds"]}
 
 
 def check(a: Assumptions | None = None, kinds: dict[str, float] | None = None) -> dict:
@@ -191,10 +206,12 @@ ELIGIBLE = {
 def fit_on(train: list[dict]) -> tuple[Assumptions, dict[str, float]]:
     """Constants fitted on ``train`` alone: each solved on every eligible row (``ELIGIBLE``, in that order, each
     with the ones before it), the median taken; the achieved fraction of peak also per GPU kind, the shared one
-    the median over every kind's rows. A constant no row of ``train`` informs keeps its default."""
+    the median over every kind's rows. A row no value within the constant's limits fits (``_solve``: None) does not
+    vote; a constant no row of ``train`` informs keeps its default."""
     a, kinds = Assumptions(calibration="fitted on other sources"), {}
     for field, eligible in ELIGIBLE.items():
-        solved = [(r, getattr(_solve(r, for_gpu(a, r["gpu"], kinds), field), field)) for r in train if eligible(r)]
+        solved = [(r, _solve(r, for_gpu(a, r["gpu"], kinds), field)) for r in train if eligible(r)]
+        solved = [(r, getattr(got, field)) for r, got in solved if got is not None]
         if not solved:
             continue
         a = dataclasses.replace(a, **{field: statistics.median([v for _, v in solved])})
