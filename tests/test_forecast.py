@@ -423,6 +423,26 @@ def test_a_mixture_of_experts_is_counted_and_spread_over_ep():
     assert any(o["reason"] == "tp 4 does not divide the 2 key/value heads" for o in out)
 
 
+def test_a_family_without_sdpa_is_counted_with_its_own_attention():
+    """gpt-oss names eager attention (its sinks; transformers refuses it SDPA): the forecast used to refuse the whole
+    config on that. It is counted with the attention its config names, as training runs it: the score matmuls with
+    the matmuls, the heads from the config (what tp must divide), and context parallelism left out in one line, its
+    ring's traffic (the keys and values an SDPA kernel reads) being what the count cannot see."""
+    pytest.importorskip("transformers")
+    from multigpu.forecast.models import config_builder
+    from multigpu.forecast.plan import plan
+
+    config = {"model_type": "gpt_oss", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 64,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4,
+              "num_experts_per_tok": 2, "vocab_size": 128, "layer_types": ["full_attention"] * 2}
+    c = count(config_builder(config, "tiny-gpt-oss"), 64, name="tiny-gpt-oss")
+    assert c.heads == 4 and c.kv_heads == 2 and c.experts == 4 and not any(c.block_kv) and not any(c.block_attention)
+    ranked, out = plan(c, cluster("h100", 8), Run(16, 64), Assumptions())
+    assert ranked and not any(r["layout"].cp > 1 for r in ranked) and any(r["layout"].tp == 2 for r in ranked)
+    assert any(o["reason"].startswith("cp is forecast for attention through F.scaled_dot_product_attention")
+               for o in out)
+
+
 def test_the_plan_leaves_out_a_pipeline_by_the_librarys_micro_batch_rule_per_schedule():
     """Which schedule runs how many micro-batches is the library's rule (``pp.microbatches_refusal``), not the
     forecast's: on 2 GPUs and a global batch of 5, 1F1B's 1 micro-batch and interleaved 1F1B's 5 (2 rounds do not

@@ -64,7 +64,8 @@ class Counts:
                                            # without sequence parallelism, all-gathered with it)
     block_backward: tuple[float, ...]      # bytes per token its backward holds at most beyond what was live when it
                                            # began (its gradients in flight; the weights' gradients left out)
-    heads: int = 0                         # attention's query heads (what tp and cp must divide); 0: none seen
+    heads: int = 0                         # attention's query heads (what tp and cp must divide): the attention
+                                           # kernel's, else the model's stated; 0: none known
     tied: bool = False                     # the head is the input table (a pipeline's last stage holds a copy)
     experts: int = 0                       # a mixture of experts: the experts per MoE layer (what ep must divide)
     block_experts: tuple[int, ...] = ()    # per block, the parameters of its experts modules (ep's to spread)
@@ -239,7 +240,8 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
                   col(0), (total_all[0] - sum(b[0] for b in per_block)) / n,
                   col(1), (total_all[1] - sum(b[1] for b in per_block)) / n,
                   max(inputs), col(2), col(3), col(4), tuple(s - i for s, i in zip(col(1), col(5))), col(6),
-                  tuple(b / n for b in live.peaks(len(blocks), weights)), tally.heads, tied,
+                  tuple(b / n for b in live.peaks(len(blocks), weights)),
+                  tally.heads or head_counts(model).get("attention heads", 0), tied,
                   min((m.num_experts for m in moe), default=0), tuple(experts_in), tuple(expert_flops), tuple(routed),
                   tuple(linears), vocab, kv_heads, tally.f32_outside[vocab] / n,
                   tuple(fp8_flops[:-1]) if fp8 else (), tuple(fp8_params[:-1]) if fp8 else (), fp8_flops[-1], fp8_line)

@@ -23,7 +23,8 @@ def presets() -> dict[str, dict]:
 
 
 def config_builder(config: dict, name: str):
-    """A builder of the transformers causal LM ``config`` describes (attention through SDPA, no cache)."""
+    """A builder of the transformers causal LM ``config`` describes (attention through SDPA where the family has it,
+    else its own; no cache)."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
@@ -36,8 +37,20 @@ def config_builder(config: dict, name: str):
         cfg = AutoConfig.for_model(kind, **fields)
     except Exception as err:  # transformers' validators raise their own kinds
         raise UsageError(f"{name}: transformers cannot read this config ({' '.join(str(err).split())[:200]})") from None
-    cfg._attn_implementation = "sdpa"
-    return lambda: AutoModelForCausalLM.from_config(cfg)
+    own = cfg._attn_implementation
+
+    def build():
+        # SDPA: the kernel torchtitan and mg.parallelize's context parallelism run; a family transformers gives none
+        # (gpt-oss: its attention sinks) runs the attention its config names, as training it would.
+        cfg._attn_implementation = "sdpa"
+        try:
+            return AutoModelForCausalLM.from_config(cfg)
+        except ValueError as err:
+            if "scaled_dot_product_attention" not in str(err):
+                raise
+        cfg._attn_implementation = own or "eager"
+        return AutoModelForCausalLM.from_config(cfg)
+    return build
 
 
 def builder(spec: str):

@@ -28,8 +28,9 @@ def _why_not(counts: Counts, layout: Layout, run: Run) -> str | None:
         return f"tp {s.tp} does not divide the {counts.kv_heads} key/value heads"
     if s.ep > 1 and counts.experts % s.ep:
         return f"ep {s.ep} does not divide the {counts.experts} experts"
-    if s.cp > 1 and not counts.heads:
-        return "cp needs attention through F.scaled_dot_product_attention; the count saw none"
+    if s.cp > 1 and not any(counts.block_kv):  # the ring's cost is what it passes: the keys and values SDPA reads
+        return ("cp is forecast for attention through F.scaled_dot_product_attention; the count saw none (a model "
+                "whose attention is its own, eager: its ring cannot be costed)")
     if s.stages > counts.layers and s.pp > 1:
         return f"{s.stages} pipeline stages ({s.schedule}) exceed the {counts.layers} blocks"
     if s.cp > 1 and run.seq_len % (2 * s.cp):
