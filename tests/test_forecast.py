@@ -620,22 +620,25 @@ def test_bubble_and_scaling():
     # its backward's gradients while it is recomputed, once (measured on 2 CPU ranks, GPT small, 8 micro-batches:
     # GPipe 133.1 MiB, 1F1B 113.7; predicted 120.2 and 111.3; with the transient counted per micro-batch in flight
     # and no receive buffers, 198.4 and 112.8).
-    def full(schedule):
-        return predict(c, machine, Degrees(1, 2, 1, 3, 1, 1, schedule), Run(64, 64, recompute="full"), a)["memory"]
+    from multigpu.forecast.inputs import Rank
+    from multigpu.forecast.memory import memory_parts
 
-    one_f, gpipe = full("1f1b"), full("gpipe")
+    def full(schedule, k=0, assumed=a):  # pipeline rank k's memory
+        return memory_parts(Rank(c, Degrees(1, 2, 1, 3, 1, 1, schedule), Run(64, 64, recompute="full"), k), assumed)
+
+    gpipe = full("gpipe")
     kept, transient = 2 * c.block_input * 64, max(s + b for s, b in zip(c.block_saved, c.block_backward)) * 64
     loss = 2 * c.other_saved * 64
     assert gpipe["activations"] == pytest.approx(transient + kept * 32)  # 32 micro-batches in flight
-    # The last stage: the loss's part is freed before its last block's backward; the first stage recomputes under
-    # its 3 micro-batches in flight. The live peak is the larger; a caching allocator keeps the loss's blocks
-    # reserved under the recompute (other sizes), so the reserved peak adds them: the allocator's part.
-    assert one_f["activations"] == pytest.approx(max(kept * 3 + transient, kept + max(loss, transient)))
+    # The first stage recomputes under its 3 micro-batches in flight; the last (1 in flight) frees the loss's part
+    # before its last block's backward: its live peak is the larger of the two phases. A caching allocator keeps the
+    # loss's blocks reserved under the recompute (other sizes), so the reserved peak adds them: the allocator's part.
+    last = max(c.block_saved[i] + c.block_backward[i] for i in (4, 5)) * 64  # the transient of the last stage's blocks
+    assert full("1f1b")["activations"] == pytest.approx(kept * 3 + transient)
+    assert full("1f1b", 2)["activations"] == pytest.approx(kept + max(loss, last))
     bare = dataclasses.replace(a, allocator_overhead=0.0)
-    reserved = predict(c, machine, Degrees(1, 2, 1, 3, 1, 1), Run(64, 64, recompute="full"), bare)["memory"]
-    live = predict(c, machine, Degrees(1, 2, 1, 3, 1, 1), Run(64, 64, recompute="full"),
-                   dataclasses.replace(bare, reserved=False))["memory"]
-    assert reserved["activations"] + reserved["allocator"] == pytest.approx(transient + max(kept * 3, kept + loss))
+    reserved, live = full("1f1b", 2, bare), full("1f1b", 2, dataclasses.replace(bare, reserved=False))
+    assert reserved["activations"] + reserved["allocator"] == pytest.approx(last + kept + loss)
     assert live["allocator"] == 0.0 and live["activations"] == reserved["activations"]
     # PyTorch's pipelining keeps a receive buffer per micro-batch at each boundary a stage receives across (a
     # middle stage: its input and its output's gradient); twice the micro-batches, twice the buffers (on 2 CPU

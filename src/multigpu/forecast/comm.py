@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 
 from .compute import micro_flops
-from .counts import Counts
 from .hardware import Cluster
-from .inputs import Assumptions, Rank, Run
+from .inputs import Assumptions, Rank
 
 DDP_BUCKET = 25 * 2**20  # DDP's default bucket_cap_mb
 MEGATRON_BUCKET = (40e6, 1e6)  # Megatron-Core's default bucket: max(40M, 1M x dp) parameters
@@ -32,7 +31,7 @@ def communication_parts(r: Rank, cluster: Cluster, a: Assumptions, time: dict[st
     else:
         time["data-parallel collectives (exposed)"] = ddp_exposed(r, phases, a.dp_overlap, coll)
     if t > 1:
-        time["tensor-parallel collectives"] = tp_collectives(counts, r.layout, blocks, tokens, m, run, coll) \
+        time["tensor-parallel collectives"] = tp_collectives(r, coll) \
             * (1 - (a.async_tp_overlap if run.async_tp else 0.0))
     if e > 1:
         # Per MoE layer and micro-batch: the rows out and back (dispatch, combine), twice again in the backward
@@ -42,8 +41,8 @@ def communication_parts(r: Rank, cluster: Cluster, a: Assumptions, time: dict[st
         per = 4 + (2 if run.recompute == "full" else 0)
         time["expert all-to-all"] = coll("all_to_all", rows, e, e, m * moe * per)
     if c > 1:
-        kv = sum(counts.block_kv[i] for i in blocks) * r.b * run.seq_len / t / r.per_stage  # a block's whole K, V
-        ring = coll("all_gather", kv, c, c * t, m * 3 * r.per_stage)  # gathered forward, gradients back (x2) backward
+        kv = sum(counts.block_kv[i] for i in blocks) * r.b * run.seq_len / t / len(blocks)  # a block's whole K, V
+        ring = coll("all_gather", kv, c, c * t, m * 3 * len(blocks))  # gathered forward, gradients back (x2) backward
         attention = micro_flops(counts, blocks, tokens, t, run.recompute)[1]
         time["context-parallel ring (exposed)"] = max(0.0, ring - m * attention / rate)
     if p > 1:
@@ -117,12 +116,14 @@ def fsdp_exposed(r: Rank, cluster: Cluster, phases: tuple[float, float], overlap
 
     gathers = [one("all_gather", nbytes, f) + one("all_gather", width * x, ef) for _, nbytes, x in units]
     reduces = [reduced(size, f) + reduced(x, ef) for size, _, x in units]
-    g_root, r_root = one("all_gather", width * root, f), reduced(root, f)
+    # A rank holding neither end (a middle pipeline rank) has no root unit: FSDP issues nothing for it.
+    g_root, r_root = (one("all_gather", width * root, f), reduced(root, f)) if root else (0.0, 0.0)
     rounds = m if p == 1 else 1  # forwards that gather; a pipeline stage keeps its weights gathered
     passes = 2 * rounds if p == 1 else 1  # each block's gathers a step
     again = (sum(gathers), max(gathers)) if p == 1 else (0.0, 0.0)  # the backward's gathers, the first exposed
     n, moe = len(units), sum(x > 0 for _, _, x in units)
-    for size, k in ((f, n * (passes + 1) + rounds + 1), (ef, moe * (passes + 1)), (replicas, n + 1 + moe)):
+    ends = 1 if root else 0
+    for size, k in ((f, n * (passes + 1) + (rounds + 1) * ends), (ef, moe * (passes + 1)), (replicas, n + ends + moe)):
         if size > 1 and k:
             calls[size] = calls.get(size, 0.0) + k
     fwd, bwd = phases
@@ -131,8 +132,8 @@ def fsdp_exposed(r: Rank, cluster: Cluster, phases: tuple[float, float], overlap
             + exposed(again[0] + sum(reduces) + r_root, again[1] + max(reduces) + r_root, bwd, n, overlap))
 
 
-def tp_collectives(counts: Counts, layout, blocks, tokens: float, m: int, run: Run, coll) -> float:
-    """Seconds of a step's tensor-parallel collectives, as PyTorch's plans issue them, each moving a
+def tp_collectives(r: Rank, coll) -> float:
+    """Seconds of a step's tensor-parallel collectives on rank ``r``, as PyTorch's plans issue them, each moving a
     micro-batch's hidden states (``coll(op, bytes, n, span, calls)``). With sequence parallelism, per sub-layer
     an all-gather in and a reduce-scatter out, mirrored in the backward; without, an all-reduce after each
     row-wise linear (one per sub-layer) and, in the backward, one of each column-wise linear's input gradient
@@ -140,10 +141,11 @@ def tp_collectives(counts: Counts, layout, blocks, tokens: float, m: int, run: R
     element. Full recompute runs the forward's again; selective (torchtitan's op policy, which
     saves the reduce-scatters' outputs and not the all-gathers') gathers each sub-layer's input again, for the
     recomputed matmuls and the weight gradients that read it (without sequence parallelism, what that policy
-    runs again of the all-reduces is not counted: torchtitan runs TP with it). The token table's output is reduced, the
-    head's input gathered (SP) or its gradient reduced, and the logits gathered unless the loss is parallel.
-    With a pipeline the stage counted is the last (the head's)."""
-    t, p, full = layout.tp, layout.pp, run.recompute == "full"
+    runs again of the all-reduces is not counted: torchtitan runs TP with it). The token table's output is reduced
+    on the rank of the first stage; on the rank of the last the head's input gathered (SP) or its gradient reduced,
+    and the logits gathered unless the loss is parallel."""
+    counts, layout, blocks, tokens, m, run = r.counts, r.layout, r.blocks, r.tokens, r.m, r.run
+    t, full, head = layout.tp, run.recompute == "full", int(r.holds_last)
     act = tokens * counts.block_input
     fwd = 2 if full else 1
     if layout.sequence_parallel:
@@ -151,14 +153,14 @@ def tp_collectives(counts: Counts, layout, blocks, tokens: float, m: int, run: R
         again = 2 * len(blocks) if run.recompute == "selective" else 0  # selective: the inputs re-gathered
         # The sub-layers' inputs 1 byte an element under fp8 TP gathers; the head's input (not fp8) 16-bit.
         gather = act / counts.dtype_bytes if run.fp8_tp_all_gather else act
-        s = coll("all_gather", gather, t, t, m * (each + again)) + coll("all_gather", act, t, t, m) \
-            + coll("reduce_scatter", act, t, t, m * (each + 1))
-        if p == 1:
+        s = coll("all_gather", gather, t, t, m * (each + again)) + coll("all_gather", act, t, t, m * head) \
+            + coll("reduce_scatter", act, t, t, m * (each + head))
+        if r.holds_first:
             s += coll("all_reduce", act, t, t, m) + coll("all_gather", act, t, t, m)  # the table's, its gradient
     else:
         colwise = sum(max(counts.block_linears[i] - 2, 0) for i in blocks)  # all but the 2 row-wise
-        reduces = 2 * fwd * len(blocks) + colwise + 1 + (1 if p == 1 else 0)  # + head, table
+        reduces = 2 * fwd * len(blocks) + colwise + head + int(r.holds_first)  # + head, table
         s = coll("all_reduce", act, t, t, m * reduces)
-    if not run.loss_parallel and counts.vocab:
+    if not run.loss_parallel and counts.vocab and head:
         s += coll("all_gather", tokens * counts.vocab * counts.dtype_bytes, t, t, m)
     return s

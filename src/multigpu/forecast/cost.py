@@ -1,6 +1,11 @@
 """Memory per GPU and step time of one layout of a counted model on a cluster: the formulas, each part named.
 
-Memory per GPU (bytes), on the stage that holds the most:
+Each pipeline rank is forecast on the stages ``mg.parallel.pipeline`` gives it (``Rank``: the library's split,
+``stages.stage_ranges``, the embeddings and the head a block each, and placement, ``pp.stage_ids``): its blocks, the
+token table where it holds the first stage, the head (a tied table's copy), final norm and loss where it holds the
+last. The step is the slowest rank's, the memory the fullest's; without a pipeline the one rank holds everything.
+
+Memory per GPU (bytes), on the rank that holds the most:
 - parameters, gradients, optimizer: fp32 weights, fp32 gradients and AdamW's two fp32 moments (4 + 4 + 8
   bytes per parameter, ZeRO's 16 with the 16-bit copy counted under buffers), of what tensor and pipeline
   parallelism leave the rank, divided over the ranks FSDP shards across (dp_shard x cp; DDP: 1); ZeRO-1 (DDP's
@@ -12,13 +17,14 @@ Memory per GPU (bytes), on the stage that holds the most:
   weights gathered and gradients unsharded; DDP's gradient buckets (a float32 copy);
 - activations: the bytes autograd saves per token and block (``counts``) x tokens per micro-batch / (tp x cp)
   (cp cuts every saved tensor, tp all but the sub-layers' inputs and, without sequence parallelism, what the
-  norms save: ``saved_under_tp``), for the blocks of the stage and the micro-batches in flight (1; 1F1B p on
-  the first stage, x (1 + (p-1)/(p v)) interleaved, never above m; GPipe m); full recompute keeps the block
+  norms save: ``saved_under_tp``), for the rank's blocks and the micro-batches in flight as torch's schedules warm
+  up (1; 1F1B p - k on rank k; v stages a rank ((v - 1) min(m, p) + 2 (p - 1 - k) + 1) / v, rank 0's p (1 +
+  (p-1)/(p v)); never above m; GPipe m: ``memory.micro_batches_in_flight``); full recompute keeps the block
   input, selective the input, attention's outputs and every other matmul's output; one block's backward at a
   time adds its gradients in flight (counted on fake tensors) and what recompute makes again;
-  the last stage adds the embedding output, the logits and the loss's float32 copy (a compiled loss: the 16-bit
-  logits), twice: the backward starts by making their gradients while all of the above is still held; they are
-  freed before the last block's backward (the larger of the two counts);
+  the rank of the last stage adds the embedding output, the logits and the loss's float32 copy (a compiled loss:
+  the 16-bit logits), twice: the backward starts by making their gradients while all of the above is still held;
+  they are freed before the last block's backward (the larger of the two counts);
 - optimizer step: where the step's own peak tops the backward's (small activations): the states, DDP's
   buckets and foreach AdamW's float32 temporary of what it steps (4 bytes per parameter);
 - allocator: what PyTorch's caching allocator reserves beyond the live tensors (fragmentation), as a
@@ -31,7 +37,8 @@ dp_shard): each rank holds 1/ep of the experts, whole, their states sharded by F
 tp / ep; each tp rank routes its share (1/tp) of the tokens, the busiest rank ``expert_imbalance`` x the
 mean; the dispatch's all-to-all (the top-k rows out and back, twice again in the backward) is exposed.
 
-Step time: compute (FLOPs / (peak x achieved fraction)), recompute included, the pipeline's bubble (where
+Step time: compute (FLOPs / (peak x achieved fraction)), recompute included, of the rank's blocks (the head's
+FLOPs on the rank of the last stage only), the pipeline's bubble, (p-1)/v of that rank's micro-batches (where
 ranks share cores, ``Cluster.slowdown``, only what the critical path adds beyond every rank's work); the
 collectives by the alpha-beta model with nccl-tests' bus bandwidth of the link the group spans, exposed as
 ``Assumptions`` says (data-parallel traffic phase by phase, ``exposed``: FSDP's gathers under the forward and
@@ -60,11 +67,23 @@ WORK = ("compute", "pipeline bubble", "optimizer")  # a step's parts that are wo
 def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run, a: Assumptions,
             overheads: Overheads | None = None) -> dict:
     """The forecast of one layout: {"memory": parts (bytes), "time": parts (s), "step_s", "tokens_per_s_per_gpu",
-    "mfu", "memory_bytes", "fits", "collectives": {group size: calls per step}}. ``layout`` is resolved (every
-    degree given) and has its micro-batch."""
-    r = Rank(counts, layout, run)
+    "mfu", "memory_bytes", "fits", "collectives": {group size: calls per step}, "slowest_rank", "fullest_rank"}.
+    ``layout`` is resolved (every degree given) and has its micro-batch. Each pipeline rank is forecast on its own
+    stages (``Rank``): the step waits for the slowest (its time, its collectives), memory is the fullest's."""
+    ranks = [rank_forecast(Rank(counts, layout, run, k), cluster, a, overheads) for k in range(layout.pp)]
+    slowest = max(range(layout.pp), key=lambda k: ranks[k]["step_s"])
+    fullest = max(range(layout.pp), key=lambda k: ranks[k]["memory_bytes"])
+    step, total = ranks[slowest]["step_s"], ranks[fullest]["memory_bytes"]
+    tps = run.global_batch * run.seq_len / step / cluster.gpus
+    return {"memory": ranks[fullest]["memory"], "memory_bytes": total, "fits": total <= cluster.gpu.hbm_bytes,
+            "time": ranks[slowest]["time"], "step_s": step, "tokens_per_s_per_gpu": tps,
+            "collectives": ranks[slowest]["collectives"], "slowest_rank": slowest, "fullest_rank": fullest,
+            "mfu": tps * counts.flops_per_token / cluster.peak("bf16")}  # against bf16's peak, fp8 or not
+
+
+def rank_forecast(r: Rank, cluster: Cluster, a: Assumptions, overheads: Overheads | None) -> dict:
+    """One pipeline rank's {"memory": parts, "memory_bytes", "time": parts, "step_s", "collectives"}."""
     memory = memory_parts(r, a)
-    total = sum(memory.values())
     time, micro_s, fwd_s, rate = compute_parts(r, cluster, a)
     calls = communication_parts(r, cluster, a, time, (fwd_s, micro_s - fwd_s), rate)
     time["optimizer"] = a.optimizer_bytes * r.stepped / cluster.gpu.hbm_bandwidth
@@ -74,11 +93,8 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
             calls[n] = calls.get(n, 0.0) + 1
     if overheads is not None:
         time["fixed costs"] = fixed_costs(r, cluster, overheads, time, calls)
-    step = sum(time.values())
-    tps = run.global_batch * run.seq_len / step / cluster.gpus
-    return {"memory": memory, "memory_bytes": total, "fits": total <= cluster.gpu.hbm_bytes, "time": time,
-            "step_s": step, "tokens_per_s_per_gpu": tps, "collectives": calls,
-            "mfu": tps * counts.flops_per_token / cluster.peak("bf16")}  # against bf16's peak, fp8 or not
+    return {"memory": memory, "memory_bytes": sum(memory.values()), "time": time, "step_s": sum(time.values()),
+            "collectives": calls}
 
 
 def compute_parts(r: Rank, cluster: Cluster, a: Assumptions) -> tuple[dict[str, float], float, float, float]:
@@ -96,6 +112,9 @@ def compute_parts(r: Rank, cluster: Cluster, a: Assumptions) -> tuple[dict[str, 
         imbalance = a.expert_imbalance if r.e > 1 else None
         matmul, attention = micro_flops(r.counts, r.blocks, r.tokens, r.t, recompute, imbalance)
         fast = float8_flops(r.counts, r.blocks, r.tokens, r.t, recompute) if run.precision == "fp8" else 0.0
+        if not r.holds_last:  # both count the head (the FLOPs outside the blocks: of no blocks); the last stage runs it
+            matmul -= micro_flops(r.counts, [], r.tokens, r.t, recompute)[0]
+            fast -= float8_flops(r.counts, [], r.tokens, r.t, recompute) if run.precision == "fp8" else 0.0
         return (matmul - fast + fast / a.fp8_speedup + attention) / rate
 
     micro_s = seconds(run.recompute)
@@ -116,7 +135,7 @@ def fixed_costs(r: Rank, cluster: Cluster, overheads: Overheads, time: dict[str,
     shared evenly between its collectives). Blocks that issue collectives along two mesh dimensions (HSDP: a unit's
     reduce-scatter among its shards, at once its all-reduce among the replicas; FSDP x TP, CP, EP) chain their
     groups into one of all the ranks; a pipeline's stages meet at sends (the bubble)."""
-    work = r.m * overheads.micro_s * (r.per_stage / r.layers if r.p > 1 else 1.0) + overheads.step_s
+    work = r.m * overheads.micro_s * (len(r.blocks) / r.layers) + overheads.step_s  # the rank's share of the blocks
     gap = (work + sum(v for k, v in time.items() if k in WORK)) / max(1.0, sum(calls.values()))
     crossed = sum(d > 1 for d in (r.layout.dp_replicate, r.layout.dp_shard, r.t, r.c, r.e)) > 1
     return work + sum(k * overheads.wait(cluster.gpus if crossed else n, gap) for n, k in calls.items())

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..parallel.layout import Layout
-from ..parallel.pp import stages_per_rank
+from ..parallel.pp import stage_ids
+from ..parallel.stages import stage_ranges
 from .counts import Counts
 
 GiB = 2**30
@@ -51,6 +52,9 @@ class Degrees:
     zero1: bool = False             # the optimizer state sharded over the data-parallel ranks (dp_shard 1)
     overlap_param_gather: bool = False  # ZeRO-1 as Megatron's distributed optimizer runs it with its overlap flags
                                         # (``comm.ddp_exposed``), not multigpu's: a layout multigpu does not run
+    stages_per_rank: int | None = None  # a looped schedule's stages per rank (None: the schedule's own), as Layout's
+    # Pipeline stages in all: the Layout's own count on the same fields, so ``Rank`` reads both alike.
+    stages = Layout.stages
 
 
 @dataclass(frozen=True)
@@ -95,35 +99,42 @@ class Run:
 
 
 class Rank:
-    """One rank of a layout on a counted model, on the stage that holds the most: the layout's degrees (tp, pp, cp,
-    ep; f, the ranks FSDP shards over: dp_shard x cp), its micro-batches (m of b sequences), the stage's blocks and
-    what of the parameters it holds (``held``), keeps states of (``stored``) and keeps optimizer state of and steps
-    (``stepped``: under ZeRO-1 1/dp of the stored)."""
+    """Pipeline rank ``pp_rank`` of a layout on a counted model: the layout's degrees (tp, pp, cp, ep; f, the ranks
+    FSDP shards over: dp_shard x cp), its micro-batches (m of b sequences), its stages as ``mg.parallel.pipeline``
+    cuts and places them (``stages.stage_ranges``, ``pp.stage_ids``: the embeddings and the head count as a block
+    each), their blocks, whether it holds the first stage (the table) and the last (the head), and what of the
+    parameters it holds (``held``), keeps states of (``stored``) and keeps optimizer state of and steps
+    (``stepped``: under ZeRO-1 1/dp of the stored). Without a pipeline the one rank holds everything."""
 
-    def __init__(self, counts: Counts, layout: Layout | Degrees, run: Run):
-        self.counts, self.layout, self.run = counts, layout, run
+    def __init__(self, counts: Counts, layout: Layout | Degrees, run: Run, pp_rank: int = 0):
+        self.counts, self.layout, self.run, self.pp_rank = counts, layout, run, pp_rank
         t, p, e = self.t, self.p, self.e = layout.tp, layout.pp, layout.ep
         self.c, f = layout.cp, layout.dp_shard * layout.cp
         self.f = self.shards = f  # FSDP shards over dp_shard x cp; DDP (both 1) keeps whole states
         self.dp = layout.dp_replicate * layout.dp_shard
         self.b = layout.micro_batch
         self.m = run.global_batch // (self.dp * self.b)
-        self.v = stages_per_rank(layout.schedule) if p > 1 else 1
+        self.v = layout.stages // p  # stages per rank
         self.layers = L = counts.layers
-        self.per_stage = -(-L // p)  # the largest stage's blocks
-        self.blocks = sorted(range(L), key=lambda i: counts.block_params[i], reverse=True)[:self.per_stage]
+        # This rank's stages and their blocks, as the library cuts and places them.
+        self.stage_ids = stage_ids(layout.schedule, pp_rank, p, self.v) if p > 1 else [0]
+        ranges = stage_ranges(L, layout.stages)
+        self.blocks = [i for s in self.stage_ids for i in ranges[s]]
+        self.holds_first, self.holds_last = 0 in self.stage_ids, layout.stages - 1 in self.stage_ids
         self.tokens = self.b * run.seq_len / self.c  # per micro-batch on this rank (before tp, which shares them)
         self.width = counts.dtype_bytes
         self.sp = t == 1 or layout.sequence_parallel  # the activations cut by tp as sequence parallelism cuts them
-        # Parameters this rank's TP/PP position owns; the largest stage (the first holds the table, the last the
-        # head). A mixture of experts' experts: 1/ep of them, whole (ep spans the tp ranks), FSDP-sharded over what
-        # ep leaves of dp_shard (efsdp); everything else over dp_shard x cp.
+        # Parameters this rank's TP/PP position owns: its blocks, the table with the first stage, the head and the
+        # rest (final norm) with the last. A mixture of experts' experts: 1/ep of them, whole (ep spans the tp
+        # ranks), FSDP-sharded over what ep leaves of dp_shard (efsdp); everything else over dp_shard x cp.
         self.experts = [counts.block_experts[i] if counts.block_experts else 0 for i in range(L)]
         self.block_held = sum(self.dense_of(i) for i in self.blocks)
         self.experts_held = sum(self.experts[i] for i in self.blocks) / e
-        self.first = counts.embed_params / t  # TP cuts the tables; a tied table's copy sits on the last stage too
-        self.last = (counts.embed_params if counts.tied and p > 1 else counts.head_params) / t + counts.other_params
-        self.root = max(self.first, self.last) if p > 1 else self.first + self.last  # FSDP's root unit, the stage's
+        # TP cuts the tables; a tied table's copy sits on the last stage too (each stage is a copy of the model).
+        self.first = counts.embed_params / t if self.holds_first else 0.0
+        head = counts.embed_params if counts.tied and p > 1 else counts.head_params
+        self.last = head / t + counts.other_params if self.holds_last else 0.0
+        self.root = self.first + self.last  # FSDP's root unit, the rank's ends
         dense = self.block_held + self.root
         self.held = dense + self.experts_held
         self.ef = f // (e // t if e > 1 else 1)  # efsdp: ep takes every tp rank and ep / tp of dp_shard (Layout.ep_dp)

@@ -76,21 +76,33 @@ def activation_phases(r: Rank) -> tuple[float, float, float, float, float]:
         return {"none": 0.0, "full": saved, "selective": max(0.0, saved - keep)}[run.recompute]
 
     transient = max(again(i, keep) + counts.block_backward[i] / t for i, keep in zip(blocks, per_block)) * tokens
-    interleaving = (1 + (p - 1) / (p * r.v)) if r.v > 1 else 1.0
-    # Never more than the step's m micro-batches (the interleaved schedule's warm-up runs every forward first when
-    # m <= p: measured, 2 ranks x 2 stages, GPT, rank 0's saved activations: m = 2: 2.0 micro-batches, m = 4, 8: 2.5).
-    m = r.m
-    in_flight = 1.0 if p == 1 else (m if r.layout.schedule == "gpipe" else min(m, min(p, m) * interleaving))
+    in_flight = 1.0 if p == 1 else micro_batches_in_flight(r.layout.schedule, p, r.v, r.m, r.pp_rank)
     # What the head and loss saved, and at the backward's start their gradients of the same size (the logits'
     # float32 and 16-bit gradients). A compiled loss fuses the float32 upcast into its kernels: it saves the 16-bit
     # logits in place of their float32 log-probabilities, and its gradient comes out 16-bit.
     head_saved = counts.other_saved - (counts.logits_f32 * (1 - r.width / 4) if run.compile_loss else 0.0)
-    loss_bytes = 2 * head_saved * tokens / (t if run.loss_parallel else 1)
+    loss_bytes = 2 * head_saved * tokens / (t if run.loss_parallel else 1) if r.holds_last else 0.0
     # The loss's part is freed once the head's backward has run, before the last block's backward: the two come
     # one after the other (the first stage, without the loss, runs a block's backward under its micro-batches in
     # flight).
-    logits = counts.vocab * r.width * tokens / (t if run.loss_parallel else 1) if run.logits_held else 0.0
+    logits = counts.vocab * r.width * tokens / (t if run.loss_parallel else 1) if run.logits_held and r.holds_last \
+        else 0.0
     return stage_bytes, in_flight, transient, loss_bytes, logits
+
+
+def micro_batches_in_flight(schedule: str, p: int, v: int, m: int, k: int) -> float:
+    """Micro-batches (through all of a rank's stages) whose activations pipeline rank ``k`` of ``p`` holds at its
+    peak, as torch's schedules warm up: GPipe all m; 1F1B p - k (``Schedule1F1B``: the last stage 1, each
+    before it one more); v stages a rank, (v - 1) x min(m, p) + 2 (p - 1 - k) forwards of one stage
+    (``_get_warmup_ops``) and the one the steady state adds, over v stages (rank 0: p (1 + (p-1)/(p v)) when
+    m >= p; zbv taken as the loop's). Never more than the step's m (the interleaved warm-up runs every forward
+    first when m <= p: measured, 2 ranks x 2 stages, GPT, rank 0's saved activations: m = 2: 2.0 micro-batches,
+    m = 4, 8: 2.5)."""
+    if schedule == "gpipe":
+        return float(m)
+    if v == 1:
+        return float(min(m, p - k))
+    return min(float(m), ((v - 1) * min(m, p) + 2 * (p - 1 - k) + 1) / v)
 
 
 def saved_under_tp(counts: Counts, i: int, t: int, sequence_parallel: bool) -> float:
