@@ -5,6 +5,7 @@
     models.py     --model: a known name (tables/models.json), a transformers config.json, or module:function
     counts.py     the model counted on fake tensors (meter/flops.py's FLOP counter): parameters per block, FLOPs and
                   saved bytes per token
+    watch.py      the dispatch modes that watch the count's forward and backward, op by op
     compute.py    a micro-batch's training FLOPs: matmuls, attention, float8's share
     cost.py       one layout's memory and step time, by part, and every assumption they rest on
     plan.py       every layout of the cluster, forecast and ranked
@@ -21,11 +22,15 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .cost import Assumptions
+    _model_and_cluster_arguments(parser.add_argument)
+    _training_arguments(parser.add_argument)
+    _output_arguments(parser.add_argument)
+    _hardware_and_assumption_arguments(parser.add_argument)
+
+
+def _model_and_cluster_arguments(add) -> None:
     from .hardware import table
 
-    d = Assumptions()
-    add = parser.add_argument
     add("--model", required=True, help="a known model (llama3-8b, llama3-70b, llama3-405b, llama2-13b, llama2-70b, "
                                        "mixtral-8x7b, qwen3-30b-a3b), "
                                        "a transformers config.json (or its folder), or module:function / file.py:function "
@@ -35,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--gpus-per-node", type=int, default=8, help="GPUs per node (default %(default)s)")
     add("--seq-len", type=int, default=4096, help="tokens per sequence (default %(default)s)")
     add("--global-batch", type=int, help="sequences per step (default: one per GPU)")
+
+
+def _training_arguments(add) -> None:
     add("--precision", choices=("bf16", "fp8"), default="bf16", help="the matmuls' precision (default %(default)s)")
     add("--compile", action="store_true", help="torch.compile the blocks (the calibration's speedup)")
     add("--fp8-all-gather", action="store_true",
@@ -59,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--logits-held", action="store_true",
         help="the training loop holds the logits through the backward (out = model(x); loss.backward(), as most "
              "scripts do; torchtitan frees them first): their bytes counted under the backward's peak")
+
+
+def _output_arguments(add) -> None:
     add("--micro-batches", default="1,2,4,8", metavar="M,M,...", help="micro-batch sizes to weigh (default %(default)s)")
     add("--top", type=int, default=10, help="layouts to show (default %(default)s)")
     add("--layout", metavar="SPEC", help='only these layouts, e.g. "dp_shard=8,tp=2" (several separated by ";"; '
@@ -67,6 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--json", action="store_true", help="print the ranked layouts as JSON on stdout instead of the table")
     add("--out", help="folder for forecast.json, report.md, report.html (default: studies/forecast-<time>)")
     add("--script", default="train.py", help="the training script the printed command runs (default %(default)s)")
+
+
+def _hardware_and_assumption_arguments(add) -> None:
+    from .cost import Assumptions
+
+    d = Assumptions()
     add("--hbm-gib", type=float, help="GPU memory in GiB, replacing the kind's")
     add("--peak-tflops", type=float, help="dense bf16 peak in TFLOP/s, replacing the kind's (fp8 scaled alike)")
     add("--scale-up-gb-s", type=float, help="a node's all-reduce bus bandwidth in GB/s (nccl-tests busbw)")
@@ -84,14 +101,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
-    from ..errors import UsageError
-    from ..runtime.values import int_list
-    from .cost import GiB, Run
-    from .hardware import cluster
     from .models import counted
     from .plan import plan
-    from .published import assumptions
-    from .report import HEADER, row, write_all
+
+    micro, fp8 = _checked(args)
+    out = Path(args.out or f"studies/forecast-{time.strftime('%Y%m%d-%H%M%S')}")
+    _check_out(out)  # before the count: a folder that cannot be written is said at once
+    machine, a, run = _setting(args)
+    named = _named(args.layout, machine.gpus)  # refused before the count
+    counts = counted(args.model, args.seq_len, fp8)
+    ranked, left_out = plan(counts, machine, run, a, micro_batches=micro, named=named)
+    best = ranked[0]
+    launch = f"multigpu run --nnodes {machine.nodes} -n {min(machine.gpus, machine.gpus_per_node)}"
+    command = " ".join([launch, args.script, *best["layout"].flags])
+    if args.json:
+        return _print_json(ranked, left_out, args.top, command, machine, counts.fp8)
+    _print_table(args, counts, machine, run, a, ranked, left_out, command)
+    _write_report(out, args.top, counts, machine, run, a, ranked, left_out, command)
+    return 0 if best["fits"] else 1
+
+
+def _checked(args) -> tuple[tuple[int, ...], tuple | None]:
+    """The arguments argparse cannot check, refused in one line; returns the micro-batch sizes and ``fp8`` for the
+    count: (recipe, include, exclude), or None."""
+    from ..errors import UsageError
+    from ..runtime.values import int_list
 
     for flag, value in (("--gpus", args.gpus), ("--top", args.top), ("--seq-len", args.seq_len),
                         ("--global-batch", args.global_batch)):
@@ -117,27 +151,34 @@ def main(args) -> int:
     micro = int_list(args.micro_batches, "--micro-batches takes comma-separated integers like 1,2,4")
     if any(m < 1 for m in micro):
         raise UsageError(f"--micro-batches values must be at least 1, got {args.micro_batches!r}")
-    out = Path(args.out or f"studies/forecast-{time.strftime('%Y%m%d-%H%M%S')}")
-    _check_out(out)  # before the count: a folder that cannot be written is said at once
+    return tuple(micro), (args.fp8_recipe, *fp8_names.values()) if args.precision == "fp8" else None
+
+
+def _setting(args) -> tuple:
+    """The cluster, the assumptions and the run the arguments describe."""
+    from .cost import Run
+    from .hardware import cluster
+    from .published import assumptions
+
     machine = cluster(args.gpu, args.gpus, args.gpus_per_node, hbm_gib=args.hbm_gib, peak_tflops=args.peak_tflops,
                       scale_up_gb_s=args.scale_up_gb_s, scale_out_gb_s=args.scale_out_gb_s)
     machine.peak(args.precision)  # an fp8 run on a GPU without fp8: refused before counting
     a = assumptions(args.gpu.lower())  # the kind's own achieved fraction where the calibration has one
     a = dataclasses.replace(a, dp_overlap=args.dp_overlap, async_tp_overlap=args.async_tp_overlap,
-                            runtime_gib=args.runtime_gib, expert_imbalance=args.expert_imbalance, **({"efficiency": args.efficiency} if args.efficiency is not None else {}))
+                            runtime_gib=args.runtime_gib, expert_imbalance=args.expert_imbalance,
+                            **({"efficiency": args.efficiency} if args.efficiency is not None else {}))
     run = Run(args.global_batch or args.gpus, args.seq_len, compile=args.compile, precision=args.precision,
               async_tp=args.async_tp, loss_parallel=args.loss_parallel, compile_loss=args.compile_loss,
               fp8_all_gather=args.fp8_all_gather, fp8_tp_all_gather=args.fp8_tp_all_gather,
               logits_held=args.logits_held)
-    named = _named(args.layout, machine.gpus)  # refused before the count
-    fp8 = (args.fp8_recipe, *fp8_names.values()) if args.precision == "fp8" else None
-    counts = counted(args.model, args.seq_len, fp8)
-    ranked, left_out = plan(counts, machine, run, a, micro_batches=tuple(micro), named=named)
-    best = ranked[0]
-    launch = f"multigpu run --nnodes {machine.nodes} -n {min(machine.gpus, machine.gpus_per_node)}"
-    command = " ".join([launch, args.script, *best["layout"].flags])
-    if args.json:
-        return _print_json(ranked, left_out, args.top, command, machine, counts.fp8)
+    return machine, a, run
+
+
+def _print_table(args, counts, machine, run, a, ranked: list[dict], left_out: list[dict], command: str) -> None:
+    """What was forecast, the ``--top`` layouts, the notes, and the command that runs the best."""
+    from .cost import GiB
+    from .report import HEADER, row
+
     print(f"{counts.name}: {counts.params / 1e9:.2f} B parameters, {counts.flops_per_token / 1e9:.1f} GFLOP per token "
           f"at {args.seq_len} tokens; {machine.gpus} x {machine.gpu.name} ({machine.gpu.hbm_bytes / GiB:.0f} GiB), "
           f"{machine.gpus_per_node} per node; global batch {run.global_batch} x {run.seq_len} tokens, {run.precision}"
@@ -158,8 +199,16 @@ def main(args) -> int:
     print(f"{fitting} of {len(ranked)} layouts fit {machine.gpu.hbm_bytes / GiB:.1f} GiB; {len(left_out)} left out "
           "(see the report)")
     print("assumptions: " + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(a).items()))
-    print(f"run the best: {command}" if best["fits"] else "no layout fits: more GPUs, fp8, a shorter sequence or "
+    print(f"run the best: {command}" if ranked[0]["fits"] else "no layout fits: more GPUs, fp8, a shorter sequence or "
           "a smaller micro-batch")
+
+
+def _write_report(out: Path, top: int, counts, machine, run, a, ranked: list[dict], left_out: list[dict],
+                  command: str) -> None:
+    """forecast.json, report.md and report.html in ``out``; the HTML's path printed."""
+    from ..errors import UsageError
+    from .report import write_all
+
     context = {"model": counts.name, "parameters": counts.params, "gpus": machine.gpus, "gpu": machine.gpu.name,
                "gpus_per_node": machine.gpus_per_node, "global_batch": run.global_batch, "seq_len": run.seq_len,
                "precision": run.precision, "fp8_all_gather": run.fp8_all_gather,
@@ -167,11 +216,10 @@ def main(args) -> int:
                "compile_loss": run.compile_loss, "loss_parallel": run.loss_parallel, "fp8_layers": counts.fp8}
     try:
         html = write_all(out, f"Forecast: {counts.name} on {machine.gpus} x {machine.gpu.name}", ranked, left_out,
-                         args.top, a, context, command)
+                         top, a, context, command)
         print(f"report: {html}")
     except UsageError as err:  # matplotlib missing: the table above stands, forecast.json is written
         print(f"no HTML report: {err}")
-    return 0 if best["fits"] else 1
 
 
 def _check_out(out: Path) -> None:

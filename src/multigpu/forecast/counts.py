@@ -24,18 +24,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-import weakref
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils import _pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import UsageError
 from ..meter.flops import GROUPED, flop_counter
 from ..parallel.auto import block_stack, head_counts
+from .watch import Live, Tally
 
 
 @dataclass(frozen=True)
@@ -108,143 +105,199 @@ def count(build, seq_len: int, *, name: str = "", dtype: torch.dtype = torch.bfl
     ``fp8`` (recipe, include, exclude) counts apart the Linear layers ``mg.Precision("fp8", recipe=recipe)``'s
     ``convert(model, include, exclude)`` would turn to float8: the same function chooses them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     if seq_len < 1:
         raise UsageError(f"--seq-len must be at least 1, got {seq_len}")
     if fp8 is not None:  # torchao imported before fake mode (an import must not make fake tensors)
         from ..parallel import float8
         float8.torchao_float8()
-    default = torch.get_default_dtype()
     with FakeTensorMode():
-        torch.set_default_dtype(dtype)  # built in the compute dtype (casting fake parameters cannot swap them)
-        try:
-            model = build()
-        except UsageError:
-            raise
-        except Exception as err:  # the user's builder or a config transformers cannot build
-            raise UsageError(f"building {name or 'the model'} failed: {type(err).__name__}: "
-                             f"{' '.join(str(err).split())[:200]}") from None
-        finally:
-            torch.set_default_dtype(default)
-        if not isinstance(model, nn.Module):
-            raise UsageError(f"{name or 'the builder'} returned a {type(model).__name__}, expected an nn.Module")
-        stack = block_stack(model)  # the stack mg.parallel.pipeline cuts
-        if stack is None:
-            raise UsageError(f"{type(model).__name__} has no repeated blocks (an nn.ModuleList of layers) to cut; "
-                             "forecast plans models built as a stack of blocks")
-        label, blocks = stack[0], nn.ModuleList(stack[1].children())
-        params = {p.untyped_storage()._cdata for p in model.parameters()}
-        block_params, block_sharded = [], []
-        for block in blocks:
-            ps = list(block.parameters())
-            block_params.append(sum(p.numel() for p in ps))
-            block_sharded.append(sum(p.numel() for p in ps if p.dim() >= 2))
+        model = _built(build, name, dtype)
+        label, blocks = _stack(model)
+        params = _Params(model, blocks)
+        hooks = _Hooks(model, blocks, params, seq_len, fp8)
+        vocab = hooks.run(model, name or type(model).__name__)
+    if params.experts_outside:
+        raise UsageError(f"{name or type(model).__name__}: some of its experts modules lie outside its repeated "
+                         "blocks; forecast spreads experts that sit in the blocks")
+    if len(hooks.per_block) != len(blocks):
+        raise UsageError(f"{name}: the forward ran {len(hooks.per_block)} of its {len(blocks)} blocks ({label}); "
+                         "forecast needs every block run once per forward")
+    return _counts(name or type(model).__name__, dtype, model, params, hooks, vocab, fp8 is not None)
+
+
+def _built(build, name: str, dtype: torch.dtype) -> nn.Module:
+    """``build()``, in the compute dtype: casting fake parameters cannot swap them."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = build()
+    except UsageError:
+        raise
+    except Exception as err:  # the user's builder or a config transformers cannot build
+        raise UsageError(f"building {name or 'the model'} failed: {type(err).__name__}: "
+                         f"{' '.join(str(err).split())[:200]}") from None
+    finally:
+        torch.set_default_dtype(default)
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"{name or 'the builder'} returned a {type(model).__name__}, expected an nn.Module")
+    return model
+
+
+def _stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The repeated blocks mg.parallel.pipeline cuts, and their name."""
+    stack = block_stack(model)
+    if stack is None:
+        raise UsageError(f"{type(model).__name__} has no repeated blocks (an nn.ModuleList of layers) to cut; "
+                         "forecast plans models built as a stack of blocks")
+    return stack[0], nn.ModuleList(stack[1].children())
+
+
+class _Params:
+    """Where a model's parameters sit: per block (``block``; ``sharded``: in weights of 2+ dimensions), in the input
+    tables outside the blocks (``embed``), the head (none where it holds a table), the rest (``other``); the experts
+    modules (``moe``) and their parameters per block, and each block's Linear layers outside them."""
+
+    def __init__(self, model: nn.Module, blocks: nn.ModuleList) -> None:
+        from ..parallel.experts import expert_modules
+
+        self.storages = {p.untyped_storage()._cdata for p in model.parameters()}
+        self.block = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        self.sharded = [sum(p.numel() for p in b.parameters() if p.dim() >= 2) for b in blocks]
         inside = {id(p) for p in blocks.parameters()}
         tables = {id(p): p for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
-        embed = sum(p.numel() for i, p in tables.items() if i not in inside)
+        self.embed = sum(p.numel() for i, p in tables.items() if i not in inside)
         out = getattr(model, "get_output_embeddings", lambda: None)()
         outputs = list(out.parameters()) if out is not None else [  # a user's model: linears outside the blocks
             p for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False) if id(p) not in inside]
-        head = sum(p.numel() for p in outputs if id(p) not in tables)  # a head holding the table adds none
-        total = sum(p.numel() for p in model.parameters())
-        tally, live = _Tally(params, flop_counter()), _Live()
-        per_block, inputs = [], []
-        from ..parallel.experts import expert_modules
+        self.head = sum(p.numel() for p in outputs if id(p) not in tables)  # a head holding the table adds none
+        self.head_holds_table = any(id(p) in tables for p in outputs)
+        self.other = sum(p.numel() for p in model.parameters()) - sum(self.block) - self.embed - self.head
+        self.moe = [m for _, m in expert_modules(model)]
+        modules = [{id(m) for m in b.modules()} for b in blocks]
+        self.experts = [sum(p.numel() for m in self.moe if id(m) in ids for p in m.parameters()) for ids in modules]
+        self.experts_outside = sum(self.experts) != sum(p.numel() for m in self.moe for p in m.parameters())
+        in_experts = {id(sub) for m in self.moe for sub in m.modules()}
+        self.linears = [sum(1 for sub in b.modules() if isinstance(sub, nn.Linear) and id(sub) not in in_experts)
+                        for b in blocks]
 
-        moe = [m for _, m in expert_modules(model)]
-        inside = [{id(m) for m in b.modules()} for b in blocks]
-        experts_in = [sum(p.numel() for m in moe if id(m) in ids for p in m.parameters()) for ids in inside]
-        in_experts = {id(sub) for m in moe for sub in m.modules()}
-        linears = [sum(1 for sub in b.modules() if isinstance(sub, nn.Linear) and id(sub) not in in_experts) for b in blocks]
-        kv_heads = head_counts(model).get("KV heads", 0)  # what mg.parallelize checks tp against
-        routed, expert_flops = [0.0] * len(blocks), [0.0] * len(blocks)  # per block, of the block running now
 
-        def experts_pre(module, args, kwargs):
-            hidden, top_k = (list(args) + list(kwargs.values()))[:2]
-            routed[len(per_block) - 1] += top_k.numel() * hidden.shape[-1] * hidden.element_size() / seq_len
-            expert_flops[len(per_block) - 1] -= tally.snapshot()[0] / seq_len
+class _Hooks:
+    """The forward hooks that split ``Tally``'s running totals by block: each block's share (``per_block``: a
+    ``Tally.snapshot`` difference per block), its input's bytes, the sub-layers' input bytes and nesting, the
+    experts' FLOPs and dispatched bytes, float8's layers' FLOPs (the last entry: outside the blocks, the head);
+    and, on each block's output, the mark ``Live`` needs where its backward begins."""
 
-        def experts_post(module, args, output):
-            expert_flops[len(per_block) - 1] += tally.snapshot()[0] / seq_len
-
-        def pre(module, args, kwargs):
-            tally.in_block = True
-            x = args[0] if args else next(iter(kwargs.values()))
-            inputs.append(x.numel() * x.element_size() / seq_len)
-            per_block.append(tally.snapshot())
-            tally.matmuls = 0  # torchtitan's policy counts matmuls per block
-
-        def post(module, args, output):
-            tally.in_block = False
-            per_block[-1] = [b - a for a, b in zip(per_block[-1], tally.snapshot())]
-            out = output[0] if isinstance(output, (tuple, list)) else getattr(output, "last_hidden_state", output)
-            if isinstance(out, torch.Tensor) and out.requires_grad:  # its gradient's arrival: the block's backward begins
-                out.register_hook(functools.partial(live.begin, len(per_block) - 1))
-
-        def enter(module, args, kwargs):
-            x = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
-            tally.gathered += 0.0 if x is None else x.numel() * x.element_size()
-            tally.depth += 1
-
-        def leave(module, args, output):
-            tally.depth -= 1
-
+    def __init__(self, model: nn.Module, blocks: nn.ModuleList, params: _Params, seq_len: int, fp8) -> None:
+        n = len(blocks)
+        self.seq_len, self.tally, self.live = seq_len, Tally(params.storages, flop_counter()), Live()
+        self.per_block, self.inputs = [], []
+        self.routed, self.expert_flops = [0.0] * n, [0.0] * n
+        self.fp8_flops, self.fp8_params, self.fp8_line = [0.0] * (n + 1), [0] * (n + 1), ""
         sublayers = [m for b in blocks for m in b.children() if any(p.dim() >= 2 for p in m.parameters())]
-        handles = [h for b in blocks for h in (b.register_forward_pre_hook(pre, with_kwargs=True),
-                                                b.register_forward_hook(post))]
-        handles += [h for m in sublayers for h in (m.register_forward_pre_hook(enter, with_kwargs=True),
-                                                    m.register_forward_hook(leave))]
-        handles += [h for m in moe for h in (m.register_forward_pre_hook(experts_pre, with_kwargs=True),
-                                             m.register_forward_hook(experts_post))]
-        fp8_flops, fp8_params, fp8_line = [0.0] * (len(blocks) + 1), [0] * (len(blocks) + 1), ""
-        if fp8 is not None:  # the FLOPs and weights of the layers float8 converts, per block (the last: the head)
-            chosen, left = float8.choose(model, *fp8)
-            fp8_line = float8.describe(fp8[0], len(chosen), left)
-            block_of = {id(sub): i for i, b in enumerate(blocks) for sub in b.modules()}
-            for linear in map(model.get_submodule, chosen):
-                at = block_of.get(id(linear), len(blocks))
-                fp8_params[at] += linear.weight.numel()
-                handles += [linear.register_forward_pre_hook(lambda *_, at=at: tally.add_to(fp8_flops, at, -1 / seq_len)),
-                            linear.register_forward_hook(lambda *_, at=at: tally.add_to(fp8_flops, at, 1 / seq_len))]
-        ids = torch.zeros(1, seq_len, dtype=torch.long)
+        self.handles = (_hook(blocks, self.pre, self.post) + _hook(sublayers, self.enter, self.leave)
+                        + _hook(params.moe, self.experts_pre, self.experts_post))
+        if fp8 is not None:
+            self._fp8(model, blocks, fp8)
+
+    def _fp8(self, model: nn.Module, blocks: nn.ModuleList, fp8) -> None:
+        from ..parallel import float8
+
+        chosen, left = float8.choose(model, *fp8)
+        self.fp8_line = float8.describe(fp8[0], len(chosen), left)
+        block_of = {id(sub): i for i, b in enumerate(blocks) for sub in b.modules()}
+        for linear in map(model.get_submodule, chosen):
+            at = block_of.get(id(linear), len(blocks))
+            self.fp8_params[at] += linear.weight.numel()
+            self.handles += _hook([linear], lambda *_, at=at: self.tally.add_to(self.fp8_flops, at, -1 / self.seq_len),
+                                  lambda *_, at=at: self.tally.add_to(self.fp8_flops, at, 1 / self.seq_len))
+
+    def run(self, model: nn.Module, name: str) -> int:
+        """One forward with its loss and its backward, watched; the hooks then removed. Returns the vocabulary."""
+        ids = torch.zeros(1, self.seq_len, dtype=torch.long)
+        tally, live = self.tally, self.live
         try:
             with tally.flops, tally, live, torch.autograd.graph.saved_tensors_hooks(tally.pack, lambda t: t):
                 vocab, loss = _loss(model, ids)
         except Exception as err:  # a forward that needs real values (data-dependent routing) cannot be faked
-            raise UsageError(f"counting {name or type(model).__name__} on fake tensors failed: "
+            raise UsageError(f"counting {name} on fake tensors failed: "
                              f"{type(err).__name__}: {' '.join(str(err).split())[:200]} (forecast needs a forward "
                              "whose shapes do not depend on the data: experts run through grouped matmuls, as "
                              "transformers 5 runs them, not a loop over the tokens each expert got)") from None
         try:
-            with live:  # the backward, for what each block's holds (``_Live``)
+            with live:  # the backward, for what each block's holds (``Live``)
                 loss.backward()
         except Exception as err:
-            raise UsageError(f"counting {name or type(model).__name__}'s backward on fake tensors failed: "
+            raise UsageError(f"counting {name}'s backward on fake tensors failed: "
                              f"{type(err).__name__}: {' '.join(str(err).split())[:200]}") from None
         finally:
-            for h in handles:
+            for h in self.handles:
                 h.remove()
-    # Tied to the input table (a head module holding it, or a looked-up table read by a matmul after the blocks, as
-    # an F.linear head does): a pipeline's last stage holds its copy.
-    tied = any(id(p) in tables for p in outputs) or bool(tally.head_operands & tally.lookups)
-    if sum(experts_in) != sum(p.numel() for m in moe for p in m.parameters()):
-        raise UsageError(f"{name or type(model).__name__}: some of its experts modules lie outside its repeated "
-                         "blocks; forecast spreads experts that sit in the blocks")
-    if len(per_block) != len(blocks):
-        raise UsageError(f"{name}: the forward ran {len(per_block)} of its {len(blocks)} blocks ({label}); "
-                         "forecast needs every block run once per forward")
+        return vocab
+
+    def pre(self, module, args, kwargs) -> None:
+        self.tally.in_block = True
+        x = args[0] if args else next(iter(kwargs.values()))
+        self.inputs.append(x.numel() * x.element_size() / self.seq_len)
+        self.per_block.append(self.tally.snapshot())
+        self.tally.matmuls = 0  # torchtitan's policy counts matmuls per block
+
+    def post(self, module, args, output) -> None:
+        self.tally.in_block = False
+        self.per_block[-1] = [b - a for a, b in zip(self.per_block[-1], self.tally.snapshot())]
+        out = output[0] if isinstance(output, (tuple, list)) else getattr(output, "last_hidden_state", output)
+        if isinstance(out, torch.Tensor) and out.requires_grad:  # its gradient's arrival: the block's backward begins
+            out.register_hook(functools.partial(self.live.begin, len(self.per_block) - 1))
+
+    def enter(self, module, args, kwargs) -> None:
+        x = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        self.tally.gathered += 0.0 if x is None else x.numel() * x.element_size()
+        self.tally.depth += 1
+
+    def leave(self, module, args, output) -> None:
+        self.tally.depth -= 1
+
+    def experts_pre(self, module, args, kwargs) -> None:
+        hidden, top_k = (list(args) + list(kwargs.values()))[:2]
+        now = len(self.per_block) - 1  # the block running
+        self.routed[now] += top_k.numel() * hidden.shape[-1] * hidden.element_size() / self.seq_len
+        self.expert_flops[now] -= self.tally.snapshot()[0] / self.seq_len
+
+    def experts_post(self, module, args, output) -> None:
+        self.expert_flops[len(self.per_block) - 1] += self.tally.snapshot()[0] / self.seq_len
+
+
+def _hook(modules, pre, post) -> list:
+    """``pre`` and ``post`` as each module's forward pre-hook (given the keyword arguments too) and forward hook."""
+    return [h for m in modules for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post))]
+
+
+def _counts(name: str, dtype: torch.dtype, model: nn.Module, params: _Params, hooks: _Hooks, vocab: int,
+            fp8: bool) -> Counts:
+    """The tallies per token: each block's column, and what lies outside the blocks (the total less theirs)."""
+    tally, per_block, n = hooks.tally, hooks.per_block, hooks.seq_len
+    total = tally.snapshot()
+    col = lambda i: tuple(b[i] / n for b in per_block)  # noqa: E731
+    outside = lambda i: (total[i] - sum(b[i] for b in per_block)) / n  # noqa: E731
     weights = {p.grad.untyped_storage()._cdata for p in model.parameters() if p.grad is not None}
-    n, total_all = seq_len, tally.snapshot()
-    col = lambda i: tuple(b[i] / n for b in per_block)  # noqa: E731 - one column of the per-block tallies
-    return Counts(name or type(model).__name__, seq_len, torch.finfo(dtype).bits // 8, tuple(block_params),
-                  tuple(block_sharded), embed, head, total - sum(block_params) - embed - head,
-                  col(0), (total_all[0] - sum(b[0] for b in per_block)) / n,
-                  col(1), (total_all[1] - sum(b[1] for b in per_block)) / n,
-                  max(inputs), col(2), col(3), col(4), tuple(s - i for s, i in zip(col(1), col(5))), col(6),
-                  tuple(b / n for b in live.peaks(len(blocks), weights)),
-                  tally.heads or head_counts(model).get("attention heads", 0), tied,
-                  min((m.num_experts for m in moe), default=0), tuple(experts_in), tuple(expert_flops), tuple(routed),
-                  tuple(linears), vocab, kv_heads, tally.f32_outside[vocab] / n,
-                  tuple(fp8_flops[:-1]) if fp8 else (), tuple(fp8_params[:-1]) if fp8 else (), fp8_flops[-1], fp8_line)
+    stated = head_counts(model)  # what mg.parallelize checks tp against
+    return Counts(
+        name=name, seq_len=n, dtype_bytes=torch.finfo(dtype).bits // 8, block_params=tuple(params.block),
+        block_sharded=tuple(params.sharded), embed_params=params.embed, head_params=params.head,
+        other_params=params.other, block_flops=col(0), other_flops=outside(0), block_saved=col(1),
+        other_saved=outside(1), block_input=max(hooks.inputs), block_kept=col(2), block_attention=col(3),
+        block_kv=col(4), block_unsplit=tuple(s - i for s, i in zip(col(1), col(5))), block_gathered=col(6),
+        block_backward=tuple(b / n for b in hooks.live.peaks(len(per_block), weights)),
+        heads=tally.heads or stated.get("attention heads", 0),
+        # Tied to the input table (a head module holding it, or a looked-up table read by a matmul after the
+        # blocks, as an F.linear head does): a pipeline's last stage holds its copy.
+        tied=params.head_holds_table or bool(tally.head_operands & tally.lookups),
+        experts=min((m.num_experts for m in params.moe), default=0), block_experts=tuple(params.experts),
+        block_expert_flops=tuple(hooks.expert_flops), block_routed=tuple(hooks.routed),
+        block_linears=tuple(params.linears), vocab=vocab, kv_heads=stated.get("KV heads", 0),
+        logits_f32=tally.f32_outside[vocab] / n,
+        block_fp8=tuple(hooks.fp8_flops[:-1]) if fp8 else (), block_fp8_params=tuple(hooks.fp8_params[:-1]) if fp8 else (),
+        other_fp8=hooks.fp8_flops[-1], fp8=hooks.fp8_line)
 
 
 def _loss(model: nn.Module, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -259,136 +312,3 @@ def _loss(model: nn.Module, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
     logits = getattr(logits, "logits", logits)
     loss = nn.functional.cross_entropy(logits.flatten(0, -2).float(), ids.flatten())  # its saved tensors are counted
     return logits.shape[-1], loss
-
-
-_MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
-_ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
-
-
-class _Tally(TorchDispatchMode):
-    """The running totals the block hooks difference: FLOPs, saved bytes (each storage once, the weights left
-    out: they are held anyway), what selective recompute keeps, attention's FLOPs and its K/V bytes, the saved
-    bytes inside a sub-layer (``depth``: the sub-layer hooks' nesting) and the sub-layers' input bytes."""
-
-    def __init__(self, params: set, flops) -> None:
-        super().__init__()
-        self.params, self.seen, self.masks, self.flops = params, set(), set(), flops
-        self.saved = self.kept = self.attention = self.kv = self.inner = self.gathered = 0.0
-        self.f32_outside: Counter = Counter()  # float32 bytes saved outside the blocks, by last dimension (the
-                                               # logits' width: the loss's float32 copy of them)
-        self.head_operands: set = set()  # storages the matmuls outside the blocks read (a head through F.linear
-                                         # on the token table reads the table's)
-        self.lookups: set = set()  # storages embedding lookups read (the input tables)
-        self.matmuls = self.heads = self.depth = 0
-        self.in_block = False
-
-    def add_to(self, tallies: list[float], at: int, scale: float) -> None:
-        """``tallies[at] += scale x`` the FLOPs so far (a module's own, by a pre hook's -1 and a post hook's +1)."""
-        tallies[at] += scale * self.flops.get_total_flops()
-
-    def snapshot(self) -> list[float]:
-        return [float(self.flops.get_total_flops()), self.saved, self.kept, self.attention, self.kv, self.inner,
-                self.gathered]
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage()._cdata
-        if key not in self.params and key not in self.masks and key not in self.seen:
-            self.seen.add(key)
-            self.saved += t.untyped_storage().nbytes()
-            self.inner += t.untyped_storage().nbytes() if self.depth else 0.0
-            if not self.in_block and t.dtype == torch.float32 and t.dim():
-                self.f32_outside[t.shape[-1]] += t.untyped_storage().nbytes()
-        return t
-
-    def _drop_mask(self, q: torch.Tensor, k: torch.Tensor, rest) -> None:
-        """Leave out the s x s mask the tracing path hands attention: the causal kernel torchtitan and eager
-        transformers run (``is_causal``) keeps none, and its bytes per token grow with the sequence. Autograd
-        saves an op's inputs before it runs: a mask already counted is taken back."""
-        for m in rest:
-            if isinstance(m, torch.Tensor) and m.dim() >= 2 and tuple(m.shape[-2:]) == (q.shape[-2], k.shape[-2]):
-                key = m.untyped_storage()._cdata
-                if key in self.masks:
-                    continue
-                self.masks.add(key)  # never counted again
-                if key in self.seen:  # counted when autograd saved it
-                    self.saved -= m.untyped_storage().nbytes()
-                    self.inner -= m.untyped_storage().nbytes() if self.depth else 0.0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        if name in _MATMULS:
-            self.matmuls += 1
-            if not self.in_block:
-                self.head_operands.update(a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor))
-            if self.matmuls % 2:  # torchtitan's op-level policy recomputes every second matmul
-                self.kept += out.numel() * out.element_size()
-        elif name == "embedding":
-            self.lookups.add(args[0].untyped_storage()._cdata)
-        elif name in _ATTENTION:
-            from torch.utils.flop_counter import sdpa_flop_count
-
-            q, k, v = args[:3]
-            self._drop_mask(q, k, list(args[3:]) + list((kwargs or {}).values()))
-            self.heads = max(self.heads, q.shape[1])
-            self.attention += sdpa_flop_count(q.shape, k.shape, v.shape)
-            self.kv += k.numel() * k.element_size() + v.numel() * v.element_size()
-            self.kept += sum(o.numel() * o.element_size() for o in out[:2])  # output and log-sum-exp
-        return out
-
-
-class _Live(TorchDispatchMode):
-    """The bytes live on the fake device, op by op: every new storage an op makes, until it is freed (a weak
-    reference to the storage tells), and the backward's marks where each block's gradient arrives (``begin``).
-    ``peaks`` reads, per block, the most its backward held beyond what was live when it began. A storage is
-    known by its serial number here: a freed one's address is soon another's."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.log: list[tuple] = []  # ("+", serial, bytes), ("-", serial, bytes), ("begin", block)
-        self.alive: dict = {}  # storage address -> (serial, weak reference)
-
-    def begin(self, block: int, grad: torch.Tensor) -> None:
-        self.log.append(("begin", block))
-
-    def _freed(self, key: int, serial: int, n: int):
-        def callback(_) -> None:
-            if self.alive.get(key, (None,))[0] == serial:
-                del self.alive[key]
-            self.log.append(("-", serial, n))
-        return callback
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        given = None
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if not isinstance(t, torch.Tensor) or t.untyped_storage()._cdata in self.alive:
-                continue
-            storage = t.untyped_storage()
-            key = storage._cdata
-            # A view or an in-place op hands back its input's storage: nothing new (a weight's transpose is the weight).
-            if given is None:
-                given = {a.untyped_storage()._cdata for a in _pytree.tree_leaves((args, kwargs))
-                         if isinstance(a, torch.Tensor)}
-            if key not in given:
-                serial = len(self.log)
-                self.alive[key] = (serial, weakref.ref(storage, self._freed(key, serial, storage.nbytes())))
-                self.log.append(("+", serial, storage.nbytes()))
-        return out
-
-    def peaks(self, blocks: int, weights: set) -> list[float]:
-        """Per block, the most bytes live during its backward (from its gradient's arrival to the next block's)
-        less those live when it began; the weights' gradients (``weights``: their storages' addresses, alive
-        now) left out, as the gradients are counted whole elsewhere."""
-        skip = {self.alive[key][0] for key in weights if key in self.alive}
-        live, peak, at, out = 0, 0, None, [0.0] * blocks
-        for event in [*self.log, ("begin", None)]:  # the end closes the last block's window
-            if event[0] == "begin":
-                if at is not None:
-                    out[at[0]] = max(out[at[0]], peak - at[1])
-                at, peak = (event[1], live), live
-            elif event[1] not in skip:
-                live += event[2] if event[0] == "+" else -event[2]
-                peak = max(peak, live)
-        return out

@@ -11,6 +11,7 @@ model's modules, so they are measured on the model that will run, not carried ov
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
@@ -129,81 +130,115 @@ def overheads(subject: Subject, micro_batch: int, threads: int, acs=(False, True
     model's clip and AdamW (the wrapper's own per-step work: the gradients' synchronisation machinery, the
     token count, clipping and AdamW over DTensors). Families and counts are timed in turn, ``rounds`` times
     (median, each paired with the plain model's step of the same round)."""
-    import torch.distributed as tdist
-
-    import multigpu as mg
-
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    try:
+        with _one_rank_group(), _quiet():
+            keys = [(fam, ac) for fam in FAMILIES if fam == "none" or fam in families for ac in acs]
+            steps = _Steps(subject, micro_batch, keys)
+            times, opt_times = steps.timed(acs, rounds)
+            return _costs(keys, times, opt_times, micro_batch, rounds)
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def _one_rank_group():
+    """A gloo process group of this process alone, unless one is up already (then left as it is)."""
+    import torch.distributed as tdist
+
     own_group = not tdist.is_initialized()
     if own_group:
         tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
-    # The wrappers' advice to a training script (FSDP2's view-output warning, DTensor's two-mesh norm) is
-    # not the user's business here: the probe measures what they cost.
+    try:
+        yield
+    finally:
+        if own_group:
+            tdist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The wrappers' advice to a training script (FSDP2's view-output warning, DTensor's two-mesh norm) is not
+    the user's business here: the probe measures what they cost."""
     quiet = logging.getLogger(compat.REDISTRIBUTE_LOGGER)
     level = quiet.level
     quiet.setLevel(logging.ERROR)
-    caught = warnings.catch_warnings()
-    caught.__enter__()
-    warnings.simplefilter("ignore", UserWarning)
     try:
-        batch = subject.batch(micro_batch)
-        keys = [(fam, ac) for fam in FAMILIES if fam == "none" or fam in families for ac in acs]
-        built = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            yield
+    finally:
+        quiet.setLevel(level)
+
+
+class _Steps:
+    """Each (family, activation checkpointing) key's wrapped model and AdamW, and the steps timed on them."""
+
+    def __init__(self, subject: Subject, micro_batch: int, keys: list[tuple[str, bool]]) -> None:
+        self.subject, self.keys = subject, keys
+        self.batch = subject.batch(micro_batch)
+        self.built = {}
         for key in keys:
             model = wrapped(subject, *key)
-            built[key] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+            self.built[key] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
 
-        def step(key, k: int) -> None:
-            model, opt = built[key]
-            micro = [batch] * k
-            tokens = mg.token_divisor([y for _, y in micro])
-            for xb, yb in mg.accumulate(model, micro):
-                logits = subject.logits(model, xb)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), yb.flatten(), reduction="sum") / tokens
-                loss.backward()
-            mg.clip_grad_norm_(model, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    def step(self, key: tuple[str, bool], k: int) -> None:
+        """A training step of ``k`` micro-batches, as a training script runs it."""
+        import multigpu as mg
 
-        def plain_optimizer(key) -> float:
-            model, opt = built[key]
-            F.cross_entropy(subject.logits(model, batch[0]).flatten(0, 1), batch[1].flatten()).backward()
-            t0 = time.perf_counter()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            elapsed = time.perf_counter() - t0
-            opt.zero_grad(set_to_none=True)
-            return elapsed
+        model, opt = self.built[key]
+        micro = [self.batch] * k
+        tokens = mg.token_divisor([y for _, y in micro])
+        for xb, yb in mg.accumulate(model, micro):
+            logits = self.subject.logits(model, xb)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), yb.flatten(), reduction="sum") / tokens
+            loss.backward()
+        mg.clip_grad_norm_(model, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
-        times: dict = {(key, k): [] for key in keys for k in (1, 3)}
+    def plain_optimizer(self, key: tuple[str, bool]) -> float:
+        """The seconds of torch's own clip and AdamW step on ``key``'s model, after a backward."""
+        model, opt = self.built[key]
+        F.cross_entropy(self.subject.logits(model, self.batch[0]).flatten(0, 1), self.batch[1].flatten()).backward()
+        t0 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        elapsed = time.perf_counter() - t0
+        opt.zero_grad(set_to_none=True)
+        return elapsed
+
+    def timed(self, acs, rounds: int) -> tuple[dict, dict]:
+        """Per (key, micro-batches) the seconds of each round's step, and per ``ac`` the plain optimizer's."""
+        times: dict = {(key, k): [] for key in self.keys for k in (1, 3)}
         opt_times: dict = {ac: [] for ac in acs}
-        for key in keys:
-            step(key, 1)  # warm-up
+        for key in self.keys:
+            self.step(key, 1)  # warm-up
         for _ in range(rounds):
-            for key in keys:
+            for key in self.keys:
                 for k in (1, 3):
                     t0 = time.perf_counter()
-                    step(key, k)
+                    self.step(key, k)
                     times[(key, k)].append(time.perf_counter() - t0)
             for ac in acs:
-                opt_times[ac].append(plain_optimizer(("none", ac)))
-        out: dict = {}
-        for fam, ac in keys:
-            micro, rest = [], []
-            for r in range(rounds):
-                one, three = times[((fam, ac), 1)][r], times[((fam, ac), 3)][r]
-                plain = (times[(("none", ac), 3)][r] - times[(("none", ac), 1)][r]) / 2
-                per = (three - one) / 2
-                micro.append(per - plain)
-                rest.append(one - per - opt_times[ac][r])
-            out[f"{fam}{'+ac' if ac else ''}"] = {"micro_s": 0.0 if fam == "none" else max(0.0, statistics.median(micro)),
-                                                  "step_s": max(0.0, statistics.median(rest)),
-                                                  "micro_batch": micro_batch, "rounds": rounds}
-        return out
-    finally:
-        caught.__exit__(None, None, None)
-        quiet.setLevel(level)
-        if own_group:
-            tdist.destroy_process_group()
-        torch.set_num_threads(before)
+                opt_times[ac].append(self.plain_optimizer(("none", ac)))
+        return times, opt_times
+
+
+def _costs(keys: list[tuple[str, bool]], times: dict, opt_times: dict, micro_batch: int, rounds: int) -> dict:
+    """Per key, the medians over the rounds of its further micro-batch's time and the rest of its step, each less
+    the plain model's of the same round."""
+    out: dict = {}
+    for fam, ac in keys:
+        micro, rest = [], []
+        for r in range(rounds):
+            one, three = times[((fam, ac), 1)][r], times[((fam, ac), 3)][r]
+            plain = (times[(("none", ac), 3)][r] - times[(("none", ac), 1)][r]) / 2
+            per = (three - one) / 2
+            micro.append(per - plain)
+            rest.append(one - per - opt_times[ac][r])
+        out[f"{fam}{'+ac' if ac else ''}"] = {"micro_s": 0.0 if fam == "none" else max(0.0, statistics.median(micro)),
+                                              "step_s": max(0.0, statistics.median(rest)),
+                                              "micro_batch": micro_batch, "rounds": rounds}
+    return out
