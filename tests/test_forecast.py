@@ -443,6 +443,34 @@ def test_a_family_without_sdpa_is_counted_with_its_own_attention():
                for o in out)
 
 
+def test_the_ring_hides_only_what_torchs_rotater_overlaps():
+    """PyTorch's ring attention (its default all-gather rotater) gathers K and V once per forward and once per
+    backward, each under the local chunk's attention alone (1/cp of it), and passes the K/V gradients round the ring
+    under the other chunks'. With a block's forward attention 1.5 x one gather and cp 4: forward 1 - 1.5/4, backward
+    1 - 3/4, the gradients' ring hidden, so 0.875 gathers a block exposed (full recompute gathers once more:
+    1.5); the old model, the ring under all of the attention, hid it all."""
+    from multigpu.forecast.comm import ring_exposed
+    from multigpu.forecast.compute import micro_flops
+    from multigpu.forecast.inputs import Rank
+
+    c = _counts(layers=4)
+    machine = cluster("h100", 8)
+    for recompute, gathers in (("none", 0.875), ("full", 0.875 + 0.625)):
+        r = Rank(c, Degrees(1, 2, 1, 1, 4, 1), Run(8, 64, recompute=recompute))
+        calls = {}
+
+        def coll(op, nbytes, n, span, count):
+            calls[n] = calls.get(n, 0.0) + count
+            return machine.collective_s(op, n, span, nbytes, count)
+
+        kv = sum(c.block_kv) * 64 / 4
+        gather = machine.collective_s("all_gather", 4, 4, kv)
+        attention = micro_flops(c, r.blocks, r.tokens, 1, "none")[1] / 3 / 4  # a block's forward attention FLOPs
+        got = ring_exposed(r, attention / (1.5 * gather), coll)
+        assert got == pytest.approx(r.m * 4 * gathers * gather, rel=1e-9), recompute
+        assert calls == {4: r.m * 4 * (4 if recompute == "full" else 3)}
+
+
 def test_the_plan_leaves_out_a_pipeline_by_the_librarys_micro_batch_rule_per_schedule():
     """Which schedule runs how many micro-batches is the library's rule (``pp.microbatches_refusal``), not the
     forecast's: on 2 GPUs and a global batch of 5, 1F1B's 1 micro-batch and interleaved 1F1B's 5 (2 rounds do not

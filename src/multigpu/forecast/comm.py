@@ -41,16 +41,33 @@ def communication_parts(r: Rank, cluster: Cluster, a: Assumptions, time: dict[st
         per = 4 + (2 if run.recompute == "full" else 0)
         time["expert all-to-all"] = coll("all_to_all", rows, e, e, m * moe * per)
     if c > 1:
-        kv = sum(counts.block_kv[i] for i in blocks) * r.b * run.seq_len / t / len(blocks)  # a block's whole K, V
-        ring = coll("all_gather", kv, c, c * t, m * 3 * len(blocks))  # gathered forward, gradients back (x2) backward
-        attention = micro_flops(counts, blocks, tokens, t, run.recompute)[1]
-        time["context-parallel ring (exposed)"] = max(0.0, ring - m * attention / rate)
+        time["context-parallel ring (exposed)"] = ring_exposed(r, rate, coll)
     if p > 1:
         hop = tokens * counts.block_input / t
         slots = m + (p - 1) / r.v
         # To the next stage, world / p ranks on.
         time["pipeline send/recv"] = coll("send", hop, 2, cluster.gpus // p + 1, 2 * slots * r.v)
     return calls
+
+
+def ring_exposed(r: Rank, rate: float, coll) -> float:
+    """Seconds a step of PyTorch's ring attention (``context_parallel``'s SDPA dispatch, what ``mg.parallelize``
+    runs for causal SDPA on CUDA) leaves exposed, block by block, as its default all-gather rotater runs it
+    (torch's ``_templated_ring_attention``): the forward all-gathers the whole K and V once, issued as the local
+    chunk's attention starts and waited for before the next chunk, so only that chunk (1/cp of the attention) hides
+    it, and again where full recompute runs the forward twice; the backward gathers them again, hidden alike, and
+    passes the K/V gradients round the ring (all-to-all, cp - 1 hops of a share: an all-gather's bytes), each hop
+    under the next chunk's (the other (cp - 1)/cp of the backward's attention)."""
+    counts, c, t, blocks = r.counts, r.c, r.t, r.blocks
+    kv = sum(counts.block_kv[i] for i in blocks) * r.b * r.run.seq_len / t / len(blocks)  # a block's whole K, V
+    calls = r.m * len(blocks)
+    forwards = 2 if r.run.recompute == "full" else 1
+    gather = coll("all_gather", kv, c, c * t, calls * (forwards + 2)) / (calls * (forwards + 2))
+    forward = micro_flops(counts, blocks, r.tokens, t, "none")[1] / 3 / len(blocks) / rate  # a block's, seconds
+    backward = 2 * forward
+    block = (forwards * max(0.0, gather - forward / c) + max(0.0, gather - backward / c)
+             + max(0.0, gather - backward * (c - 1) / c))
+    return calls * block
 
 
 def ddp_exposed(r: Rank, phases: tuple[float, float], overlap: float, coll) -> float:

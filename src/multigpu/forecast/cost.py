@@ -45,7 +45,7 @@ collectives by the alpha-beta model with nccl-tests' bus bandwidth of the link t
 the backward they feed, its reduce-scatters and DDP's all-reduce under the last micro-batch's backward, each up to
 ``dp_overlap`` of that phase's compute, the first gather and the last reduction never; ZeRO-1's parameter broadcast
 after the optimizer step not at all, ``comm.ddp_exposed``; tensor-parallel not, cp's
-ring under attention); the optimizer step (of what the rank steps: ZeRO-1's shard) by HBM bandwidth; and, for a machine whose ``Overheads`` are
+ring as torch's all-gather rotater overlaps it, ``comm.ring_exposed``); the optimizer step (of what the rank steps: ZeRO-1's shard) by HBM bandwidth; and, for a machine whose ``Overheads`` are
 measured, the wrapper's work per micro-batch and step and each collective's wait (counted per group size).
 """
 
