@@ -35,17 +35,19 @@ def main() -> None:
         result = published.check(a, published.fit_by_gpu(a))
     else:
         result = published.check()
-    print("| row | published tokens/s/GPU (MFU) | predicted | error | published GiB | predicted GiB | error |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| row | published tokens/s/GPU (MFU) | predicted | error | published GiB (kind) | predicted GiB | error | "
+          "predicted allocated GiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for e in result["rows"]:
         r = e["row"]
         pub = f"{r['tokens_per_s_per_gpu']:,}" if r["tokens_per_s_per_gpu"] else f"({100 * r['mfu']:.0f} % MFU)"
         pred = f"{e['predicted_tokens']:,.0f}" if r["tokens_per_s_per_gpu"] else f"({100 * e['predicted_mfu']:.0f} % MFU)"
-        mem = "" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']}"
+        mem = "" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']} ({r.get('memory_kind', 'unstated')})"
         pmem = "" if r["peak_memory_gib"] is None else f"{e['predicted_memory_gib']:.1f}"
+        alloc = "" if r["peak_memory_gib"] is None else f"{e['predicted_allocated_gib']:.1f}"
         mark = ("**fitted** " if e["fitted"] else "") + ("**outside multigpu's layouts** " if e["outside"] else "")
         print(f"| {mark}{e['key']} | {pub} | {pred} | {pct(e['tokens_error'])} | {mem} | "
-              f"{pmem} | {pct(e['memory_error'])} |")
+              f"{pmem} | {pct(e['memory_error'])} | {alloc} |")
     for part in ("held_out", "fitted", "unseen_sources"):
         s = result[part]
         print(f"\n{part}: speed rows {s['tokens_rows']}, within 25 %: {s['tokens_within_25']:.0%}, median "

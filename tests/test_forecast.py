@@ -443,6 +443,27 @@ def test_a_family_without_sdpa_is_counted_with_its_own_attention():
                for o in out)
 
 
+def test_reserved_and_allocated_are_both_forecast_and_a_row_says_which_it_published():
+    """A published peak is the caching allocator's reserved bytes (torchtitan's log line) or the tensors' allocated
+    peak: the forecast gives both (allocated: the same without the allocator's part, what a live-tensor forecast,
+    ``reserved=False`` and no overhead, gives) and each row is compared with the one it published."""
+    c = _counts()
+    machine, run = cluster("h100", 8), Run(16, 64)
+    a = Assumptions(allocator_overhead=0.15)
+    got = predict(c, machine, Degrees(1, 8, 1, 1, 1, 2), run, a)
+    live = predict(c, machine, Degrees(1, 8, 1, 1, 1, 2), run,
+                   dataclasses.replace(a, reserved=False, allocator_overhead=0.0))
+    assert got["allocated_bytes"] == pytest.approx(live["memory_bytes"], rel=1e-12)
+    assert got["memory_bytes"] > got["allocated_bytes"]
+    pytest.importorskip("transformers")
+    kinds = {published.source(r): r.get("memory_kind") for r in published.rows() if r["peak_memory_gib"]}
+    assert set(kinds.values()) <= {"reserved", "allocated", "unstated"} and None not in kinds.values(), kinds
+    row = next(r for r in published.rows() if r["peak_memory_gib"])
+    entry = published._entry(dict(row, memory_kind="allocated"), published.assumptions(row["gpu"]), published.by_gpu())
+    assert entry["predicted_memory_gib"] == entry["predicted_allocated_gib"] < entry["predicted_reserved_gib"]
+    assert entry["memory_error"] == pytest.approx(entry["predicted_allocated_gib"] / row["peak_memory_gib"] - 1)
+
+
 def test_the_ring_hides_only_what_torchs_rotater_overlaps():
     """PyTorch's ring attention (its default all-gather rotater) gathers K and V once per forward and once per
     backward, each under the local chunk's attention alone (1/cp of it), and passes the K/V gradients round the ring
@@ -713,26 +734,29 @@ def test_held_out_error_is_what_the_docs_say():
     result = published.check()
     held = result["held_out"]
     assert held["tokens_rows"] >= 45 and held["memory_rows"] >= 14
-    # Measured: speed within 25 % on 36 of 47 rows (median 14.5 %; 34 of 47, median 15.0 %, while the Megatron-LM rows
+    # Measured: speed within 25 % on 35 of 47 rows (median 13.5 %; 36, median 14.5 %, while a pipeline rank held the
+    # largest ceil(L/p) blocks and the head on every stage: Megatron's 462B crossed -25 % when its stages became the
+    # library's split; 34 of 47, median 15.0 %, while the Megatron-LM rows
     # were forecast as PyTorch's DDP, not the distributed optimizer (ZeRO-1) they ran; 38 of 47, median 12.3 %, while
     # data-parallel traffic hid under the whole step's compute), memory within 15 % on 15 of 17 (median 4.6 %, worst 25.1 %: Trainy's H200 row, +23 % before
     # the reserve-side phases and FSDP2's reduce-scatter input were counted, which took the median from 5.5 %), layout
     # pairs 13 of 13. A planted bug (FSDP gathering f x the weights) dropped speed to 34 % of rows (median 31 %); the
     # recomputed block counted per micro-batch in flight, memory to 9 of 17 (median 13 %).
-    assert held["tokens_within_25"] >= 36 / 47 and held["tokens_median"] < 0.145, held
+    assert held["tokens_within_25"] >= 35 / 47 and held["tokens_median"] < 0.14, held
     assert held["memory_within_15"] >= 0.85 and held["memory_median"] < 0.06 and held["memory_worst"] < 0.26, held
     assert result["pairs"]["count"] >= 10 and result["pairs"]["share"] >= 0.9, result["pairs"]
-    # The sources no constant was fitted on (async TP, Trainy, Megatron-LM): 16 of 23 rows within 25 % (14 with
-    # Megatron's rows as DDP, 18 before the phase overlap model).
+    # The sources no constant was fitted on (async TP, Trainy, Megatron-LM): 15 of 23 rows within 25 % (16 before the
+    # pipeline stages were the library's, 14 with Megatron's rows as DDP, 18 before the phase overlap model).
     unseen = result["unseen_sources"]
-    assert unseen["tokens_rows"] == 23 and unseen["tokens_within_25"] >= 16 / 23, unseen
-    # docs/forecast.md's table by source: the async-TP benchmark 7 of 12 within 25 %, Megatron-LM's 7 of 9 (5 as DDP,
+    assert unseen["tokens_rows"] == 23 and unseen["tokens_within_25"] >= 15 / 23, unseen
+    # docs/forecast.md's table by source: the async-TP benchmark 7 of 12 within 25 %, Megatron-LM's 6 of 9 (7 before
+    # the library's pipeline split, 5 as DDP,
     # 9 before the phase overlap model). Rows outside multigpu's layouts are said to be so: Megatron's (its overlapped
     # ZeRO-1; beside TP or PP the library refuses ZeRO-1 too) and Table 6's cp beside a pipeline, by Layout's refusal.
     by = {name.split()[-1]: s for name, s in result["by_source"].items()}
     assert by["benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"]["tokens_rows"] == 12
     assert by["benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"]["tokens_within_25"] == pytest.approx(7 / 12)
-    assert by["images/model_table.png"]["tokens_within_25"] == pytest.approx(7 / 9)
+    assert by["images/model_table.png"]["tokens_within_25"] == pytest.approx(6 / 9)
     megatron = [e for e in result["rows"] if e["source"].startswith("NVIDIA/Megatron-LM")]
     assert len(megatron) == 9 and all(e["outside"].startswith(published.OVERLAPPED) for e in megatron)
     assert sum("use dp_replicate alone with zero1" in e["outside"] for e in megatron) == 8  # all but the 1.7B's
@@ -758,8 +782,8 @@ def test_leave_one_source_out_is_what_the_docs_say():
     assert counts(by["benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"]) == (12, 6)
     assert counts(by["benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md"]) == (2, 2)
     assert counts(by["docs/performance.md"]) == (11, 3)
-    assert counts(by["images/model_table.png"]) == (9, 7)
-    assert counts(loso) == (52, 31) and counts(loso, "memory", 15) == (20, 10)
+    assert counts(by["images/model_table.png"]) == (9, 6)
+    assert counts(loso) == (52, 30) and counts(loso, "memory", 15) == (20, 10)
     assert loso["pairs"]["count"] == 13 and loso["pairs"]["ranked_right"] == 13
     # The A100 source left out has no Ampere row to fit on: its GPUs take the shared (Hopper) fraction.
     assert "a100-80gb" not in by["docs/performance.md"]["efficiency"]

@@ -67,7 +67,8 @@ WORK = ("compute", "pipeline bubble", "optimizer")  # a step's parts that are wo
 def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run, a: Assumptions,
             overheads: Overheads | None = None) -> dict:
     """The forecast of one layout: {"memory": parts (bytes), "time": parts (s), "step_s", "tokens_per_s_per_gpu",
-    "mfu", "memory_bytes", "fits", "collectives": {group size: calls per step}, "slowest_rank", "fullest_rank"}.
+    "mfu", "memory_bytes", "allocated_bytes", "fits", "collectives": {group size: calls per step}, "slowest_rank",
+    "fullest_rank"}.
     ``layout`` is resolved (every degree given) and has its micro-batch. Each pipeline rank is forecast on its own
     stages (``Rank``): the step waits for the slowest (its time, its collectives), memory is the fullest's."""
     ranks = [rank_forecast(Rank(counts, layout, run, k), cluster, a, overheads) for k in range(layout.pp)]
@@ -75,7 +76,11 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     fullest = max(range(layout.pp), key=lambda k: ranks[k]["memory_bytes"])
     step, total = ranks[slowest]["step_s"], ranks[fullest]["memory_bytes"]
     tps = run.global_batch * run.seq_len / step / cluster.gpus
-    return {"memory": ranks[fullest]["memory"], "memory_bytes": total, "fits": total <= cluster.gpu.hbm_bytes,
+    # What the caching allocator reserves (``Assumptions.reserved``: what runs out, what torchtitan's log line prints),
+    # and the tensors' own peak under it (torch.cuda.max_memory_allocated's; the runtime's term in both).
+    allocated = total - ranks[fullest]["memory"]["allocator"]
+    return {"memory": ranks[fullest]["memory"], "memory_bytes": total, "allocated_bytes": allocated,
+            "fits": total <= cluster.gpu.hbm_bytes,
             "time": ranks[slowest]["time"], "step_s": step, "tokens_per_s_per_gpu": tps,
             "collectives": ranks[slowest]["collectives"], "slowest_rank": slowest, "fullest_rank": fullest,
             "mfu": tps * counts.flops_per_token / cluster.peak("bf16")}  # against bf16's peak, fp8 or not

@@ -121,7 +121,7 @@ def _solve(row: dict, a: Assumptions, field: str) -> Assumptions | None:
     for _ in range(60):
         mid = (lo + hi) / 2
         got = forecast(row, dataclasses.replace(a, **{field: mid}))
-        low = got["memory_bytes"] / GiB < row["peak_memory_gib"] if field == "allocator_overhead" \
+        low = got[MEMORY_KINDS[row.get("memory_kind")]] / GiB < row["peak_memory_gib"] if field == "allocator_overhead" \
             else got["tokens_per_s_per_gpu"] < row["tokens_per_s_per_gpu"]
         lo, hi = (mid, hi) if low else (lo, mid)
     if hi >= top * (1 - 1e-9) or lo <= top * 1e-9:  # pinned at an end: the figure lies beyond it
@@ -171,12 +171,20 @@ def check(a: Assumptions | None = None, kinds: dict[str, float] | None = None) -
             "pairs": _pairs(held), "assumptions": dataclasses.asdict(a), "by_gpu": kinds}
 
 
+# What a row's published peak is, and the forecast it is compared with: the caching allocator's reserved bytes
+# (torchtitan's log line prints max_reserved), the tensors' allocated peak, or unstated (compared as reserved, what a
+# run's console shows; both forecasts are in the entry).
+MEMORY_KINDS = {"reserved": "memory_bytes", "allocated": "allocated_bytes", "unstated": "memory_bytes", None: "memory_bytes"}
+
+
 def _entry(row: dict, a: Assumptions, kinds: dict[str, float]) -> dict:
     """One row forecast with ``a`` (its GPU kind's own efficiency from ``kinds``), and its errors."""
     got = forecast(row, for_gpu(a, row["gpu"], kinds))
     entry = {"key": key(row), "source": row["source"],
              "tokens_per_s_per_gpu": row["tokens_per_s_per_gpu"], "predicted_tokens": got["tokens_per_s_per_gpu"],
-             "peak_memory_gib": row["peak_memory_gib"], "predicted_memory_gib": got["memory_bytes"] / GiB,
+             "peak_memory_gib": row["peak_memory_gib"], "memory_kind": row.get("memory_kind"),
+             "predicted_memory_gib": got[MEMORY_KINDS[row.get("memory_kind")]] / GiB,
+             "predicted_reserved_gib": got["memory_bytes"] / GiB, "predicted_allocated_gib": got["allocated_bytes"] / GiB,
              "mfu": row["mfu"], "predicted_mfu": got["mfu"], "row": row,
              "outside": outside(row)}
     # Speed: tokens/s per GPU, or the MFU where only that is published (the same ratio when both count
