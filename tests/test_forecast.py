@@ -464,6 +464,19 @@ def test_reserved_and_allocated_are_both_forecast_and_a_row_says_which_it_publis
     assert entry["memory_error"] == pytest.approx(entry["predicted_allocated_gib"] / row["peak_memory_gib"] - 1)
 
 
+def test_an_encoder_decoder_is_refused_in_one_line(tmp_path, capsys):
+    """BART's config builds as a causal LM, its decoder alone: forecast would have planned half the model without a
+    word (and T5's ended in transformers' list of every causal config). Both are one line naming the model."""
+    pytest.importorskip("transformers")
+    for kind, fields in (("bart", {"encoder_layers": 2, "decoder_layers": 2, "d_model": 64}),
+                         ("t5", {"num_layers": 2, "d_model": 64, "d_ff": 128, "num_heads": 4, "d_kv": 16})):
+        path = tmp_path / f"{kind}.json"
+        path.write_text(json.dumps({"model_type": kind, "vocab_size": 128, **fields}))
+        code, err = run_cli(["forecast", "--model", str(path), "--gpus", "8", "--seq-len", "64", "--global-batch",
+                             "16", "--out", str(tmp_path / "out")], capsys)
+        assert code == 2 and f"is an encoder-decoder ({kind})" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_the_ring_hides_only_what_torchs_rotater_overlaps():
     """PyTorch's ring attention (its default all-gather rotater) gathers K and V once per forward and once per
     backward, each under the local chunk's attention alone (1/cp of it), and passes the K/V gradients round the ring

@@ -37,6 +37,9 @@ def config_builder(config: dict, name: str):
         cfg = AutoConfig.for_model(kind, **fields)
     except Exception as err:  # transformers' validators raise their own kinds
         raise UsageError(f"{name}: transformers cannot read this config ({' '.join(str(err).split())[:200]})") from None
+    if getattr(cfg, "is_encoder_decoder", False):  # transformers would build its decoder alone as a causal LM (BART)
+        raise UsageError(f"{name} is an encoder-decoder ({kind}); forecast plans a stack of decoder blocks, as "
+                         "mg.parallelize spreads it (its zoo skips encoder-decoders): give a decoder-only config")
     own = cfg._attn_implementation
 
     def build():
