@@ -29,11 +29,12 @@ def test_layout_from_args_reads_every_flag_and_leaves_the_rest():
 
 def test_layout_flags_round_trip_through_the_verbs_spelling():
     layouts = parse_layouts("tp=2; dp_shard=2,tp=2 ;pp=2,micro_batch=1,schedule=gpipe;dp_replicate=2,activation_checkpointing=true;"
-                            "tp=2,sequence_parallel=true;dp_replicate=2,zero1=true")
-    assert [l.world_size for l in layouts] == [2, 4, 2, 2, 2, 2]
+                            "tp=2,sequence_parallel=true;dp_replicate=2,zero1=true;dp_shard=2,activation_checkpointing=true,checkpoint_blocks=2")
+    assert [l.world_size for l in layouts] == [2, 4, 2, 2, 2, 2, 2]
     assert [l.label for l in layouts] == ["tp=2", "dp_shard=2,tp=2", "pp=2,micro_batch=1,schedule=gpipe",
                                               "dp_replicate=2,activation_checkpointing=true",
-                                              "tp=2,sequence_parallel=true", "dp_replicate=2,zero1=true"]
+                                              "tp=2,sequence_parallel=true", "dp_replicate=2,zero1=true",
+                                              "dp_shard=2,activation_checkpointing=true,checkpoint_blocks=2"]
     for layout in layouts:
         assert mg.layout_from_args(layout.flags) == (layout, [])
     # ZeRO-1 shards DDP's optimizer state: refused beside any other degree, dp_shard filled by the world too

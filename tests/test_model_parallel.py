@@ -13,6 +13,7 @@ peers the same samples (the mesh's data-parallel rank keys the loader).
 """
 
 
+import copy
 import re
 
 import pytest
@@ -253,3 +254,41 @@ def test_shard_blocks_refuses_block_classes_like_wrap_does():
         shard_blocks(torch.nn.Linear(2, 2), None, block_classes=torch.nn.Linear)
     with pytest.raises(mg.UsageError, match=r"block_classes \[Conv2d\] matched no module of Sequential"):
         shard_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)), None, block_classes=[torch.nn.Conv2d])
+
+
+class _Block(torch.nn.Module):
+    """A block that counts its forwards: a checkpointed one runs twice a step (the forward, then its recompute)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.runs = torch.nn.Linear(6, 6), 0
+
+    def forward(self, x):
+        self.runs += 1
+        return x + torch.tanh(self.linear(x))
+
+
+def test_checkpoint_blocks_recomputes_the_first_k_and_computes_the_same(capsys):
+    """Layout(checkpoint_blocks=k): only the first k blocks recompute (Megatron's --recompute-method block), in
+    float64 the same gradients as the model without checkpointing; k above the blocks checkpoints them all."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(*[_Block() for _ in range(4)]).double()
+    x = torch.randn(3, 6, dtype=torch.float64)
+    plain(x).square().sum().backward()
+    for k, runs, line in ((1, [2, 1, 1, 1], "activation checkpointing on the first 1 of 4 blocks"),
+                          (5, [2, 2, 2, 2], "activation checkpointing per block")):
+        model = copy.deepcopy(plain)
+        model.zero_grad(set_to_none=True)
+        for block in model:
+            block.runs = 0
+        layout = mg.parallel.Layout(activation_checkpointing=True, checkpoint_blocks=k)
+        mg.parallelize(model, layout, block_classes=[_Block])(x).square().sum().backward()
+        assert [block.runs for block in model] == runs, k
+        assert line in capsys.readouterr().out
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert (p.grad - q.grad).abs().max() <= TOL, name
+    for bad, fragment in (({"checkpoint_blocks": 2}, "but activation_checkpointing is off; add activation_checkpointing"),
+                          ({"activation_checkpointing": True, "checkpoint_blocks": 0},
+                           "layout checkpoint_blocks must be a positive integer, got 0")):
+        with pytest.raises(mg.UsageError, match=fragment):
+            mg.parallel.Layout(**bad)

@@ -38,8 +38,8 @@ def communication_parts(r: Rank, cluster: Cluster, a: Assumptions, time: dict[st
         # (and once more under full recompute), on the critical path; the group is ep consecutive ranks.
         moe = sum(1 for i in blocks if r.experts[i])
         rows = sum(counts.block_routed[i] for i in blocks) * tokens / t * a.expert_imbalance / max(moe, 1)
-        per = 4 + (2 if run.recompute == "full" else 0)
-        time["expert all-to-all"] = coll("all_to_all", rows, e, e, m * moe * per)
+        again = sum(1 for i in r.recomputed if r.experts[i]) if run.recompute == "full" else 0
+        time["expert all-to-all"] = coll("all_to_all", rows, e, e, m * (4 * moe + 2 * again))
     if c > 1:
         time["context-parallel ring (exposed)"] = ring_exposed(r, rate, coll)
     if p > 1:
@@ -61,7 +61,7 @@ def ring_exposed(r: Rank, rate: float, coll) -> float:
     counts, c, t, blocks = r.counts, r.c, r.t, r.blocks
     kv = sum(counts.block_kv[i] for i in blocks) * r.b * r.run.seq_len / t / len(blocks)  # a block's whole K, V
     calls = r.m * len(blocks)
-    forwards = 2 if r.run.recompute == "full" else 1
+    forwards = 1 + (len(r.recomputed) / len(blocks) if r.run.recompute == "full" else 0)  # a block's, on average
     gather = coll("all_gather", kv, c, c * t, calls * (forwards + 2)) / (calls * (forwards + 2))
     forward = micro_flops(counts, blocks, r.tokens, t, "none")[1] / 3 / len(blocks) / rate  # a block's, seconds
     backward = 2 * forward
@@ -162,12 +162,12 @@ def tp_collectives(r: Rank, coll) -> float:
     on the rank of the first stage; on the rank of the last the head's input gathered (SP) or its gradient reduced,
     and the logits gathered unless the loss is parallel."""
     counts, layout, blocks, tokens, m, run = r.counts, r.layout, r.blocks, r.tokens, r.m, r.run
-    t, full, head = layout.tp, run.recompute == "full", int(r.holds_last)
+    t, head = layout.tp, int(r.holds_last)
     act = tokens * counts.block_input
-    fwd = 2 if full else 1
+    forwards = len(blocks) + (len(r.recomputed) if run.recompute == "full" else 0)  # of a block, of the blocks
     if layout.sequence_parallel:
-        each = 2 * (fwd + 1) * len(blocks)  # all-gathers, as many reduce-scatters
-        again = 2 * len(blocks) if run.recompute == "selective" else 0  # selective: the inputs re-gathered
+        each = 2 * (forwards + len(blocks))  # all-gathers, as many reduce-scatters
+        again = 2 * len(r.recomputed) if run.recompute == "selective" else 0  # selective: the inputs re-gathered
         # The sub-layers' inputs 1 byte an element under fp8 TP gathers; the head's input (not fp8) 16-bit.
         gather = act / counts.dtype_bytes if run.fp8_tp_all_gather else act
         s = coll("all_gather", gather, t, t, m * (each + again)) + coll("all_gather", act, t, t, m * head) \
@@ -176,7 +176,7 @@ def tp_collectives(r: Rank, coll) -> float:
             s += coll("all_reduce", act, t, t, m) + coll("all_gather", act, t, t, m)  # the table's, its gradient
     else:
         colwise = sum(max(counts.block_linears[i] - 2, 0) for i in blocks)  # all but the 2 row-wise
-        reduces = 2 * fwd * len(blocks) + colwise + head + int(r.holds_first)  # + head, table
+        reduces = 2 * forwards + colwise + head + int(r.holds_first)  # + head, table
         s = coll("all_reduce", act, t, t, m * reduces)
     if not run.loss_parallel and counts.vocab and head:
         s += coll("all_gather", tokens * counts.vocab * counts.dtype_bytes, t, t, m)

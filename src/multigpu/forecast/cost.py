@@ -20,8 +20,10 @@ Memory per GPU (bytes), on the rank that holds the most:
   norms save: ``saved_under_tp``), for the rank's blocks and the micro-batches in flight as torch's schedules warm
   up (1; 1F1B p - k on rank k; v stages a rank ((v - 1) min(m, p) + 2 (p - 1 - k) + 1) / v, rank 0's p (1 +
   (p-1)/(p v)); never above m; GPipe m: ``memory.micro_batches_in_flight``); full recompute keeps the block
-  input, selective the input, attention's outputs and every other matmul's output; one block's backward at a
-  time adds its gradients in flight (counted on fake tensors) and what recompute makes again;
+  input, selective the input, attention's outputs and every other matmul's output (of the first
+  ``checkpoint_blocks`` of each stage where the layout gives it: the others keep all, ``Rank.recomputed``); one
+  block's backward at a time adds its gradients in flight (counted on fake tensors) and what recompute makes again
+  (less what the kept blocks after it have freed by then);
   the rank of the last stage adds the embedding output, the logits and the loss's float32 copy (a compiled loss:
   the 16-bit logits), twice: the backward starts by making their gradients while all of the above is still held;
   they are freed before the last block's backward (the larger of the two counts);
@@ -115,8 +117,9 @@ def compute_parts(r: Rank, cluster: Cluster, a: Assumptions) -> tuple[dict[str, 
 
     def seconds(recompute: str) -> float:  # a micro-batch's forward and backward, that recompute's forward included
         imbalance = a.expert_imbalance if r.e > 1 else None
-        matmul, attention = micro_flops(r.counts, r.blocks, r.tokens, r.t, recompute, imbalance)
-        fast = float8_flops(r.counts, r.blocks, r.tokens, r.t, recompute) if run.precision == "fp8" else 0.0
+        matmul, attention = micro_flops(r.counts, r.blocks, r.tokens, r.t, recompute, imbalance, r.recomputed)
+        fast = float8_flops(r.counts, r.blocks, r.tokens, r.t, recompute, r.recomputed) if run.precision == "fp8" \
+            else 0.0
         if not r.holds_last:  # both count the head (the FLOPs outside the blocks: of no blocks); the last stage runs it
             matmul -= micro_flops(r.counts, [], r.tokens, r.t, recompute)[0]
             fast -= float8_flops(r.counts, [], r.tokens, r.t, recompute) if run.precision == "fp8" else 0.0

@@ -53,6 +53,7 @@ class Degrees:
     overlap_param_gather: bool = False  # ZeRO-1 as Megatron's distributed optimizer runs it with its overlap flags
                                         # (``comm.ddp_exposed``), not multigpu's: a layout multigpu does not run
     stages_per_rank: int | None = None  # a looped schedule's stages per rank (None: the schedule's own), as Layout's
+    checkpoint_blocks: int | None = None  # recompute the first k blocks of each stage only (None: all), as Layout's
     # Pipeline stages in all: the Layout's own count on the same fields, so ``Rank`` reads both alike.
     stages = Layout.stages
 
@@ -120,6 +121,9 @@ class Rank:
         self.stage_ids = stage_ids(layout.schedule, pp_rank, p, self.v) if p > 1 else [0]
         ranges = stage_ranges(L, layout.stages)
         self.blocks = [i for s in self.stage_ids for i in ranges[s]]
+        # The blocks whose forward ``run.recompute`` runs again: all, or the first checkpoint_blocks of each stage, as
+        # mg.parallelize checkpoints them (Megatron's --recompute-method block); the others keep their activations.
+        self.recomputed = [i for s in self.stage_ids for i in ranges[s][:layout.checkpoint_blocks]]
         self.holds_first, self.holds_last = 0 in self.stage_ids, layout.stages - 1 in self.stage_ids
         self.tokens = self.b * run.seq_len / self.c  # per micro-batch on this rank (before tp, which shares them)
         self.width = counts.dtype_bytes

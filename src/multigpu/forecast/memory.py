@@ -61,11 +61,20 @@ def activation_phases(r: Rank) -> tuple[float, float, float, float, float]:
     """Bytes of activations: (kept per micro-batch in flight, micro-batches in flight, a block's backward's own while
     it runs, the head's and loss's at the backward's start, the logits a loop holds through the backward)."""
     counts, t, p, run, sp, tokens, blocks = r.counts, r.t, r.p, r.run, r.sp, r.tokens, r.blocks
+    recomputed = set(r.recomputed)  # the others keep what they save, as without recompute
+
+    def mode(i: int) -> str:
+        return run.recompute if i in recomputed else "none"
+
     # Sequence parallelism cuts the block input full recompute keeps; without it that stays whole. The logits are
     # cut by vocabulary only under a parallel loss.
-    per_block = {"none": [saved_under_tp(counts, i, t, sp) for i in blocks],
-                 "selective": [counts.block_input / (t if sp else 1) + counts.block_kept[i] / t for i in blocks],
-                 "full": [counts.block_input / (t if sp else 1)] * len(blocks)}[run.recompute]
+    def kept(i: int) -> float:
+        if mode(i) == "none":
+            return saved_under_tp(counts, i, t, sp)
+        block_input = counts.block_input / (t if sp else 1)
+        return block_input + counts.block_kept[i] / t if mode(i) == "selective" else block_input
+
+    per_block = [kept(i) for i in blocks]
     stage_bytes = sum(per_block) * tokens  # kept per micro-batch in flight
 
     # While a block's backward runs, once (a micro-batch's backward at a time): what recompute makes again of its
@@ -73,9 +82,17 @@ def activation_phases(r: Rank) -> tuple[float, float, float, float, float]:
     # (counted on fake tensors; cut by tp with the matmuls that make them).
     def again(i: int, keep: float) -> float:
         saved = saved_under_tp(counts, i, t, sp)
-        return {"none": 0.0, "full": saved, "selective": max(0.0, saved - keep)}[run.recompute]
+        return {"none": 0.0, "full": saved, "selective": max(0.0, saved - keep)}[mode(i)]
 
-    transient = max(again(i, keep) + counts.block_backward[i] / t for i, keep in zip(blocks, per_block)) * tokens
+    # A recomputed block among kept ones (checkpoint_blocks: the first k of a stage) runs its backward after the kept
+    # blocks after it have run theirs and freed what they saved: that is not held beside its recomputed activations.
+    # Where every block is recomputed or none, nothing is taken off (0): the phase as full or no recompute has it.
+    freed, after = [], 0.0
+    for i, keep in zip(reversed(blocks), reversed(per_block)):
+        freed.append(after if mode(i) != "none" else 0.0)
+        after += keep if mode(i) == "none" else 0.0
+    transient = max(again(i, keep) + counts.block_backward[i] / t - off
+                    for i, keep, off in zip(blocks, per_block, reversed(freed))) * tokens
     in_flight = 1.0 if p == 1 else micro_batches_in_flight(r.layout.schedule, p, r.v, r.m, r.pp_rank)
     # What the head and loss saved, and at the backward's start their gradients of the same size (the logits'
     # float32 and 16-bit gradients). A compiled loss fuses the float32 upcast into its kernels: it saves the 16-bit

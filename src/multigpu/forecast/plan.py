@@ -2,7 +2,8 @@
 
 The layouts are the mesh's own enumeration, tune's too (``parallel.space.layouts``: pp x dp_replicate x
 dp_shard x tp, cp without a pipeline, ZeRO-1 beside each DDP, and for a mixture of experts each ep of dp_shard),
-times the micro-batch sizes, full recompute on or off, and the pipeline schedules; a layout the model cannot take (tp or cp not dividing the heads, more stages than
+times the micro-batch sizes, full recompute on or off (a named layout's ``checkpoint_blocks``: on its first k blocks
+of each stage), and the pipeline schedules; a layout the model cannot take (tp or cp not dividing the heads, more stages than
 blocks, a micro-batch count the schedule does not run, a sequence cp cannot cut in 2 cp chunks, ep not dividing the
 experts) is left out with its reason.
 """
@@ -45,11 +46,14 @@ def _why_not(counts: Counts, layout: Layout, run: Run) -> str | None:
 
 def _as_named(layout: Layout, named: list[Layout] | None) -> list[Layout]:
     """``layout`` as each of ``named`` with its degrees asks for it (its schedule under pp, and the stages per rank
-    it gives there; its micro-batch where it gives one); ``[layout]`` where nothing is named."""
+    it gives there; its micro-batch where it gives one; the blocks of each stage it recomputes,
+    ``checkpoint_blocks``); ``[layout]`` where nothing is named."""
     if named is None:
         return [layout]
     degrees = ("pp", "dp_replicate", "dp_shard", "tp", "cp", "ep", "zero1")
-    found = [dataclasses.replace(layout, stages_per_rank=n.stages_per_rank) if layout.pp > 1 else layout
+    found = [dataclasses.replace(layout, stages_per_rank=n.stages_per_rank if layout.pp > 1 else None,
+                                 activation_checkpointing=n.checkpoint_blocks is not None,
+                                 checkpoint_blocks=n.checkpoint_blocks)
              for n in named if all(getattr(layout, d) == getattr(n, d) for d in degrees)
              and (n.pp == 1 or n.schedule == layout.schedule)
              and (n.micro_batch is None or n.micro_batch == layout.micro_batch)]
@@ -74,7 +78,8 @@ def plan(counts: Counts, cluster: Cluster, run: Run, a: Assumptions, *, micro_ba
                 if why:
                     out.append({"layout": name(layout), "reason": why})
                     continue
-                for rc in recompute:
+                # A layout that recomputes the first k blocks of each stage is forecast so (full recompute on those).
+                for rc in (("full",) if layout.checkpoint_blocks else recompute):
                     # The model cuts every saved tensor by tp, as sequence parallelism does: the command asks for it
                     # (not beside ep or cp, which multigpu does not compose with it yet: there it is optimistic).
                     sp = layout.tp > 1 and layout.ep == layout.cp == 1

@@ -49,8 +49,8 @@ def _positive(flag: str, text: str, fix: str = "") -> int:
 def layout_from_args(argv: Sequence[str] | None = None, default: Layout | None = None) -> tuple[Layout, list[str]]:
     """(the ``Layout`` the command line asks for, the arguments that are not layout flags).
 
-    Reads ``--tp --pp --dp-replicate --dp-shard --ep --cp --micro-batch --activation-checkpointing --schedule
-    --stages-per-rank --compile --sequence-parallel --zero1`` from ``argv`` (default ``sys.argv[1:]``); what a flag leaves out is ``default``'s (a
+    Reads ``--tp --pp --dp-replicate --dp-shard --ep --cp --micro-batch --activation-checkpointing
+    --checkpoint-blocks --schedule --stages-per-rank --compile --sequence-parallel --zero1`` from ``argv`` (default ``sys.argv[1:]``); what a flag leaves out is ``default``'s (a
     script's own defaults, e.g. ``Layout(micro_batch=2)``). The rest goes to the script's own parser.
     A bad value is a one-line ``UsageError`` (``mg.init`` reports it and exits with status 2).
     """

@@ -3,7 +3,9 @@
 A ``Layout`` is what a run is spread by: data parallelism replicated
 (``dp_replicate``) and sharded (``dp_shard``; None takes what the other
 degrees leave of the world), tensor parallelism (``tp``), pipeline stages
-(``pp``), the micro-batch, activation checkpointing, the pipeline schedule
+(``pp``), the micro-batch, activation checkpointing (of every block, or with
+``checkpoint_blocks`` k the first k of each pipeline stage, Megatron's
+``--recompute-method block``), the pipeline schedule
 and its stages per rank (``stages_per_rank``: the looped schedules run any
 number, torchtitan's and Megatron's virtual stages; None is the schedule's own).
 ``layout.resolve(world_size)`` is the same layout with every degree set (the
@@ -48,7 +50,8 @@ CP_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # The command-line flags of a script's layout (mg.layout_from_args reads them, Layout.flags writes them):
 # flag -> Layout field, the integer degrees first. Every flag is one of the frozen Layout's fields.
 INT_FLAGS = {"--tp": "tp", "--pp": "pp", "--dp-replicate": "dp_replicate", "--dp-shard": "dp_shard",
-             "--ep": "ep", "--cp": "cp", "--micro-batch": "micro_batch", "--stages-per-rank": "stages_per_rank"}
+             "--ep": "ep", "--cp": "cp", "--micro-batch": "micro_batch", "--stages-per-rank": "stages_per_rank",
+             "--checkpoint-blocks": "checkpoint_blocks"}
 BOOL_FLAGS = {"--activation-checkpointing": "activation_checkpointing", "--compile": "compile",
               "--sequence-parallel": "sequence_parallel", "--zero1": "zero1"}
 # What only a pipeline reads: a layout without one (pp 1) leaves them out of its label and flags.
@@ -65,7 +68,10 @@ class Layout:
     checkpointing per block, ``torch.compile`` per block, sequence parallelism, the pipeline schedule, ZeRO-1
     (``zero1``: DDP's optimizer state sharded over the replicas, ``mg.wrap``'s ``"zero1"``; only where the layout
     only replicates) and the pipeline's stages per rank (``stages_per_rank``: any number for a looped schedule,
-    ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zero_bubble``; None: 1 single-stage, 2 multi-stage)."""
+    ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zero_bubble``; None: 1 single-stage, 2 multi-stage).
+    ``checkpoint_blocks`` (with ``activation_checkpointing``): how many blocks of each pipeline stage (of the model
+    without a pipeline) are checkpointed, the first ones, the rest keeping their activations; a stage of fewer
+    blocks checkpoints them all; None: every block."""
 
     dp_replicate: int = 1
     dp_shard: int | None = None
@@ -80,12 +86,20 @@ class Layout:
     cp: int = 1
     zero1: bool = False
     stages_per_rank: int | None = None
+    checkpoint_blocks: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "ep", "cp") + (("dp_shard",) if self.dp_shard is not None else ()):
             positive_int(getattr(self, name), f"layout {name}", f"e.g. mg.parallel.Layout({name}=2)")
         if self.micro_batch is not None and not is_positive_int(self.micro_batch):
             raise UsageError(f"layout micro_batch must be a positive integer or None, got {self.micro_batch!r}")
+        if self.checkpoint_blocks is not None:
+            positive_int(self.checkpoint_blocks, "layout checkpoint_blocks", "e.g. Layout(activation_checkpointing=True, "
+                         "checkpoint_blocks=2), or None to checkpoint every block")
+            if not self.activation_checkpointing:
+                raise UsageError(f"checkpoint_blocks={self.checkpoint_blocks} says how many blocks activation "
+                                 "checkpointing recomputes, but activation_checkpointing is off; add "
+                                 "activation_checkpointing=True (--activation-checkpointing) or drop checkpoint_blocks")
         stages_per_rank(self.schedule, self.stages_per_rank)  # an unknown schedule, stages a rank it cannot run
         if self.sequence_parallel and self.tp == 1:
             raise UsageError("sequence_parallel splits the sequence over tensor-parallel ranks but tp is 1; "
@@ -188,7 +202,7 @@ class Layout:
         base = Layout(dp_shard=1)
         parts = []
         for f in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "micro_batch", "activation_checkpointing",
-                  "compile", "sequence_parallel", "schedule", "stages_per_rank", "zero1"):
+                  "checkpoint_blocks", "compile", "sequence_parallel", "schedule", "stages_per_rank", "zero1"):
             value = getattr(self, f)
             if value != getattr(base, f) and not (f in PIPELINE_FIELDS and self.pp == 1):
                 parts.append(f"{f}={str(value).lower() if isinstance(value, bool) else value}")

@@ -28,7 +28,13 @@ def name(layout: Layout) -> str:
         per_rank = f" ({s.stages // s.pp} stages a rank)" if s.stages_per_rank is not None else ""  # where asked
         parts.append(f"PP {s.pp} {layout.schedule}{per_rank}")
     experts = f", EP {s.ep}" if s.ep > 1 else ""  # borrowed from dp_shard and tp: no factor of the world of its own
-    return " x ".join(parts) + experts + f", micro-batch {layout.micro_batch}" + (", AC" if layout.activation_checkpointing else "")
+    return " x ".join(parts) + experts + f", micro-batch {layout.micro_batch}" + _checkpointing(layout)
+
+
+def _checkpointing(layout: Layout) -> str:
+    if not layout.activation_checkpointing:
+        return ""
+    return ", AC" + (f" of {layout.checkpoint_blocks} blocks a stage" if layout.checkpoint_blocks else "")
 
 
 def layouts(world: int, *, micro_batches: list[int] | None = None,

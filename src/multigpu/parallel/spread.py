@@ -337,12 +337,16 @@ def _per_block(model: nn.Module, layout: Layout, blocks: list, activation_checkp
     if (ac or compiled) and not blocks:
         raise UsageError(f"activation checkpointing and compile apply per block, but {type(model).__name__} has no "
                          "repeated blocks (none declared, no container of one class); pass block_classes=[YourBlock]")
-    for _, block in blocks:
-        if ac:
+    # The first k blocks (of this stage, on a pipeline: each stage is spread on its own), as Megatron's
+    # --recompute-method block: the rest keep their activations. A stage of fewer blocks checkpoints them all.
+    k = len(blocks) if layout.checkpoint_blocks is None else min(layout.checkpoint_blocks, len(blocks))
+    for index, (_, block) in enumerate(blocks):
+        if ac and index < k:
             _checkpointed(block)
         if compiled:
             block.compile()  # in place: the parameter names stay
-    done = "; ".join(x for x in ("activation checkpointing per block" if ac else "",
+    which = "per block" if k == len(blocks) else f"on the first {k} of {len(blocks)} blocks"
+    done = "; ".join(x for x in (f"activation checkpointing {which}" if ac else "",
                                  "compiled per block" if compiled else "") if x)
     return f"; {done}" if done else ""
 

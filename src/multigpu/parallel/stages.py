@@ -246,7 +246,10 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
                + (f", each stage tensor parallel {layout.tp} (plan {source}, {len(styles)} modules)"
                   if layout.tp > 1 else "")
                + (f", each stage FSDP over {layout.dp_size} ranks" if layout.dp_size > 1 else "")
-               + (f", its experts over ep {layout.ep}" if layout.ep > 1 else ""))
+               + (f", its experts over ep {layout.ep}" if layout.ep > 1 else "")
+               + (", activation checkpointing " + (f"on the first {layout.checkpoint_blocks} blocks of each stage"
+                                                   if layout.checkpoint_blocks else "per block")
+                  if layout.activation_checkpointing else ""))
     from .hf.tied import tied_groups
 
     tied = tied_groups(model)  # each stage holds its own copy: the Pipeline sums their gradients
