@@ -447,14 +447,16 @@ def test_reserved_and_allocated_are_both_forecast_and_a_row_says_which_it_publis
     """A published peak is the caching allocator's reserved bytes (torchtitan's log line) or the tensors' allocated
     peak: the forecast gives both (allocated: the same without the allocator's part, what a live-tensor forecast,
     ``reserved=False`` and no overhead, gives) and each row is compared with the one it published."""
-    c = _counts()
-    machine, run = cluster("h100", 8), Run(16, 64)
+    c = _counts(layers=4)
+    machine, run = cluster("h100", 8), Run(16, 64, recompute="full")
     a = Assumptions(allocator_overhead=0.15)
-    got = predict(c, machine, Degrees(1, 8, 1, 1, 1, 2), run, a)
-    live = predict(c, machine, Degrees(1, 8, 1, 1, 1, 2), run,
-                   dataclasses.replace(a, reserved=False, allocator_overhead=0.0))
-    assert got["allocated_bytes"] == pytest.approx(live["memory_bytes"], rel=1e-12)
-    assert got["memory_bytes"] > got["allocated_bytes"]
+    # A pipeline's ranks differ in what the allocator keeps (the loss's freed blocks on the last stage's): the
+    # allocated peak is the most over the ranks, as the live forecast's is.
+    for layout in (Degrees(1, 8, 1, 1, 1, 2), Degrees(1, 4, 1, 2, 1, 1)):
+        got = predict(c, machine, layout, run, a)
+        live = predict(c, machine, layout, run, dataclasses.replace(a, reserved=False, allocator_overhead=0.0))
+        assert got["allocated_bytes"] == pytest.approx(live["memory_bytes"], rel=1e-12), layout
+        assert got["memory_bytes"] > got["allocated_bytes"]
     pytest.importorskip("transformers")
     kinds = {published.source(r): r.get("memory_kind") for r in published.rows() if r["peak_memory_gib"]}
     assert set(kinds.values()) <= {"reserved", "allocated", "unstated"} and None not in kinds.values(), kinds

@@ -79,8 +79,9 @@ def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run
     step, total = ranks[slowest]["step_s"], ranks[fullest]["memory_bytes"]
     tps = run.global_batch * run.seq_len / step / cluster.gpus
     # What the caching allocator reserves (``Assumptions.reserved``: what runs out, what torchtitan's log line prints),
-    # and the tensors' own peak under it (torch.cuda.max_memory_allocated's; the runtime's term in both).
-    allocated = total - ranks[fullest]["memory"]["allocator"]
+    # and the tensors' own peak under it (torch.cuda.max_memory_allocated's; the runtime's term in both), each the
+    # most over the ranks: the allocator's part differs by rank (the loss's freed blocks sit on the last stage's).
+    allocated = max(rk["memory_bytes"] - rk["memory"]["allocator"] for rk in ranks)
     return {"memory": ranks[fullest]["memory"], "memory_bytes": total, "allocated_bytes": allocated,
             "fits": total <= cluster.gpu.hbm_bytes,
             "time": ranks[slowest]["time"], "step_s": step, "tokens_per_s_per_gpu": tps,

@@ -140,7 +140,7 @@ def fit(base: Assumptions | None = None) -> Assumptions:
 
 
 def _unreachable(key: str, field: str):
-    raise ValueError(f"the calibration row {key!r} cannot be met by any {field} within its limit "
+    raise UsageError(f"the calibration row {key!r} cannot be met by any {field} within its limit "
                      f"({LIMITS.get(field, 5.0)}): the calibration names a row the forecast cannot fit")
 
 
