@@ -118,12 +118,10 @@ def compute_parts(r: Rank, cluster: Cluster, a: Assumptions) -> tuple[dict[str, 
 
     def seconds(recompute: str) -> float:  # a micro-batch's forward and backward, that recompute's forward included
         imbalance = a.expert_imbalance if r.e > 1 else None
-        matmul, attention = micro_flops(r.counts, r.blocks, r.tokens, r.t, recompute, imbalance, r.recomputed)
-        fast = float8_flops(r.counts, r.blocks, r.tokens, r.t, recompute, r.recomputed) if run.precision == "fp8" \
-            else 0.0
-        if not r.holds_last:  # both count the head (the FLOPs outside the blocks: of no blocks); the last stage runs it
-            matmul -= micro_flops(r.counts, [], r.tokens, r.t, recompute)[0]
-            fast -= float8_flops(r.counts, [], r.tokens, r.t, recompute) if run.precision == "fp8" else 0.0
+        matmul, attention = micro_flops(r.counts, r.blocks, r.tokens, r.t, recompute, imbalance, r.recomputed,
+                                        head=r.holds_last)  # the head's FLOPs on the last stage's rank alone
+        fast = float8_flops(r.counts, r.blocks, r.tokens, r.t, recompute, r.recomputed, head=r.holds_last) \
+            if run.precision == "fp8" else 0.0
         return (matmul - fast + fast / a.fp8_speedup + attention) / rate
 
     micro_s = seconds(run.recompute)
