@@ -38,6 +38,7 @@ class Spread:
     comm_hook: tuple | None = None   # (name, state) of DDP's gradient communication hook
     pipeline: Any = None             # weakref.ref to the Pipeline whose stages' union this is (pipe.model)
     tp_plan: str | None = None       # where the TP plan came from: "given", "declared by ...", "found in the blocks"
+    noise: Any = None                # weakref.ref to the NoiseScale measuring its gradients (mg.accumulate asks)
 
 
 _RECORDS: "weakref.WeakKeyDictionary[Any, Spread]" = weakref.WeakKeyDictionary()

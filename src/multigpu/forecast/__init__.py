@@ -67,6 +67,10 @@ def _training_arguments(add) -> None:
     add("--logits-held", action="store_true",
         help="the training loop holds the logits through the backward (out = model(x); loss.backward(), as most "
              "scripts do; torchtitan frees them first): their bytes counted under the backward's peak")
+    add("--grad-sync", choices=("last", "each"), default="last",
+        help="when accumulating micro-batches, reduce the data-parallel gradients on the last (mg.accumulate's "
+             "default) or on each (mg.accumulate(..., sync='each'): FSDP holds its shard of them between "
+             "micro-batches, not every block's unsharded one, and reduce-scatters each) (default %(default)s)")
 
 
 def _output_arguments(add) -> None:
@@ -111,12 +115,12 @@ def main(args) -> int:
     named = _named(args.layout, machine.gpus)  # refused before the count
     counts = counted(args.model, args.seq_len, fp8)
     ranked, left_out = plan(counts, machine, run, a, micro_batches=micro, named=named)
-    best = ranked[0]
+    best, more = ranked[0], sync_note(counts, machine, run, a, ranked)
     launch = f"multigpu run --nnodes {machine.nodes} -n {min(machine.gpus, machine.gpus_per_node)}"
     command = " ".join([launch, args.script, *best["layout"].flags])
     if args.json:
-        return _print_json(ranked, left_out, args.top, command, machine, counts.fp8)
-    _print_table(args, counts, machine, run, a, ranked, left_out, command)
+        return _print_json(ranked, left_out, args.top, command, machine, counts.fp8, more)
+    _print_table(args, counts, machine, run, a, ranked, left_out, command, more)
     _write_report(out, args.top, counts, machine, run, a, ranked, left_out, command)
     return 0 if best["fits"] else 1
 
@@ -170,11 +174,12 @@ def _setting(args) -> tuple:
     run = Run(args.global_batch or args.gpus, args.seq_len, compile=args.compile, precision=args.precision,
               async_tp=args.async_tp, loss_parallel=args.loss_parallel, compile_loss=args.compile_loss,
               fp8_all_gather=args.fp8_all_gather, fp8_tp_all_gather=args.fp8_tp_all_gather,
-              logits_held=args.logits_held)
+              logits_held=args.logits_held, grad_sync=args.grad_sync)
     return machine, a, run
 
 
-def _print_table(args, counts, machine, run, a, ranked: list[dict], left_out: list[dict], command: str) -> None:
+def _print_table(args, counts, machine, run, a, ranked: list[dict], left_out: list[dict], command: str,
+                 more: list[str]) -> None:
     """What was forecast, the ``--top`` layouts, the notes, and the command that runs the best."""
     from .cost import GiB
     from .report import HEADER, row
@@ -185,7 +190,8 @@ def _print_table(args, counts, machine, run, a, ranked: list[dict], left_out: li
           + (", compiled" if run.compile else "") + (", loss compiled" if run.compile_loss else "")
           + (", fp8 all-gather" if run.fp8_all_gather else "") + (", fp8 TP gathers" if run.fp8_tp_all_gather else "")
           + (", parallel loss" if run.loss_parallel else ", logits gathered under tp")
-          + (", logits held through the backward" if run.logits_held else ""))
+          + (", logits held through the backward" if run.logits_held else "")
+          + (", gradients reduced on each micro-batch" if run.grad_sync == "each" else ""))
     if counts.fp8:
         print(f"float8, as mg.Precision('fp8') converts: {counts.fp8}"
               + ("; rowwise's speedup taken as tensorwise's (no published rowwise run calibrates it)"
@@ -193,7 +199,7 @@ def _print_table(args, counts, machine, run, a, ranked: list[dict], left_out: li
     widths = [max(len(h), *(len(row(f)[i]) for f in ranked[:args.top])) for i, h in enumerate(HEADER)]
     for cells in [HEADER] + [row(f) for f in ranked[:args.top]]:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))))
-    for note in notes(ranked, machine.gpu.hbm_bytes):
+    for note in notes(ranked, machine.gpu.hbm_bytes) + more:
         print(f"note: {note}")
     fitting = sum(f["fits"] for f in ranked)
     print(f"{fitting} of {len(ranked)} layouts fit {machine.gpu.hbm_bytes / GiB:.1f} GiB; {len(left_out)} left out "
@@ -213,7 +219,8 @@ def _write_report(out: Path, top: int, counts, machine, run, a, ranked: list[dic
                "gpus_per_node": machine.gpus_per_node, "global_batch": run.global_batch, "seq_len": run.seq_len,
                "precision": run.precision, "fp8_all_gather": run.fp8_all_gather,
                "fp8_tp_all_gather": run.fp8_tp_all_gather, "compile": run.compile,
-               "compile_loss": run.compile_loss, "loss_parallel": run.loss_parallel, "fp8_layers": counts.fp8}
+               "compile_loss": run.compile_loss, "loss_parallel": run.loss_parallel, "fp8_layers": counts.fp8,
+               "grad_sync": run.grad_sync}
     try:
         html = write_all(out, f"Forecast: {counts.name} on {machine.gpus} x {machine.gpu.name}", ranked, left_out,
                          top, a, context, command)
@@ -262,6 +269,36 @@ def notes(ranked: list[dict], hbm_bytes: float) -> list[str]:
     return said
 
 
+def sync_note(counts, machine, run, a, ranked: list[dict]) -> list[str]:
+    """What reducing the gradients on each micro-batch (``mg.accumulate``'s sync "each") would change where FSDP
+    holds every block's unsharded gradient while micro-batches accumulate (sync "last"): the pick's memory, where it
+    frees more than the forecast's margin of the GPU, and the layouts that fit only so, with the fastest of them;
+    nothing where the run reduces on each already."""
+    from .cost import GiB, predict
+
+    def each(f: dict) -> dict | None:  # f's forecast reducing on each micro-batch; None where nothing is held aside
+        layout = f["layout"]
+        if run.grad_sync == "each" or layout.pp > 1 or layout.dp_shard * layout.cp == 1 or \
+                run.global_batch // (layout.dp_size * layout.micro_batch) == 1:
+            return None  # a pipeline's schedule, DDP, one micro-batch: nothing to free
+        return predict(counts, machine, layout, dataclasses.replace(run, grad_sync="each", recompute=f["recompute"]), a)
+
+    said, how = [], "mg.accumulate(model, micro_batches, sync='each') (--grad-sync each)"
+    best, got = ranked[0], each(ranked[0])
+    if best["fits"] and got and best["memory_bytes"] - got["memory_bytes"] > MEMORY_MARGIN * machine.gpu.hbm_bytes:
+        said.append(f"{best['name']} needs {got['memory_bytes'] / GiB:.1f} GiB instead of "
+                    f"{best['memory_bytes'] / GiB:.1f} reducing the gradients on each micro-batch, {how}: FSDP then "
+                    f"holds its shard of them, not every block's unsharded one; {got['step_s']:.3g} s a step instead "
+                    f"of {best['step_s']:.3g}")
+    found = [(g["tokens_per_s_per_gpu"], f["name"], g["memory_bytes"]) for f in ranked if not f["fits"]
+             for g in [each(f)] if g and g["fits"]]
+    if found:
+        tps, name, memory = max(found)
+        said.append(f"{len(found)} more layout(s) fit reducing the gradients on each micro-batch, {how}; the "
+                    f"fastest: {name}, {memory / GiB:.1f} GiB, {tps:,.0f} tokens/s/GPU")
+    return said
+
+
 def _named(spec: str | None, gpus: int) -> list | None:
     """``--layout``'s layouts (their degrees fill ``gpus``), or None: every layout."""
     if spec is None:
@@ -278,7 +315,8 @@ def _named(spec: str | None, gpus: int) -> list | None:
     return named
 
 
-def _print_json(ranked: list[dict], left_out: list[dict], top: int, command: str, machine, fp8: str) -> int:
+def _print_json(ranked: list[dict], left_out: list[dict], top: int, command: str, machine, fp8: str,
+                more: list[str]) -> int:
     import json
 
     from .cost import GiB
@@ -287,6 +325,6 @@ def _print_json(ranked: list[dict], left_out: list[dict], top: int, command: str
     rows = [{**{k: f[k] for k in keep}, "memory_gib": f["memory_bytes"] / GiB, "flags": list(f["layout"].flags),
              "recompute": f["recompute"]} for f in ranked[:top]]
     print(json.dumps({"ranked": rows, "layouts": len(ranked), "left_out": left_out, "command": command,
-                      "notes": notes(ranked, machine.gpu.hbm_bytes), **({"fp8_layers": fp8} if fp8 else {})},
+                      "notes": notes(ranked, machine.gpu.hbm_bytes) + more, **({"fp8_layers": fp8} if fp8 else {})},
                      indent=1))
     return 0 if ranked[0]["fits"] else 1

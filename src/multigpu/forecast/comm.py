@@ -75,7 +75,8 @@ def ddp_exposed(r: Rank, phases: tuple[float, float], overlap: float, coll) -> f
     n, span, calls)``; ``phases``: a micro-batch's forward and backward seconds.
 
     DDP: the float32 gradients all-reduced, one 25 MiB bucket at a time, in the last micro-batch's backward
-    (``mg.accumulate`` syncs only there), the last bucket exposed. ZeRO-1 as multigpu runs it (``mg.wrap``'s
+    (``mg.accumulate`` syncs only there; with sync "each" in every one's: ``Rank.reductions``), the last bucket
+    exposed. ZeRO-1 as multigpu runs it (``mg.wrap``'s
     "zero1": DDP and ``ZeroRedundancyOptimizer``): that all-reduce, then, once the optimizer has stepped its shard,
     every rank broadcasts its shard of the float32 parameters, waited for before the step returns: all of it
     exposed, nothing computes beside it (counted as one all-gather of the parameters, the bytes each rank
@@ -83,12 +84,13 @@ def ddp_exposed(r: Rank, phases: tuple[float, float], overlap: float, coll) -> f
     --overlap-param-gather`` (``overlap_param_gather``, a layout multigpu does not run): its buckets of
     max(40M, 1M x dp) parameters reduce-scattered in float32 in that backward, and the 16-bit parameters
     all-gathered bucket by bucket under the next step's first forward, the first bucket exposed."""
-    dp, span, params = r.dp, r.dp * r.c * r.t, r.held
+    dp, span, params, k = r.dp, r.dp * r.c * r.t, r.held, r.reductions
     megatron = r.zero1 and getattr(r.layout, "overlap_param_gather", False)
     size = 4.0 * max(MEGATRON_BUCKET[0], MEGATRON_BUCKET[1] * dp) if megatron else DDP_BUCKET
     buckets = max(1, math.ceil(4.0 * params / size))
-    bucket = coll("reduce_scatter" if megatron else "all_reduce", 4.0 * params / buckets, dp, span, buckets) / buckets
-    s = exposed(buckets * bucket, bucket, phases[1], buckets, overlap)
+    op = "reduce_scatter" if megatron else "all_reduce"
+    bucket = coll(op, 4.0 * params / buckets, dp, span, k * buckets) / (k * buckets)
+    s = k * exposed(buckets * bucket, bucket, phases[1], buckets, overlap)  # in each reducing micro-batch's backward
     if megatron:
         gather = coll("all_gather", r.width * params / buckets, dp, span, buckets) / buckets
         s += exposed(buckets * gather, gather, phases[0], buckets, overlap)
@@ -117,9 +119,10 @@ def fsdp_exposed(r: Rank, cluster: Cluster, phases: tuple[float, float], overlap
 
     Each micro-batch's forward gathers the root, then every block in turn: hidden under the forward only, the
     root's and the first block's exposed. Its backward gathers every block again (hidden under the backward, the
-    first exposed); the last micro-batch's (``mg.accumulate`` syncs only there) also reduce-scatters every unit in
-    float32, each after its block's backward, and HSDP all-reduces each shard over the replicas after its
-    reduce-scatter: the first block's and the root's, after the backward's last piece, are exposed. A pipeline
+    first exposed); the last micro-batch's (``mg.accumulate`` syncs only there; with sync "each" every one's,
+    ``Rank.reductions``) also reduce-scatters every unit in float32, each after its block's backward, and HSDP
+    all-reduces each shard over the replicas after its reduce-scatter in the last: the first block's and the
+    root's, after the backward's last piece, are exposed. A pipeline
     stage gathers once a step (its first micro-batch's forward) and reduces in its last micro-batch's backward."""
     t, p, f, ef, m, width, root = r.t, r.p, r.f, r.ef, r.m, r.width, r.root
     units = [(r.dense_of(i), r.gathered_bytes(i, r.dense_of(i)), r.experts[i] / r.e) for i in r.blocks]
@@ -128,8 +131,10 @@ def fsdp_exposed(r: Rank, cluster: Cluster, phases: tuple[float, float], overlap
     def one(op: str, nbytes: float, n: int, over: int = 1) -> float:  # one call's seconds; the span f x t (x replicas)
         return cluster.collective_s(op, n, over * f * t, nbytes)
 
-    def reduced(size: float, n: int) -> float:  # a unit's float32 gradient reduce-scattered, its shard all-reduced
-        return one("reduce_scatter", 4.0 * size, n) + one("all_reduce", 4.0 * size / n, replicas, replicas)
+    def reduced(size: float, n: int, last: bool = True) -> float:  # a unit's float32 gradient reduce-scattered,
+        # its shard all-reduced over the replicas (HSDP) in the step's last micro-batch
+        return one("reduce_scatter", 4.0 * size, n) + (one("all_reduce", 4.0 * size / n, replicas, replicas) if last
+                                                       else 0.0)
 
     gathers = [one("all_gather", nbytes, f) + one("all_gather", width * x, ef) for _, nbytes, x in units]
     reduces = [reduced(size, f) + reduced(x, ef) for size, _, x in units]
@@ -139,13 +144,18 @@ def fsdp_exposed(r: Rank, cluster: Cluster, phases: tuple[float, float], overlap
     passes = 2 * rounds if p == 1 else 1  # each block's gathers a step
     again = (sum(gathers), max(gathers)) if p == 1 else (0.0, 0.0)  # the backward's gathers, the first exposed
     n, moe = len(units), sum(x > 0 for _, _, x in units)
-    ends = 1 if root else 0
-    for size, k in ((f, n * (passes + 1) + (rounds + 1) * ends), (ef, moe * (passes + 1)), (replicas, n + ends + moe)):
-        if size > 1 and k:
-            calls[size] = calls.get(size, 0.0) + k
+    ends, k = (1 if root else 0), r.reductions  # k: the micro-batches that reduce-scatter (sync "each": every one)
+    for size, count in ((f, n * passes + rounds * ends + k * (n + ends)), (ef, moe * (passes + k)),
+                        (replicas, n + ends + moe)):
+        if size > 1 and count:
+            calls[size] = calls.get(size, 0.0) + count
+    # The backwards that reduce-scatter before the last (sync "each"), without HSDP's all-reduce, which waits for it.
+    early = [reduced(size, f, False) + reduced(x, ef, False) for size, _, x in units]
+    r_early = reduced(root, f, False) if root else 0.0
     fwd, bwd = phases
     return (rounds * exposed(g_root + sum(gathers), g_root + max(gathers), fwd, n, overlap)
-            + (rounds - 1) * exposed(again[0], again[1], bwd, n, overlap)
+            + (k - 1) * exposed(again[0] + sum(early) + r_early, again[1] + max(early) + r_early, bwd, n, overlap)
+            + (rounds - k) * exposed(again[0], again[1], bwd, n, overlap)
             + exposed(again[0] + sum(reduces) + r_root, again[1] + max(reduces) + r_root, bwd, n, overlap))
 
 

@@ -97,6 +97,10 @@ class Run:
     logits_held: bool = False        # the loop holds the logits through the backward (``out = model(x)`` then
                                      # ``loss.backward()``, as most scripts do and PyTorch's pipelining does);
                                      # torchtitan frees them first (``del pred``)
+    grad_sync: str = "last"          # ``mg.accumulate``'s sync=: the data-parallel gradients reduced on the last
+                                     # micro-batch of a step ("last") or on each ("each": FSDP holds its shard of
+                                     # them between micro-batches, not every block's unsharded one); a pipeline's
+                                     # schedule reduces on its last
 
 
 class Rank:
@@ -145,6 +149,9 @@ class Rank:
         self.stored = dense / f + self.experts_held / self.ef  # the states' parameters per rank
         self.zero1 = layout.zero1 and self.dp > 1  # DDP's optimizer state sharded over its replicas (f is 1)
         self.stepped = self.stored / (self.dp if self.zero1 else 1)
+        # Micro-batches whose backward reduces the data-parallel gradients: the last, or each under mg.accumulate's
+        # sync="each" (a pipeline's schedule reduces in its last either way).
+        self.reductions = self.m if run.grad_sync == "each" and p == 1 else 1
 
     def dense_of(self, i: int) -> float:
         """Block ``i``'s parameters besides its experts that this tp rank holds."""

@@ -18,14 +18,16 @@ def memory_parts(r: Rank, a: Assumptions) -> dict[str, float]:
     # micro-batches (PyTorch's pipelining turns FSDP's resharding and gradient sync off until the last).
     # Without a pipeline FSDP's root unit (tables, final norm, head) stays gathered from the forward's first
     # op to the backward's last (FSDP2 does not reshard the root after the forward).
-    # Accumulating (m > 1) FSDP skips the reduce-scatter until the last micro-batch (mg.accumulate): every
-    # block's unsharded gradient is held meanwhile (float32: FSDP2 accumulates in the reduce dtype). Otherwise a
+    # Accumulating (m > 1) FSDP skips the reduce-scatter until the last micro-batch (mg.accumulate's sync "last"):
+    # every block's unsharded gradient is held meanwhile (float32: FSDP2 accumulates in the reduce dtype); under
+    # sync "each" every micro-batch reduce-scatters, as one micro-batch a step does. Otherwise a
     # block's unsharded gradient (in the compute dtype) exists only while its backward runs, beside the block
     # before's reduce-scatter input (its gradient in float32, the reduce dtype), which FSDP2 keeps until the next
     # is made (``reduce_scatter_max_input_buffers``, 1): both belong to a block's backward (``block_grads``, added
     # with that phase below), not to the loss's before it.
-    grads = 4.0 * held if m > 1 else 0.0
-    block_grads = (0.0 if m > 1 else width * biggest) + 4.0 * biggest if shards > 1 and p == 1 else 0.0
+    held_aside = m > r.reductions  # micro-batches whose backward does not reduce: their unsharded gradients wait
+    grads = 4.0 * held if held_aside else 0.0
+    block_grads = (0.0 if held_aside else width * biggest) + 4.0 * biggest if shards > 1 and p == 1 else 0.0
     gathered = (4.0 * held + width * (held - r.block_held) + sum(r.gathered_bytes(i, r.dense_of(i)) for i in r.blocks)
                 if p > 1 else 2 * biggest_bytes + width * (r.first + r.last) + grads)
     # DDP's reducer keeps a float32 bucket copy of every gradient (PyTorch's default, no gradient_as_bucket_view).

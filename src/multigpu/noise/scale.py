@@ -20,6 +20,7 @@ The loss must be a mean over the examples of the optimizer step (divide by
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from ..errors import UsageError
 from ..parallel import strategy_of
 from ..parallel.fsdp import fsdp_modules
 from ..runtime.values import positive_int
-from ..spreads import refuse_stages
+from ..spreads import refuse_stages, remember
 from . import layout as shares, norms
 from .estimates import Estimates
 
@@ -69,10 +70,7 @@ class NoiseScale:
         self.tau = float(tau) if tau is not None else 100.0 * plan.global_batch
         if not self.tau > 0:
             raise UsageError(f"NoiseScale tau= is a time constant in examples and must be positive, got {tau}")
-        self.every = every
-        self.sync_every = sync_every
-        self.scaler = scaler
-        self.group = group
+        self.every, self.sync_every, self.scaler, self.group = every, sync_every, scaler, group
         self.estimates = Estimates(plan.global_batch, self.tau, every)
         self._steps: list[tuple] = []  # measured, not yet averaged across ranks: (local, total, scale, total share)
         self._inflight: tuple | None = None  # the all-reduce of the last sync: (work, vec, scales)
@@ -156,6 +154,8 @@ class NoiseScale:
             weights = self._layout.local or [None] * len(self._params)
             self._handles += [p.register_hook(functools.partial(self._on_micro_grad, w))
                               for p, w in zip(self._params, weights)]
+        if self._kind in ("ddp", "fsdp"):  # it reads the gradients a rank accumulated: mg.accumulate(sync='each') asks
+            remember(model, noise=weakref.ref(self))
         return self
 
     def _attach_fsdp(self, modules: list[torch.nn.Module], named: list, tp: int) -> None:

@@ -223,19 +223,46 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         yield
 
 
-def accumulate(model: nn.Module, micro_batches: Iterable[Any]) -> Iterator[Any]:
-    """Yield micro-batches; gradients synchronise on the last one only.
+SYNCS = ("last", "each")  # mg.accumulate's sync=: when the data-parallel gradients are reduced
+
+
+def accumulate(model: nn.Module, micro_batches: Iterable[Any], sync: str = "last") -> Iterator[Any]:
+    """Yield micro-batches; the gradients synchronise on the last one only (``sync="last"``) or on each.
+
+    ``"last"``: one reduction a step; FSDP holds every block's unsharded gradient (float32, its reduce dtype)
+    until it. ``"each"``: FSDP reduce-scatters every micro-batch's gradients, so only its shard of them is
+    held between micro-batches (HSDP all-reduces over the replicas on the last only); what memory it saves,
+    it pays in reduce-scatters, m a step instead of one. Under DDP and ZeRO-1 ``"each"`` saves nothing
+    (the gradients are whole either way) and all-reduces every micro-batch. The sums are the same either way.
 
     >>> for x, y in mg.accumulate(model, micro_batches):
     ...     (loss_fn(model(x), y) / plan.accum_steps).backward()
     """
-    from ..spreads import refuse_stages
+    from ..spreads import refuse_stages, spread_of
 
     refuse_stages(model, "mg.accumulate", "the pipeline runs a step's micro-batches itself: pipe.step(micro_batches)")
+    if sync not in SYNCS:
+        raise UsageError(f"mg.accumulate sync= is 'last' (one reduction a step) or 'each' (FSDP's gradients sharded "
+                         f"between micro-batches), got {sync!r}")
     items = list(micro_batches)
+    spread = spread_of(model)
+    noise = None if spread is None or spread.noise is None else spread.noise()
+    if sync == "each" and len(items) > 1 and noise is not None and noise._kind in ("ddp", "fsdp"):
+        raise UsageError("NoiseScale reads each rank's gradient accumulated over its micro-batches, but "
+                         "mg.accumulate(sync='each') reduces every micro-batch's; use sync='last' (the default) "
+                         "while the noise scale is measured")
     for i, item in enumerate(items):
-        if i < len(items) - 1:
+        last = i == len(items) - 1
+        if sync == "last" and not last:
             with no_sync(model):
                 yield item
+        elif sync == "each" and not last and _wrapper_strategy(model) == "fsdp":
+            # The reduce-scatters run; HSDP's all-reduce over the replicas waits for the last micro-batch (FSDP2
+            # keeps the partial sum meanwhile).
+            model.set_requires_all_reduce(False)
+            try:
+                yield item
+            finally:
+                model.set_requires_all_reduce(True)
         else:
             yield item
