@@ -94,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "and the head counted as one block each)")
     p.add_argument("--untied", action="store_true", help="separate token table and head (a pipeline puts them on two stages)")
     p.add_argument("--loss-parallel", action="store_true", help="cross-entropy on vocabulary-sharded logits (needs --tp)")
+    p.add_argument("--grad-sync", choices=("last", "each"), default="last",
+                   help="accumulating, reduce the gradients on the last micro-batch or on each (FSDP then holds its "
+                        "shard of them, not every block's unsharded one: mg.accumulate's sync=)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="autocast dtype (mg.Precision)")
     p.add_argument("--eval-every", type=int, default=25, help="held-out loss every N steps (and at the end)")
     p.add_argument("--eval-batches", type=int, default=8, help="held-out sequences evaluated: this many global batches")
@@ -331,7 +334,7 @@ def _model_step(model, opt, sched, amp, args, micro_batches):
     """Every micro-batch's summed token loss over the step's global count: this rank's share of the loss."""
     tokens = mg.token_divisor([y for _, y in micro_batches])
     step_loss = 0.0
-    for x, y in mg.accumulate(model, micro_batches):
+    for x, y in mg.accumulate(model, micro_batches, sync=args.grad_sync):
         with mg.parallel.loss_parallel(args.loss_parallel):
             with amp.autocast():
                 logits = model(x)
