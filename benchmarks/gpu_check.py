@@ -11,7 +11,9 @@
 5. `multigpu tune` of GPT-2 124M on the one GPU (micro-batch 4/8/16, activation checkpointing):
    predicted against measured step time and memory;
 6. float8 against bf16 (`multigpu bench --precision bf16,fp8`): GPT-2 124M compiled, rounds interleaved, the
-   speedup's median and range and a verdict (skipped, and said, where torchao is not installed).
+   speedup's median and range and a verdict (skipped, and said, where torchao is not installed);
+7. the achieved fraction of peak of one decoder block by model, tensor-parallel cut and micro-batch
+   (``benchmarks/block_efficiency.py``): the per-shape efficiency the forecast's one number stands for.
 Prints each step's exit status and a one-line summary; exits non-zero if any failed.
 """
 
@@ -49,6 +51,8 @@ STEPS = [
     # float8 against bf16, A B A B, compiled per block (torchao's casts fuse only under compile).
     ("fp8 vs bf16 speed, gpt2 124M", [sys.executable, "-m", "multigpu", "bench", "--precision", "bf16,fp8", "--model",
                                       "gpt2", "--compile", "--iters", "10", "--rounds", "4"]),
+    # The achieved fraction of peak block by block (forecast's one number per GPU kind, measured by shape).
+    ("block efficiency by shape", [sys.executable, "benchmarks/block_efficiency.py", "--rounds", "3"]),
     ("meter + profiler example", [sys.executable, "-m", "multigpu", "run", "-n", "1", "examples/observe.py",
                                   "--steps", "40", "--profile", "10:15", "--log-every", "10"]),
 ]
