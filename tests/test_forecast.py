@@ -13,7 +13,7 @@ import torch
 from _cli import run_cli
 
 from multigpu.forecast import published
-from multigpu.forecast.cost import GiB, Assumptions, Degrees, Overheads, Run, predict, saved_under_tp
+from multigpu.forecast.cost import GiB, Assumptions, Overheads, Run, predict, saved_under_tp
 from multigpu.forecast.counts import count
 from multigpu.forecast.hardware import cluster
 from multigpu.forecast.models import config_builder, counted
@@ -123,7 +123,7 @@ def test_own_model_counted_and_refused_when_not_a_stack():
         return lm
 
     assert not count(table_head_lm, 16, dtype=torch.float32).tied
-    got = predict(tied, cluster("h100", 2), Degrees(1, 1, 1, 2, 1, 1), Run(2, 16), Assumptions())
+    got = predict(tied, cluster("h100", 2), Layout(dp_shard=1, pp=2, micro_batch=1), Run(2, 16), Assumptions())
     assert got["memory"]["parameters"] == pytest.approx(4.0 * (max(tied.block_params) + 100 * 32 + tied.other_params))
     from multigpu.errors import UsageError
 
@@ -189,7 +189,8 @@ def test_a_compiled_loss_saves_the_16_bit_logits():
 
     def activations(compile_loss):
         run = Run(8, 16, compile_loss=compile_loss)
-        return predict(c, cluster("h100", 8), Degrees(1, 8, 1, 1, 1, 1), run, Assumptions())["memory"]["activations"]
+        layout = Layout(dp_shard=8, micro_batch=1)
+        return predict(c, cluster("h100", 8), layout, run, Assumptions())["memory"]["activations"]
 
     assert activations(False) - activations(True) == pytest.approx(2 * measured * 16, rel=0.01)
 
@@ -251,10 +252,11 @@ def test_fp8_all_gather_gathers_the_linears_in_one_byte():
     def got(layout, fp8_ag):
         return predict(c, machine, layout, Run(64, 64, precision="fp8", fp8_all_gather=fp8_ag), a)
 
-    pp = Degrees(1, 8, 2, 4, 1, 1)  # 2 blocks a stage (6 over 4: the largest stage holds 2), tp 2
+    # 2 blocks a stage (6 over 4: the largest stage holds 2), tp 2
+    pp = Layout(dp_shard=8, tp=2, pp=4, micro_batch=1, sequence_parallel=True)
     linears = 2 * c.block_sharded[0] / 2  # this rank's linear weights in its stage
     assert got(pp, False)["memory"]["buffers"] - got(pp, True)["memory"]["buffers"] == pytest.approx(linears)
-    fsdp = Degrees(1, 64, 1, 1, 1, 1)
+    fsdp = Layout(dp_shard=64, micro_batch=1)
     assert got(fsdp, False)["memory"]["buffers"] - got(fsdp, True)["memory"]["buffers"] == pytest.approx(
         2 * c.block_sharded[0])
     assert got(fsdp, True)["time"]["data-parallel collectives (exposed)"] <= got(fsdp, False)["time"][
@@ -274,7 +276,8 @@ def test_tp_gathers_again_under_selective_recompute_and_in_one_byte_under_fp8():
     pytest.importorskip("torchao.float8")
     c = _counts(6, EVERY_BLOCK_LINEAR)
     machine, a = cluster("h100", 2), Assumptions()
-    layout = Degrees(1, 1, 2, 1, 1, 2)  # TP 2 with sequence parallelism, micro-batch 2: 2 micro-batches of 4
+    # TP 2 with sequence parallelism, micro-batch 2: 2 micro-batches of 4
+    layout = Layout(dp_shard=1, tp=2, micro_batch=2, sequence_parallel=True)
 
     def tp(recompute: str, fp8_gather: bool = False) -> float:
         run = Run(4, 64, recompute, precision="fp8" if fp8_gather else "bf16", fp8_tp_all_gather=fp8_gather)
@@ -319,7 +322,7 @@ def test_forecast_fp8_converts_the_layers_training_converts(include, exclude):
                                            n.startswith(f"model.layers.{i}.")) for i in range(2))
     # The step: only those matmuls speed up. At a speedup of 1 fp8 is bf16's time; a faster fp8 saves exactly the
     # converted share of the compute.
-    machine, layout = cluster("h100", 8), Degrees(1, 8, 1, 1, 1, 1)
+    machine, layout = cluster("h100", 8), Layout(dp_shard=8, micro_batch=1)
     bf16 = predict(c, machine, layout, Run(8, 64), Assumptions())["time"]["compute"]
     same = predict(c, machine, layout, Run(8, 64, precision="fp8"), Assumptions(fp8_speedup=1.0))["time"]["compute"]
     fast = predict(c, machine, layout, Run(8, 64, precision="fp8"), Assumptions(fp8_speedup=2.0))["time"]["compute"]
@@ -331,12 +334,12 @@ def test_forecast_fp8_converts_the_layers_training_converts(include, exclude):
 def test_model_states_follow_zero():
     c = _counts()
     machine, run, a = cluster("h100", 8), Run(16, 64), Assumptions()
-    ddp = predict(c, machine, Degrees(8, 1, 1, 1, 1, 2), run, a)["memory"]
-    fsdp = predict(c, machine, Degrees(1, 8, 1, 1, 1, 2), run, a)["memory"]
+    ddp = predict(c, machine, Layout(dp_replicate=8, dp_shard=1, micro_batch=2), run, a)["memory"]
+    fsdp = predict(c, machine, Layout(dp_shard=8, micro_batch=2), run, a)["memory"]
     states = lambda m: m["parameters"] + m["gradients"] + m["optimizer"]  # noqa: E731
     assert states(ddp) == pytest.approx(16 * c.params)
     assert states(fsdp) == pytest.approx(16 * c.params / 8)
-    tp = predict(c, machine, Degrees(1, 4, 2, 1, 1, 2), run, a)["memory"]
+    tp = predict(c, machine, Layout(dp_shard=4, tp=2, micro_batch=2, sequence_parallel=True), run, a)["memory"]
     sharded = sum(c.block_sharded) + c.embed_params + c.head_params
     assert states(tp) == pytest.approx(16 * ((c.params - sharded) + sharded / 2) / 4, rel=1e-9)
 
@@ -349,10 +352,10 @@ def test_the_buffers_a_step_holds_beside_the_states():
     c = _counts()
     machine, a = cluster("h100", 8), Assumptions()
     assert c.block_linears == (7, 7, 7) and c.vocab == TINY["vocab_size"]  # q k v o gate up down
-    ddp = predict(c, machine, Degrees(8, 1, 1, 1, 1, 2), Run(16, 64), a)["memory"]
+    ddp = predict(c, machine, Layout(dp_replicate=8, dp_shard=1, micro_batch=2), Run(16, 64), a)["memory"]
     assert ddp["buffers"] == pytest.approx(4 * c.params)
-    one = predict(c, machine, Degrees(1, 8, 1, 1, 1, 2), Run(16, 64), a)["memory"]  # 1 micro-batch a step
-    two = predict(c, machine, Degrees(1, 8, 1, 1, 1, 1), Run(16, 64), a)["memory"]  # 2 accumulate
+    one = predict(c, machine, Layout(dp_shard=8, micro_batch=2), Run(16, 64), a)["memory"]  # 1 micro-batch a step
+    two = predict(c, machine, Layout(dp_shard=8, micro_batch=1), Run(16, 64), a)["memory"]  # 2 accumulate
     biggest = max(c.block_params)
     # Accumulating, every block's unsharded gradient in float32 (FSDP2's reduce dtype) all step; one micro-batch, a
     # block's (bf16) and the float32 reduce-scatter input FSDP2 keeps of the block before only while a block's
@@ -360,7 +363,8 @@ def test_the_buffers_a_step_holds_beside_the_states():
     assert two["buffers"] - one["buffers"] == pytest.approx(4 * c.params, rel=1e-9)
     live = dataclasses.replace(a, reserved=False, allocator_overhead=0.0)
     bare = dataclasses.replace(live, reserved=True)
-    one_live, one_reserved = (predict(c, machine, Degrees(1, 8, 1, 1, 1, 2), Run(16, 64), x)["memory"] for x in (live, bare))
+    one_live, one_reserved = (predict(c, machine, Layout(dp_shard=8, micro_batch=2), Run(16, 64), x)["memory"]
+                              for x in (live, bare))
     assert one_reserved["allocator"] == pytest.approx(max(c.block_backward) * 2 * 64 + (2 + 4) * biggest)
     assert one_live["allocator"] == 0.0 and one_live["buffers"] == one_reserved["buffers"]
     sp = predict(c, machine, Layout(dp_shard=4, tp=2, micro_batch=2, sequence_parallel=True).resolve(8), Run(16, 64),
@@ -375,7 +379,7 @@ def test_the_buffers_a_step_holds_beside_the_states():
     assert whole["activations"] - parallel["activations"] == pytest.approx(2 * c.other_saved * tokens / 2, rel=1e-9)
     # One short sequence: the activations are small, and the optimizer's step (the states, DDP's buckets, a
     # float32 temporary of the parameters) is the peak.
-    step = predict(c, machine, Degrees(8, 1, 1, 1, 1, 1), Run(8, 1), a)["memory"]
+    step = predict(c, machine, Layout(dp_replicate=8, dp_shard=1, micro_batch=1), Run(8, 1), a)["memory"]
     assert step["optimizer step"] > 0
     assert sum(v for k, v in step.items() if k not in ("allocator", "runtime")) == pytest.approx(24 * c.params)
 
@@ -393,8 +397,8 @@ def test_a_mixture_of_experts_is_counted_and_spread_over_ep():
     assert c.block_expert_flops == (k * 2 * 3 * d * f,) * 3  # each token's k rows through one expert's 3 matmuls
     assert c.block_routed == (k * d * 2,) * 3  # k rows of d bf16 values out per token
     machine, run, a = cluster("h100", 8), Run(16, s), Assumptions()
-    fsdp = predict(c, machine, Degrees(1, 8, 1, 1, 1, 2), run, a)
-    ep = predict(c, machine, Degrees(1, 8, 1, 1, 1, 2, ep=2), run, a)
+    fsdp = predict(c, machine, Layout(dp_shard=8, micro_batch=2), run, a)
+    ep = predict(c, machine, Layout(dp_shard=8, micro_batch=2, ep=2), run, a)
     states = lambda m: m["parameters"] + m["gradients"] + m["optimizer"]  # noqa: E731
     assert states(ep["memory"]) == pytest.approx(states(fsdp["memory"]))  # ep x efsdp shards them as FSDP does
     # In the step a rank gathers half the experts of a block (2 bf16 copies in flight, its bf16 gradient, the
@@ -405,11 +409,11 @@ def test_a_mixture_of_experts_is_counted_and_spread_over_ep():
     assert ep["time"]["expert all-to-all"] == pytest.approx(m * rows * 4 * (1 / 2) / machine.busbw(2))
     assert "expert all-to-all" not in fsdp["time"] and ep["time"]["compute"] == pytest.approx(fsdp["time"]["compute"])
     # Beside TP 2 ep takes the tp ranks: their copies of the experts become halves, their tokens shares.
-    whole = predict(c, machine, Degrees(1, 4, 2, 1, 1, 2), run, a)
-    over_tp = predict(c, machine, Degrees(1, 4, 2, 1, 1, 2, ep=2), run, a)
+    whole = predict(c, machine, Layout(dp_shard=4, tp=2, micro_batch=2, sequence_parallel=True), run, a)
+    over_tp = predict(c, machine, Layout(dp_shard=4, tp=2, micro_batch=2, ep=2, sequence_parallel=True), run, a)
     assert states(whole["memory"]) - states(over_tp["memory"]) == pytest.approx(16 * sum(c.block_experts) * (1 / 4 - 1 / 8))
-    assert states(over_tp["memory"]) == pytest.approx(states(predict(c, machine, Degrees(1, 4, 2, 1, 1, 2, ep=4), run,
-                                                                     a)["memory"]))
+    ep4 = Layout(dp_shard=4, tp=2, micro_batch=2, ep=4, sequence_parallel=True)
+    assert states(over_tp["memory"]) == pytest.approx(states(predict(c, machine, ep4, run, a)["memory"]))
     assert over_tp["time"]["compute"] < whole["time"]["compute"]
     from multigpu.forecast.plan import plan
 
@@ -452,7 +456,7 @@ def test_reserved_and_allocated_are_both_forecast_and_a_row_says_which_it_publis
     a = Assumptions(allocator_overhead=0.15)
     # A pipeline's ranks differ in what the allocator keeps (the loss's freed blocks on the last stage's): the
     # allocated peak is the most over the ranks, as the live forecast's is.
-    for layout in (Degrees(1, 8, 1, 1, 1, 2), Degrees(1, 4, 1, 2, 1, 1)):
+    for layout in (Layout(dp_shard=8, micro_batch=2), Layout(dp_shard=4, pp=2, micro_batch=1)):
         got = predict(c, machine, layout, run, a)
         live = predict(c, machine, layout, run, dataclasses.replace(a, reserved=False, allocator_overhead=0.0))
         assert got["allocated_bytes"] == pytest.approx(live["memory_bytes"], rel=1e-12), layout
@@ -492,7 +496,7 @@ def test_the_ring_hides_only_what_torchs_rotater_overlaps():
     c = _counts(layers=4)
     machine = cluster("h100", 8)
     for recompute, gathers in (("none", 0.875), ("full", 0.875 + 0.625)):
-        r = Rank(c, Degrees(1, 2, 1, 1, 4, 1), Run(8, 64, recompute=recompute))
+        r = Rank(c, Layout(dp_shard=2, cp=4, micro_batch=1), Run(8, 64, recompute=recompute))
         calls = {}
 
         def coll(op, nbytes, n, span, count):
@@ -530,20 +534,20 @@ def test_a_measured_machines_overheads_are_charged_per_micro_batch_step_and_coll
     c = _counts()
     machine, run, a = cluster("h100", 8), Run(32, 64), Assumptions()
     costs = Overheads(micro_s=0.01, step_s=0.1, wait_s={8: ((0.0, 0.001),)})
-    ddp = predict(c, machine, Degrees(8, 1, 1, 1, 1, 2), run, a, costs)
+    ddp = predict(c, machine, Layout(dp_replicate=8, dp_shard=1, micro_batch=2), run, a, costs)
     assert ddp["collectives"] == {8: 2}  # one bucket of gradients, the token count
     assert ddp["time"]["fixed costs"] == pytest.approx(2 * 0.01 + 0.1 + 2 * 0.001)  # 2 micro-batches a step
-    fsdp = predict(c, machine, Degrees(1, 8, 1, 1, 1, 2), run, a, costs)
+    fsdp = predict(c, machine, Layout(dp_shard=8, micro_batch=2), run, a, costs)
     # per micro-batch each of 3 blocks gathered twice and the root once; a reduce-scatter per unit; the norm, the count
     assert fsdp["collectives"] == {8: 2 * (2 * 3 + 1) + (3 + 1) + 2}
-    assert "fixed costs" not in predict(c, machine, Degrees(1, 8, 1, 1, 1, 2), run, a)["time"]
+    assert "fixed costs" not in predict(c, machine, Layout(dp_shard=8, micro_batch=2), run, a)["time"]
     # A wait grows with the work since the last collective (measured after a few stretches of it, joined by straight
     # lines, flat outside): the step's work (compute, bubble, optimizer, the wrapper's) over its collectives.
     curve = Overheads(micro_s=0.01, step_s=0.1, wait_s={8: ((0.001, 0.001), (0.003, 0.002), (0.011, 0.004))})
     assert [curve.wait(8, g) for g in (0.0, 0.001, 0.002, 0.007, 0.011, 1.0)] == pytest.approx(
         [0.001, 0.001, 0.0015, 0.003, 0.004, 0.004])
     assert curve.wait(4, 0.005) == 0.0  # no group of 4 measured
-    for degrees in (Degrees(8, 1, 1, 1, 1, 2), Degrees(1, 8, 1, 1, 1, 2)):
+    for degrees in (Layout(dp_replicate=8, dp_shard=1, micro_batch=2), Layout(dp_shard=8, micro_batch=2)):
         got = predict(c, machine, degrees, run, a, curve)
         work = 2 * 0.01 + 0.1 + sum(v for k, v in got["time"].items() if k in ("compute", "pipeline bubble", "optimizer"))
         calls = got["collectives"][8]
@@ -572,7 +576,7 @@ def test_data_parallel_traffic_hides_only_under_its_own_phase(monkeypatch):
 
     # DDP (4 buckets): the all-reduce only in the last micro-batch's backward (mg.accumulate), the last bucket after it.
     monkeypatch.setattr(comm, "DDP_BUCKET", 4.0 * c.params / 4)
-    ddp = Degrees(16, 1, 1, 1, 1, 2)
+    ddp = Layout(dp_replicate=16, dp_shard=1, micro_batch=2)
     dp_s, fwd = got(ddp)
     bucket = one("all_reduce", 4.0 * c.params / 4)
     assert 4 * bucket > 2 * fwd  # larger than the backward
@@ -583,7 +587,7 @@ def test_data_parallel_traffic_hides_only_under_its_own_phase(monkeypatch):
     assert last_bucket == pytest.approx(bucket)  # a backward long enough: the last bucket alone
     # FSDP: each micro-batch's forward gathers the root and every block (hidden under the forward only); each backward
     # gathers every block again; the last also reduce-scatters every unit (float32) after its block.
-    fsdp = Degrees(1, 16, 1, 1, 1, 2)
+    fsdp = Layout(dp_shard=16, micro_batch=2)
     dp_s, fwd = got(fsdp)
     block, root = c.block_params[0], c.embed_params + c.head_params + c.other_params
     g, g_root = one("all_gather", 2 * block), one("all_gather", 2 * root)
@@ -611,7 +615,7 @@ def test_zero1_shards_the_optimizer_state_and_broadcasts_the_parameters_after_th
 
     c, run, a = _counts(), Run(64, 64), Assumptions()
     machine = cluster("h100", 16, peak_tflops=0.6, scale_out_gb_s=1.0)
-    ddp = predict(c, machine, Degrees(16, 1, 1, 1, 1, 2), run, a)
+    ddp = predict(c, machine, Layout(dp_replicate=16, dp_shard=1, micro_batch=2), run, a)
     zero = predict(c, machine, Layout(dp_replicate=16, micro_batch=2, zero1=True).resolve(16), run, a)
     assert zero["memory"]["optimizer"] == pytest.approx(8 * c.params / 16)
     for part in ("parameters", "gradients", "buffers"):
@@ -630,7 +634,8 @@ def test_zero1_shards_the_optimizer_state_and_broadcasts_the_parameters_after_th
             dist.destroy_process_group()
     tensors = len(list(model.parameters()))
     assert sum(held) == 8 * c.params + 4 * tensors  # the moments, and a float32 step count per tensor
-    four = predict(c, machine, Degrees(4, 1, 1, 1, 1, 8, zero1=True), run, a)["memory"]["optimizer"]
+    four = predict(c, machine, Layout(dp_replicate=4, dp_shard=1, micro_batch=8, zero1=True), run,
+                   a)["memory"]["optimizer"]
     # ZeroRedundancyOptimizer gives whole tensors, each to the rank holding least: the busiest rank holds the mean
     # and at most one tensor more.
     biggest = max(p.numel() for p in model.parameters())
@@ -643,7 +648,8 @@ def test_zero1_shards_the_optimizer_state_and_broadcasts_the_parameters_after_th
     # Megatron's (4 buckets): its reduce-scatter hides under the last backward as DDP's all-reduce does, its gather
     # under a forward (every bucket but the first).
     monkeypatch.setattr(comm, "MEGATRON_BUCKET", (c.params / 4, 0.0))
-    megatron = predict(c, machine, Degrees(16, 1, 1, 1, 1, 2, zero1=True, overlap_param_gather=True), run, a)
+    megatron = predict(c, machine, Layout(dp_replicate=16, dp_shard=1, micro_batch=2, zero1=True),
+                       dataclasses.replace(run, overlap_param_gather=True), a)
     fwd = ddp["time"]["compute"] / 2 / 3
     rs, ag = (machine.collective_s(op, 16, 16, w * c.params / 4) for op, w in (("reduce_scatter", 4), ("all_gather", 2)))
     assert megatron["time"][dp] == pytest.approx(comm.exposed(4 * rs, rs, 2 * fwd, 4, 1.0)
@@ -654,30 +660,32 @@ def test_zero1_shards_the_optimizer_state_and_broadcasts_the_parameters_after_th
 def test_bubble_and_scaling():
     c = _counts(6)
     machine, a = cluster("h100", 8), Assumptions()
-    got = predict(c, machine, Degrees(1, 2, 1, 3, 1, 1), Run(16, 64), a)["time"]
+    got = predict(c, machine, Layout(dp_shard=2, pp=3, micro_batch=1), Run(16, 64), a)["time"]
     m = 16 // 2
     assert got["pipeline bubble"] / got["compute"] == pytest.approx(2 / m)  # (p - 1) / m
-    inter = predict(c, machine, Degrees(1, 2, 1, 3, 1, 1, "interleaved_1f1b"), Run(16, 64), a)["time"]
+    inter = predict(c, machine, Layout(dp_shard=2, pp=3, micro_batch=1, schedule="interleaved_1f1b"), Run(16, 64),
+                    a)["time"]
     assert inter["pipeline bubble"] == pytest.approx(got["pipeline bubble"] / 2)
     # Ranks sharing cores (a CPU machine: each rank 2x slower while all compute) get their share back in the
     # bubble: the step is the longer of the critical path at full speed (m + p - 1 micro-batches at half the
     # shared time) and every rank's work over the cores (m at the shared time). On 4 CPU ranks, examples/hf_model.py,
     # the 15 pipeline layouts tune measured went from +7..+83 % (median +32 %) over to -5..+37 % (median +14 %).
     shared = dataclasses.replace(machine, slowdown=2.0)
-    p3 = [predict(c, shared, Degrees(1, 2, 1, 3, 1, 1), Run(n, 64), a)["time"] for n in (16, 2)]
+    p3 = [predict(c, shared, Layout(dp_shard=2, pp=3, micro_batch=1), Run(n, 64), a)["time"] for n in (16, 2)]
     assert p3[0]["pipeline bubble"] == 0.0  # (8 + 2) / 2 < 8: the cores are the limit
     assert p3[1]["pipeline bubble"] / p3[1]["compute"] == pytest.approx((1 + 2) / 2 - 1)  # m = 1: the path
     # In flight on the first stage: 1F1B min(p, m) micro-batches, GPipe all m; one block's backward at a time adds
     # its gradients in flight (counted on fake tensors: block_backward).
-    one_f, gpipe = (predict(c, machine, Degrees(1, 2, 1, 3, 1, 1, s), Run(16, 64), a)["memory"]["activations"]
-                    for s in ("1f1b", "gpipe"))
+    one_f, gpipe = (predict(c, machine, Layout(dp_shard=2, pp=3, micro_batch=1, schedule=s), Run(16, 64),
+                            a)["memory"]["activations"] for s in ("1f1b", "gpipe"))
     stage, w = sum(c.block_saved[:2]) * 64, max(c.block_backward) * 64  # 2 blocks a stage, 64 tokens a micro-batch
     assert w > 0 and gpipe == pytest.approx(stage * m + w) and one_f == pytest.approx(stage * 3 + w)
     # Interleaved: (1 + (p-1)/(p v)) x 1F1B's, but never more than the step's micro-batches (benchmarks/pipeline_bubble.py,
     # 2 ranks x 2 stages, GPT, rank 0's peak saved activations: 19.0 MB at m = 2 under both schedules, 23.8 under
     # interleaved at m = 4 and 8, 19.0 under 1F1B: 2.5 micro-batches where 1F1B holds 2).
     def acts(schedule, n):
-        return predict(c, machine, Degrees(1, 2, 1, 3, 1, 1, schedule), Run(n, 64), a)["memory"]["activations"] - w
+        layout = Layout(dp_shard=2, pp=3, micro_batch=1, schedule=schedule)
+        return predict(c, machine, layout, Run(n, 64), a)["memory"]["activations"] - w
     assert acts("interleaved_1f1b", 16) == pytest.approx(acts("1f1b", 16) * (1 + 2 / 6))  # m = 8 > p
     assert acts("interleaved_1f1b", 4) == pytest.approx(acts("1f1b", 4))  # m = 2 < p: both hold all m
     # Full recompute keeps each block's input per micro-batch in flight, and one block's whole activations and
@@ -688,7 +696,8 @@ def test_bubble_and_scaling():
     from multigpu.forecast.memory import memory_parts
 
     def full(schedule, k=0, assumed=a):  # pipeline rank k's memory
-        return memory_parts(Rank(c, Degrees(1, 2, 1, 3, 1, 1, schedule), Run(64, 64, recompute="full"), k), assumed)
+        layout = Layout(dp_shard=2, pp=3, micro_batch=1, schedule=schedule)
+        return memory_parts(Rank(c, layout, Run(64, 64, recompute="full"), k), assumed)
 
     gpipe = full("gpipe")
     kept, transient = 2 * c.block_input * 64, max(s + b for s, b in zip(c.block_saved, c.block_backward)) * 64
@@ -708,11 +717,12 @@ def test_bubble_and_scaling():
     # middle stage: its input and its output's gradient); twice the micro-batches, twice the buffers (on 2 CPU
     # ranks, GPipe over 8 micro-batches of the GPT recipe: 6.0 MiB, what the measured peak rose by, 127.4 to
     # 133.1 MiB, once the step's base counted every live tensor).
-    buffers = [predict(c, machine, Degrees(1, 2, 1, 3, 1, 1), Run(n, 64), a)["memory"]["buffers"] for n in (16, 32)]
+    buffers = [predict(c, machine, Layout(dp_shard=2, pp=3, micro_batch=1), Run(n, 64), a)["memory"]["buffers"]
+               for n in (16, 32)]
     assert buffers[1] - buffers[0] == pytest.approx(2 * 8 * c.block_input * 64)
     # Twice the data-parallel ranks at the same batch per rank: the same compute per GPU.
-    one = predict(c, cluster("h100", 8), Degrees(1, 8, 1, 1, 1, 2), Run(16, 64), a)["time"]["compute"]
-    two = predict(c, cluster("h100", 16), Degrees(1, 16, 1, 1, 1, 2), Run(32, 64), a)["time"]["compute"]
+    one = predict(c, cluster("h100", 8), Layout(dp_shard=8, micro_batch=2), Run(16, 64), a)["time"]["compute"]
+    two = predict(c, cluster("h100", 16), Layout(dp_shard=16, micro_batch=2), Run(32, 64), a)["time"]["compute"]
     assert one == pytest.approx(two)
 
 
@@ -892,6 +902,49 @@ def test_bad_input_is_one_line(argv, says, tmp_path, capsys):
     assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_named_layout_multigpu_does_not_build_is_forecast_and_says_so(tmp_path, capsys):
+    """torchtitan's 4D layout (cp beside a pipeline): a Layout describes it and the forecast predicts it when named,
+    saying in one line, in its output and its JSON, the line the library refuses to build it with; no command to run
+    it. Unnamed, the forecast never proposes it."""
+    pytest.importorskip("transformers")
+    from multigpu.cli import main
+    from multigpu.forecast.plan import plan
+
+    why = Layout(pp=2, dp_shard=2, cp=2, tp=2).unbuilt()
+    assert why == ("context parallelism (cp 2) with pp is not built yet; use cp with dp_shard, dp_replicate and tp, "
+                   "or drop one of them")
+    argv = ["forecast", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "32", "--micro-batches", "1",
+            "--layout", "pp=2,dp_shard=2,cp=2,tp=2"]
+    assert main([*argv, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert [r["unbuilt"] for r in printed["ranked"]] == [why, why] and printed["command"] is None
+    assert printed["notes"] == [f"forecast as described, not run: multigpu does not build it: {why}"]
+    assert main([*argv, "--out", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert f"note: forecast as described, not run: multigpu does not build it: {why}\n" in out
+    assert "run the best: none, multigpu does not build FSDP 2 x CP 2 x TP 2 x PP 2 1f1b" in out and "--cp" not in out
+    assert f"Not run: multigpu does not build it: {why}" in (tmp_path / "r" / "report.md").read_text()
+    # unnamed: every layout the forecast ranks is one multigpu builds
+    ranked, _ = plan(counted("llama3-8b", 4096), cluster("h100", 16), Run(32, 4096), published.assumptions())
+    assert ranked and not [f["name"] for f in ranked if f["unbuilt"]]
+
+
+def test_degrees_is_deprecated_for_the_layout():
+    """``Degrees`` (one release): a DeprecationWarning naming the replacements and the equivalent Layout (sequence
+    parallelism beside tp, Degrees' default); overlap_param_gather, which a Layout cannot carry, refused, not dropped."""
+    from multigpu.errors import UsageError
+    from multigpu.forecast.cost import Degrees
+    from multigpu.forecast.inputs import Degrees as from_inputs
+
+    with pytest.warns(DeprecationWarning, match=r"mg\.parallel\.Layout\(.*Run\(overlap_param_gather=True\)"):
+        got = Degrees(1, 8, 2, 4, 1, 1, "interleaved_1f1b")
+    assert got == Layout(dp_shard=8, tp=2, pp=4, micro_batch=1, schedule="interleaved_1f1b", sequence_parallel=True)
+    with pytest.warns(DeprecationWarning):
+        assert from_inputs(2, 1, 1, 1, 1, 2, zero1=True) == Layout(dp_replicate=2, dp_shard=1, micro_batch=2, zero1=True)
+    with pytest.warns(DeprecationWarning), pytest.raises(UsageError, match=r"Run\(\.\.\., overlap_param_gather=True\)"):
+        Degrees(16, 1, 1, 1, 1, 2, zero1=True, overlap_param_gather=True)
+
+
 def test_counted_once_per_model_and_length():
     pytest.importorskip("transformers")
     assert counted("llama3-8b", 8192) is counted("llama3-8b", 8192)
@@ -923,8 +976,8 @@ def test_named_layouts_json_and_the_notes_a_table_would_hide(tmp_path, capsys):
     assert speeds == sorted(speeds)
     # the notes, on rows made to tie and to fill the GPU
     gib = 2 ** 30
-    rows = [{"name": "A", "fits": True, "tokens_per_s_per_gpu": 100.0, "memory_bytes": 75 * gib},
-            {"name": "B", "fits": True, "tokens_per_s_per_gpu": 99.5, "memory_bytes": 60 * gib}]
+    rows = [{"name": "A", "fits": True, "tokens_per_s_per_gpu": 100.0, "memory_bytes": 75 * gib, "unbuilt": None},
+            {"name": "B", "fits": True, "tokens_per_s_per_gpu": 99.5, "memory_bytes": 60 * gib, "unbuilt": None}]
     said = notes(rows, 80 * gib)
     assert said[0].startswith("A and B are within 1 % of each other's tokens/s")
     assert said[1].startswith("A fills 75.0 of 80.0 GiB (94 %), within the forecast's memory error") and \

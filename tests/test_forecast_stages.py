@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from multigpu.forecast.cost import Assumptions, Degrees, Run, compute_parts, predict, rank_forecast
+from multigpu.forecast.cost import Assumptions, Run, compute_parts, predict, rank_forecast
 from multigpu.forecast.counts import count
 from multigpu.forecast.hardware import cluster
 from multigpu.forecast.inputs import Rank
@@ -29,28 +29,28 @@ def _counts(layers: int, vocab: int = 300):
 @pytest.mark.parametrize("layers, pp, schedule", [(4, 3, "1f1b"), (8, 2, "1f1b"), (8, 2, "interleaved_1f1b"),
                                                   (9, 2, "interleaved_1f1b"), (8, 2, "zbv"), (6, 3, "gpipe")])
 def test_each_rank_holds_the_stages_the_library_builds(layers, pp, schedule):
-    """A Layout and a Degrees of the same degrees give every rank the library's stages, the table with stage 0,
-    the head with the last: 4 blocks on 3 stages are 1, 2, 1 (the ends take a block less), not 2 a stage."""
+    """A Layout gives every rank the library's stages, the table with stage 0, the head with the last: 4 blocks on
+    3 stages are 1, 2, 1 (the ends take a block less), not 2 a stage."""
     c = _counts(layers)
     run = Run(8, 64)
-    for layout in (Layout(dp_shard=1, pp=pp, micro_batch=1, schedule=schedule), Degrees(1, 1, 1, pp, 1, 1, schedule)):
-        ranges = stage_ranges(layers, layout.stages)
-        held = []
-        for k in range(pp):
-            r = Rank(c, layout, run, pp_rank=k)
-            ids = stage_ids(schedule, k, pp, layout.stages // pp)
-            assert r.blocks == [i for s in ids for i in ranges[s]]
-            assert (r.holds_first, r.holds_last) == (0 in ids, layout.stages - 1 in ids)
-            assert (r.first > 0, r.last > 0) == (r.holds_first, r.holds_last)
-            assert r.root == r.first + r.last
-            held += r.blocks
-        assert sorted(held) == list(range(layers))  # every block on one rank
+    layout = Layout(dp_shard=1, pp=pp, micro_batch=1, schedule=schedule)
+    ranges = stage_ranges(layers, layout.stages)
+    held = []
+    for k in range(pp):
+        r = Rank(c, layout, run, pp_rank=k)
+        ids = stage_ids(schedule, k, pp, layout.stages // pp)
+        assert r.blocks == [i for s in ids for i in ranges[s]]
+        assert (r.holds_first, r.holds_last) == (0 in ids, layout.stages - 1 in ids)
+        assert (r.first > 0, r.last > 0) == (r.holds_first, r.holds_last)
+        assert r.root == r.first + r.last
+        held += r.blocks
+    assert sorted(held) == list(range(layers))  # every block on one rank
     if (layers, pp) == (4, 3):
         assert [len(Rank(c, layout, run, k).blocks) for k in range(pp)] == [1, 2, 1]
     if schedule == "zbv":  # V placement: rank 0 holds the first and the last stage, both ends
-        r = Rank(c, Degrees(1, 1, 1, pp, 1, 1, schedule), run, 0)
+        r = Rank(c, layout, run, 0)
         assert r.holds_first and r.holds_last
-    one = Rank(c, Degrees(1, 1, 1, 1, 1, 1), run)  # no pipeline: one rank, everything
+    one = Rank(c, Layout(dp_shard=1, micro_batch=1), run)  # no pipeline: one rank, everything
     assert one.blocks == list(range(layers)) and one.holds_first and one.holds_last
 
 
@@ -59,7 +59,7 @@ def test_the_head_runs_on_the_last_stage_only_and_a_large_vocabulary_makes_it_th
     vocabulary of 64k the step waits for that rank, its bubble at its micro-batch time."""
     c = _counts(4, vocab=65536)
     machine, a, run = cluster("h100", 2), Assumptions(), Run(8, 64)
-    layout = Degrees(1, 1, 1, 2, 1, 1)
+    layout = Layout(dp_shard=1, pp=2, micro_batch=1)
     first, last = (Rank(c, layout, run, k) for k in range(2))
     assert len(first.blocks) == len(last.blocks) == 2 and not first.holds_last and last.holds_last
     (t0, micro0, _, rate), (t1, micro1, _, _) = (compute_parts(r, machine, a) for r in (first, last))
@@ -79,7 +79,8 @@ def test_interleaving_places_two_stages_a_rank_and_shortens_the_bubble():
     still, and a bubble of (p - 1) / v micro-batches of the slowest rank's."""
     c = _counts(8)
     machine, a, run = cluster("h100", 2), Assumptions(), Run(8, 64)
-    one_f, inter = Degrees(1, 1, 1, 2, 1, 1), Degrees(1, 1, 1, 2, 1, 1, "interleaved_1f1b")
+    one_f = Layout(dp_shard=1, pp=2, micro_batch=1)
+    inter = Layout(dp_shard=1, pp=2, micro_batch=1, schedule="interleaved_1f1b")
     assert [Rank(c, one_f, run, k).blocks for k in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert [Rank(c, inter, run, k).blocks for k in range(2)] == [[0, 4, 5, 6], [1, 2, 3, 7]]
     for layout, v in ((one_f, 1), (inter, 2)):
@@ -94,7 +95,7 @@ def test_memory_is_the_fullest_ranks():
     the head (its weights, the logits and the loss's bytes) is the fullest; with a small one and 8 micro-batches
     rank 0 is (1F1B: 2 micro-batches in flight there, 1 on the last). No rank holds the table and the head."""
     machine, a = cluster("h100", 2), Assumptions()
-    layout, run = Degrees(1, 1, 1, 2, 1, 1), Run(8, 64)
+    layout, run = Layout(dp_shard=1, pp=2, micro_batch=1), Run(8, 64)
     for vocab, fullest in ((65536, 1), (300, 0)):
         c = _counts(4, vocab)
         ranks = [Rank(c, layout, run, k) for k in range(2)]

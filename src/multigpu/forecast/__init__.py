@@ -117,7 +117,8 @@ def main(args) -> int:
     ranked, left_out = plan(counts, machine, run, a, micro_batches=micro, named=named)
     best, more = ranked[0], sync_note(counts, machine, run, a, ranked)
     launch = f"multigpu run --nnodes {machine.nodes} -n {min(machine.gpus, machine.gpus_per_node)}"
-    command = " ".join([launch, args.script, *best["layout"].flags])
+    # No command for a layout multigpu does not build (a named one, forecast as described): it would be refused.
+    command = None if best["unbuilt"] else " ".join([launch, args.script, *best["layout"].flags])
     if args.json:
         return _print_json(ranked, left_out, args.top, command, machine, counts.fp8, more)
     _print_table(args, counts, machine, run, a, ranked, left_out, command, more)
@@ -205,12 +206,15 @@ def _print_table(args, counts, machine, run, a, ranked: list[dict], left_out: li
     print(f"{fitting} of {len(ranked)} layouts fit {machine.gpu.hbm_bytes / GiB:.1f} GiB; {len(left_out)} left out "
           "(see the report)")
     print("assumptions: " + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(a).items()))
-    print(f"run the best: {command}" if ranked[0]["fits"] else "no layout fits: more GPUs, fp8, a shorter sequence or "
-          "a smaller micro-batch")
+    if command is None:
+        print(f"run the best: none, multigpu does not build {ranked[0]['name']} (the note above says why)")
+    else:
+        print(f"run the best: {command}" if ranked[0]["fits"] else "no layout fits: more GPUs, fp8, a shorter "
+              "sequence or a smaller micro-batch")
 
 
 def _write_report(out: Path, top: int, counts, machine, run, a, ranked: list[dict], left_out: list[dict],
-                  command: str) -> None:
+                  command: str | None) -> None:
     """forecast.json, report.md and report.html in ``out``; the HTML's path printed."""
     from ..errors import UsageError
     from .report import write_all
@@ -249,11 +253,13 @@ TIE = 0.01  # two layouts within 1 % of tokens/s are a tie the forecast cannot c
 
 
 def notes(ranked: list[dict], hbm_bytes: float) -> list[str]:
-    """What the table alone would hide: a pick at the edge of the GPU's memory, and a tie at the top (broken by
-    the lesser memory, said)."""
+    """What the table alone would hide: a pick at the edge of the GPU's memory, a tie at the top (broken by
+    the lesser memory, said), and each line the library refuses to build a named layout with (``unbuilt``)."""
     from .cost import GiB
 
-    best, said = ranked[0], []
+    best = ranked[0]
+    said = [f"forecast as described, not run: multigpu does not build it: {why}"
+            for why in dict.fromkeys(f["unbuilt"] for f in ranked if f["unbuilt"])]
     if len(ranked) > 1 and ranked[1]["fits"] == best["fits"] and \
             ranked[1]["tokens_per_s_per_gpu"] >= (1 - TIE) * best["tokens_per_s_per_gpu"]:
         said.append(f"{best['name']} and {ranked[1]['name']} are within {100 * TIE:.0f} % of each other's tokens/s, "
@@ -315,13 +321,13 @@ def _named(spec: str | None, gpus: int) -> list | None:
     return named
 
 
-def _print_json(ranked: list[dict], left_out: list[dict], top: int, command: str, machine, fp8: str,
+def _print_json(ranked: list[dict], left_out: list[dict], top: int, command: str | None, machine, fp8: str,
                 more: list[str]) -> int:
     import json
 
     from .cost import GiB
 
-    keep = ("name", "fits", "step_s", "tokens_per_s_per_gpu", "mfu")
+    keep = ("name", "fits", "step_s", "tokens_per_s_per_gpu", "mfu", "unbuilt")
     rows = [{**{k: f[k] for k in keep}, "memory_gib": f["memory_bytes"] / GiB, "flags": list(f["layout"].flags),
              "recompute": f["recompute"]} for f in ranked[:top]]
     print(json.dumps({"ranked": rows, "layouts": len(ranked), "left_out": left_out, "command": command,

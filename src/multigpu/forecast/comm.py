@@ -81,11 +81,11 @@ def ddp_exposed(r: Rank, phases: tuple[float, float], overlap: float, coll) -> f
     every rank broadcasts its shard of the float32 parameters, waited for before the step returns: all of it
     exposed, nothing computes beside it (counted as one all-gather of the parameters, the bytes each rank
     receives). ZeRO-1 as Megatron's distributed optimizer runs it with ``--overlap-grad-reduce
-    --overlap-param-gather`` (``overlap_param_gather``, a layout multigpu does not run): its buckets of
+    --overlap-param-gather`` (``Run.overlap_param_gather``, a run multigpu does not make): its buckets of
     max(40M, 1M x dp) parameters reduce-scattered in float32 in that backward, and the 16-bit parameters
     all-gathered bucket by bucket under the next step's first forward, the first bucket exposed."""
     dp, span, params, k = r.dp, r.dp * r.c * r.t, r.held, r.reductions
-    megatron = r.zero1 and getattr(r.layout, "overlap_param_gather", False)
+    megatron = r.zero1 and r.run.overlap_param_gather
     size = 4.0 * max(MEGATRON_BUCKET[0], MEGATRON_BUCKET[1] * dp) if megatron else DDP_BUCKET
     buckets = max(1, math.ceil(4.0 * params / size))
     op = "reduce_scatter" if megatron else "all_reduce"

@@ -61,18 +61,21 @@ from .hardware import Cluster
 from .inputs import GiB, Assumptions, Degrees, Overheads, Rank, Run
 from .memory import memory_parts, saved_under_tp
 
+# Degrees: deprecated for one release (mg.parallel.Layout), kept importable from here.
 __all__ = ["GiB", "DDP_BUCKET", "WORK", "Assumptions", "Degrees", "Overheads", "Run", "predict", "exposed",
            "saved_under_tp"]
 WORK = ("compute", "pipeline bubble", "optimizer")  # a step's parts that are work, not transfers
 
 
-def predict(counts: Counts, cluster: Cluster, layout: Layout | Degrees, run: Run, a: Assumptions,
+def predict(counts: Counts, cluster: Cluster, layout: Layout, run: Run, a: Assumptions,
             overheads: Overheads | None = None) -> dict:
     """The forecast of one layout: {"memory": parts (bytes), "time": parts (s), "step_s", "tokens_per_s_per_gpu",
     "mfu", "memory_bytes", "allocated_bytes", "fits", "collectives": {group size: calls per step}, "slowest_rank",
     "fullest_rank"}.
-    ``layout`` is resolved (every degree given) and has its micro-batch. Each pipeline rank is forecast on its own
-    stages (``Rank``): the step waits for the slowest (its time, its collectives), memory is the fullest's."""
+    ``layout`` is resolved (every degree given) and has its micro-batch; one multigpu does not build yet
+    (``Layout.unbuilt``: published runs' cp beside a pipeline, ZeRO-1 beside tp or pp) is forecast as described.
+    Each pipeline rank is forecast on its own stages (``Rank``): the step waits for the slowest (its time, its
+    collectives), memory is the fullest's."""
     ranks = [rank_forecast(Rank(counts, layout, run, k), cluster, a, overheads) for k in range(layout.pp)]
     slowest = max(range(layout.pp), key=lambda k: ranks[k]["step_s"])
     fullest = max(range(layout.pp), key=lambda k: ranks[k]["memory_bytes"])

@@ -1,5 +1,6 @@
-"""What a forecast is asked and rests on: the assumptions, the layout's degrees, a machine's measured overheads,
-the run; and ``Rank``, what one rank of a layout holds and runs of a counted model."""
+"""What a forecast is asked and rests on: the assumptions, a machine's measured overheads, the run (the layout is a
+resolved ``mg.parallel.Layout``, built by multigpu or only described: ``Layout.unbuilt``); and ``Rank``, what one
+rank of a layout holds and runs of a counted model."""
 
 from __future__ import annotations
 
@@ -33,29 +34,6 @@ class Assumptions:
     optimizer_bytes: float = 36.0    # HBM bytes AdamW moves per held parameter (read/write fp32 p, g, m, v)
     expert_imbalance: float = 1.0    # the busiest expert-parallel rank's routed rows over the mean (1: balanced)
     calibration: str = "none"
-
-
-@dataclass(frozen=True)
-class Degrees:
-    """A layout's degrees, as ``mg.parallel.Layout`` names them, for layouts the library does not build yet
-    (published ones: cp with a pipeline); a resolved ``Layout`` serves as well."""
-
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    pp: int
-    cp: int
-    micro_batch: int
-    schedule: str = "1f1b"
-    ep: int = 1
-    sequence_parallel: bool = True  # the published runs' (torchtitan, Megatron) beside tp
-    zero1: bool = False             # the optimizer state sharded over the data-parallel ranks (dp_shard 1)
-    overlap_param_gather: bool = False  # ZeRO-1 as Megatron's distributed optimizer runs it with its overlap flags
-                                        # (``comm.ddp_exposed``), not multigpu's: a layout multigpu does not run
-    stages_per_rank: int | None = None  # a looped schedule's stages per rank (None: the schedule's own), as Layout's
-    checkpoint_blocks: int | None = None  # recompute the first k blocks of each stage only (None: all), as Layout's
-    # Pipeline stages in all: the Layout's own count on the same fields, so ``Rank`` reads both alike.
-    stages = Layout.stages
 
 
 @dataclass(frozen=True)
@@ -101,6 +79,30 @@ class Run:
                                      # micro-batch of a step ("last") or on each ("each": FSDP holds its shard of
                                      # them between micro-batches, not every block's unsharded one); a pipeline's
                                      # schedule reduces on its last
+    overlap_param_gather: bool = False  # ZeRO-1 as Megatron's distributed optimizer runs it with its overlap flags
+                                        # (``comm.ddp_exposed``), not multigpu's: a run multigpu does not make
+
+
+def Degrees(dp_replicate: int, dp_shard: int, tp: int, pp: int, cp: int, micro_batch: int, schedule: str = "1f1b",
+            ep: int = 1, sequence_parallel: bool = True, zero1: bool = False, overlap_param_gather: bool = False,
+            stages_per_rank: int | None = None, checkpoint_blocks: int | None = None) -> Layout:
+    """Deprecated (one release): the ``mg.parallel.Layout`` of these degrees, which describes every layout Degrees
+    did (the library builds what ``Layout.unbuilt`` allows); sequence parallelism beside tp, as Degrees' default.
+    ``overlap_param_gather`` is the run's now (``Run(overlap_param_gather=True)``): a Layout cannot carry it, so it
+    is refused rather than dropped (the forecast would be multigpu's ZeRO-1, not Megatron's)."""
+    import warnings
+
+    from ..errors import UsageError
+
+    warnings.warn("multigpu.forecast Degrees(...) is deprecated; use mg.parallel.Layout(dp_replicate=..., "
+                  "dp_shard=..., tp=..., pp=..., cp=..., micro_batch=..., sequence_parallel=tp > 1, ...) and "
+                  "Run(overlap_param_gather=True) for Megatron's overlapped ZeRO-1", DeprecationWarning, stacklevel=2)
+    if overlap_param_gather:
+        raise UsageError("Degrees(overlap_param_gather=True) is the run's now, not the layout's: pass "
+                         "Run(..., overlap_param_gather=True) and a mg.parallel.Layout(..., zero1=True)")
+    return Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, micro_batch=micro_batch,
+                  schedule=schedule, ep=ep, sequence_parallel=sequence_parallel and tp > 1, zero1=zero1,
+                  stages_per_rank=stages_per_rank, checkpoint_blocks=checkpoint_blocks)
 
 
 class Rank:
@@ -111,7 +113,7 @@ class Rank:
     parameters it holds (``held``), keeps states of (``stored``) and keeps optimizer state of and steps
     (``stepped``: under ZeRO-1 1/dp of the stored). Without a pipeline the one rank holds everything."""
 
-    def __init__(self, counts: Counts, layout: Layout | Degrees, run: Run, pp_rank: int = 0):
+    def __init__(self, counts: Counts, layout: Layout, run: Run, pp_rank: int = 0):
         self.counts, self.layout, self.run, self.pp_rank = counts, layout, run, pp_rank
         t, p, e = self.t, self.p, self.e = layout.tp, layout.pp, layout.ep
         self.c, f = layout.cp, layout.dp_shard * layout.cp

@@ -5,7 +5,9 @@ dp_shard x tp, cp without a pipeline, ZeRO-1 beside each DDP, and for a mixture 
 times the micro-batch sizes, full recompute on or off (a named layout's ``checkpoint_blocks``: on its first k blocks
 of each stage), and the pipeline schedules; a layout the model cannot take (tp or cp not dividing the heads, more stages than
 blocks, a micro-batch count the schedule does not run, a sequence cp cannot cut in 2 cp chunks, ep not dividing the
-experts) is left out with its reason.
+experts) is left out with its reason. A layout multigpu does not build yet (``Layout.unbuilt``: cp beside a pipeline,
+ZeRO-1 beside tp or pp) is never proposed; one a user names is forecast as described, the entry saying why
+multigpu does not build it (``unbuilt``).
 """
 
 from __future__ import annotations
@@ -64,14 +66,16 @@ def plan(counts: Counts, cluster: Cluster, run: Run, a: Assumptions, *, micro_ba
          recompute=("none", "full"), schedules=("1f1b", "interleaved_1f1b"),
          named: list[Layout] | None = None) -> tuple[list[dict], list[dict]]:
     """(forecasts ranked: fitting first, then tokens/s per GPU, then the lesser memory and the name, so a tie is
-    broken the same way every time; the layouts left out with their reason). ``named``: only those layouts."""
+    broken the same way every time; the layouts left out with their reason). ``named``: only those layouts, built
+    by multigpu or only described (each entry's ``unbuilt``: why multigpu does not build it, or None)."""
     from ..parallel.space import layouts, name
 
     ranked, out = [], []
     if named:
         schedules = tuple(dict.fromkeys((*schedules, *(n.schedule for n in named if n.pp > 1))))
         micro_batches = tuple(dict.fromkeys((*micro_batches, *(n.micro_batch for n in named if n.micro_batch))))
-    for base in layouts(cluster.gpus, schedules=schedules, context=True, experts=counts.experts > 0, zero1=True):
+    for base in layouts(cluster.gpus, schedules=schedules, context=True, experts=counts.experts > 0, zero1=True,
+                        described=bool(named)):
         for mb in micro_batches:
             for layout in _as_named(dataclasses.replace(base, micro_batch=mb), named):
                 why = _why_not(counts, layout, run)
@@ -85,7 +89,8 @@ def plan(counts: Counts, cluster: Cluster, run: Run, a: Assumptions, *, micro_ba
                     sp = layout.tp > 1 and layout.ep == layout.cp == 1
                     chosen = dataclasses.replace(layout, activation_checkpointing=rc == "full", sequence_parallel=sp)
                     got = predict(counts, cluster, chosen, dataclasses.replace(run, recompute=rc), a)
-                    ranked.append({"name": name(chosen), "layout": chosen, "recompute": rc, **got})
+                    ranked.append({"name": name(chosen), "layout": chosen, "recompute": rc, **got,
+                                   "unbuilt": chosen.unbuilt()})
     if not ranked:
         reasons = sorted({o["reason"] for o in out})
         what = "the named layouts" if named else "no layout"

@@ -20,7 +20,7 @@ from functools import cache
 
 from ..errors import UsageError
 from ..parallel.layout import Layout
-from .cost import GiB, Assumptions, Degrees, Run, predict
+from .cost import GiB, Assumptions, Run, predict
 from .hardware import DATA, cluster, table
 from .models import count_many, counted
 
@@ -56,14 +56,21 @@ def for_gpu(a: Assumptions, kind: str | None, efficiency: dict[str, float]) -> A
 
 def forecast(row: dict, a: Assumptions) -> dict:
     _count_published()
-    layout = Degrees(row["dp_replicate"], row["dp_shard"], row["tp"], row["pp"], row["cp"], row["micro_batch"],
-                     row["schedule"], zero1=row.get("zero1", False),
-                     overlap_param_gather=row.get("overlap_param_gather", False))
+    layout = _layout(row)
     run = Run(row["global_batch"], row["seq_len"], row["recompute"], row["compile"], row["precision"], row["async_tp"],
               loss_parallel=True, compile_loss=row.get("compile_loss", False),  # torchtitan's and Megatron's
-              fp8_all_gather=row.get("fp8_all_gather", False), fp8_tp_all_gather=row.get("fp8_tp_all_gather", False))
+              fp8_all_gather=row.get("fp8_all_gather", False), fp8_tp_all_gather=row.get("fp8_tp_all_gather", False),
+              overlap_param_gather=row.get("overlap_param_gather", False))
     machine = cluster(row["gpu"], row["gpus"], row["gpus_per_node"], hbm_gib=row.get("hbm_gb"))
     return predict(counted(row["model"], row["seq_len"], fp8_choice(row)), machine, layout, run, a)
+
+
+def _layout(row: dict) -> Layout:
+    """The row's layout as the library describes it, built by multigpu or not (``Layout.unbuilt``); the published
+    runs (torchtitan's, Megatron's) run sequence parallelism beside tp."""
+    return Layout(dp_replicate=row["dp_replicate"], dp_shard=row["dp_shard"], tp=row["tp"], pp=row["pp"], cp=row["cp"],
+                  micro_batch=row["micro_batch"], schedule=row["schedule"], zero1=row.get("zero1", False),
+                  sequence_parallel=row["tp"] > 1).resolve(row["gpus"])
 
 
 @cache
@@ -87,14 +94,10 @@ OVERLAPPED = ("ZeRO-1 whose parameter all-gather overlaps the next forward (Mega
 
 def outside(row: dict) -> str | None:
     """Why multigpu does not run ``row``'s layout, or None where it does: Megatron's overlapped ZeRO-1, and the line
-    ``mg.parallel.Layout`` refuses its degrees with (context parallelism beside a pipeline; ZeRO-1 beside TP or PP)."""
+    the library refuses to build its layout with (``Layout.unbuilt``: context parallelism beside a pipeline or
+    sequence parallelism; ZeRO-1 beside TP or PP)."""
     why = [OVERLAPPED] if row.get("overlap_param_gather") else []
-    try:
-        Layout(dp_replicate=row["dp_replicate"], dp_shard=row["dp_shard"], tp=row["tp"], pp=row["pp"],
-               schedule=row["schedule"], cp=row["cp"], zero1=row.get("zero1", False)).resolve(row["gpus"])
-    except UsageError as err:
-        why.append(str(err))
-    return "; ".join(why) or None
+    return "; ".join(why + [x for x in [_layout(row).unbuilt()] if x]) or None
 
 
 def key(row: dict) -> str:

@@ -38,7 +38,7 @@ def _bars(forecasts: list[dict], part: str, scale: float, unit: str) -> bytes:
 
 
 def write_all(out: Path, title: str, ranked: list[dict], left_out: list[dict], top: int, assumptions,
-              context: dict, command: str) -> Path:
+              context: dict, command: str | None) -> Path:
     out.mkdir(parents=True, exist_ok=True)  # forecast's main checked it can
     best = ranked[:top]
     data = {"context": context, "assumptions": dataclasses.asdict(assumptions), "command": command,
@@ -48,7 +48,7 @@ def write_all(out: Path, title: str, ranked: list[dict], left_out: list[dict], t
     blocks = [Text(f"Best: {best[0]['name']}: {best[0]['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
                    f"{best[0]['memory_bytes'] / GiB:.1f} GiB per GPU" + ("" if best[0]["fits"] else " (does not fit)"),
                    lead=True),
-              Text(f"Run it: {command}"),
+              Text(f"Run it: {command}" if command else f"Not run: multigpu does not build it: {best[0]['unbuilt']}"),
               Heading(f"The {len(best)} fastest of {len(ranked)} layouts"), Table(HEADER, [row(f) for f in best]),
               Heading("Memory per GPU and step time, by part"),
               Figures({"memory": _bars(best, "memory", GiB, "GiB per GPU"), "time": _bars(best, "time", 1.0, "seconds per step")}),

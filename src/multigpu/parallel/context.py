@@ -307,7 +307,7 @@ def check_heads(name: str, layout: Any, local: list[int]) -> None:
 
     def takes(cp: int) -> bool:
         try:
-            dataclasses.replace(layout, cp=cp, dp_shard=None).resolve(layout.world_size)
+            dataclasses.replace(layout, cp=cp, dp_shard=None).resolve(layout.world_size).built()
         except UsageError:
             return False
         return not problem(cp)

@@ -52,7 +52,8 @@ def layout_from_args(argv: Sequence[str] | None = None, default: Layout | None =
     Reads ``--tp --pp --dp-replicate --dp-shard --ep --cp --micro-batch --activation-checkpointing
     --checkpoint-blocks --schedule --stages-per-rank --compile --sequence-parallel --zero1`` from ``argv`` (default ``sys.argv[1:]``); what a flag leaves out is ``default``'s (a
     script's own defaults, e.g. ``Layout(micro_batch=2)``). The rest goes to the script's own parser.
-    A bad value is a one-line ``UsageError`` (``mg.init`` reports it and exits with status 2).
+    A bad value, or a layout multigpu does not build yet (``Layout.unbuilt``: the script would spread by it), is
+    a one-line ``UsageError`` (``mg.init`` reports it and exits with status 2).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     ns, rest = _parser().parse_known_args(argv)
@@ -68,7 +69,7 @@ def layout_from_args(argv: Sequence[str] | None = None, default: Layout | None =
         if ns.schedule not in SCHEDULES:
             raise UsageError(f"--schedule takes one of {', '.join(SCHEDULES)}, got {ns.schedule!r}; use e.g. --schedule 1f1b")
         values["schedule"] = ns.schedule
-    return dataclasses.replace(default or Layout(), **values), rest
+    return dataclasses.replace(default or Layout(), **values).built(), rest
 
 
 def parse_layouts(text: str, flag: str = "--layouts") -> list[Layout]:
@@ -109,7 +110,10 @@ def refuse_fixed(args, who: str, fix: str, extra: tuple[str, ...] = ()) -> None:
 
 
 def distinct(layouts: list[Layout], text: str, flag: str = "--layouts") -> list[Layout]:
-    """``layouts``, refused in one line when one is named twice or is one process (always run as the baseline)."""
+    """``layouts``, refused in one line when one is named twice, is one process (always run as the baseline) or is
+    one multigpu does not build yet (``Layout.unbuilt``: the verbs run each)."""
+    for layout in layouts:
+        layout.built()
     labels = [layout.label for layout in layouts]
     if "one process" in labels or len(set(labels)) < len(labels):
         raise UsageError(f"{flag} names a layout twice or one process itself ({text!r}); list each once (one "

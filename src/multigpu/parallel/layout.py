@@ -106,15 +106,29 @@ class Layout:
                              "use Layout(tp=2, sequence_parallel=True) or drop it")
         # Which ep the other degrees take (ep_problem) is decided with the model's experts, where every
         # degree is known: mg.parallelize (experts.check) refuses it, its suggestions by the same rule.
+
+    def unbuilt(self) -> str | None:
+        """Why multigpu does not build this layout yet (published runs used it; the forecast predicts it), in one
+        line, or None: cp beside ep, pp or sequence parallelism; ZeRO-1 beside any degree but dp_replicate (dp_shard
+        left to the world: once resolved). The one rule: every builder raises it (``built``) before any work, and
+        ``parallel.space.layouts`` never proposes what it names."""
         if self.cp > 1 and (self.ep > 1 or self.pp > 1 or self.sequence_parallel):
             other = "ep" if self.ep > 1 else "pp" if self.pp > 1 else "sequence_parallel"
-            raise UsageError(f"context parallelism (cp {self.cp}) with {other} is not built yet; use cp with "
-                             "dp_shard, dp_replicate and tp, or drop one of them")
+            return (f"context parallelism (cp {self.cp}) with {other} is not built yet; use cp with "
+                    "dp_shard, dp_replicate and tp, or drop one of them")
         others = [f"{n} {getattr(self, n)}" for n in ("dp_shard", "tp", "pp", "cp", "ep") if (getattr(self, n) or 1) > 1]
-        if self.zero1 and others:  # dp_shard left to the world is checked when resolve fills it
-            raise UsageError(f"zero1 shards DDP's optimizer state over the replicas, but the layout has "
-                             f"{', '.join(others)}; use dp_replicate alone with zero1 (FSDP, dp_shard, shards the "
-                             "optimizer state already)")
+        if self.zero1 and others:
+            return (f"zero1 shards DDP's optimizer state over the replicas, but the layout has "
+                    f"{', '.join(others)}; use dp_replicate alone with zero1 (FSDP, dp_shard, shards the "
+                    "optimizer state already)")
+        return None
+
+    def built(self) -> "Layout":
+        """This layout, or the ``UsageError`` of ``unbuilt``'s line where multigpu does not build it: what a
+        builder calls first."""
+        if why := self.unbuilt():
+            raise UsageError(why)
+        return self
 
     def __getattr__(self, name: str) -> Any:  # only for names a Layout does not have
         if name in _MOVED:
@@ -254,7 +268,7 @@ class Layout:
     def device_mesh(self, device_type: str) -> Any:
         """The one device mesh over ``DIMS`` (collective the first time: every rank calls it; built once per
         shape), on the job's device type (gloo meshes are "cpu", NCCL meshes "cuda")."""
-        r = self._at(None)
+        r = self._at(None).built()
         if r.cp > 1:
             return _device_mesh(device_type, (r.pp, r.dp_replicate, r.dp_shard, r.cp, r.tp), CP_DIMS)
         if r.ep == 1:

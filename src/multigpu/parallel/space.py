@@ -17,7 +17,8 @@ from .layout import Layout
 def name(layout: Layout) -> str:
     """The report's label of a candidate, e.g. ``HSDP 2x2, micro-batch 4, AC`` or ``FSDP 8 x TP 2, EP 4,
     micro-batch 1`` (one rank: ``FSDP 1``)."""
-    s, kind = layout, layout.strategy
+    # ZeRO-1 of the replicas, also beside tp or pp where a layout only describes it (``Layout.unbuilt``)
+    s, kind = layout, "ddp" if layout.zero1 else layout.strategy
     ddp = f"{'ZeRO-1' if s.zero1 else 'DDP'} {s.dp_size}"
     parts = [{"ddp": ddp, "hsdp": f"HSDP {s.dp_replicate}x{s.dp_shard}"}.get(kind, f"FSDP {s.dp_shard}")] \
         if s.dp_size > 1 or s.tp == s.pp == 1 else []
@@ -39,13 +40,14 @@ def _checkpointing(layout: Layout) -> str:
 
 def layouts(world: int, *, micro_batches: list[int] | None = None,
             schedules: tuple[str, ...] = ("1f1b",), experts: bool = False, context: bool = False,
-            zero1: bool = False) -> list[Layout]:
+            zero1: bool = False, described: bool = False) -> list[Layout]:
     """Every ``Layout`` of ``world`` ranks, for a script that reads its layout from its command line: each
     factoring of the world into (pp, dp_replicate, dp_shard, tp) that the mesh itself accepts, times the
     micro-batch sizes (None: the script's own) and, with a pipeline, the schedules; with ``experts`` (a
     mixture of experts) each ep > 1 of tp x a divisor of dp_shard too; with ``context`` each cp > 1 that divides
-    what dp_replicate and tp leave, without a pipeline; with ``zero1`` each layout that only replicates (DDP) with
-    its optimizer state sharded too.
+    what dp_replicate and tp leave; with ``zero1`` each layout whose data parallelism only replicates with its
+    optimizer state sharded too. What multigpu does not build yet (``Layout.unbuilt``: cp beside a pipeline,
+    ZeRO-1 beside tp or pp) is left out, unless ``described`` (the forecast of a layout a user names).
     The script refuses those its model or batch cannot take (heads tp does not divide, a batch that does
     not split, experts ep does not divide)."""
     if world < 1:
@@ -59,10 +61,11 @@ def layouts(world: int, *, micro_batches: list[int] | None = None,
                         layout = Layout(dp_replicate=rep, tp=tp, pp=pp, micro_batch=m, schedule=schedule).resolve(world)
                         # ep takes every tp rank and a divisor of dp_shard (dp_shard x tp = efsdp x ep)
                         eps = [d * tp for d in divisors(layout.dp_shard) if d * tp > 1] if experts else []
-                        found += [layout] + [dataclasses.replace(layout, ep=ep) for ep in eps]
-                        if zero1 and layout.strategy == "ddp":
-                            found.append(dataclasses.replace(layout, zero1=True))
-                    if context and pp == 1:
-                        found += [Layout(dp_replicate=rep, tp=tp, cp=cp, micro_batch=m).resolve(world)
-                                  for cp in divisors(world // (rep * tp)) if cp > 1]
+                        # ZeRO-1 shards the optimizer state over the replicas (FSDP's dp_shard shards it already)
+                        zero = [dataclasses.replace(layout, zero1=True)] if zero1 and rep > 1 and layout.dp_shard == 1 \
+                            else []
+                        cps = [dataclasses.replace(layout, cp=cp, dp_shard=layout.dp_shard // cp)
+                               for cp in divisors(layout.dp_shard) if cp > 1] if context else []
+                        found += [x for x in [layout, *(dataclasses.replace(layout, ep=ep) for ep in eps), *zero, *cps]
+                                  if described or not x.unbuilt()]  # the builders' one rule
     return found

@@ -121,7 +121,8 @@ def _resolved(model: nn.Module, layout: Any, sequence_parallel: bool | None) -> 
                          "e.g. mg.parallelize(model, mg.parallel.Layout(tp=2))")
     if sequence_parallel is not None:  # Layout refuses it with tp 1, in its own line
         layout = dataclasses.replace(layout, sequence_parallel=sequence_parallel)
-    return layout.resolve(_world()[1])  # a layout for another number of processes is refused here
+    # A layout for another number of processes is refused here, then one multigpu does not build yet.
+    return layout.resolve(_world()[1]).built()
 
 
 def _check_options(layout: Layout, options: dict[str, Any]) -> None:

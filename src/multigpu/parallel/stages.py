@@ -204,7 +204,7 @@ def pipeline(model: nn.Module, layout: Layout, loss_fn: Callable, plan: Any, *, 
 
     on = tdist.is_available() and tdist.is_initialized()
     rank, world = (tdist.get_rank(), tdist.get_world_size()) if on else (0, 1)
-    layout = layout.resolve(world)
+    layout = layout.resolve(world).built()
     name = type(model).__name__
     if layout.pp == 1:
         raise UsageError(f"mg.parallel.pipeline cuts {name} into pp stages but the layout has pp=1; "

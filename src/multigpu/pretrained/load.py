@@ -96,7 +96,7 @@ def from_pretrained(path: str | Path, layout: Any = None, *, dtype: torch.dtype 
     if layout.pp > 1 and not ("loss_fn" in options and "plan" in options):
         raise UsageError(f"from_pretrained onto layout {layout.label} builds a pipeline (mg.parallel.pipeline), which "
                          "takes the loss and the batch plan: pass loss_fn= and plan= as mg.parallel.pipeline takes them")
-    layout = layout.resolve(_world()[1])
+    layout = layout.resolve(_world()[1]).built()
     device = torch.device(device) if device is not None else _device()
     chosen = {k: v for k, v in (("attn_implementation", attn_implementation),
                                 ("experts_implementation", experts_implementation)) if v is not None}
