@@ -37,13 +37,16 @@ def test_layout_flags_round_trip_through_the_verbs_spelling():
                                               "dp_shard=2,activation_checkpointing=true,checkpoint_blocks=2"]
     for layout in layouts:
         assert mg.layout_from_args(layout.flags) == (layout, [])
-    # ZeRO-1 shards DDP's optimizer state: beside any other degree (dp_shard filled by the world too) a layout
-    # describes it and multigpu does not build it: the one line (Layout.unbuilt) its builders raise, the mesh's too
-    for bad in ({"tp": 2}, {}):
-        layout = mg.parallel.Layout(zero1=True, **bad).resolve(4)
-        assert "use dp_replicate alone with zero1" in layout.unbuilt()
-        with pytest.raises(mg.UsageError, match="use dp_replicate alone with zero1"):
-            layout.device_mesh("cpu")
+    # ZeRO-1 shards DDP's optimizer state over the replicas: beside tp (pp, ep) a layout describes it and multigpu
+    # does not build it, the one line (Layout.unbuilt) its builders raise, the mesh's too; beside FSDP's shards
+    # (dp_shard filled by the world too) it is no layout at all, refused as it is made
+    layout = mg.parallel.Layout(zero1=True, dp_replicate=2, tp=2).resolve(4)
+    assert "beside tp 2 is not built yet; use dp_replicate alone with zero1" in layout.unbuilt()
+    with pytest.raises(mg.UsageError, match="beside tp 2 is not built yet"):
+        layout.device_mesh("cpu")
+    for fsdp in ({}, {"dp_shard": 2}, {"cp": 2}):
+        with pytest.raises(mg.UsageError, match=r"zero1 shards DDP's optimizer state over the replicas, but FSDP \("):
+            mg.parallel.Layout(zero1=True, **fsdp).resolve(4)
     assert parse_layouts("pp=2,cp=2")[0].unbuilt().startswith("context parallelism (cp 2) with pp is not built yet")
 
 
@@ -55,7 +58,8 @@ def test_layout_flags_round_trip_through_the_verbs_spelling():
     # a layout multigpu does not build yet: the script would spread by it (Layout.unbuilt's line)
     (["--cp", "2", "--pp", "2"], "context parallelism (cp 2) with pp is not built yet; use cp with dp_shard, "
                                  "dp_replicate and tp, or drop one of them"),
-    (["--zero1", "--tp", "2"], "zero1 shards DDP's optimizer state over the replicas, but the layout has tp 2"),
+    (["--zero1", "--tp", "2"], "zero1 (DDP's optimizer state sharded over the replicas) beside tp 2 is not built"),
+    (["--zero1", "--dp-shard", "2"], "zero1 shards DDP's optimizer state over the replicas, but FSDP (dp_shard 2"),
 ])
 def test_bad_layout_flags_are_one_line(argv, fragment):
     with pytest.raises(mg.UsageError) as err:

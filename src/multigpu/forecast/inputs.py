@@ -118,9 +118,8 @@ class Rank:
         t, p, e = self.t, self.p, self.e = layout.tp, layout.pp, layout.ep
         self.c, f = layout.cp, layout.dp_shard * layout.cp
         self.f = self.shards = f  # FSDP shards over dp_shard x cp; DDP (both 1) keeps whole states
-        self.dp = layout.dp_replicate * layout.dp_shard
-        self.b = layout.micro_batch
-        self.m = run.global_batch // (self.dp * self.b)
+        self.dp, self.b = layout.dp_size, layout.micro_batch
+        self.m = layout.accum_steps(run.global_batch)  # the BatchPlan's count, which refuses a batch that does not split
         self.v = layout.stages // p  # stages per rank
         self.layers = L = counts.layers
         # This rank's stages and their blocks, as the library cuts and places them.

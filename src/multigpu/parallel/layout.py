@@ -104,23 +104,25 @@ class Layout:
         if self.sequence_parallel and self.tp == 1:
             raise UsageError("sequence_parallel splits the sequence over tensor-parallel ranks but tp is 1; "
                              "use Layout(tp=2, sequence_parallel=True) or drop it")
+        if self.zero1 and ((self.dp_shard or 1) > 1 or self.cp > 1):  # not a layout at all: FSDP shards it already
+            raise UsageError(f"zero1 shards DDP's optimizer state over the replicas, but FSDP (dp_shard "
+                             f"{self.dp_shard}, cp {self.cp}) shards it already; use dp_replicate with zero1, or drop zero1")
         # Which ep the other degrees take (ep_problem) is decided with the model's experts, where every
         # degree is known: mg.parallelize (experts.check) refuses it, its suggestions by the same rule.
 
     def unbuilt(self) -> str | None:
         """Why multigpu does not build this layout yet (published runs used it; the forecast predicts it), in one
-        line, or None: cp beside ep, pp or sequence parallelism; ZeRO-1 beside any degree but dp_replicate (dp_shard
-        left to the world: once resolved). The one rule: every builder raises it (``built``) before any work, and
+        line, or None: cp beside ep, pp or sequence parallelism; ZeRO-1 beside tp, pp or ep (beside FSDP's dp_shard or
+        cp it is no layout: refused on construction). The one rule: every builder raises it (``built``) before any work, and
         ``parallel.space.layouts`` never proposes what it names."""
         if self.cp > 1 and (self.ep > 1 or self.pp > 1 or self.sequence_parallel):
             other = "ep" if self.ep > 1 else "pp" if self.pp > 1 else "sequence_parallel"
             return (f"context parallelism (cp {self.cp}) with {other} is not built yet; use cp with "
                     "dp_shard, dp_replicate and tp, or drop one of them")
-        others = [f"{n} {getattr(self, n)}" for n in ("dp_shard", "tp", "pp", "cp", "ep") if (getattr(self, n) or 1) > 1]
+        others = [f"{n} {getattr(self, n)}" for n in ("tp", "pp", "ep") if getattr(self, n) > 1]
         if self.zero1 and others:
-            return (f"zero1 shards DDP's optimizer state over the replicas, but the layout has "
-                    f"{', '.join(others)}; use dp_replicate alone with zero1 (FSDP, dp_shard, shards the "
-                    "optimizer state already)")
+            return (f"zero1 (DDP's optimizer state sharded over the replicas) beside {', '.join(others)} is not built "
+                    "yet; use dp_replicate alone with zero1, or FSDP (dp_shard) beside them")
         return None
 
     def built(self) -> "Layout":
