@@ -924,6 +924,12 @@ def test_a_named_layout_multigpu_does_not_build_is_forecast_and_says_so(tmp_path
     assert f"note: forecast as described, not run: multigpu does not build it: {why}\n" in out
     assert "run the best: none, multigpu does not build FSDP 2 x CP 2 x TP 2 x PP 2 1f1b" in out and "--cp" not in out
     assert f"Not run: multigpu does not build it: {why}" in (tmp_path / "r" / "report.md").read_text()
+    # named with sequence parallelism beside cp (torchtitan's), it is forecast so and said unbuilt, not as cp alone
+    sp = Layout(dp_shard=4, cp=2, tp=2, sequence_parallel=True).resolve(16)
+    ranked, _ = plan(counted("llama3-8b", 4096), cluster("h100", 16), Run(32, 4096), published.assumptions(),
+                     micro_batches=(1,), named=[sp])
+    assert {f["layout"].sequence_parallel for f in ranked} == {True} and {f["unbuilt"] for f in ranked} == \
+        {sp.unbuilt()} and sp.unbuilt().startswith("context parallelism (cp 2) with sequence_parallel")
     # unnamed: every layout the forecast ranks is one multigpu builds
     ranked, _ = plan(counted("llama3-8b", 4096), cluster("h100", 16), Run(32, 4096), published.assumptions())
     assert ranked and not [f["name"] for f in ranked if f["unbuilt"]]

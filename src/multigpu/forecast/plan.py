@@ -49,13 +49,13 @@ def _why_not(counts: Counts, layout: Layout, run: Run) -> str | None:
 def _as_named(layout: Layout, named: list[Layout] | None) -> list[Layout]:
     """``layout`` as each of ``named`` with its degrees asks for it (its schedule under pp, and the stages per rank
     it gives there; its micro-batch where it gives one; the blocks of each stage it recomputes,
-    ``checkpoint_blocks``); ``[layout]`` where nothing is named."""
+    ``checkpoint_blocks``; its sequence parallelism); ``[layout]`` where nothing is named."""
     if named is None:
         return [layout]
     degrees = ("pp", "dp_replicate", "dp_shard", "tp", "cp", "ep", "zero1")
     found = [dataclasses.replace(layout, stages_per_rank=n.stages_per_rank if layout.pp > 1 else None,
                                  activation_checkpointing=n.checkpoint_blocks is not None,
-                                 checkpoint_blocks=n.checkpoint_blocks)
+                                 checkpoint_blocks=n.checkpoint_blocks, sequence_parallel=n.sequence_parallel)
              for n in named if all(getattr(layout, d) == getattr(n, d) for d in degrees)
              and (n.pp == 1 or n.schedule == layout.schedule)
              and (n.micro_batch is None or n.micro_batch == layout.micro_batch)]
@@ -85,8 +85,8 @@ def plan(counts: Counts, cluster: Cluster, run: Run, a: Assumptions, *, micro_ba
                 # A layout that recomputes the first k blocks of each stage is forecast so (full recompute on those).
                 for rc in (("full",) if layout.checkpoint_blocks else recompute):
                     # The model cuts every saved tensor by tp, as sequence parallelism does: the command asks for it
-                    # (not beside ep or cp, which multigpu does not compose with it yet: there it is optimistic).
-                    sp = layout.tp > 1 and layout.ep == layout.cp == 1
+                    # (not beside ep or cp, which multigpu does not build yet, unless a named layout names it).
+                    sp = layout.sequence_parallel or (layout.tp > 1 and layout.ep == layout.cp == 1)
                     chosen = dataclasses.replace(layout, activation_checkpointing=rc == "full", sequence_parallel=sp)
                     got = predict(counts, cluster, chosen, dataclasses.replace(run, recompute=rc), a)
                     ranked.append({"name": name(chosen), "layout": chosen, "recompute": rc, **got,
