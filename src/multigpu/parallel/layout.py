@@ -1,22 +1,17 @@
 """One layout: the mesh degrees and the choices that go with them, resolved once, and every rule that follows.
 
-A ``Layout`` is what a run is spread by: data parallelism replicated
-(``dp_replicate``) and sharded (``dp_shard``; None takes what the other
-degrees leave of the world), tensor parallelism (``tp``), pipeline stages
-(``pp``), the micro-batch, activation checkpointing (of every block, or with
-``checkpoint_blocks`` k the first k of each pipeline stage, Megatron's
-``--recompute-method block``), the pipeline schedule
-and its stages per rank (``stages_per_rank``: the looped schedules run any
-number, torchtitan's and Megatron's virtual stages; None is the schedule's own).
-``layout.resolve(world_size)`` is the same layout with every degree set (the
-one place the world is factored, and refused when it does not factor); a
-resolved layout owns its world size, data-parallel size and rank, strategy,
-label, command-line flags and device mesh, so nothing else derives a degree.
-The strategy is read from the degrees, not named twice: replicate-only is DDP,
-any sharding is FSDP (HSDP with both), and FSDP also carries data parallelism
-beside TP or PP (DDP does not compose with them; torchtitan refuses it too).
-``BatchPlan`` stays the only batch arithmetic: ``layout.plan`` builds one over
-the data-parallel ranks, so ``accum_steps`` is the micro-batch count.
+A ``Layout`` is what a run is spread by: data parallelism replicated (``dp_replicate``) and sharded (``dp_shard``;
+None takes what the other degrees leave of the world), tensor parallelism (``tp``), pipeline stages (``pp``), the
+micro-batch, activation checkpointing (of every block, or with ``checkpoint_blocks`` k the first k of each pipeline
+stage, Megatron's ``--recompute-method block``), the pipeline schedule and its stages per rank (``stages_per_rank``:
+the looped schedules run any number, torchtitan's and Megatron's virtual stages; None is the schedule's own).
+``layout.resolve(world_size)`` is the same layout with every degree set (the one place the world is factored, and
+refused when it does not factor); a resolved layout owns its world size, data-parallel size and rank, strategy,
+label, command-line flags and device mesh, so nothing else derives a degree. The strategy is read from the degrees,
+not named twice: replicate-only is DDP, any sharding is FSDP (HSDP with both), and FSDP also carries data
+parallelism beside TP or PP (DDP does not compose with them; torchtitan refuses it too). ``BatchPlan`` stays the
+only batch arithmetic: ``layout.plan`` builds one over the data-parallel ranks, so ``accum_steps`` is the
+micro-batch count.
 
 >>> layout = mg.parallel.Layout(tp=2, micro_batch=4).resolve(dist.world_size)
 >>> layout.dp_size, layout.strategy, layout.label
@@ -112,9 +107,12 @@ class Layout:
 
     def unbuilt(self) -> str | None:
         """Why multigpu does not build this layout yet (published runs used it; the forecast predicts it), in one
-        line, or None: cp beside ep, pp or sequence parallelism; ZeRO-1 beside tp, pp or ep (beside FSDP's dp_shard or
-        cp it is no layout: refused on construction). The one rule: every builder raises it (``built``) before any work, and
-        ``parallel.space.layouts`` never proposes what it names."""
+        line, or None: cp beside ep, pp or sequence parallelism; ep beside sequence parallelism; ZeRO-1 beside tp, pp
+        or ep (beside FSDP's dp_shard or cp it is no layout: refused on construction). The one rule: every builder
+        raises it (``built``) before any work; ``parallel.space.layouts`` never proposes what it names."""
+        if self.ep > 1 and self.sequence_parallel and self.cp == 1:
+            return (f"expert parallelism with sequence_parallel is not built yet (ep {self.ep}): the experts would see "
+                    "a share of each sequence's tokens; use sequence_parallel=False with ep")
         if self.cp > 1 and (self.ep > 1 or self.pp > 1 or self.sequence_parallel):
             other = "ep" if self.ep > 1 else "pp" if self.pp > 1 else "sequence_parallel"
             return (f"context parallelism (cp {self.cp}) with {other} is not built yet; use cp with "

@@ -264,9 +264,6 @@ def _experts_to_spread(model: nn.Module, layout: Layout, capacity_factor: float 
         return []
     from . import experts
 
-    if layout.sequence_parallel:
-        raise UsageError(f"expert parallelism with sequence_parallel is not built yet, got layout {layout.label}: "
-                         "the experts would see a share of each sequence's tokens; use sequence_parallel=False with ep")
     return experts.check(model, layout)
 
 
