@@ -119,6 +119,13 @@ def test_refusals_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     assert not list(tmp_path.iterdir())  # nothing started, nothing written
 
 
+# One report for every workload (tests/test_layout_contract.py: a script measured alone has the first keys only).
+REPORT = {"workload", "world_size", "device", "threads_per_worker", "steps", "repeats", "top", "candidates", "left_out",
+          "winner", "command", "verdict", "wall_s"}
+PREDICTED = REPORT | {"model", "global_batch", "budget", "probe", "prediction_error"}
+ROW = {"candidate", "args", "measured", "pruned", "predicted", "result", "error"}  # error: measured and predicted
+
+
 @pytest.mark.slow
 def test_tune_on_two_cpu_ranks_measures_the_top_candidates_and_writes_the_report(tmp_path):
     lines = []
@@ -126,6 +133,7 @@ def test_tune_on_two_cpu_ranks_measures_the_top_candidates_and_writes_the_report
                                       out=str(tmp_path / "tune"), micro_batches=(4, 8)), say=lines.append)
     assert (out / "report.md").is_file() and (out / "report.html").is_file()
     saved = json.loads((out / "tune.json").read_text())
+    assert set(saved) == PREDICTED and {k for r in saved["candidates"] for k in r} == ROW | {"fits"}
     assert saved["winner"] == report["winner"] and len(saved["candidates"]) == 12
     measured = [c for c in saved["candidates"] if c["measured"]]
     assert len(measured) == 2 and all(c["result"] for c in measured)  # the 2 fastest predicted, both ran
@@ -266,9 +274,9 @@ def test_the_rounds_interleave_retry_with_checkpointing_and_read_the_workers_ref
     import json as _json
 
     from multigpu.tune import rounds
-    from multigpu.tune.script import _row, with_checkpointing
+    from multigpu.tune.script import with_checkpointing
 
-    rows = [_row(Layout(dp_shard=2, micro_batch=m)) for m in (1, 2, 4)]
+    rows = [rounds.row(Layout(dp_shard=2, micro_batch=m)) for m in (1, 2, 4)]
     runs = iter([{"status": "ok", "step_time_s": 0.3}, {"status": "failed", "error": "x", "error_type": "OutOfMemoryError"},
                  {"status": "ok", "step_time_s": 0.2},  # the retry of micro-batch 2 with checkpointing, measured next
                  {"status": "failed", "error": "tp=4 does not divide", "exit_code": 2},
@@ -438,6 +446,7 @@ def test_tune_predicts_a_scripts_layouts_from_its_model_and_measures_the_fastest
                                       model=f"{example}:build_model", seq_len=64), say=lines.append)
     saved = json.loads((out / "tune.json").read_text())
     rows = saved["candidates"]
+    assert set(saved) == PREDICTED and {k for r in rows for k in r} == ROW | {"fits"}  # the recipe's shape
     assert len(rows) == 28  # 7 layouts x their micro-batches x AC
     refused = [r["candidate"] for r in rows if not r["predicted"]]  # as the script would refuse them
     assert refused == ["pp=2,micro_batch=8", "pp=2,micro_batch=8,activation_checkpointing=true"]
@@ -451,7 +460,7 @@ def test_tune_predicts_a_scripts_layouts_from_its_model_and_measures_the_fastest
     assert all(r["result"] and "memory_bytes" in r["result"] for r in measured)
     for r in measured:  # the same model as the recipe's tune: memory near (tens of %), time within 2x on a busy CI
         assert abs(r["error"]["memory"]) < 0.3 and abs(r["error"]["step_time"]) < 1.0, r
-    assert saved["prediction"]["model"] == "build_model" and saved["prediction"]["global_batch"] == 8
+    assert saved["model"] == "build_model" and saved["global_batch"] == 8
     assert saved["prediction_error"]["memory_worst"] == max(abs(r["error"]["memory"]) for r in measured)
     assert saved["winner"] in [r["candidate"] for r in measured] and report["verdict"] in lines
     page = (out / "report.md").read_text()
