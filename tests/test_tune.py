@@ -13,23 +13,29 @@ from multigpu.tune import TuneConfig, run_tune
 from multigpu.forecast.hardware import Links
 from multigpu.parallel.layout import Layout
 from multigpu.parallel.space import name
-from multigpu.tune.space import candidates
+from multigpu.tune.run import recipe
+
+
+def _candidates(world: int, *flags: str, micro_batches=None):
+    """The GPT recipe's candidates as tune weighs them (its workload: space.candidates with the recipe's refusal)."""
+    work = recipe(TuneConfig("gpt", (*flags, "--global-batch", "16"), nproc=world, micro_batches=micro_batches))
+    return work.found, work.left_out
 
 
 def test_candidates_cover_every_layout_that_computes_the_same_training_and_say_why_others_are_out():
-    found, out = candidates(4, config("tiny"), 16)
+    found, out = _candidates(4)
     names = {name(c).split(",")[0] for c in found}
     assert names == {"DDP 4", "FSDP 4", "HSDP 2x2", "FSDP 2 x TP 2", "TP 4"}
     assert {o["reason"] for o in out} == {"the token table of the GPT is tied to its head, but a pipeline puts them on "
                                           "different stages; untie them (the GPT recipe: --untied) or use pp=1"}
     assert all(16 % (c.dp_size * c.micro_batch) == 0 for c in found)
-    untied, out = candidates(4, config("tiny", tie_embeddings=False), 16, micro_batches=[4, 8])
+    untied, out = _candidates(4, "--untied", micro_batches=(4, 8))
     pipes = [c for c in untied if c.pp > 1]
     assert {(c.pp, c.tp, c.schedule) for c in pipes} == {(2, 1, "1f1b"), (2, 1, "gpipe"), (2, 2, "1f1b"), (2, 2, "gpipe")}
     assert any("2 blocks" in o["reason"] for o in out)  # PP 4 on a 2-block model
     # One micro-batch a step on 2 stages: 1F1B refuses it in the library's own line, GPipe runs it.
     one = "got 1 micro-batches for 2 stages"
-    assert [o["layout"] for o in out if one in o["reason"]] == ["PP 2 1f1b, micro-batch 8"]  # dp 2 x PP 2 (tp 1)
+    assert [o["layout"] for o in out if one in o["reason"]] == ["pp=2,dp_shard=2,micro_batch=8"]  # dp 2 x PP 2 (tp 1)
     assert {(c.tp, c.schedule) for c in pipes if c.micro_batch == 8} == {(1, "gpipe"), (2, "gpipe"), (2, "1f1b")}
     c = Layout(dp_replicate=2, dp_shard=2, micro_batch=4, activation_checkpointing=True)
     assert name(c) == "HSDP 2x2, micro-batch 4, AC" and c.flags == ["--dp-replicate", "2", "--dp-shard", "2", "--micro-batch", "4", "--activation-checkpointing"]
@@ -39,7 +45,7 @@ def test_candidates_cover_every_layout_that_computes_the_same_training_and_say_w
     with pytest.raises(UsageError, match="leaves dp_shard to the world size"):
         Layout(micro_batch=2).accum_steps(16)
     with pytest.raises(UsageError, match="no layout of 3 ranks fits this model and global batch 16"):
-        candidates(3, config("tiny"), 16)
+        _candidates(3)
 
 
 def _parts(slowdown: float = 1.0, fixed: dict | None = None, sync: dict | None = None) -> dict:
@@ -423,8 +429,8 @@ def test_a_world_where_the_script_refuses_every_layout_is_one_line_and_writes_no
         "    return OneLM()\n")
     example = str(Path(__file__).resolve().parents[1] / "examples" / "hf_model.py")
     out = tmp_path / "tune"
-    with pytest.raises(UsageError, match=r"^the script would refuse every layout of 2 ranks for build \(.*\); "
-                                         r"change -n or the script's --global-batch$"):
+    with pytest.raises(UsageError, match=r"^no layout of 2 ranks fits build and global batch 1: dp_shard=2,micro_batch=1: "
+                                         r".*; change -n or the global batch$"):
         run_tune(TuneConfig(example, ("--global-batch", "1"), nproc=2, cpu=True, top=2, repeats=1, steps=6,
                             out=str(out), model=f"{model}:build", seq_len=8), say=lambda line: None)
     assert not out.exists()
@@ -438,6 +444,8 @@ def test_tune_predicts_a_scripts_layouts_from_its_model_and_measures_the_fastest
     pytest.importorskip("transformers")
     from pathlib import Path
 
+    from multigpu.parallel import pp
+
     example = str(Path(__file__).resolve().parents[1] / "examples" / "hf_model.py")
     budget = 7 * 2**20  # below DDP's at micro-batch 4 (its whole states and 4 sequences' activations)
     lines: list[str] = []
@@ -447,14 +455,12 @@ def test_tune_predicts_a_scripts_layouts_from_its_model_and_measures_the_fastest
     saved = json.loads((out / "tune.json").read_text())
     rows = saved["candidates"]
     assert set(saved) == PREDICTED and {k for r in rows for k in r} == ROW | {"fits"}  # the recipe's shape
-    assert len(rows) == 28  # 7 layouts x their micro-batches x AC
-    refused = [r["candidate"] for r in rows if not r["predicted"]]  # as the script would refuse them
-    assert refused == ["pp=2,micro_batch=8", "pp=2,micro_batch=8,activation_checkpointing=true"]
-    assert all(r["pruned"].startswith("pipeline schedule '1f1b' needs at least as many micro-batches as stages, "
-                                      "got 1 micro-batches for 2 stages") for r in rows if not r["predicted"])
-    pruned = [r for r in rows if r["pruned"] and r["predicted"]]
+    assert len(rows) == 26  # 7 layouts x their micro-batches x AC, less the 2 the script would refuse:
+    assert saved["left_out"][-1:] == [{"layout": "pp=2,micro_batch=8", "reason": pp.microbatches_refusal("1f1b", 2, 1)}]
+    pruned = [r for r in rows if r["pruned"]]
     assert pruned and all(r["predicted"]["memory_bytes"] > budget and not r["measured"] for r in pruned)
     fit = sorted((r for r in rows if not r["pruned"]), key=lambda r: r["predicted"]["step_time_s"])
+    assert all(r["predicted"] for r in rows)
     measured = [r for r in rows if r["measured"]]
     assert sorted(r["candidate"] for r in measured) == sorted(r["candidate"] for r in fit[:2])
     assert all(r["result"] and "memory_bytes" in r["result"] for r in measured)

@@ -51,18 +51,17 @@ class Workload:
     target: str  # what the launcher runs: the recipe's module, or the script
     module: bool
     found: list[Layout]  # the candidates
-    left_out: list[dict]  # combinations that are no candidate, with their reason (the recipe's space)
+    left_out: list[dict]  # layouts that are no candidate, with the workload's reason (space.candidates)
     flags: tuple[str, ...] = ()  # launch flags tune adds beside the layout's and --steps
     counts: object = None  # forecast's count of the model (forecast.counts.Counts): predicted where given
     subject: object = None  # the model the probes time (wrappers.Subject)
     global_batch: int | None = None
-    refusals: list[str | None] | None = None  # per candidate, the script's own refusal (asked on its model)
     retry: Callable[[dict, dict], dict | None] | None = None  # measured alone: a run out of memory tried again
 
 
-def row(layout, pruned: str | None = None) -> dict:
+def row(layout) -> dict:
     """A candidate's row of the report (``_l``: its Layout, dropped when the report is written)."""
-    return {"candidate": layout.label, "args": layout.flags, "measured": [], "pruned": pruned, "predicted": None,
+    return {"candidate": layout.label, "args": layout.flags, "measured": [], "pruned": None, "predicted": None,
             "_l": layout}
 
 

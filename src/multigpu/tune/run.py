@@ -3,8 +3,9 @@
 A ``Workload`` says what runs (the recipe's module, or the script), its candidates, and, where its model is
 known (always the recipe's; a script's with ``--model``), how to count and probe it. Then, for either:
 
-1. the candidates (the recipe's: ``space.candidates``; a script's: every ``Layout`` of N ranks, and with its
-   model each micro-batch and checkpointing), those the script would refuse left out with its own line;
+1. the candidates (``space.candidates``: the mesh's factorings, each micro-batch and checkpointing where the
+   model is known, less those the workload would refuse, with its own line; a script measured alone: every
+   ``Layout`` of N ranks as it is);
 2. where the model is known, each one's predicted memory and step time (``multigpu forecast``'s model with
    this machine's measured rates, links and overheads: ``machine.py``); those over the memory budget
    (``--memory-budget``, or the GPU's memory) are pruned, and the ``top`` fastest predicted are measured;
@@ -96,13 +97,16 @@ def recipe(cfg: TuneConfig) -> Workload:
     """The GPT recipe as a workload: launched as a module, its model its own flags, so always predicted."""
     from ..recipes.gpt.model import config
     from ..recipes.gpt.train import parse_args
-    from .space import candidates
+    from ..parallel.space import layouts
+    from .space import candidates, gpt_refusal
     from .wrappers import gpt
 
     args = parse_args(list(cfg.args))
     model_cfg = config(args.size, **({"block_size": args.block_size} if args.block_size else {}),
                        **({"tie_embeddings": False} if args.untied else {}))
-    found, left_out = candidates(cfg.nproc, model_cfg, args.global_batch,
+    # Replication alone beside TP or PP is left out: the recipe's data parallelism there is FSDP's (sharded).
+    found = [s for s in layouts(cfg.nproc, schedules=("1f1b", "gpipe")) if not (s.strategy == "hsdp" and s.dp_shard == 1)]
+    found, left_out = candidates(found, args.global_batch, gpt_refusal(model_cfg, args.global_batch),
                                  micro_batches=list(cfg.micro_batches) if cfg.micro_batches else None)
     # The first interval (3 steps: warm-up, the third's memory measured) is left out of the step time; no eval.
     flags = ("--log-every", "3", "--eval-every", str(10 * cfg.steps), "--eval-batches", "1")
@@ -118,7 +122,7 @@ def run_tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> tuple[Path,
     t_start = time.perf_counter()
     cfg, device = rounds.device_of(cfg)
     work = workload(cfg) if is_script(cfg.workload) else recipe(cfg)  # its refusals: one line, nothing written
-    rows = [rounds.row(layout, why) for layout, why in zip(work.found, work.refusals or [None] * len(work.found))]
+    rows = [rounds.row(layout) for layout in work.found]
     out = rounds.out_dir(cfg)
     say(f"multigpu tune: {work.name} on {cfg.nproc} {'CPU workers' if cfg.cpu else 'GPUs'}: {len(rows)} candidates "
         f"({len(work.left_out)} layouts left out) -> {out}")
@@ -152,18 +156,15 @@ def run_tune(cfg: TuneConfig, say: Callable[[str], None] = print) -> tuple[Path,
 
 def _predict(cfg: TuneConfig, work: Workload, rows: list[dict], device: str, out: Path, say) -> tuple[int | None, dict]:
     """Each row's prediction (``predicted``, ``fits``, ``pruned``) by forecast's model of the counted model on this
-    machine (``machine.measure_parts``: the probes on the workload's own model and loop, for the layouts it does not
-    refuse); returns the memory budget and what the report keeps of the prediction."""
-    parts = machine.measure_parts(work.subject, [r["_l"] for r in rows if not r["pruned"]], cfg.nproc, device,
-                                  cfg.threads, say, workload=work.target, module=work.module, recipe_args=cfg.args,
-                                  root=out / "probe")
+    machine (``machine.measure_parts``: the probes on the workload's own model and loop, for its candidates);
+    returns the memory budget and what the report keeps of the prediction."""
+    parts = machine.measure_parts(work.subject, work.found, cfg.nproc, device, cfg.threads, say, workload=work.target,
+                                  module=work.module, recipe_args=cfg.args, root=out / "probe")
     budget, budget_text = machine.budget_of(cfg, device)
     here = machine.measured_cluster(work.counts, parts, cfg.nproc, budget)
     for r in rows:
-        p = None if r["pruned"] else machine.predict(r["_l"].resolve(cfg.nproc), work.counts, here, parts,
-                                                     work.global_batch)
-        r["predicted"], r["fits"] = p, p is not None and p["fits"]
-        r["pruned"] = r["pruned"] or machine.pruned(p, here)
+        p = machine.predict(r["_l"].resolve(cfg.nproc), work.counts, here, parts, work.global_batch)
+        r["predicted"], r["fits"], r["pruned"] = p, p["fits"], machine.pruned(p, here)
     return budget, {"model": work.counts.name, "global_batch": work.global_batch, "budget": budget_text,
                     "probe": machine.probe_record(parts)}
 

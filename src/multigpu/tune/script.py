@@ -68,28 +68,22 @@ def with_checkpointing(row: dict, m: dict) -> dict | None:
 
 def workload(cfg):
     """The script as tune's workload (``rounds.Workload``): launched as a path; without ``--model`` every layout of
-    N ranks, measured; with it each micro-batch that splits a rank's share and checkpointing weighed, as for the
-    recipe, the layouts the script would refuse left out (``_refusal``; every one refused: one line)."""
+    N ranks as it is, measured; with it the recipe's candidates (``space.candidates``: each micro-batch that splits
+    a rank's share, checkpointing off and on) less those the script would refuse (``_refusal``)."""
     from ..parallel.space import layouts
     from . import wrappers
-    from .space import splits
+    from .space import candidates
 
-    found = layouts(cfg.nproc, micro_batches=list(cfg.micro_batches) if cfg.micro_batches else None,
-                    experts=cfg.experts, context=cfg.context)
+    micro = list(cfg.micro_batches) if cfg.micro_batches else None
     if not cfg.model:
+        found = layouts(cfg.nproc, micro_batches=micro, experts=cfg.experts, context=cfg.context)
         return rounds.Workload(cfg.workload, cfg.workload, False, found, [], retry=with_checkpointing)
     build, counts = _count(cfg)  # a model that does not load or count: one line, nothing written
     batch = global_batch(cfg.args)
-    found = [replace(layout, micro_batch=m, activation_checkpointing=ac) for layout in found
-             for m in ([layout.micro_batch] if layout.micro_batch else splits(batch // layout.dp_size) or [1])
-             for ac in (False, True)]
-    why = _refusal(build, counts, cfg.seq_len, batch)
-    refusals = [why(layout.resolve(cfg.nproc)) for layout in found]
-    if all(refusals):
-        raise UsageError(f"the script would refuse every layout of {cfg.nproc} ranks for {counts.name} "
-                         f"({found[0].label}: {refusals[0]}); change -n or the script's --global-batch")
-    return rounds.Workload(cfg.workload, cfg.workload, False, found, [], counts=counts,
-                    subject=wrappers.built(build, counts.vocab, cfg.seq_len), global_batch=batch, refusals=refusals)
+    found, left_out = candidates(layouts(cfg.nproc, experts=cfg.experts, context=cfg.context), batch,
+                                 _refusal(build, counts, cfg.seq_len, batch), micro_batches=micro, model=counts.name)
+    return rounds.Workload(cfg.workload, cfg.workload, False, found, left_out, counts=counts,
+                           subject=wrappers.built(build, counts.vocab, cfg.seq_len), global_batch=batch)
 
 
 def _count(cfg) -> tuple:
