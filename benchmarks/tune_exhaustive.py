@@ -43,13 +43,14 @@ def repredict(report: dict, a) -> dict:
     from multigpu.recipes.gpt.model import config
     from multigpu.tune import machine
     from multigpu.tune.machine import measure_parts
+    from multigpu.tune.run import recipe
     from multigpu.tune.wrappers import gpt
     from multigpu.parallel.space import name
-    from multigpu.tune.space import candidates
 
     cfg = config(a.size)
-    found, _ = candidates(a.n, cfg, a.global_batch, micro_batches=[int(v) for v in a.micro_batches.split(",")])
-    by_name = {name(c): c for c in found}
+    found = recipe(TuneConfig("gpt", ("--size", a.size, "--global-batch", str(a.global_batch)), nproc=a.n,
+                              micro_batches=tuple(int(v) for v in a.micro_batches.split(",")))).found
+    by_name = {key: c for c in found for key in (c.label, name(c))}  # a tune.json from before named them so
     # Measured again: the probe is part of the model under test.
     parts = measure_parts(gpt(cfg), found, a.n, "cpu", 1, workload="multigpu.recipes.gpt", module=True,
                           recipe_args=("--size", a.size), root=Path(a.measured) / "reprobe")

@@ -184,6 +184,8 @@ def test_tune_measures_every_layout_of_the_users_script_and_picks_the_fastest(tm
                                       out=str(tmp_path / "tune")), say=said.append)
     saved = json.loads((out / "tune.json").read_text())
     assert (out / "report.md").is_file() and saved["winner"] == report["winner"]
+    assert set(saved) == {"workload", "world_size", "device", "threads_per_worker", "steps", "repeats", "top",
+                          "candidates", "left_out", "winner", "command", "verdict", "wall_s"}  # the recipe's, unpredicted
     rows = saved["candidates"]
     assert sorted(r["candidate"] for r in rows) == ["dp_replicate=2", "dp_shard=2", "pp=2", "tp=2"]
     assert all(r["result"] for r in rows) and saved["left_out"] == []

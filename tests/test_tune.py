@@ -13,23 +13,29 @@ from multigpu.tune import TuneConfig, run_tune
 from multigpu.forecast.hardware import Links
 from multigpu.parallel.layout import Layout
 from multigpu.parallel.space import name
-from multigpu.tune.space import candidates
+from multigpu.tune.run import recipe
+
+
+def _candidates(world: int, *flags: str, micro_batches=None):
+    """The GPT recipe's candidates as tune weighs them (its workload: space.candidates with the recipe's refusal)."""
+    work = recipe(TuneConfig("gpt", (*flags, "--global-batch", "16"), nproc=world, micro_batches=micro_batches))
+    return work.found, work.left_out
 
 
 def test_candidates_cover_every_layout_that_computes_the_same_training_and_say_why_others_are_out():
-    found, out = candidates(4, config("tiny"), 16)
+    found, out = _candidates(4)
     names = {name(c).split(",")[0] for c in found}
     assert names == {"DDP 4", "FSDP 4", "HSDP 2x2", "FSDP 2 x TP 2", "TP 4"}
     assert {o["reason"] for o in out} == {"the token table of the GPT is tied to its head, but a pipeline puts them on "
                                           "different stages; untie them (the GPT recipe: --untied) or use pp=1"}
     assert all(16 % (c.dp_size * c.micro_batch) == 0 for c in found)
-    untied, out = candidates(4, config("tiny", tie_embeddings=False), 16, micro_batches=[4, 8])
+    untied, out = _candidates(4, "--untied", micro_batches=(4, 8))
     pipes = [c for c in untied if c.pp > 1]
     assert {(c.pp, c.tp, c.schedule) for c in pipes} == {(2, 1, "1f1b"), (2, 1, "gpipe"), (2, 2, "1f1b"), (2, 2, "gpipe")}
     assert any("2 blocks" in o["reason"] for o in out)  # PP 4 on a 2-block model
     # One micro-batch a step on 2 stages: 1F1B refuses it in the library's own line, GPipe runs it.
     one = "got 1 micro-batches for 2 stages"
-    assert [o["layout"] for o in out if one in o["reason"]] == ["PP 2 1f1b, micro-batch 8"]  # dp 2 x PP 2 (tp 1)
+    assert [o["layout"] for o in out if one in o["reason"]] == ["pp=2,dp_shard=2,micro_batch=8"]  # dp 2 x PP 2 (tp 1)
     assert {(c.tp, c.schedule) for c in pipes if c.micro_batch == 8} == {(1, "gpipe"), (2, "gpipe"), (2, "1f1b")}
     c = Layout(dp_replicate=2, dp_shard=2, micro_batch=4, activation_checkpointing=True)
     assert name(c) == "HSDP 2x2, micro-batch 4, AC" and c.flags == ["--dp-replicate", "2", "--dp-shard", "2", "--micro-batch", "4", "--activation-checkpointing"]
@@ -39,7 +45,7 @@ def test_candidates_cover_every_layout_that_computes_the_same_training_and_say_w
     with pytest.raises(UsageError, match="leaves dp_shard to the world size"):
         Layout(micro_batch=2).accum_steps(16)
     with pytest.raises(UsageError, match="no layout of 3 ranks fits this model and global batch 16"):
-        candidates(3, config("tiny"), 16)
+        _candidates(3)
 
 
 def _parts(slowdown: float = 1.0, fixed: dict | None = None, sync: dict | None = None) -> dict:
@@ -119,6 +125,13 @@ def test_refusals_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     assert not list(tmp_path.iterdir())  # nothing started, nothing written
 
 
+# One report for every workload (tests/test_layout_contract.py: a script measured alone has the first keys only).
+REPORT = {"workload", "world_size", "device", "threads_per_worker", "steps", "repeats", "top", "candidates", "left_out",
+          "winner", "command", "verdict", "wall_s"}
+PREDICTED = REPORT | {"model", "global_batch", "budget", "probe", "prediction_error"}
+ROW = {"candidate", "args", "measured", "pruned", "predicted", "result", "error"}  # error: measured and predicted
+
+
 @pytest.mark.slow
 def test_tune_on_two_cpu_ranks_measures_the_top_candidates_and_writes_the_report(tmp_path):
     lines = []
@@ -126,6 +139,7 @@ def test_tune_on_two_cpu_ranks_measures_the_top_candidates_and_writes_the_report
                                       out=str(tmp_path / "tune"), micro_batches=(4, 8)), say=lines.append)
     assert (out / "report.md").is_file() and (out / "report.html").is_file()
     saved = json.loads((out / "tune.json").read_text())
+    assert set(saved) == PREDICTED and {k for r in saved["candidates"] for k in r} == ROW | {"fits"}
     assert saved["winner"] == report["winner"] and len(saved["candidates"]) == 12
     measured = [c for c in saved["candidates"] if c["measured"]]
     assert len(measured) == 2 and all(c["result"] for c in measured)  # the 2 fastest predicted, both ran
@@ -266,9 +280,9 @@ def test_the_rounds_interleave_retry_with_checkpointing_and_read_the_workers_ref
     import json as _json
 
     from multigpu.tune import rounds
-    from multigpu.tune.script import _row, with_checkpointing
+    from multigpu.tune.script import with_checkpointing
 
-    rows = [_row(Layout(dp_shard=2, micro_batch=m)) for m in (1, 2, 4)]
+    rows = [rounds.row(Layout(dp_shard=2, micro_batch=m)) for m in (1, 2, 4)]
     runs = iter([{"status": "ok", "step_time_s": 0.3}, {"status": "failed", "error": "x", "error_type": "OutOfMemoryError"},
                  {"status": "ok", "step_time_s": 0.2},  # the retry of micro-batch 2 with checkpointing, measured next
                  {"status": "failed", "error": "tp=4 does not divide", "exit_code": 2},
@@ -415,8 +429,8 @@ def test_a_world_where_the_script_refuses_every_layout_is_one_line_and_writes_no
         "    return OneLM()\n")
     example = str(Path(__file__).resolve().parents[1] / "examples" / "hf_model.py")
     out = tmp_path / "tune"
-    with pytest.raises(UsageError, match=r"^the script would refuse every layout of 2 ranks for build \(.*\); "
-                                         r"change -n or the script's --global-batch$"):
+    with pytest.raises(UsageError, match=r"^no layout of 2 ranks fits build and global batch 1: dp_shard=2,micro_batch=1: "
+                                         r".*; change -n or the global batch$"):
         run_tune(TuneConfig(example, ("--global-batch", "1"), nproc=2, cpu=True, top=2, repeats=1, steps=6,
                             out=str(out), model=f"{model}:build", seq_len=8), say=lambda line: None)
     assert not out.exists()
@@ -430,6 +444,8 @@ def test_tune_predicts_a_scripts_layouts_from_its_model_and_measures_the_fastest
     pytest.importorskip("transformers")
     from pathlib import Path
 
+    from multigpu.parallel import pp
+
     example = str(Path(__file__).resolve().parents[1] / "examples" / "hf_model.py")
     budget = 7 * 2**20  # below DDP's at micro-batch 4 (its whole states and 4 sequences' activations)
     lines: list[str] = []
@@ -438,20 +454,19 @@ def test_tune_predicts_a_scripts_layouts_from_its_model_and_measures_the_fastest
                                       model=f"{example}:build_model", seq_len=64), say=lines.append)
     saved = json.loads((out / "tune.json").read_text())
     rows = saved["candidates"]
-    assert len(rows) == 28  # 7 layouts x their micro-batches x AC
-    refused = [r["candidate"] for r in rows if not r["predicted"]]  # as the script would refuse them
-    assert refused == ["pp=2,micro_batch=8", "pp=2,micro_batch=8,activation_checkpointing=true"]
-    assert all(r["pruned"].startswith("pipeline schedule '1f1b' needs at least as many micro-batches as stages, "
-                                      "got 1 micro-batches for 2 stages") for r in rows if not r["predicted"])
-    pruned = [r for r in rows if r["pruned"] and r["predicted"]]
+    assert set(saved) == PREDICTED and {k for r in rows for k in r} == ROW | {"fits"}  # the recipe's shape
+    assert len(rows) == 26  # 7 layouts x their micro-batches x AC, less the 2 the script would refuse:
+    assert saved["left_out"][-1:] == [{"layout": "pp=2,micro_batch=8", "reason": pp.microbatches_refusal("1f1b", 2, 1)}]
+    pruned = [r for r in rows if r["pruned"]]
     assert pruned and all(r["predicted"]["memory_bytes"] > budget and not r["measured"] for r in pruned)
     fit = sorted((r for r in rows if not r["pruned"]), key=lambda r: r["predicted"]["step_time_s"])
+    assert all(r["predicted"] for r in rows)
     measured = [r for r in rows if r["measured"]]
     assert sorted(r["candidate"] for r in measured) == sorted(r["candidate"] for r in fit[:2])
     assert all(r["result"] and "memory_bytes" in r["result"] for r in measured)
     for r in measured:  # the same model as the recipe's tune: memory near (tens of %), time within 2x on a busy CI
         assert abs(r["error"]["memory"]) < 0.3 and abs(r["error"]["step_time"]) < 1.0, r
-    assert saved["prediction"]["model"] == "build_model" and saved["prediction"]["global_batch"] == 8
+    assert saved["model"] == "build_model" and saved["global_batch"] == 8
     assert saved["prediction_error"]["memory_worst"] == max(abs(r["error"]["memory"]) for r in measured)
     assert saved["winner"] in [r["candidate"] for r in measured] and report["verdict"] in lines
     page = (out / "report.md").read_text()

@@ -1,15 +1,17 @@
-"""`multigpu tune`: which layout of the GPT recipe is fastest on these N devices and fits, predicted and measured;
-or of a script that reads its layout with ``mg.layout_from_args()``, measured (``script.py``; predicted too when
-told its model: ``--model``).
+"""`multigpu tune`: which layout of a workload is fastest on these N devices and fits, predicted and measured.
+The workload is the GPT recipe, or a script that reads its layout with ``mg.layout_from_args()`` (predicted too
+when told its model: ``--model``; else measured): one path (``run.py``) for both.
 
-    space.py   the candidates, mg.parallel.Layouts: DDP / FSDP / HSDP x TP x PP, micro-batch, checkpointing, schedule
+    space.py   the recipe's candidates, mg.parallel.Layouts: DDP / FSDP / HSDP x TP x PP, micro-batch, checkpointing
     probe.py   the measured parts: one micro-batch on one process, the links (every group at once), the wrappers'
                and the loop's fixed costs (one process), the collectives' waits in a busy step (the real ranks)
     machine.py this machine as multigpu forecast describes a cluster (measure_parts: the probes it rests on): its
                model predicts each candidate
-    run.py     predict, prune, measure the top K interleaved, report (tune.json, report.md, report.html)
-    script.py  a script's layouts, measured (and with --model, predicted first)
-    rounds.py  what both measure alike: the device, one launch and its failure, the rounds, the summary, the files
+    run.py     the one path: the workload (the recipe's here), predict, prune, measure interleaved, one report
+               (tune.json, report.md, report.html)
+    script.py  a script as a workload: its candidates, its refusals, its retry with checkpointing
+    rounds.py  the pieces that stand alone: a row, the device, one launch and its failure, the rounds, the summary,
+               the files
 """
 
 from __future__ import annotations

@@ -60,8 +60,8 @@ def count_recipe(model_cfg, precision: str = "fp32") -> Counts:
 
 
 def parts_of(report: dict) -> dict:
-    """The measured parts a tune run recorded in its tune.json (``probe_record``: the recipe's ``probe``, a
-    script's ``prediction``), as ``measure_parts`` returned them."""
+    """The measured parts a tune run recorded in its tune.json (``probe_record``: its ``probe``; a script's
+    tune.json from before the one path kept it in ``prediction``), as ``measure_parts`` returned them."""
     from .probe import links_of
 
     probe = report.get("probe") or report["prediction"]

@@ -1,6 +1,7 @@
-"""What both tunes (the recipe's, ``run.py``, and a script's, ``script.py``) measure the same way.
+"""The pieces of tune's one path (``run.py``) that stand alone.
 
-The device and its check, the results directory, one launch of a layout through the launcher and why it
+What tune runs (``Workload``: the recipe's and a script's differences, as data), a candidate's row, the
+device and its check, the results directory, one launch of a layout through the launcher and why it
 failed (the workers' own failure records first: a script's refusal is its ``UsageError``'s message, not a
 console line), the interleaved rounds (A B C A B C), the summary of a layout's runs, a run directory's
 name, and the report's files.
@@ -11,11 +12,12 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from ..errors import UsageError
+from ..parallel.layout import Layout
 
 
 def device_of(cfg):
@@ -39,6 +41,28 @@ def out_dir(cfg) -> Path:
 def slug(label: str) -> str:
     """A run directory's name from a layout's label: ``HSDP 2x2, micro-batch 4`` -> ``hsdp-2x2-micro-batch-4``."""
     return "".join(ch if ch.isalnum() else "-" for ch in label.lower()).strip("-").replace("--", "-")
+
+
+@dataclass
+class Workload:
+    """What tune runs and what it knows of it: the differences between the recipe and a script, as data."""
+
+    name: str  # the report's "workload": "gpt tiny", or the script's path
+    target: str  # what the launcher runs: the recipe's module, or the script
+    module: bool
+    found: list[Layout]  # the candidates
+    left_out: list[dict]  # layouts that are no candidate, with the workload's reason (space.candidates)
+    flags: tuple[str, ...] = ()  # launch flags tune adds beside the layout's and --steps
+    counts: object = None  # forecast's count of the model (forecast.counts.Counts): predicted where given
+    subject: object = None  # the model the probes time (wrappers.Subject)
+    global_batch: int | None = None
+    retry: Callable[[dict, dict], dict | None] | None = None  # measured alone: a run out of memory tried again
+
+
+def row(layout) -> dict:
+    """A candidate's row of the report (``_l``: its Layout, dropped when the report is written)."""
+    return {"candidate": layout.label, "args": layout.flags, "measured": [], "pruned": None, "predicted": None,
+            "_l": layout}
 
 
 def first_failure(run_dir: Path | None, nproc: int) -> dict | None:

@@ -111,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-json", default=None, metavar="PATH",
                    help="write the result, with the training state's bytes and the most a warm-up step held (the "
-                        "StepMeter's step_peak: mg.meter.MemoryStep, the largest rank), to PATH (rank 0; `multigpu tune` reads it)")
+                        "StepMeter's step_peak: mg.meter.MemoryStep, the largest rank), to PATH (rank 0)")
     args = p.parse_args(rest)
     args.layout = layout
     args.schedule_given = any(a == "--schedule" or a.startswith("--schedule=") for a in argv)
