@@ -281,13 +281,13 @@ def sync_note(counts, machine, run, a, ranked: list[dict]) -> list[str]:
     frees more than the forecast's margin of the GPU, and the layouts that fit only so, with the fastest of them;
     nothing where the run reduces on each already."""
     from .cost import GiB, predict
+    from .inputs import Rank
 
     def each(f: dict) -> dict | None:  # f's forecast reducing on each micro-batch; None where nothing is held aside
-        layout = f["layout"]
-        if run.grad_sync == "each" or layout.pp > 1 or layout.dp_shard * layout.cp == 1 or \
-                run.global_batch // (layout.dp_size * layout.micro_batch) == 1:
+        if run.grad_sync == "each" or not Rank(counts, f["layout"], run).held_aside:
             return None  # a pipeline's schedule, DDP, one micro-batch: nothing to free
-        return predict(counts, machine, layout, dataclasses.replace(run, grad_sync="each", recompute=f["recompute"]), a)
+        return predict(counts, machine, f["layout"], dataclasses.replace(run, grad_sync="each", recompute=f["recompute"]),
+                       a)
 
     said, how = [], "mg.accumulate(model, micro_batches, sync='each') (--grad-sync each)"
     best, got = ranked[0], each(ranked[0])

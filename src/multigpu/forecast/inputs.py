@@ -153,6 +153,9 @@ class Rank:
         # Micro-batches whose backward reduces the data-parallel gradients: the last, or each under mg.accumulate's
         # sync="each" (a pipeline's schedule reduces in its last either way).
         self.reductions = self.m if run.grad_sync == "each" and p == 1 else 1
+        # FSDP (not a pipeline stage) holds every block's unsharded gradient while the micro-batches that do not
+        # reduce wait: what sync "each" frees.
+        self.held_aside = f > 1 and p == 1 and self.m > self.reductions
 
     def dense_of(self, i: int) -> float:
         """Block ``i``'s parameters besides its experts that this tp rank holds."""

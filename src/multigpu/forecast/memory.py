@@ -25,9 +25,8 @@ def memory_parts(r: Rank, a: Assumptions) -> dict[str, float]:
     # before's reduce-scatter input (its gradient in float32, the reduce dtype), which FSDP2 keeps until the next
     # is made (``reduce_scatter_max_input_buffers``, 1): both belong to a block's backward (``block_grads``, added
     # with that phase below), not to the loss's before it.
-    held_aside = m > r.reductions  # micro-batches whose backward does not reduce: their unsharded gradients wait
-    grads = 4.0 * held if held_aside else 0.0
-    block_grads = (0.0 if held_aside else width * biggest) + 4.0 * biggest if shards > 1 and p == 1 else 0.0
+    grads = 4.0 * held if r.held_aside else 0.0
+    block_grads = (0.0 if r.held_aside else width * biggest) + 4.0 * biggest if shards > 1 and p == 1 else 0.0
     gathered = (4.0 * held + width * (held - r.block_held) + sum(r.gathered_bytes(i, r.dense_of(i)) for i in r.blocks)
                 if p > 1 else 2 * biggest_bytes + width * (r.first + r.last) + grads)
     # DDP's reducer keeps a float32 bucket copy of every gradient (PyTorch's default, no gradient_as_bucket_view).
