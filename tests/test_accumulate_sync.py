@@ -12,17 +12,9 @@ from torch.utils.data import TensorDataset
 import multigpu as mg
 from multigpu.data import global_order
 from multigpu.testing import spawn
+from test_fsdp import Block  # test_fsdp.py's residual block, here in float64
 
 GLOBAL_BATCH, STEPS, N, LR = 16, 3, 64, 0.01
-
-
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x):
-        return torch.tanh(self.fc(x)) + x
 
 
 def _net():
