@@ -46,6 +46,9 @@ def test_candidates_cover_every_layout_that_computes_the_same_training_and_say_w
         Layout(micro_batch=2).accum_steps(16)
     with pytest.raises(UsageError, match="no layout of 3 ranks fits this model and global batch 16"):
         _candidates(3)
+    # Micro-batch sizes asked for that divide no rank's share: said, not replaced by a size nobody asked for.
+    with pytest.raises(UsageError, match="--micro-batches 3 divides no rank's share of 4 sequences"):
+        _candidates(4, micro_batches=(3,))
 
 
 def _parts(slowdown: float = 1.0, fixed: dict | None = None, sync: dict | None = None) -> dict:

@@ -28,7 +28,13 @@ def candidates(found: list[Layout], global_batch: int, refuse: Callable[[Layout]
     kept: list[Layout] = []
     out: list[dict] = []
     for layout in found:
-        for m in splits(global_batch // layout.dp_size, micro_batches) or [1]:  # 1: the batch's own refusal
+        share = global_batch // layout.dp_size
+        sizes = splits(share, micro_batches)
+        if micro_batches and not sizes:  # the sizes asked for, not a size nobody asked for
+            out.append({"layout": layout.label, "degrees": layout.label, "reason": f"--micro-batches "
+                        f"{','.join(map(str, micro_batches))} divides no rank's share of {share} sequences"})
+            continue
+        for m in sizes or [1]:  # 1: the batch's own refusal
             chosen = dataclasses.replace(layout, micro_batch=m)
             why = refuse(chosen)
             if why is None:
